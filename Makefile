@@ -1,0 +1,50 @@
+# rlgen — `make help` lists the targets.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
+ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help install install-dev train test test-all bench lint clean
+
+help:  ## list the targets
+	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml requirements/cpu.txt
+	$(PIP) install -r requirements/cpu.txt
+	$(PIP) install -e .
+	touch $@
+
+$(DEV_STAMP): $(STAMP)
+	$(PIP) install -e ".[dev]"
+	touch $@
+
+install: $(STAMP)  ## create .venv and install rlgen with the pinned CPU torch
+
+install-dev: $(DEV_STAMP)  ## install plus the test and lint tools
+
+train: install  ## run the default training (tiny SD3 + JPEG compressibility on CPU); ARGS='algo.lr=1e-3' to override
+	$(VENV)/bin/rlgen train $(ARGS)
+
+test: install-dev  ## run the default test suite (CPU, offline, < 10 min)
+	$(PY) -m pytest -q $(ARGS)
+
+test-all: install-dev  ## run every test, the slow ones included
+	$(PY) -m pytest -q -m "not gpu" $(ARGS)
+
+bench: install  ## run every benchmark script; each prints JSON
+	@for f in benchmarks/*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
+
+lint: install-dev  ## ruff over the package, tests and benchmarks
+	$(VENV)/bin/ruff check rlgen_cli tests benchmarks
+	$(VENV)/bin/ruff format --check rlgen_cli tests benchmarks
+
+clean:  ## remove runs, caches and the venv
+	rm -rf $(VENV) outputs multirun .pytest_cache .ruff_cache

@@ -1,0 +1,95 @@
+"""The ``rlgen`` command: typer owns the verbs, Hydra owns everything after the verb.
+
+Each verb forwards its extra arguments unchanged to ``@hydra.main`` (see ``_hydra.py``), so
+``rlgen train model=tiny_sd3 -m algo.lr=1e-4,3e-4``, ``--cfg job``, ``--info`` and ``--config-dir``
+work as in any Hydra application. Tasks are imported lazily: ``rlgen --help`` never imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+from rlgen_cli import __version__
+from rlgen_cli._hydra import config_groups, run_hydra
+
+HYDRA_CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+def _groups_epilog() -> str:
+    try:
+        groups = config_groups()
+    except FileNotFoundError:
+        return ""
+    lines = [f"{name}=  {' | '.join(opts) or '(none)'}" for name, opts in groups.items()]
+    return (
+        "Config groups (pick one with group=option; override any key with key=value):\n\n"
+        + "\n\n".join(lines)
+        + "\n\nlauncher= spreads ONE run over devices; Hydra's hydra/launcher= places sweep (-m) jobs."
+    )
+
+
+app = typer.Typer(
+    name="rlgen",
+    help="Online reinforcement learning for generative models.",
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode=None,
+)
+
+
+def _forward(verb_module: str, function: str, config_name: str, ctx: typer.Context) -> None:
+    task = getattr(importlib.import_module(f"rlgen_cli.tasks.{verb_module}"), function)
+    run_hydra(task, config_name, ctx.args)
+
+
+@app.command(context_settings=HYDRA_CONTEXT, epilog=_groups_epilog())
+def train(ctx: typer.Context) -> None:
+    """Train a policy online: rollout → reward → advantages → update (Hydra overrides follow)."""
+    _forward("train", "train_task", "train", ctx)
+
+
+@app.command(context_settings=HYDRA_CONTEXT, epilog=_groups_epilog())
+def sample(ctx: typer.Context) -> None:
+    """Draw images for prompts (optionally from a checkpoint): PNGs + manifest.jsonl."""
+    _forward("sample", "sample_task", "sample", ctx)
+
+
+@app.command(name="eval", context_settings=HYDRA_CONTEXT, epilog=_groups_epilog())
+def evaluate(ctx: typer.Context) -> None:
+    """Score a checkpoint (or the base model) on a test set with the configured rewards."""
+    _forward("evaluate", "eval_task", "eval", ctx)
+
+
+@app.command(name="check-onpolicy", context_settings=HYDRA_CONTEXT, epilog=_groups_epilog())
+def check_onpolicy(ctx: typer.Context) -> None:
+    """Roll out, recompute log-probs on the training path, and fail if |ratio − 1| exceeds the tolerance."""
+    _forward("check_onpolicy", "check_onpolicy_task", "check_onpolicy", ctx)
+
+
+@app.command(name="ls")
+def list_configs(group: str = typer.Argument(None, help="Only this group.")) -> None:
+    """List the config groups and their options."""
+    groups = config_groups()
+    if group is not None and group not in groups:
+        typer.secho(f"no config group {group!r}; groups: {', '.join(groups)}", fg="red", err=True)
+        raise typer.Exit(2)
+    for name, options in groups.items():
+        if group in (None, name):
+            typer.echo(f"{name}: {', '.join(options) or '(none)'}")
+
+
+@app.command()
+def version() -> None:
+    """Print the rlgen version."""
+    typer.echo(__version__)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

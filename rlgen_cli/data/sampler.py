@@ -1,0 +1,210 @@
+"""Deterministic, distributed group sampler for GRPO-style training.
+
+Each *epoch* (one sampling round, as in Flow-GRPO) draws ``prompts_per_step`` prompts and repeats each
+``group_size`` times consecutively, so one group = K samples of one prompt. Prompts are drawn from an
+endless stream of per-pass permutations (pass ``p`` is ``randperm(N)`` seeded with ``seed + p``):
+consecutive epochs walk the dataset without replacement and wrap to a fresh permutation, so every
+prompt is used once per pass. Unlike Flow-GRPO's ``DistributedKRepeatSampler`` (a fresh random subset
+every epoch), coverage is guaranteed.
+
+The indices of an epoch are a pure function of ``(seed, epoch)``: there is no iterator state, so resume
+is exact. The global batch does not depend on ``num_replicas``; rank ``r`` gets the ``r``-th of
+``num_replicas`` equal contiguous slices. When a step straddles two passes (``dataset_size`` not
+divisible by ``prompts_per_step``), one prompt may appear in two groups of that step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GroupSampler"]
+
+_CONFIG_KEYS = ("dataset_size", "prompts_per_step", "group_size", "seed")
+
+
+@lru_cache(maxsize=8)
+def _permutation(dataset_size: int, seed: int) -> tuple[int, ...]:
+    """Return ``randperm(dataset_size)`` drawn from a CPU generator seeded with ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    return tuple(torch.randperm(dataset_size, generator=generator).tolist())
+
+
+def _check_positive(**values: int) -> None:
+    """Raise ``ValueError`` naming the first argument that is not a positive int."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"GroupSampler {name} must be a positive integer, got {value!r}.")
+
+
+class GroupSampler:
+    """Yields, per epoch, the dataset indices of ``prompts_per_step`` prompts × ``group_size`` samples.
+
+    Attributes:
+        dataset_size: Number of prompts N.
+        prompts_per_step: Distinct groups per epoch (global, over all ranks).
+        group_size: Samples per prompt K.
+        seed: Base seed; pass ``p`` uses ``seed + p``.
+        num_replicas: Number of ranks sharing the global batch.
+        rank: This rank.
+        epoch: Current epoch, set by :meth:`set_epoch` and used by ``iter``.
+    """
+
+    def __init__(
+        self,
+        dataset_size: int,
+        prompts_per_step: int,
+        group_size: int,
+        *,
+        seed: int = 0,
+        num_replicas: int = 1,
+        rank: int = 0,
+    ) -> None:
+        """Create the sampler.
+
+        Args:
+            dataset_size: Number of prompts N.
+            prompts_per_step: Prompts (groups) per epoch over all ranks.
+            group_size: Samples per prompt K.
+            seed: Base seed.
+            num_replicas: Number of ranks.
+            rank: This rank, in ``[0, num_replicas)``.
+
+        Raises:
+            ValueError: On non-positive sizes, a rank out of range, or a global batch
+                ``prompts_per_step * group_size`` not divisible by ``num_replicas``.
+        """
+        _check_positive(
+            dataset_size=dataset_size,
+            prompts_per_step=prompts_per_step,
+            group_size=group_size,
+            num_replicas=num_replicas,
+        )
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"GroupSampler rank must be in [0, {num_replicas}), got {rank}.")
+        global_batch = prompts_per_step * group_size
+        if global_batch % num_replicas:
+            raise ValueError(
+                f"global batch prompts_per_step*group_size = {prompts_per_step}*{group_size} = "
+                f"{global_batch} is not divisible by num_replicas = {num_replicas}; change "
+                "prompts_per_step or group_size so every rank gets the same number of samples."
+            )
+        self.dataset_size = dataset_size
+        self.prompts_per_step = prompts_per_step
+        self.group_size = group_size
+        self.seed = seed
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.epoch = 0
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per epoch over all ranks: ``prompts_per_step * group_size``."""
+        return self.prompts_per_step * self.group_size
+
+    @property
+    def samples_per_rank(self) -> int:
+        """Samples per epoch on one rank."""
+        return self.global_batch_size // self.num_replicas
+
+    def prompt_indices_for_epoch(self, epoch: int) -> list[int]:
+        """Return the ``prompts_per_step`` distinct-group prompt indices of ``epoch`` (no repeats).
+
+        Args:
+            epoch: Non-negative epoch number.
+
+        Returns:
+            Dataset indices, positions ``epoch*P … epoch*P + P − 1`` of the permutation stream.
+
+        Raises:
+            ValueError: If ``epoch`` is negative.
+        """
+        if epoch < 0:
+            raise ValueError(f"epoch must be non-negative, got {epoch}.")
+        start = epoch * self.prompts_per_step
+        out = []
+        for position in range(start, start + self.prompts_per_step):
+            pass_index, offset = divmod(position, self.dataset_size)
+            out.append(_permutation(self.dataset_size, self.seed + pass_index)[offset])
+        return out
+
+    def global_indices_for_epoch(self, epoch: int) -> list[int]:
+        """Return all ranks' indices for ``epoch``: each prompt repeated ``group_size`` times in a row.
+
+        Args:
+            epoch: Non-negative epoch number.
+
+        Returns:
+            ``prompts_per_step * group_size`` dataset indices.
+        """
+        return [i for i in self.prompt_indices_for_epoch(epoch) for _ in range(self.group_size)]
+
+    def indices_for_epoch(self, epoch: int) -> list[int]:
+        """Return this rank's contiguous slice of :meth:`global_indices_for_epoch`.
+
+        Args:
+            epoch: Non-negative epoch number.
+
+        Returns:
+            ``samples_per_rank`` dataset indices.
+        """
+        start = self.rank * self.samples_per_rank
+        return self.global_indices_for_epoch(epoch)[start : start + self.samples_per_rank]
+
+    def batch(self, epoch: int) -> list[int]:
+        """Alias of :meth:`indices_for_epoch` (this rank's indices for ``epoch``)."""
+        return self.indices_for_epoch(epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch that ``iter(sampler)`` yields.
+
+        Args:
+            epoch: Non-negative epoch number.
+
+        Raises:
+            ValueError: If ``epoch`` is negative.
+        """
+        if epoch < 0:
+            raise ValueError(f"epoch must be non-negative, got {epoch}.")
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[list[int]]:
+        """Yield this rank's indices for the current epoch once (usable as a ``batch_sampler``)."""
+        yield self.indices_for_epoch(self.epoch)
+
+    def __len__(self) -> int:
+        """Return the number of batches ``iter`` yields per epoch (always 1)."""
+        return 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the configuration and current epoch, for checkpoints."""
+        state = {key: getattr(self, key) for key in _CONFIG_KEYS}
+        state["epoch"] = self.epoch
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the epoch after checking the stored configuration matches this sampler.
+
+        ``num_replicas`` and ``rank`` may differ: the global batch does not depend on them.
+
+        Args:
+            state: What :meth:`state_dict` returned.
+
+        Raises:
+            ValueError: If a configuration key is missing or differs.
+        """
+        for key in _CONFIG_KEYS:
+            if key not in state:
+                raise ValueError(f"sampler state has no {key!r}; it was not written by GroupSampler.")
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"sampler {key} differs from the checkpoint ({getattr(self, key)} now, "
+                    f"{state[key]} saved); resume with the same data and sampling config."
+                )
+        self.set_epoch(int(state.get("epoch", 0)))

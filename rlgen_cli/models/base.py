@@ -1,0 +1,136 @@
+"""The flow-policy protocol every model family implements, and the pieces families share.
+
+One recipe serves every family because each adapter exposes the same small surface:
+
+* ``encode(prompts, images=None) -> Cond`` — conditioning, negative branch included when CFG is on;
+* ``noise(n, generator) -> x`` and ``schedule(num_steps, x) -> sigmas`` (T+1 values ending at 0);
+* ``velocity(x, sigma, cond) -> v`` — the ONLY function that calls the transformer: CFG, guidance
+  embeddings and packing live inside it, so sampling and training run identical code;
+* ``decode(x0) -> images`` in [0, 1];
+* ``trainable_parameters()``, ``reference()`` (frozen reference for KL), ``save_trainable`` /
+  ``load_trainable``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+
+from rlgen_cli.schema.errors import UserError
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Cond:
+    """Batched conditioning: every tensor has the batch on dim 0, so a Cond can be sliced and joined."""
+
+    tensors: dict[str, Tensor]
+    extras: dict[str, Any] = field(default_factory=dict)
+    """Batch-independent settings (e.g. guidance scale) carried alongside."""
+
+    def __len__(self) -> int:
+        return next(iter(self.tensors.values())).shape[0]
+
+    def index(self, idx: Tensor | slice | Sequence[int]) -> Cond:
+        """The sub-batch at ``idx`` (a slice, index list or index tensor)."""
+        return Cond({k: v[idx] for k, v in self.tensors.items()}, dict(self.extras))
+
+    def to(self, device: torch.device | str) -> Cond:
+        return Cond({k: v.to(device) for k, v in self.tensors.items()}, dict(self.extras))
+
+    @staticmethod
+    def cat(conds: Sequence[Cond]) -> Cond:
+        """Join sub-batches (all must have the same keys and extras)."""
+        keys = conds[0].tensors.keys()
+        return Cond({k: torch.cat([c.tensors[k] for c in conds]) for k in keys}, dict(conds[0].extras))
+
+
+@runtime_checkable
+class FlowPolicy(Protocol):
+    """What a recipe needs from a flow-matching model family (see the module docstring)."""
+
+    family: str
+    device: torch.device
+
+    def encode(self, prompts: Sequence[str], images: Tensor | None = None) -> Cond: ...
+    def noise(self, n: int, generator: torch.Generator | None = None) -> Tensor: ...
+    def schedule(self, num_steps: int, x: Tensor) -> Tensor: ...
+    def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor: ...
+    def decode(self, x0: Tensor) -> Tensor: ...
+    def trainable_parameters(self) -> list[nn.Parameter]: ...
+    def reference(self) -> contextlib.AbstractContextManager[None]: ...
+    def save_trainable(self, directory: Path) -> None: ...
+    def load_trainable(self, directory: Path) -> None: ...
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` → cuda when available, else cpu; anything else is passed to ``torch.device``."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device={name} but CUDA is not available here; use device=cpu or device=auto")
+    return device
+
+
+def cfg_combine(uncond: Tensor, cond: Tensor, scale: float) -> Tensor:
+    """Classifier-free guidance: u + g·(c − u)."""
+    return uncond + scale * (cond - uncond)
+
+
+def add_lora(module: nn.Module, rank: int, alpha: int, targets: Sequence[str], init: str) -> None:
+    """Attach a peft LoRA adapter through diffusers' PEFT integration (adapter name ``default``)."""
+    from peft import LoraConfig
+
+    init_weights: bool | str = True if init == "true" else init
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=init_weights)
+    module.add_adapter(config)
+    if not any("lora_" in name for name, _ in module.named_parameters()):
+        raise UserError(f"model.lora.target_modules={list(targets)} matched no module of {type(module).__name__}")
+
+
+def lora_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The LoRA parameters (made trainable); every other parameter is frozen."""
+    params = []
+    for name, param in module.named_parameters():
+        is_lora = "lora_" in name
+        param.requires_grad_(is_lora)
+        if is_lora:
+            params.append(param)
+    return params
+
+
+class ReferenceSwitch:
+    """Gives a frozen reference policy for KL: the adapter disabled (LoRA) or a frozen copy (full FT)."""
+
+    def __init__(self, owner: Any, attribute: str, lora: bool) -> None:
+        self._owner = owner
+        self._attribute = attribute
+        self._lora = lora
+        self._frozen: nn.Module | None = None
+        if not lora:
+            self._frozen = copy.deepcopy(getattr(owner, attribute)).requires_grad_(False).eval()
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        module = getattr(self._owner, self._attribute)
+        if self._lora:
+            module.disable_adapters()
+            try:
+                yield
+            finally:
+                module.enable_adapters()
+        else:
+            setattr(self._owner, self._attribute, self._frozen)
+            try:
+                yield
+            finally:
+                setattr(self._owner, self._attribute, module)

@@ -1,0 +1,255 @@
+"""Stable Diffusion 3 / 3.5 behind the flow-policy protocol.
+
+Real weights load through ``StableDiffusion3Pipeline.from_pretrained`` (hub id or local directory,
+``local_files_only`` honoured); ``tiny_sd3_pipeline`` builds the same classes from tiny configs with
+random weights and offline tokenizers. LoRA follows Flow-GRPO (r 32, α 64, attention projections,
+gaussian init) and is saved in the format ``StableDiffusion3Pipeline.load_lora_weights`` reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from rlgen_cli.models.base import (
+    TORCH_DTYPES,
+    Cond,
+    ReferenceSwitch,
+    add_lora,
+    cfg_combine,
+    lora_parameters,
+)
+from rlgen_cli.models.tokenizers import tiny_clip_tokenizer, tiny_t5_tokenizer, vocab_size
+from rlgen_cli.schema.errors import UserError
+from rlgen_cli.schema.flow import ModelConfig
+from rlgen_cli.sde.schedule import sd3_sigmas
+
+log = logging.getLogger(__name__)
+
+LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
+TRANSFORMER_DIR = "transformer"
+
+
+def tiny_sd3_pipeline(seed: int = 0, max_sequence_length: int = 32):
+    """A ~0.3 M-parameter SD3 pipeline (diffusers' own test sizes), deterministic in ``seed``.
+
+    Latents are 4×32×32 and the VAE does not downsample, so images are 32×32.
+    """
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    from diffusers import StableDiffusion3Pipeline
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    clip_tok, t5_tok = tiny_clip_tokenizer(77), tiny_t5_tokenizer(512)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        clip_config = CLIPTextConfig(
+            vocab_size=vocab_size(clip_tok), hidden_size=32, intermediate_size=37, num_attention_heads=4,
+            num_hidden_layers=2, projection_dim=32, max_position_embeddings=77,
+            bos_token_id=0, eos_token_id=1, pad_token_id=1, hidden_act="gelu",
+        )  # fmt: skip
+        t5_config = T5Config(
+            vocab_size=vocab_size(t5_tok), d_model=64, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
+            relative_attention_num_buckets=8, decoder_start_token_id=0,
+        )  # fmt: skip
+        components = {
+            "transformer": SD3Transformer2DModel(
+                sample_size=32, patch_size=1, in_channels=4, num_layers=1, attention_head_dim=8,
+                num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=32,
+                pooled_projection_dim=64, out_channels=4,
+            ),  # fmt: skip
+            "vae": AutoencoderKL(
+                sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4,), layers_per_block=1,
+                latent_channels=4, norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False,
+                shift_factor=0.0609, scaling_factor=1.5035,
+            ),  # fmt: skip
+            "text_encoder": CLIPTextModelWithProjection(clip_config),
+            "text_encoder_2": CLIPTextModelWithProjection(clip_config),
+            "text_encoder_3": T5EncoderModel(t5_config),
+        }
+    return StableDiffusion3Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        tokenizer=clip_tok,
+        tokenizer_2=tiny_clip_tokenizer(77),
+        tokenizer_3=t5_tok,
+        **components,
+    )
+
+
+def load_sd3_pipeline(cfg: ModelConfig):
+    """Load a real SD3 pipeline from ``cfg.path`` (hub id or local directory)."""
+    from diffusers import StableDiffusion3Pipeline
+
+    try:
+        return StableDiffusion3Pipeline.from_pretrained(
+            cfg.path,
+            torch_dtype=TORCH_DTYPES[cfg.dtype],
+            local_files_only=cfg.local_files_only,
+            revision=cfg.revision,
+        )
+    except (OSError, ValueError) as err:
+        raise UserError(
+            f"could not load an SD3 pipeline from model.path={cfg.path!r}: {err}. Pass a local directory "
+            "saved with save_pretrained, or a hub id with network access (model.local_files_only=false)"
+        ) from err
+
+
+class SD3Policy:
+    """SD3 behind the flow-policy protocol (see ``models/base.py``)."""
+
+    family = "sd3"
+
+    def __init__(self, pipeline, cfg: ModelConfig, device: torch.device) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.dtype = TORCH_DTYPES[cfg.dtype]
+        self.guidance_scale = cfg.guidance_scale
+        pipeline.to(device)
+        pipeline.set_progress_bar_config(disable=True)
+        for part in (pipeline.vae, pipeline.text_encoder, pipeline.text_encoder_2, pipeline.text_encoder_3):
+            if part is not None:
+                part.requires_grad_(False).eval()
+        self.pipeline = pipeline
+        transformer = pipeline.transformer.eval()  # eval: dropout would break ratio == 1
+        if cfg.lora.enabled:
+            transformer.requires_grad_(False)
+            add_lora(transformer, cfg.lora.rank, cfg.lora.alpha, cfg.lora.target_modules, cfg.lora.init)
+            self._trainable = lora_parameters(transformer)
+        else:
+            transformer.float().requires_grad_(True)
+            self._trainable = list(transformer.parameters())
+        for param in self._trainable:
+            param.data = param.data.float()
+        self._reference = ReferenceSwitch(pipeline, "transformer", lora=cfg.lora.enabled)
+
+    @property
+    def transformer(self) -> nn.Module:
+        return self.pipeline.transformer
+
+    # -- conditioning -------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode(self, prompts: Sequence[str], images: Tensor | None = None) -> Cond:
+        """Text conditioning (+ the negative branch when guidance > 1); ``images`` are not used by SD3."""
+        if images is not None:
+            raise UserError("SD3 is a text-to-image model: it takes no reference images")
+        use_cfg = self.guidance_scale > 1.0
+        embeds, neg_embeds, pooled, neg_pooled = self.pipeline.encode_prompt(
+            prompt=list(prompts), prompt_2=None, prompt_3=None, device=self.device,
+            do_classifier_free_guidance=use_cfg,
+            negative_prompt=[self.cfg.negative_prompt] * len(prompts) if use_cfg else None,
+            max_sequence_length=self.cfg.max_sequence_length,
+        )  # fmt: skip
+        tensors = {"prompt_embeds": embeds, "pooled": pooled}
+        if use_cfg:
+            tensors |= {"neg_prompt_embeds": neg_embeds, "neg_pooled": neg_pooled}
+        return Cond(tensors)
+
+    # -- sampling geometry --------------------------------------------------------------------
+    def latent_shape(self) -> tuple[int, int, int]:
+        factor = self.pipeline.vae_scale_factor
+        side = self.cfg.resolution // factor
+        return (self.transformer.config.in_channels, side, side)
+
+    def noise(self, n: int, generator: torch.Generator | None = None) -> Tensor:
+        """Initial latents x_1 ~ N(0, I), fp32, (n, C, H, W)."""
+        return torch.randn((n, *self.latent_shape()), generator=generator, device=self.device)
+
+    def schedule(self, num_steps: int, x: Tensor) -> Tensor:
+        """SD3 shifted sigmas, (T+1,) ending at 0."""
+        return sd3_sigmas(num_steps, shift=self.cfg.shift).to(self.device)
+
+    # -- the one transformer call -------------------------------------------------------------
+    def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
+        """v(x, σ) with CFG folded in; x (B, C, H, W) fp32, sigma scalar or (B,); returns fp32 (B, C, H, W)."""
+        batch = x.shape[0]
+        timestep = (sigma.float().reshape(-1).expand(batch) * 1000.0).to(self.device)
+        embeds, pooled = cond.tensors["prompt_embeds"], cond.tensors["pooled"]
+        use_cfg = self.guidance_scale > 1.0
+        if use_cfg:
+            x_in = torch.cat([x, x])
+            embeds = torch.cat([cond.tensors["neg_prompt_embeds"], embeds])
+            pooled = torch.cat([cond.tensors["neg_pooled"], pooled])
+            timestep = torch.cat([timestep, timestep])
+        else:
+            x_in = x
+        with self._autocast():
+            out = self.transformer(
+                hidden_states=x_in.to(self.dtype), timestep=timestep, encoder_hidden_states=embeds,
+                pooled_projections=pooled, return_dict=False,
+            )[0].float()  # fmt: skip
+        if use_cfg:
+            uncond, cond_v = out.chunk(2)
+            return cfg_combine(uncond, cond_v, self.guidance_scale)
+        return out
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    @torch.no_grad()
+    def decode(self, x0: Tensor) -> Tensor:
+        """Latents (B, C, h, w) → images (B, 3, H, W) in [0, 1], fp32."""
+        vae = self.pipeline.vae
+        latents = x0 / vae.config.scaling_factor + vae.config.shift_factor
+        images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+        return (images.float() / 2 + 0.5).clamp(0, 1)
+
+    # -- training surface ---------------------------------------------------------------------
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return self._trainable
+
+    def reference(self) -> contextlib.AbstractContextManager[None]:
+        """Within this context ``velocity`` runs the frozen reference (LoRA disabled or a frozen copy)."""
+        return self._reference()
+
+    def save_trainable(self, directory: Path) -> None:
+        """LoRA → ``pytorch_lora_weights.safetensors`` (diffusers format); full FT → ``transformer/``."""
+        directory.mkdir(parents=True, exist_ok=True)
+        if self.cfg.lora.enabled:
+            from diffusers import StableDiffusion3Pipeline
+            from peft.utils import get_peft_model_state_dict
+
+            layers = get_peft_model_state_dict(self.transformer)
+            StableDiffusion3Pipeline.save_lora_weights(
+                directory, transformer_lora_layers=layers, weight_name=LORA_WEIGHTS_NAME
+            )
+        else:
+            self.transformer.save_pretrained(directory / TRANSFORMER_DIR)
+
+    def load_trainable(self, directory: Path) -> None:
+        """Load what ``save_trainable`` wrote into the live modules (shapes must match)."""
+        if self.cfg.lora.enabled:
+            self._load_lora(directory / LORA_WEIGHTS_NAME)
+        else:
+            from diffusers import SD3Transformer2DModel
+
+            source = directory / TRANSFORMER_DIR
+            if not source.is_dir():
+                raise UserError(f"{source} is missing: the checkpoint holds no full transformer weights")
+            loaded = SD3Transformer2DModel.from_pretrained(source)
+            self.transformer.load_state_dict(loaded.state_dict())
+
+    def _load_lora(self, path: Path) -> None:
+        from peft.utils import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        if not path.is_file():
+            raise UserError(f"{path} is missing: the checkpoint holds no LoRA weights")
+        state = {k.removeprefix("transformer."): v for k, v in load_file(path).items()}
+        result = set_peft_model_state_dict(self.transformer, state)
+        missing = [k for k in result.missing_keys if "lora_" in k]
+        if missing or result.unexpected_keys:
+            raise UserError(
+                f"LoRA weights in {path} do not fit this model (missing {len(missing)}, unexpected "
+                f"{len(result.unexpected_keys)}); was the checkpoint made with other model.lora settings?"
+            )
+
+    def named_trainable(self) -> Iterator[tuple[str, nn.Parameter]]:
+        for name, param in self.transformer.named_parameters():
+            if param.requires_grad:
+                yield name, param

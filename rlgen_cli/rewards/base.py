@@ -1,0 +1,141 @@
+"""Core reward contracts: the batch a reward scores, the result it returns, and the protocol.
+
+Every reward in :mod:`rlgen_cli.rewards` (local model, remote client, rule or mix) takes one
+:class:`RewardBatch` and returns one :class:`RewardResult` with a score per sample. A failed sample is
+an explicit ``NaN`` (counted and logged by the caller) or an exception, never a silent 0.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Reward", "RewardBatch", "RewardResult", "check_result"]
+
+
+def _check_length(field_name: str, actual: int, expected: int) -> None:
+    """Raise if an optional batch field does not have one entry per prompt.
+
+    Args:
+        field_name: Name of the field being checked, used in the error.
+        actual: Number of entries in that field.
+        expected: Number of prompts in the batch.
+
+    Raises:
+        ValueError: If ``actual != expected``.
+    """
+    if actual != expected:
+        raise ValueError(
+            f"RewardBatch.{field_name} has {actual} entries but prompts has {expected}; "
+            f"pass exactly one {field_name} entry per prompt (dimension 0 for tensors)."
+        )
+
+
+@dataclass
+class RewardBatch:
+    """One batch of generated samples to score.
+
+    Attributes:
+        prompts: The B prompts the samples were generated from.
+        images: Images ``(B, C, H, W)`` or videos ``(B, C, F, H, W)``, float in [0, 1].
+        metadata: Per-sample metadata dicts (e.g. GenEval ``include``/``exclude``), length B.
+        ref_images: Source images ``(B, C, H, W)`` for edit tasks.
+        texts: Generated texts (VLM policies, R3), length B.
+    """
+
+    prompts: list[str]
+    images: Tensor | None = None  # (B, C, H, W) or (B, C, F, H, W), float in [0, 1]
+    metadata: list[dict] | None = None
+    ref_images: Tensor | None = None  # (B, C, H, W)
+    texts: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        """Check that every provided field has one entry per prompt.
+
+        Raises:
+            ValueError: If a field's length differs from ``len(prompts)``.
+        """
+        n = len(self.prompts)
+        if self.images is not None:
+            _check_length("images", int(self.images.shape[0]), n)
+        if self.metadata is not None:
+            _check_length("metadata", len(self.metadata), n)
+        if self.ref_images is not None:
+            _check_length("ref_images", int(self.ref_images.shape[0]), n)
+        if self.texts is not None:
+            _check_length("texts", len(self.texts), n)
+
+    def __len__(self) -> int:
+        """Return the batch size B (the number of prompts)."""
+        return len(self.prompts)
+
+
+@dataclass
+class RewardResult:
+    """Scores for one :class:`RewardBatch`.
+
+    Attributes:
+        scores: ``(B,)`` float32 scores; ``NaN`` only for a sample whose scoring explicitly failed.
+        details: Per-sample extras (tensors or lists of length B), logged alongside the scores.
+    """
+
+    scores: Tensor  # (B,) float32
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        """Check that ``scores`` is one-dimensional.
+
+        Raises:
+            ValueError: If ``scores`` is not a 1-D tensor.
+        """
+        if self.scores.ndim != 1:
+            raise ValueError(
+                f"RewardResult.scores must have shape (B,), got {tuple(self.scores.shape)}; "
+                "return one scalar score per sample."
+            )
+
+
+@runtime_checkable
+class Reward(Protocol):
+    """Anything that scores a :class:`RewardBatch`.
+
+    Attributes:
+        name: Registry name of the reward, used as its key in logs and mixes.
+    """
+
+    name: str
+
+    def score(self, batch: RewardBatch) -> RewardResult:
+        """Score every sample of ``batch``.
+
+        Args:
+            batch: The samples to score.
+
+        Returns:
+            One score per sample, plus optional per-sample details.
+        """
+        ...
+
+
+def check_result(result: RewardResult, expected: int, reward_name: str) -> None:
+    """Check that a reward returned exactly one score per sample.
+
+    Args:
+        result: What the reward returned.
+        expected: The batch size it was given.
+        reward_name: The reward's name, used in the error.
+
+    Raises:
+        ValueError: If the number of scores differs from ``expected``.
+    """
+    got = int(result.scores.shape[0])
+    if got != expected:
+        raise ValueError(
+            f"reward {reward_name!r} returned {got} scores for a batch of {expected}; "
+            "a reward must return exactly one score per sample (use NaN for a failed sample)."
+        )

@@ -1,0 +1,335 @@
+"""Typed schemas of the flow-model configs: every field is declared, typed and documented here.
+
+YAML files under ``conf/`` extend these schemas (Hydra ConfigStore, see ``schema/store.py``), so a
+misspelt key or a wrong type fails at compose time with the key's full name. Checks that involve several
+fields live in ``__post_init__``; ``OmegaConf.to_object`` runs them at task start.
+
+Python 3.10 compatible typing only (OmegaConf 2.3 reads ``Optional[...]``, not ``X | None``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from rlgen_cli.schema.errors import UserError
+
+SD3_LORA_TARGETS = [
+    "attn.add_k_proj",
+    "attn.add_q_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "attn.to_k",
+    "attn.to_out.0",
+    "attn.to_q",
+    "attn.to_v",
+]
+DTYPES = ("float32", "float16", "bfloat16")
+STEP_KINDS = ("ode", "flow_sde", "dance", "cps")
+WINDOW_KINDS = ("all",)
+KL_FORMS = ("true", "upstream")
+ADV_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise UserError(message)
+
+
+def _one_of(value: str, valid: tuple[str, ...], key: str) -> None:
+    _require(value in valid, f"{key}={value!r} is not valid; choose one of {', '.join(valid)}")
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = True
+    """Train a LoRA adapter (False = full fine-tuning of the transformer)."""
+    rank: int = 32
+    """LoRA rank r."""
+    alpha: int = 64
+    """LoRA scaling α (the update is scaled by α / r)."""
+    target_modules: list[str] = field(default_factory=lambda: list(SD3_LORA_TARGETS))
+    """Module-name suffixes inside the transformer that get adapters."""
+    init: str = "gaussian"
+    """peft ``init_lora_weights``: ``gaussian`` (upstream) or ``true`` (zero-init B, Kaiming A)."""
+
+    def __post_init__(self) -> None:
+        _require(self.rank > 0, f"model.lora.rank must be positive, got {self.rank}")
+        _one_of(self.init, ("gaussian", "true"), "model.lora.init")
+
+
+@dataclass
+class ModelConfig:
+    family: str = "sd3"
+    """Adapter name in the model registry (``rlgen ls`` lists them)."""
+    path: Optional[str] = None
+    """Hub id or local directory of the diffusers pipeline; ignored when ``tiny`` is set."""
+    tiny: bool = False
+    """Build the family's tiny variant in-process (random weights, offline tokenizers) instead of loading."""
+    tiny_seed: int = 0
+    """Seed of the tiny variant's random weights (so a checkpoint's base can be rebuilt exactly)."""
+    local_files_only: bool = False
+    """Never touch the network when loading ``path``."""
+    revision: Optional[str] = None
+    """Hub revision of ``path``."""
+    dtype: str = "float32"
+    """Dtype of the frozen weights and of the transformer's forward (trainable weights stay fp32)."""
+    resolution: int = 512
+    """Image side in pixels."""
+    guidance_scale: float = 4.5
+    """Classifier-free guidance scale; 1.0 means no unconditional branch ("nocfg")."""
+    negative_prompt: str = ""
+    """Prompt of the unconditional branch when CFG is on."""
+    shift: float = 3.0
+    """Timestep shift of the sigma schedule."""
+    num_steps: int = 10
+    """Denoising steps of training rollouts."""
+    eval_num_steps: int = 40
+    """Denoising steps of evaluation (ODE) sampling."""
+    noise_level: float = 0.7
+    """The family's default SDE noise level a (``sampler.noise_level`` overrides it)."""
+    max_sequence_length: int = 256
+    """T5 tokens of the prompt."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+    def __post_init__(self) -> None:
+        _one_of(self.dtype, DTYPES, "model.dtype")
+        _require(self.tiny or bool(self.path), "model.path is empty: set model.path=HUB_ID_OR_DIR or model.tiny=true")
+        _require(self.resolution > 0, f"model.resolution must be positive, got {self.resolution}")
+        _require(self.guidance_scale >= 1.0, f"model.guidance_scale must be ≥ 1 (1 = no CFG), got {self.guidance_scale}")
+        _require(self.num_steps >= 1 and self.eval_num_steps >= 1, "model.num_steps and model.eval_num_steps must be ≥ 1")
+
+
+@dataclass
+class SamplerConfig:
+    kind: str = "flow_sde"
+    """Stochastic step of rollouts: ``flow_sde`` (Flow-GRPO), ``dance`` (constant η), ``cps``, ``ode``."""
+    noise_level: Optional[float] = None
+    """SDE noise level a (η for ``dance``); null takes the model family's default ``model.noise_level``."""
+    logprob_reduce: str = "mean"
+    """Reduce per-element log-densities over non-batch dims: ``mean`` (upstream) or ``sum`` (true density)."""
+    logprob_form: str = "gaussian"
+    """``gaussian`` (exact) or ``upstream`` (CPS's unnormalised −(x'−μ)², only with kind=cps)."""
+
+    def __post_init__(self) -> None:
+        _one_of(self.kind, STEP_KINDS, "sampler.kind")
+        _one_of(self.logprob_reduce, ("mean", "sum"), "sampler.logprob_reduce")
+        _one_of(self.logprob_form, ("gaussian", "upstream"), "sampler.logprob_form")
+        _require(
+            self.logprob_form == "gaussian" or self.kind == "cps",
+            "sampler.logprob_form=upstream only exists for sampler.kind=cps; drop it or set sampler.kind=cps",
+        )
+        _require(self.noise_level is None or self.noise_level >= 0, "sampler.noise_level must be ≥ 0")
+
+
+@dataclass
+class WindowConfig:
+    kind: str = "all"
+    """Which steps are stochastic and trained: ``all`` = SDE everywhere, train the first fraction."""
+    timestep_fraction: float = 0.99
+    """Trained steps = the first int(T·fraction); 0.99 skips the last, near-zero-σ step."""
+
+    def __post_init__(self) -> None:
+        _one_of(self.kind, WINDOW_KINDS, "algo.window.kind")
+        _require(0 < self.timestep_fraction <= 1, "algo.window.timestep_fraction must be in (0, 1]")
+
+
+@dataclass
+class AlgoConfig:
+    name: str = "grpo"
+    """Objective name (``rlgen ls`` lists them)."""
+    group_size: int = 8
+    """Samples per prompt (K); advantages are normalised within each prompt's group."""
+    prompts_per_epoch: int = 2
+    """Distinct prompts sampled per epoch; an epoch has prompts_per_epoch × group_size samples."""
+    sample_batch_size: int = 8
+    """Samples per rollout forward pass."""
+    train_batch_size: int = 8
+    """Samples per training forward pass; equal to sample_batch_size keeps the ratio exactly 1."""
+    gradient_accumulation_steps: int = 1
+    """Training micro-batches per optimizer step."""
+    num_inner_epochs: int = 1
+    """Passes over each epoch's samples."""
+    lr: float = 3e-4
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    weight_decay: float = 1e-4
+    max_grad_norm: float = 1.0
+    """Gradient-norm clip; ≤ 0 disables it."""
+    clip_range: float = 1e-4
+    """PPO clip ε on the importance ratio."""
+    adv_clip_max: float = 5.0
+    """Advantages are clamped to ±adv_clip_max."""
+    global_std: bool = True
+    """Normalise advantages by the whole batch's reward std instead of each group's."""
+    beta: float = 0.04
+    """KL weight towards the reference (LoRA disabled); 0 skips the reference forward."""
+    kl_form: str = "true"
+    """``true`` = mean((μθ−μref)²)/(2s²); ``upstream`` = Flow-GRPO's /(2σ_t²), missing the |dt| factor."""
+    window: WindowConfig = field(default_factory=WindowConfig)
+
+    def __post_init__(self) -> None:
+        _one_of(self.kl_form, KL_FORMS, "algo.kl_form")
+        _require(self.group_size >= 2, f"algo.group_size must be ≥ 2 to form advantages, got {self.group_size}")
+        total = self.prompts_per_epoch * self.group_size
+        for key in ("sample_batch_size", "train_batch_size"):
+            size = getattr(self, key)
+            _require(
+                size > 0 and total % size == 0,
+                f"algo.prompts_per_epoch × algo.group_size = {total} must be divisible by algo.{key} ({size}); "
+                f"set algo.{key} to a divisor of {total}",
+            )
+        micro = total // self.train_batch_size
+        _require(
+            micro % self.gradient_accumulation_steps == 0,
+            f"{micro} training micro-batches per epoch are not divisible by "
+            f"algo.gradient_accumulation_steps ({self.gradient_accumulation_steps})",
+        )
+        _require(self.clip_range > 0, f"algo.clip_range must be positive, got {self.clip_range}")
+        _require(self.beta >= 0, f"algo.beta must be ≥ 0, got {self.beta}")
+
+
+@dataclass
+class RewardConfig:
+    weights: dict[str, float] = field(default_factory=lambda: {"jpeg_compressibility": 1.0})
+    """Reward mix {name: weight}; the final reward is Σ weight·score."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Per-reward constructor arguments: {name: {arg: value}}."""
+    aggregation: str = "sum_then_normalize"
+    """``sum_then_normalize`` (Flow-GRPO) or ``normalize_then_sum`` (MixGRPO's per-reward advantages)."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.weights), "reward.weights is empty: give at least one {name: weight}")
+        _one_of(self.aggregation, ADV_AGGREGATIONS, "reward.aggregation")
+        unknown = sorted(set(self.kwargs) - set(self.weights))
+        _require(not unknown, f"reward.kwargs names rewards not in reward.weights: {unknown}")
+
+
+@dataclass
+class DataConfig:
+    train: str = "builtin:tiny_train.txt"
+    """Training prompts: a .txt (one per line) or GenEval .jsonl; ``builtin:NAME`` = a packaged file."""
+    test: str = "builtin:tiny_test.txt"
+    """Evaluation prompts, same formats."""
+    eval_num_prompts: int = 8
+    """Test prompts used by periodic evaluation (0 = all)."""
+    eval_images_per_prompt: int = 1
+
+
+@dataclass
+class LauncherConfig:
+    name: str = "local"
+    """How ONE run spreads over devices (not Hydra's hydra/launcher, which places sweep jobs)."""
+    num_processes: int = 1
+
+    def __post_init__(self) -> None:
+        _require(
+            self.name == "local" and self.num_processes == 1,
+            "only launcher=local with one process is available in this version",
+        )
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 42
+    epochs: int = 100
+    """Sampling rounds; each is rollout → reward → advantages → update."""
+    eval_every: int = 10
+    """Epochs between evaluations (ODE sampling on the test prompts); 0 = never."""
+    save_every: int = 10
+    """Epochs between checkpoints; 0 = only at the end."""
+    keep_last: int = 3
+    """Checkpoints kept on disk (older ones are deleted)."""
+    images_every: int = 5
+    """Epochs between saving a grid of rollout images; 0 = never."""
+    resume: Optional[str] = None
+    """``auto`` (latest checkpoint of run_dir) or a checkpoint directory."""
+    device: str = "auto"
+    """``auto`` (cuda if available), ``cpu``, ``cuda``, ``cuda:N``."""
+    run_dir: str = "${hydra:runtime.output_dir}"
+    """Where resolved.yaml, metrics.jsonl, images, plots and checkpoints go."""
+    progress: bool = True
+    """Show rich progress bars."""
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(tiny=True))
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.epochs >= 1, f"epochs must be ≥ 1, got {self.epochs}")
+        _require(min(self.eval_every, self.save_every, self.images_every) >= 0, "*_every must be ≥ 0")
+        _require(self.keep_last >= 1, f"keep_last must be ≥ 1, got {self.keep_last}")
+        trained = int(self.model.num_steps * self.algo.window.timestep_fraction)
+        _require(
+            trained >= 1,
+            f"int(model.num_steps ({self.model.num_steps}) × algo.window.timestep_fraction "
+            f"({self.algo.window.timestep_fraction})) = 0 trained steps; raise either",
+        )
+        _require(
+            self.sampler.kind != "ode",
+            "sampler.kind=ode has no log-probability to train; use flow_sde, dance or cps",
+        )
+
+
+@dataclass
+class CheckConfig:
+    tolerance: float = 1e-6
+    """Largest allowed |ratio − 1| (and |Δ log-prob|)."""
+    train_noise_level: Optional[float] = None
+    """Noise level of the training-side recompute; null = the sampling one (set it to see the check fail)."""
+    train_batch_size: Optional[int] = None
+    """Training-side batch size; null = algo.train_batch_size."""
+
+
+@dataclass
+class CheckOnPolicyConfig(TrainConfig):
+    check: CheckConfig = field(default_factory=CheckConfig)
+
+
+@dataclass
+class SampleConfig:
+    seed: int = 0
+    device: str = "auto"
+    run_dir: str = "${hydra:runtime.output_dir}"
+    prompts: list[str] = field(default_factory=list)
+    """Prompts to draw (alternatively ``prompts_file``)."""
+    prompts_file: Optional[str] = None
+    checkpoint: Optional[str] = None
+    """A checkpoint directory from ``rlgen train``; its config rebuilds the model unless overridden."""
+    images_per_prompt: int = 1
+    batch_size: int = 8
+    num_steps: Optional[int] = None
+    """Denoising steps; null = model.eval_num_steps."""
+    sampler: SamplerConfig = field(default_factory=lambda: SamplerConfig(kind="ode"))
+    progress: bool = True
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(tiny=True))
+
+    def __post_init__(self) -> None:
+        _require(
+            bool(self.prompts) or bool(self.prompts_file) or bool(self.checkpoint),
+            "nothing to sample: give prompts='[a cat, a dog]' or prompts_file=PATH",
+        )
+        _require(self.images_per_prompt >= 1 and self.batch_size >= 1, "images_per_prompt and batch_size must be ≥ 1")
+
+
+@dataclass
+class EvalConfig:
+    seed: int = 0
+    device: str = "auto"
+    run_dir: str = "${hydra:runtime.output_dir}"
+    checkpoint: Optional[str] = None
+    """Checkpoint to evaluate; null evaluates the base model."""
+    images_per_prompt: int = 1
+    batch_size: int = 8
+    num_steps: Optional[int] = None
+    """Denoising steps; null = model.eval_num_steps."""
+    max_prompts: int = 0
+    """Evaluate only the first N test prompts (0 = all)."""
+    save_images: bool = True
+    progress: bool = True
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(tiny=True))
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    data: DataConfig = field(default_factory=DataConfig)

@@ -1,0 +1,64 @@
+"""Metric loggers behind one interface: ``log(metrics, step)`` and ``close()``.
+
+``metrics.jsonl`` is always written (one JSON object per line, ``step`` included) so runs can be
+plotted and compared without any service; other backends add themselves to :class:`MultiLogger`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Protocol
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricLogger(Protocol):
+    def log(self, metrics: Mapping[str, float], step: int) -> None: ...
+    def close(self) -> None: ...
+
+
+class JsonlLogger:
+    """Appends one JSON line per call to ``run_dir/metrics.jsonl`` (flushed, so a crash loses nothing)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / METRICS_FILE
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class MultiLogger:
+    """Fans every call out to several loggers."""
+
+    def __init__(self, loggers: Sequence[MetricLogger]) -> None:
+        self.loggers = list(loggers)
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        for logger in self.loggers:
+            logger.log(metrics, step)
+
+    def close(self) -> None:
+        for logger in self.loggers:
+            logger.close()
+
+
+def _jsonable(value: float) -> float | None:
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, float]]:
+    """All rows of ``run_dir/metrics.jsonl`` (empty when the run logged nothing yet)."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]

@@ -1,0 +1,190 @@
+"""Hand-computed checks of group advantages and multi-reward aggregation (rlgen_cli.algos.advantages)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlgen_cli.algos import AdvantageStats, combine_rewards, group_advantages, group_moments
+
+EPS = 1e-4
+
+
+def _t(values: list[float]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def _ids(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def test_two_groups_hand_zscores() -> None:
+    # group 0: [1, 3]      -> mean 2, population std 1            -> A = ∓1 / (1 + 1e-4)
+    # group 1: [10, 20, 30] -> mean 20, var (100+0+100)/3 = 200/3  -> A = [-10, 0, 10] / (sqrt(200/3) + 1e-4)
+    adv, stats = group_advantages(_t([1, 3, 10, 20, 30]), _ids([0, 0, 1, 1, 1]))
+    s1 = math.sqrt(200 / 3)
+    expected = _t([-1 / (1 + EPS), 1 / (1 + EPS), -10 / (s1 + EPS), 0.0, 10 / (s1 + EPS)])
+    torch.testing.assert_close(adv, expected)
+    # stats: 2 groups of 2 and 3 -> mean size 2.5; reward mean 64/5 = 12.8;
+    # var = mean(r²) − 12.8² = (1+9+100+400+900)/5 − 163.84 = 282 − 163.84 = 118.16
+    assert stats == AdvantageStats(
+        num_groups=2,
+        mean_group_size=2.5,
+        zero_std_ratio=0.0,
+        reward_mean=pytest.approx(12.8),
+        reward_std=pytest.approx(math.sqrt(118.16)),
+    )
+
+
+def test_global_std() -> None:
+    # rewards [1, 3 | 5, 7]: group means 2 and 6 -> centered [-1, 1, -1, 1]
+    # global mean 4, population var (9+1+1+9)/4 = 5 -> A = [-1, 1, -1, 1] / (sqrt(5) + 1e-4)
+    adv, _ = group_advantages(_t([1, 3, 5, 7]), _ids([0, 0, 1, 1]), global_std=True)
+    torch.testing.assert_close(adv, _t([-1, 1, -1, 1]) / (math.sqrt(5) + EPS))
+
+
+def test_clip_extreme_value() -> None:
+    # 49 zeros and one 1 in one group: mean 0.02, population std sqrt(0.02·0.98) = 0.14
+    # outlier: 0.98 / 0.1401 ≈ 6.995 > 5 -> clipped to 5; the zeros: −0.02 / 0.1401 ≈ −0.1428 (untouched)
+    rewards = torch.zeros(50, dtype=torch.float64)
+    rewards[17] = 1.0
+    ids = torch.zeros(50, dtype=torch.int64)
+    adv, _ = group_advantages(rewards, ids)
+    assert adv[17].item() == 5.0
+    torch.testing.assert_close(adv[0], torch.tensor(-0.02 / (0.14 + EPS), dtype=torch.float64))
+    # clip disabled by None or a non-positive bound
+    for off in (None, 0.0, -1.0):
+        raw, _ = group_advantages(rewards, ids, clip_max=off)
+        torch.testing.assert_close(raw[17], torch.tensor(0.98 / (0.14 + EPS), dtype=torch.float64))
+
+
+def test_shuffled_noncontiguous_ids_match_sorted() -> None:
+    rewards = _t([1, 3, 10, 20, 30, 4, 8])
+    ids = _ids([7, 7, 42, 42, 42, 3, 3])
+    ref, ref_stats = group_advantages(rewards, ids)
+    perm = torch.tensor([4, 0, 6, 2, 5, 1, 3])
+    adv, stats = group_advantages(rewards[perm], ids[perm])
+    torch.testing.assert_close(adv, ref[perm])
+    assert stats.num_groups == ref_stats.num_groups == 3
+
+
+def test_zero_variance_group_gives_exact_zeros() -> None:
+    # 0.1 + 0.1 + 0.1 = 0.30000000000000004 so a naive mean differs from 0.1; the result must still be 0.
+    # group 9: [1, 3] -> ∓1/(1+1e-4). One of two groups is constant -> zero_std_ratio 0.5.
+    adv, stats = group_advantages(_t([0.1, 0.1, 0.1, 1, 3]), _ids([5, 5, 5, 9, 9]))
+    assert adv[:3].tolist() == [0.0, 0.0, 0.0]
+    torch.testing.assert_close(adv[3:], _t([-1, 1]) / (1 + EPS))
+    assert stats.zero_std_ratio == 0.5
+    # also exact zeros with the global std and with tiny eps
+    adv_g, _ = group_advantages(_t([0.1, 0.1, 0.1, 1, 3]), _ids([5, 5, 5, 9, 9]), global_std=True, eps=0.0)
+    assert adv_g[:3].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_singleton_group() -> None:
+    # group 0 = [4] alone -> advantage 0, counts as zero-variance; group 1 = [1, 3] -> ∓1/(1+1e-4)
+    adv, stats = group_advantages(_t([4, 1, 3]), _ids([0, 1, 1]))
+    torch.testing.assert_close(adv, _t([0, -1 / (1 + EPS), 1 / (1 + EPS)]))
+    assert stats.num_groups == 2
+    assert stats.mean_group_size == 1.5
+    assert stats.zero_std_ratio == 0.5
+
+
+def test_scale_none_is_mean_centering() -> None:
+    # group means 2 and 20 -> A = r − mean = [-1, 1, -10, 0, 10]; the default clip 5 then bounds ±10
+    rewards, ids = _t([1, 3, 10, 20, 30]), _ids([0, 0, 1, 1, 1])
+    adv, _ = group_advantages(rewards, ids, scale="none", clip_max=None)
+    torch.testing.assert_close(adv, _t([-1, 1, -10, 0, 10]))
+    clipped, _ = group_advantages(rewards, ids, scale="none")
+    torch.testing.assert_close(clipped, _t([-1, 1, -5, 0, 5]))
+
+
+def test_float32_in_float32_out() -> None:
+    adv, _ = group_advantages(torch.tensor([1.0, 3.0]), _ids([0, 0]))
+    assert adv.dtype == torch.float32
+
+
+def test_group_moments_per_sample() -> None:
+    mean, std, size = group_moments(_t([1, 3, 10, 20, 30]), _ids([1, 1, 0, 0, 0]))
+    torch.testing.assert_close(mean, _t([2, 2, 20, 20, 20]))
+    torch.testing.assert_close(std, _t([1, 1] + [math.sqrt(200 / 3)] * 3))
+    assert size.tolist() == [2, 2, 3, 3, 3]
+
+
+def test_nan_reward_raises_with_count_and_index() -> None:
+    with pytest.raises(ValueError, match=r"2 NaN .*\[1, 3\]"):
+        group_advantages(_t([1, float("nan"), 3, float("nan")]), _ids([0, 0, 1, 1]))
+
+
+@pytest.mark.parametrize(
+    ("rewards", "ids", "kwargs", "match"),
+    [
+        (_t([1, 2]), _ids([0]), {}, "one group id"),
+        (_t([1, 2]), torch.tensor([0.0, 0.0]), {}, "integer"),
+        (_t([1, 2]), _ids([0, 0]), {"scale": "rank"}, "valid scales: std, none"),
+        (_t([1, 2]), _ids([0, 0]), {"eps": -1.0}, "eps"),
+        (_t([1, 2]), _ids([0, 0]), {"global_std": True, "scale": "none"}, "global_std"),
+        (_t([]), _ids([]), {}, "empty"),
+    ],
+)
+def test_bad_inputs_raise(rewards: torch.Tensor, ids: torch.Tensor, kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        group_advantages(rewards, ids, **kwargs)
+
+
+def test_combine_sum_then_normalize() -> None:
+    # r = 1·a + 0.5·b = [1+0, 3+0, 0+1, 0+3] = [1, 3, 1, 3] -> each group mean 2, std 1 -> ∓1/(1+1e-4)
+    comps = {"a": _t([1, 3, 0, 0]), "b": _t([0, 0, 2, 6])}
+    adv, stats = combine_rewards(comps, {"a": 1.0, "b": 0.5}, _ids([0, 0, 1, 1]))
+    torch.testing.assert_close(adv, _t([-1, 1, -1, 1]) / (1 + EPS))
+    assert stats.reward_mean == pytest.approx(2.0)
+
+
+def test_combine_normalize_then_sum() -> None:
+    # a = [1, 3 | 0, 0] -> A_a = [∓1/(1+1e-4) | 0, 0]
+    # b = [0, 0 | 2, 6] -> A_b = [0, 0 | ∓2/(2+1e-4)]   (group 1: mean 4, std 2)
+    # A = 2·A_a + 0.5·A_b = [∓2/(1+1e-4) | ∓1/(2+1e-4)]
+    comps = {"a": _t([1, 3, 0, 0]), "b": _t([0, 0, 2, 6])}
+    weights = {"a": 2.0, "b": 0.5}
+    ids = _ids([0, 0, 1, 1])
+    adv, stats = combine_rewards(comps, weights, ids, mode="normalize_then_sum")
+    torch.testing.assert_close(adv, _t([-2 / (1 + EPS), 2 / (1 + EPS), -1 / (2 + EPS), 1 / (2 + EPS)]))
+    # the same inputs summed first: r = [2, 6 | 1, 3] -> [∓2/(2+1e-4) | ∓1/(1+1e-4)] — a different answer
+    summed, _ = combine_rewards(comps, weights, ids)
+    torch.testing.assert_close(summed, _t([-2 / (2 + EPS), 2 / (2 + EPS), -1 / (1 + EPS), 1 / (1 + EPS)]))
+    assert stats.zero_std_ratio == 0.0  # every group has signal from some component
+
+
+def test_normalize_then_sum_clips_after_the_sum() -> None:
+    # A_a = A_b = ∓0.9999 (mean 2, std 1); sum = ∓1.9998, then clip 0.5 -> ∓0.5.
+    # (clipping each component first would give ∓0.5 + ∓0.5 = ∓1.0)
+    comps = {"a": _t([1, 3]), "b": _t([1, 3])}
+    adv, _ = combine_rewards(
+        comps, {"a": 1.0, "b": 1.0}, _ids([0, 0]), mode="normalize_then_sum", clip_max=0.5
+    )
+    torch.testing.assert_close(adv, _t([-0.5, 0.5]))
+
+
+def test_normalize_then_sum_zero_std_needs_all_components_constant() -> None:
+    # group 0: both constant -> zero; group 1: a varies -> has signal. ratio = 1/2
+    comps = {"a": _t([1, 1, 0, 2]), "b": _t([5, 5, 3, 3])}
+    adv, stats = combine_rewards(comps, {"a": 1.0, "b": 1.0}, _ids([0, 0, 1, 1]), mode="normalize_then_sum")
+    assert adv[:2].tolist() == [0.0, 0.0]
+    assert stats.zero_std_ratio == 0.5
+
+
+def test_combine_key_mismatch_raises() -> None:
+    comps = {"a": _t([1, 3]), "b": _t([0, 1])}
+    with pytest.raises(ValueError, match=r"no weight for \['b'\].*without a component for \['c'\]"):
+        combine_rewards(comps, {"a": 1.0, "c": 1.0}, _ids([0, 0]))
+
+
+def test_combine_unknown_mode_raises() -> None:
+    with pytest.raises(ValueError, match="sum_then_normalize, normalize_then_sum"):
+        combine_rewards({"a": _t([1, 3])}, {"a": 1.0}, _ids([0, 0]), mode="average")
+
+
+def test_combine_nan_names_component() -> None:
+    with pytest.raises(ValueError, match=r"component 'b'.*1 NaN"):
+        combine_rewards({"a": _t([1, 3]), "b": _t([0, float("nan")])}, {"a": 1.0, "b": 1.0}, _ids([0, 0]))
