@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from rlgen_cli.schema.errors import UserError
+from rlgen_cli.schema.flow import ModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -59,6 +60,7 @@ class FlowPolicy(Protocol):
 
     family: str
     device: torch.device
+    cfg: ModelConfig
 
     def encode(self, prompts: Sequence[str], images: Tensor | None = None) -> Cond: ...
     def noise(self, n: int, generator: torch.Generator | None = None) -> Tensor: ...
@@ -86,12 +88,17 @@ def cfg_combine(uncond: Tensor, cond: Tensor, scale: float) -> Tensor:
     return uncond + scale * (cond - uncond)
 
 
-def add_lora(module: nn.Module, rank: int, alpha: int, targets: Sequence[str], init: str) -> None:
+def add_lora(
+    module: nn.Module, rank: int, alpha: int, targets: Sequence[str], init: str, exclude: Sequence[str] = ()
+) -> None:
     """Attach a peft LoRA adapter through diffusers' PEFT integration (adapter name ``default``)."""
     from peft import LoraConfig
 
     init_weights: bool | str = True if init == "true" else init
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=init_weights)
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=init_weights,
+        exclude_modules=list(exclude) or None,
+    )  # fmt: skip
     module.add_adapter(config)
     if not any("lora_" in name for name, _ in module.named_parameters()):
         raise UserError(f"model.lora.target_modules={list(targets)} matched no module of {type(module).__name__}")

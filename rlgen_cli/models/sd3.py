@@ -36,7 +36,7 @@ TRANSFORMER_DIR = "transformer"
 
 
 def tiny_sd3_pipeline(seed: int = 0, max_sequence_length: int = 32):
-    """A ~0.3 M-parameter SD3 pipeline (diffusers' own test sizes), deterministic in ``seed``.
+    """A tiny SD3 pipeline (diffusers' own test sizes), deterministic in ``seed``.
 
     Latents are 4×32×32 and the VAE does not downsample, so images are 32×32.
     """
@@ -98,6 +98,16 @@ def load_sd3_pipeline(cfg: ModelConfig):
         ) from err
 
 
+def dead_context_queries(transformer: nn.Module) -> list[str]:
+    """The last block's ``attn.add_q_proj``: with ``context_pre_only`` its text-token outputs are dropped,
+    so a LoRA there never receives a gradient (upstream trains it anyway: wasted parameters)."""
+    names = []
+    for i, block in enumerate(transformer.transformer_blocks):
+        if getattr(block, "context_pre_only", False):
+            names.append(f"transformer_blocks.{i}.attn.add_q_proj")
+    return names
+
+
 class SD3Policy:
     """SD3 behind the flow-policy protocol (see ``models/base.py``)."""
 
@@ -117,7 +127,10 @@ class SD3Policy:
         transformer = pipeline.transformer.eval()  # eval: dropout would break ratio == 1
         if cfg.lora.enabled:
             transformer.requires_grad_(False)
-            add_lora(transformer, cfg.lora.rank, cfg.lora.alpha, cfg.lora.target_modules, cfg.lora.init)
+            add_lora(
+                transformer, cfg.lora.rank, cfg.lora.alpha, cfg.lora.target_modules, cfg.lora.init,
+                exclude=dead_context_queries(transformer),
+            )  # fmt: skip
             self._trainable = lora_parameters(transformer)
         else:
             transformer.float().requires_grad_(True)
@@ -215,9 +228,13 @@ class SD3Policy:
             from peft.utils import get_peft_model_state_dict
 
             layers = get_peft_model_state_dict(self.transformer)
+            # The adapter config (rank, alpha, targets) travels in the safetensors metadata, so
+            # load_lora_weights restores the α/r scaling instead of assuming α = r.
+            metadata = self.transformer.peft_config["default"].to_dict()
             StableDiffusion3Pipeline.save_lora_weights(
-                directory, transformer_lora_layers=layers, weight_name=LORA_WEIGHTS_NAME
-            )
+                directory, transformer_lora_layers=layers, weight_name=LORA_WEIGHTS_NAME,
+                transformer_lora_adapter_metadata=metadata,
+            )  # fmt: skip
         else:
             self.transformer.save_pretrained(directory / TRANSFORMER_DIR)
 

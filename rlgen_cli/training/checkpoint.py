@@ -13,14 +13,13 @@ crash mid-save never corrupts the last good checkpoint. Older checkpoints beyond
 from __future__ import annotations
 
 import os
-import random
+import pickle
 import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -47,22 +46,21 @@ class Checkpoint:
         return OmegaConf.load(self.path / CONFIG_FILE)
 
     def state(self) -> dict[str, Any]:
-        try:
-            return torch.load(self.path / STATE_FILE, map_location="cpu", weights_only=False)
-        except (OSError, RuntimeError, EOFError) as err:
+        try:  # weights_only: a checkpoint from elsewhere cannot run code when loaded
+            return torch.load(self.path / STATE_FILE, map_location="cpu", weights_only=True)
+        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as err:
             raise UserError(f"{self.path / STATE_FILE} is unreadable ({err}); resume from an older checkpoint") from err
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Torch RNG states (rlgen draws randomness only from torch)."""
+    state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

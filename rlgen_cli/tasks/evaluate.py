@@ -1,0 +1,81 @@
+"""``rlgen eval``: checkpoint (or base model) × test prompts × rewards → ``results.json`` and a table."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from omegaconf import DictConfig
+
+from rlgen_cli.tasks.common import run_dir_of, user_errors, validated
+
+RESULTS = "results.json"
+SAMPLES = "samples.jsonl"
+
+
+@user_errors
+def eval_task(cfg: DictConfig) -> float:
+    """Returns the mean mixed reward (the number a sweeper would optimise)."""
+    typed = validated(cfg)
+    from rlgen_cli.data.paths import load_prompts
+    from rlgen_cli.recipes.flow_rl import sample_images
+    from rlgen_cli.rewards import RewardBatch, build_mix
+    from rlgen_cli.tasks.loading import load_policy
+    from rlgen_cli.training.images import save_grid
+    from rlgen_cli.training.progress import Progress
+    from rlgen_cli.training.run import prepare_run_dir, setup_logging
+
+    run_dir = prepare_run_dir(run_dir_of(typed), cfg)
+    setup_logging(run_dir)
+    dataset = load_prompts(typed.data.test)
+    examples = list(dataset)[: typed.max_prompts or len(dataset)]
+    examples = [ex for ex in examples for _ in range(typed.images_per_prompt)]
+    reward = build_mix(dict(typed.reward.weights), **{k: dict(v) for k, v in typed.reward.kwargs.items()})
+    policy = load_policy(typed.model, typed.checkpoint, typed.device)
+    num_steps = typed.num_steps or policy.cfg.eval_num_steps
+    prompts = [ex.prompt for ex in examples]
+    with Progress(typed.progress) as progress:
+        images = sample_images(policy, prompts, num_steps, typed.batch_size, typed.seed, progress)
+    result = reward.score(RewardBatch(prompts=prompts, images=images, metadata=[dict(ex.metadata) for ex in examples]))
+    summary = _summary(result.scores, {name: result.details[name] for name in reward.rewards})
+    summary |= {"checkpoint": typed.checkpoint, "num_samples": len(examples), "num_steps": num_steps}
+    (run_dir / RESULTS).write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    with (run_dir / SAMPLES).open("w", encoding="utf-8") as out:
+        for i, ex in enumerate(examples):
+            row = {"index": ex.index, "prompt": ex.prompt, "reward": _finite(result.scores[i])}
+            row |= {name: _finite(result.details[name][i]) for name in reward.rewards}
+            out.write(json.dumps(row) + "\n")
+    if typed.save_images:
+        save_grid(images, run_dir / "eval_grid.png", upscale=2)
+    _print_table(summary, run_dir)
+    return summary["reward"]["mean"]
+
+
+def _finite(value: torch.Tensor | float) -> float | None:
+    value = float(value)
+    return value if value == value else None  # NaN → null in JSON
+
+
+def _stats(values: torch.Tensor) -> dict[str, float]:
+    values = values.float()
+    return {"mean": values.mean().item(), "std": values.std().item() if values.numel() > 1 else 0.0,
+            "min": values.min().item(), "max": values.max().item()}  # fmt: skip
+
+
+def _summary(total: torch.Tensor, components: dict[str, torch.Tensor]) -> dict:
+    return {"reward": _stats(total), "components": {k: _stats(torch.as_tensor(v)) for k, v in components.items()}}
+
+
+def _print_table(summary: dict, run_dir) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"rlgen eval — {summary['num_samples']} samples, {summary['num_steps']} steps")
+    for column in ("reward", "mean", "std", "min", "max"):
+        table.add_column(column, justify="left" if column == "reward" else "right")
+    rows = [("mix", summary["reward"]), *summary["components"].items()]
+    for name, stats in rows:
+        table.add_row(name, *(f"{stats[k]:+.5g}" for k in ("mean", "std", "min", "max")))
+    console = Console()
+    console.print(table)
+    console.print(f"results: {run_dir / RESULTS}")

@@ -1,0 +1,48 @@
+"""``rlgen sample``: prompts (or a prompt file) [+ checkpoint] → PNGs and ``manifest.jsonl``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from rlgen_cli.tasks.common import run_dir_of, user_errors, validated
+
+MANIFEST = "manifest.jsonl"
+
+
+@user_errors
+def sample_task(cfg: DictConfig) -> str:
+    typed = validated(cfg)
+    from rlgen_cli.data.paths import load_prompts
+    from rlgen_cli.recipes.flow_rl import sample_images
+    from rlgen_cli.sde.rollout import StepSpec
+    from rlgen_cli.tasks.loading import load_policy
+    from rlgen_cli.training.images import to_pil
+    from rlgen_cli.training.progress import Progress
+    from rlgen_cli.training.run import prepare_run_dir, setup_logging
+
+    run_dir = prepare_run_dir(run_dir_of(typed), cfg)
+    setup_logging(run_dir)
+    prompts = list(typed.prompts) or [ex.prompt for ex in load_prompts(typed.prompts_file)]
+    policy = load_policy(typed.model, typed.checkpoint, typed.device)
+    num_steps = typed.num_steps or policy.cfg.eval_num_steps
+    noise_level = typed.sampler.noise_level if typed.sampler.noise_level is not None else policy.cfg.noise_level
+    spec = StepSpec(typed.sampler.kind, noise_level, typed.sampler.logprob_reduce, typed.sampler.logprob_form)
+    expanded = [p for p in prompts for _ in range(typed.images_per_prompt)]
+    with Progress(typed.progress) as progress:
+        images = sample_images(policy, expanded, num_steps, typed.batch_size, typed.seed, progress, spec)
+    out_dir = run_dir / "images"
+    out_dir.mkdir(exist_ok=True)
+    with (run_dir / MANIFEST).open("w", encoding="utf-8") as manifest:
+        for i, (prompt, image) in enumerate(zip(expanded, images)):
+            path = out_dir / f"{i:05d}.png"
+            to_pil(image).save(path)
+            row = {"file": str(Path("images") / path.name), "prompt": prompt, "sample": i % typed.images_per_prompt,
+                   "seed": typed.seed, "num_steps": num_steps, "checkpoint": typed.checkpoint}  # fmt: skip
+            manifest.write(json.dumps(row) + "\n")
+    from rich.console import Console
+
+    Console().print(f"wrote {len(expanded)} images and {MANIFEST} to {run_dir}")
+    return str(run_dir)

@@ -1,0 +1,72 @@
+"""The typer verbs forward to Hydra: help, ls, overrides, errors with exit 2, --cfg, multirun."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import TINY_RUN
+
+
+def test_help_lists_verbs_and_groups(cli):
+    code, out = cli("train", "--help")
+    assert code == 0
+    for group in ("model=", "algo=", "reward=", "launcher=", "data=", "experiment="):
+        assert group in out
+    assert "tiny_sd3" in out and "hydra/launcher" in out
+
+
+def test_import_does_not_pull_torch():
+    code = "import sys, rlgen_cli.cli; sys.exit(1 if 'torch' in sys.modules else 0)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_ls_lists_groups_and_rejects_unknown(cli):
+    code, out = cli("ls")
+    assert code == 0 and "model: sd3, tiny_sd3" in out and "algo: grpo" in out
+    code, out = cli("ls", "nosuchgroup")
+    assert code == 2 and "nosuchgroup" in out
+
+
+def test_unknown_key_exits_2_naming_it(cli, capsys):
+    code, out = cli("train", "algo.lrr=1e-3")
+    captured = capsys.readouterr()
+    assert code == 2
+    assert "algo.lrr" in out + captured.err + captured.out
+
+
+def test_wrong_type_exits_2_naming_it(cli, capsys):
+    code, out = cli("train", "algo.lr=fast")
+    captured = capsys.readouterr()
+    assert code == 2
+    assert "algo.lr" in out + captured.err + captured.out
+
+
+def test_cross_field_check_exits_2_with_the_fix(cli, run_dir, capsys):
+    code, out = cli("train", "algo.group_size=3", "algo.prompts_per_epoch=1", f"hydra.run.dir={run_dir}")
+    captured = capsys.readouterr()
+    assert code == 2
+    message = out + captured.err + captured.out
+    assert "must be divisible by algo.sample_batch_size" in message and "Traceback" not in message
+
+
+def test_cfg_job_prints_composed_config_without_running(cli, capsys):
+    code, out = cli("train", "--cfg", "job", "algo.lr=0.123")
+    captured = capsys.readouterr()
+    assert code == 0
+    assert "lr: 0.123" in out + captured.out
+
+
+def test_multirun_writes_one_run_dir_per_job(cli, tmp_path: Path):
+    sweep = tmp_path / "sweep"
+    code, _ = cli(
+        "train", "-m", "algo.lr=1e-4,3e-4", *TINY_RUN, "epochs=1", "eval_every=0", "images_every=0",
+        f"hydra.sweep.dir={sweep}",
+    )  # fmt: skip
+    assert code == 0
+    runs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
+    assert [p.name for p in runs] == ["0", "1"]
+    for run in runs:
+        assert (run / "resolved.yaml").is_file() and (run / "metrics.jsonl").is_file()
+    assert "lr: 0.0003" in (runs[1] / "resolved.yaml").read_text()

@@ -1,0 +1,59 @@
+"""Shared fixtures: one tiny SD3 per session, an in-process CLI runner, small-run overrides."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+# A run small enough for CI: 1 prompt × 2 samples per epoch, 3 steps (2 trained), no bars.
+TINY_RUN = [
+    "algo.prompts_per_epoch=2", "algo.group_size=2", "algo.sample_batch_size=4", "algo.train_batch_size=4",
+    "model.num_steps=3", "model.eval_num_steps=3", "data.eval_num_prompts=2", "progress=false",
+]  # fmt: skip
+
+
+def run_cli(*args: str) -> tuple[int, str]:
+    """Run ``rlgen ARGS`` in this process; returns (exit code, combined output)."""
+    from typer.testing import CliRunner
+
+    from rlgen_cli.cli import app
+
+    result = CliRunner().invoke(app, list(args))
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.output
+
+
+@pytest.fixture
+def cli():
+    return run_cli
+
+
+@pytest.fixture(scope="session")
+def tiny_model_cfg():
+    from omegaconf import OmegaConf
+
+    from rlgen_cli._hydra import conf_dir
+    from rlgen_cli.schema.flow import ModelConfig
+
+    merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(conf_dir() / "model" / "tiny_sd3.yaml"))
+    return OmegaConf.to_object(merged)
+
+
+@pytest.fixture(scope="session")
+def tiny_policy(tiny_model_cfg):
+    from rlgen_cli.models import build_policy
+
+    return build_policy(tiny_model_cfg, torch.device("cpu"))
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    return tmp_path / "run"

@@ -1,0 +1,74 @@
+"""Checkpoints: atomic writes, rotation, validation of incomplete directories, resume resolution."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from rlgen_cli.schema.errors import UserError
+from rlgen_cli.training.checkpoint import (
+    list_checkpoints,
+    open_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+)
+
+
+class _FakePolicy:
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def save_trainable(self, directory: Path) -> None:
+        directory.mkdir(parents=True)
+        torch.save(torch.tensor(self.value), directory / "w.pt")
+
+
+def _save(run_dir: Path, epoch: int, keep_last: int = 2):
+    return save_checkpoint(run_dir, epoch, _FakePolicy(epoch), {"counters": {"epoch": epoch}},
+                           OmegaConf.create({"seed": 1}), keep_last)  # fmt: skip
+
+
+def test_save_rotates_and_keeps_the_newest(tmp_path: Path):
+    for epoch in (1, 2, 3):
+        _save(tmp_path, epoch)
+    names = [c.path.name for c in list_checkpoints(tmp_path)]
+    assert names == ["epoch_000002", "epoch_000003"]
+    latest = open_checkpoint(tmp_path / "checkpoints" / "epoch_000003")
+    assert latest.state()["counters"]["epoch"] == 3 and "rng" in latest.state()
+    assert latest.config().seed == 1
+
+
+def test_a_crash_mid_save_leaves_the_last_good_checkpoint(tmp_path: Path):
+    _save(tmp_path, 1)
+
+    class _Crashing(_FakePolicy):
+        def save_trainable(self, directory: Path) -> None:
+            directory.mkdir(parents=True)
+            raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        save_checkpoint(tmp_path, 2, _Crashing(2), {}, OmegaConf.create({}), keep_last=3)
+    assert [c.path.name for c in list_checkpoints(tmp_path)] == ["epoch_000001"]
+    assert resolve_resume("auto", tmp_path).path.name == "epoch_000001"
+
+
+def test_incomplete_or_corrupt_checkpoints_are_user_errors(tmp_path: Path):
+    ckpt = _save(tmp_path, 1)
+    (ckpt.path / "trainer_state.pt").write_bytes(b"not a torch file")
+    with pytest.raises(UserError, match="unreadable"):
+        ckpt.state()
+    (ckpt.path / "config.yaml").unlink()
+    with pytest.raises(UserError, match="missing config.yaml"):
+        open_checkpoint(ckpt.path)
+
+
+def test_resume_resolution(tmp_path: Path):
+    assert resolve_resume(None, tmp_path) is None
+    assert resolve_resume("auto", tmp_path) is None  # nothing yet: a fresh start
+    _save(tmp_path, 4)
+    assert resolve_resume("auto", tmp_path).path.name == "epoch_000004"
+    with pytest.raises(UserError, match="not a complete rlgen checkpoint"):
+        resolve_resume(str(tmp_path / "nope"), tmp_path)
