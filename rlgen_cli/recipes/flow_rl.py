@@ -150,7 +150,7 @@ class FlowRLRecipe:
             epochs = progress.task("epochs", total=cfg.epochs, completed=self.start_epoch)
             for epoch in range(self.start_epoch, cfg.epochs):
                 metrics = self.train_epoch(epoch, progress)
-                if _due(epoch, cfg.eval_every, cfg.epochs):
+                if cfg.eval_every and (epoch == 0 or _due(epoch, cfg.eval_every, cfg.epochs)):
                     metrics |= self.evaluate(epoch, progress)
                 self.logger.log(metrics, step=epoch)
                 self._log_console(epoch, metrics)

@@ -18,7 +18,7 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, keys: Sequence[tuple[str, str
     import matplotlib.pyplot as plt
 
     runs = {Path(d): read_metrics(Path(d)) for d in run_dirs}
-    present = [(k, title) for k, title in keys if any(k in row for rows in runs.values() for row in rows)]
+    present = [(k, title) for k, title in keys if any(row.get(k) for rows in runs.values() for row in rows)]
     present = present or [(keys[0][0], keys[0][1])]
     fig, axes = plt.subplots(1, len(present), figsize=(5 * len(present), 3.6), squeeze=False)
     for ax, (key, title) in zip(axes[0], present):

@@ -59,6 +59,7 @@ def test_lora_targets_upstream_attention_and_only_lora_trains(tiny_policy):
 
 
 def test_lora_saved_in_diffusers_format_loads_with_load_lora_weights(tmp_path: Path, tiny_model_cfg):
+    tiny_model_cfg = replace(tiny_model_cfg, guidance_scale=4.5)
     policy = SD3Policy(tiny_sd3_pipeline(0), tiny_model_cfg, torch.device("cpu"))
     _perturb_lora(policy)
     policy.save_trainable(tmp_path)
@@ -92,7 +93,8 @@ def test_reference_disables_the_adapter(tiny_model_cfg):
 
 
 def test_cfg_lives_in_velocity(tiny_model_cfg):
-    policy = SD3Policy(tiny_sd3_pipeline(0), tiny_model_cfg, torch.device("cpu"))
+    cfg = replace(tiny_model_cfg, guidance_scale=4.5)
+    policy = SD3Policy(tiny_sd3_pipeline(0), cfg, torch.device("cpu"))
     x, cond = _probe(policy)
     t = torch.full((2,), 700.0)
     call = lambda e, p: policy.transformer(hidden_states=x, timestep=t, encoder_hidden_states=e,  # noqa: E731
