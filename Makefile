@@ -19,11 +19,11 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml requirements/cpu.txt
 	$(PIP) install -r requirements/cpu.txt
-	$(PIP) install -e .
+	$(PIP) install -e ".[ocr]"
 	touch $@
 
 $(DEV_STAMP): $(STAMP)
-	$(PIP) install -e ".[dev]"
+	$(PIP) install -e ".[ocr,dev]"
 	touch $@
 
 install: $(STAMP)  ## create .venv and install rlgen with the pinned CPU torch

@@ -47,7 +47,9 @@ def model_calls_only(recipe: FlowRLRecipe, cond, x: torch.Tensor) -> float:
     with torch.no_grad():
         for _ in range(n // algo.sample_batch_size):
             for _ in range(steps):
-                policy.velocity(x[: algo.sample_batch_size], sigma, cond.index(slice(0, algo.sample_batch_size)))
+                policy.velocity(
+                    x[: algo.sample_batch_size], sigma, cond.index(slice(0, algo.sample_batch_size))
+                )
     for _ in range(algo.num_inner_epochs * (n // algo.train_batch_size)):
         for _ in range(trained):
             batch = cond.index(slice(0, algo.train_batch_size))

@@ -8,6 +8,7 @@ work as in any Hydra application. Tasks are imported lazily: ``rlgen --help`` ne
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 import typer
 
@@ -66,6 +67,27 @@ def evaluate(ctx: typer.Context) -> None:
 def check_onpolicy(ctx: typer.Context) -> None:
     """Roll out, recompute log-probs on the training path, and fail if |ratio − 1| exceeds the tolerance."""
     _forward("check_onpolicy", "check_onpolicy_task", "check_onpolicy", ctx)
+
+
+@app.command()
+def plot(
+    run_dirs: list[Path] = typer.Argument(..., help="Run directories (each with a metrics.jsonl)."),
+    out: Path = typer.Option(Path("curves.png"), "--out", "-o", help="PNG to write."),
+) -> None:
+    """Draw reward (train and eval) and KL curves of one or several runs into one PNG."""
+    from rlgen_cli.training.plots import plot_runs
+
+    missing = [str(d) for d in run_dirs if not (d / "metrics.jsonl").is_file()]
+    if missing:
+        typer.secho(f"no metrics.jsonl in: {', '.join(missing)}; pass run directories of rlgen train", fg="red", err=True)
+        raise typer.Exit(2)
+    typer.echo(plot_runs(run_dirs, out))
+
+
+@app.command(name="serve-reward", context_settings=HYDRA_CONTEXT, epilog=_groups_epilog())
+def serve_reward(ctx: typer.Context) -> None:
+    """Serve the rewards of reward.weights over HTTP (server.port, server.workers, server.token, …)."""
+    _forward("serve_reward", "serve_reward_task", "serve_reward", ctx)
 
 
 @app.command(name="ls")

@@ -43,7 +43,9 @@ def tiny_model_cfg():
     from rlgen_cli._hydra import conf_dir
     from rlgen_cli.schema.flow import ModelConfig
 
-    merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(conf_dir() / "model" / "tiny_sd3.yaml"))
+    merged = OmegaConf.merge(
+        OmegaConf.structured(ModelConfig), OmegaConf.load(conf_dir() / "model" / "tiny_sd3.yaml")
+    )
     return OmegaConf.to_object(merged)
 
 

@@ -1,4 +1,4 @@
-"""Pure objectives (torch only): group advantages and the Flow-GRPO clipped loss."""
+"""Pure objectives (torch only): group advantages, Flow-GRPO / GRPO-Guard losses, Flow-DPO and SFT."""
 
 from rlgen_cli.algos.advantages import (
     COMBINE_MODES,
@@ -8,7 +8,18 @@ from rlgen_cli.algos.advantages import (
     group_advantages,
     group_moments,
 )
+from rlgen_cli.algos.dpo import (
+    NUM_TRAIN_TIMESTEPS,
+    DPOLossOut,
+    PreferencePairs,
+    dpo_loss,
+    flow_matching_error,
+    preference_pairs,
+    sample_dpo_sigmas,
+)
 from rlgen_cli.algos.grpo import GRPOLossOut, grpo_loss
+from rlgen_cli.algos.guard import guard_loss
+from rlgen_cli.algos.sft import SFTLossOut, select_best, sft_loss
 
 __all__ = [
     "COMBINE_MODES",
@@ -19,4 +30,15 @@ __all__ = [
     "grpo_loss",
     "group_advantages",
     "group_moments",
+    "guard_loss",
+    "NUM_TRAIN_TIMESTEPS",
+    "DPOLossOut",
+    "PreferencePairs",
+    "dpo_loss",
+    "flow_matching_error",
+    "preference_pairs",
+    "sample_dpo_sigmas",
+    "SFTLossOut",
+    "select_best",
+    "sft_loss",
 ]

@@ -63,7 +63,7 @@ class FlowPolicy(Protocol):
     cfg: ModelConfig
 
     def encode(self, prompts: Sequence[str], images: Tensor | None = None) -> Cond: ...
-    def noise(self, n: int, generator: torch.Generator | None = None) -> Tensor: ...
+    def noise(self, n: int, generator: torch.Generator | Sequence[torch.Generator] | None = None) -> Tensor: ...
     def schedule(self, num_steps: int, x: Tensor) -> Tensor: ...
     def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor: ...
     def decode(self, x0: Tensor) -> Tensor: ...
@@ -101,7 +101,9 @@ def add_lora(
     )  # fmt: skip
     module.add_adapter(config)
     if not any("lora_" in name for name, _ in module.named_parameters()):
-        raise UserError(f"model.lora.target_modules={list(targets)} matched no module of {type(module).__name__}")
+        raise UserError(
+            f"model.lora.target_modules={list(targets)} matched no module of {type(module).__name__}"
+        )
 
 
 def lora_parameters(module: nn.Module) -> list[nn.Parameter]:

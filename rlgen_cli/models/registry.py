@@ -14,7 +14,9 @@ from rlgen_cli.schema.flow import ModelConfig
 def _build_sd3(cfg: ModelConfig, device: torch.device) -> FlowPolicy:
     from rlgen_cli.models.sd3 import SD3Policy, load_sd3_pipeline, tiny_sd3_pipeline
 
-    pipeline = tiny_sd3_pipeline(cfg.tiny_seed, cfg.max_sequence_length) if cfg.tiny else load_sd3_pipeline(cfg)
+    pipeline = (
+        tiny_sd3_pipeline(cfg.tiny_seed, cfg.max_sequence_length) if cfg.tiny else load_sd3_pipeline(cfg)
+    )
     return SD3Policy(pipeline, cfg, device)
 
 
@@ -26,5 +28,7 @@ def build_policy(cfg: ModelConfig, device: torch.device) -> FlowPolicy:
     try:
         builder = FAMILIES[cfg.family]
     except KeyError:
-        raise UserError(f"model.family={cfg.family!r} is unknown; families: {', '.join(sorted(FAMILIES))}") from None
+        raise UserError(
+            f"model.family={cfg.family!r} is unknown; families: {', '.join(sorted(FAMILIES))}"
+        ) from None
     return builder(cfg, device)

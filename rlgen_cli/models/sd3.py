@@ -27,6 +27,7 @@ from rlgen_cli.models.base import (
 from rlgen_cli.models.tokenizers import tiny_clip_tokenizer, tiny_t5_tokenizer, vocab_size
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
+from rlgen_cli.sde.noise import randn_per_sample
 from rlgen_cli.sde.schedule import sd3_sigmas
 
 log = logging.getLogger(__name__)
@@ -40,8 +41,12 @@ def tiny_sd3_pipeline(seed: int = 0, max_sequence_length: int = 32):
 
     Latents are 4×32×32 and the VAE does not downsample, so images are 32×32.
     """
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-    from diffusers import StableDiffusion3Pipeline
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
     clip_tok, t5_tok = tiny_clip_tokenizer(77), tiny_t5_tokenizer(512)
@@ -58,14 +63,29 @@ def tiny_sd3_pipeline(seed: int = 0, max_sequence_length: int = 32):
         )  # fmt: skip
         components = {
             "transformer": SD3Transformer2DModel(
-                sample_size=32, patch_size=1, in_channels=4, num_layers=1, attention_head_dim=8,
-                num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=32,
-                pooled_projection_dim=64, out_channels=4,
+                sample_size=32,
+                patch_size=1,
+                in_channels=4,
+                num_layers=1,
+                attention_head_dim=8,
+                num_attention_heads=4,
+                joint_attention_dim=64,
+                caption_projection_dim=32,
+                pooled_projection_dim=64,
+                out_channels=4,
             ),  # fmt: skip
             "vae": AutoencoderKL(
-                sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4,), layers_per_block=1,
-                latent_channels=4, norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False,
-                shift_factor=0.0609, scaling_factor=1.5035,
+                sample_size=32,
+                in_channels=3,
+                out_channels=3,
+                block_out_channels=(4,),
+                layers_per_block=1,
+                latent_channels=4,
+                norm_num_groups=1,
+                use_quant_conv=False,
+                use_post_quant_conv=False,
+                shift_factor=0.0609,
+                scaling_factor=1.5035,
             ),  # fmt: skip
             "text_encoder": CLIPTextModelWithProjection(clip_config),
             "text_encoder_2": CLIPTextModelWithProjection(clip_config),
@@ -167,9 +187,11 @@ class SD3Policy:
         side = self.cfg.resolution // factor
         return (self.transformer.config.in_channels, side, side)
 
-    def noise(self, n: int, generator: torch.Generator | None = None) -> Tensor:
-        """Initial latents x_1 ~ N(0, I), fp32, (n, C, H, W)."""
-        return torch.randn((n, *self.latent_shape()), generator=generator, device=self.device)
+    def noise(self, n: int, generator: torch.Generator | Sequence[torch.Generator] | None = None) -> Tensor:
+        """Initial latents x_1 ~ N(0, I), fp32, (n, C, H, W); one generator per sample or one for all."""
+        if generator is None or isinstance(generator, torch.Generator):
+            return torch.randn((n, *self.latent_shape()), generator=generator, device=self.device)
+        return randn_per_sample(self.latent_shape(), generator[:n], self.device)
 
     def schedule(self, num_steps: int, x: Tensor) -> Tensor:
         """SD3 shifted sigmas, (T+1,) ending at 0."""

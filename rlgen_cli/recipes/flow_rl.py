@@ -1,34 +1,40 @@
-"""Flow-GRPO: online reinforcement learning of a flow-matching image model.
+"""Flow-GRPO and its family: online reinforcement learning of a flow-matching image model.
 
 Liu et al., 2025, "Flow-GRPO: Training Flow Matching Models via Online RL". Each epoch:
 
-1. **rollout** — K samples per prompt with an SDE sampler; the stochastic steps' transitions and
-   log-probabilities are stored (fp32) as a :class:`~rlgen_cli.sde.rollout.Trajectory`;
+1. **rollout** — K samples per prompt; the window policy (``sde/window.py``) decides which steps are
+   stochastic and trained; their transitions and log-probabilities are stored (fp32);
 2. **score** — the reward mix scores the decoded images (every component logged);
 3. **advantages** — rewards normalised within each prompt's group, groups keyed by dataset index;
-4. **update** — ``num_inner_epochs`` passes of the clipped objective over the trained steps, with
+4. **update** — ``num_inner_epochs`` passes of the per-step objective over the trained steps, with
    gradient accumulation, grad-norm clipping and an optional KL to the reference (LoRA disabled);
 5. **log / eval / checkpoint** — metrics.jsonl, periodic ODE evaluation, full-state checkpoints.
 
+The variants are configuration, not code paths: Flow-GRPO-Fast = ``window.kind=random_window``
+(+ ``branch=shared_prefix``), MixGRPO = ``sliding`` (+ ``flash``), DanceGRPO = ``random_subset`` +
+``sampler=dance`` + ``shared_initial_noise`` (+ ``best_of_n``), GRPO-Guard = ``objective=grpo_guard``.
+
 Deliberate choices: samples keep their rollout batches in training (no shuffle), so with
 ``train_batch_size == sample_batch_size`` the first update is exactly on-policy (ratio == 1, checked by
-``rlgen check-onpolicy``); all randomness of an epoch derives from (seed, epoch), so a resumed run
-draws the same noise as an uninterrupted one.
+``rlgen check-onpolicy``); every sample draws its noise from its own stream keyed by (seed, epoch,
+position), so a resumed run draws the same noise as an uninterrupted one and the rollout batch size
+does not change the samples.
 
     rlgen train                                     # tiny SD3 + JPEG compressibility on the CPU
-    rlgen train model=sd3 reward=jpeg_compressibility algo.lr=1e-4
+    rlgen train model=sd3 algo=grpo_fast reward=jpeg_compressibility
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import resource
 import time
 from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +42,17 @@ import torch
 from omegaconf import DictConfig
 from torch import Tensor
 
-from rlgen_cli.algos import combine_rewards, grpo_loss
+from rlgen_cli.algos import GRPOLossOut, combine_rewards, grpo_loss, guard_loss
 from rlgen_cli.data import GroupSampler, PromptDataset
 from rlgen_cli.data.paths import load_prompts
 from rlgen_cli.models import Cond, FlowPolicy, build_policy, resolve_device
 from rlgen_cli.rewards import RewardBatch, build_mix
-from rlgen_cli.schema.flow import TrainConfig
-from rlgen_cli.sde import step_kl
+from rlgen_cli.schema.flow import AlgoConfig, TrainConfig
+from rlgen_cli.sde import euler, step_kl
+from rlgen_cli.sde.noise import sample_generators, stream_seed
 from rlgen_cli.sde.rollout import StepSpec, Trajectory, recompute_step, rollout
-from rlgen_cli.sde.window import plan_window
+from rlgen_cli.sde.step import StepOut
+from rlgen_cli.sde.window import WindowPlan, plan_window
 from rlgen_cli.training.checkpoint import (
     COUNTERS_KEY,
     OPTIMIZER_KEY,
@@ -53,6 +61,7 @@ from rlgen_cli.training.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from rlgen_cli.training.ema import EMA
 from rlgen_cli.training.images import save_grid
 from rlgen_cli.training.metrics import JsonlLogger
 from rlgen_cli.training.plots import plot_runs
@@ -60,6 +69,8 @@ from rlgen_cli.training.progress import Progress
 
 log = logging.getLogger(__name__)
 REWARD_CURVE = "reward_curve.png"
+EMA_KEY = "ema"
+INITIAL_NOISE, STEP_NOISE, WINDOW = 0, 1, 2  # salts of the independent random streams
 
 
 @dataclass
@@ -73,10 +84,33 @@ class Rollouts:
     traj: Trajectory  # (N, S, ...)
     images: Tensor  # (N, 3, H, W) in [0, 1]
 
+    def select(self, keep: Tensor) -> Rollouts:
+        """The samples at positions ``keep`` (N',)."""
+        picked = keep.tolist()
+        return Rollouts(
+            self.indices[keep], [self.prompts[i] for i in picked], [self.metadata[i] for i in picked],
+            self.cond.index(keep), self.traj.index(keep), self.images[keep],
+        )  # fmt: skip
 
-def epoch_generator(seed: int, epoch: int, device: torch.device) -> torch.Generator:
-    """The RNG of one epoch: a pure function of (seed, epoch), so resume redraws the same noise."""
-    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + epoch)
+
+# -- per-step objectives: one entry per algos/ module; the loop never branches on the algorithm -----
+StepObjective = Callable[[StepOut, Trajectory, int, Tensor, Tensor | None, AlgoConfig], GRPOLossOut]
+
+
+def _grpo_objective(out: StepOut, traj: Trajectory, j: int, adv: Tensor, kl: Tensor | None, algo: AlgoConfig):
+    return grpo_loss(out.logprob, traj.logprobs[:, j], adv, clip_range=algo.clip_range, kl=kl, beta=algo.beta)
+
+
+def _guard_objective(out: StepOut, traj: Trajectory, j: int, adv: Tensor, kl: Tensor | None, algo: AlgoConfig):
+    sqrt_neg_dt = (traj.sigmas[j] - traj.sigmas_next[j]).sqrt().expand(adv.shape[0])  # (B,)
+    sigma_t = traj.stds[:, j] / sqrt_neg_dt  # the noise scale σ_t of s = σ_t·sqrt(−dt)
+    return guard_loss(
+        out.logprob, traj.logprobs[:, j], out.mean, traj.means[:, j], sigma_t, sqrt_neg_dt, adv,
+        clip_range=algo.clip_range, kl=kl, beta=algo.beta,
+    )  # fmt: skip
+
+
+STEP_OBJECTIVES: dict[str, StepObjective] = {"grpo": _grpo_objective, "grpo_guard": _guard_objective}
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -107,26 +141,24 @@ class FlowRLRecipe:
         self.reward = build_mix(dict(cfg.reward.weights), **{k: dict(v) for k, v in cfg.reward.kwargs.items()})
         self.train_set: PromptDataset = load_prompts(cfg.data.train)
         self.test_set: PromptDataset = load_prompts(cfg.data.test)
-        self.sampler = GroupSampler(
-            len(self.train_set), cfg.algo.prompts_per_epoch, cfg.algo.group_size, seed=cfg.seed
-        )
+        self.sampler = GroupSampler(len(self.train_set), cfg.algo.prompts_per_epoch, cfg.algo.group_size, seed=cfg.seed)
         noise_level = cfg.sampler.noise_level if cfg.sampler.noise_level is not None else cfg.model.noise_level
         self.spec = StepSpec(cfg.sampler.kind, noise_level, cfg.sampler.logprob_reduce, cfg.sampler.logprob_form)
-        self.plan = plan_window(
-            cfg.algo.window.kind, cfg.model.num_steps, timestep_fraction=cfg.algo.window.timestep_fraction
-        )
+        self.objective = STEP_OBJECTIVES[cfg.algo.objective]
+        params = self.policy.trainable_parameters()
         self.optimizer = torch.optim.AdamW(
-            self.policy.trainable_parameters(), lr=cfg.algo.lr, betas=(cfg.algo.adam_beta1, cfg.algo.adam_beta2),
+            params, lr=cfg.algo.lr, betas=(cfg.algo.adam_beta1, cfg.algo.adam_beta2),
             eps=cfg.algo.adam_eps, weight_decay=cfg.algo.weight_decay,
         )  # fmt: skip
+        ema = cfg.algo.ema
+        self.ema = EMA(params, decay=ema.decay, update_every=ema.update_every) if ema.enabled else None
         self.start_epoch, self.global_step = 0, 0
         self._maybe_resume()
         self.logger = JsonlLogger(self.run_dir)
-        n_params = sum(p.numel() for p in self.policy.trainable_parameters())
         log.info(
-            "%s on %s: %d trainable parameters, %d prompts × %d samples per epoch, %d trained of %d steps",
-            cfg.model.family, self.device, n_params, cfg.algo.prompts_per_epoch, cfg.algo.group_size,
-            len(self.plan.train_steps), self.plan.num_steps,
+            "%s on %s: %d trainable parameters, %d prompts × %d samples per epoch, %s window over %d steps",
+            cfg.model.family, self.device, sum(p.numel() for p in params), cfg.algo.prompts_per_epoch,
+            cfg.algo.group_size, cfg.algo.window.kind, cfg.model.num_steps,
         )  # fmt: skip
 
     def _maybe_resume(self) -> None:
@@ -137,6 +169,8 @@ class FlowRLRecipe:
         self.policy.load_trainable(ckpt.weights)
         self.optimizer.load_state_dict(state[OPTIMIZER_KEY])
         self.sampler.load_state_dict(state[SAMPLER_KEY])
+        if self.ema is not None and EMA_KEY in state:
+            self.ema.load_state_dict(state[EMA_KEY])
         set_rng_state(state["rng"])
         self.start_epoch = state[COUNTERS_KEY]["epoch"]
         self.global_step = state[COUNTERS_KEY]["global_step"]
@@ -170,45 +204,83 @@ class FlowRLRecipe:
             components, dict(self.cfg.reward.weights), rollouts.indices, mode=self.cfg.reward.aggregation,
             global_std=self.cfg.algo.global_std, clip_max=self.cfg.algo.adv_clip_max,
         )  # fmt: skip
+        total = sum(self.cfg.reward.weights[k] * v for k, v in components.items())
+        keep = best_and_worst(total, rollouts.indices, self.cfg.algo.best_of_n)
         with _timed(timings, "time/update"):
-            update_stats = self.update(rollouts, advantages, progress)
+            update_stats = self.update(rollouts.select(keep), advantages[keep], progress)
         if self.cfg.images_every and epoch % self.cfg.images_every == 0:
             save_grid(rollouts.images, self.run_dir / "images" / f"train_epoch_{epoch:05d}.png", upscale=2)
-        total = sum(self.cfg.reward.weights[k] * v for k, v in components.items())
         return {
             "reward/mean": total.mean().item(), "reward/std": total.std().item(),
             **{f"reward/{k}/mean": v.mean().item() for k, v in components.items()},
+            **{f"reward/{k}/std": v.std().item() for k, v in components.items()},
             **reward_details, "zero_std_ratio": adv_stats.zero_std_ratio,
-            "num_groups": adv_stats.num_groups, **update_stats, **timings,
+            "num_groups": adv_stats.num_groups, "trained_samples": len(keep), **update_stats, **timings,
             "peak_memory_mb": peak_memory_mb(self.device), "global_step": self.global_step,
         }  # fmt: skip
 
     # -- phases ---------------------------------------------------------------------------------
+    def plan_for(self, epoch: int, batch_size: int) -> WindowPlan:
+        """This epoch's window (shared by every rollout batch of the epoch)."""
+        window = self.cfg.algo.window
+        generator = torch.Generator().manual_seed(stream_seed(self.cfg.seed, epoch, 0, salt=WINDOW))
+        return plan_window(
+            window.kind, self.cfg.model.num_steps, epoch=epoch, generator=generator, batch_size=batch_size,
+            **window.options(),
+        )  # fmt: skip
+
     def sample_epoch(self, epoch: int, progress: Progress) -> Rollouts:
         """Roll out this epoch's prompts in batches of ``sample_batch_size``."""
+        algo = self.cfg.algo
         indices = self.sampler.indices_for_epoch(epoch)
         examples = [self.train_set[i] for i in indices]
         prompts = [ex.prompt for ex in examples]
-        generator = epoch_generator(self.cfg.seed, epoch, self.device)
+        positions = list(range(len(indices)))  # the samples' places in the epoch's global batch
+        plan = self.plan_for(epoch, len(indices))
+        noise_keys = [p // algo.group_size for p in positions] if algo.shared_initial_noise else positions
+        initial = sample_generators(self.cfg.seed, epoch, noise_keys, self.device, salt=INITIAL_NOISE)
+        steps = sample_generators(self.cfg.seed, epoch, positions, self.device, salt=STEP_NOISE)
+        start = min(plan.sde_steps) if algo.branch == "shared_prefix" else 0
         conds, trajs, images = [], [], []
         task = progress.task("rollout", total=len(indices))
-        for part in batches(len(indices), self.cfg.algo.sample_batch_size):
+        for part in batches(len(indices), algo.sample_batch_size):
             cond = self.policy.encode(prompts[part])
-            traj = self.rollout_batch(cond, part.stop - part.start, generator)
+            x = self.initial_latents(cond, initial[part], start, plan.num_steps)
+            trajs.append(self.rollout_batch(cond, x, plan, steps[part], start))
             conds.append(cond)
-            trajs.append(traj)
-            images.append(self.policy.decode(traj.final))
+            images.append(self.policy.decode(trajs[-1].final))
             progress.advance(task, part.stop - part.start)
         progress.remove(task)
+        traj = Trajectory.cat(trajs)
+        if plan.train_mask is not None:
+            traj = replace(traj, train_mask=plan.train_mask.to(self.device))
         return Rollouts(
             indices=torch.tensor(indices), prompts=prompts, metadata=[dict(ex.metadata) for ex in examples],
-            cond=Cond.cat(conds), traj=Trajectory.cat(trajs), images=torch.cat(images).cpu(),
+            cond=Cond.cat(conds), traj=traj, images=torch.cat(images).cpu(),
         )  # fmt: skip
 
-    def rollout_batch(self, cond: Cond, n: int, generator: torch.Generator) -> Trajectory:
-        x = self.policy.noise(n, generator)
-        sigmas = self.policy.schedule(self.plan.num_steps, x)
-        return rollout(lambda x_, s_: self.policy.velocity(x_, s_, cond), x, sigmas, self.plan, self.spec, generator)
+    def initial_latents(self, cond: Cond, generators: list[torch.Generator], start: int, num_steps: int) -> Tensor:
+        """x at ``sigmas[start]``: the initial noise, or — for a shared prefix — each group's common ODE
+        prefix, computed once per distinct noise stream and copied to the group (the cheaper Fast)."""
+        x = self.policy.noise(len(generators), generators)
+        if start == 0:
+            return x
+        sigmas = self.policy.schedule(num_steps, x)[: start + 1]
+        firsts = _first_of_runs(generators)  # one prefix per run of samples sharing a noise stream
+        prefix = euler(functools.partial(_conditioned, self.policy, cond.index(firsts)), x[firsts], sigmas)
+        return prefix[_run_ids(generators)]
+
+    def rollout_batch(
+        self, cond: Cond, x: Tensor, plan: WindowPlan, steps: list[torch.Generator], start: int = 0
+    ) -> Trajectory:
+        """One rollout batch from ``x`` at ``sigmas[start]``; sample i's step noise from generator i."""
+        sigmas = self.policy.schedule(plan.num_steps, x)
+        velocity = functools.partial(_conditioned, self.policy, cond)
+        flash = self.cfg.algo.flash
+        return rollout(
+            velocity, x, sigmas, plan, self.spec, steps, start=start,
+            flash_ratio=flash.ratio if flash.enabled else None, store_means=self.cfg.algo.objective == "grpo_guard",
+        )  # fmt: skip
 
     @torch.no_grad()
     def score(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> tuple[dict[str, Tensor], dict]:
@@ -225,38 +297,45 @@ class FlowRLRecipe:
         }
         return components, summaries
 
-    def step_logprob(self, traj: Trajectory, cond: Cond, j: int, spec: StepSpec) -> tuple[Tensor, Tensor | None]:
-        """New log-prob (B,) of stored step ``j`` — and its KL to the reference when β > 0."""
-        out = recompute_step(lambda x, s: self.policy.velocity(x, s, cond), traj, j, spec)
+    def step_logprob(self, traj: Trajectory, cond: Cond, j: int, spec: StepSpec) -> tuple[StepOut, Tensor | None]:
+        """The training-path step ``j`` (log-prob and mean, with gradients) — and its KL when β > 0."""
+        velocity = functools.partial(_conditioned, self.policy, cond)
+        out = recompute_step(velocity, traj, j, spec)
         if self.cfg.algo.beta <= 0:
-            return out.logprob, None
+            return out, None
         with torch.no_grad(), self.policy.reference():
-            ref = recompute_step(lambda x, s: self.policy.velocity(x, s, cond), traj, j, spec)
+            ref = recompute_step(velocity, traj, j, spec)
         dt = traj.sigmas_next[j] - traj.sigmas[j]
-        return out.logprob, step_kl(out.mean, ref.mean, out.std, dt, form=self.cfg.algo.kl_form)
+        return out, step_kl(out.mean, ref.mean, out.std, dt, form=self.cfg.algo.kl_form)
 
     def update(self, rollouts: Rollouts, advantages: Tensor, progress: Progress) -> dict[str, float]:
-        """``num_inner_epochs`` passes of clipped policy-gradient steps over every trained step."""
+        """``num_inner_epochs`` passes of per-step policy-gradient updates over every trained step."""
         algo = self.cfg.algo
-        n, steps = len(rollouts.indices), rollouts.traj.num_steps
-        micro_batches = list(batches(n, algo.train_batch_size))
+        micro_batches = list(batches(len(rollouts.indices), algo.train_batch_size))
         stats: dict[str, list[float]] = defaultdict(list)
         task = progress.task("update", total=algo.num_inner_epochs * len(micro_batches))
         for _ in range(algo.num_inner_epochs):
             for k, part in enumerate(micro_batches):
-                traj, cond = rollouts.traj.index(part), rollouts.cond.index(part)
-                adv = advantages[part].to(self.device)
-                for j in range(steps):
-                    new_logp, kl = self.step_logprob(traj, cond, j, self.spec)
-                    out = grpo_loss(new_logp, traj.logprobs[:, j], adv, clip_range=algo.clip_range, kl=kl, beta=algo.beta)
-                    (out.loss / (steps * algo.gradient_accumulation_steps)).backward()
-                    for key, value in {**out.stats, "policy_loss": out.policy_loss.item(), "kl_loss": out.kl_loss.item()}.items():
-                        stats[key].append(value)
+                self.train_micro_batch(rollouts.traj.index(part), rollouts.cond.index(part), advantages[part], stats)
                 if (k + 1) % algo.gradient_accumulation_steps == 0:
                     stats["grad_norm"].append(self.optimizer_step())
                 progress.advance(task)
         progress.remove(task)
         return _summarise(stats)
+
+    def train_micro_batch(self, traj: Trajectory, cond: Cond, adv: Tensor, stats: dict[str, list[float]]) -> None:
+        """Backward through every trained step of one micro-batch (masked samples sit a step out)."""
+        algo, adv = self.cfg.algo, adv.to(self.device)
+        for j in range(traj.num_steps):
+            rows = slice(None) if traj.train_mask is None else traj.train_mask[:, j].nonzero().squeeze(1)
+            if traj.train_mask is not None and rows.numel() == 0:
+                continue
+            sub_traj, sub_cond = (traj, cond) if traj.train_mask is None else (traj.index(rows), cond.index(rows))
+            out, kl = self.step_logprob(sub_traj, sub_cond, j, self.spec)
+            loss = self.objective(out, sub_traj, j, adv[rows], kl, algo)
+            (loss.loss / (traj.num_steps * algo.gradient_accumulation_steps)).backward()
+            for key, value in {**loss.stats, "policy_loss": loss.policy_loss.item(), "kl_loss": loss.kl_loss.item()}.items():
+                stats[key].append(value)
 
     def optimizer_step(self) -> float:
         params = self.policy.trainable_parameters()
@@ -265,29 +344,42 @@ class FlowRLRecipe:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
+        if self.ema is not None:
+            self.ema.step(self.global_step)
         return grad_norm
+
+    def ema_weights(self) -> Any:
+        """Context in which the policy holds its EMA weights (a no-op without EMA)."""
+        return self.ema.swap() if self.ema is not None else nullcontext()
 
     @torch.no_grad()
     def evaluate(self, epoch: int, progress: Progress) -> dict[str, float]:
-        """ODE sampling on the first test prompts with a fixed seed, scored by the reward mix."""
+        """ODE sampling on the first test prompts with fixed noise (EMA weights if kept), scored."""
         n_prompts = self.cfg.data.eval_num_prompts or len(self.test_set)
         examples = [self.test_set[i] for i in range(min(n_prompts, len(self.test_set)))]
         examples = [ex for ex in examples for _ in range(self.cfg.data.eval_images_per_prompt)]
-        images = self.sample_images([ex.prompt for ex in examples], self.cfg.model.eval_num_steps, progress)
-        components, _ = self.score(images, [ex.prompt for ex in examples], [dict(ex.metadata) for ex in examples])
+        prompts = [ex.prompt for ex in examples]
+        with self.ema_weights():
+            images = sample_images(
+                self.policy, prompts, self.cfg.model.eval_num_steps, self.cfg.algo.sample_batch_size, self.cfg.seed, progress
+            )
+        components, _ = self.score(images, prompts, [dict(ex.metadata) for ex in examples])
         save_grid(images, self.run_dir / "images" / f"eval_epoch_{epoch:05d}.png", upscale=2)
         total = sum(self.cfg.reward.weights[k] * v for k, v in components.items())
-        return {"eval/reward/mean": total.mean().item(), **{f"eval/reward/{k}/mean": v.mean().item() for k, v in components.items()}}
-
-    def sample_images(self, prompts: list[str], num_steps: int, progress: Progress) -> Tensor:
-        """Deterministic ODE samples (B, 3, H, W) in [0, 1], the same noise at every evaluation."""
-        return sample_images(self.policy, prompts, num_steps, self.cfg.algo.sample_batch_size, self.cfg.seed, progress)
+        return {
+            "eval/reward/mean": total.mean().item(),
+            **{f"eval/reward/{k}/mean": v.mean().item() for k, v in components.items()},
+        }
 
     def save(self, epochs_done: int) -> None:
+        """A full-state checkpoint; with EMA the saved weights are the EMA weights (the raw ones resume
+        from the EMA state)."""
         state = {
             OPTIMIZER_KEY: self.optimizer.state_dict(), SAMPLER_KEY: self.sampler.state_dict(),
             COUNTERS_KEY: {"epoch": epochs_done, "global_step": self.global_step},
         }  # fmt: skip
+        if self.ema is not None:
+            state[EMA_KEY] = self.ema.state_dict()
         ckpt = save_checkpoint(self.run_dir, epochs_done, self.policy, state, self.raw_cfg, self.cfg.keep_last)
         log.info("saved %s", ckpt.path)
 
@@ -304,6 +396,30 @@ class FlowRLRecipe:
         self.logger.close()
 
 
+def best_and_worst(rewards: Tensor, group_ids: Tensor, k: int) -> Tensor:
+    """Positions of the k best and k worst samples of each group (DanceGRPO's best-of-N); k=0 = all."""
+    if k == 0:
+        return torch.arange(len(rewards))
+    keep = []
+    for group in torch.unique(group_ids):
+        members = (group_ids == group).nonzero().squeeze(1)
+        order = members[torch.argsort(rewards[members], descending=True)]
+        keep.append(torch.cat([order[:k], order[-k:]]))
+    return torch.sort(torch.cat(keep)).values
+
+
+def _first_of_runs(generators: list[torch.Generator]) -> Tensor:
+    """Positions where a new noise stream starts (consecutive samples sharing a generator seed)."""
+    seeds = [g.initial_seed() for g in generators]
+    return torch.tensor([i for i, s in enumerate(seeds) if i == 0 or s != seeds[i - 1]])
+
+
+def _run_ids(generators: list[torch.Generator]) -> Tensor:
+    """For each sample, the ordinal of its run of equal noise streams."""
+    seeds = [g.initial_seed() for g in generators]
+    return torch.tensor([sum(1 for j in range(1, i + 1) if seeds[j] != seeds[j - 1]) for i in range(len(seeds))])
+
+
 @torch.no_grad()
 def sample_images(
     policy: FlowPolicy, prompts: list[str], num_steps: int, batch_size: int, seed: int, progress: Progress,
@@ -312,17 +428,24 @@ def sample_images(
     """Sample images for ``prompts`` (ODE unless ``spec`` says otherwise), batch by batch; (B, 3, H, W)."""
     spec = spec or StepSpec("ode", 0.0)
     plan = plan_window("all", num_steps, timestep_fraction=1.0)
-    generator = torch.Generator(device=policy.device).manual_seed(seed)
+    initial = sample_generators(seed, 0, range(len(prompts)), policy.device, salt=INITIAL_NOISE)
+    steps = sample_generators(seed, 0, range(len(prompts)), policy.device, salt=STEP_NOISE)
     images = []
     task = progress.task("sampling", total=len(prompts))
     for part in batches(len(prompts), batch_size):
         cond = policy.encode(prompts[part])
-        x = policy.noise(part.stop - part.start, generator)
-        traj = rollout(lambda x_, s_: policy.velocity(x_, s_, cond), x, policy.schedule(num_steps, x), plan, spec, generator)
+        x = policy.noise(part.stop - part.start, initial[part])
+        velocity = functools.partial(_conditioned, policy, cond)
+        traj = rollout(velocity, x, policy.schedule(num_steps, x), plan, spec, steps[part])
         images.append(policy.decode(traj.final).cpu())
         progress.advance(task, part.stop - part.start)
     progress.remove(task)
     return torch.cat(images)
+
+
+def _conditioned(policy: FlowPolicy, cond: Cond, x: Tensor, sigma: Tensor) -> Tensor:
+    """``velocity(x, sigma)`` with the conditioning bound (what ``sde.rollout`` expects)."""
+    return policy.velocity(x, sigma, cond)
 
 
 def _due(epoch: int, every: int, total: int) -> bool:

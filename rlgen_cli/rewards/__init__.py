@@ -1,10 +1,17 @@
 """Rewards: the :class:`Reward` protocol, the registry, weighted mixes and local rewards.
 
 Importing this package registers the built-in local rewards (``jpeg_compressibility``,
-``jpeg_incompressibility``). It never imports :mod:`rlgen_cli.models`.
+``jpeg_incompressibility``, ``pickscore``, ``clipscore``, ``aesthetic``, ``image_similarity``,
+``imagereward``, ``qwenvl``, ``geneval``, ``ocr``, ``video_ocr``). Model-backed rewards import
+transformers (or rapidocr) lazily, on first use, so the import stays cheap. It never imports
+:mod:`rlgen_cli.models`.
 """
 
+from rlgen_cli.rewards import clip as _clip  # noqa: F401  (registers the CLIP rewards)
+from rlgen_cli.rewards import geneval as _geneval  # noqa: F401  (registers geneval)
 from rlgen_cli.rewards import jpeg as _jpeg  # noqa: F401  (registers the JPEG rewards)
+from rlgen_cli.rewards import ocr as _ocr  # noqa: F401  (registers ocr, video_ocr)
+from rlgen_cli.rewards import vlm_judge as _vlm_judge  # noqa: F401  (registers qwenvl)
 from rlgen_cli.rewards.base import Reward, RewardBatch, RewardResult
 from rlgen_cli.rewards.mix import WeightedMix, build_mix
 from rlgen_cli.rewards.registry import available, build_reward, register

@@ -3,14 +3,12 @@
 YAML files under ``conf/`` extend these schemas (Hydra ConfigStore, see ``schema/store.py``), so a
 misspelt key or a wrong type fails at compose time with the key's full name. Checks that involve several
 fields live in ``__post_init__``; ``OmegaConf.to_object`` runs them at task start.
-
-Python 3.10 compatible typing only (OmegaConf 2.3 reads ``Optional[...]``, not ``X | None``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from rlgen_cli.schema.errors import UserError
 
@@ -26,7 +24,16 @@ SD3_LORA_TARGETS = [
 ]
 DTYPES = ("float32", "float16", "bfloat16")
 STEP_KINDS = ("ode", "flow_sde", "dance", "cps")
-WINDOW_KINDS = ("all",)
+WINDOW_KINDS = ("all", "random_window", "sliding", "random_subset", "single")
+WINDOW_OPTIONS = {
+    "all": ("timestep_fraction",),
+    "random_window": ("size", "range"),
+    "sliding": ("size", "stride", "shift_every", "strategy", "roll_back"),
+    "random_subset": ("timestep_fraction",),
+    "single": ("max_index",),
+}
+OBJECTIVES = ("grpo", "grpo_guard")
+BRANCHES = ("independent", "shared_prefix")
 KL_FORMS = ("true", "upstream")
 ADV_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
@@ -62,7 +69,7 @@ class LoraConfig:
 class ModelConfig:
     family: str = "sd3"
     """Adapter name in the model registry (``rlgen ls`` lists them)."""
-    path: Optional[str] = None
+    path: str | None = None
     """Hub id or local directory of the diffusers pipeline; ignored when ``tiny`` is set."""
     tiny: bool = False
     """Build the family's tiny variant in-process (random weights, offline tokenizers) instead of loading."""
@@ -70,7 +77,7 @@ class ModelConfig:
     """Seed of the tiny variant's random weights (so a checkpoint's base can be rebuilt exactly)."""
     local_files_only: bool = False
     """Never touch the network when loading ``path``."""
-    revision: Optional[str] = None
+    revision: str | None = None
     """Hub revision of ``path``."""
     dtype: str = "float32"
     """Dtype of the frozen weights and of the transformer's forward (trainable weights stay fp32)."""
@@ -94,17 +101,26 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _one_of(self.dtype, DTYPES, "model.dtype")
-        _require(self.tiny or bool(self.path), "model.path is empty: set model.path=HUB_ID_OR_DIR or model.tiny=true")
+        _require(
+            self.tiny or bool(self.path),
+            "model.path is empty: set model.path=HUB_ID_OR_DIR or model.tiny=true",
+        )
         _require(self.resolution > 0, f"model.resolution must be positive, got {self.resolution}")
-        _require(self.guidance_scale >= 1.0, f"model.guidance_scale must be ≥ 1 (1 = no CFG), got {self.guidance_scale}")
-        _require(self.num_steps >= 1 and self.eval_num_steps >= 1, "model.num_steps and model.eval_num_steps must be ≥ 1")
+        _require(
+            self.guidance_scale >= 1.0,
+            f"model.guidance_scale must be ≥ 1 (1 = no CFG), got {self.guidance_scale}",
+        )
+        _require(
+            self.num_steps >= 1 and self.eval_num_steps >= 1,
+            "model.num_steps and model.eval_num_steps must be ≥ 1",
+        )
 
 
 @dataclass
 class SamplerConfig:
     kind: str = "flow_sde"
     """Stochastic step of rollouts: ``flow_sde`` (Flow-GRPO), ``dance`` (constant η), ``cps``, ``ode``."""
-    noise_level: Optional[float] = None
+    noise_level: float | None = None
     """SDE noise level a (η for ``dance``); null takes the model family's default ``model.noise_level``."""
     logprob_reduce: str = "mean"
     """Reduce per-element log-densities over non-batch dims: ``mean`` (upstream) or ``sum`` (true density)."""
@@ -125,13 +141,57 @@ class SamplerConfig:
 @dataclass
 class WindowConfig:
     kind: str = "all"
-    """Which steps are stochastic and trained: ``all`` = SDE everywhere, train the first fraction."""
+    """Which steps are stochastic and trained: ``all`` (Flow-GRPO), ``random_window`` (Fast),
+    ``sliding`` (MixGRPO), ``random_subset`` (DanceGRPO), ``single`` (R3)."""
     timestep_fraction: float = 0.99
-    """Trained steps = the first int(T·fraction); 0.99 skips the last, near-zero-σ step."""
+    """``all``: train the first int(T·fraction) (0.99 skips the near-zero-σ last step);
+    ``random_subset``: train a random int(T·fraction) per sample."""
+    size: int = 0
+    """``random_window`` / ``sliding``: window length (Fast: 0 = all steps but the last)."""
+    range: list[int] | None = None
+    """``random_window``: [lo, hi) where the window may lie (null = [0, T−1))."""
+    stride: int = 1
+    """``sliding``: steps the window moves per shift."""
+    shift_every: int = 25
+    """``sliding``: epochs between shifts (τ)."""
+    strategy: str = "progressive"
+    """``sliding``: progressive | random | decay | exp_decay."""
+    roll_back: bool = False
+    """``sliding``: restart at step 0 after reaching the end."""
+    max_index: int | None = None
+    """``single``: the SDE step is drawn from the first max_index steps (null = any)."""
 
     def __post_init__(self) -> None:
         _one_of(self.kind, WINDOW_KINDS, "algo.window.kind")
         _require(0 < self.timestep_fraction <= 1, "algo.window.timestep_fraction must be in (0, 1]")
+        _require(self.range is None or len(self.range) == 2, "algo.window.range must be [lo, hi]")
+
+    def options(self) -> dict[str, Any]:
+        """The keyword options ``sde.window.plan_window`` takes for this kind."""
+        values = {name: getattr(self, name) for name in WINDOW_OPTIONS[self.kind]}
+        if values.get("range") is not None:
+            values["range"] = tuple(values["range"])
+        return values
+
+
+@dataclass
+class FlashConfig:
+    enabled: bool = False
+    """MixGRPO-Flash: after the last SDE step, finish on a compressed schedule with DPM-Solver++ 2M."""
+    ratio: float = 0.4
+    """Fraction of the remaining steps kept by the compressed schedule."""
+
+    def __post_init__(self) -> None:
+        _require(0 < self.ratio <= 1, f"algo.flash.ratio must be in (0, 1], got {self.ratio}")
+
+
+@dataclass
+class EMAConfig:
+    enabled: bool = False
+    """Keep an exponential moving average of the trainable weights, used for eval and saving."""
+    decay: float = 0.9
+    update_every: int = 8
+    """Optimizer steps between EMA updates."""
 
 
 @dataclass
@@ -167,11 +227,33 @@ class AlgoConfig:
     """KL weight towards the reference (LoRA disabled); 0 skips the reference forward."""
     kl_form: str = "true"
     """``true`` = mean((μθ−μref)²)/(2s²); ``upstream`` = Flow-GRPO's /(2σ_t²), missing the |dt| factor."""
+    objective: str = "grpo"
+    """Per-step loss: ``grpo`` (clipped ratio) or ``grpo_guard`` (ratio normalisation, reweighting)."""
     window: WindowConfig = field(default_factory=WindowConfig)
+    branch: str = "independent"
+    """``shared_prefix``: one ODE prefix per prompt up to the window, then the group branches (Fast)."""
+    flash: FlashConfig = field(default_factory=FlashConfig)
+    shared_initial_noise: bool = False
+    """Every sample of a group starts from the same noise (DanceGRPO)."""
+    best_of_n: int = 0
+    """Train only the k best and k worst samples of each group (DanceGRPO's best-of-N); 0 = all."""
+    ema: EMAConfig = field(default_factory=EMAConfig)
 
     def __post_init__(self) -> None:
         _one_of(self.kl_form, KL_FORMS, "algo.kl_form")
-        _require(self.group_size >= 2, f"algo.group_size must be ≥ 2 to form advantages, got {self.group_size}")
+        _one_of(self.objective, OBJECTIVES, "algo.objective")
+        _one_of(self.branch, BRANCHES, "algo.branch")
+        _require(
+            self.branch == "independent" or self.window.kind in ("random_window", "sliding", "single"),
+            "algo.branch=shared_prefix needs a window that starts after step 0 (random_window, sliding, single)",
+        )
+        _require(
+            0 <= 2 * self.best_of_n <= self.group_size,
+            f"algo.best_of_n={self.best_of_n}: 2·k must be ≤ algo.group_size ({self.group_size})",
+        )
+        _require(
+            self.group_size >= 2, f"algo.group_size must be ≥ 2 to form advantages, got {self.group_size}"
+        )
         total = self.prompts_per_epoch * self.group_size
         for key in ("sample_batch_size", "train_batch_size"):
             size = getattr(self, key)
@@ -243,7 +325,7 @@ class TrainConfig:
     """Checkpoints kept on disk (older ones are deleted)."""
     images_every: int = 5
     """Epochs between saving a grid of rollout images; 0 = never."""
-    resume: Optional[str] = None
+    resume: str | None = None
     """``auto`` (latest checkpoint of run_dir) or a checkpoint directory."""
     device: str = "auto"
     """``auto`` (cuda if available), ``cpu``, ``cuda``, ``cuda:N``."""
@@ -262,12 +344,18 @@ class TrainConfig:
         _require(self.epochs >= 1, f"epochs must be ≥ 1, got {self.epochs}")
         _require(min(self.eval_every, self.save_every, self.images_every) >= 0, "*_every must be ≥ 0")
         _require(self.keep_last >= 1, f"keep_last must be ≥ 1, got {self.keep_last}")
-        trained = int(self.model.num_steps * self.algo.window.timestep_fraction)
-        _require(
-            trained >= 1,
-            f"int(model.num_steps ({self.model.num_steps}) × algo.window.timestep_fraction "
-            f"({self.algo.window.timestep_fraction})) = 0 trained steps; raise either",
-        )
+        window, steps = self.algo.window, self.model.num_steps
+        if window.kind in ("all", "random_subset"):
+            _require(
+                int(steps * window.timestep_fraction) >= 1,
+                f"int(model.num_steps ({steps}) × algo.window.timestep_fraction "
+                f"({window.timestep_fraction})) = 0 trained steps; raise either",
+            )
+        if window.kind in ("random_window", "sliding"):
+            _require(
+                window.size <= steps,
+                f"algo.window.size ({window.size}) must be ≤ model.num_steps ({steps})",
+            )
         _require(
             self.sampler.kind != "ode",
             "sampler.kind=ode has no log-probability to train; use flow_sde, dance or cps",
@@ -278,9 +366,9 @@ class TrainConfig:
 class CheckConfig:
     tolerance: float = 1e-6
     """Largest allowed |ratio − 1| (and |Δ log-prob|)."""
-    train_noise_level: Optional[float] = None
+    train_noise_level: float | None = None
     """Noise level of the training-side recompute; null = the sampling one (set it to see the check fail)."""
-    train_batch_size: Optional[int] = None
+    train_batch_size: int | None = None
     """Training-side batch size; null = algo.train_batch_size."""
 
 
@@ -296,12 +384,12 @@ class SampleConfig:
     run_dir: str = "${hydra:runtime.output_dir}"
     prompts: list[str] = field(default_factory=list)
     """Prompts to draw (alternatively ``prompts_file``)."""
-    prompts_file: Optional[str] = None
-    checkpoint: Optional[str] = None
+    prompts_file: str | None = None
+    checkpoint: str | None = None
     """A checkpoint directory from ``rlgen train``; its config rebuilds the model unless overridden."""
     images_per_prompt: int = 1
     batch_size: int = 8
-    num_steps: Optional[int] = None
+    num_steps: int | None = None
     """Denoising steps; null = model.eval_num_steps."""
     sampler: SamplerConfig = field(default_factory=lambda: SamplerConfig(kind="ode"))
     progress: bool = True
@@ -312,7 +400,10 @@ class SampleConfig:
             bool(self.prompts) or bool(self.prompts_file) or bool(self.checkpoint),
             "nothing to sample: give prompts='[a cat, a dog]' or prompts_file=PATH",
         )
-        _require(self.images_per_prompt >= 1 and self.batch_size >= 1, "images_per_prompt and batch_size must be ≥ 1")
+        _require(
+            self.images_per_prompt >= 1 and self.batch_size >= 1,
+            "images_per_prompt and batch_size must be ≥ 1",
+        )
 
 
 @dataclass
@@ -320,11 +411,11 @@ class EvalConfig:
     seed: int = 0
     device: str = "auto"
     run_dir: str = "${hydra:runtime.output_dir}"
-    checkpoint: Optional[str] = None
+    checkpoint: str | None = None
     """Checkpoint to evaluate; null evaluates the base model."""
     images_per_prompt: int = 1
     batch_size: int = 8
-    num_steps: Optional[int] = None
+    num_steps: int | None = None
     """Denoising steps; null = model.eval_num_steps."""
     max_prompts: int = 0
     """Evaluate only the first N test prompts (0 = all)."""

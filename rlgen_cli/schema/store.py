@@ -9,12 +9,14 @@ from __future__ import annotations
 from hydra.core.config_store import ConfigStore
 
 from rlgen_cli.schema.flow import CheckOnPolicyConfig, EvalConfig, SampleConfig, TrainConfig
+from rlgen_cli.schema.serve import ServeRewardConfig
 
 PRIMARY_SCHEMAS = {
     "_schema_train": TrainConfig,
     "_schema_check_onpolicy": CheckOnPolicyConfig,
     "_schema_sample": SampleConfig,
     "_schema_eval": EvalConfig,
+    "_schema_serve_reward": ServeRewardConfig,
 }
 
 

@@ -7,14 +7,19 @@ same settings (:class:`StepSpec`), which is what makes the on-policy importance 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
+from rlgen_cli.sde.noise import randn_per_sample
+from rlgen_cli.sde.solvers import compressed_schedule, dpm_solver_2m
 from rlgen_cli.sde.step import StepOut, step
 from rlgen_cli.sde.window import WindowPlan
+
+Generators = torch.Generator | Sequence[torch.Generator] | None
+"""One generator for the batch, or one per sample (batching-independent noise, see ``sde/noise.py``)."""
 
 __all__ = ["StepSpec", "Trajectory", "Velocity", "recompute_step", "rollout"]
 
@@ -40,20 +45,28 @@ class Trajectory:
         latents: (B, S, ...) x_t before each trained step.
         next_latents: (B, S, ...) x_{t+1} the rollout sampled.
         logprobs: (B, S) log p(x_{t+1} | x_t) at sampling time (the old policy).
+        stds: (B, S) total std s of each trained transition.
         sigmas: (S,) σ of each trained step; ``sigmas_next`` (S,) the σ it stepped to.
         step_indices: (S,) index of each trained step in the schedule.
         sigma_max: the schedule's first σ below 1 (``flow_sde`` replaces σ = 1 by it).
         final: (B, ...) the denoised sample x_0.
+        means: (B, S, ...) the old step means μ_old, kept only when asked (GRPO-Guard).
+        train_mask: (B, S) bool, which sample trains which step (DanceGRPO); None = all.
     """
 
     latents: Tensor
     next_latents: Tensor
     logprobs: Tensor
+    stds: Tensor
     sigmas: Tensor
     sigmas_next: Tensor
     step_indices: Tensor
     sigma_max: float
     final: Tensor
+    means: Tensor | None = None
+    train_mask: Tensor | None = None
+
+    _PER_SAMPLE = ("latents", "next_latents", "logprobs", "stds", "final", "means", "train_mask")
 
     @property
     def num_steps(self) -> int:
@@ -61,20 +74,21 @@ class Trajectory:
 
     def index(self, idx: Tensor | slice) -> Trajectory:
         """The sub-batch ``idx`` (steps unchanged)."""
-        return Trajectory(
-            self.latents[idx], self.next_latents[idx], self.logprobs[idx], self.sigmas, self.sigmas_next,
-            self.step_indices, self.sigma_max, self.final[idx],
-        )  # fmt: skip
+        return replace(self, **{k: _take(getattr(self, k), idx) for k in self._PER_SAMPLE})
 
     @staticmethod
     def cat(parts: list[Trajectory]) -> Trajectory:
         """Join sub-batches sampled with the same schedule and plan."""
-        first = parts[0]
-        return Trajectory(
-            torch.cat([p.latents for p in parts]), torch.cat([p.next_latents for p in parts]),
-            torch.cat([p.logprobs for p in parts]), first.sigmas, first.sigmas_next, first.step_indices,
-            first.sigma_max, torch.cat([p.final for p in parts]),
-        )  # fmt: skip
+        joined = {k: _join([getattr(p, k) for p in parts]) for k in Trajectory._PER_SAMPLE}
+        return replace(parts[0], **joined)
+
+
+def _take(value: Tensor | None, idx: Tensor | slice) -> Tensor | None:
+    return None if value is None else value[idx]
+
+
+def _join(values: list[Tensor | None]) -> Tensor | None:
+    return None if values[0] is None else torch.cat(values)
 
 
 def _sigma_max(sigmas: Tensor) -> float:
@@ -89,42 +103,79 @@ def rollout(
     sigmas: Tensor,
     plan: WindowPlan,
     spec: StepSpec,
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
+    *,
+    start: int = 0,
+    flash_ratio: float | None = None,
+    store_means: bool = False,
 ) -> Trajectory:
-    """Denoise ``x`` (B, ...) along ``sigmas`` (T+1,), SDE on ``plan.sde_steps``, ODE elsewhere.
+    """Denoise ``x`` (B, ...) from ``sigmas[start]`` to 0, SDE on ``plan.sde_steps``, ODE elsewhere.
 
     Only ``plan.train_steps`` are stored. Latents stay fp32 between steps (a bf16 round trip would
-    break the ratio).
+    break the ratio). With one generator per sample, sample i's noise comes from generator i only.
+
+    Args:
+        start: Step to begin at (``x`` is at ``sigmas[start]``): branching from a shared ODE prefix.
+        flash_ratio: MixGRPO-Flash — after the last SDE step, finish with DPM-Solver++ 2M on a
+            schedule compressed to this fraction of the remaining steps.
+        store_means: Keep the step means μ_old of trained steps (GRPO-Guard).
     """
     if sigmas.numel() != plan.num_steps + 1:
         raise ValueError(f"{sigmas.numel()} sigmas do not fit a {plan.num_steps}-step plan (need T+1)")
+    if plan.train_steps and min(plan.train_steps) < start:
+        raise ValueError(f"trained steps {plan.train_steps} begin before the rollout's start step {start}")
     sigma_max = _sigma_max(sigmas)
     x = x.float()
-    stored: dict[str, list[Tensor]] = {"x": [], "next": [], "logp": []}
+    stored: dict[str, list[Tensor]] = {"x": [], "next": [], "logp": [], "std": [], "mean": []}
     sde, trained = set(plan.sde_steps), set(plan.train_steps)
-    for i in range(plan.num_steps):
-        v = velocity(x, sigmas[i])
+    last_sde = max(plan.sde_steps, default=plan.num_steps - 1)
+    for i in range(start, plan.num_steps):
+        if flash_ratio is not None and i == last_sde + 1:
+            tail = compressed_schedule(sigmas, i, flash_ratio)[i:]
+            x = dpm_solver_2m(velocity, x, tail)
+            break
         kind, eta = (spec.kind, spec.eta) if i in sde else ("ode", 0.0)
         out = step(
-            kind, x, v, sigmas[i], sigmas[i + 1], eta=eta, generator=generator, sigma_max=sigma_max,
+            kind, x, velocity(x, sigmas[i]), sigmas[i], sigmas[i + 1], eta=eta, sigma_max=sigma_max,
             reduce=spec.reduce, logprob_form=spec.logprob_form,
+            **_noise_source(generator, x, stochastic=kind != "ode" and eta > 0),
         )  # fmt: skip
         if i in trained:
-            stored["x"].append(x)
-            stored["next"].append(out.prev)
-            stored["logp"].append(out.logprob)
+            for key, value in (("x", x), ("next", out.prev), ("logp", out.logprob), ("std", out.std)):
+                stored[key].append(value)
+            if store_means:
+                stored["mean"].append(out.mean)
         x = out.prev
-    steps = torch.tensor(plan.train_steps, device=sigmas.device)
+    steps = torch.tensor(plan.train_steps, device=sigmas.device, dtype=torch.long)
     return Trajectory(
-        latents=torch.stack(stored["x"], dim=1),
-        next_latents=torch.stack(stored["next"], dim=1),
-        logprobs=torch.stack(stored["logp"], dim=1),
+        latents=_stack(stored["x"], x),
+        next_latents=_stack(stored["next"], x),
+        logprobs=_stack(stored["logp"], x.new_zeros(x.shape[0])),
+        stds=_stack(stored["std"], x.new_zeros(x.shape[0])),
         sigmas=sigmas[steps],
         sigmas_next=sigmas[steps + 1],
         step_indices=steps,
         sigma_max=sigma_max,
         final=x,
+        means=_stack(stored["mean"], x) if store_means else None,
+        train_mask=plan.train_mask,
     )
+
+
+def _stack(values: list[Tensor], like: Tensor) -> Tensor:
+    """Stack per-step values on dim 1; an empty list gives a (B, 0, ...) tensor shaped like ``like``."""
+    if values:
+        return torch.stack(values, dim=1)
+    return like.new_zeros((like.shape[0], 0, *like.shape[1:]))
+
+
+def _noise_source(generator: Generators, x: Tensor, stochastic: bool) -> dict:
+    """``step`` keyword for the noise: per-sample draws, the shared generator, or nothing."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return {"generator": generator}
+    if len(generator) != x.shape[0]:
+        raise ValueError(f"{len(generator)} per-sample generators for a batch of {x.shape[0]}")
+    return {"noise": randn_per_sample(x.shape[1:], generator, x.device)} if stochastic else {}
 
 
 def recompute_step(velocity: Velocity, traj: Trajectory, j: int, spec: StepSpec) -> StepOut:

@@ -31,7 +31,9 @@ def check_onpolicy_task(cfg: DictConfig) -> float:
     recipe = FlowRLRecipe(typed, cfg)
     recipe.setup()
     check = typed.check
-    spec = recipe.spec if check.train_noise_level is None else replace(recipe.spec, eta=check.train_noise_level)
+    spec = (
+        recipe.spec if check.train_noise_level is None else replace(recipe.spec, eta=check.train_noise_level)
+    )
     batch_size = check.train_batch_size or typed.algo.train_batch_size
     with Progress(typed.progress) as progress:
         rollouts = recipe.sample_epoch(0, progress)
@@ -42,7 +44,7 @@ def check_onpolicy_task(cfg: DictConfig) -> float:
         for part in batches(n, batch_size):
             traj, cond = rollouts.traj.index(part), rollouts.cond.index(part)
             for j in range(steps):
-                new_logp, _ = recipe.step_logprob(traj, cond, j, spec)
+                new_logp = recipe.step_logprob(traj, cond, j, spec)[0].logprob
                 delta = (new_logp - traj.logprobs[:, j]).abs().max().cpu()
                 ratio = (torch.exp(new_logp - traj.logprobs[:, j]) - 1).abs().max().cpu()
                 logp_err[j] = torch.maximum(logp_err[j], delta)

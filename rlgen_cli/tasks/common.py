@@ -39,7 +39,9 @@ def user_errors(task: Callable[[DictConfig], T]) -> Callable[[DictConfig], T]:
             from rich.console import Console
             from rich.markup import escape
 
-            Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {escape(str(err))}", highlight=False)
+            Console(stderr=True, soft_wrap=True).print(
+                f"[bold red]error:[/] {escape(str(err))}", highlight=False
+            )
             sys.exit(EXIT_USER_ERROR)
 
     return wrapper

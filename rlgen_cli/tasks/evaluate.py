@@ -36,7 +36,9 @@ def eval_task(cfg: DictConfig) -> float:
     prompts = [ex.prompt for ex in examples]
     with Progress(typed.progress) as progress:
         images = sample_images(policy, prompts, num_steps, typed.batch_size, typed.seed, progress)
-    result = reward.score(RewardBatch(prompts=prompts, images=images, metadata=[dict(ex.metadata) for ex in examples]))
+    result = reward.score(
+        RewardBatch(prompts=prompts, images=images, metadata=[dict(ex.metadata) for ex in examples])
+    )
     summary = _summary(result.scores, {name: result.details[name] for name in reward.rewards})
     summary |= {"checkpoint": typed.checkpoint, "num_samples": len(examples), "num_steps": num_steps}
     (run_dir / RESULTS).write_text(json.dumps(summary, indent=2), encoding="utf-8")
@@ -63,7 +65,10 @@ def _stats(values: torch.Tensor) -> dict[str, float]:
 
 
 def _summary(total: torch.Tensor, components: dict[str, torch.Tensor]) -> dict:
-    return {"reward": _stats(total), "components": {k: _stats(torch.as_tensor(v)) for k, v in components.items()}}
+    return {
+        "reward": _stats(total),
+        "components": {k: _stats(torch.as_tensor(v)) for k, v in components.items()},
+    }
 
 
 def _print_table(summary: dict, run_dir) -> None:

@@ -28,7 +28,9 @@ def sample_task(cfg: DictConfig) -> str:
     prompts = list(typed.prompts) or [ex.prompt for ex in load_prompts(typed.prompts_file)]
     policy = load_policy(typed.model, typed.checkpoint, typed.device)
     num_steps = typed.num_steps or policy.cfg.eval_num_steps
-    noise_level = typed.sampler.noise_level if typed.sampler.noise_level is not None else policy.cfg.noise_level
+    noise_level = (
+        typed.sampler.noise_level if typed.sampler.noise_level is not None else policy.cfg.noise_level
+    )
     spec = StepSpec(typed.sampler.kind, noise_level, typed.sampler.logprob_reduce, typed.sampler.logprob_form)
     expanded = [p for p in prompts for _ in range(typed.images_per_prompt)]
     with Progress(typed.progress) as progress:

@@ -49,7 +49,9 @@ class Checkpoint:
         try:  # weights_only: a checkpoint from elsewhere cannot run code when loaded
             return torch.load(self.path / STATE_FILE, map_location="cpu", weights_only=True)
         except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as err:
-            raise UserError(f"{self.path / STATE_FILE} is unreadable ({err}); resume from an older checkpoint") from err
+            raise UserError(
+                f"{self.path / STATE_FILE} is unreadable ({err}); resume from an older checkpoint"
+            ) from err
 
 
 def rng_state() -> dict[str, Any]:

@@ -24,6 +24,7 @@ class JsonlLogger:
     """Appends one JSON line per call to ``run_dir/metrics.jsonl`` (flushed, so a crash loses nothing)."""
 
     def __init__(self, run_dir: Path) -> None:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
         self.path = Path(run_dir) / METRICS_FILE
         self._file = self.path.open("a", encoding="utf-8")
 

@@ -7,7 +7,11 @@ from pathlib import Path
 
 from rlgen_cli.training.metrics import read_metrics
 
-CURVES = (("reward/mean", "train reward"), ("eval/reward/mean", "eval reward (ODE)"), ("kl_loss", "KL to reference"))
+CURVES = (
+    ("reward/mean", "train reward"),
+    ("eval/reward/mean", "eval reward (ODE)"),
+    ("kl_loss", "KL to reference"),
+)
 
 
 def plot_runs(run_dirs: Sequence[Path], out: Path, keys: Sequence[tuple[str, str]] = CURVES) -> Path:

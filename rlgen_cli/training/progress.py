@@ -14,8 +14,12 @@ class Progress:
     def __init__(self, enabled: bool = True) -> None:
         self._bars = (
             RichProgress(
-                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TimeElapsedColumn(), TimeRemainingColumn(), transient=False,
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                transient=False,
             )  # fmt: skip
             if enabled
             else None

@@ -70,3 +70,21 @@ def test_multirun_writes_one_run_dir_per_job(cli, tmp_path: Path):
     for run in runs:
         assert (run / "resolved.yaml").is_file() and (run / "metrics.jsonl").is_file()
     assert "lr: 0.0003" in (runs[1] / "resolved.yaml").read_text()
+
+
+def test_plot_draws_several_runs_and_rejects_non_runs(cli, tmp_path: Path):
+    import json
+
+    for name, slope in (("a", 1.0), ("b", 2.0)):
+        run = tmp_path / name
+        run.mkdir()
+        rows = [{"step": i, "reward/mean": slope * i, "kl_loss": 0.01 * i} for i in range(5)]
+        (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "curves.png"
+    code, output = cli("plot", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out))
+    assert code == 0, output
+    from PIL import Image
+
+    assert Image.open(out).size[0] > 500  # two panels: reward and KL
+    code, output = cli("plot", str(tmp_path / "nothing"))
+    assert code == 2 and "no metrics.jsonl" in output

@@ -10,7 +10,9 @@ from tests.conftest import TINY_RUN
 
 @pytest.mark.parametrize("guidance", ["4.5", "1.0"])
 def test_check_onpolicy_passes(cli, tmp_path, guidance):
-    code, out = cli("check-onpolicy", *TINY_RUN, f"model.guidance_scale={guidance}", f"hydra.run.dir={tmp_path}")
+    code, out = cli(
+        "check-onpolicy", *TINY_RUN, f"model.guidance_scale={guidance}", f"hydra.run.dir={tmp_path}"
+    )
     assert code == 0, out
 
 

@@ -70,7 +70,12 @@ def test_lora_saved_in_diffusers_format_loads_with_load_lora_weights(tmp_path: P
     plain = tiny_sd3_pipeline(0)
     plain.load_lora_weights(tmp_path, weight_name=LORA_WEIGHTS_NAME)
     reloaded = SD3Policy.__new__(SD3Policy)  # velocity() only needs these attributes
-    reloaded.pipeline, reloaded.guidance_scale, reloaded.device, reloaded.dtype = plain, 4.5, torch.device("cpu"), torch.float32
+    reloaded.pipeline, reloaded.guidance_scale, reloaded.device, reloaded.dtype = (
+        plain,
+        4.5,
+        torch.device("cpu"),
+        torch.float32,
+    )
     torch.testing.assert_close(reloaded.velocity(x, torch.tensor(0.5), cond), expected, atol=1e-5, rtol=1e-5)
 
     fresh = SD3Policy(tiny_sd3_pipeline(0), tiny_model_cfg, torch.device("cpu"))
@@ -101,7 +106,9 @@ def test_cfg_lives_in_velocity(tiny_model_cfg):
                                            pooled_projections=p, return_dict=False)[0]  # fmt: skip
     c = call(cond.tensors["prompt_embeds"], cond.tensors["pooled"])
     u = call(cond.tensors["neg_prompt_embeds"], cond.tensors["neg_pooled"])
-    torch.testing.assert_close(policy.velocity(x, torch.tensor(0.7), cond), u + 4.5 * (c - u), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        policy.velocity(x, torch.tensor(0.7), cond), u + 4.5 * (c - u), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_guidance_one_has_no_unconditional_branch(tiny_model_cfg):
@@ -136,7 +143,9 @@ def test_full_finetune_trains_everything_and_keeps_a_frozen_reference(tmp_path: 
 def test_cond_slices_and_joins():
     cond = Cond({"a": torch.arange(6).reshape(3, 2), "b": torch.arange(3)}, {"g": 1})
     joined = Cond.cat([cond.index(slice(0, 1)), cond.index(slice(1, 3))])
-    assert len(joined) == 3 and torch.equal(joined.tensors["a"], cond.tensors["a"]) and joined.extras == {"g": 1}
+    assert (
+        len(joined) == 3 and torch.equal(joined.tensors["a"], cond.tensors["a"]) and joined.extras == {"g": 1}
+    )
 
 
 def test_decode_gives_images_in_unit_range(tiny_policy):

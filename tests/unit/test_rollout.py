@@ -61,7 +61,11 @@ def test_steps_outside_the_window_are_plain_euler():
 
 
 def test_same_generator_seed_same_trajectory():
-    sigmas, plan, spec = sd3_sigmas(5), plan_window("all", 5, timestep_fraction=0.99), StepSpec("flow_sde", 0.7)
+    sigmas, plan, spec = (
+        sd3_sigmas(5),
+        plan_window("all", 5, timestep_fraction=0.99),
+        StepSpec("flow_sde", 0.7),
+    )
     x1 = torch.randn(2, 3)
     a = rollout(_velocity, x1, sigmas, plan, spec, torch.Generator().manual_seed(3))
     b = rollout(_velocity, x1, sigmas, plan, spec, torch.Generator().manual_seed(3))
@@ -69,7 +73,11 @@ def test_same_generator_seed_same_trajectory():
 
 
 def test_trajectory_index_and_cat_round_trip():
-    sigmas, plan, spec = sd3_sigmas(4), plan_window("all", 4, timestep_fraction=0.99), StepSpec("flow_sde", 0.7)
+    sigmas, plan, spec = (
+        sd3_sigmas(4),
+        plan_window("all", 4, timestep_fraction=0.99),
+        StepSpec("flow_sde", 0.7),
+    )
     traj = rollout(_velocity, torch.randn(4, 3), sigmas, plan, spec, torch.Generator().manual_seed(0))
     joined = Trajectory.cat([traj.index(slice(0, 1)), traj.index(slice(1, 4))])
     for name in ("latents", "next_latents", "logprobs", "final"):
@@ -80,3 +88,28 @@ def test_sigma_count_must_fit_the_plan():
     with pytest.raises(ValueError, match="T\\+1"):
         rollout(_velocity, torch.randn(1, 2), sd3_sigmas(3), plan_window("all", 4, timestep_fraction=0.99),
                 StepSpec("flow_sde", 0.7))  # fmt: skip
+
+
+def test_per_sample_streams_make_rollouts_independent_of_batching():
+    from rlgen_cli.sde.noise import randn_per_sample, sample_generators
+
+    sigmas, plan, spec = sd3_sigmas(4), plan_window("all", 4, timestep_fraction=0.99), StepSpec("flow_sde", 0.7)
+
+    def run(parts: list[slice]) -> Trajectory:
+        init = sample_generators(7, 3, range(4), salt=0)
+        noise = sample_generators(7, 3, range(4), salt=1)
+        out = []
+        for part in parts:
+            x = randn_per_sample((2, 3), init[part], "cpu")
+            out.append(rollout(_velocity, x, sigmas, plan, spec, noise[part]))
+        return Trajectory.cat(out)
+
+    whole, split = run([slice(0, 4)]), run([slice(0, 1), slice(1, 3), slice(3, 4)])
+    assert torch.equal(whole.final, split.final) and torch.equal(whole.logprobs, split.logprobs)
+
+
+def test_stream_seeds_differ_by_every_input():
+    from rlgen_cli.sde.noise import stream_seed
+
+    seeds = {stream_seed(s, e, k, salt) for s in (0, 1) for e in (0, 1) for k in (0, 1, 2) for salt in (0, 1)}
+    assert len(seeds) == 24 and all(0 <= s < 2**63 for s in seeds)

@@ -1,0 +1,444 @@
+"""Remote rewards: clients for the three wire protocols rlgen speaks, usable in a mix like any reward.
+
+* ``remote`` — rlgen's own server (``rlgen serve-reward``, :mod:`rlgen_cli.server.wire`).
+* ``flowgrpo_remote`` — the Flow-GRPO reward-server protocol (pickled JPEG batches, e.g. its GenEval
+  server). Pickle can execute code, so this is an explicit opt-in: pass ``allow_pickle=True``. Replies are
+  loaded with a restricted unpickler that only admits plain containers and numpy arrays/scalars.
+* ``openai_judge`` — an OpenAI-compatible chat-completions VLM judge (vLLM / SGLang): one user message
+  with the image as a base64 JPEG ``image_url`` and the prompt text, temperature 0; the answer is parsed
+  into a score by ``parser`` (``unifiedreward``: "Final Score: x" → x/5, ``qwenvl``: ``<Score>X</Score>``
+  → X/5, or any ``module:function``).
+
+All three share :class:`~rlgen_cli.server.transport.EndpointPool`: least-in-flight balancing over every
+endpoint, lazy health checks, timeouts, retries with exponential backoff and failover, and counters
+(``stats()``). A sample whose score cannot be obtained raises :class:`RemoteRewardError`
+(``on_failure="raise"``, the default) or becomes ``NaN`` (``on_failure="nan"``), counted in
+``stats()["nan_samples"]`` — never a silent 0.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import re
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rlgen_cli.rewards.base import RewardBatch, RewardResult
+from rlgen_cli.rewards.registry import register
+from rlgen_cli.schema.errors import UserError
+from rlgen_cli.server import protocols, wire
+from rlgen_cli.server.transport import EndpointPool, RemoteRewardError, parse_endpoints
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "PARSERS",
+    "FlowGrpoRemoteReward",
+    "OpenAIJudgeReward",
+    "RemoteReward",
+    "RemoteRewardError",
+    "parse_qwenvl",
+    "parse_unifiedreward",
+]
+
+UNIFIEDREWARD_PROMPT = (
+    "You are given a text caption and a generated image based on that caption. Your task is to evaluate this "
+    "image based on two key criteria:\n1. Alignment with the Caption: Assess how well this image aligns with the "
+    "provided caption. Consider the accuracy of depicted objects, their relationships, and attributes as described "
+    "in the caption.\n2. Overall Image Quality: Examine the visual quality of this image, including clarity, detail "
+    "preservation, color accuracy, and overall aesthetic appeal.\nBased on the above criteria, assign a score from "
+    "1 to 5 after 'Final Score:'.\nYour task is provided as follows:\nText Caption: [{prompt}]"
+)
+QWENVL_PROMPT = (
+    "You are an expert judge of generated images. Rate the image against the prompt on a 1-5 scale: 5 = every "
+    "object, count, colour, attribute and spatial relation in the prompt is depicted correctly in a coherent, "
+    "high-quality image; 3 = the main subject is right but details are wrong or missing; 1 = unrelated or broken. "
+    "Prompt: {prompt}\nAnswer with the rating only, as <Score>X</Score>."
+)
+_NUMBER = r"([-+]?\d+(?:\.\d+)?)"
+
+
+def _check_on_failure(on_failure: str) -> str:
+    if on_failure not in ("raise", "nan"):
+        raise UserError(f"on_failure={on_failure!r} is not valid; use 'raise' (default) or 'nan' (counted)")
+    return on_failure
+
+
+def _images_of(batch: RewardBatch, name: str) -> Tensor:
+    if batch.images is None or batch.images.ndim != 4:
+        shape = None if batch.images is None else tuple(batch.images.shape)
+        raise ValueError(
+            f"reward {name!r} sends images (B, C, H, W) to its server, got {shape}; decode to images first"
+        )
+    return batch.images
+
+
+def _run_chunks(fn: Callable[[list[int]], Any], n: int, size: int, workers: int) -> list[Any]:
+    """Apply ``fn`` to index chunks of ``range(n)`` in parallel threads; results in chunk order."""
+    chunks = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+    if len(chunks) <= 1 or workers <= 1:
+        return [fn(chunk) for chunk in chunks]
+    with ThreadPoolExecutor(
+        max_workers=min(workers, len(chunks)), thread_name_prefix="remote-reward"
+    ) as pool:
+        return list(pool.map(fn, chunks))
+
+
+def _collect(n: int, parts: list[tuple[list[int], list[float], dict[str, list[Any]]]]) -> RewardResult:
+    """Assemble per-chunk scores and details into one result; numeric detail columns become tensors."""
+    scores = torch.full((n,), math.nan, dtype=torch.float32)
+    details: dict[str, list[Any]] = {}
+    for indices, chunk_scores, chunk_details in parts:
+        scores[indices] = torch.tensor(chunk_scores, dtype=torch.float32)
+        for key, values in chunk_details.items():
+            column = details.setdefault(key, [None] * n)
+            for i, value in zip(indices, values):
+                column[i] = value
+    out: dict[str, Any] = {}
+    for key, column in details.items():
+        numeric = all(v is None or (isinstance(v, int | float) and not isinstance(v, bool)) for v in column)
+        out[key] = (
+            torch.tensor([wire.none_to_nan(v) for v in column], dtype=torch.float32) if numeric else column
+        )
+    return RewardResult(scores=scores, details=out)
+
+
+class _RemoteBase:
+    """Chunking, parallelism and failure policy shared by the remote rewards."""
+
+    name: str
+    pool: EndpointPool
+    batch_size: int
+    on_failure: str
+    max_concurrency: int
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: requests, ok, failures by kind, retries, failovers, nan_samples, per endpoint."""
+        return self.pool.stats()
+
+    def _guarded(self, fn: Callable[[list[int]], tuple[list[float], dict]]) -> Callable[[list[int]], tuple]:
+        """Wrap a chunk scorer so a failed chunk becomes NaN (counted) when ``on_failure='nan'``."""
+
+        def run(indices: list[int]) -> tuple[list[int], list[float], dict]:
+            try:
+                scores, details = fn(indices)
+            except RemoteRewardError as err:
+                self.pool.count("failed_samples", len(indices))
+                if self.on_failure == "raise":
+                    raise RemoteRewardError(f"reward {self.name!r}: {err}") from err
+                self.pool.count("nan_samples", len(indices))
+                logger.error(
+                    "reward %r: %d samples scored NaN (on_failure='nan'): %s", self.name, len(indices), err
+                )
+                return indices, [math.nan] * len(indices), {}
+            return indices, scores, details
+
+        return run
+
+    def _score_chunks(self, n: int, fn: Callable[[list[int]], tuple[list[float], dict]]) -> RewardResult:
+        parts = _run_chunks(self._guarded(fn), n, self.batch_size, self.max_concurrency)
+        result = _collect(n, parts)
+        n_nan = int(torch.isnan(result.scores).sum())
+        if n_nan:
+            logger.warning("reward %r: %d of %d scores are NaN", self.name, n_nan, n)
+        return result
+
+
+@register("remote")
+class RemoteReward(_RemoteBase):
+    """Client of rlgen's reward server (``rlgen serve-reward``), balanced over several endpoints."""
+
+    def __init__(
+        self,
+        reward: str | None = None,
+        endpoints: str | Sequence[str] | None = None,
+        hosts: str | Sequence[str] | None = None,
+        ports: int | Sequence[int] | None = None,
+        token: str | None = None,
+        batch_size: int = 32,
+        timeout_s: float = 120.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+        health_interval_s: float = 10.0,
+        max_concurrency: int | None = None,
+        on_failure: str = "raise",
+        binary: bool = False,
+        name: str = "remote",
+    ) -> None:
+        """Create the client (no network access until the first score).
+
+        Args:
+            reward: Name of the reward on the server (``GET /v1/rewards`` lists them).
+            endpoints: Server URLs; or ``hosts`` × ``ports``.
+            hosts: Hosts, combined with every port.
+            ports: Ports (e.g. one per ``server.workers`` process).
+            token: Bearer token (``server.token``).
+            batch_size: Images per request; larger batches are split and sent in parallel.
+            timeout_s: Per-request timeout.
+            retries: Extra attempts per request, each on another endpoint when possible.
+            backoff_s: First retry delay (doubles each retry).
+            health_interval_s: Cool-down of a failed endpoint and the probe interval.
+            max_concurrency: Requests in flight per ``score`` call (default: number of endpoints).
+            on_failure: ``raise`` or ``nan`` for samples whose score could not be obtained.
+            binary: Send msgpack with raw PNG bytes instead of JSON with base64.
+            name: Name used in logs and errors.
+        """
+        if not reward:
+            raise UserError(
+                "reward 'remote' needs reward=NAME, the reward to call on the server (GET /v1/rewards)"
+            )
+        if batch_size < 1:
+            raise UserError(f"batch_size must be ≥ 1, got {batch_size}")
+        self.name, self.reward, self.batch_size, self.binary = name, reward, batch_size, binary
+        self.on_failure = _check_on_failure(on_failure)
+        urls = parse_endpoints(endpoints, hosts, ports)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.pool = EndpointPool(urls, timeout_s, retries, backoff_s, "/healthz", health_interval_s, headers)
+        self.max_concurrency = max_concurrency or len(urls)
+
+    def score(self, batch: RewardBatch) -> RewardResult:
+        """Score ``batch`` on the server (chunks of ``batch_size`` in parallel).
+
+        Raises:
+            RemoteRewardError: A chunk failed after every retry (``on_failure='raise'``) or was refused.
+        """
+        images = _images_of(batch, self.name)
+
+        def chunk(indices: list[int]) -> tuple[list[float], dict]:
+            encoded = [wire.encode_image(images[i]) for i in indices]
+            metadata = None if batch.metadata is None else [batch.metadata[i] for i in indices]
+            body, ctype = wire.encode_request(
+                self.reward, encoded, [batch.prompts[i] for i in indices], metadata, self.binary
+            )
+            scores, details = self.pool.request(
+                "/v1/score", body, {"Content-Type": ctype}, _reply_of(len(indices))
+            )
+            n_null = sum(math.isnan(s) for s in scores)
+            if n_null:
+                self.pool.count("server_nan", n_null)
+            return scores, details
+
+        return self._score_chunks(len(batch), chunk)
+
+
+def _reply_of(n: int) -> Callable[[bytes, str], tuple[list[float], dict]]:
+    def parse(body: bytes, ctype: str) -> tuple[list[float], dict]:
+        scores, details = wire.decode_reply(body, ctype)
+        if len(scores) != n:
+            raise wire.WireError(f"server returned {len(scores)} scores for {n} images")
+        return scores, details
+
+    return parse
+
+
+@register("flowgrpo_remote")
+class FlowGrpoRemoteReward(_RemoteBase):
+    """Client of a Flow-GRPO reward server (pickle protocol, ``POST /``); opt-in via ``allow_pickle``."""
+
+    def __init__(
+        self,
+        endpoints: str | Sequence[str] | None = None,
+        hosts: str | Sequence[str] | None = None,
+        ports: int | Sequence[int] | None = None,
+        allow_pickle: bool = False,
+        only_strict: bool = True,
+        batch_size: int = 64,
+        timeout_s: float = 120.0,
+        retries: int = 3,
+        backoff_s: float = 1.0,
+        jpeg_quality: int = 75,
+        on_failure: str = "raise",
+        max_concurrency: int | None = None,
+        name: str = "flowgrpo_remote",
+    ) -> None:
+        """Create the client.
+
+        Args:
+            endpoints: Server URLs (``http://host:port``); or ``hosts`` × ``ports``.
+            hosts: Hosts, combined with every port.
+            ports: Ports.
+            allow_pickle: Must be True: the protocol is pickle, which executes code when loaded.
+            only_strict: Sent as ``only_strict`` (GenEval: skip the partial-credit scores).
+            batch_size: Images per request (Flow-GRPO uses 64).
+            timeout_s: Per-request timeout (Flow-GRPO: 120 s).
+            retries: Extra attempts on connection errors and 500s (Flow-GRPO: 3).
+            backoff_s: First retry delay (doubles each retry).
+            jpeg_quality: JPEG quality (Flow-GRPO's client uses PIL's default, 75).
+            on_failure: ``raise`` or ``nan``.
+            max_concurrency: Requests in flight per call (default: number of endpoints).
+            name: Name used in logs and errors.
+
+        Raises:
+            UserError: Without ``allow_pickle=True``.
+        """
+        if not allow_pickle:
+            raise UserError(
+                "flowgrpo_remote speaks Flow-GRPO's pickle protocol, and unpickling can execute arbitrary code; "
+                "use it only with a server you trust and opt in with allow_pickle=true "
+                "(reward.kwargs.flowgrpo_remote.allow_pickle=true). rlgen's own server (reward 'remote') is safe."
+            )
+        self.name, self.batch_size, self.only_strict, self.jpeg_quality = (
+            name,
+            batch_size,
+            only_strict,
+            jpeg_quality,
+        )
+        self.on_failure = _check_on_failure(on_failure)
+        urls = parse_endpoints(endpoints, hosts, ports)
+        self.pool = EndpointPool(urls, timeout_s, retries, backoff_s, None, 10.0)
+        self.max_concurrency = max_concurrency or len(urls)
+
+    def score(self, batch: RewardBatch) -> RewardResult:
+        """Score ``batch`` on the Flow-GRPO server; details carry rewards, strict and group rewards."""
+        images = _images_of(batch, self.name)
+        metadata = batch.metadata or [{} for _ in range(len(batch))]
+
+        def chunk(indices: list[int]) -> tuple[list[float], dict]:
+            jpegs = [wire.encode_image(images[i], "jpeg", self.jpeg_quality) for i in indices]
+            body = protocols.flowgrpo_request(jpegs, [metadata[i] for i in indices], self.only_strict)
+            headers = {"Content-Type": "application/octet-stream"}
+            return self.pool.request("/", body, headers, protocols.flowgrpo_reply(len(indices)))
+
+        return self._score_chunks(len(batch), chunk)
+
+
+def parse_unifiedreward(text: str) -> float:
+    """``"... Final Score: 4.5"`` → 0.9 (score / 5). Raises ``ValueError`` when absent."""
+    match = re.search(rf"Final Score:\s*\**\s*{_NUMBER}", text or "", re.IGNORECASE)
+    if match is None:
+        raise ValueError("no 'Final Score: x' in the answer")
+    return float(match.group(1)) / 5.0
+
+
+def parse_qwenvl(text: str) -> float:
+    """``"<Score>4</Score>"`` → 0.8 (X / 5). Raises ``ValueError`` when absent."""
+    match = re.search(rf"<Score>\s*{_NUMBER}\s*</Score>", text or "", re.IGNORECASE)
+    if match is None:
+        raise ValueError("no '<Score>X</Score>' in the answer")
+    return float(match.group(1)) / 5.0
+
+
+PARSERS: dict[str, Callable[[str], float]] = {"unifiedreward": parse_unifiedreward, "qwenvl": parse_qwenvl}
+PROMPTS: dict[str, str] = {"unifiedreward": UNIFIEDREWARD_PROMPT, "qwenvl": QWENVL_PROMPT}
+
+
+def _resolve_parser(parser: str | Callable[[str], float]) -> Callable[[str], float]:
+    """A parser from its built-in name, a ``module:function`` path, or a callable."""
+    if callable(parser):
+        return parser
+    if parser in PARSERS:
+        return PARSERS[parser]
+    if ":" in parser:
+        module, _, attr = parser.partition(":")
+        return getattr(importlib.import_module(module), attr)
+    raise UserError(f"unknown judge parser {parser!r}; use {', '.join(PARSERS)} or 'module:function'")
+
+
+@register("openai_judge")
+class OpenAIJudgeReward(_RemoteBase):
+    """A VLM judge behind an OpenAI-compatible ``/v1/chat/completions`` API (vLLM, SGLang), one call per image."""
+
+    def __init__(
+        self,
+        endpoints: str | Sequence[str] | None = None,
+        hosts: str | Sequence[str] | None = None,
+        ports: int | Sequence[int] | None = None,
+        model: str | None = None,
+        parser: str | Callable[[str], float] = "unifiedreward",
+        prompt_template: str | None = None,
+        system_prompt: str | None = None,
+        api_key: str | None = None,
+        max_tokens: int = 4096,
+        temperature: float = 0.0,
+        timeout_s: float = 300.0,
+        retries: int = 3,
+        backoff_s: float = 1.0,
+        health_interval_s: float = 30.0,
+        max_concurrency: int = 8,
+        jpeg_quality: int = 95,
+        on_failure: str = "raise",
+        name: str = "openai_judge",
+    ) -> None:
+        """Create the judge client.
+
+        Args:
+            endpoints: Base URLs ending in ``/v1`` (``http://h:p/v1``); or ``hosts`` × ``ports``.
+            hosts: Hosts, combined with every port into ``http://h:p/v1``.
+            ports: Ports.
+            model: Served model name; ``None`` = the first id of ``GET /v1/models``.
+            parser: ``unifiedreward``, ``qwenvl``, ``module:function`` or a callable ``parse(text) -> float``.
+            prompt_template: User text with ``{prompt}``; defaults to the parser's built-in prompt.
+            system_prompt: Optional system message.
+            api_key: Sent as ``Authorization: Bearer``.
+            max_tokens: Answer length limit.
+            temperature: Sampling temperature (0 = deterministic judging).
+            timeout_s: Per-request timeout.
+            retries: Extra attempts per request (connection errors, 5xx, malformed replies).
+            backoff_s: First retry delay (doubles each retry).
+            health_interval_s: Cool-down of a failed endpoint and the ``/models`` probe interval.
+            max_concurrency: Judge calls in flight per ``score`` call.
+            jpeg_quality: Quality of the JPEG sent to the judge.
+            on_failure: ``raise`` or ``nan`` for a failed call or an unparsable answer (both counted).
+            name: Name used in logs and errors.
+        """
+        self.name, self.model, self.parse = name, model, _resolve_parser(parser)
+        template = prompt_template or (PROMPTS.get(parser) if isinstance(parser, str) else None)
+        if template is None:
+            raise UserError(
+                f"openai_judge with parser {parser!r} needs prompt_template (with a {{prompt}} slot)"
+            )
+        self.prompt_template, self.system_prompt = template, system_prompt
+        self.max_tokens, self.temperature, self.jpeg_quality = max_tokens, temperature, jpeg_quality
+        self.on_failure = _check_on_failure(on_failure)
+        self.batch_size, self.max_concurrency = 1, max(1, max_concurrency)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        urls = parse_endpoints(endpoints, hosts, ports, suffix="/v1")
+        self.pool = EndpointPool(urls, timeout_s, retries, backoff_s, "/models", health_interval_s, headers)
+
+    def _model_name(self) -> str:
+        """The configured model, or the first one the server lists (looked up once)."""
+        if self.model is None:
+            ids = self.pool.request("/models", None, {}, protocols.models_reply, method="GET")
+            if not ids:
+                raise RemoteRewardError(f"judge servers {self.pool.urls} list no models; set model=NAME")
+            self.model = ids[0]
+        return self.model
+
+    def _judge(self, prompt: str, image: Tensor) -> tuple[float, str]:
+        """Ask the judge about one image; returns the parsed score and the raw answer."""
+        text = self.prompt_template.replace("{prompt}", prompt)
+        image_b64 = wire.image_to_b64(image, "jpeg", self.jpeg_quality)
+        body = protocols.chat_request(
+            self._model_name(), text, [image_b64], self.system_prompt, self.max_tokens, self.temperature
+        )
+        answer = self.pool.request(
+            "/chat/completions", body, {"Content-Type": "application/json"}, protocols.chat_reply
+        )
+        try:
+            value = float(self.parse(answer))
+            if not math.isfinite(value):
+                raise ValueError(f"parsed a non-finite score {value}")
+        except Exception as err:
+            self.pool.count("parse_failures")
+            raise RemoteRewardError(f"unparsable judge answer ({err}): {answer[:300]!r}") from err
+        return value, answer
+
+    def score(self, batch: RewardBatch) -> RewardResult:
+        """Judge every image; details carry the raw answers under ``judge_answer``.
+
+        Raises:
+            RemoteRewardError: A call failed or an answer was unparsable (``on_failure='raise'``).
+        """
+        images = _images_of(batch, self.name)
+
+        def one(indices: list[int]) -> tuple[list[float], dict]:
+            value, answer = self._judge(batch.prompts[indices[0]], images[indices[0]])
+            return [value], {"judge_answer": [answer]}
+
+        return self._score_chunks(len(batch), one)

@@ -1,0 +1,62 @@
+"""Typed schema of ``rlgen serve-reward``: the ``server:`` section and the hosted ``reward:`` set.
+
+``conf/serve_reward.yaml`` extends :class:`ServeRewardConfig` (registered as ``_schema_serve_reward``), so
+a misspelt ``server.*`` key or a wrong type fails at compose time with its full name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlgen_cli.schema.errors import UserError
+from rlgen_cli.schema.flow import RewardConfig
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise UserError(message)
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    """Interface to bind; the default keeps the server private to this machine (0.0.0.0 = every interface)."""
+    port: int = 8765
+    """Port of the first worker; worker i listens on port + i."""
+    token: str | None = None
+    """If set, clients must send ``Authorization: Bearer <token>`` (every route but /healthz)."""
+    max_batch: int = 64
+    """Most images merged into one micro-batch / one Reward.score call."""
+    max_wait_ms: float = 10.0
+    """How long a request waits for concurrent requests to share its micro-batch."""
+    max_request_mb: float = 64.0
+    """Largest request body in MiB (larger → 413)."""
+    max_image_pixels: int = 16777216
+    """Largest H×W of one image (default 4096²; larger → 413)."""
+    workers: int = 1
+    """Server processes, each on its own port (port, port+1, …); clients balance across them."""
+    devices: list[str] = field(default_factory=list)
+    """Devices given round-robin to the workers (cuda:0, 1, cpu) via CUDA_VISIBLE_DEVICES; [] = inherit."""
+    shutdown_timeout_s: float = 30.0
+    """On SIGINT/SIGTERM, how long to wait for in-flight requests before closing."""
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.port <= 65535, f"server.port={self.port} is not a TCP port (0–65535)")
+        _require(self.workers >= 1, f"server.workers must be ≥ 1, got {self.workers}")
+        _require(
+            self.workers == 1 or self.port != 0,
+            "server.port=0 (any free port) cannot be combined with server.workers > 1; give a fixed port",
+        )
+        _require(self.max_batch >= 1, f"server.max_batch must be ≥ 1, got {self.max_batch}")
+        _require(self.max_wait_ms >= 0, f"server.max_wait_ms must be ≥ 0, got {self.max_wait_ms}")
+        _require(self.max_request_mb > 0, f"server.max_request_mb must be > 0, got {self.max_request_mb}")
+        _require(self.max_image_pixels >= 1, f"server.max_image_pixels must be ≥ 1, got {self.max_image_pixels}")
+
+
+@dataclass
+class ServeRewardConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Every reward named in reward.weights is hosted (weights themselves are unused by the server)."""
+    log_level: str = "INFO"
+    """Console log level of the server (DEBUG, INFO, WARNING)."""

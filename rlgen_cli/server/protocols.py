@@ -1,0 +1,119 @@
+"""Wire formats of the two foreign protocols the remote rewards speak (REFERENCE §3.1).
+
+* **Flow-GRPO reward server** (``POST /``): the body is a pickle of ``{"images": [JPEG bytes],
+  "meta_datas": [dict], "only_strict": bool}``; the reply a pickle of ``{"scores", "rewards",
+  "strict_rewards", "group_rewards", "group_strict_rewards"}``. Pickle executes code when loaded, so
+  replies go through :class:`PlainUnpickler`, which admits only plain containers, numbers, strings and
+  numpy arrays/scalars; the client still requires an explicit ``allow_pickle=True`` opt-in.
+* **OpenAI-compatible chat completions** (vLLM / SGLang): one user message whose content holds the
+  images as ``data:image/jpeg;base64,…`` ``image_url`` parts followed by the text part.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+from rlgen_cli.server.wire import WireError
+
+__all__ = ["PlainUnpickler", "chat_reply", "chat_request", "flowgrpo_reply", "flowgrpo_request"]
+
+
+class PlainUnpickler(pickle.Unpickler):
+    """Loads only plain containers, numbers, strings and numpy arrays/scalars — no arbitrary callables."""
+
+    ALLOWED = {
+        ("builtins", n)
+        for n in ("list", "dict", "tuple", "set", "frozenset", "float", "int", "str", "bool", "complex")
+    } | {
+        ("collections", "OrderedDict"),
+        ("collections", "defaultdict"),
+        ("numpy", "dtype"),
+        ("numpy", "ndarray"),
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy.core.multiarray", "scalar"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "scalar"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        """Resolve a global only if it is in :attr:`ALLOWED`."""
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a reward-server reply")
+        return super().find_class(module, name)
+
+
+def flowgrpo_request(jpegs: list[bytes], meta_datas: list[dict], only_strict: bool) -> bytes:
+    """Pickle one Flow-GRPO request body."""
+    return pickle.dumps(
+        {"images": list(jpegs), "meta_datas": list(meta_datas), "only_strict": bool(only_strict)}
+    )
+
+
+def flowgrpo_reply(n: int) -> Callable[[bytes, str], tuple[list[float], dict[str, list[float]]]]:
+    """A parser of Flow-GRPO replies for ``n`` images: ``(scores, details)``.
+
+    ``details`` holds ``rewards`` and ``strict_rewards`` and each per-tag ``group_rewards/{tag}`` and
+    ``group_strict_rewards/{tag}`` list that has one entry per image.
+    """
+
+    def parse(body: bytes, _content_type: str) -> tuple[list[float], dict[str, list[float]]]:
+        try:
+            reply = PlainUnpickler(io.BytesIO(body)).load()
+            scores = [float(s) for s in reply["scores"]]
+        except Exception as err:
+            raise WireError(f"malformed Flow-GRPO reply: {type(err).__name__}: {err}") from err
+        if len(scores) != n:
+            raise WireError(f"Flow-GRPO server returned {len(scores)} scores for {n} images")
+        details: dict[str, list[float]] = {}
+        for key in ("rewards", "strict_rewards"):
+            if isinstance(reply.get(key), list | tuple) and len(reply[key]) == n:
+                details[key] = [float(v) for v in reply[key]]
+        for key in ("group_rewards", "group_strict_rewards"):
+            for tag, values in dict(reply.get(key) or {}).items():
+                if len(values) == n:
+                    details[f"{key}/{tag}"] = [float(v) for v in values]
+        return scores, details
+
+    return parse
+
+
+def chat_request(
+    model: str, text: str, images_b64: list[str], system: str | None, max_tokens: int, temperature: float
+) -> bytes:
+    """JSON body of one ``/chat/completions`` request: image parts (JPEG data URLs), then the text."""
+    content: list[dict[str, Any]] = [
+        {"type": "image_url", "image_url": {"url": f"data:image/jpeg;base64,{b64}"}} for b64 in images_b64
+    ]
+    content.append({"type": "text", "text": text})
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": content}
+    ]
+    body = {"model": model, "messages": messages, "temperature": temperature, "max_tokens": max_tokens}
+    return json.dumps(body).encode("utf-8")
+
+
+def chat_reply(body: bytes, _content_type: str) -> str:
+    """The answer text of a chat-completions reply (``choices[0].message.content``).
+
+    Raises:
+        WireError: If the reply does not have that shape.
+    """
+    try:
+        content = json.loads(body)["choices"][0]["message"]["content"]
+    except (ValueError, KeyError, IndexError, TypeError) as err:
+        raise WireError(f"malformed chat-completions reply ({err}): {body[:200]!r}") from err
+    if not isinstance(content, str):
+        raise WireError(f"chat-completions content is {type(content).__name__}, expected text")
+    return content
+
+
+def models_reply(body: bytes, _content_type: str) -> list[str]:
+    """Model ids from a ``GET /models`` reply."""
+    try:
+        return [str(m["id"]) for m in json.loads(body)["data"]]
+    except (ValueError, KeyError, TypeError) as err:
+        raise WireError(f"malformed /models reply ({err}): {body[:200]!r}") from err

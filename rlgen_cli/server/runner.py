@@ -1,0 +1,241 @@
+"""Running the reward server: in the foreground, in a background thread, or as several worker processes.
+
+Scale-out design (the simplest that stays robust): ``server.workers = N`` starts N independent server
+processes; worker ``i`` listens on ``port + i`` and sees only device ``devices[i % len(devices)]``
+(through ``CUDA_VISIBLE_DEVICES``, so a reward inside it just uses ``cuda``/``cuda:0``). The processes
+share nothing; the client (:mod:`rlgen_cli.rewards.remote`) balances requests across the ports and fails
+over when one dies. The parent forwards SIGINT/SIGTERM to the workers and, if one exits with an error,
+stops the others, so the whole group lives and dies together.
+
+Each process shuts down gracefully: it stops accepting connections, finishes in-flight requests (up to
+``shutdown_timeout_s``) and drains its batch queues before exiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict
+from typing import Any
+
+from aiohttp import web
+
+from rlgen_cli.rewards.base import Reward
+from rlgen_cli.schema.errors import UserError
+from rlgen_cli.server.app import ServerSettings, build_app
+
+logger = logging.getLogger("rlgen_cli.server.runner")  # also when run as __main__ (a worker)
+
+__all__ = ["BackgroundServer", "build_rewards", "serve", "serve_workers", "worker_env", "worker_plan"]
+
+
+def build_rewards(specs: Mapping[str, Mapping[str, Any]]) -> dict[str, Reward]:
+    """Build the hosted rewards from ``{name: constructor kwargs}`` through the reward registry.
+
+    Raises:
+        UserError: If a name is not registered (the message lists the valid names).
+    """
+    from rlgen_cli.rewards import build_reward
+    from rlgen_cli.rewards import remote as _remote  # noqa: F401  (registers the remote clients)
+
+    try:
+        return {name: build_reward(name, **dict(kwargs)) for name, kwargs in specs.items()}
+    except ValueError as err:
+        raise UserError(str(err)) from err
+
+
+def worker_env(device: str | None) -> dict[str, str]:
+    """Environment overrides that pin a worker to ``device`` (``cuda:K``, ``K``, ``cpu`` or ``cuda``)."""
+    if not device or device == "cuda":
+        return {}
+    if device == "cpu":
+        return {"CUDA_VISIBLE_DEVICES": ""}
+    index = device.removeprefix("cuda:")
+    if not index.isdigit():
+        raise UserError(f"server.devices entry {device!r} is not cpu, cuda, cuda:N or N; fix server.devices")
+    return {"CUDA_VISIBLE_DEVICES": index}
+
+
+def worker_plan(settings: ServerSettings) -> list[tuple[int, str | None]]:
+    """``(port, device)`` of every worker: ports ``port, port+1, …``, devices round-robin."""
+    if settings.workers > 1 and settings.port == 0:
+        raise UserError(
+            "server.port=0 (any free port) cannot be used with server.workers > 1; give a fixed port"
+        )
+    devices = list(settings.devices)
+    return [
+        (settings.port + i, devices[i % len(devices)] if devices else None) for i in range(settings.workers)
+    ]
+
+
+async def _serve_async(rewards: dict[str, Reward], settings: ServerSettings) -> None:
+    """Serve until SIGINT/SIGTERM, then shut down gracefully."""
+    runner = web.AppRunner(build_app(rewards, settings), shutdown_timeout=settings.shutdown_timeout_s)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port)
+    await site.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    logger.info("serving rewards %s on http://%s:%d", sorted(rewards), settings.host, settings.port)
+    try:
+        await stop.wait()
+        logger.info("shutting down: finishing in-flight requests")
+    finally:
+        await runner.cleanup()
+
+
+def serve(rewards: dict[str, Reward], settings: ServerSettings) -> None:
+    """Serve ``rewards`` in this process (blocks until SIGINT/SIGTERM).
+
+    Args:
+        rewards: Rewards to host, by name.
+        settings: Server settings; ``workers`` is ignored here (see :func:`serve_workers`).
+    """
+    asyncio.run(_serve_async(rewards, settings))
+
+
+def serve_workers(specs: Mapping[str, Mapping[str, Any]], settings: ServerSettings) -> int:
+    """Serve with ``settings.workers`` processes (one in-process when 1); returns the exit code.
+
+    Args:
+        specs: ``{reward name: constructor kwargs}``; each worker builds its own rewards.
+        settings: Server settings.
+
+    Returns:
+        0 after a clean shutdown, else the first failing worker's exit code.
+    """
+    plan = worker_plan(settings)
+    if len(plan) == 1:
+        os.environ.update(worker_env(plan[0][1]))
+        serve(build_rewards(specs), settings)
+        return 0
+    procs: list[subprocess.Popen] = []
+    stopping = threading.Event()
+
+    def stop_all(_signum: int = signal.SIGTERM, _frame: Any = None) -> None:
+        stopping.set()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, stop_all) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with tempfile.TemporaryDirectory(prefix="rlgen-serve-") as tmp:
+            for i, (port, device) in enumerate(plan):
+                if not stopping.is_set():
+                    procs.append(_spawn(tmp, i, port, device, specs, settings))
+            return _supervise(procs, stopping, stop_all)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _spawn(
+    tmp: str,
+    i: int,
+    port: int,
+    device: str | None,
+    specs: Mapping[str, Mapping[str, Any]],
+    settings: ServerSettings,
+) -> subprocess.Popen:
+    """Start worker ``i`` on ``port`` pinned to ``device``, with its spec in a JSON file under ``tmp``."""
+    spec_path = os.path.join(tmp, f"worker{i}.json")
+    one = asdict(settings) | {"port": port, "workers": 1, "devices": []}
+    with open(spec_path, "w", encoding="utf-8") as out:
+        json.dump({"rewards": {k: dict(v) for k, v in specs.items()}, "settings": one}, out)
+    cmd = [sys.executable, "-m", "rlgen_cli.server.runner", spec_path]
+    proc = subprocess.Popen(cmd, env=os.environ | worker_env(device))
+    logger.info("worker %d: pid %d, port %d, device %s", i, proc.pid, port, device or "inherited")
+    return proc
+
+
+def _supervise(procs: list[subprocess.Popen], stopping: threading.Event, stop_all: Callable[[], None]) -> int:
+    """Wait until every worker exited; the first failing worker stops the rest and sets the exit code."""
+    code = 0
+    while any(proc.poll() is None for proc in procs) or not stopping.is_set():
+        for proc in procs:
+            rc = proc.poll()
+            if rc is None or stopping.is_set():
+                continue
+            if rc != 0:
+                code = rc if rc > 0 else 1
+                logger.error("worker pid %d exited with %d; stopping the others", proc.pid, rc)
+            stop_all()
+        time.sleep(0.2)
+    return code
+
+
+class BackgroundServer:
+    """Run an application on a private event loop in a daemon thread (tests, notebooks, benchmarks).
+
+    Example::
+
+        with BackgroundServer(build_app({"jpeg": reward})) as server:
+            requests_go_to(server.url)
+    """
+
+    def __init__(
+        self, app: web.Application, host: str = "127.0.0.1", port: int = 0, shutdown_timeout_s: float = 30.0
+    ):
+        self.app, self.host, self.port = app, host, port
+        self._runner = web.AppRunner(app, shutdown_timeout=shutdown_timeout_s)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="rlgen-reward-server", daemon=True
+        )
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://127.0.0.1:40123``."""
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> BackgroundServer:
+        """Start listening; returns self with ``port`` set to the bound port."""
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=30)
+        return self
+
+    async def _start(self) -> None:
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = int(self._runner.addresses[0][1])  # the bound port when port=0
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Graceful shutdown (in-flight requests finish), then stop the loop and join the thread."""
+        if not self._thread.is_alive():
+            return
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=timeout)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=timeout)
+        self._loop.close()
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _worker_main(spec_path: str) -> None:
+    """Entry point of one worker process: read its spec, build the rewards, serve."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s [worker] %(message)s")
+    with open(spec_path, encoding="utf-8") as spec_file:
+        spec = json.load(spec_file)
+    settings = ServerSettings(**spec["settings"])
+    serve(build_rewards(spec["rewards"]), settings)
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1])

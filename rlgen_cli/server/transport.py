@@ -1,0 +1,303 @@
+"""Client-side HTTP transport shared by the remote rewards: endpoints, balancing, health, retries, counters.
+
+:class:`EndpointPool` sends one request at a time per call (callers use threads for parallelism) with:
+
+* **balancing** — each request goes to the healthy endpoint with the fewest requests in flight
+  (ties: the fewest requests so far), so concurrent chunks spread over every server;
+* **health checks** — lazy: an endpoint is probed (``GET health_path``) before its first use, after
+  ``health_interval_s`` without a successful request, and when its cool-down after a failure ends;
+* **retries with failover** — a connection error, timeout, 5xx/429 or malformed reply is retried up to
+  ``retries`` times with exponential backoff, each time on an endpoint not yet tried in this call when
+  one is left; a connection failure or 503 puts the endpoint in cool-down for ``health_interval_s``;
+* **no silent failures** — every failure is logged and counted (:meth:`EndpointPool.stats`); a 4xx
+  reply (a client or configuration mistake) is raised at once with the server's message.
+
+It uses only ``urllib`` (thread-safe, no event loop) and ignores proxy environment variables.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from rlgen_cli.schema.errors import UserError
+from rlgen_cli.server.wire import WireError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EndpointPool", "RemoteRewardError", "parse_endpoints"]
+
+T = TypeVar("T")
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class RemoteRewardError(RuntimeError):
+    """A remote score could not be obtained (every attempt failed, or the server refused the request)."""
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    if isinstance(value, str | int):
+        return [value]
+    return list(value)
+
+
+def parse_endpoints(
+    endpoints: str | Sequence[str] | None = None,
+    hosts: str | Sequence[str] | None = None,
+    ports: int | Sequence[int] | None = None,
+    suffix: str = "",
+) -> list[str]:
+    """Expand the configured endpoints into base URLs.
+
+    Args:
+        endpoints: Full URLs (``http://h:p`` or ``http://h:p/v1``); ``http://`` is added when missing.
+        hosts: Hosts combined with every port (default ``127.0.0.1`` when only ports are given).
+        ports: Ports combined with every host.
+        suffix: Path appended to each host × port URL (``/v1`` for OpenAI-compatible servers).
+
+    Returns:
+        Distinct base URLs without a trailing slash, in order.
+
+    Raises:
+        UserError: If nothing is configured.
+    """
+    urls = [u if "://" in u else f"http://{u}" for u in map(str, _as_list(endpoints))]
+    host_list, port_list = _as_list(hosts), _as_list(ports)
+    if host_list and not port_list:
+        raise UserError(f"hosts={host_list} given without ports; add ports=[...] or use full endpoint URLs")
+    urls += [f"http://{h}:{p}{suffix}" for h in (host_list or ["127.0.0.1"]) for p in port_list]
+    urls = list(dict.fromkeys(u.rstrip("/") for u in urls))
+    if not urls:
+        raise UserError(
+            "no reward endpoints: give endpoints=[http://host:port] or hosts=[...] and ports=[...]"
+        )
+    return urls
+
+
+@dataclass
+class _Endpoint:
+    url: str
+    in_flight: int = 0
+    requests: int = 0
+    failures: int = 0
+    healthy: bool = False
+    checked_at: float | None = None  # last successful probe or request
+    retry_at: float = 0.0  # end of the cool-down after a failure
+
+
+class EndpointPool:
+    """Balanced, health-checked, retrying access to a set of equivalent HTTP endpoints.
+
+    Attributes:
+        urls: Base URLs.
+        timeout_s: Per-attempt timeout.
+        retries: Extra attempts after the first.
+        backoff_s: First backoff; doubles on each retry (capped at 30 s).
+        health_path: Probe path (``/healthz``), or ``None`` to skip probes (cool-down only).
+        health_interval_s: Cool-down after a failure, and the idle time after which a probe is repeated.
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        timeout_s: float = 60.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+        health_path: str | None = "/healthz",
+        health_interval_s: float = 10.0,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        if not urls:
+            raise UserError("an endpoint pool needs at least one URL")
+        if retries < 0 or timeout_s <= 0 or backoff_s < 0:
+            raise UserError(
+                f"need retries ≥ 0, timeout_s > 0, backoff_s ≥ 0; got {retries}, {timeout_s}, {backoff_s}"
+            )
+        self.urls = list(urls)
+        self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self.health_path, self.health_interval_s = health_path, health_interval_s
+        self.headers = dict(headers or {})
+        self._endpoints = [_Endpoint(url) for url in self.urls]
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+
+    # ----------------------------------------------------------------- counters
+    def count(self, key: str, n: int = 1) -> None:
+        """Add ``n`` to counter ``key`` (thread-safe)."""
+        with self._lock:
+            self._counts[key] += n
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot of every counter, plus per-endpoint requests, failures, health and load."""
+        with self._lock:
+            out: dict[str, Any] = dict(self._counts)
+            out["endpoints"] = {
+                e.url: {
+                    "requests": e.requests,
+                    "failures": e.failures,
+                    "healthy": e.healthy,
+                    "in_flight": e.in_flight,
+                }
+                for e in self._endpoints
+            }
+        return out
+
+    # ---------------------------------------------------------------- transport
+    def _http(
+        self, method: str, url: str, body: bytes | None, headers: dict[str, str], timeout: float
+    ) -> tuple[int, bytes, str]:
+        """One HTTP exchange; returns ``(status, body, content_type)`` for any HTTP status."""
+        request = urllib.request.Request(url, data=body, method=method, headers=self.headers | headers)
+        try:
+            with _OPENER.open(request, timeout=timeout) as response:
+                return response.status, response.read(), response.headers.get("Content-Type", "")
+        except urllib.error.HTTPError as err:
+            return err.code, err.read(), err.headers.get("Content-Type", "")
+
+    def _probe(self, endpoint: _Endpoint) -> bool:
+        """``GET health_path``; True when it answers 2xx."""
+        self.count("health_checks")
+        try:
+            status, _, _ = self._http(
+                "GET", endpoint.url + self.health_path, None, {}, min(self.timeout_s, 5.0)
+            )
+        except (OSError, urllib.error.URLError) as err:
+            status, reason = 0, str(err)
+        else:
+            reason = f"HTTP {status}"
+        if 200 <= status < 300:
+            return True
+        self.count("health_failures")
+        logger.warning("health check of %s failed: %s", endpoint.url, reason)
+        return False
+
+    def _needs_probe(self, endpoint: _Endpoint, now: float) -> bool:
+        if self.health_path is None:
+            return False
+        return (
+            not endpoint.healthy
+            or endpoint.checked_at is None
+            or now - endpoint.checked_at > self.health_interval_s
+        )
+
+    def _acquire(self, exclude: set[str]) -> _Endpoint | None:
+        """Reserve the least-loaded usable endpoint (probing it first if due); None when none is usable."""
+        skipped: set[str] = set()
+        while True:
+            with self._lock:
+                now = time.monotonic()
+                usable = [
+                    e for e in self._endpoints if (e.healthy or now >= e.retry_at) and e.url not in skipped
+                ]
+                fresh = [e for e in usable if e.url not in exclude] or usable
+                if not fresh:
+                    return None
+                endpoint = min(fresh, key=lambda e: (e.in_flight, e.requests))
+                endpoint.in_flight += 1
+                probe = self._needs_probe(endpoint, now)
+            if not probe or self._probe(endpoint):
+                with self._lock:
+                    endpoint.healthy, endpoint.checked_at = True, time.monotonic()
+                return endpoint
+            self._release(endpoint, ok=False, down=True)
+            skipped.add(endpoint.url)
+
+    def _release(self, endpoint: _Endpoint, ok: bool, down: bool = False) -> None:
+        with self._lock:
+            endpoint.in_flight -= 1
+            if ok:
+                endpoint.healthy, endpoint.checked_at = True, time.monotonic()
+            elif down:
+                endpoint.healthy, endpoint.retry_at = False, time.monotonic() + self.health_interval_s
+
+    def _failure(self, endpoint: _Endpoint, kind: str, detail: str, down: bool) -> str:
+        """Count and log one failed attempt; returns the message for the final error."""
+        self.count("failures")
+        self.count(kind)
+        with self._lock:
+            endpoint.failures += 1
+        self._release(endpoint, ok=False, down=down)
+        message = f"{endpoint.url}: {kind}: {detail}"
+        logger.warning("remote reward attempt failed on %s", message)
+        return message
+
+    def request(
+        self,
+        path: str,
+        body: bytes | None,
+        headers: dict[str, str],
+        parse: Callable[[bytes, str], T],
+        method: str = "POST",
+    ) -> T:
+        """Send one request with balancing, retries and failover; return ``parse(body, content_type)``.
+
+        Args:
+            path: Path appended to the endpoint's base URL.
+            body: Request body.
+            headers: Extra headers.
+            parse: Turns a 2xx reply into the result; raises :class:`WireError` for a malformed reply.
+            method: HTTP method.
+
+        Returns:
+            The parsed reply of the first successful attempt.
+
+        Raises:
+            RemoteRewardError: On a 4xx reply, or when every attempt failed.
+        """
+        tried: set[str] = set()
+        errors: list[str] = []
+        self.count("requests")
+        for attempt in range(self.retries + 1):
+            if attempt:
+                self.count("retries")
+                time.sleep(min(self.backoff_s * 2 ** (attempt - 1), 30.0))
+            endpoint = self._acquire(tried)
+            if endpoint is None:
+                self.count("no_endpoint")
+                errors.append("no healthy endpoint (all failed their health check or are cooling down)")
+                continue
+            if tried and endpoint.url not in tried:
+                self.count("failovers")
+            tried.add(endpoint.url)
+            with self._lock:
+                endpoint.requests += 1
+            try:
+                status, data, ctype = self._http(method, endpoint.url + path, body, headers, self.timeout_s)
+            except TimeoutError as err:
+                errors.append(self._failure(endpoint, "timeouts", str(err) or "timed out", down=False))
+                continue
+            except (OSError, urllib.error.URLError) as err:
+                timed_out = isinstance(getattr(err, "reason", None), TimeoutError)
+                kind = "timeouts" if timed_out else "connection_errors"
+                errors.append(self._failure(endpoint, kind, str(err), down=not timed_out))
+                continue
+            if 200 <= status < 300:
+                try:
+                    result = parse(data, ctype)
+                except WireError as err:
+                    errors.append(self._failure(endpoint, "bad_replies", str(err), down=False))
+                    continue
+                self._release(endpoint, ok=True)
+                self.count("ok")
+                return result
+            detail = f"HTTP {status}: {data[:500].decode('utf-8', 'replace')}"
+            if status >= 500 or status == 429:
+                errors.append(self._failure(endpoint, "http_5xx", detail, down=status == 503))
+                continue
+            self._failure(endpoint, "http_4xx", detail, down=False)
+            raise RemoteRewardError(
+                f"reward server {endpoint.url}{path} refused the request ({detail}); fix the request or config"
+            )
+        raise RemoteRewardError(
+            f"no score after {self.retries + 1} attempts on {sorted(tried) or self.urls}: {'; '.join(errors[-3:])}. "
+            "Check that the reward servers are running and reachable."
+        )

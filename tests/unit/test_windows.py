@@ -1,0 +1,303 @@
+"""Window policies step by step: Fast's random window, MixGRPO's sliding window, DanceGRPO's subset, R3's single."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlgen_cli.sde import WINDOWS, WindowPlan, last_sde_step, plan_window
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _start(plan: WindowPlan) -> int:
+    return plan.sde_steps[0]
+
+
+def test_registry_lists_every_policy():
+    assert set(WINDOWS) == {"all", "random_window", "sliding", "random_subset", "single"}
+
+
+# ----------------------------------------------------------------------------------------- random_window
+
+
+def test_random_window_is_consecutive_and_trains_only_the_window():
+    for seed in range(20):
+        plan = plan_window("random_window", 10, size=3, range=(0, 5), generator=_gen(seed))
+        start = _start(plan)
+        assert 0 <= start <= 2  # start ∈ [lo, hi − size]
+        assert plan.sde_steps == plan.train_steps == (start, start + 1, start + 2)
+        assert plan.train_mask is None and last_sde_step(plan) == start + 2
+
+
+def test_random_window_start_is_uniform_over_its_range():
+    starts = [
+        _start(plan_window("random_window", 10, size=2, range=(1, 5), generator=_gen(s))) for s in range(300)
+    ]
+    counts = [starts.count(k) for k in (1, 2, 3)]  # start ∈ [1, 3]
+    assert set(starts) == {1, 2, 3} and min(counts) > 60
+
+
+def test_random_window_range_is_clipped_to_the_schedule_and_defaults_to_all_but_last():
+    plan = plan_window("random_window", 6, size=6, range=(-3, 99), generator=_gen())
+    assert plan.sde_steps == tuple(range(6))
+    starts = {_start(plan_window("random_window", 6, size=2, generator=_gen(s))) for s in range(60)}
+    assert starts == {0, 1, 2, 3}  # default range (0, T − 1): the last step never enters the window
+
+
+@pytest.mark.parametrize("num_steps", [2, 3, 7, 10, 25])
+def test_random_window_size_zero_equals_all_with_all_but_last(num_steps):
+    plan = plan_window("random_window", num_steps, size=0)
+    assert plan == plan_window("all", num_steps, timestep_fraction=(num_steps - 1) / num_steps)
+    assert plan.train_steps == tuple(range(num_steps - 1))
+
+
+def test_random_window_is_deterministic_per_seed_and_varies_across_seeds():
+    a = [plan_window("random_window", 25, size=4, range=(0, 20), generator=_gen(s)) for s in range(8)]
+    b = [plan_window("random_window", 25, size=4, range=(0, 20), generator=_gen(s)) for s in range(8)]
+    assert a == b and len({_start(p) for p in a}) > 1
+
+
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        ({"size": -1}, r"size=-1 must be an integer in \[0, 10\]"),
+        ({"size": 11}, r"size=11 must be an integer in \[0, 10\]"),
+        ({"size": 4, "range": (0, 3)}, r"range=\(0, 3\).*too short for size=4"),
+        ({"size": 2.5}, r"size=2.5 must be an integer"),
+        ({}, r"needs option 'size'"),
+        ({"size": 2, "timestep_fraction": 0.5}, r"takes no option 'timestep_fraction'.*size, range"),
+    ],
+)
+def test_random_window_bad_options(options, match):
+    with pytest.raises(ValueError, match=match):
+        plan_window("random_window", 10, generator=_gen(), **options)
+
+
+def test_random_window_needs_a_generator():
+    with pytest.raises(ValueError, match="generator=torch.Generator"):
+        plan_window("random_window", 10, size=2)
+
+
+# ----------------------------------------------------------------------------------------------- sliding
+
+
+def test_sliding_progressive_moves_one_step_every_shift_every_iterations():
+    # MixGRPO: w = 4 of T = 25, stride 1, τ = 25: iterations 0–24 start 0, 25–49 start 1, …
+    def start(epoch: int) -> int:
+        return _start(plan_window("sliding", 25, size=4, stride=1, shift_every=25, epoch=epoch))
+
+    assert [start(e) for e in (0, 24, 25, 49, 50, 74, 75)] == [0, 0, 1, 1, 2, 2, 3]
+    assert start(21 * 25) == 21 and start(21 * 25 + 1000) == 21  # reaches T − w and stays
+    plan = plan_window("sliding", 25, size=4, shift_every=25, epoch=60)
+    assert plan.sde_steps == plan.train_steps == (2, 3, 4, 5) and last_sde_step(plan) == 5
+
+
+def test_sliding_progressive_roll_back_restarts_at_zero():
+    # T = 10, size 4, stride 2, shift_every 3: starts 0, 2, 4, 6 (6 = T − size), then back to 0
+    seq = [
+        _start(plan_window("sliding", 10, size=4, stride=2, shift_every=3, roll_back=True, epoch=e))
+        for e in range(15)
+    ]
+    assert seq == [0] * 3 + [2] * 3 + [4] * 3 + [6] * 3 + [0] * 3
+    stay = [
+        _start(plan_window("sliding", 10, size=4, stride=2, shift_every=3, epoch=e)) for e in range(12, 15)
+    ]
+    assert stay == [6, 6, 6]
+
+
+def test_sliding_last_move_is_clipped_to_the_end():
+    # T = 9, size 4, stride 2: starts 0, 2, 4, then 5 = T − size (a shorter last move)
+    seq = [_start(plan_window("sliding", 9, size=4, stride=2, shift_every=1, epoch=e)) for e in range(6)]
+    assert seq == [0, 2, 4, 5, 5, 5]
+    rolled = [
+        _start(plan_window("sliding", 9, size=4, stride=2, shift_every=1, roll_back=True, epoch=e))
+        for e in range(6)
+    ]
+    assert rolled == [0, 2, 4, 5, 0, 2]
+
+
+def test_sliding_end_bound_keeps_the_last_steps_out():
+    # upstream MixGRPO lets the window run up to T − 2
+    plan = plan_window("sliding", 25, size=4, shift_every=1, end=23, epoch=10_000)
+    assert plan.sde_steps == (19, 20, 21, 22)
+
+
+def test_sliding_decay_shortens_the_stay_linearly():
+    # shift_every 8 (max), min 2, end T = 10, size 2: stay(p) = max(2, int(8·(1 − p/10) + 2·p/10))
+    stays = [max(2, int(8 * (1 - p / 10) + 2 * p / 10)) for p in range(9)]
+    expected = [p for p, n in enumerate(stays) for _ in range(n)]
+    got = [
+        _start(
+            plan_window("sliding", 10, size=2, strategy="decay", shift_every=8, min_shift_every=2, epoch=e)
+        )
+        for e in range(len(expected))
+    ]
+    assert stays[:3] == [8, 7, 6] and got == expected
+
+
+def test_sliding_decay_default_floor_is_a_quarter():
+    # min_shift_every defaults to max(1, shift_every // 4) = 2: at p = 8 of end 10 the stay is int(3.2) = 3
+    stays = [max(2, int(8 * (1 - p / 10) + 2 * p / 10)) for p in range(9)]
+    epoch = sum(stays[:8])
+    assert _start(plan_window("sliding", 10, size=2, strategy="decay", shift_every=8, epoch=epoch)) == 8
+
+
+def test_sliding_exp_decay_follows_mixgrpo():
+    # stay(p) = ceil(shift_every · exp(−k · max(0, p − start)))
+    stays = [math.ceil(10 * math.exp(-0.5 * max(0, p - 2))) for p in range(7)]
+    assert stays == [10, 10, 10, 7, 4, 3, 2]
+    expected = [p for p, n in enumerate(stays) for _ in range(n)]
+    opts = {"size": 4, "strategy": "exp_decay", "shift_every": 10, "exp_decay_k": 0.5, "exp_decay_start": 2}
+    got = [_start(plan_window("sliding", 10, epoch=e, **opts)) for e in range(len(expected) + 5)]
+    assert got == expected + [6] * 5
+
+
+def test_sliding_random_is_uniform_and_seeded():
+    starts = [
+        _start(plan_window("sliding", 8, size=5, strategy="random", generator=_gen(s))) for s in range(200)
+    ]
+    assert set(starts) == {0, 1, 2, 3}
+    again = [
+        _start(plan_window("sliding", 8, size=5, strategy="random", generator=_gen(s))) for s in range(200)
+    ]
+    assert starts == again
+    with pytest.raises(ValueError, match="generator"):
+        plan_window("sliding", 8, size=5, strategy="random")
+
+
+@pytest.mark.parametrize("strategy", ["progressive", "decay", "exp_decay"])
+@pytest.mark.parametrize("epoch", [0, 7, 1000])
+def test_sliding_over_every_step_equals_all(strategy, epoch):
+    plan = plan_window("sliding", 12, size=12, strategy=strategy, epoch=epoch)
+    assert plan == plan_window("all", 12, timestep_fraction=1.0)
+
+
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        ({"size": 0}, r"size=0 must be an integer in \[1, 10\]"),
+        ({"size": 11}, r"size=11 must be an integer in \[1, 10\]"),
+        ({"size": 3, "end": 2}, r"size=3 must be an integer in \[1, 2\]"),
+        ({"size": 2, "end": 11}, r"end=11 must be an integer in \[1, 10\]"),
+        ({"size": 2, "stride": 0}, r"stride=0 must be an integer >= 1"),
+        ({"size": 2, "shift_every": 0}, r"shift_every=0 must be an integer >= 1"),
+        (
+            {"size": 2, "shift_every": 4, "min_shift_every": 5},
+            r"min_shift_every=5 must be an integer in \[1, 4\]",
+        ),
+        ({"size": 2, "epoch": -1}, r"epoch=-1 must be an integer >= 0"),
+        (
+            {"size": 2, "strategy": "linear"},
+            r"strategy='linear'; choose one of progressive, random, decay, exp_decay",
+        ),
+        ({"size": 2, "roll_back": "yes"}, r"roll_back='yes' must be true or false"),
+        ({"size": 2, "exp_decay_k": -1.0}, r"exp_decay_k=-1.0 must be a finite number >= 0"),
+        ({"size": 2, "window": 3}, r"takes no option 'window'; its options are size, stride, shift_every"),
+    ],
+)
+def test_sliding_bad_options(options, match):
+    with pytest.raises(ValueError, match=match):
+        plan_window("sliding", 10, **options)
+
+
+# ----------------------------------------------------------------------------------------- random_subset
+
+
+def test_random_subset_every_step_sde_and_a_per_sample_mask():
+    plan = plan_window("random_subset", 10, timestep_fraction=0.6, batch_size=5, generator=_gen(1))
+    assert plan.sde_steps == plan.train_steps == tuple(range(10))
+    mask = plan.train_mask
+    assert mask is not None and mask.dtype == torch.bool and mask.shape == (5, 10)
+    assert mask.sum(dim=1).tolist() == [6] * 5  # int(10 · 0.6) trained steps per sample
+    assert len({tuple(row.tolist()) for row in mask}) > 1  # samples draw their own subsets
+
+
+def test_random_subset_is_seeded_and_uniform_over_steps():
+    a = plan_window("random_subset", 8, timestep_fraction=0.5, batch_size=400, generator=_gen(2))
+    b = plan_window("random_subset", 8, timestep_fraction=0.5, batch_size=400, generator=_gen(2))
+    assert a == b
+    per_step = a.train_mask.float().mean(dim=0)  # (T,) ≈ 0.5 each
+    assert (per_step - 0.5).abs().max() < 0.1
+
+
+def test_random_subset_defaults_to_dancegrpo_fraction():
+    plan = plan_window("random_subset", 20, batch_size=2, generator=_gen())
+    assert plan.train_mask.sum(dim=1).tolist() == [12, 12]  # int(20 · 0.6)
+
+
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        ({"timestep_fraction": 0.0, "batch_size": 2}, r"timestep_fraction=0.0 must be a number in \(0, 1\]"),
+        ({"timestep_fraction": 1.5, "batch_size": 2}, r"timestep_fraction=1.5 must be a number in \(0, 1\]"),
+        ({"timestep_fraction": 0.05, "batch_size": 2}, r"= 0 trained steps"),
+        ({}, r"batch_size=None must be an integer >= 1"),
+        ({"batch_size": 0}, r"batch_size=0 must be an integer >= 1"),
+    ],
+)
+def test_random_subset_bad_options(options, match):
+    with pytest.raises(ValueError, match=match):
+        plan_window("random_subset", 10, generator=_gen(), **options)
+
+
+def test_train_mask_must_fit_the_train_steps():
+    with pytest.raises(ValueError, match=r"\(B, S=3\) bool tensor"):
+        WindowPlan(3, (0, 1, 2), (0, 1, 2), train_mask=torch.ones(2, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="bool tensor"):
+        WindowPlan(3, (0, 1, 2), (0, 1, 2), train_mask=torch.ones(2, 3))
+
+
+# ------------------------------------------------------------------------------------------------ single
+
+
+def test_single_picks_one_step_shared_by_the_batch():
+    plans = [plan_window("single", 20, max_index=2, generator=_gen(s)) for s in range(40)]
+    assert {p.sde_steps for p in plans} == {(0,), (1,)}  # one of the first two (R3 editing)
+    assert all(p.sde_steps == p.train_steps and p.train_mask is None for p in plans)
+    anywhere = {_start(plan_window("single", 6, generator=_gen(s))) for s in range(120)}
+    assert anywhere == set(range(6))  # generation: any step
+    assert plan_window("single", 6, generator=_gen(9)) == plan_window("single", 6, generator=_gen(9))
+
+
+@pytest.mark.parametrize("max_index", [0, 7, 1.5])
+def test_single_bad_max_index(max_index):
+    with pytest.raises(ValueError, match=rf"max_index={max_index!r} must be an integer in \[1, 6\]"):
+        plan_window("single", 6, max_index=max_index, generator=_gen())
+
+
+def test_single_needs_a_generator():
+    with pytest.raises(ValueError, match="'single' draws its steps at random"):
+        plan_window("single", 6)
+
+
+# ------------------------------------------------------------------------------------- common behaviour
+
+
+def test_all_still_takes_timestep_fraction_and_ignores_context():
+    plan = plan_window("all", 10, timestep_fraction=0.99, epoch=5, generator=_gen(), batch_size=3)
+    assert plan == plan_window("all", 10, timestep_fraction=0.99)
+    with pytest.raises(ValueError, match="needs option 'timestep_fraction'"):
+        plan_window("all", 10)
+
+
+def test_num_steps_must_be_positive():
+    with pytest.raises(ValueError, match=r"num_steps=0 must be an integer >= 1"):
+        plan_window("sliding", 0, size=1)
+
+
+def test_deterministic_policies_draw_nothing_from_the_generator():
+    gen = _gen(4)
+    state = gen.get_state()
+    plan_window("sliding", 10, size=3, epoch=4, generator=gen)
+    plan_window("all", 10, timestep_fraction=0.5, generator=gen)
+    assert torch.equal(gen.get_state(), state)
+
+
+def test_last_sde_step_of_an_empty_plan_is_none():
+    assert last_sde_step(WindowPlan(4, (), ())) is None
+    assert last_sde_step(plan_window("all", 4, timestep_fraction=0.5)) == 3
