@@ -12,36 +12,21 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 import time
 
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
+from _common import build_recipe
 
-from rlgen_cli._hydra import conf_dir
 from rlgen_cli.recipes.flow_rl import FlowRLRecipe
-from rlgen_cli.schema.store import register_schemas
-from rlgen_cli.tasks.common import validated
 from rlgen_cli.training.progress import Progress
-
-
-def build_recipe(overrides: list[str]) -> FlowRLRecipe:
-    register_schemas()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-        cfg = compose(config_name="train", overrides=["progress=false", *overrides])
-    OmegaConf.set_struct(cfg, False)
-    cfg.run_dir = tempfile.mkdtemp(prefix="rlgen-bench-")
-    recipe = FlowRLRecipe(validated(cfg), cfg)
-    recipe.setup()
-    return recipe
 
 
 def model_calls_only(recipe: FlowRLRecipe, cond, x: torch.Tensor) -> float:
     """Seconds for exactly the transformer calls of one epoch, with nothing else around them."""
     algo, policy = recipe.cfg.algo, recipe.policy
     n = algo.prompts_per_epoch * algo.group_size
-    steps, trained = recipe.plan.num_steps, len(recipe.plan.train_steps)
+    plan = recipe.plan_for(0, n)
+    steps, trained = plan.num_steps, len(plan.train_steps)
     sigma = torch.tensor(0.5)
     start = time.perf_counter()
     with torch.no_grad():

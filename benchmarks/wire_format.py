@@ -37,7 +37,9 @@ class MeanReward:
 def smooth_images(n: int, size: int) -> torch.Tensor:
     """Photo-like images (smooth gradients + mild noise) whose PNGs have a realistic size."""
     g = torch.Generator().manual_seed(0)
-    base = torch.nn.functional.interpolate(torch.rand(n, 3, 8, 8, generator=g), size=(size, size), mode="bicubic")
+    base = torch.nn.functional.interpolate(
+        torch.rand(n, 3, 8, 8, generator=g), size=(size, size), mode="bicubic"
+    )
     return (base + 0.02 * torch.randn(n, 3, size, size, generator=g)).clamp(0, 1)
 
 
@@ -81,7 +83,9 @@ def main() -> None:
                 client.score(batch)
                 times[fmt].append(time.perf_counter() - began)
     json_s, msgpack_s = (statistics.median(t[1:]) for t in (times["json"], times["msgpack"]))
-    sizes = {b: len(wire.encode_request("mean", encoded, ["p"] * args.images, binary=b)[0]) for b in (False, True)}
+    sizes = {
+        b: len(wire.encode_request("mean", encoded, ["p"] * args.images, binary=b)[0]) for b in (False, True)
+    }
     codec = {b: payload_codec_s(encoded, b, args.repeats) for b in (False, True)}
     print(
         json.dumps(

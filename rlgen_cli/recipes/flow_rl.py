@@ -69,7 +69,7 @@ from rlgen_cli.training.progress import Progress
 
 log = logging.getLogger(__name__)
 REWARD_CURVE = "reward_curve.png"
-EMA_KEY = "ema"
+EMA_KEY, RAW_KEY = "ema", "raw_trainable"
 INITIAL_NOISE, STEP_NOISE, WINDOW = 0, 1, 2  # salts of the independent random streams
 
 
@@ -111,6 +111,7 @@ def _guard_objective(out: StepOut, traj: Trajectory, j: int, adv: Tensor, kl: Te
 
 
 STEP_OBJECTIVES: dict[str, StepObjective] = {"grpo": _grpo_objective, "grpo_guard": _guard_objective}
+EpochFn = Callable[["FlowRLRecipe", int, Progress], dict[str, float]]
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -127,10 +128,13 @@ def batches(n: int, size: int) -> Iterator[slice]:
 class FlowRLRecipe:
     """setup → train (rollout → score → advantages → update → log → eval → checkpoint) → cleanup."""
 
-    def __init__(self, cfg: TrainConfig, raw_cfg: DictConfig) -> None:
+    def __init__(self, cfg: TrainConfig, raw_cfg: DictConfig, epoch_fn: EpochFn | None = None) -> None:
+        """``epoch_fn`` replaces the policy-gradient epoch (``flow_pref`` plugs DPO / SFT in here); the
+        loop around it — eval, logging, checkpoints, resume — stays the same."""
         self.cfg = cfg
         self.raw_cfg = raw_cfg
         self.run_dir = Path(cfg.run_dir)
+        self.epoch_fn: EpochFn = epoch_fn or FlowRLRecipe.train_epoch
 
     # -- setup ----------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -171,6 +175,9 @@ class FlowRLRecipe:
         self.sampler.load_state_dict(state[SAMPLER_KEY])
         if self.ema is not None and EMA_KEY in state:
             self.ema.load_state_dict(state[EMA_KEY])
+            with torch.no_grad():  # weights/ holds the EMA weights; training resumes from the raw ones
+                for param, raw in zip(self.policy.trainable_parameters(), state[RAW_KEY], strict=True):
+                    param.copy_(raw)
         set_rng_state(state["rng"])
         self.start_epoch = state[COUNTERS_KEY]["epoch"]
         self.global_step = state[COUNTERS_KEY]["global_step"]
@@ -183,7 +190,7 @@ class FlowRLRecipe:
         with Progress(enabled=cfg.progress) as progress:
             epochs = progress.task("epochs", total=cfg.epochs, completed=self.start_epoch)
             for epoch in range(self.start_epoch, cfg.epochs):
-                metrics = self.train_epoch(epoch, progress)
+                metrics = self.epoch_fn(self, epoch, progress)
                 if cfg.eval_every and (epoch == 0 or _due(epoch, cfg.eval_every, cfg.epochs)):
                     metrics |= self.evaluate(epoch, progress)
                 self.logger.log(metrics, step=epoch)
@@ -237,7 +244,8 @@ class FlowRLRecipe:
         prompts = [ex.prompt for ex in examples]
         positions = list(range(len(indices)))  # the samples' places in the epoch's global batch
         plan = self.plan_for(epoch, len(indices))
-        noise_keys = [p // algo.group_size for p in positions] if algo.shared_initial_noise else positions
+        share = algo.shared_initial_noise or algo.branch == "shared_prefix"  # a prefix is per group
+        noise_keys = [p // algo.group_size for p in positions] if share else positions
         initial = sample_generators(self.cfg.seed, epoch, noise_keys, self.device, salt=INITIAL_NOISE)
         steps = sample_generators(self.cfg.seed, epoch, positions, self.device, salt=STEP_NOISE)
         start = min(plan.sde_steps) if algo.branch == "shared_prefix" else 0
@@ -372,15 +380,17 @@ class FlowRLRecipe:
         }
 
     def save(self, epochs_done: int) -> None:
-        """A full-state checkpoint; with EMA the saved weights are the EMA weights (the raw ones resume
-        from the EMA state)."""
+        """A full-state checkpoint; with EMA, ``weights/`` holds the EMA weights and the raw ones travel in
+        the trainer state for resume."""
         state = {
             OPTIMIZER_KEY: self.optimizer.state_dict(), SAMPLER_KEY: self.sampler.state_dict(),
             COUNTERS_KEY: {"epoch": epochs_done, "global_step": self.global_step},
         }  # fmt: skip
         if self.ema is not None:
             state[EMA_KEY] = self.ema.state_dict()
-        ckpt = save_checkpoint(self.run_dir, epochs_done, self.policy, state, self.raw_cfg, self.cfg.keep_last)
+            state[RAW_KEY] = [p.detach().cpu().clone() for p in self.policy.trainable_parameters()]
+        with self.ema_weights():  # the weights users sample from are the EMA ones
+            ckpt = save_checkpoint(self.run_dir, epochs_done, self.policy, state, self.raw_cfg, self.cfg.keep_last)
         log.info("saved %s", ckpt.path)
 
     def _log_console(self, epoch: int, m: dict[str, float]) -> None:
@@ -421,26 +431,35 @@ def _run_ids(generators: list[torch.Generator]) -> Tensor:
 
 
 @torch.no_grad()
-def sample_images(
+def sample_latents(
     policy: FlowPolicy, prompts: list[str], num_steps: int, batch_size: int, seed: int, progress: Progress,
-    spec: StepSpec | None = None,
+    spec: StepSpec | None = None, epoch: int = 0,
 ) -> Tensor:
-    """Sample images for ``prompts`` (ODE unless ``spec`` says otherwise), batch by batch; (B, 3, H, W)."""
+    """Final latents x_0 for ``prompts`` (ODE unless ``spec`` says otherwise), batch by batch; sample i's
+    noise comes from stream (seed, epoch, i) whatever the batch size."""
     spec = spec or StepSpec("ode", 0.0)
     plan = plan_window("all", num_steps, timestep_fraction=1.0)
-    initial = sample_generators(seed, 0, range(len(prompts)), policy.device, salt=INITIAL_NOISE)
-    steps = sample_generators(seed, 0, range(len(prompts)), policy.device, salt=STEP_NOISE)
-    images = []
+    initial = sample_generators(seed, epoch, range(len(prompts)), policy.device, salt=INITIAL_NOISE)
+    steps = sample_generators(seed, epoch, range(len(prompts)), policy.device, salt=STEP_NOISE)
+    latents = []
     task = progress.task("sampling", total=len(prompts))
     for part in batches(len(prompts), batch_size):
         cond = policy.encode(prompts[part])
         x = policy.noise(part.stop - part.start, initial[part])
         velocity = functools.partial(_conditioned, policy, cond)
-        traj = rollout(velocity, x, policy.schedule(num_steps, x), plan, spec, steps[part])
-        images.append(policy.decode(traj.final).cpu())
+        latents.append(rollout(velocity, x, policy.schedule(num_steps, x), plan, spec, steps[part]).final)
         progress.advance(task, part.stop - part.start)
     progress.remove(task)
-    return torch.cat(images)
+    return torch.cat(latents)
+
+
+def sample_images(
+    policy: FlowPolicy, prompts: list[str], num_steps: int, batch_size: int, seed: int, progress: Progress,
+    spec: StepSpec | None = None,
+) -> Tensor:
+    """Images (B, 3, H, W) in [0, 1] for ``prompts``: :func:`sample_latents`, decoded batch by batch."""
+    latents = sample_latents(policy, prompts, num_steps, batch_size, seed, progress, spec)
+    return torch.cat([policy.decode(latents[part]).cpu() for part in batches(len(latents), batch_size)])
 
 
 def _conditioned(policy: FlowPolicy, cond: Cond, x: Tensor, sigma: Tensor) -> Tensor:

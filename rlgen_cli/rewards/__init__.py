@@ -2,7 +2,8 @@
 
 Importing this package registers the built-in local rewards (``jpeg_compressibility``,
 ``jpeg_incompressibility``, ``pickscore``, ``clipscore``, ``aesthetic``, ``image_similarity``,
-``imagereward``, ``qwenvl``, ``geneval``, ``ocr``, ``video_ocr``). Model-backed rewards import
+``imagereward``, ``qwenvl``, ``geneval``, ``ocr``, ``video_ocr``) and the clients of served rewards
+(``remote``, ``flowgrpo_remote``, ``openai_judge``). Model-backed rewards import
 transformers (or rapidocr) lazily, on first use, so the import stays cheap. It never imports
 :mod:`rlgen_cli.models`.
 """
@@ -11,6 +12,7 @@ from rlgen_cli.rewards import clip as _clip  # noqa: F401  (registers the CLIP r
 from rlgen_cli.rewards import geneval as _geneval  # noqa: F401  (registers geneval)
 from rlgen_cli.rewards import jpeg as _jpeg  # noqa: F401  (registers the JPEG rewards)
 from rlgen_cli.rewards import ocr as _ocr  # noqa: F401  (registers ocr, video_ocr)
+from rlgen_cli.rewards import remote as _remote  # noqa: F401  (registers remote, flowgrpo_remote, openai_judge)
 from rlgen_cli.rewards import vlm_judge as _vlm_judge  # noqa: F401  (registers qwenvl)
 from rlgen_cli.rewards.base import Reward, RewardBatch, RewardResult
 from rlgen_cli.rewards.mix import WeightedMix, build_mix

@@ -7,13 +7,16 @@
 * ``openai_judge`` — an OpenAI-compatible chat-completions VLM judge (vLLM / SGLang): one user message
   with the image as a base64 JPEG ``image_url`` and the prompt text, temperature 0; the answer is parsed
   into a score by ``parser`` (``unifiedreward``: "Final Score: x" → x/5, ``qwenvl``: ``<Score>X</Score>``
-  → X/5, or any ``module:function``).
+  → X/5, both parsed like the local judge in :mod:`rlgen_cli.rewards.vlm_judge`, or any
+  ``module:function``). The ``qwenvl`` default prompt is that module's rubric, so served and local
+  scores are comparable.
 
 All three share :class:`~rlgen_cli.server.transport.EndpointPool`: least-in-flight balancing over every
 endpoint, lazy health checks, timeouts, retries with exponential backoff and failover, and counters
 (``stats()``). A sample whose score cannot be obtained raises :class:`RemoteRewardError`
 (``on_failure="raise"``, the default) or becomes ``NaN`` (``on_failure="nan"``), counted in
-``stats()["nan_samples"]`` — never a silent 0.
+``stats()["nan_samples"]`` — never a silent 0. A 4xx reply (bad token, unknown reward, request too
+large) is a configuration mistake and always raises :class:`RequestRefusedError`.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from __future__ import annotations
 import importlib
 import logging
 import math
-import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -31,9 +33,10 @@ from torch import Tensor
 
 from rlgen_cli.rewards.base import RewardBatch, RewardResult
 from rlgen_cli.rewards.registry import register
+from rlgen_cli.rewards.vlm_judge import DEFAULT_RUBRIC, SCORE_MAX, parse_final_score, parse_score_tag
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.server import protocols, wire
-from rlgen_cli.server.transport import EndpointPool, RemoteRewardError, parse_endpoints
+from rlgen_cli.server.transport import EndpointPool, RemoteRewardError, RequestRefusedError, parse_endpoints
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +46,7 @@ __all__ = [
     "OpenAIJudgeReward",
     "RemoteReward",
     "RemoteRewardError",
+    "RequestRefusedError",
     "parse_qwenvl",
     "parse_unifiedreward",
 ]
@@ -55,13 +59,6 @@ UNIFIEDREWARD_PROMPT = (
     "preservation, color accuracy, and overall aesthetic appeal.\nBased on the above criteria, assign a score from "
     "1 to 5 after 'Final Score:'.\nYour task is provided as follows:\nText Caption: [{prompt}]"
 )
-QWENVL_PROMPT = (
-    "You are an expert judge of generated images. Rate the image against the prompt on a 1-5 scale: 5 = every "
-    "object, count, colour, attribute and spatial relation in the prompt is depicted correctly in a coherent, "
-    "high-quality image; 3 = the main subject is right but details are wrong or missing; 1 = unrelated or broken. "
-    "Prompt: {prompt}\nAnswer with the rating only, as <Score>X</Score>."
-)
-_NUMBER = r"([-+]?\d+(?:\.\d+)?)"
 
 
 def _check_on_failure(on_failure: str) -> str:
@@ -128,6 +125,9 @@ class _RemoteBase:
         def run(indices: list[int]) -> tuple[list[int], list[float], dict]:
             try:
                 scores, details = fn(indices)
+            except RequestRefusedError:
+                self.pool.count("failed_samples", len(indices))
+                raise  # a 4xx is a configuration mistake: never hidden behind NaN
             except RemoteRewardError as err:
                 self.pool.count("failed_samples", len(indices))
                 if self.on_failure == "raise":
@@ -309,23 +309,31 @@ class FlowGrpoRemoteReward(_RemoteBase):
 
 
 def parse_unifiedreward(text: str) -> float:
-    """``"... Final Score: 4.5"`` → 0.9 (score / 5). Raises ``ValueError`` when absent."""
-    match = re.search(rf"Final Score:\s*\**\s*{_NUMBER}", text or "", re.IGNORECASE)
-    if match is None:
-        raise ValueError("no 'Final Score: x' in the answer")
-    return float(match.group(1)) / 5.0
+    """``"... Final Score: 4.5"`` → 0.9 (the last score in [1, 5], divided by 5).
+
+    Raises:
+        ValueError: If the answer has no such score.
+    """
+    value = parse_final_score(text)
+    if value is None:
+        raise ValueError("no 'Final Score: x' with x in [1, 5] in the answer")
+    return value / SCORE_MAX
 
 
 def parse_qwenvl(text: str) -> float:
-    """``"<Score>4</Score>"`` → 0.8 (X / 5). Raises ``ValueError`` when absent."""
-    match = re.search(rf"<Score>\s*{_NUMBER}\s*</Score>", text or "", re.IGNORECASE)
-    if match is None:
-        raise ValueError("no '<Score>X</Score>' in the answer")
-    return float(match.group(1)) / 5.0
+    """``"<Score>4</Score>"`` → 0.8 (the last tag's X in [1, 5], divided by 5).
+
+    Raises:
+        ValueError: If the answer has no such tag.
+    """
+    value = parse_score_tag(text)
+    if value is None:
+        raise ValueError("no '<Score>X</Score>' with X in [1, 5] in the answer")
+    return value / SCORE_MAX
 
 
 PARSERS: dict[str, Callable[[str], float]] = {"unifiedreward": parse_unifiedreward, "qwenvl": parse_qwenvl}
-PROMPTS: dict[str, str] = {"unifiedreward": UNIFIEDREWARD_PROMPT, "qwenvl": QWENVL_PROMPT}
+PROMPTS: dict[str, str] = {"unifiedreward": UNIFIEDREWARD_PROMPT, "qwenvl": DEFAULT_RUBRIC}
 
 
 def _resolve_parser(parser: str | Callable[[str], float]) -> Callable[[str], float]:

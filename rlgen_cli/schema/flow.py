@@ -33,6 +33,8 @@ WINDOW_OPTIONS = {
     "single": ("max_index",),
 }
 OBJECTIVES = ("grpo", "grpo_guard")
+RECIPES = ("flow_rl", "flow_pref")
+PREF_LOSSES = ("dpo", "sft")
 BRANCHES = ("independent", "shared_prefix")
 KL_FORMS = ("true", "upstream")
 ADV_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
@@ -186,6 +188,24 @@ class FlashConfig:
 
 
 @dataclass
+class PrefConfig:
+    loss: str = "dpo"
+    """``dpo`` (Flow-DPO on best-vs-worst pairs) or ``sft`` (reward-filtered flow matching)."""
+    beta: float = 100.0
+    """DPO: β of the implicit reward; SFT: weight of β·‖v_θ − v_base‖² (0 = plain filtered SFT)."""
+    ref_update_step: int = 0
+    """DPO: copy the policy into the reference every N optimizer steps (0 = offline: fixed base)."""
+    top_k: int = 1
+    """SFT: samples kept per group (the best ones)."""
+    timesteps_per_sample: int = 1
+    """Training σ drawn per kept sample (or pair) per epoch."""
+
+    def __post_init__(self) -> None:
+        _one_of(self.loss, PREF_LOSSES, "algo.pref.loss")
+        _require(self.top_k >= 1 and self.timesteps_per_sample >= 1, "algo.pref.top_k and timesteps_per_sample must be ≥ 1")
+
+
+@dataclass
 class EMAConfig:
     enabled: bool = False
     """Keep an exponential moving average of the trainable weights, used for eval and saving."""
@@ -197,7 +217,9 @@ class EMAConfig:
 @dataclass
 class AlgoConfig:
     name: str = "grpo"
-    """Objective name (``rlgen ls`` lists them)."""
+    """Algorithm name, for logs (``rlgen ls`` lists the options)."""
+    recipe: str = "flow_rl"
+    """Training loop: ``flow_rl`` (policy gradient on SDE rollouts) or ``flow_pref`` (DPO / SFT)."""
     group_size: int = 8
     """Samples per prompt (K); advantages are normalised within each prompt's group."""
     prompts_per_epoch: int = 2
@@ -238,8 +260,10 @@ class AlgoConfig:
     best_of_n: int = 0
     """Train only the k best and k worst samples of each group (DanceGRPO's best-of-N); 0 = all."""
     ema: EMAConfig = field(default_factory=EMAConfig)
+    pref: PrefConfig = field(default_factory=PrefConfig)
 
     def __post_init__(self) -> None:
+        _one_of(self.recipe, RECIPES, "algo.recipe")
         _one_of(self.kl_form, KL_FORMS, "algo.kl_form")
         _one_of(self.objective, OBJECTIVES, "algo.objective")
         _one_of(self.branch, BRANCHES, "algo.branch")
@@ -274,18 +298,23 @@ class AlgoConfig:
 
 @dataclass
 class RewardConfig:
-    weights: dict[str, float] = field(default_factory=lambda: {"jpeg_compressibility": 1.0})
-    """Reward mix {name: weight}; the final reward is Σ weight·score."""
+    weights: dict[str, float] = field(default_factory=dict)
+    """Reward mix {name: weight}; the final reward is Σ weight·score. Empty here on purpose: dicts merge,
+    so a default entry would leak into every ``reward=`` option; the reward group fills it."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Per-reward constructor arguments: {name: {arg: value}}."""
     aggregation: str = "sum_then_normalize"
     """``sum_then_normalize`` (Flow-GRPO) or ``normalize_then_sum`` (MixGRPO's per-reward advantages)."""
 
     def __post_init__(self) -> None:
-        _require(bool(self.weights), "reward.weights is empty: give at least one {name: weight}")
         _one_of(self.aggregation, ADV_AGGREGATIONS, "reward.aggregation")
         unknown = sorted(set(self.kwargs) - set(self.weights))
         _require(not unknown, f"reward.kwargs names rewards not in reward.weights: {unknown}")
+
+
+def require_rewards(reward: RewardConfig) -> None:
+    """Checked by the configs that score (the schema default is empty so groups do not merge into it)."""
+    _require(bool(reward.weights), "reward.weights is empty: pick reward=NAME or give reward.weights={name: weight}")
 
 
 @dataclass
@@ -341,6 +370,7 @@ class TrainConfig:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
 
     def __post_init__(self) -> None:
+        require_rewards(self.reward)
         _require(self.epochs >= 1, f"epochs must be ≥ 1, got {self.epochs}")
         _require(min(self.eval_every, self.save_every, self.images_every) >= 0, "*_every must be ≥ 0")
         _require(self.keep_last >= 1, f"keep_last must be ≥ 1, got {self.keep_last}")
@@ -424,3 +454,6 @@ class EvalConfig:
     model: ModelConfig = field(default_factory=lambda: ModelConfig(tiny=True))
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=DataConfig)
+
+    def __post_init__(self) -> None:
+        require_rewards(self.reward)

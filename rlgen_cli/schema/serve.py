@@ -50,7 +50,9 @@ class ServerConfig:
         _require(self.max_batch >= 1, f"server.max_batch must be ≥ 1, got {self.max_batch}")
         _require(self.max_wait_ms >= 0, f"server.max_wait_ms must be ≥ 0, got {self.max_wait_ms}")
         _require(self.max_request_mb > 0, f"server.max_request_mb must be > 0, got {self.max_request_mb}")
-        _require(self.max_image_pixels >= 1, f"server.max_image_pixels must be ≥ 1, got {self.max_image_pixels}")
+        _require(
+            self.max_image_pixels >= 1, f"server.max_image_pixels must be ≥ 1, got {self.max_image_pixels}"
+        )
 
 
 @dataclass

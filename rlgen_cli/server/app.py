@@ -128,7 +128,8 @@ async def _observe(request: web.Request, handler: Handler) -> web.StreamResponse
     except web.HTTPException as err:  # aiohttp's own: unknown route, wrong method, body too large
         kind = "too_large" if err.status == 413 else "http"
         metrics.errors.inc(kind=kind)
-        response = _error(err.status, f"{err.reason}: {err.text or ''}".strip(": "))
+        detail = err.text if err.text and not err.text.startswith(f"{err.status}:") else ""
+        response = _error(err.status, f"{err.reason} ({request.method} {request.path}) {detail}".strip())
     except Exception as err:
         logger.exception("unhandled error on %s %s", request.method, request.path)
         metrics.errors.inc(kind="internal")

@@ -35,7 +35,24 @@ from rlgen_cli.server.app import ServerSettings, build_app
 
 logger = logging.getLogger("rlgen_cli.server.runner")  # also when run as __main__ (a worker)
 
-__all__ = ["BackgroundServer", "build_rewards", "serve", "serve_workers", "worker_env", "worker_plan"]
+__all__ = [
+    "BackgroundServer",
+    "build_rewards",
+    "configure_logging",
+    "serve",
+    "serve_workers",
+    "worker_env",
+    "worker_plan",
+]
+
+
+def configure_logging(level: str = "INFO") -> None:
+    """Console logging for a server process; per-request access lines only at DEBUG."""
+    level = level.upper()
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(name)s [pid %(process)d]: %(message)s"
+    )
+    logging.getLogger("aiohttp.access").setLevel(logging.DEBUG if level == "DEBUG" else logging.WARNING)
 
 
 def build_rewards(specs: Mapping[str, Mapping[str, Any]]) -> dict[str, Reward]:
@@ -153,7 +170,10 @@ def _spawn(
     spec_path = os.path.join(tmp, f"worker{i}.json")
     one = asdict(settings) | {"port": port, "workers": 1, "devices": []}
     with open(spec_path, "w", encoding="utf-8") as out:
-        json.dump({"rewards": {k: dict(v) for k, v in specs.items()}, "settings": one}, out)
+        level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        json.dump(
+            {"rewards": {k: dict(v) for k, v in specs.items()}, "settings": one, "log_level": level}, out
+        )
     cmd = [sys.executable, "-m", "rlgen_cli.server.runner", spec_path]
     proc = subprocess.Popen(cmd, env=os.environ | worker_env(device))
     logger.info("worker %d: pid %d, port %d, device %s", i, proc.pid, port, device or "inherited")
@@ -230,9 +250,9 @@ class BackgroundServer:
 
 def _worker_main(spec_path: str) -> None:
     """Entry point of one worker process: read its spec, build the rewards, serve."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s [worker] %(message)s")
     with open(spec_path, encoding="utf-8") as spec_file:
         spec = json.load(spec_file)
+    configure_logging(spec.get("log_level", "INFO"))
     settings = ServerSettings(**spec["settings"])
     serve(build_rewards(spec["rewards"]), settings)
 

@@ -17,6 +17,7 @@ It uses only ``urllib`` (thread-safe, no event loop) and ignores proxy environme
 
 from __future__ import annotations
 
+import http.client
 import logging
 import threading
 import time
@@ -32,7 +33,7 @@ from rlgen_cli.server.wire import WireError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EndpointPool", "RemoteRewardError", "parse_endpoints"]
+__all__ = ["EndpointPool", "RemoteRewardError", "RequestRefusedError", "parse_endpoints"]
 
 T = TypeVar("T")
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -40,6 +41,10 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 class RemoteRewardError(RuntimeError):
     """A remote score could not be obtained (every attempt failed, or the server refused the request)."""
+
+
+class RequestRefusedError(RemoteRewardError):
+    """The server answered 4xx: a client or configuration mistake that no retry (and no NaN) can hide."""
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -219,16 +224,61 @@ class EndpointPool:
             elif down:
                 endpoint.healthy, endpoint.retry_at = False, time.monotonic() + self.health_interval_s
 
-    def _failure(self, endpoint: _Endpoint, kind: str, detail: str, down: bool) -> str:
+    def _failure(self, endpoint: _Endpoint, kind: str, detail: str) -> str:
         """Count and log one failed attempt; returns the message for the final error."""
         self.count("failures")
         self.count(kind)
         with self._lock:
             endpoint.failures += 1
-        self._release(endpoint, ok=False, down=down)
         message = f"{endpoint.url}: {kind}: {detail}"
         logger.warning("remote reward attempt failed on %s", message)
         return message
+
+    def _attempt(
+        self,
+        endpoint: _Endpoint,
+        method: str,
+        path: str,
+        body: bytes | None,
+        headers: dict[str, str],
+        parse: Callable,
+    ) -> tuple[bool, Any]:
+        """One attempt on a reserved endpoint: ``(True, result)`` or ``(False, error message)``.
+
+        The endpoint is always released; a connection failure or a 503 puts it in cool-down.
+
+        Raises:
+            RequestRefusedError: On a 4xx reply (retrying cannot help).
+        """
+        ok = down = False
+        try:
+            try:
+                status, data, ctype = self._http(method, endpoint.url + path, body, headers, self.timeout_s)
+            except TimeoutError as err:
+                return False, self._failure(endpoint, "timeouts", str(err) or "timed out")
+            except (OSError, urllib.error.URLError, http.client.HTTPException) as err:
+                if isinstance(getattr(err, "reason", None), TimeoutError):
+                    return False, self._failure(endpoint, "timeouts", str(err))
+                down = True
+                return False, self._failure(endpoint, "connection_errors", f"{type(err).__name__}: {err}")
+            if 200 <= status < 300:
+                try:
+                    result = parse(data, ctype)
+                except WireError as err:
+                    return False, self._failure(endpoint, "bad_replies", str(err))
+                ok = True
+                self.count("ok")
+                return True, result
+            detail = f"HTTP {status}: {data[:500].decode('utf-8', 'replace')}"
+            if status >= 500 or status == 429:
+                down = status == 503
+                return False, self._failure(endpoint, "http_5xx", detail)
+            self._failure(endpoint, "http_4xx", detail)
+            raise RequestRefusedError(
+                f"reward server {endpoint.url}{path} refused the request ({detail}); fix the request or config"
+            )
+        finally:
+            self._release(endpoint, ok=ok, down=down)
 
     def request(
         self,
@@ -251,7 +301,8 @@ class EndpointPool:
             The parsed reply of the first successful attempt.
 
         Raises:
-            RemoteRewardError: On a 4xx reply, or when every attempt failed.
+            RequestRefusedError: On a 4xx reply.
+            RemoteRewardError: When every attempt failed.
         """
         tried: set[str] = set()
         errors: list[str] = []
@@ -270,33 +321,10 @@ class EndpointPool:
             tried.add(endpoint.url)
             with self._lock:
                 endpoint.requests += 1
-            try:
-                status, data, ctype = self._http(method, endpoint.url + path, body, headers, self.timeout_s)
-            except TimeoutError as err:
-                errors.append(self._failure(endpoint, "timeouts", str(err) or "timed out", down=False))
-                continue
-            except (OSError, urllib.error.URLError) as err:
-                timed_out = isinstance(getattr(err, "reason", None), TimeoutError)
-                kind = "timeouts" if timed_out else "connection_errors"
-                errors.append(self._failure(endpoint, kind, str(err), down=not timed_out))
-                continue
-            if 200 <= status < 300:
-                try:
-                    result = parse(data, ctype)
-                except WireError as err:
-                    errors.append(self._failure(endpoint, "bad_replies", str(err), down=False))
-                    continue
-                self._release(endpoint, ok=True)
-                self.count("ok")
-                return result
-            detail = f"HTTP {status}: {data[:500].decode('utf-8', 'replace')}"
-            if status >= 500 or status == 429:
-                errors.append(self._failure(endpoint, "http_5xx", detail, down=status == 503))
-                continue
-            self._failure(endpoint, "http_4xx", detail, down=False)
-            raise RemoteRewardError(
-                f"reward server {endpoint.url}{path} refused the request ({detail}); fix the request or config"
-            )
+            ok, outcome = self._attempt(endpoint, method, path, body, headers, parse)
+            if ok:
+                return outcome
+            errors.append(outcome)
         raise RemoteRewardError(
             f"no score after {self.retries + 1} attempts on {sorted(tried) or self.urls}: {'; '.join(errors[-3:])}. "
             "Check that the reward servers are running and reachable."

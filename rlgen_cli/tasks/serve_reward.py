@@ -26,13 +26,15 @@ def serve_reward_task(cfg: DictConfig) -> int:
         0 after a clean shutdown (a failing worker process exits with its own code).
     """
     typed = validated(cfg)
-    logging.basicConfig(level=typed.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from rlgen_cli.server.app import ServerSettings
-    from rlgen_cli.server.runner import serve_workers
+    from rlgen_cli.server.runner import configure_logging, serve_workers
 
+    configure_logging(typed.log_level)
     settings = ServerSettings(**asdict(typed.server))
     specs = reward_specs(typed.reward)
-    logger.info("hosting rewards %s with %d worker(s) from port %d", sorted(specs), settings.workers, settings.port)
+    logger.info(
+        "hosting rewards %s with %d worker(s) from port %d", sorted(specs), settings.workers, settings.port
+    )
     code = serve_workers(specs, settings)
     if code:
         raise SystemExit(code)

@@ -13,10 +13,12 @@ from rlgen_cli.tasks.common import run_dir_of, user_errors, validated
 def train_task(cfg: DictConfig) -> Any:
     """Returns the last epoch's headline metric (eval reward when evaluated), for Hydra sweepers."""
     typed = validated(cfg)
-    from rlgen_cli.recipes import flow_rl
+    import importlib
+
     from rlgen_cli.training.run import prepare_run_dir, setup_logging
 
     run_dir = prepare_run_dir(run_dir_of(typed), cfg)
     setup_logging(run_dir)
-    metrics = flow_rl.run(typed, cfg)
+    recipe = importlib.import_module(f"rlgen_cli.recipes.{typed.algo.recipe}")
+    metrics = recipe.run(typed, cfg)
     return metrics.get("eval/reward/mean", metrics.get("reward/mean"))

@@ -1,0 +1,25 @@
+"""Shared helpers for the benchmark scripts: build a recipe from Hydra overrides without the CLI."""
+
+from __future__ import annotations
+
+import tempfile
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from rlgen_cli._hydra import conf_dir
+from rlgen_cli.recipes.flow_rl import FlowRLRecipe
+from rlgen_cli.schema.store import register_schemas
+from rlgen_cli.tasks.common import validated
+
+
+def build_recipe(overrides: list[str]) -> FlowRLRecipe:
+    """A set-up training recipe for the default config plus ``overrides`` (run dir in /tmp)."""
+    register_schemas()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        cfg = compose(config_name="train", overrides=["progress=false", *overrides])
+    OmegaConf.set_struct(cfg, False)
+    cfg.run_dir = tempfile.mkdtemp(prefix="rlgen-bench-")
+    recipe = FlowRLRecipe(validated(cfg), cfg)
+    recipe.setup()
+    return recipe

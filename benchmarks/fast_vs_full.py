@@ -1,0 +1,70 @@
+"""Flow-GRPO-Fast against full Flow-GRPO: is the saving what the model-call count predicts?
+
+One epoch of ``grpo`` (every step but the last trained) and one of ``grpo_fast`` (a 2-step window) on
+the same tiny model, prompts and batch, in one process. Predicted ratio = model-call cost of full /
+fast, counting a training step (forward + backward) as 3 forwards; measured = epoch seconds full / fast.
+Also times ``shared_prefix`` sampling (one ODE prefix per prompt, then the group branches) against
+``independent`` sampling. Prints JSON; target: measured_ratio ≥ 0.9 × predicted_ratio.
+
+    python benchmarks/fast_vs_full.py
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from _common import build_recipe
+
+from rlgen_cli.recipes.flow_rl import FlowRLRecipe
+from rlgen_cli.training.progress import Progress
+
+GEOMETRY = ["algo.group_size=8", "algo.prompts_per_epoch=2", "model.num_steps=8"]
+BACKWARD_COST = 2.0  # a backward pass ≈ two forwards
+
+
+def epoch_seconds(recipe: FlowRLRecipe, repeats: int = 2) -> float:
+    with Progress(enabled=False) as progress:
+        recipe.train_epoch(0, progress)  # warm-up
+        start = time.perf_counter()
+        for epoch in range(1, repeats + 1):
+            recipe.train_epoch(epoch, progress)
+    return (time.perf_counter() - start) / repeats
+
+
+def sampling_seconds(recipe: FlowRLRecipe, repeats: int = 2) -> float:
+    with Progress(enabled=False) as progress:
+        recipe.sample_epoch(0, progress)
+        start = time.perf_counter()
+        for epoch in range(1, repeats + 1):
+            recipe.sample_epoch(epoch, progress)
+    return (time.perf_counter() - start) / repeats
+
+
+def model_cost(recipe: FlowRLRecipe) -> float:
+    """Forward-equivalents of one epoch per sample: T rollout forwards + 3 per trained step."""
+    plan = recipe.plan_for(0, recipe.cfg.algo.group_size * recipe.cfg.algo.prompts_per_epoch)
+    return plan.num_steps + (1 + BACKWARD_COST) * len(plan.train_steps)
+
+
+def main() -> dict[str, float]:
+    full = build_recipe([*GEOMETRY, "algo=grpo", "algo.beta=0"])
+    fast = build_recipe([*GEOMETRY, "algo=grpo_fast", "algo.window.size=2", "algo.window.range=[1,5]"])
+    prefix = build_recipe([*GEOMETRY, "algo=grpo_fast", "algo.window.size=2", "algo.window.range=[3,7]",
+                           "algo.branch=shared_prefix"])  # fmt: skip
+    branch = build_recipe([*GEOMETRY, "algo=grpo_fast", "algo.window.size=2", "algo.window.range=[3,7]"])
+    full_s, fast_s = epoch_seconds(full), epoch_seconds(fast)
+    predicted = model_cost(full) / model_cost(fast)
+    measured = full_s / fast_s
+    independent_s, shared_s = sampling_seconds(branch), sampling_seconds(prefix)
+    return {
+        "full_epoch_s": round(full_s, 3), "fast_epoch_s": round(fast_s, 3),
+        "independent_sampling_s": round(independent_s, 3), "shared_prefix_sampling_s": round(shared_s, 3),
+        "sampling_ratio": round(independent_s / shared_s, 3),
+        "predicted_ratio": round(predicted, 3), "measured_ratio": round(measured, 3),
+        "measured_over_predicted": round(measured / predicted, 3),
+    }  # fmt: skip
+
+
+if __name__ == "__main__":
+    print(json.dumps(main()))

@@ -1,0 +1,164 @@
+"""The reward server over real HTTP on 127.0.0.1: scores, errors, auth, limits, micro-batching, metrics."""
+
+from __future__ import annotations
+
+import base64
+import math
+import threading
+
+import torch
+
+from rlgen_cli.rewards import RewardBatch, build_reward
+from rlgen_cli.rewards.remote import RemoteReward
+from rlgen_cli.server import wire
+from rlgen_cli.server.app import STATE
+from tests.server.helpers import MeanReward, constant_images, http, metric
+
+
+def _png_b64(image: torch.Tensor) -> str:
+    return wire.image_to_b64(image)
+
+
+def test_scores_over_http_equal_local_scores(serve):
+    jpeg = build_reward("jpeg_compressibility")
+    server = serve({"jpeg_compressibility": jpeg})
+    images = torch.rand(5, 3, 24, 24, generator=torch.Generator().manual_seed(0))
+    batch = RewardBatch(prompts=[f"p{i}" for i in range(5)], images=images)
+    local = jpeg.score(batch)
+    for binary in (False, True):
+        client = RemoteReward("jpeg_compressibility", endpoints=[server.url], batch_size=2, binary=binary)
+        remote = client.score(batch)
+        assert torch.equal(remote.scores, local.scores)
+        assert torch.allclose(remote.details["jpeg_kb"], local.details["jpeg_kb"])
+
+
+def test_rewards_healthz_and_mixed_sizes(serve):
+    server = serve({"mean": MeanReward()})
+    status, body = http("GET", server.url + "/healthz")
+    assert status == 200 and body["status"] == "ok"
+    status, body = http("GET", server.url + "/v1/rewards")
+    assert [r["name"] for r in body["rewards"]] == ["mean"]
+    assert body["rewards"][0]["meta"]["class"].endswith("MeanReward") and body["limits"]["max_batch"] == 64
+    images = [_png_b64(torch.full((3, 8, 8), 0.2)), _png_b64(torch.full((3, 16, 4), 0.6))]
+    status, body = http(
+        "POST", server.url + "/v1/score", {"reward": "mean", "images": images, "prompts": ["a", "b"]}
+    )
+    assert status == 200
+    assert [round(s, 2) for s in body["scores"]] == [0.2, 0.6] and body["details"]["tag"] == ["a", "b"]
+
+
+def test_json_errors_name_the_problem(serve):
+    server = serve({"mean": MeanReward()})
+    url, good = server.url + "/v1/score", _png_b64(torch.zeros(3, 4, 4))
+    cases = [
+        ({"reward": "nope", "images": [good], "prompts": ["a"]}, 404, "hosts: mean"),
+        ({"reward": "mean", "images": [good, "!!not-base64!!"], "prompts": ["a", "b"]}, 400, "images[1] is not valid base64"),
+        ({"reward": "mean", "images": [good, base64.b64encode(b"hello").decode()], "prompts": ["a", "b"]}, 400, "images[1] could not be decoded"),
+        ({"reward": "mean", "images": [good, good], "prompts": ["a"]}, 400, "images has 2 entries but prompts has 1"),
+        ({"reward": "mean", "images": [good], "prompts": ["a"], "metadata": [{}, {}]}, 400, "metadata has 2"),
+        ({"images": [good], "prompts": ["a"]}, 400, "missing field 'reward'"),
+        ({"reward": "mean", "images": [good], "prompts": [3]}, 400, "prompts[0]"),
+    ]  # fmt: skip
+    for payload, status, fragment in cases:
+        got_status, body = http("POST", url, payload)
+        assert (got_status, fragment in body["error"]) == (status, True), (payload, body)
+    status, body = http("POST", url, b"{not json", {"Content-Type": "application/json"})
+    assert status == 400 and "not valid JSON" in body["error"]
+    status, body = http("GET", server.url + "/nowhere")
+    assert status == 404 and "error" in body
+
+
+def test_size_limits_and_auth(serve):
+    server = serve({"mean": MeanReward()}, max_request_mb=0.01, max_image_pixels=100, token="s3cret")
+    auth = {"Authorization": "Bearer s3cret"}
+    noise = _png_b64(torch.rand(3, 64, 64))  # ≈ 16 kB of PNG: above 0.01 MiB
+    status, body = http(
+        "POST", server.url + "/v1/score", {"reward": "mean", "images": [noise], "prompts": ["a"]}, auth
+    )
+    assert status == 413 and "max_request_mb" in body["error"]
+    big = _png_b64(torch.zeros(3, 16, 16))
+    status, body = http(
+        "POST", server.url + "/v1/score", {"reward": "mean", "images": [big], "prompts": ["a"]}, auth
+    )
+    assert status == 413 and "images[0] is 16×16" in body["error"]
+    payload = {"reward": "mean", "images": [_png_b64(torch.zeros(3, 8, 8))], "prompts": ["a"]}
+    assert http("POST", server.url + "/v1/score", payload)[0] == 401
+    assert http("POST", server.url + "/v1/score", payload, {"Authorization": "Bearer wrong"})[0] == 403
+    assert http("GET", server.url + "/metrics")[0] == 401
+    assert http("GET", server.url + "/healthz")[0] == 200
+    assert http("POST", server.url + "/v1/score", payload, auth)[0] == 200
+    client = RemoteReward("mean", endpoints=[server.url], token="s3cret")
+    assert client.score(RewardBatch(prompts=["a"], images=torch.zeros(1, 3, 8, 8))).scores.tolist() == [0.0]
+
+
+def test_concurrent_requests_are_micro_batched(serve):
+    reward = MeanReward(sleep_s=0.05)
+    server = serve({"mean": reward}, max_wait_ms=300, max_batch=64)
+    values = [0.1, 0.3, 0.5, 0.7, 0.9, 0.2]
+    results: dict[int, tuple] = {}
+
+    def one(i: int) -> None:
+        image = _png_b64(constant_images([values[i]])[0])
+        results[i] = http(
+            "POST", server.url + "/v1/score", {"reward": "mean", "images": [image], "prompts": [f"p{i}"]}
+        )
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(values))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, value in enumerate(values):  # each request got its own score
+        status, body = results[i]
+        assert status == 200 and math.isclose(body["scores"][0], round(value * 255) / 255, rel_tol=1e-6)
+        assert body["details"]["tag"] == [f"p{i}"]
+    assert max(reward.calls) > 1 and sum(reward.calls) == len(values)
+    text = http("GET", server.url + "/metrics")[1]
+    batches = metric(text, 'rlgen_batch_size_count{reward="mean"}')
+    singles = metric(text, 'rlgen_batch_size_bucket{le="1",reward="mean"}')
+    assert batches - singles >= 1  # at least one Reward.score call saw a batch > 1
+    assert metric(text, 'rlgen_requests_total{route="/v1/score",status="200"}') == len(values)
+    assert metric(text, 'rlgen_images_total{reward="mean"}') == len(values)
+
+
+def test_nan_scores_are_null_and_counted(serve):
+    server = serve({"mean": MeanReward(nan_below=0.5)})
+    images = [_png_b64(im) for im in constant_images([0.2, 0.8])]
+    status, body = http(
+        "POST", server.url + "/v1/score", {"reward": "mean", "images": images, "prompts": ["a", "b"]}
+    )
+    assert status == 200 and body["scores"][0] is None and body["scores"][1] > 0.7
+    assert metric(http("GET", server.url + "/metrics")[1], 'rlgen_nan_scores_total{reward="mean"}') == 1
+    client = RemoteReward("mean", endpoints=[server.url])
+    scores = client.score(RewardBatch(prompts=["a", "b"], images=constant_images([0.2, 0.8]))).scores
+    assert math.isnan(scores[0]) and scores[1] > 0.7 and client.stats()["server_nan"] == 1
+
+
+def test_reward_failure_is_a_json_500_and_counted(serve):
+    server = serve({"mean": MeanReward(fail_first=1)})
+    payload = {"reward": "mean", "images": [_png_b64(torch.zeros(3, 4, 4))], "prompts": ["a"]}
+    status, body = http("POST", server.url + "/v1/score", payload)
+    assert status == 500 and "transient failure" in body["error"]
+    assert http("POST", server.url + "/v1/score", payload)[0] == 200
+    text = http("GET", server.url + "/metrics")[1]
+    assert metric(text, 'rlgen_errors_total{kind="scoring"}') == 1
+    assert metric(text, 'rlgen_requests_total{route="/v1/score",status="500"}') == 1
+
+
+def test_graceful_shutdown_completes_in_flight_request(serve):
+    server = serve({"mean": MeanReward(sleep_s=0.6)})
+    result: dict[str, tuple] = {}
+    image = _png_b64(constant_images([0.4])[0])
+    thread = threading.Thread(
+        target=lambda: result.update(
+            r=http("POST", server.url + "/v1/score", {"reward": "mean", "images": [image], "prompts": ["a"]})
+        )
+    )
+    thread.start()
+    metrics = server.app[STATE].metrics
+    while metrics.in_flight.get() < 1:
+        threading.Event().wait(0.01)
+    server.stop()  # blocks until the in-flight request is answered and the batcher drained
+    thread.join(timeout=10)
+    status, body = result["r"]
+    assert status == 200 and math.isclose(body["scores"][0], round(0.4 * 255) / 255, rel_tol=1e-6)

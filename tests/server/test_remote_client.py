@@ -1,0 +1,117 @@
+"""The ``remote`` client against real loopback servers: balancing, failover, retries, failure accounting."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from rlgen_cli.rewards import RewardBatch, build_mix
+from rlgen_cli.rewards.remote import RemoteReward, RemoteRewardError, RequestRefusedError
+from rlgen_cli.schema.errors import UserError
+from rlgen_cli.server.transport import parse_endpoints
+from tests.server.helpers import MeanReward, constant_images
+
+VALUES = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
+FAST = {"backoff_s": 0.01, "health_interval_s": 60.0}
+
+
+def _batch(values: list[float] = VALUES) -> RewardBatch:
+    return RewardBatch(prompts=[f"p{i}" for i in range(len(values))], images=constant_images(values))
+
+
+def _expected(values: list[float] = VALUES) -> torch.Tensor:
+    return torch.tensor([round(v * 255) / 255 for v in values])
+
+
+def _dead_url() -> str:
+    with socket.socket() as sock:  # a port that was free a moment ago: nothing listens there
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_parse_endpoints():
+    assert parse_endpoints(["h:1", "http://h:1/"]) == ["http://h:1"]
+    assert parse_endpoints(hosts=["a", "b"], ports=[1, 2], suffix="/v1") == [
+        "http://a:1/v1", "http://a:2/v1", "http://b:1/v1", "http://b:2/v1"
+    ]  # fmt: skip
+    assert parse_endpoints(ports=8765) == ["http://127.0.0.1:8765"]
+    with pytest.raises(UserError, match="no reward endpoints"):
+        parse_endpoints()
+    with pytest.raises(UserError, match="needs reward=NAME"):
+        RemoteReward(endpoints=["h:1"])
+
+
+def test_balances_across_two_servers_and_works_in_a_mix(serve):
+    rewards = [MeanReward(), MeanReward()]
+    servers = [serve({"mean": r}) for r in rewards]
+    client = RemoteReward("mean", endpoints=[s.url for s in servers], batch_size=2, **FAST)
+    result = client.score(_batch())
+    assert torch.allclose(result.scores, _expected()) and result.details["tag"] == [f"p{i}" for i in range(8)]
+    assert all(r.calls for r in rewards)  # both servers did work
+    stats = client.stats()
+    assert stats["ok"] == 4 and stats.get("failures", 0) == 0
+    assert all(e["requests"] >= 1 for e in stats["endpoints"].values())
+    mix = build_mix({"remote": 2.0}, remote={"reward": "mean", "endpoints": [servers[0].url]})
+    assert torch.allclose(mix.score(_batch()).scores, 2 * _expected())
+
+
+def test_fails_over_when_a_server_stops(serve):
+    first, second = MeanReward(), MeanReward()
+    servers = [serve({"mean": first}), serve({"mean": second})]
+    client = RemoteReward("mean", endpoints=[s.url for s in servers], batch_size=2, **FAST)
+    client.score(_batch())  # both endpoints are now known healthy
+    servers[0].stop()
+    before = len(second.calls)
+    assert torch.allclose(client.score(_batch()).scores, _expected())
+    stats = client.stats()
+    assert stats["connection_errors"] >= 1 and stats["failovers"] >= 1 and stats["retries"] >= 1
+    assert stats["endpoints"][servers[0].url]["healthy"] is False
+    assert len(second.calls) - before == 4  # every chunk ended up on the live server
+
+
+def test_unknown_endpoint_is_health_checked_before_use(serve):
+    server = serve({"mean": MeanReward()})
+    client = RemoteReward("mean", endpoints=[_dead_url(), server.url], batch_size=4, **FAST)
+    assert torch.allclose(client.score(_batch()).scores, _expected())
+    stats = client.stats()
+    assert stats["health_failures"] >= 1 and stats.get("connection_errors", 0) == 0
+
+
+def test_retries_a_500(serve):
+    reward = MeanReward(fail_first=1)
+    server = serve({"mean": reward})
+    client = RemoteReward("mean", endpoints=[server.url], batch_size=8, **FAST)
+    assert torch.allclose(client.score(_batch()).scores, _expected())
+    stats = client.stats()
+    assert stats["http_5xx"] == 1 and stats["retries"] == 1 and stats["ok"] == 1
+
+
+def test_4xx_is_raised_at_once(serve):
+    server = serve({"mean": MeanReward()})
+    client = RemoteReward("missing", endpoints=[server.url], on_failure="nan", **FAST)
+    with pytest.raises(RequestRefusedError, match="unknown reward 'missing'"):  # even with on_failure="nan"
+        client.score(_batch())
+    assert client.stats()["http_4xx"] == 1 and client.stats().get("retries", 0) == 0
+
+
+def test_all_dead_raises_or_gives_counted_nan():
+    urls = [_dead_url(), _dead_url()]
+    client = RemoteReward("mean", endpoints=urls, batch_size=4, retries=2, **FAST)
+    with pytest.raises(RemoteRewardError, match="no score after 3 attempts"):
+        client.score(_batch())
+    lenient = RemoteReward("mean", endpoints=urls, batch_size=4, retries=1, on_failure="nan", **FAST)
+    result = lenient.score(_batch())
+    assert torch.isnan(result.scores).all()
+    stats = lenient.stats()
+    assert stats["nan_samples"] == 8 and stats["failed_samples"] == 8 and stats["health_failures"] >= 2
+    with pytest.raises(UserError, match="on_failure"):
+        RemoteReward("mean", endpoints=urls, on_failure="zero")
+
+
+def test_timeout_is_counted(serve):
+    server = serve({"mean": MeanReward(sleep_s=0.5)})
+    client = RemoteReward("mean", endpoints=[server.url], timeout_s=0.1, retries=0, on_failure="nan", **FAST)
+    assert torch.isnan(client.score(_batch([0.5])).scores).all()
+    assert client.stats()["timeouts"] == 1 and client.stats()["nan_samples"] == 1

@@ -1,0 +1,108 @@
+"""``rlgen serve-reward``: help, config schema, worker plan, and one real run of the verb."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from rlgen_cli._hydra import conf_dir
+from rlgen_cli.rewards import RewardBatch, build_reward
+from rlgen_cli.rewards.remote import RemoteReward
+from rlgen_cli.schema.errors import UserError
+from rlgen_cli.schema.serve import ServeRewardConfig
+from rlgen_cli.schema.store import register_schemas
+from rlgen_cli.server.app import ServerSettings
+from rlgen_cli.server.runner import worker_env, worker_plan
+from rlgen_cli.tasks.common import validated
+from rlgen_cli.tasks.serve_reward import reward_specs
+from tests.conftest import run_cli
+from tests.server.helpers import http
+
+
+def _compose(*overrides: str) -> ServeRewardConfig:
+    register_schemas()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        return validated(compose(config_name="serve_reward", overrides=list(overrides)))
+
+
+def test_help():
+    code, out = run_cli("serve-reward", "--help")
+    assert code == 0 and "Serve the rewards" in out and "server.port" in out
+
+
+def test_config_defaults_and_overrides():
+    cfg = _compose()
+    assert isinstance(cfg, ServeRewardConfig)
+    assert (cfg.server.host, cfg.server.port, cfg.server.workers) == ("127.0.0.1", 8765, 1)
+    assert reward_specs(cfg.reward) == {"jpeg_compressibility": {}}
+    cfg = _compose("reward=jpeg_incompressibility", "server.port=9000", "server.devices=[cuda:0,cuda:1]")
+    # (RewardConfig's default weights merge with the group's, so the default reward may be listed too.)
+    assert "jpeg_incompressibility" in reward_specs(cfg.reward) and cfg.server.port == 9000
+    assert cfg.server.devices == ["cuda:0", "cuda:1"]
+    with pytest.raises(UserError, match="server.workers"):
+        _compose("server.workers=0")
+    code, _ = run_cli("serve-reward", "server.prot=1")
+    assert code == 2
+
+
+def test_worker_plan_and_devices():
+    settings = ServerSettings(port=9000, workers=3, devices=["cuda:0", "1"])
+    assert worker_plan(settings) == [(9000, "cuda:0"), (9001, "1"), (9002, "cuda:0")]
+    assert worker_env("cuda:1") == {"CUDA_VISIBLE_DEVICES": "1"} and worker_env("2") == {
+        "CUDA_VISIBLE_DEVICES": "2"
+    }
+    assert worker_env("cpu") == {"CUDA_VISIBLE_DEVICES": ""} and worker_env(None) == {}
+    with pytest.raises(UserError, match="server.devices"):
+        worker_env("tpu:0")
+    with pytest.raises(UserError, match="port=0"):
+        worker_plan(ServerSettings(port=0, workers=2))
+    with pytest.raises(UserError, match="max_batch"):
+        ServerSettings(max_batch=0)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_serve_reward_verb_serves_and_shuts_down_cleanly():
+    port = _free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlgen_cli.cli",
+        "serve-reward",
+        "reward=jpeg_compressibility",
+        f"server.port={port}",
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ | {"NO_COLOR": "1"}
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if http("GET", f"http://127.0.0.1:{port}/healthz")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()
+            time.sleep(0.1)
+        images = torch.rand(2, 3, 16, 16)
+        batch = RewardBatch(prompts=["a", "b"], images=images)
+        remote = RemoteReward("jpeg_compressibility", ports=[port]).score(batch)
+        assert torch.equal(remote.scores, build_reward("jpeg_compressibility").score(batch).scores)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=30)[0].decode()
+    assert proc.returncode == 0, out
+    assert "serving rewards ['jpeg_compressibility']" in out and "drained" in out
