@@ -79,7 +79,11 @@ def plot(
 
     missing = [str(d) for d in run_dirs if not (d / "metrics.jsonl").is_file()]
     if missing:
-        typer.secho(f"no metrics.jsonl in: {', '.join(missing)}; pass run directories of rlgen train", fg="red", err=True)
+        typer.secho(
+            f"no metrics.jsonl in: {', '.join(missing)}; pass run directories of rlgen train",
+            fg="red",
+            err=True,
+        )
         raise typer.Exit(2)
     typer.echo(plot_runs(run_dirs, out))
 

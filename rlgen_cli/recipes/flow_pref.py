@@ -65,11 +65,22 @@ class PreferenceEpoch:
                 recipe.policy, prompts, recipe.cfg.model.num_steps, recipe.cfg.algo.sample_batch_size,
                 recipe.cfg.seed, progress, recipe.spec, epoch=epoch,
             )  # fmt: skip
-        images = torch.cat([recipe.policy.decode(x0[p]).cpu() for p in batches(len(x0), recipe.cfg.algo.sample_batch_size)])
+        images = torch.cat(
+            [recipe.policy.decode(x0[p]).cpu() for p in batches(len(x0), recipe.cfg.algo.sample_batch_size)]
+        )
         components, details = recipe.score(images, prompts, metadata)
         total = sum(recipe.cfg.reward.weights[k] * v for k, v in components.items())
-        cond = Cond.cat([recipe.policy.encode(prompts[p]) for p in batches(len(prompts), recipe.cfg.algo.sample_batch_size)])
-        stats = self._dpo(recipe, epoch, x0, cond, total, indices) if pref.loss == "dpo" else self._sft(recipe, epoch, x0, cond, total, indices)
+        cond = Cond.cat(
+            [
+                recipe.policy.encode(prompts[p])
+                for p in batches(len(prompts), recipe.cfg.algo.sample_batch_size)
+            ]
+        )
+        stats = (
+            self._dpo(recipe, epoch, x0, cond, total, indices)
+            if pref.loss == "dpo"
+            else self._sft(recipe, epoch, x0, cond, total, indices)
+        )
         return {
             "reward/mean": total.mean().item(), "reward/std": total.std().item(),
             **{f"reward/{k}/mean": v.mean().item() for k, v in components.items()}, **details, **stats,
@@ -96,13 +107,17 @@ class PreferenceEpoch:
 
     def _noised(self, recipe: FlowRLRecipe, epoch: int, x0: Tensor, t: int) -> tuple[Tensor, Tensor, Tensor]:
         """σ (B,), ε (B, ...) and x_σ for every row of ``x0`` — rows passed together share nothing."""
-        generator = torch.Generator(device=recipe.device).manual_seed(stream_seed(recipe.cfg.seed, epoch, t, SIGMA_STREAM))
+        generator = torch.Generator(device=recipe.device).manual_seed(
+            stream_seed(recipe.cfg.seed, epoch, t, SIGMA_STREAM)
+        )
         sigma = sample_dpo_sigmas(x0.shape[0], self._sigma_table, generator)
         noise = torch.randn(x0.shape, generator=generator, device=recipe.device)
         s = sigma.view(-1, *([1] * (x0.dim() - 1)))
         return sigma, noise, (1 - s) * x0 + s * noise
 
-    def _dpo(self, recipe: FlowRLRecipe, epoch: int, x0: Tensor, cond: Cond, rewards: Tensor, groups: Tensor) -> dict[str, float]:
+    def _dpo(
+        self, recipe: FlowRLRecipe, epoch: int, x0: Tensor, cond: Cond, rewards: Tensor, groups: Tensor
+    ) -> dict[str, float]:
         pairs = preference_pairs(rewards, groups)
         chosen, rejected = pairs.chosen.to(x0.device), pairs.rejected.to(x0.device)
         stats: dict[str, list[float]] = defaultdict(list)
@@ -118,8 +133,16 @@ class PreferenceEpoch:
                     velocity = functools.partial(_conditioned, recipe.policy, cond.index(rows))
                     context = torch.no_grad() if owner == "ref" else nullcontext()
                     with context, self.reference(recipe) if owner == "ref" else nullcontext():
-                        errors[f"{owner}_{name}"] = flow_matching_error(velocity(x_sigma, sigma), x0[rows], noise)
-            out = dpo_loss(errors["policy_w"], errors["policy_l"], errors["ref_w"], errors["ref_l"], beta=recipe.cfg.algo.pref.beta)
+                        errors[f"{owner}_{name}"] = flow_matching_error(
+                            velocity(x_sigma, sigma), x0[rows], noise
+                        )
+            out = dpo_loss(
+                errors["policy_w"],
+                errors["policy_l"],
+                errors["ref_w"],
+                errors["ref_l"],
+                beta=recipe.cfg.algo.pref.beta,
+            )
             out.loss.backward()
             stats["grad_norm"].append(recipe.optimizer_step())
             if self._reference_copy is not None:
@@ -130,7 +153,9 @@ class PreferenceEpoch:
         stats["skipped_groups"].append(float(pairs.num_skipped))
         return _summarise(stats)
 
-    def _sft(self, recipe: FlowRLRecipe, epoch: int, x0: Tensor, cond: Cond, rewards: Tensor, groups: Tensor) -> dict[str, float]:
+    def _sft(
+        self, recipe: FlowRLRecipe, epoch: int, x0: Tensor, cond: Cond, rewards: Tensor, groups: Tensor
+    ) -> dict[str, float]:
         pref = recipe.cfg.algo.pref
         keep = select_best(rewards, groups, top_k=pref.top_k)
         advantages, _ = group_advantages(rewards, groups, global_std=recipe.cfg.algo.global_std)
@@ -144,7 +169,9 @@ class PreferenceEpoch:
             if pref.beta > 0:
                 with torch.no_grad(), recipe.policy.reference():
                     v_base = velocity(x_sigma, sigma)
-            out = sft_loss(velocity(x_sigma, sigma), x0[rows], noise, v_base=v_base, beta=pref.beta, weights=weights)
+            out = sft_loss(
+                velocity(x_sigma, sigma), x0[rows], noise, v_base=v_base, beta=pref.beta, weights=weights
+            )
             out.loss.backward()
             stats["grad_norm"].append(recipe.optimizer_step())
             for key, value in {**out.stats, "sft_loss": out.loss.item()}.items():

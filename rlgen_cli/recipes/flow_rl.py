@@ -101,7 +101,9 @@ def _grpo_objective(out: StepOut, traj: Trajectory, j: int, adv: Tensor, kl: Ten
     return grpo_loss(out.logprob, traj.logprobs[:, j], adv, clip_range=algo.clip_range, kl=kl, beta=algo.beta)
 
 
-def _guard_objective(out: StepOut, traj: Trajectory, j: int, adv: Tensor, kl: Tensor | None, algo: AlgoConfig):
+def _guard_objective(
+    out: StepOut, traj: Trajectory, j: int, adv: Tensor, kl: Tensor | None, algo: AlgoConfig
+):
     sqrt_neg_dt = (traj.sigmas[j] - traj.sigmas_next[j]).sqrt().expand(adv.shape[0])  # (B,)
     sigma_t = traj.stds[:, j] / sqrt_neg_dt  # the noise scale σ_t of s = σ_t·sqrt(−dt)
     return guard_loss(
@@ -142,12 +144,20 @@ class FlowRLRecipe:
         torch.manual_seed(cfg.seed)
         self.device = resolve_device(cfg.device)
         self.policy: FlowPolicy = build_policy(cfg.model, self.device)
-        self.reward = build_mix(dict(cfg.reward.weights), **{k: dict(v) for k, v in cfg.reward.kwargs.items()})
+        self.reward = build_mix(
+            dict(cfg.reward.weights), **{k: dict(v) for k, v in cfg.reward.kwargs.items()}
+        )
         self.train_set: PromptDataset = load_prompts(cfg.data.train)
         self.test_set: PromptDataset = load_prompts(cfg.data.test)
-        self.sampler = GroupSampler(len(self.train_set), cfg.algo.prompts_per_epoch, cfg.algo.group_size, seed=cfg.seed)
-        noise_level = cfg.sampler.noise_level if cfg.sampler.noise_level is not None else cfg.model.noise_level
-        self.spec = StepSpec(cfg.sampler.kind, noise_level, cfg.sampler.logprob_reduce, cfg.sampler.logprob_form)
+        self.sampler = GroupSampler(
+            len(self.train_set), cfg.algo.prompts_per_epoch, cfg.algo.group_size, seed=cfg.seed
+        )
+        noise_level = (
+            cfg.sampler.noise_level if cfg.sampler.noise_level is not None else cfg.model.noise_level
+        )
+        self.spec = StepSpec(
+            cfg.sampler.kind, noise_level, cfg.sampler.logprob_reduce, cfg.sampler.logprob_form
+        )
         self.objective = STEP_OBJECTIVES[cfg.algo.objective]
         params = self.policy.trainable_parameters()
         self.optimizer = torch.optim.AdamW(
@@ -197,7 +207,9 @@ class FlowRLRecipe:
                 self._log_console(epoch, metrics)
                 if _due(epoch, cfg.save_every, cfg.epochs):
                     self.save(epoch + 1)
-                progress.advance(epochs, description=f"epoch {epoch + 1}: reward {metrics['reward/mean']:+.4g}")
+                progress.advance(
+                    epochs, description=f"epoch {epoch + 1}: reward {metrics['reward/mean']:+.4g}"
+                )
         plot_runs([self.run_dir], self.run_dir / REWARD_CURVE)
         return metrics
 
@@ -267,7 +279,9 @@ class FlowRLRecipe:
             cond=Cond.cat(conds), traj=traj, images=torch.cat(images).cpu(),
         )  # fmt: skip
 
-    def initial_latents(self, cond: Cond, generators: list[torch.Generator], start: int, num_steps: int) -> Tensor:
+    def initial_latents(
+        self, cond: Cond, generators: list[torch.Generator], start: int, num_steps: int
+    ) -> Tensor:
         """x at ``sigmas[start]``: the initial noise, or — for a shared prefix — each group's common ODE
         prefix, computed once per distinct noise stream and copied to the group (the cheaper Fast)."""
         x = self.policy.noise(len(generators), generators)
@@ -291,13 +305,21 @@ class FlowRLRecipe:
         )  # fmt: skip
 
     @torch.no_grad()
-    def score(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> tuple[dict[str, Tensor], dict]:
+    def score(
+        self, images: Tensor, prompts: list[str], metadata: list[dict]
+    ) -> tuple[dict[str, Tensor], dict]:
         """Per-component rewards (N,) and scalar summaries of the mix's details."""
         result = self.reward.score(RewardBatch(prompts=prompts, images=images, metadata=metadata))
-        components = {name: torch.as_tensor(result.details[name], dtype=torch.float32) for name in self.reward.rewards}
-        bad = {k: int((~torch.isfinite(v)).sum()) for k, v in components.items() if not torch.isfinite(v).all()}
+        components = {
+            name: torch.as_tensor(result.details[name], dtype=torch.float32) for name in self.reward.rewards
+        }
+        bad = {
+            k: int((~torch.isfinite(v)).sum()) for k, v in components.items() if not torch.isfinite(v).all()
+        }
         if bad:
-            raise RuntimeError(f"rewards failed for some samples {bad}; a failed score is never replaced by 0")
+            raise RuntimeError(
+                f"rewards failed for some samples {bad}; a failed score is never replaced by 0"
+            )
         summaries = {
             f"reward/{key}/mean": float(torch.as_tensor(value, dtype=torch.float32).mean())
             for key, value in result.details.items()
@@ -305,7 +327,9 @@ class FlowRLRecipe:
         }
         return components, summaries
 
-    def step_logprob(self, traj: Trajectory, cond: Cond, j: int, spec: StepSpec) -> tuple[StepOut, Tensor | None]:
+    def step_logprob(
+        self, traj: Trajectory, cond: Cond, j: int, spec: StepSpec
+    ) -> tuple[StepOut, Tensor | None]:
         """The training-path step ``j`` (log-prob and mean, with gradients) — and its KL when β > 0."""
         velocity = functools.partial(_conditioned, self.policy, cond)
         out = recompute_step(velocity, traj, j, spec)
@@ -324,25 +348,35 @@ class FlowRLRecipe:
         task = progress.task("update", total=algo.num_inner_epochs * len(micro_batches))
         for _ in range(algo.num_inner_epochs):
             for k, part in enumerate(micro_batches):
-                self.train_micro_batch(rollouts.traj.index(part), rollouts.cond.index(part), advantages[part], stats)
+                self.train_micro_batch(
+                    rollouts.traj.index(part), rollouts.cond.index(part), advantages[part], stats
+                )
                 if (k + 1) % algo.gradient_accumulation_steps == 0:
                     stats["grad_norm"].append(self.optimizer_step())
                 progress.advance(task)
         progress.remove(task)
         return _summarise(stats)
 
-    def train_micro_batch(self, traj: Trajectory, cond: Cond, adv: Tensor, stats: dict[str, list[float]]) -> None:
+    def train_micro_batch(
+        self, traj: Trajectory, cond: Cond, adv: Tensor, stats: dict[str, list[float]]
+    ) -> None:
         """Backward through every trained step of one micro-batch (masked samples sit a step out)."""
         algo, adv = self.cfg.algo, adv.to(self.device)
         for j in range(traj.num_steps):
             rows = slice(None) if traj.train_mask is None else traj.train_mask[:, j].nonzero().squeeze(1)
             if traj.train_mask is not None and rows.numel() == 0:
                 continue
-            sub_traj, sub_cond = (traj, cond) if traj.train_mask is None else (traj.index(rows), cond.index(rows))
+            sub_traj, sub_cond = (
+                (traj, cond) if traj.train_mask is None else (traj.index(rows), cond.index(rows))
+            )
             out, kl = self.step_logprob(sub_traj, sub_cond, j, self.spec)
             loss = self.objective(out, sub_traj, j, adv[rows], kl, algo)
             (loss.loss / (traj.num_steps * algo.gradient_accumulation_steps)).backward()
-            for key, value in {**loss.stats, "policy_loss": loss.policy_loss.item(), "kl_loss": loss.kl_loss.item()}.items():
+            for key, value in {
+                **loss.stats,
+                "policy_loss": loss.policy_loss.item(),
+                "kl_loss": loss.kl_loss.item(),
+            }.items():
                 stats[key].append(value)
 
     def optimizer_step(self) -> float:
@@ -369,7 +403,12 @@ class FlowRLRecipe:
         prompts = [ex.prompt for ex in examples]
         with self.ema_weights():
             images = sample_images(
-                self.policy, prompts, self.cfg.model.eval_num_steps, self.cfg.algo.sample_batch_size, self.cfg.seed, progress
+                self.policy,
+                prompts,
+                self.cfg.model.eval_num_steps,
+                self.cfg.algo.sample_batch_size,
+                self.cfg.seed,
+                progress,
             )
         components, _ = self.score(images, prompts, [dict(ex.metadata) for ex in examples])
         save_grid(images, self.run_dir / "images" / f"eval_epoch_{epoch:05d}.png", upscale=2)
@@ -390,7 +429,9 @@ class FlowRLRecipe:
             state[EMA_KEY] = self.ema.state_dict()
             state[RAW_KEY] = [p.detach().cpu().clone() for p in self.policy.trainable_parameters()]
         with self.ema_weights():  # the weights users sample from are the EMA ones
-            ckpt = save_checkpoint(self.run_dir, epochs_done, self.policy, state, self.raw_cfg, self.cfg.keep_last)
+            ckpt = save_checkpoint(
+                self.run_dir, epochs_done, self.policy, state, self.raw_cfg, self.cfg.keep_last
+            )
         log.info("saved %s", ckpt.path)
 
     def _log_console(self, epoch: int, m: dict[str, float]) -> None:
@@ -427,13 +468,21 @@ def _first_of_runs(generators: list[torch.Generator]) -> Tensor:
 def _run_ids(generators: list[torch.Generator]) -> Tensor:
     """For each sample, the ordinal of its run of equal noise streams."""
     seeds = [g.initial_seed() for g in generators]
-    return torch.tensor([sum(1 for j in range(1, i + 1) if seeds[j] != seeds[j - 1]) for i in range(len(seeds))])
+    return torch.tensor(
+        [sum(1 for j in range(1, i + 1) if seeds[j] != seeds[j - 1]) for i in range(len(seeds))]
+    )
 
 
 @torch.no_grad()
 def sample_latents(
-    policy: FlowPolicy, prompts: list[str], num_steps: int, batch_size: int, seed: int, progress: Progress,
-    spec: StepSpec | None = None, epoch: int = 0,
+    policy: FlowPolicy,
+    prompts: list[str],
+    num_steps: int,
+    batch_size: int,
+    seed: int,
+    progress: Progress,
+    spec: StepSpec | None = None,
+    epoch: int = 0,
 ) -> Tensor:
     """Final latents x_0 for ``prompts`` (ODE unless ``spec`` says otherwise), batch by batch; sample i's
     noise comes from stream (seed, epoch, i) whatever the batch size."""
@@ -454,7 +503,12 @@ def sample_latents(
 
 
 def sample_images(
-    policy: FlowPolicy, prompts: list[str], num_steps: int, batch_size: int, seed: int, progress: Progress,
+    policy: FlowPolicy,
+    prompts: list[str],
+    num_steps: int,
+    batch_size: int,
+    seed: int,
+    progress: Progress,
     spec: StepSpec | None = None,
 ) -> Tensor:
     """Images (B, 3, H, W) in [0, 1] for ``prompts``: :func:`sample_latents`, decoded batch by batch."""

@@ -202,7 +202,10 @@ class PrefConfig:
 
     def __post_init__(self) -> None:
         _one_of(self.loss, PREF_LOSSES, "algo.pref.loss")
-        _require(self.top_k >= 1 and self.timesteps_per_sample >= 1, "algo.pref.top_k and timesteps_per_sample must be ≥ 1")
+        _require(
+            self.top_k >= 1 and self.timesteps_per_sample >= 1,
+            "algo.pref.top_k and timesteps_per_sample must be ≥ 1",
+        )
 
 
 @dataclass
@@ -314,7 +317,10 @@ class RewardConfig:
 
 def require_rewards(reward: RewardConfig) -> None:
     """Checked by the configs that score (the schema default is empty so groups do not merge into it)."""
-    _require(bool(reward.weights), "reward.weights is empty: pick reward=NAME or give reward.weights={name: weight}")
+    _require(
+        bool(reward.weights),
+        "reward.weights is empty: pick reward=NAME or give reward.weights={name: weight}",
+    )
 
 
 @dataclass

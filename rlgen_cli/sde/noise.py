@@ -35,7 +35,9 @@ def sample_generators(
     return [torch.Generator(device=device).manual_seed(stream_seed(seed, epoch, k, salt)) for k in keys]
 
 
-def randn_per_sample(shape: Sequence[int], generators: Sequence[torch.Generator], device: torch.device | str) -> Tensor:
+def randn_per_sample(
+    shape: Sequence[int], generators: Sequence[torch.Generator], device: torch.device | str
+) -> Tensor:
     """(len(generators), *shape) standard normals, row i drawn from generator i (fp32)."""
     rows = [torch.randn((1, *shape), generator=g, device=device, dtype=torch.float32) for g in generators]
     return torch.cat(rows)

@@ -51,13 +51,19 @@ def _same(a, b) -> None:
 
 def test_fast_with_window_zero_is_grpo(tmp_path):
     fast = _recipe(tmp_path / "a", ["algo=grpo_fast", "algo.window.size=0", "algo.clip_range=1e-2"])
-    full = _recipe(tmp_path / "b", ["algo=grpo", "algo.window.timestep_fraction=0.75", "algo.clip_range=1e-2", "algo.beta=0"])
+    full = _recipe(
+        tmp_path / "b",
+        ["algo=grpo", "algo.window.timestep_fraction=0.75", "algo.clip_range=1e-2", "algo.beta=0"],
+    )
     _same(_epoch(fast), _epoch(full))
 
 
 def test_mix_grpo_covering_every_step_is_grpo(tmp_path):
     mix = _recipe(tmp_path / "a", ["algo=mix_grpo", "algo.window.size=4", "algo.clip_range=1e-2"])
-    full = _recipe(tmp_path / "b", ["algo=grpo", "algo.window.timestep_fraction=1.0", "algo.clip_range=1e-2", "algo.beta=0"])
+    full = _recipe(
+        tmp_path / "b",
+        ["algo=grpo", "algo.window.timestep_fraction=1.0", "algo.clip_range=1e-2", "algo.beta=0"],
+    )
     _same(_epoch(mix), _epoch(full))
 
 

@@ -40,6 +40,13 @@ ALGOS = ["grpo", "grpo_fast", "mix_grpo", "mix_grpo_flash", "dance", "grpo_guard
 
 @pytest.mark.parametrize("algo", ALGOS)
 def test_check_onpolicy_for_every_algorithm(cli, tmp_path, algo):
-    extra = ["algo.group_size=2", "algo.prompts_per_epoch=2", "algo.sample_batch_size=4", "algo.train_batch_size=4"]
-    code, out = cli("check-onpolicy", *TINY_RUN, f"algo={algo}", *extra, "model.num_steps=4", f"hydra.run.dir={tmp_path}")
+    extra = [
+        "algo.group_size=2",
+        "algo.prompts_per_epoch=2",
+        "algo.sample_batch_size=4",
+        "algo.train_batch_size=4",
+    ]
+    code, out = cli(
+        "check-onpolicy", *TINY_RUN, f"algo={algo}", *extra, "model.num_steps=4", f"hydra.run.dir={tmp_path}"
+    )
     assert code == 0, out

@@ -9,7 +9,12 @@ from safetensors.torch import load_file
 from rlgen_cli.models.sd3 import LORA_WEIGHTS_NAME
 from tests.conftest import TINY_RUN
 
-GEOMETRY = ["algo.group_size=2", "algo.prompts_per_epoch=2", "algo.sample_batch_size=4", "algo.train_batch_size=4"]
+GEOMETRY = [
+    "algo.group_size=2",
+    "algo.prompts_per_epoch=2",
+    "algo.sample_batch_size=4",
+    "algo.train_batch_size=4",
+]
 
 
 @pytest.mark.parametrize(

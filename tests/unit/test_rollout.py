@@ -93,7 +93,11 @@ def test_sigma_count_must_fit_the_plan():
 def test_per_sample_streams_make_rollouts_independent_of_batching():
     from rlgen_cli.sde.noise import randn_per_sample, sample_generators
 
-    sigmas, plan, spec = sd3_sigmas(4), plan_window("all", 4, timestep_fraction=0.99), StepSpec("flow_sde", 0.7)
+    sigmas, plan, spec = (
+        sd3_sigmas(4),
+        plan_window("all", 4, timestep_fraction=0.99),
+        StepSpec("flow_sde", 0.7),
+    )
 
     def run(parts: list[slice]) -> Trajectory:
         init = sample_generators(7, 3, range(4), salt=0)
