@@ -61,6 +61,8 @@ class FlowPolicy(Protocol):
     family: str
     device: torch.device
     cfg: ModelConfig
+    takes_source_images: bool
+    """Editing families: ``encode`` needs the (B, 3, H, W) source images in [0, 1]."""
 
     def encode(self, prompts: Sequence[str], images: Tensor | None = None) -> Cond: ...
     def noise(

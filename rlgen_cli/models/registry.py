@@ -1,8 +1,13 @@
-"""Model-family registry: ``model.family`` → a builder returning a flow policy."""
+"""Model-family registry: ``model.family`` → the module whose ``build(cfg, device)`` returns the policy.
+
+Each family lives in its own module under ``models/`` and exposes ``build(cfg: ModelConfig, device)``
+(tiny variant when ``cfg.tiny``, else real loading). Modules are imported only when their family is
+used, so a family's heavy imports never slow down another's.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
 
 import torch
 
@@ -10,25 +15,24 @@ from rlgen_cli.models.base import FlowPolicy
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
 
-
-def _build_sd3(cfg: ModelConfig, device: torch.device) -> FlowPolicy:
-    from rlgen_cli.models.sd3 import SD3Policy, load_sd3_pipeline, tiny_sd3_pipeline
-
-    pipeline = (
-        tiny_sd3_pipeline(cfg.tiny_seed, cfg.max_sequence_length) if cfg.tiny else load_sd3_pipeline(cfg)
-    )
-    return SD3Policy(pipeline, cfg, device)
-
-
-FAMILIES: dict[str, Callable[[ModelConfig, torch.device], FlowPolicy]] = {"sd3": _build_sd3}
+FAMILIES: dict[str, str] = {
+    "sd3": "rlgen_cli.models.sd3",
+    "flux": "rlgen_cli.models.flux",
+    "flux_kontext": "rlgen_cli.models.flux_kontext",
+    "qwen_image": "rlgen_cli.models.qwen_image",
+    "qwen_image_edit": "rlgen_cli.models.qwen_image_edit",
+    "wan2_1": "rlgen_cli.models.wan",
+}
 
 
 def build_policy(cfg: ModelConfig, device: torch.device) -> FlowPolicy:
     """Build the flow policy of ``cfg.family`` (tiny or loaded) on ``device``."""
+    if cfg.family not in FAMILIES:
+        raise UserError(f"model.family={cfg.family!r} is unknown; families: {', '.join(sorted(FAMILIES))}")
     try:
-        builder = FAMILIES[cfg.family]
-    except KeyError:
-        raise UserError(
-            f"model.family={cfg.family!r} is unknown; families: {', '.join(sorted(FAMILIES))}"
-        ) from None
-    return builder(cfg, device)
+        module = importlib.import_module(FAMILIES[cfg.family])
+    except ModuleNotFoundError as err:
+        if err.name != FAMILIES[cfg.family]:
+            raise
+        raise UserError(f"model.family={cfg.family!r} is not available in this version of rlgen") from err
+    return module.build(cfg, device)

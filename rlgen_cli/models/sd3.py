@@ -132,6 +132,7 @@ class SD3Policy:
     """SD3 behind the flow-policy protocol (see ``models/base.py``)."""
 
     family = "sd3"
+    takes_source_images = False
 
     def __init__(self, pipeline, cfg: ModelConfig, device: torch.device) -> None:
         self.cfg = cfg
@@ -292,3 +293,9 @@ class SD3Policy:
         for name, param in self.transformer.named_parameters():
             if param.requires_grad:
                 yield name, param
+
+
+def build(cfg: ModelConfig, device: torch.device) -> SD3Policy:
+    """The registry's entry point: the tiny pipeline when ``cfg.tiny``, else the loaded one."""
+    pipeline = tiny_sd3_pipeline(cfg.tiny_seed, cfg.max_sequence_length) if cfg.tiny else load_sd3_pipeline(cfg)
+    return SD3Policy(pipeline, cfg, device)

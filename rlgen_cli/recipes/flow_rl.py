@@ -44,6 +44,7 @@ from torch import Tensor
 
 from rlgen_cli.algos import GRPOLossOut, combine_rewards, grpo_loss, guard_loss
 from rlgen_cli.data import GroupSampler, PromptDataset
+from rlgen_cli.data.images import load_images, source_image_paths
 from rlgen_cli.data.paths import load_prompts
 from rlgen_cli.models import Cond, FlowPolicy, build_policy, resolve_device
 from rlgen_cli.rewards import RewardBatch, build_mix
@@ -83,6 +84,7 @@ class Rollouts:
     cond: Cond  # (N, ...)
     traj: Trajectory  # (N, S, ...)
     images: Tensor  # (N, 3, H, W) in [0, 1]
+    sources: Tensor | None = None  # (N, 3, H, W) source images of editing sets
 
     def select(self, keep: Tensor) -> Rollouts:
         """The samples at positions ``keep`` (N',)."""
@@ -90,6 +92,7 @@ class Rollouts:
         return Rollouts(
             self.indices[keep], [self.prompts[i] for i in picked], [self.metadata[i] for i in picked],
             self.cond.index(keep), self.traj.index(keep), self.images[keep],
+            None if self.sources is None else self.sources[keep],
         )  # fmt: skip
 
 
@@ -218,7 +221,7 @@ class FlowRLRecipe:
         with _timed(timings, "time/rollout"):
             rollouts = self.sample_epoch(epoch, progress)
         with _timed(timings, "time/reward"):
-            components, reward_details = self.score(rollouts.images, rollouts.prompts, rollouts.metadata)
+            components, reward_details = self.score(rollouts.images, rollouts.prompts, rollouts.metadata, rollouts.sources)
         advantages, adv_stats = combine_rewards(
             components, dict(self.cfg.reward.weights), rollouts.indices, mode=self.cfg.reward.aggregation,
             global_std=self.cfg.algo.global_std, clip_max=self.cfg.algo.adv_clip_max,
@@ -261,10 +264,11 @@ class FlowRLRecipe:
         initial = sample_generators(self.cfg.seed, epoch, noise_keys, self.device, salt=INITIAL_NOISE)
         steps = sample_generators(self.cfg.seed, epoch, positions, self.device, salt=STEP_NOISE)
         start = min(plan.sde_steps) if algo.branch == "shared_prefix" else 0
+        sources = self.source_images(examples, self.train_set)
         conds, trajs, images = [], [], []
         task = progress.task("rollout", total=len(indices))
         for part in batches(len(indices), algo.sample_batch_size):
-            cond = self.policy.encode(prompts[part])
+            cond = self.policy.encode(prompts[part], None if sources is None else sources[part].to(self.device))
             x = self.initial_latents(cond, initial[part], start, plan.num_steps)
             trajs.append(self.rollout_batch(cond, x, plan, steps[part], start))
             conds.append(cond)
@@ -276,8 +280,12 @@ class FlowRLRecipe:
             traj = replace(traj, train_mask=plan.train_mask.to(self.device))
         return Rollouts(
             indices=torch.tensor(indices), prompts=prompts, metadata=[dict(ex.metadata) for ex in examples],
-            cond=Cond.cat(conds), traj=traj, images=torch.cat(images).cpu(),
+            cond=Cond.cat(conds), traj=traj, images=torch.cat(images).cpu(), sources=sources,
         )  # fmt: skip
+
+    def source_images(self, examples: list, dataset: PromptDataset) -> Tensor | None:
+        """(N, 3, H, W) source images for editing families (``policy.takes_source_images``), else None."""
+        return source_images_for(self.policy, examples, dataset)
 
     def initial_latents(
         self, cond: Cond, generators: list[torch.Generator], start: int, num_steps: int
@@ -306,10 +314,11 @@ class FlowRLRecipe:
 
     @torch.no_grad()
     def score(
-        self, images: Tensor, prompts: list[str], metadata: list[dict]
+        self, images: Tensor, prompts: list[str], metadata: list[dict], sources: Tensor | None = None
     ) -> tuple[dict[str, Tensor], dict]:
         """Per-component rewards (N,) and scalar summaries of the mix's details."""
-        result = self.reward.score(RewardBatch(prompts=prompts, images=images, metadata=metadata))
+        batch = RewardBatch(prompts=prompts, images=images, metadata=metadata, ref_images=sources)
+        result = self.reward.score(batch)
         components = {
             name: torch.as_tensor(result.details[name], dtype=torch.float32) for name in self.reward.rewards
         }
@@ -401,16 +410,13 @@ class FlowRLRecipe:
         examples = [self.test_set[i] for i in range(min(n_prompts, len(self.test_set)))]
         examples = [ex for ex in examples for _ in range(self.cfg.data.eval_images_per_prompt)]
         prompts = [ex.prompt for ex in examples]
+        sources = self.source_images(examples, self.test_set)
         with self.ema_weights():
             images = sample_images(
-                self.policy,
-                prompts,
-                self.cfg.model.eval_num_steps,
-                self.cfg.algo.sample_batch_size,
-                self.cfg.seed,
-                progress,
-            )
-        components, _ = self.score(images, prompts, [dict(ex.metadata) for ex in examples])
+                self.policy, prompts, self.cfg.model.eval_num_steps, self.cfg.algo.sample_batch_size,
+                self.cfg.seed, progress, sources=sources,
+            )  # fmt: skip
+        components, _ = self.score(images, prompts, [dict(ex.metadata) for ex in examples], sources)
         save_grid(images, self.run_dir / "images" / f"eval_epoch_{epoch:05d}.png", upscale=2)
         total = sum(self.cfg.reward.weights[k] * v for k, v in components.items())
         return {
@@ -483,6 +489,7 @@ def sample_latents(
     progress: Progress,
     spec: StepSpec | None = None,
     epoch: int = 0,
+    sources: Tensor | None = None,
 ) -> Tensor:
     """Final latents x_0 for ``prompts`` (ODE unless ``spec`` says otherwise), batch by batch; sample i's
     noise comes from stream (seed, epoch, i) whatever the batch size."""
@@ -493,7 +500,7 @@ def sample_latents(
     latents = []
     task = progress.task("sampling", total=len(prompts))
     for part in batches(len(prompts), batch_size):
-        cond = policy.encode(prompts[part])
+        cond = policy.encode(prompts[part], None if sources is None else sources[part].to(policy.device))
         x = policy.noise(part.stop - part.start, initial[part])
         velocity = functools.partial(_conditioned, policy, cond)
         latents.append(rollout(velocity, x, policy.schedule(num_steps, x), plan, spec, steps[part]).final)
@@ -510,10 +517,19 @@ def sample_images(
     seed: int,
     progress: Progress,
     spec: StepSpec | None = None,
+    sources: Tensor | None = None,
 ) -> Tensor:
     """Images (B, 3, H, W) in [0, 1] for ``prompts``: :func:`sample_latents`, decoded batch by batch."""
-    latents = sample_latents(policy, prompts, num_steps, batch_size, seed, progress, spec)
+    latents = sample_latents(policy, prompts, num_steps, batch_size, seed, progress, spec, sources=sources)
     return torch.cat([policy.decode(latents[part]).cpu() for part in batches(len(latents), batch_size)])
+
+
+def source_images_for(policy: FlowPolicy, examples: list, dataset: PromptDataset) -> Tensor | None:
+    """Editing families get each example's source image, resized to the model's size; others None."""
+    if not getattr(policy, "takes_source_images", False):
+        return None
+    height, width = policy.cfg.height or policy.cfg.resolution, policy.cfg.width or policy.cfg.resolution
+    return load_images(source_image_paths(examples, dataset.source), height, width)
 
 
 def _conditioned(policy: FlowPolicy, cond: Cond, x: Tensor, sigma: Tensor) -> Tensor:

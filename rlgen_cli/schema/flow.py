@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlgen_cli.schema.errors import UserError
+from rlgen_cli.schema.vlm import TokenGRPOOptions, VLMOptions
 
 SD3_LORA_TARGETS = [
     "attn.add_k_proj",
@@ -33,7 +34,7 @@ WINDOW_OPTIONS = {
     "single": ("max_index",),
 }
 OBJECTIVES = ("grpo", "grpo_guard")
-RECIPES = ("flow_rl", "flow_pref")
+RECIPES = ("flow_rl", "flow_pref", "vlm_rl", "vlm_sft")
 PREF_LOSSES = ("dpo", "sft")
 BRANCHES = ("independent", "shared_prefix")
 KL_FORMS = ("true", "upstream")
@@ -84,7 +85,13 @@ class ModelConfig:
     dtype: str = "float32"
     """Dtype of the frozen weights and of the transformer's forward (trainable weights stay fp32)."""
     resolution: int = 512
-    """Image side in pixels."""
+    """Image side in pixels (square images; ``height``/``width`` override it)."""
+    height: int | None = None
+    """Image height in pixels; null = resolution."""
+    width: int | None = None
+    """Image width in pixels; null = resolution."""
+    num_frames: int = 1
+    """Frames per sample (video families such as Wan2.1); 1 for images."""
     guidance_scale: float = 4.5
     """Classifier-free guidance scale; 1.0 means no unconditional branch ("nocfg")."""
     negative_prompt: str = ""
@@ -100,6 +107,8 @@ class ModelConfig:
     max_sequence_length: int = 256
     """T5 tokens of the prompt."""
     lora: LoraConfig = field(default_factory=LoraConfig)
+    vlm: VLMOptions = field(default_factory=VLMOptions)
+    """Multimodal-LLM families only (processor pixel bounds, context)."""
 
     def __post_init__(self) -> None:
         _one_of(self.dtype, DTYPES, "model.dtype")
@@ -264,6 +273,8 @@ class AlgoConfig:
     """Train only the k best and k worst samples of each group (DanceGRPO's best-of-N); 0 = all."""
     ema: EMAConfig = field(default_factory=EMAConfig)
     pref: PrefConfig = field(default_factory=PrefConfig)
+    token: TokenGRPOOptions = field(default_factory=TokenGRPOOptions)
+    """Token-level GRPO (VLM recipes only)."""
 
     def __post_init__(self) -> None:
         _one_of(self.recipe, RECIPES, "algo.recipe")
