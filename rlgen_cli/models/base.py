@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -74,6 +74,7 @@ class FlowPolicy(Protocol):
     def trainable_parameters(self) -> list[nn.Parameter]: ...
     def reference(self) -> contextlib.AbstractContextManager[None]: ...
     def save_trainable(self, directory: Path) -> None: ...
+    def distribute(self, wrap: Callable[[nn.Module], nn.Module]) -> None: ...
     def load_trainable(self, directory: Path) -> None: ...
 
 

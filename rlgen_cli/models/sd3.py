@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -159,10 +159,23 @@ class SD3Policy:
         for param in self._trainable:
             param.data = param.data.float()
         self._reference = ReferenceSwitch(pipeline, "transformer", lora=cfg.lora.enabled)
+        self._distributed: nn.Module | None = None
 
     @property
     def transformer(self) -> nn.Module:
         return self.pipeline.transformer
+
+    def distribute(self, wrap: Callable[[nn.Module], nn.Module]) -> None:
+        """Route gradient-carrying forwards through ``wrap(transformer)`` (DDP: averaged gradients)."""
+        self._distributed = wrap(self.transformer)
+
+    def _forward_module(self) -> nn.Module:
+        """The DDP wrapper for training forwards; the bare module under no_grad (rollouts, reference,
+        eval), where no gradient needs averaging and ranks need not call in lockstep."""
+        wrapped = self._distributed
+        if wrapped is not None and torch.is_grad_enabled() and getattr(wrapped, "module", None) is self.transformer:
+            return wrapped
+        return self.transformer
 
     # -- conditioning -------------------------------------------------------------------------
     @torch.no_grad()
@@ -213,7 +226,7 @@ class SD3Policy:
         else:
             x_in = x
         with self._autocast():
-            out = self.transformer(
+            out = self._forward_module()(
                 hidden_states=x_in.to(self.dtype), timestep=timestep, encoder_hidden_states=embeds,
                 pooled_projections=pooled, return_dict=False,
             )[0].float()  # fmt: skip

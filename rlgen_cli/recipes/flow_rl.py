@@ -46,8 +46,10 @@ from rlgen_cli.algos import GRPOLossOut, combine_rewards, grpo_loss, guard_loss
 from rlgen_cli.data import GroupSampler, PromptDataset
 from rlgen_cli.data.images import load_images, source_image_paths
 from rlgen_cli.data.paths import load_prompts
-from rlgen_cli.models import Cond, FlowPolicy, build_policy, resolve_device
+from rlgen_cli.launch.dist import Dist, make_dist
+from rlgen_cli.models import Cond, FlowPolicy, build_policy
 from rlgen_cli.rewards import RewardBatch, build_mix
+from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import AlgoConfig, TrainConfig
 from rlgen_cli.sde import euler, step_kl
 from rlgen_cli.sde.noise import sample_generators, stream_seed
@@ -64,7 +66,7 @@ from rlgen_cli.training.checkpoint import (
 )
 from rlgen_cli.training.ema import EMA
 from rlgen_cli.training.images import save_grid
-from rlgen_cli.training.metrics import JsonlLogger
+from rlgen_cli.training.metrics import JsonlLogger, NullLogger
 from rlgen_cli.training.plots import plot_runs
 from rlgen_cli.training.progress import Progress
 
@@ -145,16 +147,21 @@ class FlowRLRecipe:
     def setup(self) -> None:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
-        self.device = resolve_device(cfg.device)
+        self.dist: Dist = make_dist(cfg.device)
+        self.device = self.dist.device
         self.policy: FlowPolicy = build_policy(cfg.model, self.device)
+        if self.dist.world_size > 1:
+            _require_rank_symmetric(cfg.algo)
+            self.policy.distribute(self.dist.wrap_model)
         self.reward = build_mix(
             dict(cfg.reward.weights), **{k: dict(v) for k, v in cfg.reward.kwargs.items()}
         )
         self.train_set: PromptDataset = load_prompts(cfg.data.train)
         self.test_set: PromptDataset = load_prompts(cfg.data.test)
         self.sampler = GroupSampler(
-            len(self.train_set), cfg.algo.prompts_per_epoch, cfg.algo.group_size, seed=cfg.seed
-        )
+            len(self.train_set), cfg.algo.prompts_per_epoch, cfg.algo.group_size, seed=cfg.seed,
+            num_replicas=self.dist.world_size, rank=self.dist.rank,
+        )  # fmt: skip
         noise_level = (
             cfg.sampler.noise_level if cfg.sampler.noise_level is not None else cfg.model.noise_level
         )
@@ -171,7 +178,7 @@ class FlowRLRecipe:
         self.ema = EMA(params, decay=ema.decay, update_every=ema.update_every) if ema.enabled else None
         self.start_epoch, self.global_step = 0, 0
         self._maybe_resume()
-        self.logger = JsonlLogger(self.run_dir)
+        self.logger = JsonlLogger(self.run_dir) if self.dist.is_main else NullLogger()
         log.info(
             "%s on %s: %d trainable parameters, %d prompts × %d samples per epoch, %s window over %d steps",
             cfg.model.family, self.device, sum(p.numel() for p in params), cfg.algo.prompts_per_epoch,
@@ -200,20 +207,22 @@ class FlowRLRecipe:
     def train(self) -> dict[str, float]:
         cfg = self.cfg
         metrics: dict[str, float] = {}
-        with Progress(enabled=cfg.progress) as progress:
+        main = self.dist.is_main
+        with Progress(enabled=cfg.progress and main) as progress:
             epochs = progress.task("epochs", total=cfg.epochs, completed=self.start_epoch)
             for epoch in range(self.start_epoch, cfg.epochs):
                 metrics = self.epoch_fn(self, epoch, progress)
-                if cfg.eval_every and (epoch == 0 or _due(epoch, cfg.eval_every, cfg.epochs)):
+                if main and cfg.eval_every and (epoch == 0 or _due(epoch, cfg.eval_every, cfg.epochs)):
                     metrics |= self.evaluate(epoch, progress)
                 self.logger.log(metrics, step=epoch)
-                self._log_console(epoch, metrics)
+                if main:
+                    self._log_console(epoch, metrics)
                 if _due(epoch, cfg.save_every, cfg.epochs):
                     self.save(epoch + 1)
-                progress.advance(
-                    epochs, description=f"epoch {epoch + 1}: reward {metrics['reward/mean']:+.4g}"
-                )
-        plot_runs([self.run_dir], self.run_dir / REWARD_CURVE)
+                self.dist.barrier()
+                progress.advance(epochs, description=f"epoch {epoch + 1}: reward {metrics['reward/mean']:+.4g}")
+        if main:
+            plot_runs([self.run_dir], self.run_dir / REWARD_CURVE)
         return metrics
 
     def train_epoch(self, epoch: int, progress: Progress) -> dict[str, float]:
@@ -221,23 +230,30 @@ class FlowRLRecipe:
         with _timed(timings, "time/rollout"):
             rollouts = self.sample_epoch(epoch, progress)
         with _timed(timings, "time/reward"):
-            components, reward_details = self.score(rollouts.images, rollouts.prompts, rollouts.metadata, rollouts.sources)
+            local, reward_details = self.score(rollouts.images, rollouts.prompts, rollouts.metadata, rollouts.sources)
+        # every rank sees the whole batch's rewards with their dataset indices, so a group that spans
+        # ranks is normalised as one; each rank then keeps the advantages of its own samples
+        components = {k: self.dist.gather(v).cpu() for k, v in local.items()}
+        group_ids = self.dist.gather(rollouts.indices).cpu()
         advantages, adv_stats = combine_rewards(
-            components, dict(self.cfg.reward.weights), rollouts.indices, mode=self.cfg.reward.aggregation,
+            components, dict(self.cfg.reward.weights), group_ids, mode=self.cfg.reward.aggregation,
             global_std=self.cfg.algo.global_std, clip_max=self.cfg.algo.adv_clip_max,
         )  # fmt: skip
+        mine = slice(self.dist.rank * len(rollouts.indices), (self.dist.rank + 1) * len(rollouts.indices))
         total = sum(self.cfg.reward.weights[k] * v for k, v in components.items())
-        keep = best_and_worst(total, rollouts.indices, self.cfg.algo.best_of_n)
+        keep = best_and_worst(total[mine], rollouts.indices, self.cfg.algo.best_of_n)
+        advantages = advantages[mine]
         with _timed(timings, "time/update"):
             update_stats = self.update(rollouts.select(keep), advantages[keep], progress)
-        if self.cfg.images_every and epoch % self.cfg.images_every == 0:
+        if self.dist.is_main and self.cfg.images_every and epoch % self.cfg.images_every == 0:
             save_grid(rollouts.images, self.run_dir / "images" / f"train_epoch_{epoch:05d}.png", upscale=2)
+        local_stats = reduce_over_ranks(self.dist, {**reward_details, **update_stats, "trained_samples": len(keep)})
         return {
             "reward/mean": total.mean().item(), "reward/std": total.std().item(),
             **{f"reward/{k}/mean": v.mean().item() for k, v in components.items()},
             **{f"reward/{k}/std": v.std().item() for k, v in components.items()},
-            **reward_details, "zero_std_ratio": adv_stats.zero_std_ratio,
-            "num_groups": adv_stats.num_groups, "trained_samples": len(keep), **update_stats, **timings,
+            **local_stats, "zero_std_ratio": adv_stats.zero_std_ratio, "num_groups": adv_stats.num_groups,
+            **timings,
             "peak_memory_mb": peak_memory_mb(self.device), "global_step": self.global_step,
         }  # fmt: skip
 
@@ -257,7 +273,8 @@ class FlowRLRecipe:
         indices = self.sampler.indices_for_epoch(epoch)
         examples = [self.train_set[i] for i in indices]
         prompts = [ex.prompt for ex in examples]
-        positions = list(range(len(indices)))  # the samples' places in the epoch's global batch
+        offset = self.dist.rank * len(indices)
+        positions = list(range(offset, offset + len(indices)))  # places in the epoch's global batch
         plan = self.plan_for(epoch, len(indices))
         share = algo.shared_initial_noise or algo.branch == "shared_prefix"  # a prefix is per group
         noise_keys = [p // algo.group_size for p in positions] if share else positions
@@ -431,6 +448,8 @@ class FlowRLRecipe:
             OPTIMIZER_KEY: self.optimizer.state_dict(), SAMPLER_KEY: self.sampler.state_dict(),
             COUNTERS_KEY: {"epoch": epochs_done, "global_step": self.global_step},
         }  # fmt: skip
+        if not self.dist.is_main:
+            return
         if self.ema is not None:
             state[EMA_KEY] = self.ema.state_dict()
             state[RAW_KEY] = [p.detach().cpu().clone() for p in self.policy.trainable_parameters()]
@@ -451,6 +470,26 @@ class FlowRLRecipe:
 
     def cleanup(self) -> None:
         self.logger.close()
+
+
+def reduce_over_ranks(dist: Dist, stats: dict[str, float]) -> dict[str, float]:
+    """Per-rank scalars → run-wide ones: min/max for ratio extremes, sums for counts, else the mean."""
+    if dist.world_size == 1 or not stats:
+        return stats
+    keys = sorted(stats)
+    table = dist.gather(torch.tensor([[float(stats[k]) for k in keys]], dtype=torch.float64)).cpu()  # (W, K)
+    reducers = {"ratio_min": torch.min, "ratio_max": torch.max, "trained_samples": torch.sum}
+    return {k: float(reducers.get(k, torch.mean)(table[:, i])) for i, k in enumerate(keys)}
+
+
+def _require_rank_symmetric(algo: AlgoConfig) -> None:
+    """DDP needs every rank to run the same number of backward passes; per-sample step subsets and
+    best-of-N selection can give ranks different counts."""
+    if algo.window.kind == "random_subset" or algo.best_of_n > 0:
+        raise UserError(
+            "algo.window.kind=random_subset and algo.best_of_n are single-process for now (ranks would run "
+            "different numbers of backward passes); use launcher=local or another window"
+        )
 
 
 def best_and_worst(rewards: Tensor, group_ids: Tensor, k: int) -> Tensor:

@@ -9,7 +9,12 @@
   into a score by ``parser`` (``unifiedreward``: "Final Score: x" → x/5, ``qwenvl``: ``<Score>X</Score>``
   → X/5, both parsed like the local judge in :mod:`rlgen_cli.rewards.vlm_judge`, or any
   ``module:function``). The ``qwenvl`` default prompt is that module's rubric, so served and local
-  scores are comparable.
+  scores are comparable. ``geneval_plus`` and ``tiif`` build their prompt from each sample's metadata
+  and parse JSON answers (:mod:`rlgen_cli.rewards.judge_prompts`).
+
+Presets registered under their own names, so they can sit side by side in one mix: ``unifiedreward``,
+``geneval_plus`` and ``tiif`` (``openai_judge`` with that parser) and ``deqa`` (DeQA-Score behind
+Flow-GRPO's reward server: ``flowgrpo_remote`` reading the ``outputs`` key, already ``score/5``).
 
 All three share :class:`~rlgen_cli.server.transport.EndpointPool`: least-in-flight balancing over every
 endpoint, lazy health checks, timeouts, retries with exponential backoff and failover, and counters
@@ -21,6 +26,7 @@ large) is a configuration mistake and always raises :class:`RequestRefusedError`
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import math
@@ -32,6 +38,7 @@ import torch
 from torch import Tensor
 
 from rlgen_cli.rewards.base import RewardBatch, RewardResult
+from rlgen_cli.rewards.judge_prompts import JUDGES, JudgeSpec, plain_spec
 from rlgen_cli.rewards.registry import register
 from rlgen_cli.rewards.vlm_judge import DEFAULT_RUBRIC, SCORE_MAX, parse_final_score, parse_score_tag
 from rlgen_cli.schema.errors import UserError
@@ -47,8 +54,12 @@ __all__ = [
     "RemoteReward",
     "RemoteRewardError",
     "RequestRefusedError",
+    "deqa",
+    "geneval_plus",
     "parse_qwenvl",
     "parse_unifiedreward",
+    "tiif",
+    "unifiedreward",
 ]
 
 UNIFIEDREWARD_PROMPT = (
@@ -255,6 +266,7 @@ class FlowGrpoRemoteReward(_RemoteBase):
         jpeg_quality: int = 75,
         on_failure: str = "raise",
         max_concurrency: int | None = None,
+        score_key: str = "scores",
         name: str = "flowgrpo_remote",
     ) -> None:
         """Create the client.
@@ -272,6 +284,7 @@ class FlowGrpoRemoteReward(_RemoteBase):
             jpeg_quality: JPEG quality (Flow-GRPO's client uses PIL's default, 75).
             on_failure: ``raise`` or ``nan``.
             max_concurrency: Requests in flight per call (default: number of endpoints).
+            score_key: Reply key holding the scores (``scores``; the DeQA server uses ``outputs``).
             name: Name used in logs and errors.
 
         Raises:
@@ -281,7 +294,7 @@ class FlowGrpoRemoteReward(_RemoteBase):
             raise UserError(
                 "flowgrpo_remote speaks Flow-GRPO's pickle protocol, and unpickling can execute arbitrary code; "
                 "use it only with a server you trust and opt in with allow_pickle=true "
-                "(reward.kwargs.flowgrpo_remote.allow_pickle=true). rlgen's own server (reward 'remote') is safe."
+                f"(reward.kwargs.{name}.allow_pickle=true). rlgen's own server (reward 'remote') is safe."
             )
         self.name, self.batch_size, self.only_strict, self.jpeg_quality = (
             name,
@@ -289,6 +302,7 @@ class FlowGrpoRemoteReward(_RemoteBase):
             only_strict,
             jpeg_quality,
         )
+        self.score_key = score_key
         self.on_failure = _check_on_failure(on_failure)
         urls = parse_endpoints(endpoints, hosts, ports)
         self.pool = EndpointPool(urls, timeout_s, retries, backoff_s, None, 10.0)
@@ -303,7 +317,8 @@ class FlowGrpoRemoteReward(_RemoteBase):
             jpegs = [wire.encode_image(images[i], "jpeg", self.jpeg_quality) for i in indices]
             body = protocols.flowgrpo_request(jpegs, [metadata[i] for i in indices], self.only_strict)
             headers = {"Content-Type": "application/octet-stream"}
-            return self.pool.request("/", body, headers, protocols.flowgrpo_reply(len(indices)))
+            parse = protocols.flowgrpo_reply(len(indices), self.score_key)
+            return self.pool.request("/", body, headers, parse)
 
         return self._score_chunks(len(batch), chunk)
 
@@ -337,7 +352,7 @@ PROMPTS: dict[str, str] = {"unifiedreward": UNIFIEDREWARD_PROMPT, "qwenvl": DEFA
 
 
 def _resolve_parser(parser: str | Callable[[str], float]) -> Callable[[str], float]:
-    """A parser from its built-in name, a ``module:function`` path, or a callable."""
+    """A text-only parser from its built-in name, a ``module:function`` path, or a callable."""
     if callable(parser):
         return parser
     if parser in PARSERS:
@@ -345,7 +360,29 @@ def _resolve_parser(parser: str | Callable[[str], float]) -> Callable[[str], flo
     if ":" in parser:
         module, _, attr = parser.partition(":")
         return getattr(importlib.import_module(module), attr)
-    raise UserError(f"unknown judge parser {parser!r}; use {', '.join(PARSERS)} or 'module:function'")
+    names = ", ".join([*PARSERS, *JUDGES])
+    raise UserError(f"unknown judge parser {parser!r}; use {names} or 'module:function'")
+
+
+def _resolve_judge(
+    parser: str | Callable[[str], float], prompt_template: str | None, system_prompt: str | None
+) -> JudgeSpec:
+    """The judge spec for ``parser``, with the template and system prompt overridden when given.
+
+    Metadata-aware judges (``geneval_plus``, ``tiif``) come from :data:`judge_prompts.JUDGES`; any other
+    parser is text-only and its template needs a ``{prompt}`` slot.
+    """
+    if isinstance(parser, str) and parser in JUDGES:
+        spec = JUDGES[parser]
+    else:
+        template = prompt_template or (PROMPTS.get(parser) if isinstance(parser, str) else None)
+        if template is None:
+            raise UserError(
+                f"openai_judge with parser {parser!r} needs prompt_template (with a {{prompt}} slot)"
+            )
+        spec = plain_spec(str(parser), template, _resolve_parser(parser))
+    overrides = {"template": prompt_template, "system_prompt": system_prompt}
+    return dataclasses.replace(spec, **{k: v for k, v in overrides.items() if v is not None})
 
 
 @register("openai_judge")
@@ -380,9 +417,12 @@ class OpenAIJudgeReward(_RemoteBase):
             hosts: Hosts, combined with every port into ``http://h:p/v1``.
             ports: Ports.
             model: Served model name; ``None`` = the first id of ``GET /v1/models``.
-            parser: ``unifiedreward``, ``qwenvl``, ``module:function`` or a callable ``parse(text) -> float``.
-            prompt_template: User text with ``{prompt}``; defaults to the parser's built-in prompt.
-            system_prompt: Optional system message.
+            parser: ``unifiedreward``, ``qwenvl``, ``geneval_plus``, ``tiif`` (metadata-aware, see
+                :mod:`rlgen_cli.rewards.judge_prompts`), ``module:function`` or a callable
+                ``parse(text) -> float``.
+            prompt_template: User text; defaults to the parser's built-in prompt. Slots: ``{prompt}``,
+                plus ``{checklist}`` (``geneval_plus``) or ``{questions}`` (``tiif``).
+            system_prompt: System message; defaults to the parser's (``geneval_plus`` has one).
             api_key: Sent as ``Authorization: Bearer``.
             max_tokens: Answer length limit.
             temperature: Sampling temperature (0 = deterministic judging).
@@ -395,19 +435,24 @@ class OpenAIJudgeReward(_RemoteBase):
             on_failure: ``raise`` or ``nan`` for a failed call or an unparsable answer (both counted).
             name: Name used in logs and errors.
         """
-        self.name, self.model, self.parse = name, model, _resolve_parser(parser)
-        template = prompt_template or (PROMPTS.get(parser) if isinstance(parser, str) else None)
-        if template is None:
-            raise UserError(
-                f"openai_judge with parser {parser!r} needs prompt_template (with a {{prompt}} slot)"
-            )
-        self.prompt_template, self.system_prompt = template, system_prompt
+        self.name, self.model = name, model
+        self.spec = _resolve_judge(parser, prompt_template, system_prompt)
         self.max_tokens, self.temperature, self.jpeg_quality = max_tokens, temperature, jpeg_quality
         self.on_failure = _check_on_failure(on_failure)
         self.batch_size, self.max_concurrency = 1, max(1, max_concurrency)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         urls = parse_endpoints(endpoints, hosts, ports, suffix="/v1")
         self.pool = EndpointPool(urls, timeout_s, retries, backoff_s, "/models", health_interval_s, headers)
+
+    @property
+    def prompt_template(self) -> str:
+        """The user-text template sent to the judge."""
+        return self.spec.template
+
+    @property
+    def system_prompt(self) -> str | None:
+        """The system message sent to the judge, if any."""
+        return self.spec.system_prompt
 
     def _model_name(self) -> str:
         """The configured model, or the first one the server lists (looked up once)."""
@@ -418,18 +463,32 @@ class OpenAIJudgeReward(_RemoteBase):
             self.model = ids[0]
         return self.model
 
-    def _judge(self, prompt: str, image: Tensor) -> tuple[float, str]:
+    def user_texts(self, batch: RewardBatch) -> list[str]:
+        """The user text of every sample, built before any call so bad metadata fails fast.
+
+        Raises:
+            ValueError: If the judge needs metadata the batch lacks or that is malformed.
+        """
+        metadata = batch.metadata or [None] * len(batch)
+        texts = []
+        for i, (prompt, meta) in enumerate(zip(batch.prompts, metadata)):
+            try:
+                texts.append(self.spec.fill(self.spec.template, prompt, meta))
+            except (ValueError, KeyError, TypeError) as err:
+                raise ValueError(f"reward {self.name!r}, sample {i}: {err}") from err
+        return texts
+
+    def _judge(self, text: str, image: Tensor, metadata: dict | None) -> tuple[float, str]:
         """Ask the judge about one image; returns the parsed score and the raw answer."""
-        text = self.prompt_template.replace("{prompt}", prompt)
         image_b64 = wire.image_to_b64(image, "jpeg", self.jpeg_quality)
         body = protocols.chat_request(
-            self._model_name(), text, [image_b64], self.system_prompt, self.max_tokens, self.temperature
+            self._model_name(), text, [image_b64], self.spec.system_prompt, self.max_tokens, self.temperature
         )
         answer = self.pool.request(
             "/chat/completions", body, {"Content-Type": "application/json"}, protocols.chat_reply
         )
         try:
-            value = float(self.parse(answer))
+            value = float(self.spec.parse(answer, metadata))
             if not math.isfinite(value):
                 raise ValueError(f"parsed a non-finite score {value}")
         except Exception as err:
@@ -441,12 +500,54 @@ class OpenAIJudgeReward(_RemoteBase):
         """Judge every image; details carry the raw answers under ``judge_answer``.
 
         Raises:
+            ValueError: The judge needs per-sample metadata that is missing or malformed.
             RemoteRewardError: A call failed or an answer was unparsable (``on_failure='raise'``).
         """
         images = _images_of(batch, self.name)
+        texts = self.user_texts(batch)
+        metadata = batch.metadata or [None] * len(batch)
 
         def one(indices: list[int]) -> tuple[list[float], dict]:
-            value, answer = self._judge(batch.prompts[indices[0]], images[indices[0]])
+            i = indices[0]
+            value, answer = self._judge(texts[i], images[i], metadata[i])
             return [value], {"judge_answer": [answer]}
 
         return self._score_chunks(len(batch), one)
+
+
+def _judge_preset(parser: str) -> Callable[..., OpenAIJudgeReward]:
+    """A factory of ``openai_judge`` with ``parser`` fixed, registered under the parser's name."""
+
+    def build(**kwargs: Any) -> OpenAIJudgeReward:
+        kwargs.setdefault("name", parser)
+        return OpenAIJudgeReward(parser=parser, **kwargs)
+
+    build.__name__ = build.__qualname__ = parser
+    build.__doc__ = f"``openai_judge`` with ``parser={parser!r}`` (see :class:`OpenAIJudgeReward`)."
+    return build
+
+
+unifiedreward = register("unifiedreward")(_judge_preset("unifiedreward"))
+geneval_plus = register("geneval_plus")(_judge_preset("geneval_plus"))
+tiif = register("tiif")(_judge_preset("tiif"))
+
+
+@register("deqa")
+def deqa(
+    endpoints: str | Sequence[str] | None = None,
+    hosts: str | Sequence[str] | None = None,
+    ports: int | Sequence[int] | None = None,
+    allow_pickle: bool = False,
+    **kwargs: Any,
+) -> FlowGrpoRemoteReward:
+    """DeQA-Score image quality (≈ 0.2–1: the model's 1–5 score divided by 5 on the server).
+
+    DeQA-Score (``zhiyuanyou/DeQA-Score-Mix3``, mPLUG-Owl2 with remote code) is served the way Flow-GRPO
+    serves it: its reward server's ``app_deqa.py`` (Flask/gunicorn, pickle, ``POST /``, default port
+    18086) replies ``{"outputs": [score / 5, ...]}``. This is ``flowgrpo_remote`` reading ``outputs``;
+    like it, it needs ``allow_pickle=True``. Other args as :class:`FlowGrpoRemoteReward`.
+    """
+    kwargs.setdefault("name", "deqa")
+    return FlowGrpoRemoteReward(
+        endpoints, hosts, ports, allow_pickle=allow_pickle, score_key="outputs", **kwargs
+    )

@@ -345,17 +345,39 @@ class DataConfig:
     eval_images_per_prompt: int = 1
 
 
+LAUNCHERS = ("local", "accelerate", "multinode")
+MIXED_PRECISION = ("no", "fp16", "bf16")
+
+
 @dataclass
 class LauncherConfig:
     name: str = "local"
-    """How ONE run spreads over devices (not Hydra's hydra/launcher, which places sweep jobs)."""
+    """How ONE run spreads over devices: ``local`` (this process), ``accelerate`` (DDP over N processes,
+    gloo on CPU), ``multinode`` (several machines). Not Hydra's hydra/launcher, which places sweep jobs."""
     num_processes: int = 1
+    """Processes per machine (one per GPU)."""
+    num_machines: int = 1
+    machine_rank: int | None = None
+    """This machine's rank; null reads MACHINE_RANK / NODE_RANK / SLURM_NODEID (else 0)."""
+    main_process_ip: str | None = None
+    """Rank-0 address; null reads MASTER_ADDR (else 127.0.0.1)."""
+    main_process_port: int | None = None
+    """Rank-0 port; null reads MASTER_PORT (else 29500)."""
+    mixed_precision: str = "no"
+    """accelerate's mixed precision for the launched workers."""
 
     def __post_init__(self) -> None:
+        _one_of(self.name, LAUNCHERS, "launcher.name")
+        _one_of(self.mixed_precision, MIXED_PRECISION, "launcher.mixed_precision")
+        _require(self.num_processes >= 1 and self.num_machines >= 1, "launcher.num_processes and num_machines must be ≥ 1")
         _require(
-            self.name == "local" and self.num_processes == 1,
-            "only launcher=local with one process is available in this version",
+            self.name != "local" or self.num_processes * self.num_machines == 1,
+            "launcher=local runs one process; use launcher=accelerate launcher.num_processes=N",
         )
+
+    @property
+    def world_size(self) -> int:
+        return self.num_processes * self.num_machines
 
 
 @dataclass
@@ -406,6 +428,15 @@ class TrainConfig:
         _require(
             self.sampler.kind != "ode",
             "sampler.kind=ode has no log-probability to train; use flow_sde, dance or cps",
+        )
+        world, algo = self.launcher.world_size, self.algo
+        total = algo.prompts_per_epoch * algo.group_size
+        _require(
+            total % world == 0 and (total // world) % algo.sample_batch_size == 0
+            and (total // world) % algo.train_batch_size == 0,
+            f"{total} samples per epoch over {world} processes must give every process a whole number of "
+            f"sample/train batches (algo.sample_batch_size={algo.sample_batch_size}, "
+            f"algo.train_batch_size={algo.train_batch_size} are per process)",
         )
 
 

@@ -1,18 +1,38 @@
 """Schema sections of the multimodal-LLM side (Qwen2-VL / Qwen2.5-VL): ``model.vlm`` and ``algo.token``.
 
 They sit inside the shared ``ModelConfig`` / ``AlgoConfig`` so one ``rlgen train`` composes flow and
-VLM runs alike (``model=tiny_qwen2_vl algo=step_grpo``); flow recipes ignore them.
+VLM runs alike (``model=tiny_qwen2_vl algo=step_grpo``); flow recipes ignore them. ``algo.token`` holds
+the options of both token-level recipes: ``vlm_rl`` (token GRPO / StepGRPO) and ``vlm_sft`` (warm-up).
+Defaults follow R1-VL (Zhang et al. 2025) and TRL's ``GRPOConfig``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rlgen_cli.schema.errors import UserError
 
 TOKEN_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo")
 IMPORTANCE_LEVELS = ("token", "sequence")
 REWARD_SCALINGS = ("group", "batch", "none")
+OLD_LOGPROBS = ("recompute", "sampler")
+PROMPT_FORMATS = ("plain", "mulberry")
+LR_SCHEDULES = ("constant", "cosine", "linear")
+VLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+REFLECTION_MARKERS = [
+    "### Reflection",
+    "Reflection:",
+    "Wait,",
+    "Let me re-examine",
+    "Let me reconsider",
+    "Upon reflection",
+    "re-evaluate",
+]
+
+
+def _one_of(value: str, valid: tuple[str, ...], key: str) -> None:
+    if value not in valid:
+        raise UserError(f"{key}={value!r} is not valid; choose one of {', '.join(valid)}")
 
 
 @dataclass
@@ -23,10 +43,30 @@ class VLMOptions:
     """Processor upper bound on image pixels (R1-VL: 400000)."""
     max_context: int = 4096
     """Prompt + image tokens + completion must fit; longer prompts fail early (never truncated)."""
+    prompt_format: str = "plain"
+    """``plain``: the question as given (R1-VL-10K problems, MathVista queries); ``mulberry``: prefix the
+    Mulberry / R1-VL step-format instructions (### Image Description … ### The final answer is:)."""
+    system_prompt: str | None = None
+    """A system message before each prompt; null = the chat template's default."""
+    attn_implementation: str | None = None
+    """transformers attention kernel (``sdpa``, ``flash_attention_2``, ``eager``); null = default."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (needed for 7B full fine-tuning)."""
+    freeze_vision: bool = False
+    """Full fine-tuning: keep the vision tower frozen. LoRA never targets the vision tower."""
+    eval_max_new_tokens: int = 1024
+    """Completion budget of ``rlgen eval``."""
+    eval_temperature: float = 0.01
+    """Near-greedy evaluation decoding (Qwen2-VL's generation config: 0.01 / top-p 0.001 / top-k 1)."""
+    eval_top_p: float = 0.001
+    eval_top_k: int = 1
 
     def __post_init__(self) -> None:
         if not 0 < self.min_pixels <= self.max_pixels:
             raise UserError(f"model.vlm.min_pixels ({self.min_pixels}) must be in (0, max_pixels ({self.max_pixels})]")
+        _one_of(self.prompt_format, PROMPT_FORMATS, "model.vlm.prompt_format")
+        if self.max_context < 16 or self.eval_max_new_tokens < 1:
+            raise UserError("model.vlm.max_context must be ≥ 16 and model.vlm.eval_max_new_tokens ≥ 1")
 
 
 @dataclass
@@ -47,12 +87,34 @@ class TokenGRPOOptions:
     max_completion_tokens: int = 1024
     num_iterations: int = 1
     """Updates per rollout batch (μ in GRPO)."""
+    old_logprobs: str = "recompute"
+    """π_old: ``recompute`` = the training forward on the rollout batch right after generation (ratio
+    exactly 1 on the first inner epoch); ``sampler`` = generate()'s raw logits (KV-cache numerics differ
+    by ~1e-7)."""
+    mask_truncated_completions: bool = False
+    """Completions that hit max_completion_tokens without EOS get no loss (TRL's option)."""
+    warmup_ratio: float = 0.0
+    """Fraction of optimizer steps of linear learning-rate warm-up (R1-VL SFT: 0.03)."""
+    lr_schedule: str = "constant"
+    """After warm-up: constant | cosine | linear decay to 0 (R1-VL SFT: cosine)."""
+    sft_drop_markers: list[str] = field(default_factory=lambda: list(REFLECTION_MARKERS))
+    """vlm_sft: drop samples whose assistant turns contain any marker (R1-VL removed Mulberry's
+    reflective data); empty = keep all."""
 
     def __post_init__(self) -> None:
         for value, valid, key in (
             (self.loss_type, TOKEN_LOSSES, "algo.token.loss_type"),
             (self.importance_level, IMPORTANCE_LEVELS, "algo.token.importance_level"),
             (self.scale_rewards, REWARD_SCALINGS, "algo.token.scale_rewards"),
+            (self.old_logprobs, OLD_LOGPROBS, "algo.token.old_logprobs"),
+            (self.lr_schedule, LR_SCHEDULES, "algo.token.lr_schedule"),
         ):
-            if value not in valid:
-                raise UserError(f"{key}={value!r} is not valid; choose one of {', '.join(valid)}")
+            _one_of(value, valid, key)
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise UserError("algo.token: temperature must be ≥ 0, top_p in (0, 1], top_k ≥ 0 (0 = off)")
+        if self.max_completion_tokens < 1 or self.num_iterations < 1:
+            raise UserError("algo.token.max_completion_tokens and algo.token.num_iterations must be ≥ 1")
+        if not 0 <= self.warmup_ratio < 1:
+            raise UserError(f"algo.token.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.epsilon_high is not None and self.epsilon_high <= 0:
+            raise UserError(f"algo.token.epsilon_high must be positive (or null), got {self.epsilon_high}")

@@ -53,17 +53,20 @@ def flowgrpo_request(jpegs: list[bytes], meta_datas: list[dict], only_strict: bo
     )
 
 
-def flowgrpo_reply(n: int) -> Callable[[bytes, str], tuple[list[float], dict[str, list[float]]]]:
+def flowgrpo_reply(
+    n: int, score_key: str = "scores"
+) -> Callable[[bytes, str], tuple[list[float], dict[str, list[float]]]]:
     """A parser of Flow-GRPO replies for ``n`` images: ``(scores, details)``.
 
     ``details`` holds ``rewards`` and ``strict_rewards`` and each per-tag ``group_rewards/{tag}`` and
-    ``group_strict_rewards/{tag}`` list that has one entry per image.
+    ``group_strict_rewards/{tag}`` list that has one entry per image. ``score_key`` names the list of
+    scores: ``scores`` (GenEval server) or ``outputs`` (DeQA server).
     """
 
     def parse(body: bytes, _content_type: str) -> tuple[list[float], dict[str, list[float]]]:
         try:
             reply = PlainUnpickler(io.BytesIO(body)).load()
-            scores = [float(s) for s in reply["scores"]]
+            scores = [float(s) for s in reply[score_key]]
         except Exception as err:
             raise WireError(f"malformed Flow-GRPO reply: {type(err).__name__}: {err}") from err
         if len(scores) != n:

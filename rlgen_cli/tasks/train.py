@@ -1,7 +1,14 @@
-"""``rlgen train``: validate, prepare the run directory, run the recipe in this process."""
+"""``rlgen train``: validate, prepare the run directory, then run the recipe here or launch workers.
+
+With ``launcher=local`` the recipe runs in this process. Otherwise this process is the controller: it
+writes ``resolved.yaml`` and starts ``accelerate launch`` workers that read it (``launch/worker.py``),
+then exits with their exit code.
+"""
 
 from __future__ import annotations
 
+import importlib
+import sys
 from typing import Any
 
 from omegaconf import DictConfig
@@ -13,11 +20,16 @@ from rlgen_cli.tasks.common import run_dir_of, user_errors, validated
 def train_task(cfg: DictConfig) -> Any:
     """Returns the last epoch's headline metric (eval reward when evaluated), for Hydra sweepers."""
     typed = validated(cfg)
-    import importlib
-
-    from rlgen_cli.training.run import prepare_run_dir, setup_logging
+    from rlgen_cli.training.run import RESOLVED_FILE, prepare_run_dir, setup_logging
 
     run_dir = prepare_run_dir(run_dir_of(typed), cfg)
+    if typed.launcher.name != "local":
+        from rlgen_cli.launch.commands import run_launch
+
+        code = run_launch(typed.launcher, run_dir / RESOLVED_FILE)
+        if code != 0:
+            sys.exit(code)
+        return None
     setup_logging(run_dir)
     recipe = importlib.import_module(f"rlgen_cli.recipes.{typed.algo.recipe}")
     metrics = recipe.run(typed, cfg)

@@ -37,6 +37,16 @@ class JsonlLogger:
         self._file.close()
 
 
+class NullLogger:
+    """Logs nothing (non-main ranks, dry runs): the loop never asks whether it should log."""
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
 class MultiLogger:
     """Fans every call out to several loggers."""
 

@@ -1,0 +1,126 @@
+"""Qwen-Image-Edit (instruction editing) behind the flow-policy protocol.
+
+The source image conditions the model twice, as in diffusers' ``QwenImageEditPipeline``: through the
+Qwen2.5-VL encoder (the edit chat template with an image slot, so the prompt tokens attend to the
+image) and as VAE latent tokens appended after the target tokens (RoPE frame 1). ``velocity`` returns
+only the target tokens' prediction. Upstream Flow-GRPO (``counting_qwenimage_edit``): 10 / 50 steps,
+true CFG 4 with negative prompt " " (+ the same source image), 512 px, LoRA 64/128, noise 1.0 (Fast:
+1.5), bf16.
+
+Source images arrive as (B, 3, H, W) in [0, 1] (the recipe resizes them to the model size, as upstream
+resizes to the target area). The VL encoder receives them as 8-bit RGB images, exactly what the
+pipeline's processor gets from PIL inputs; the VAE encodes them deterministically (posterior mode).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor
+
+from rlgen_cli.models._qwen_common import (
+    LORA_WEIGHTS_NAME,
+    QWEN_LORA_TARGETS,
+    TRANSFORMER_DIR,
+    QwenFamilyPolicy,
+    load_pipeline,
+    pack,
+    tiny_qwen_pipeline,
+)
+from rlgen_cli.models.base import Cond
+from rlgen_cli.schema.errors import UserError
+from rlgen_cli.schema.flow import ModelConfig
+
+__all__ = [
+    "LORA_WEIGHTS_NAME",
+    "QWEN_LORA_TARGETS",
+    "TRANSFORMER_DIR",
+    "QwenImageEditPolicy",
+    "build",
+    "load_qwen_image_edit_pipeline",
+    "tiny_qwen_image_edit_pipeline",
+]
+
+
+def tiny_qwen_image_edit_pipeline(seed: int = 0) -> Any:
+    """A tiny ``QwenImageEditPipeline`` (32 px images; the VL processor sees ≤ 32×32 px), from ``seed``."""
+    from diffusers import QwenImageEditPipeline
+
+    return tiny_qwen_pipeline(QwenImageEditPipeline, seed)
+
+
+def load_qwen_image_edit_pipeline(cfg: ModelConfig) -> Any:
+    """Load a real ``QwenImageEditPipeline`` from ``cfg.path`` (hub id or local directory)."""
+    from diffusers import QwenImageEditPipeline
+
+    return load_pipeline(QwenImageEditPipeline, cfg, "Qwen-Image-Edit")
+
+
+def to_pil(images: Tensor) -> list[Image.Image]:
+    """(B, 3, H, W) in [0, 1] → 8-bit RGB PIL images (lossless for images read from 8-bit files)."""
+    pixels = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8)
+    return [Image.fromarray(np.ascontiguousarray(p)) for p in pixels.permute(0, 2, 3, 1).cpu().numpy()]
+
+
+class QwenImageEditPolicy(QwenFamilyPolicy):
+    """Qwen-Image-Edit: prompt + source image through the VL encoder, source latents as extra tokens."""
+
+    family = "qwen_image_edit"
+    takes_source_images = True
+    pipeline_class = "QwenImageEditPipeline"
+
+    @torch.no_grad()
+    def encode(self, prompts: Sequence[str], images: Tensor | None = None) -> Cond:
+        """VL embeddings of (prompt, source) pairs and the packed source latents.
+
+        Keys: ``prompt_embeds`` (B, S, D), ``prompt_mask`` (B, S) bool (padded to
+        ``model.max_sequence_length``; the negative branch ``neg_*`` when g > 1 pairs
+        ``model.negative_prompt`` with the same image), ``source_latents`` (B, L', 4C) fp32 and
+        ``source_shape`` (B, 3) int: the (frame, h/2, w/2) RoPE shape of the source tokens.
+        """
+        if images is None:
+            raise UserError(
+                "Qwen-Image-Edit needs a source image per prompt: give the dataset an \"image\" field per line "
+                '(jsonl lines like {"prompt": ..., "image": "src/0001.png"})'
+            )
+        if images.ndim != 4 or images.shape[0] != len(prompts) or images.shape[1] != 3:
+            raise UserError(
+                f"source images must be (B, 3, H, W) with B = {len(prompts)} prompts, got {tuple(images.shape)}"
+            )
+        pil = to_pil(images)
+        tensors = self.text_branches(lambda p: self._encode_prompts(p, pil), prompts)
+        latents, shape = self.source_latents(images)
+        tensors |= {"source_latents": latents, "source_shape": shape.expand(len(prompts), 3).clone()}
+        return Cond(tensors)
+
+    def _encode_prompts(self, prompts: list[str], images: list[Image.Image]) -> tuple[Tensor, Tensor | None]:
+        return self.pipeline.encode_prompt(prompt=prompts, image=images, device=self.device)
+
+    def source_latents(self, images: Tensor) -> tuple[Tensor, Tensor]:
+        """Packed, normalised VAE latents (B, L', 4C) fp32 of the sources and their (1, 3) RoPE shape."""
+        h = self.latent_side(images.shape[2], "height (source image)")
+        w = self.latent_side(images.shape[3], "width (source image)")
+        vae = self.pipeline.vae
+        pixels = (images.to(self.device, vae.dtype) * 2 - 1).unsqueeze(2)  # (B, 3, 1, H, W) in [-1, 1]
+        mean, std = self._latent_stats()
+        latents = (vae.encode(pixels).latent_dist.mode().float() - mean) / std  # (B, C, 1, h, w)
+        shape = torch.tensor([[1, h // 2, w // 2]], device=self.device)
+        return pack(latents[:, :, 0]), shape
+
+    def context(self, cond: Cond) -> tuple[Tensor, tuple[int, int, int]]:
+        """The source latent tokens and their (frame, h/2, w/2) shape (one size per batch)."""
+        shapes = cond.tensors["source_shape"]
+        if not bool((shapes == shapes[0]).all()):
+            raise UserError("a batch mixes source images of different sizes; resize them to one size")
+        frame, h, w = (int(v) for v in shapes[0])
+        return cond.tensors["source_latents"], (frame, h, w)
+
+
+def build(cfg: ModelConfig, device: torch.device) -> QwenImageEditPolicy:
+    """The registry's entry point: the tiny pipeline when ``cfg.tiny``, else the loaded one."""
+    pipeline = tiny_qwen_image_edit_pipeline(cfg.tiny_seed) if cfg.tiny else load_qwen_image_edit_pipeline(cfg)
+    return QwenImageEditPolicy(pipeline, cfg, device)

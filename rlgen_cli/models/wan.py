@@ -1,0 +1,374 @@
+"""Wan2.1 text-to-video behind the flow-policy protocol (family ``wan2_1``).
+
+Real weights load through ``WanPipeline.from_pretrained`` (hub id ``Wan-AI/Wan2.1-T2V-1.3B-Diffusers`` or a
+local directory, ``local_files_only`` and dtype honoured; the VAE is kept in fp32 like upstream Flow-GRPO);
+``tiny_wan_pipeline`` builds the same classes (``WanTransformer3DModel``, ``AutoencoderKLWan``, UMT5) from
+tiny configs with random weights and the offline T5 tokenizer.
+
+Geometry: ``x`` is the video latent (B, C, F', H', W') with F' = (F − 1)/4 + 1 and H', W' = H/8, W/8
+for the real VAE; noise is drawn per sample in fp32.
+
+Schedule: WanPipeline ships ``UniPCMultistepScheduler(use_flow_sigmas=True, flow_shift=s)`` (s = 3.0 for
+Wan2.1-T2V-1.3B at 480p). rlgen samples with its own SDE/ODE steps, on that scheduler's σ grid:
+``linspace(1, 1/1000, T + 1)[:-1]`` shifted by ``s·σ/(1 + (s − 1)·σ)``, then 0 (:func:`wan_sigmas`). UniPC
+nudges σ₀ to 1 − 1e-6 to keep its log-SNR finite; rlgen keeps σ₀ = 1 (``flow_sde`` substitutes σ₁ there).
+
+CFG: two separate transformer forwards (conditional, then unconditional) at the policy's batch size, in
+the model dtype, combined inside :meth:`WanPolicy.velocity` — upstream WanPipeline and Flow-GRPO's Wan
+trainer do the same. A batch concat would change the batch composition of every GEMM (outputs then
+differ from WanPipeline's at the last bits) and doubles the peak activation memory of no-grad rollouts,
+where a 33-frame 240×416 sample is already ~3.5 k tokens; one code path for sampling and training keeps
+the on-policy ratio exactly 1 either way.
+
+LoRA (Flow-GRPO's Wan settings: r 32, α 64, gaussian init) goes on the self- and cross-attention
+projections of every block: ``attn1.{to_q,to_k,to_v,to_out.0}`` and ``attn2.{…}`` (T2V blocks have no
+``add_k_proj``/``add_v_proj``; those exist only with image conditioning). It is saved in the format
+``WanPipeline.load_lora_weights`` reads, adapter config in the safetensors metadata.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from rlgen_cli.models.base import (
+    TORCH_DTYPES,
+    Cond,
+    ReferenceSwitch,
+    add_lora,
+    cfg_combine,
+    lora_parameters,
+)
+from rlgen_cli.models.tokenizers import tiny_t5_tokenizer, vocab_size
+from rlgen_cli.schema.errors import UserError
+from rlgen_cli.schema.flow import ModelConfig
+from rlgen_cli.sde.noise import randn_per_sample
+from rlgen_cli.sde.schedule import shift_sigmas
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PATH = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
+TRANSFORMER_DIR = "transformer"
+WAN_LORA_TARGETS = [f"attn{i}.{proj}" for i in (1, 2) for proj in ("to_q", "to_k", "to_v", "to_out.0")]
+NUM_TRAIN_TIMESTEPS = 1000
+
+
+def wan_sigmas(num_steps: int, shift: float) -> Tensor:
+    """WanPipeline's UniPC flow-sigma grid, (T+1,) fp32 from 1 down to a final 0.
+
+    ``linspace(1, 1/1000, T + 1)[:-1]`` shifted by ``s·σ/(1 + (s − 1)·σ)`` (diffusers'
+    ``UniPCMultistepScheduler(use_flow_sigmas=True, flow_shift=s)``), without UniPC's σ₀ = 1 − 1e-6 nudge.
+
+    Args:
+        num_steps: Denoising steps T ≥ 1.
+        shift: Flow shift s > 0 (3.0 for Wan2.1 at 480p, 5.0 at 720p).
+
+    Returns:
+        Sigmas of shape (T + 1,), float32.
+    """
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+        raise ValueError(f"num_steps must be an integer ≥ 1, got {num_steps!r}; pass e.g. 20")
+    base = torch.linspace(1.0, 1.0 / NUM_TRAIN_TIMESTEPS, num_steps + 1, dtype=torch.float64)[:-1]  # (T,)
+    return torch.cat([shift_sigmas(base, shift), torch.zeros(1)])  # (T + 1,)
+
+
+def tiny_wan_pipeline(seed: int = 0, max_sequence_length: int = 32):  # -> diffusers.WanPipeline
+    """A tiny Wan2.1 pipeline (diffusers' own test sizes), deterministic in ``seed``.
+
+    The VAE keeps Wan's compression (×4 in time, ×8 in space, 16 latent channels), so 5 frames of 32×48
+    pixels are a (16, 2, 4, 6) latent; the transformer has 2 blocks of width 24.
+    """
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tokenizer = tiny_t5_tokenizer(max_sequence_length)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        text_config = UMT5Config(
+            vocab_size=vocab_size(tokenizer), d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
+            relative_attention_num_buckets=8, decoder_start_token_id=0,
+        )  # fmt: skip
+        text_encoder = UMT5EncoderModel(text_config)
+        transformer = WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
+            text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+        )  # fmt: skip
+        vae = AutoencoderKLWan(
+            base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+            temperal_downsample=[False, True, True], scale_factor_temporal=4, scale_factor_spatial=8,
+        )  # fmt: skip
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
+        num_train_timesteps=NUM_TRAIN_TIMESTEPS,
+    )  # fmt: skip
+    return WanPipeline(
+        tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer, vae=vae, scheduler=scheduler
+    )
+
+
+def load_wan_pipeline(cfg: ModelConfig):  # -> diffusers.WanPipeline
+    """Load a real Wan2.1 pipeline from ``cfg.path`` (hub id or local directory); the VAE stays fp32."""
+    from diffusers import WanPipeline
+
+    path = cfg.path or DEFAULT_PATH
+    try:
+        pipeline = WanPipeline.from_pretrained(
+            path, torch_dtype=TORCH_DTYPES[cfg.dtype], local_files_only=cfg.local_files_only,
+            revision=cfg.revision,
+        )  # fmt: skip
+    except (OSError, ValueError) as err:
+        raise UserError(
+            f"could not load a Wan pipeline from model.path={path!r}: {err}. Pass a local directory saved "
+            "with save_pretrained, or a hub id with network access (model.local_files_only=false)"
+        ) from err
+    pipeline.vae.to(torch.float32)  # Wan's VAE is numerically fragile in bf16; upstream keeps it fp32
+    _warn_on_shift_mismatch(pipeline, cfg.shift)
+    return pipeline
+
+
+def _warn_on_shift_mismatch(pipeline, shift: float) -> None:
+    """Log when ``model.shift`` differs from the checkpoint scheduler's ``flow_shift`` (both are valid)."""
+    shipped = pipeline.scheduler.config.get("flow_shift")
+    if shipped is not None and float(shipped) != float(shift):
+        log.warning(
+            "model.shift=%s but the checkpoint's scheduler uses flow_shift=%s; sampling uses model.shift",
+            shift, shipped,
+        )  # fmt: skip
+
+
+def check_geometry(cfg: ModelConfig, pipeline) -> None:
+    """Refuse sizes Wan cannot represent exactly (WanPipeline rounds them silently)."""
+    temporal, spatial = pipeline.vae_scale_factor_temporal, pipeline.vae_scale_factor_spatial
+    _, patch_h, patch_w = pipeline.transformer.config.patch_size
+    height, width = cfg.height or cfg.resolution, cfg.width or cfg.resolution
+    if height % (spatial * patch_h) or width % (spatial * patch_w):
+        raise UserError(
+            f"model.height×width={height}×{width} must be multiples of {spatial * patch_h}×{spatial * patch_w} "
+            f"(VAE ×{spatial}, patch {patch_h}×{patch_w}); e.g. 240×416 for Wan2.1-T2V-1.3B"
+        )
+    if cfg.num_frames < 1 or (cfg.num_frames - 1) % temporal:
+        raise UserError(
+            f"model.num_frames={cfg.num_frames} must be {temporal}·k + 1 (the VAE compresses time ×{temporal} "
+            f"after the first frame); e.g. 33 or 81"
+        )
+
+
+class WanPolicy:
+    """Wan2.1 T2V behind the flow-policy protocol (see ``models/base.py`` and the module docstring)."""
+
+    family = "wan2_1"
+    takes_source_images = False
+
+    def __init__(self, pipeline, cfg: ModelConfig, device: torch.device) -> None:
+        check_geometry(cfg, pipeline)
+        self.cfg = cfg
+        self.device = device
+        self.dtype = TORCH_DTYPES[cfg.dtype]
+        self.guidance_scale = cfg.guidance_scale
+        pipeline.to(device)
+        pipeline.set_progress_bar_config(disable=True)
+        for part in (pipeline.vae, pipeline.text_encoder):
+            part.requires_grad_(False).eval()
+        self.pipeline = pipeline
+        transformer = pipeline.transformer.eval()  # eval: dropout would break ratio == 1
+        self._trainable = self._make_trainable(transformer)
+        # Checkpointing is active only with grad enabled and recomputes the same ops, so values match
+        # the no-grad rollout bit for bit; it keeps 33-frame activations affordable during updates.
+        transformer.enable_gradient_checkpointing()
+        self._reference = ReferenceSwitch(pipeline, "transformer", lora=cfg.lora.enabled)
+        self._distributed: nn.Module | None = None
+
+    def _make_trainable(self, transformer: nn.Module) -> list[nn.Parameter]:
+        """Attach LoRA (or unfreeze everything) and keep the trainable weights in fp32."""
+        lora = self.cfg.lora
+        if lora.enabled:
+            transformer.requires_grad_(False)
+            _check_targets(transformer, lora.target_modules)
+            add_lora(transformer, lora.rank, lora.alpha, lora.target_modules, lora.init)
+            params = lora_parameters(transformer)
+        else:
+            transformer.float().requires_grad_(True)
+            params = list(transformer.parameters())
+        for param in params:
+            param.data = param.data.float()
+        return params
+
+    @property
+    def transformer(self) -> nn.Module:
+        return self.pipeline.transformer
+
+    def distribute(self, wrap: Callable[[nn.Module], nn.Module]) -> None:
+        """Route gradient-carrying forwards through ``wrap(transformer)`` (DDP: averaged gradients).
+
+        Both CFG branches go through the wrapper before one backward; autograd sums each parameter's
+        two contributions before its gradient hook fires, so DDP reduces it once.
+        """
+        self._distributed = wrap(self.transformer)
+
+    def _forward_module(self) -> nn.Module:
+        """The DDP wrapper for training forwards; the bare module under no_grad (rollouts, reference,
+        eval), where no gradient needs averaging and ranks need not call in lockstep."""
+        wrapped = self._distributed
+        if (
+            wrapped is not None
+            and torch.is_grad_enabled()
+            and getattr(wrapped, "module", None) is self.transformer
+        ):
+            return wrapped
+        return self.transformer
+
+    # -- conditioning -------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode(self, prompts: Sequence[str], images: Tensor | None = None) -> Cond:
+        """UMT5 prompt embeddings (B, L, D) (+ the negative prompt's when guidance > 1)."""
+        if images is not None:
+            raise UserError("Wan2.1 T2V is a text-to-video model: it takes no reference images")
+        use_cfg = self.guidance_scale > 1.0
+        embeds, neg_embeds = self.pipeline.encode_prompt(
+            prompt=list(prompts), negative_prompt=[self.cfg.negative_prompt] * len(prompts) if use_cfg else None,
+            do_classifier_free_guidance=use_cfg, max_sequence_length=self.cfg.max_sequence_length,
+            device=self.device, dtype=self.dtype,
+        )  # fmt: skip
+        tensors = {"prompt_embeds": embeds}
+        if use_cfg:
+            tensors["neg_prompt_embeds"] = neg_embeds
+        return Cond(tensors)
+
+    # -- sampling geometry --------------------------------------------------------------------
+    def latent_shape(self) -> tuple[int, int, int, int]:
+        """(C, F', H', W') of one video latent."""
+        cfg, pipe = self.cfg, self.pipeline
+        height, width = cfg.height or cfg.resolution, cfg.width or cfg.resolution
+        frames = (cfg.num_frames - 1) // pipe.vae_scale_factor_temporal + 1
+        spatial = pipe.vae_scale_factor_spatial
+        return (self.transformer.config.in_channels, frames, height // spatial, width // spatial)
+
+    def noise(self, n: int, generator: torch.Generator | Sequence[torch.Generator] | None = None) -> Tensor:
+        """Initial latents x_1 ~ N(0, I), fp32, (n, C, F', H', W'); one generator per sample or one for all."""
+        if generator is None or isinstance(generator, torch.Generator):
+            return torch.randn((n, *self.latent_shape()), generator=generator, device=self.device)
+        return randn_per_sample(self.latent_shape(), generator[:n], self.device)
+
+    def schedule(self, num_steps: int, x: Tensor) -> Tensor:
+        """Wan's shifted flow sigmas (:func:`wan_sigmas` with ``model.shift``), (T+1,) ending at 0."""
+        return wan_sigmas(num_steps, self.cfg.shift).to(self.device)
+
+    # -- the one transformer call -------------------------------------------------------------
+    def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
+        """v(x, σ) with CFG folded in; x (B, C, F', H', W') fp32, sigma 0-d or (B,); returns fp32 x-shaped."""
+        timestep = (sigma.float().reshape(-1).expand(x.shape[0]) * NUM_TRAIN_TIMESTEPS).to(self.device)
+        v_cond = self._forward(x, timestep, cond.tensors["prompt_embeds"])
+        if self.guidance_scale <= 1.0:
+            return v_cond
+        v_uncond = self._forward(x, timestep, cond.tensors["neg_prompt_embeds"])
+        return cfg_combine(v_uncond, v_cond, self.guidance_scale)
+
+    def _forward(self, x: Tensor, timestep: Tensor, embeds: Tensor) -> Tensor:
+        """One transformer pass in the model dtype; latents in and velocity out stay fp32 outside."""
+        with self._autocast():
+            out = self._forward_module()(
+                hidden_states=x.to(self.dtype), timestep=timestep, encoder_hidden_states=embeds.to(self.dtype),
+                return_dict=False,
+            )[0]  # fmt: skip
+        return out.float()
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    @torch.no_grad()
+    def decode(self, x0: Tensor) -> Tensor:
+        """Latents (B, C, F', H', W') → videos (B, 3, F, H, W) in [0, 1], fp32.
+
+        The Wan VAE decodes one latent frame at a time (causal caches), so a whole batch fits.
+        """
+        vae = self.pipeline.vae
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean, device=x0.device).view(shape)
+        std = torch.tensor(vae.config.latents_std, device=x0.device).view(shape)
+        latents = x0.float() * std + mean  # WanPipeline: x / (1/std) + mean
+        videos = vae.decode(latents.to(vae.dtype), return_dict=False)[0]  # (B, 3, F, H, W) in [-1, 1]
+        return (videos.float() / 2 + 0.5).clamp(0, 1)
+
+    # -- training surface ---------------------------------------------------------------------
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return self._trainable
+
+    def reference(self) -> contextlib.AbstractContextManager[None]:
+        """Within this context ``velocity`` runs the frozen reference (LoRA disabled or a frozen copy)."""
+        return self._reference()
+
+    def save_trainable(self, directory: Path) -> None:
+        """LoRA → ``pytorch_lora_weights.safetensors`` (WanPipeline format); full FT → ``transformer/``."""
+        directory.mkdir(parents=True, exist_ok=True)
+        if not self.cfg.lora.enabled:
+            self.transformer.save_pretrained(directory / TRANSFORMER_DIR)
+            return
+        from diffusers import WanPipeline
+        from peft.utils import get_peft_model_state_dict
+
+        layers = get_peft_model_state_dict(self.transformer)
+        # rank, alpha and targets travel in the safetensors metadata, so load_lora_weights restores α/r
+        metadata = self.transformer.peft_config["default"].to_dict()
+        WanPipeline.save_lora_weights(
+            directory, transformer_lora_layers=layers, weight_name=LORA_WEIGHTS_NAME,
+            transformer_lora_adapter_metadata=metadata,
+        )  # fmt: skip
+
+    def load_trainable(self, directory: Path) -> None:
+        """Load what ``save_trainable`` wrote into the live modules (shapes must match)."""
+        if self.cfg.lora.enabled:
+            self._load_lora(directory / LORA_WEIGHTS_NAME)
+            return
+        from diffusers import WanTransformer3DModel
+
+        source = directory / TRANSFORMER_DIR
+        if not source.is_dir():
+            raise UserError(f"{source} is missing: the checkpoint holds no full transformer weights")
+        self.transformer.load_state_dict(WanTransformer3DModel.from_pretrained(source).state_dict())
+
+    def _load_lora(self, path: Path) -> None:
+        from peft.utils import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        if not path.is_file():
+            raise UserError(f"{path} is missing: the checkpoint holds no LoRA weights")
+        state = {k.removeprefix("transformer."): v for k, v in load_file(path).items()}
+        result = set_peft_model_state_dict(self.transformer, state)
+        missing = [k for k in result.missing_keys if "lora_" in k]
+        if missing or result.unexpected_keys:
+            raise UserError(
+                f"LoRA weights in {path} do not fit this model (missing {len(missing)}, unexpected "
+                f"{len(result.unexpected_keys)}); was the checkpoint made with other model.lora settings?"
+            )
+
+    def named_trainable(self) -> Iterator[tuple[str, nn.Parameter]]:
+        for name, param in self.transformer.named_parameters():
+            if param.requires_grad:
+                yield name, param
+
+
+def _check_targets(transformer: nn.Module, targets: Sequence[str]) -> None:
+    """Fail early, with Wan's own target names, when no LoRA target names a Linear of the transformer."""
+    names = [n for n, m in transformer.named_modules() if isinstance(m, nn.Linear)]
+    if not any(n == t or n.endswith(f".{t}") for n in names for t in targets):
+        raise UserError(
+            f"model.lora.target_modules={list(targets)} matches no layer of WanTransformer3DModel (SD3's "
+            f"names do not apply); use model=wan2_1's targets: {WAN_LORA_TARGETS}"
+        )
+
+
+def build(cfg: ModelConfig, device: torch.device) -> WanPolicy:
+    """The registry's entry point: the tiny pipeline when ``cfg.tiny``, else the loaded one."""
+    pipeline = (
+        tiny_wan_pipeline(cfg.tiny_seed, cfg.max_sequence_length) if cfg.tiny else load_wan_pipeline(cfg)
+    )
+    return WanPolicy(pipeline, cfg, device)

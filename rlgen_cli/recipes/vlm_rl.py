@@ -1,0 +1,400 @@
+"""Token-level GRPO and StepGRPO for multimodal LLMs (Qwen2-VL / Qwen2.5-VL).
+
+GRPO: Shao et al. 2024 ("DeepSeekMath"); StepGRPO: Zhang et al. 2025 ("R1-VL: Learning to Reason with
+Multimodal Large Language Models via Step-wise Group Relative Policy Optimization"); loss variants and
+defaults as TRL's ``GRPOTrainer``. Each epoch:
+
+1. **rollout** — ``group_size`` completions per prompt (batched ``generate``, KV cache, explicit
+   temperature / top-p / top-k, vision tokens suppressed, stop at ``<|im_end|>``); the prompt + image +
+   completion budget is checked against the context first (never truncated);
+2. **score** — the reward mix scores the decoded texts (StepGRPO: ``answer_accuracy + step_rar +
+   step_rvr``, every component logged);
+3. **advantages** — group z-scores keyed by dataset index (``algo.token.scale_rewards``: group / batch /
+   none, eps 1e-4);
+4. **prepare** — π_old (training-path recompute, or the sampler's raw-logit log-probs) and π_ref (LoRA
+   disabled, or a frozen copy) on the training micro-batches;
+5. **update** — ``num_iterations`` passes of the clipped token loss (``algos/token_grpo.py``) + β·k3 KL,
+   gradient accumulation, grad-norm clip, warm-up / decay schedule;
+6. **log / eval / checkpoint** — metrics.jsonl, accuracy on ``data.test``, full-state checkpoints.
+
+Deliberate choices: log-probs are taken at temperature 1 from raw logits (the sampling temperature only
+shapes exploration); micro-batches are built once per epoch and reused, so the first update is exactly
+on-policy (``rlgen check-onpolicy model=tiny_qwen2_vl algo=step_grpo`` proves it).
+
+    rlgen train model=tiny_qwen2_vl algo=step_grpo              # tiny CPU run
+    rlgen train model=qwen2_vl model.path=Qwen/Qwen2-VL-2B-Instruct algo=step_grpo data=r1vl
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from PIL import Image
+from torch import Tensor
+
+from rlgen_cli.algos.advantages import combine_rewards
+from rlgen_cli.algos.token_grpo import token_grpo_loss
+from rlgen_cli.data.sampler import GroupSampler
+from rlgen_cli.models.base import resolve_device
+from rlgen_cli.rewards import RewardBatch, build_mix
+from rlgen_cli.rewards.r1vl import TEXT_REWARDS
+from rlgen_cli.schema.errors import UserError
+from rlgen_cli.schema.flow import TrainConfig
+from rlgen_cli.sde.noise import stream_seed
+from rlgen_cli.training.checkpoint import COUNTERS_KEY, OPTIMIZER_KEY, SAMPLER_KEY, resolve_resume
+from rlgen_cli.training.checkpoint import save_checkpoint, set_rng_state
+from rlgen_cli.training.metrics import JsonlLogger
+from rlgen_cli.training.plots import plot_runs
+from rlgen_cli.training.progress import Progress
+from rlgen_cli.vlm.data import load_vlm_examples, prompt_text
+from rlgen_cli.vlm.evaluate import answer_examples, evaluate, summarise
+from rlgen_cli.vlm.policy import build_vlm
+from rlgen_cli.vlm.rollout import SamplingOptions, TokenBatch, check_context, collate, completion_logprobs
+from rlgen_cli.vlm.rollout import encode_prompts, generate, load_image, pad_stack
+
+__all__ = ["VLMRLRecipe", "check_onpolicy", "evaluate", "run"]
+
+log = logging.getLogger(__name__)
+SCHEDULER_KEY = "scheduler"
+REWARD_CURVE = "reward_curve.png"
+ROLLOUT_SALT = 3
+
+
+@dataclass
+class Rollouts:
+    """One epoch's samples in rollout order; N = prompts_per_epoch × group_size."""
+
+    indices: Tensor  # (N,) dataset indices: the group keys
+    prompts: list[str]  # chat-templated prompt strings
+    images: list[Image.Image | None]
+    completions: list[Tensor]  # N × (L_i,) token ids
+    truncated: list[bool]
+    texts: list[str]
+    metadata: list[dict]
+    sampler_logprobs: list[Tensor]  # N × (L_i,) raw-logit log-probs recorded by generate
+
+
+@dataclass
+class MicroBatch:
+    """A training micro-batch: its rows, layout, and the fixed log-probs of π_old / π_ref, (B, L) each."""
+
+    rows: slice
+    batch: TokenBatch
+    old: Tensor
+    ref: Tensor | None
+
+
+def batches(n: int, size: int) -> list[slice]:
+    return [slice(start, min(start + size, n)) for start in range(0, n, size)]
+
+
+def lr_lambda(step: int, total: int, warmup: int, schedule: str) -> float:
+    """Linear warm-up over ``warmup`` steps, then constant / cosine / linear decay to 0 at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "cosine":
+        return 0.5 * (1 + math.cos(math.pi * progress))
+    return 1.0 - progress if schedule == "linear" else 1.0
+
+
+class VLMRLRecipe:
+    """setup → train (rollout → score → advantages → prepare → update → log → eval → save) → cleanup."""
+
+    def __init__(self, cfg: TrainConfig, raw_cfg: DictConfig) -> None:
+        self.cfg, self.raw_cfg, self.run_dir = cfg, raw_cfg, Path(cfg.run_dir)
+
+    # -- setup ----------------------------------------------------------------------------------
+    def setup(self) -> None:
+        cfg, algo = self.cfg, self.cfg.algo
+        unknown = sorted(set(cfg.reward.weights) - set(TEXT_REWARDS))
+        if unknown:
+            raise UserError(f"reward(s) {unknown} score images; VLM recipes score texts: {', '.join(TEXT_REWARDS)}")
+        torch.manual_seed(cfg.seed)
+        self.device = resolve_device(cfg.device)
+        self.policy = build_vlm(cfg.model, self.device)
+        self.reward = build_mix(dict(cfg.reward.weights), **{k: dict(v) for k, v in cfg.reward.kwargs.items()})
+        self.train_set = load_vlm_examples(cfg.data.train)
+        self.test_set = load_vlm_examples(cfg.data.test) if cfg.eval_every else []
+        self.sampler = GroupSampler(len(self.train_set), algo.prompts_per_epoch, algo.group_size, seed=cfg.seed)
+        self.optimizer = torch.optim.AdamW(
+            self.policy.trainable_parameters(), lr=algo.lr, betas=(algo.adam_beta1, algo.adam_beta2),
+            eps=algo.adam_eps, weight_decay=algo.weight_decay,
+        )  # fmt: skip
+        micro = algo.prompts_per_epoch * algo.group_size // algo.train_batch_size
+        total = cfg.epochs * algo.token.num_iterations * micro // algo.gradient_accumulation_steps
+        warmup = math.ceil(algo.token.warmup_ratio * total)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_lambda(s, total, warmup, algo.token.lr_schedule)
+        )
+        self.start_epoch, self.global_step = 0, 0
+        self._maybe_resume()
+        self.logger = JsonlLogger(self.run_dir)
+
+    def _maybe_resume(self) -> None:
+        ckpt = resolve_resume(self.cfg.resume, self.run_dir)
+        if ckpt is None:
+            return
+        state = ckpt.state()
+        self.policy.load_trainable(ckpt.weights)
+        self.optimizer.load_state_dict(state[OPTIMIZER_KEY])
+        self.scheduler.load_state_dict(state[SCHEDULER_KEY])
+        self.sampler.load_state_dict(state[SAMPLER_KEY])
+        set_rng_state(state["rng"])
+        self.start_epoch = state[COUNTERS_KEY]["epoch"]
+        self.global_step = state[COUNTERS_KEY]["global_step"]
+        log.info("resumed from %s at epoch %d", ckpt.path, self.start_epoch)
+
+    # -- the loop -------------------------------------------------------------------------------
+    def train(self) -> dict[str, float]:
+        cfg, metrics = self.cfg, {}
+        with Progress(enabled=cfg.progress) as progress:
+            epochs = progress.task("epochs", total=cfg.epochs, completed=self.start_epoch)
+            for epoch in range(self.start_epoch, cfg.epochs):
+                metrics = self.train_epoch(epoch, progress)
+                if cfg.eval_every and _due(epoch, cfg.eval_every, cfg.epochs):
+                    metrics |= self.evaluate(progress)
+                self.logger.log(metrics, step=epoch)
+                log.info(
+                    "epoch %d  reward %+.4g±%.3g  kl %.2e  clipfrac %.3f  len %.1f  %.1fs", epoch,
+                    metrics["reward/mean"], metrics["reward/std"], metrics["kl_loss"], metrics["clipfrac"],
+                    metrics["completions/mean_length"], metrics["time/rollout"] + metrics["time/update"],
+                )  # fmt: skip
+                if _due(epoch, cfg.save_every, cfg.epochs):
+                    self.save(epoch + 1)
+                progress.advance(epochs, description=f"epoch {epoch + 1}: reward {metrics['reward/mean']:+.4g}")
+        plot_runs([self.run_dir], self.run_dir / REWARD_CURVE)
+        return metrics
+
+    def train_epoch(self, epoch: int, progress: Progress) -> dict[str, float]:
+        timings: dict[str, float] = {}
+        start = time.perf_counter()
+        rollouts = self.rollout(epoch, progress)
+        timings["time/rollout"] = time.perf_counter() - start
+        components, total = self.score(rollouts)
+        algo = self.cfg.algo
+        advantages, adv_stats = combine_rewards(
+            components, dict(self.cfg.reward.weights), rollouts.indices, mode=self.cfg.reward.aggregation,
+            global_std=algo.token.scale_rewards == "batch", scale="none" if algo.token.scale_rewards == "none" else "std",
+            eps=1e-4, clip_max=algo.adv_clip_max,
+        )  # fmt: skip
+        start = time.perf_counter()
+        micro_batches = self.prepare(rollouts)
+        update_stats = self.update(micro_batches, advantages, rollouts.truncated, progress)
+        timings["time/update"] = time.perf_counter() - start
+        lengths = torch.tensor([float(c.numel()) for c in rollouts.completions])
+        return {
+            "reward/mean": total.mean().item(), "reward/std": total.std().item(),
+            **{f"reward/{k}/mean": v.mean().item() for k, v in components.items()},
+            **{f"reward/{k}/std": v.std().item() for k, v in components.items()},
+            "zero_std_ratio": adv_stats.zero_std_ratio, "num_groups": adv_stats.num_groups,
+            "completions/mean_length": lengths.mean().item(), "completions/max_length": lengths.max().item(),
+            "completions/min_length": lengths.min().item(),
+            "completions/clipped_ratio": sum(rollouts.truncated) / len(rollouts.truncated),
+            "sampler/logp_gap_max": self._sampler_gap(rollouts, micro_batches),
+            **update_stats, **timings, "lr": self.scheduler.get_last_lr()[0], "global_step": self.global_step,
+        }  # fmt: skip
+
+    # -- phases ---------------------------------------------------------------------------------
+    def sampling_options(self) -> SamplingOptions:
+        token = self.cfg.algo.token
+        return SamplingOptions(token.temperature, token.top_p, token.top_k, token.max_completion_tokens)
+
+    def rollout(self, epoch: int, progress: Progress) -> Rollouts:
+        """Generate this epoch's completions in batches of ``sample_batch_size``."""
+        cfg, vlm = self.cfg, self.cfg.model.vlm
+        indices = self.sampler.indices_for_epoch(epoch)
+        examples = [self.train_set[i] for i in indices]
+        prompts = [prompt_text(self.policy.processor, ex, vlm.prompt_format, vlm.system_prompt) for ex in examples]
+        images = [load_image(ex.image) for ex in examples]
+        options = self.sampling_options()
+        ids, truncated, logprobs = [], [], []
+        task = progress.task("rollout", total=len(indices))
+        for k, part in enumerate(batches(len(indices), cfg.algo.sample_batch_size)):
+            encoded = encode_prompts(self.policy, prompts[part], images[part])
+            check_context(self.policy, encoded, options.max_new_tokens, [f"#{i}" for i in indices[part]])
+            done = generate(self.policy, encoded, options, seed=stream_seed(cfg.seed, epoch, k, ROLLOUT_SALT))
+            ids += done.ids
+            truncated += done.truncated
+            logprobs += done.logprobs or []
+            progress.advance(task, part.stop - part.start)
+        progress.remove(task)
+        texts = self.policy.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        return Rollouts(
+            torch.tensor(indices), prompts, images, ids, truncated, texts, [dict(ex.metadata) for ex in examples],
+            logprobs,
+        )  # fmt: skip
+
+    @torch.no_grad()
+    def score(self, rollouts: Rollouts) -> tuple[dict[str, Tensor], Tensor]:
+        """Per-component rewards (N,) and their weighted total; a failed (NaN) score is an error."""
+        batch = RewardBatch(prompts=rollouts.prompts, texts=rollouts.texts, metadata=rollouts.metadata)
+        result = self.reward.score(batch)
+        components = {name: torch.as_tensor(result.details[name], dtype=torch.float32) for name in self.reward.rewards}
+        if not torch.isfinite(result.scores).all():
+            raise RuntimeError("rewards failed for some samples (NaN); a failed score is never replaced by 0")
+        return components, result.scores
+
+    @torch.no_grad()
+    def prepare(self, rollouts: Rollouts) -> list[MicroBatch]:
+        """Training micro-batches with π_old (recompute or sampler) and π_ref (when β > 0) log-probs."""
+        algo, policy = self.cfg.algo, self.policy
+        out = []
+        for rows in batches(len(rollouts.texts), algo.train_batch_size):
+            batch = collate(policy, rollouts.prompts[rows], rollouts.images[rows], rollouts.completions[rows])
+            length = batch.completion_ids.shape[1]
+            if algo.token.old_logprobs == "recompute":
+                old = completion_logprobs(policy, batch)
+            else:
+                old = pad_stack(rollouts.sampler_logprobs[rows], length).to(self.device)
+            ref = None
+            if algo.beta > 0:
+                with policy.reference() as reference:
+                    ref = completion_logprobs(policy, batch, reference)
+            out.append(MicroBatch(rows, batch, old, ref))
+        return out
+
+    def update(
+        self, micro_batches: list[MicroBatch], advantages: Tensor, truncated: list[bool], progress: Progress
+    ) -> dict[str, float]:
+        """``num_iterations`` passes of the token loss over the micro-batches, stepping every accumulation."""
+        algo, token = self.cfg.algo, self.cfg.algo.token
+        accum = algo.gradient_accumulation_steps
+        stats: dict[str, list[float]] = defaultdict(list)
+        task = progress.task("update", total=token.num_iterations * len(micro_batches))
+        for _ in range(token.num_iterations):
+            for k, mb in enumerate(micro_batches):
+                group = micro_batches[k - k % accum : k - k % accum + accum]
+                num_items = sum(self._loss_mask(m, truncated).sum().item() for m in group)
+                out = self.micro_batch_loss(mb, advantages[mb.rows].to(self.device), truncated, num_items)
+                (out.loss if token.loss_type == "dapo" else out.loss / accum).backward()
+                for key, value in {**out.stats, "policy_loss": out.policy_loss.item(), "kl_loss": out.kl.item()}.items():
+                    stats[key].append(value)
+                if (k + 1) % accum == 0:
+                    stats["grad_norm"].append(self.optimizer_step())
+                progress.advance(task)
+        progress.remove(task)
+        return {k: min(v) if k == "ratio_min" else max(v) if k == "ratio_max" else sum(v) / len(v) for k, v in stats.items()}
+
+    def _loss_mask(self, mb: MicroBatch, truncated: list[bool]) -> Tensor:
+        mask = mb.batch.completion_mask
+        if self.cfg.algo.token.mask_truncated_completions:
+            keep = torch.tensor([not t for t in truncated[mb.rows]], device=mask.device)
+            mask = mask * keep.unsqueeze(-1)
+        return mask
+
+    def micro_batch_loss(self, mb: MicroBatch, adv: Tensor, truncated: list[bool], num_items: float) -> Any:
+        """The training path: π_θ log-probs (with gradients) → token GRPO loss."""
+        algo = self.cfg.algo
+        logp = completion_logprobs(self.policy, mb.batch)
+        return token_grpo_loss(
+            logp, mb.old, adv, self._loss_mask(mb, truncated), loss_type=algo.token.loss_type,
+            importance_level=algo.token.importance_level, epsilon=algo.clip_range, epsilon_high=algo.token.epsilon_high,
+            beta=algo.beta, ref_logp=mb.ref, max_completion_length=algo.token.max_completion_tokens, num_items=num_items,
+        )  # fmt: skip
+
+    def optimizer_step(self) -> float:
+        params = self.policy.trainable_parameters()
+        max_norm = self.cfg.algo.max_grad_norm if self.cfg.algo.max_grad_norm > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        return grad_norm
+
+    def _sampler_gap(self, rollouts: Rollouts, micro_batches: list[MicroBatch]) -> float:
+        """max |log π_old − log π_sampler| over tokens: the KV-cache vs full-forward numerics gap."""
+        gap = 0.0
+        for mb in micro_batches:
+            sampled = pad_stack(rollouts.sampler_logprobs[mb.rows], mb.old.shape[1]).to(mb.old.device)
+            diff = (mb.old - sampled).abs() * mb.batch.completion_mask
+            gap = max(gap, diff.max().item())
+        return gap
+
+    @torch.no_grad()
+    def evaluate(self, progress: Progress) -> dict[str, float]:
+        """Accuracy on the first ``data.eval_num_prompts`` test questions (near-greedy decoding)."""
+        n = self.cfg.data.eval_num_prompts or len(self.test_set)
+        answers = answer_examples(self.policy, self.test_set[:n], self.cfg.algo.sample_batch_size, self.cfg.seed, progress)
+        summary = summarise(answers)
+        per_category = {f"eval/accuracy/{k}": v["accuracy"] for k, v in summary["categories"].items()}
+        return {"eval/accuracy": summary["accuracy"], **per_category}
+
+    def save(self, epochs_done: int) -> None:
+        state = {
+            OPTIMIZER_KEY: self.optimizer.state_dict(), SAMPLER_KEY: self.sampler.state_dict(),
+            SCHEDULER_KEY: self.scheduler.state_dict(),
+            COUNTERS_KEY: {"epoch": epochs_done, "global_step": self.global_step},
+        }  # fmt: skip
+        ckpt = save_checkpoint(self.run_dir, epochs_done, self.policy, state, self.raw_cfg, self.cfg.keep_last)
+        log.info("saved %s", ckpt.path)
+
+    def cleanup(self) -> None:
+        self.logger.close()
+
+
+def _due(epoch: int, every: int, total: int) -> bool:
+    return epoch + 1 == total or (every > 0 and (epoch + 1) % every == 0)
+
+
+def run(cfg: TrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
+    """Entry point of ``rlgen train algo.recipe=vlm_rl``."""
+    recipe = VLMRLRecipe(cfg, raw_cfg)
+    recipe.setup()
+    try:
+        return recipe.train()
+    finally:
+        recipe.cleanup()
+
+
+def check_onpolicy(cfg: Any, raw_cfg: DictConfig) -> float:
+    """Roll out one epoch, then run the training path (gradients on, no update) on the same micro-batches.
+
+    Returns the largest |ratio − 1| against π_old over every completion token (exactly 0 when the
+    trainer reproduces the rollout), after printing a table that also shows the sampler gap
+    (π_old vs generate()'s raw-logit log-probs). ``check.train_batch_size`` re-batches the training side.
+    """
+    recipe = VLMRLRecipe(cfg, raw_cfg)
+    recipe.setup()
+    batch_size = cfg.check.train_batch_size or cfg.algo.train_batch_size
+    with Progress(cfg.progress) as progress:
+        rollouts = recipe.rollout(0, progress)
+    prepared = recipe.prepare(rollouts)
+    old = [m.old[i, : int(m.batch.completion_mask[i].sum())] for m in prepared for i in range(m.old.shape[0])]
+    rows = []
+    for part in batches(len(rollouts.texts), batch_size):
+        batch = collate(recipe.policy, rollouts.prompts[part], rollouts.images[part], rollouts.completions[part])
+        logp = completion_logprobs(recipe.policy, batch).detach()
+        for i, n in enumerate(batch.completion_mask.sum(-1).tolist()):
+            j = part.start + i
+            ratio_err = (torch.exp(logp[i, :n] - old[j].to(logp.device)) - 1).abs().max().item() if n else 0.0
+            gap = (logp[i, :n].cpu() - rollouts.sampler_logprobs[j]).abs().max().item() if n else 0.0
+            rows.append((j, n, ratio_err, gap))
+    recipe.cleanup()
+    worst = max(r[2] for r in rows)
+    _report(rows, cfg.check.tolerance, worst)
+    return worst
+
+
+def _report(rows: list[tuple[int, int, float, float]], tolerance: float, worst: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="on-policy check (VLM): training path vs π_old on the rollout")
+    for column in ("sample", "tokens", "max |ratio − 1|", "max |Δ log p| vs sampler"):
+        table.add_column(column, justify="right")
+    for sample, n, ratio_err, gap in rows:
+        table.add_row(str(sample), str(n), f"{ratio_err:.3e}", f"{gap:.3e}")
+    console = Console()
+    console.print(table)
+    verdict = "[green]PASS[/]" if worst <= tolerance else "[bold red]FAIL[/]"
+    console.print(f"{verdict} max |ratio − 1| {worst:.3e} (tolerance {tolerance:.1e})")

@@ -1,0 +1,171 @@
+"""ShapesEval reward (``shapes_geneval``): the deterministic shapes detector + GenEval scoring.
+
+Images ``(B, 3, H, W)`` in [0, 1] are read by :class:`~rlgen_cli.shapes.detect.ShapeDetector` and
+scored by :func:`~rlgen_cli.shapes.score.score_detections` against their ShapesEval metadata
+(:mod:`rlgen_cli.shapes.prompts`). The training signal depends on ``mode``:
+
+* ``"clutter"`` (default): ``partial · exp(−extra_penalty · n_extra)``. GenEval's partial credit
+  ignores objects nobody asked for, so a policy trained on it learns to draw clutter (dozens of blobs
+  satisfy "a photo of a circle"); the penalty makes each unrequested object cost ≈ 40 % (0.5).
+* ``"partial"``: plain Flow-GRPO partial credit (shows reward hacking in benchmarks).
+* ``"strict"``: ShapesEval strict accuracy as 0/1.
+
+Details (per sample): ``strict``, ``accuracy``, ``partial``, ``geneval_strict``, ``n_extra`` (float
+tensors), ``tag`` and ``reason`` (lists of str).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from rlgen_cli.rewards.base import RewardBatch, RewardResult
+from rlgen_cli.rewards.geneval import GenEvalThresholds
+from rlgen_cli.rewards.registry import register
+
+if TYPE_CHECKING:  # rlgen_cli.shapes imports rlgen_cli.rewards: import it lazily to avoid a cycle
+    from rlgen_cli.shapes.detect import ShapeDetector
+    from rlgen_cli.shapes.score import ShapesResult
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MODES", "ShapesGenEvalReward", "clutter_score", "shapes_geneval"]
+
+MODES = ("clutter", "partial", "strict")
+
+
+def clutter_score(partial: float, n_extra: int, extra_penalty: float = 0.5) -> float:
+    """Return partial credit discounted per unrequested object: ``partial · exp(−penalty · n_extra)``.
+
+    Args:
+        partial: GenEval partial credit in [0, 1].
+        n_extra: Unrequested objects in the image.
+        extra_penalty: Log-discount per extra object.
+
+    Returns:
+        The discounted score.
+    """
+    return partial * math.exp(-extra_penalty * n_extra)
+
+
+class ShapesGenEvalReward:
+    """ShapesEval scoring as a :class:`~rlgen_cli.rewards.base.Reward` (see the module docstring).
+
+    Attributes:
+        name: Registry name.
+        mode: One of :data:`MODES`.
+        extra_penalty: Log-discount per extra object in ``"clutter"`` mode.
+        detector: The shapes detector.
+        thresholds: GenEval settings (only the position margin matters: detections have confidence 1).
+    """
+
+    def __init__(
+        self,
+        mode: str = "clutter",
+        extra_penalty: float = 0.5,
+        detector: ShapeDetector | None = None,
+        thresholds: GenEvalThresholds = GenEvalThresholds(),
+        name: str = "shapes_geneval",
+    ) -> None:
+        """Create the reward.
+
+        Raises:
+            ValueError: On an unknown mode or a negative penalty.
+        """
+        if mode not in MODES:
+            raise ValueError(f"reward {name!r}: mode must be one of {MODES}, got {mode!r}.")
+        if extra_penalty < 0:
+            raise ValueError(f"reward {name!r}: extra_penalty must be ≥ 0, got {extra_penalty}.")
+        from rlgen_cli.shapes.detect import ShapeDetector
+
+        self.name, self.mode, self.extra_penalty = name, mode, extra_penalty
+        self.detector = detector or ShapeDetector()
+        self.thresholds = thresholds
+
+    def _check(self, batch: RewardBatch) -> tuple[Tensor, list[dict]]:
+        """Return the batch's images and metadata; raise a ValueError unless both are usable."""
+        images = batch.images
+        if images is None or images.ndim != 4 or images.shape[1] != 3:
+            shape = None if images is None else tuple(images.shape)
+            raise ValueError(
+                f"reward {self.name!r} needs RGB images (B, 3, H, W) in [0, 1], got {shape}; "
+                "videos are not supported."
+            )
+        if batch.metadata is None:
+            raise ValueError(
+                f"reward {self.name!r} needs RewardBatch.metadata (GenEval dicts); train on the "
+                "ShapesEval prompt files (data=shapes)."
+            )
+        return images, batch.metadata
+
+    def _value(self, result: ShapesResult) -> float:
+        """The training signal of one image under :attr:`mode`."""
+        if self.mode == "partial":
+            return result.score
+        if self.mode == "strict":
+            return float(result.strict)
+        return clutter_score(result.score, result.n_extra, self.extra_penalty)
+
+    def score(self, batch: RewardBatch) -> RewardResult:
+        """Score images against their ShapesEval metadata.
+
+        Args:
+            batch: ``images (B, 3, H, W)`` in [0, 1] and ``metadata`` (GenEval dicts), length B.
+
+        Returns:
+            ``scores`` per :attr:`mode`; details as in the module docstring.
+
+        Raises:
+            ValueError: If images or metadata are missing or malformed, or metadata is not ShapesEval.
+        """
+        from rlgen_cli.shapes.score import score_images
+
+        images, metadata = self._check(batch)
+        results = score_images(images, metadata, self.detector, self.thresholds)
+
+        def column(key: str) -> torch.Tensor:
+            return torch.tensor([float(getattr(r, key)) for r in results], dtype=torch.float32)
+
+        return RewardResult(
+            scores=torch.tensor([self._value(r) for r in results], dtype=torch.float32),
+            details={
+                "strict": column("strict"),
+                "accuracy": column("accuracy"),
+                "partial": column("score"),
+                "geneval_strict": column("geneval_strict"),
+                "n_extra": column("n_extra"),
+                "tag": [r.tag for r in results],
+                "reason": ["; ".join(r.reasons) for r in results],
+            },
+        )
+
+
+@register("shapes_geneval")
+def shapes_geneval(
+    mode: str = "clutter",
+    extra_penalty: float = 0.5,
+    min_area: int | None = None,
+    position_margin: float = 0.1,
+) -> ShapesGenEvalReward:
+    """Build the ShapesEval reward.
+
+    Args:
+        mode: ``"clutter"`` (partial credit × exp(−extra_penalty·n_extra)), ``"partial"`` or ``"strict"``.
+        extra_penalty: Log-discount per unrequested object in ``"clutter"`` mode.
+        min_area: Smallest component counted as an object; ``None`` = 8 px per 32×32 (size-scaled).
+        position_margin: GenEval position margin.
+
+    Returns:
+        The reward (no model to load).
+
+    Raises:
+        ValueError: On an unknown mode, a negative penalty or ``min_area < 1``.
+    """
+    from rlgen_cli.shapes.detect import ShapeDetector
+
+    thresholds = GenEvalThresholds(position_margin=position_margin)
+    return ShapesGenEvalReward(mode, extra_penalty, ShapeDetector(min_area), thresholds)

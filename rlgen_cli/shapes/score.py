@@ -1,0 +1,206 @@
+"""ShapesEval scoring: GenEval metrics on :class:`~rlgen_cli.shapes.detect.ShapeDetector` output, plus
+the headline **strict accuracy** and the extra-object count.
+
+GenEval's rules come from :func:`rlgen_cli.rewards.geneval.score_geneval` unchanged (colours read from
+the detections): ``score`` = Flow-GRPO partial credit, ``accuracy`` = the original binary metric,
+``geneval_strict`` = exact counts + colours + positions + excludes. ShapesEval adds:
+
+* ``n_extra``: detected objects nobody asked for. For each detected shape,
+  ``max(0, found − requested)``, where ``requested`` sums the counts of the ``include`` clauses naming
+  it (0 for a shape the prompt does not mention); summed over shapes.
+* ``strict`` (headline): ``geneval_strict`` and ``n_extra == 0`` — every requested object with its
+  colour, count and relation, and no unrequested object. GenEval's partial credit and accuracy ignore
+  objects of other classes, which a generator can exploit by drawing clutter; strict does not.
+* ``extra_rate``: share of images with at least one extra object.
+
+Summaries average per tag, then ``overall`` = mean of the tag means (GenEval's overall score).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from rlgen_cli.rewards.geneval import Detection, GenEvalResult, GenEvalThresholds, score_geneval, summarise
+from rlgen_cli.shapes.detect import ShapeDetector
+from rlgen_cli.shapes.vocab import COLORS, SHAPES, TAGS
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "METRICS", "ShapesResult", "check_metadata", "count_extra", "format_summary", "score_detections",
+    "score_images", "summarise_results",
+]  # fmt: skip
+
+METRICS: dict[str, str] = {
+    "strict": "strict",
+    "accuracy": "accuracy",
+    "partial": "score",
+    "geneval_strict": "geneval_strict",
+    "extra_rate": "has_extra",
+    "n_extra": "n_extra",
+}
+"""Summary name -> :class:`ShapesResult` attribute averaged for it."""
+
+
+@dataclass
+class ShapesResult(GenEvalResult):
+    """ShapesEval outcome for one image (``score`` = partial credit, ``accuracy`` = GenEval binary).
+
+    Attributes:
+        strict: ShapesEval strict: ``geneval_strict`` and no extra object.
+        geneval_strict: GenEval's strict (exact counts, colours, positions, excludes).
+        n_extra: Detected objects beyond those requested.
+        n_objects: All detected objects.
+    """
+
+    geneval_strict: bool = False
+    n_extra: int = 0
+    n_objects: int = 0
+
+    @property
+    def has_extra(self) -> bool:
+        """True when the image holds at least one unrequested object."""
+        return self.n_extra > 0
+
+
+def check_metadata(metadata: Mapping[str, Any]) -> None:
+    """Check that a GenEval dict only names ShapesEval shapes and colours.
+
+    Args:
+        metadata: GenEval dict.
+
+    Raises:
+        ValueError: If ``tag``/``include`` are missing or a clause names an unknown class or colour.
+    """
+    if "tag" not in metadata or "include" not in metadata:
+        raise ValueError(
+            f"ShapesEval metadata needs 'tag' and 'include', got keys {sorted(metadata)}; "
+            "use the shapes prompt files (data=shapes)."
+        )
+    for clause in [*metadata["include"], *metadata.get("exclude", [])]:
+        if clause.get("class") not in SHAPES or clause.get("color", COLORS[0]) not in COLORS:
+            raise ValueError(
+                f"ShapesEval cannot score clause {clause} of {metadata.get('prompt')!r}: classes are "
+                f"{SHAPES} and colours {COLORS}; the shapes_geneval reward only scores ShapesEval prompts."
+            )
+
+
+def count_extra(detections: Sequence[Detection], metadata: Mapping[str, Any]) -> int:
+    """Return the number of detected objects beyond those the ``include`` clauses request.
+
+    Args:
+        detections: Objects found in one image.
+        metadata: Its GenEval dict.
+
+    Returns:
+        ``Σ_shape max(0, found − requested)``.
+    """
+    requested: Counter[str] = Counter()
+    for clause in metadata["include"]:
+        requested[clause["class"]] += int(clause["count"])
+    found = Counter(d.label for d in detections)
+    return sum(max(0, n - requested[label]) for label, n in found.items())
+
+
+def _detected_colors(objects: Sequence[Detection], classname: str) -> list[str]:
+    """GenEval colour function reading :attr:`ShapeDetection.color`."""
+    return [str(getattr(obj, "color", "")) for obj in objects]
+
+
+def score_detections(
+    detections: Sequence[Detection],
+    metadata: Mapping[str, Any],
+    thresholds: GenEvalThresholds = GenEvalThresholds(),
+) -> ShapesResult:
+    """Score one image's detections against its GenEval metadata.
+
+    Args:
+        detections: :class:`~rlgen_cli.shapes.detect.ShapeDetection` objects of one image.
+        metadata: GenEval dict over ShapesEval shapes and colours.
+        thresholds: GenEval settings (position margin 0.1; detections have confidence 1).
+
+    Returns:
+        GenEval metrics plus strict accuracy and extra objects.
+
+    Raises:
+        ValueError: If the metadata is not ShapesEval metadata.
+    """
+    check_metadata(metadata)
+    base = score_geneval(detections, metadata, _detected_colors, thresholds)
+    n_extra = count_extra(detections, metadata)
+    reasons = list(base.reasons) + ([f"{n_extra} unrequested object(s)"] if n_extra else [])
+    return ShapesResult(
+        tag=base.tag,
+        score=base.score,
+        accuracy=base.accuracy,
+        strict=base.strict and n_extra == 0,
+        reasons=reasons,
+        geneval_strict=base.strict,
+        n_extra=n_extra,
+        n_objects=len(detections),
+    )
+
+
+def score_images(
+    images: Tensor,
+    metadata: Sequence[Mapping[str, Any]],
+    detector: ShapeDetector | None = None,
+    thresholds: GenEvalThresholds = GenEvalThresholds(),
+) -> list[ShapesResult]:
+    """Detect and score a batch of images.
+
+    Args:
+        images: ``(B, 3, H, W)`` in [0, 1].
+        metadata: B GenEval dicts.
+        detector: Default :class:`ShapeDetector` ``()``.
+        thresholds: GenEval settings.
+
+    Returns:
+        One result per image.
+
+    Raises:
+        ValueError: On mismatched lengths, bad images or non-ShapesEval metadata.
+    """
+    if images.shape[0] != len(metadata):
+        raise ValueError(
+            f"got {images.shape[0]} images but {len(metadata)} metadata dicts; pass one per image."
+        )
+    found = (detector or ShapeDetector()).detect(images)
+    return [score_detections(dets, meta, thresholds) for dets, meta in zip(found, metadata)]
+
+
+def summarise_results(results: Sequence[ShapesResult]) -> dict[str, dict[str, float]]:
+    """Average every :data:`METRICS` entry per tag, plus ``overall`` = mean of the tag means.
+
+    Args:
+        results: Per-image results.
+
+    Returns:
+        ``{metric: {tag: mean, …, "overall": mean}}``; tags absent from ``results`` are absent.
+    """
+    return {name: summarise(results, key=attr) for name, attr in METRICS.items()}
+
+
+def format_summary(summary: Mapping[str, Mapping[str, float]]) -> str:
+    """Render :func:`summarise_results` output as a plain-text table, one row per tag.
+
+    Args:
+        summary: ``{metric: {tag: value}}``.
+
+    Returns:
+        The table, rows in :data:`~rlgen_cli.shapes.vocab.TAGS` order then ``overall``.
+    """
+    metrics = list(summary)
+    present = {tag for values in summary.values() for tag in values}
+    rows = [t for t in (*TAGS, "overall") if t in present]
+    lines = [f"{'tag':<14}" + "".join(f"{m:>15}" for m in metrics)]
+    for tag in rows:
+        cells = "".join(f"{summary[m].get(tag, float('nan')):>15.3f}" for m in metrics)
+        lines.append(f"{tag:<14}{cells}")
+    return "\n".join(lines)

@@ -1,0 +1,252 @@
+"""Qwen2-VL / Qwen2.5-VL policies: load (hub id, local path) or build tiny; LoRA or full fine-tuning.
+
+One small object, :class:`VLMPolicy`, holds the model and its processor and answers what the token
+recipes need: the trainable parameters, a frozen reference (LoRA disabled, or a frozen copy for full
+fine-tuning) for the k3 KL of GRPO (Shao et al. 2024) / StepGRPO (R1-VL, Zhang et al. 2025), the token
+ids that must never be sampled (vision tokens), the stop ids, and checkpoint I/O in Hugging Face / peft
+formats (``save_trainable`` / ``load_trainable``; :func:`export_merged` writes a merged model directory
+that VLMEvalKit or lmms-eval load as-is).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlgen_cli.schema.errors import UserError
+from rlgen_cli.schema.flow import ModelConfig
+from rlgen_cli.schema.vlm import VLM_FAMILIES
+
+log = logging.getLogger(__name__)
+
+__all__ = ["VLMPolicy", "build_vlm", "export_merged", "load_vlm"]
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+LANGUAGE_LORA_TARGETS = r"^(?!.*visual).*\.({names})$"  # LoRA on the language model only
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_ADAPTER_FILE = "adapter_model.safetensors"
+
+
+@dataclass
+class VLMPolicy:
+    """A Qwen-VL model, its processor and the bits the token recipes need.
+
+    Attributes:
+        model: The (possibly peft-wrapped) ``Qwen2VLForConditionalGeneration`` / Qwen2.5-VL model.
+        processor: Its ``Qwen2VLProcessor`` (pixel bounds from ``model.vlm``).
+        cfg: The model config it was built from.
+        device: Where it runs.
+    """
+
+    model: Any
+    processor: Any
+    cfg: ModelConfig
+    device: torch.device
+    _frozen_copy: Any = field(default=None, repr=False)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.processor.tokenizer
+
+    @property
+    def is_lora(self) -> bool:
+        return self.cfg.lora.enabled
+
+    def token_ids(self, names: tuple[str, ...]) -> list[int]:
+        """Ids of the tokens in ``names`` that this vocabulary has."""
+        vocab = self.tokenizer.get_vocab()
+        return [vocab[name] for name in names if name in vocab]
+
+    @property
+    def suppressed_ids(self) -> list[int]:
+        """Vision tokens: never sampled, and masked the same way when log-probs are recomputed."""
+        return self.token_ids(VISION_TOKENS)
+
+    @property
+    def stop_ids(self) -> list[int]:
+        return self.token_ids(STOP_TOKENS)
+
+    @property
+    def max_positions(self) -> int:
+        config = self.model.config
+        text = getattr(config, "text_config", config)
+        return int(getattr(text, "max_position_embeddings", 1 << 30))
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def named_trainable(self) -> dict[str, torch.nn.Parameter]:
+        return {name: p for name, p in self.model.named_parameters() if p.requires_grad}
+
+    def autocast(self) -> Any:
+        """Mixed precision in ``model.dtype`` around every forward (trainable weights are fp32)."""
+        dtype = _DTYPES[self.cfg.dtype]
+        if dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    @contextmanager
+    def reference(self) -> Iterator[Any]:
+        """The frozen reference model: the base with the adapter disabled, or a frozen copy (in
+        ``model.dtype``) of the initial weights for full fine-tuning, made on first use."""
+        if self.is_lora:
+            with self.model.disable_adapter():
+                yield self.model
+            return
+        if self._frozen_copy is None:
+            frozen = copy.deepcopy(self.model).requires_grad_(False).eval()
+            self._frozen_copy = frozen.to(_DTYPES[self.cfg.dtype])
+        yield self._frozen_copy
+
+    def save_trainable(self, path: Path) -> None:
+        """LoRA: the peft adapter (``adapter_model.safetensors`` + config); full: a HF model directory."""
+        self.model.save_pretrained(path)
+        self.processor.save_pretrained(path)
+
+    def load_trainable(self, path: Path) -> None:
+        """Load what :meth:`save_trainable` wrote into the trainable parameters (strict on their names)."""
+        path = Path(path)
+        if not (path / ("adapter_config.json" if self.is_lora else "config.json")).is_file():
+            raise UserError(
+                f"{path} holds no {'LoRA adapter' if self.is_lora else 'model'}; pass a checkpoint's weights/ "
+                "directory written with the same model.lora.enabled"
+            )
+        if self.is_lora:
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+
+            state = load_file(str(path / _ADAPTER_FILE))
+            unexpected = list(getattr(set_peft_model_state_dict(self.model, state), "unexpected_keys", []))
+            if unexpected:
+                raise UserError(f"adapter keys {unexpected[:3]} do not fit this model (LoRA rank/targets differ)")
+            return
+        saved = type(self.model).from_pretrained(path, dtype=torch.float32)  # transformers maps the key names
+        state = dict(saved.named_parameters())
+        trainable = self.named_trainable()
+        absent = sorted(set(trainable) - set(state))
+        if absent:
+            raise UserError(f"{path} lacks trained tensors {absent[:3]}; it was saved by another model config")
+        with torch.no_grad():
+            for name, param in trainable.items():
+                param.copy_(state[name].to(param.dtype))
+
+
+def _processor(cfg: ModelConfig) -> Any:
+    vlm = cfg.vlm
+    if cfg.tiny:
+        from rlgen_cli.vlm.tokenizer import tiny_processor
+
+        return tiny_processor(min_pixels=vlm.min_pixels, max_pixels=vlm.max_pixels)
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(
+        cfg.path, min_pixels=vlm.min_pixels, max_pixels=vlm.max_pixels,
+        local_files_only=cfg.local_files_only, revision=cfg.revision,
+    )  # fmt: skip
+
+
+def _base_model(cfg: ModelConfig, processor: Any) -> Any:
+    if cfg.tiny:
+        from rlgen_cli.rewards.tiny_vlm import tiny_vlm
+
+        return tiny_vlm(processor, kind=cfg.family, seed=cfg.tiny_seed).to(_DTYPES[cfg.dtype])
+    import transformers
+
+    cls = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+    extra = {"attn_implementation": cfg.vlm.attn_implementation} if cfg.vlm.attn_implementation else {}
+    return getattr(transformers, cls[cfg.family]).from_pretrained(
+        cfg.path, dtype=_DTYPES[cfg.dtype], local_files_only=cfg.local_files_only, revision=cfg.revision, **extra
+    )
+
+
+def _make_trainable(model: Any, cfg: ModelConfig) -> Any:
+    """Wrap in LoRA (language-model projections only) or unfreeze for full fine-tuning."""
+    model.requires_grad_(False)
+    if cfg.lora.enabled:
+        from peft import LoraConfig, get_peft_model
+
+        names = "|".join(sorted({t.split(".")[-1] for t in cfg.lora.target_modules}))
+        lora = LoraConfig(
+            r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=0.0,
+            target_modules=LANGUAGE_LORA_TARGETS.format(names=names),
+            init_lora_weights=cfg.lora.init if cfg.lora.init == "gaussian" else True,
+        )  # fmt: skip
+        model = get_peft_model(model, lora)
+        for param in model.parameters():  # trainable weights stay fp32 whatever the base dtype
+            if param.requires_grad:
+                param.data = param.data.float()
+        return model
+    model.float().requires_grad_(True)  # fp32 master weights; forwards run under autocast(model.dtype)
+    if cfg.vlm.freeze_vision:
+        visual = getattr(model, "visual", None) or model.model.visual
+        visual.requires_grad_(False)
+    return model
+
+
+def build_vlm(cfg: ModelConfig, device: torch.device) -> VLMPolicy:
+    """The policy of ``cfg`` (``family`` qwen2_vl | qwen2_5_vl; tiny or loaded) on ``device``.
+
+    Raises:
+        UserError: On an unknown family or a path that cannot be loaded.
+    """
+    if cfg.family not in VLM_FAMILIES:
+        raise UserError(f"model.family={cfg.family!r} is not a VLM family; choose one of {', '.join(VLM_FAMILIES)}")
+    try:
+        processor = _processor(cfg)
+        model = _base_model(cfg, processor)
+    except OSError as err:
+        raise UserError(
+            f"cannot load {cfg.family} from model.path={cfg.path!r} ({err}); give a hub id or a local "
+            "directory with config.json and weights (model.local_files_only=true for offline use)"
+        ) from err
+    model = _make_trainable(model, cfg).to(device)
+    if cfg.vlm.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    model.train(cfg.vlm.gradient_checkpointing)  # eval mode otherwise: no dropout, the ratio stays exactly 1
+    policy = VLMPolicy(model=model, processor=processor, cfg=cfg, device=device)
+    log.info(
+        "%s%s: %d parameters, %d trainable (%s)", cfg.family, " (tiny)" if cfg.tiny else "",
+        sum(p.numel() for p in model.parameters()), sum(p.numel() for p in policy.trainable_parameters()),
+        "LoRA" if cfg.lora.enabled else "full fine-tuning",
+    )  # fmt: skip
+    return policy
+
+
+def load_vlm(cfg: ModelConfig, checkpoint: str | None, device: torch.device) -> VLMPolicy:
+    """The policy of ``cfg`` or, with ``checkpoint``, of the checkpoint's saved model config + weights."""
+    if checkpoint is None:
+        return build_vlm(cfg, device)
+    from omegaconf import OmegaConf
+
+    from rlgen_cli.training.checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(checkpoint)
+    saved = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), ckpt.config().model))
+    policy = build_vlm(saved, device)
+    policy.load_trainable(ckpt.weights)
+    log.info("loaded trained weights from %s", ckpt.path)
+    return policy
+
+
+def export_merged(policy: VLMPolicy, out_dir: str | Path) -> Path:
+    """Write a plain Hugging Face model directory (LoRA merged into the base) plus the processor.
+
+    The LoRA policy is merged on a copy, so ``policy`` keeps training. VLMEvalKit / lmms-eval / vLLM load
+    the result with ``from_pretrained(out_dir)``.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model = copy.deepcopy(policy.model).merge_and_unload() if policy.is_lora else policy.model
+    model.save_pretrained(out)
+    policy.processor.save_pretrained(out)
+    log.info("exported merged %s to %s", policy.cfg.family, out)
+    return out

@@ -1,0 +1,230 @@
+"""Rollout and the training-path log-probabilities of a Qwen-VL policy.
+
+* :func:`generate` — batched ``model.generate`` with the KV cache, explicit sampling options
+  (temperature, top-p, top-k — generate's implicit top-k 50 and the checkpoint's near-greedy
+  generation config are both overridden), stop at ``<|im_end|>`` / ``<|endoftext|>``, vision tokens
+  suppressed, and per-token log-probs of the sampled tokens from the *raw* logits (temperature 1).
+* :func:`check_context` — prompt + image tokens + completion budget must fit the context: prompts are
+  never truncated (that cuts image tokens; TRL's advice), a too-long sample fails early with a
+  :class:`UserError` naming the sample and the fix.
+* :func:`collate` / :func:`completion_logprobs` — the one training layout (left-padded prompt, then the
+  completion, right-padded) and its per-token log-probs at temperature 1 with the same vision-token
+  mask; π_old, π_ref and π_θ are all computed through it, so the first update is exactly on-policy.
+
+GRPO: Shao et al. 2024 (DeepSeekMath); StepGRPO: R1-VL, Zhang et al. 2025; layout and pitfalls as TRL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+from torch import Tensor
+
+from rlgen_cli.schema.errors import UserError
+from rlgen_cli.vlm.policy import VLMPolicy
+
+__all__ = [
+    "Completions",
+    "SamplingOptions",
+    "TokenBatch",
+    "check_context",
+    "collate",
+    "completion_logprobs",
+    "encode_prompts",
+    "generate",
+    "load_image",
+    "pad_stack",
+]
+
+IMAGE_TOKEN = "<|image_pad|>"
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Decoding options, always passed explicitly to ``generate``."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+
+
+@dataclass
+class Completions:
+    """Sampled completions of one batch.
+
+    Attributes:
+        ids: Per sample, the completion token ids (L_i,), including the stop token when one was sampled.
+        truncated: Per sample, True when ``max_new_tokens`` ran out before a stop token.
+        logprobs: Per sample, (L_i,) log-probs of the sampled tokens under the raw logits (or None).
+    """
+
+    ids: list[Tensor]
+    truncated: list[bool]
+    logprobs: list[Tensor] | None
+
+
+@dataclass
+class TokenBatch:
+    """The training layout of B samples: model inputs plus the completion grid.
+
+    Attributes:
+        inputs: Model kwargs: ``input_ids`` (B, P + L), ``attention_mask``, ``mm_token_type_ids`` and, with
+            images, ``pixel_values`` / ``image_grid_thw``.
+        completion_ids: (B, L) completion tokens, padded with the pad id.
+        completion_mask: (B, L) 1 on real completion tokens.
+    """
+
+    inputs: dict[str, Tensor]
+    completion_ids: Tensor
+    completion_mask: Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.completion_mask.sum())
+
+
+def load_image(path: Path | None) -> Image.Image | None:
+    """An RGB image (RGBA / palette images are converted), or None for a text-only prompt."""
+    if path is None:
+        return None
+    with Image.open(path) as image:
+        return image.convert("RGB")
+
+
+def encode_prompts(policy: VLMPolicy, prompts: Sequence[str], images: Sequence[Image.Image | None]) -> dict:
+    """Processor outputs for chat-templated ``prompts`` (left-padded, images expanded), on the device."""
+    tokenizer = policy.tokenizer
+    tokenizer.padding_side = "left"
+    present = [image for image in images if image is not None]
+    if present and len(present) != len(images):
+        raise UserError("a batch mixes prompts with and without images; keep one kind per dataset")
+    encoded = policy.processor(text=list(prompts), images=present or None, return_tensors="pt", padding=True)
+    return {key: value.to(policy.device) for key, value in encoded.items()}
+
+
+def check_context(policy: VLMPolicy, encoded: dict, max_new_tokens: int, labels: Sequence[Any]) -> None:
+    """Fail before generating when a prompt (with its image tokens) + the completion budget won't fit.
+
+    Raises:
+        UserError: Naming the sample (``labels[i]``), its token counts and the settings to change.
+    """
+    limit = min(policy.cfg.vlm.max_context, policy.max_positions)
+    lengths = encoded["attention_mask"].sum(-1).tolist()
+    image_id = policy.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    for i, length in enumerate(lengths):
+        if length + max_new_tokens > limit:
+            image_tokens = int((encoded["input_ids"][i] == image_id).sum())
+            raise UserError(
+                f"sample {labels[i]}: prompt is {length} tokens ({image_tokens} of them image tokens) + "
+                f"{max_new_tokens} completion tokens = {length + max_new_tokens} > context {limit} "
+                f"(model.vlm.max_context={policy.cfg.vlm.max_context}, model positions {policy.max_positions}); "
+                "prompts are never truncated (that would cut image tokens): raise model.vlm.max_context, "
+                "lower model.vlm.max_pixels or the completion budget, or drop the sample"
+            )
+
+
+def masked_log_softmax_gather(logits: Tensor, ids: Tensor, suppressed: Sequence[int]) -> Tensor:
+    """log softmax(logits with ``suppressed`` columns at −inf) at ``ids``; (B, L, V), (B, L) → (B, L).
+
+    Row by row, so only one (L, V) float32 copy is alive at a time.
+    """
+    columns = torch.tensor(list(suppressed), device=logits.device, dtype=torch.long)
+    rows = []
+    for row_logits, row_ids in zip(logits, ids, strict=True):
+        row = row_logits.float()
+        if columns.numel():
+            row = row.index_fill(-1, columns, float("-inf"))
+        rows.append(row.gather(-1, row_ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(row, dim=-1))
+    return torch.stack(rows)
+
+
+def _generation_config(policy: VLMPolicy, options: SamplingOptions, record: bool) -> Any:
+    from transformers import GenerationConfig
+
+    sample = options.temperature > 0
+    return GenerationConfig(
+        do_sample=sample, temperature=options.temperature if sample else None,
+        top_p=options.top_p if sample else None, top_k=options.top_k if sample else None,
+        max_new_tokens=options.max_new_tokens, eos_token_id=policy.stop_ids,
+        pad_token_id=policy.tokenizer.pad_token_id, suppress_tokens=policy.suppressed_ids or None,
+        output_logits=record, return_dict_in_generate=True, use_cache=True,
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def generate(
+    policy: VLMPolicy, encoded: dict, options: SamplingOptions, seed: int, record_logprobs: bool = True
+) -> Completions:
+    """Sample one completion per prompt of ``encoded`` (from :func:`encode_prompts`).
+
+    Args:
+        policy: The policy.
+        encoded: Left-padded processor outputs on the device.
+        options: Decoding options.
+        seed: Seeds torch's RNG for this call only (the global RNG state is restored afterwards).
+        record_logprobs: Also return the sampled tokens' log-probs from the raw logits.
+    """
+    config = _generation_config(policy, options, record_logprobs)
+    devices = [policy.device] if policy.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), policy.autocast():
+        torch.manual_seed(seed)
+        out = policy.model.generate(**encoded, generation_config=config)
+    generated = out.sequences[:, encoded["input_ids"].shape[1] :]  # (B, L_max)
+    stops = torch.isin(generated, torch.tensor(policy.stop_ids, device=generated.device))
+    ends, truncated = [], []
+    for row in stops:
+        hits = row.nonzero()
+        ends.append(int(hits[0]) + 1 if hits.numel() else row.numel())
+        truncated.append(not hits.numel())
+    ids = [generated[i, :end].cpu() for i, end in enumerate(ends)]
+    logprobs = None
+    if record_logprobs:
+        raw = torch.stack(out.logits, dim=1)  # (B, L_max, V) raw logits: temperature 1, no filtering
+        lp = masked_log_softmax_gather(raw, generated, policy.suppressed_ids).cpu()
+        logprobs = [lp[i, :end] for i, end in enumerate(ends)]
+    return Completions(ids=ids, truncated=truncated, logprobs=logprobs)
+
+
+def pad_stack(rows: Sequence[Tensor], length: int | None = None, value: float = 0.0) -> Tensor:
+    """Right-pad 1-D tensors to ``length`` (default: the longest) and stack them: (B, L)."""
+    length = length if length is not None else max(int(r.numel()) for r in rows)
+    out = torch.full((len(rows), length), value, dtype=rows[0].dtype)
+    for i, row in enumerate(rows):
+        out[i, : row.numel()] = row
+    return out
+
+
+def collate(
+    policy: VLMPolicy, prompts: Sequence[str], images: Sequence[Image.Image | None], completions: Sequence[Tensor]
+) -> TokenBatch:
+    """The training layout: left-padded prompts (as :func:`encode_prompts`), then right-padded completions."""
+    encoded = encode_prompts(policy, prompts, images)
+    pad = policy.tokenizer.pad_token_id
+    ids = pad_stack([c.long() for c in completions], value=pad).to(policy.device)  # (B, L)
+    mask = pad_stack([torch.ones(c.numel(), dtype=torch.long) for c in completions]).to(policy.device)
+    inputs = dict(encoded)
+    inputs["input_ids"] = torch.cat([encoded["input_ids"], ids], dim=1)
+    inputs["attention_mask"] = torch.cat([encoded["attention_mask"], mask], dim=1)
+    if "mm_token_type_ids" in encoded:  # completion tokens are text (type 0) for M-RoPE
+        inputs["mm_token_type_ids"] = torch.cat([encoded["mm_token_type_ids"], torch.zeros_like(ids)], dim=1)
+    return TokenBatch(inputs=inputs, completion_ids=ids, completion_mask=mask)
+
+
+def completion_logprobs(policy: VLMPolicy, batch: TokenBatch, model: Any = None) -> Tensor:
+    """(B, L) log-probs of the completion tokens at temperature 1 (gradients if enabled).
+
+    Args:
+        policy: The policy (its model unless ``model`` is given; its vision-token mask and autocast).
+        batch: From :func:`collate`.
+        model: Another model to score with (the frozen reference).
+    """
+    length = batch.completion_ids.shape[1]
+    with policy.autocast():
+        out = (model or policy.model)(**batch.inputs, logits_to_keep=length + 1, use_cache=False)
+    return masked_log_softmax_gather(out.logits[:, :-1], batch.completion_ids, policy.suppressed_ids)

@@ -1,0 +1,121 @@
+"""The ``shapes_geneval`` reward: registry, modes, clutter penalty arithmetic, details, config, errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import rlgen_cli.rewards.shapes  # noqa: F401  (registers shapes_geneval until rewards/__init__ imports it)
+from rlgen_cli._hydra import conf_dir
+from rlgen_cli.rewards import RewardBatch, build_reward
+from rlgen_cli.rewards.shapes import ShapesGenEvalReward, clutter_score
+from rlgen_cli.shapes.prompts import build_splits
+from rlgen_cli.shapes.render import render_batch
+
+SINGLE = {
+    "tag": "single_object",
+    "include": [{"class": "circle", "count": 1}],
+    "prompt": "a photo of a circle",
+}
+COUNT2 = {
+    "tag": "counting",
+    "include": [{"class": "square", "count": 2}],
+    "exclude": [{"class": "square", "count": 3}],
+    "prompt": "a photo of two squares",
+}
+
+
+def batch_of(painter, scenes: list[list], metas: list[dict]) -> RewardBatch:
+    images = torch.stack([painter(objs) for objs in scenes])
+    return RewardBatch(prompts=[m["prompt"] for m in metas], images=images, metadata=metas)
+
+
+def test_clutter_score_arithmetic():
+    assert clutter_score(1.0, 0) == 1.0
+    assert clutter_score(0.5, 2) == pytest.approx(0.5 * math.exp(-1.0))  # 0.5·e^(−0.5·2) ≈ 0.1839
+    assert clutter_score(0.8, 1, extra_penalty=0.0) == 0.8
+
+
+def test_modes_on_hand_painted_images(painter):
+    scenes = [
+        [("circle", "red", 4, 4, 9)],  # exact
+        [("circle", "red", 4, 4, 9), ("triangle", "blue", 20, 20, 8)],  # one extra
+        [
+            ("square", "green", 2, 2, 8),
+            ("square", "white", 20, 2, 8),
+            ("square", "blue", 2, 20, 8),
+        ],  # 3 for 2
+    ]
+    batch = batch_of(painter, scenes, [SINGLE, SINGLE, COUNT2])
+    clutter = build_reward("shapes_geneval").score(batch)
+    # partial: [1, 1 (GenEval ignores the triangle), 1 − |2 − 3|/2 = 0.5]; n_extra [0, 1, 1].
+    # clutter: [1, e^−0.5 ≈ 0.6065, 0.5·e^−0.5 ≈ 0.3033].
+    expected = torch.tensor([1.0, math.exp(-0.5), 0.5 * math.exp(-0.5)])
+    assert torch.allclose(clutter.scores, expected)
+    assert clutter.details["strict"].tolist() == [1.0, 0.0, 0.0]
+    assert clutter.details["accuracy"].tolist() == [1.0, 1.0, 0.0]
+    assert clutter.details["geneval_strict"].tolist() == [1.0, 1.0, 0.0]
+    assert clutter.details["partial"].tolist() == [1.0, 1.0, 0.5]
+    assert clutter.details["n_extra"].tolist() == [0.0, 1.0, 1.0]
+    assert clutter.details["tag"] == ["single_object", "single_object", "counting"]
+    assert clutter.details["reason"][0] == "" and "unrequested" in clutter.details["reason"][1]
+    partial = build_reward("shapes_geneval", mode="partial").score(batch)
+    assert partial.scores.tolist() == [1.0, 1.0, 0.5]
+    strict = build_reward("shapes_geneval", mode="strict").score(batch)
+    assert strict.scores.tolist() == [1.0, 0.0, 0.0] and strict.scores.dtype == torch.float32
+
+
+def test_ground_truth_scores_one():
+    metas = build_splits()["test"][:24]
+    images = render_batch(metas, list(range(24)))
+    result = ShapesGenEvalReward().score(RewardBatch([m["prompt"] for m in metas], images, metas))
+    assert result.scores.tolist() == [1.0] * 24 and result.details["strict"].sum() == 24
+
+
+def test_config_builds_the_reward():
+    cfg = OmegaConf.to_container(OmegaConf.load(conf_dir() / "reward" / "shapes_geneval.yaml"))
+    assert cfg["weights"] == {"shapes_geneval": 1.0}
+    reward = build_reward("shapes_geneval", **cfg["kwargs"]["shapes_geneval"])
+    assert isinstance(reward, ShapesGenEvalReward)
+    assert (reward.mode, reward.extra_penalty) == ("clutter", 0.5)
+    data = OmegaConf.load(conf_dir() / "data" / "shapes.yaml")
+    assert data.train == "builtin:shapes_train.jsonl" and data.test == "builtin:shapes_test.jsonl"
+
+
+def test_bad_arguments_and_batches():
+    with pytest.raises(ValueError, match="mode"):
+        build_reward("shapes_geneval", mode="lenient")
+    with pytest.raises(ValueError, match="extra_penalty"):
+        build_reward("shapes_geneval", extra_penalty=-1.0)
+    reward = ShapesGenEvalReward()
+    with pytest.raises(ValueError, match="RGB images"):
+        reward.score(RewardBatch(["p"], images=torch.zeros(1, 3, 2, 8, 8), metadata=[SINGLE]))
+    with pytest.raises(ValueError, match="metadata"):
+        reward.score(RewardBatch(["p"], images=torch.zeros(1, 3, 8, 8)))
+    dog = {"tag": "single_object", "include": [{"class": "dog", "count": 1}]}
+    with pytest.raises(ValueError, match="ShapesEval"):
+        reward.score(RewardBatch(["p"], images=torch.zeros(1, 3, 8, 8), metadata=[dog]))
+
+
+def test_served_scores_equal_local_scores():
+    from rlgen_cli.rewards.remote import RemoteReward
+    from rlgen_cli.server.app import ServerSettings, build_app
+    from rlgen_cli.server.runner import BackgroundServer
+
+    reward = build_reward("shapes_geneval")
+    metas = build_splits()["test"][:6]
+    images = render_batch(metas, list(range(6)))
+    images[1, :, 0:3, 0:3] = 1.0  # a 9-pixel white square: one extra object in image 1
+    batch = RewardBatch([m["prompt"] for m in metas], images, metas)
+    local = reward.score(batch)
+    app = build_app({"shapes_geneval": reward}, ServerSettings(port=0, max_wait_ms=0))
+    server = BackgroundServer(app, shutdown_timeout_s=10).start()
+    try:
+        remote = RemoteReward("shapes_geneval", endpoints=[server.url], batch_size=4).score(batch)
+    finally:
+        server.stop()
+    assert torch.equal(remote.scores, local.scores) and local.scores[1] == pytest.approx(math.exp(-0.5))
+    assert torch.equal(remote.details["strict"], local.details["strict"])
