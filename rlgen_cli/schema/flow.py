@@ -97,7 +97,8 @@ class ModelConfig:
     negative_prompt: str = ""
     """Prompt of the unconditional branch when CFG is on."""
     shift: float = 3.0
-    """Timestep shift of the sigma schedule."""
+    """Timestep shift of the sigma schedule (SD3: static shift). FLUX families: ≤ 0 = dynamic,
+    resolution-dependent shift (μ from the image token count); > 0 = static shift of linspace(1, 0, T+1)."""
     num_steps: int = 10
     """Denoising steps of training rollouts."""
     eval_num_steps: int = 40

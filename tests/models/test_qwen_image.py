@@ -35,6 +35,25 @@ def _policy(cfg, **changes) -> QwenImagePolicy:
     return QwenImagePolicy(tiny_qwen_image_pipeline(cfg.tiny_seed), replace(cfg, **changes), CPU)
 
 
+@pytest.fixture(scope="module")
+def shared(qwen_cfg):
+    """One LoRA policy (CFG 4) and its probe batch for the tests that only read it."""
+    policy = _policy(qwen_cfg)
+    return policy, policy.noise(2, torch.Generator().manual_seed(0)), policy.encode(PROMPTS)
+
+
+@pytest.fixture
+def lora_policy(shared):
+    """The shared policy; its LoRA weights are restored after the test."""
+    policy = shared[0]
+    saved = [p.detach().clone() for p in policy.trainable_parameters()]
+    yield shared
+    with torch.no_grad():
+        for param, value in zip(policy.trainable_parameters(), saved, strict=True):
+            param.copy_(value)
+            param.grad = None
+
+
 def _probe(policy: QwenImagePolicy):
     return policy.noise(2, torch.Generator().manual_seed(0)), policy.encode(PROMPTS)
 
@@ -57,14 +76,14 @@ def _raw(policy: QwenImagePolicy, x, sigma: float, embeds, mask):
     )[0]  # fmt: skip
 
 
-def test_save_pretrained_round_trip_through_the_real_loader(tmp_path: Path, qwen_cfg):
+def test_save_pretrained_round_trip_through_the_real_loader(tmp_path: Path, qwen_cfg, shared):
     tiny_qwen_image_pipeline(0).save_pretrained(tmp_path / "qwen")
     cfg = replace(qwen_cfg, tiny=False, path=str(tmp_path / "qwen"), local_files_only=True)
     loaded = QwenImagePolicy(load_qwen_image_pipeline(cfg), cfg, CPU)
-    built = _policy(qwen_cfg)
-    x, cond = _probe(built)
+    built, x, cond = shared
     sigma = torch.tensor(0.7)
-    torch.testing.assert_close(loaded.velocity(x, sigma, loaded.encode(PROMPTS)), built.velocity(x, sigma, cond))
+    with torch.no_grad(), loaded.reference(), built.reference():
+        torch.testing.assert_close(loaded.velocity(x, sigma, loaded.encode(PROMPTS)), built.velocity(x, sigma, cond))
     with pytest.raises(UserError, match="model.path"):
         load_qwen_image_pipeline(replace(cfg, path=str(tmp_path / "nothing")))
 
@@ -103,10 +122,9 @@ def _mu(policy: QwenImagePolicy, x) -> float:
     return calculate_mu(x.shape[1], c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift)
 
 
-def test_true_cfg_norm_rescale_matches_a_hand_computation(qwen_cfg):
-    policy = _policy(qwen_cfg)
+def test_true_cfg_norm_rescale_matches_a_hand_computation(lora_policy):
+    policy, x, cond = lora_policy
     _perturb_lora(policy)
-    x, cond = _probe(policy)
     t = cond.tensors
     with torch.no_grad():
         c = _raw(policy, x, 0.6, t["prompt_embeds"], t["prompt_mask"])
@@ -128,25 +146,23 @@ def test_guidance_one_has_no_unconditional_branch(qwen_cfg):
         torch.testing.assert_close(policy.velocity(x, torch.tensor(0.5), cond), direct)
 
 
-def test_lora_targets_upstream_modules_all_alive_and_only_lora_trains(qwen_cfg):
-    policy = _policy(qwen_cfg)
+def test_lora_targets_upstream_modules_all_alive_and_only_lora_trains(lora_policy):
+    policy, x, cond = lora_policy
     names = [n for n, p in policy.transformer.named_parameters() if p.requires_grad]
     assert names and all("lora_" in n for n in names) and len(policy.trainable_parameters()) == len(names)
     assert any("img_mlp.net.2" in n for n in names) and any("attn.add_k_proj" in n for n in names)
     dead = dead_text_outputs(policy.transformer)
     assert not any(n.startswith(tuple(f"{d}." for d in dead)) for n in names)
     _perturb_lora(policy)  # gaussian init has B = 0, which blocks A's gradient
-    x, cond = _probe(policy)
     policy.velocity(x, torch.tensor(0.8), cond).square().mean().backward()
     silent = [n for n, p in policy.transformer.named_parameters() if p.requires_grad and not p.grad.abs().sum()]
     assert silent == []
 
 
-def test_lora_saved_in_diffusers_format_loads_with_load_lora_weights(tmp_path: Path, qwen_cfg):
-    policy = _policy(qwen_cfg)
+def test_lora_saved_in_diffusers_format_loads_with_load_lora_weights(tmp_path: Path, qwen_cfg, lora_policy):
+    policy, x, cond = lora_policy
     _perturb_lora(policy)
     policy.save_trainable(tmp_path)
-    x, cond = _probe(policy)
     sigma = torch.tensor(0.5)
     expected = policy.velocity(x, sigma, cond).detach()
 
@@ -162,9 +178,8 @@ def test_lora_saved_in_diffusers_format_loads_with_load_lora_weights(tmp_path: P
         fresh.load_trainable(tmp_path / "missing")
 
 
-def test_reference_disables_the_adapter(qwen_cfg):
-    policy = _policy(qwen_cfg)
-    x, cond = _probe(policy)
+def test_reference_disables_the_adapter(lora_policy):
+    policy, x, cond = lora_policy
     sigma = torch.tensor(0.6)
     with torch.no_grad():
         with policy.reference():
@@ -194,8 +209,8 @@ def test_full_finetune_keeps_a_frozen_reference_and_round_trips(tmp_path: Path, 
         torch.testing.assert_close(fresh.velocity(x, sigma, cond), policy.velocity(x, sigma, cond))
 
 
-def test_noise_is_per_sample_and_inputs_are_checked(qwen_cfg):
-    policy = _policy(qwen_cfg)
+def test_noise_is_per_sample_and_inputs_are_checked(qwen_cfg, shared):
+    policy = shared[0]
     gens = [torch.Generator().manual_seed(s) for s in (5, 6)]
     both = policy.noise(2, gens)
     alone = policy.noise(1, [torch.Generator().manual_seed(6)])
@@ -207,8 +222,7 @@ def test_noise_is_per_sample_and_inputs_are_checked(qwen_cfg):
         policy.encode(PROMPTS, torch.zeros(2, 3, 32, 32))
     with pytest.raises(UserError, match="multiple of 8"):
         _policy(qwen_cfg, resolution=36)
-    with pytest.raises(UserError, match="max_sequence_length"):
-        _policy(qwen_cfg, max_sequence_length=16).encode(PROMPTS)
+    assert policy.encode(PROMPTS).tensors["prompt_embeds"].shape[1] == qwen_cfg.max_sequence_length
 
 
 @pytest.fixture(scope="module")

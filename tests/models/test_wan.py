@@ -150,7 +150,7 @@ def test_lora_saved_in_wan_format_loads_with_load_lora_weights(tmp_path: Path, c
     plain.load_lora_weights(tmp_path, weight_name=LORA_WEIGHTS_NAME)
     reloaded = WanPolicy.__new__(WanPolicy)  # velocity() only needs these attributes
     reloaded.pipeline, reloaded.guidance_scale = plain, 4.5
-    reloaded.device, reloaded.dtype = CPU, torch.float32
+    reloaded.device, reloaded.dtype, reloaded._distributed = CPU, torch.float32, None
     got = reloaded.velocity(x, torch.tensor(0.5), cond)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 

@@ -1,0 +1,213 @@
+"""Supervised warm-up of a Qwen-VL policy on ShareGPT conversations (R1-VL's SFT stage).
+
+R1-VL (Zhang et al. 2025) warms Qwen2-VL up on Mulberry-260K without its reflective samples (full
+fine-tuning, 2 epochs, cosine schedule with 3 % warm-up, global batch 128, lr 2e-5 for 2B / 5e-6 for 7B;
+upstream runs LLaMA-Factory). Here:
+
+* data — ShareGPT jsonl (``messages``, ``images``), conversations whose assistant turns contain a
+  reflection marker (``algo.token.sft_drop_markers``) are dropped and counted;
+* loss — next-token cross-entropy on assistant turns only (the tokens after ``<|im_start|>assistant\\n``
+  up to and including ``<|im_end|>``), averaged over those tokens per micro-batch; prompts, images and
+  system turns are masked; sequences are never truncated (too long → a clear error);
+* loop — ``epochs`` passes in a seeded shuffled order, gradient accumulation, grad-norm clip, warm-up +
+  cosine / linear / constant schedule, metrics.jsonl, full-state checkpoints (resume), optional accuracy
+  on ``data.test`` every ``eval_every`` epochs.
+
+    rlgen train model=tiny_qwen2_vl algo=vlm_sft data=tiny_vlm data.train=builtin:tiny_sft.jsonl reward=length
+    rlgen train model=qwen2_vl algo=vlm_sft epochs=2 data.train=mulberry_sft.jsonl reward=r1vl
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch import Tensor
+
+from rlgen_cli.models.base import resolve_device
+from rlgen_cli.recipes.vlm_rl import SCHEDULER_KEY, batches, lr_lambda
+from rlgen_cli.schema.errors import UserError
+from rlgen_cli.schema.flow import TrainConfig
+from rlgen_cli.training.checkpoint import COUNTERS_KEY, OPTIMIZER_KEY, resolve_resume
+from rlgen_cli.training.checkpoint import save_checkpoint, set_rng_state
+from rlgen_cli.training.metrics import JsonlLogger
+from rlgen_cli.training.progress import Progress
+from rlgen_cli.vlm.data import SFTExample, drop_reflective, load_sft, load_vlm_examples
+from rlgen_cli.vlm.evaluate import answer_examples, summarise
+from rlgen_cli.vlm.policy import VLMPolicy, build_vlm
+from rlgen_cli.vlm.rollout import load_image
+
+__all__ = ["VLMSFTRecipe", "assistant_mask", "encode_conversations", "run"]
+
+log = logging.getLogger(__name__)
+IGNORE = -100
+
+
+def assistant_mask(ids: Tensor, tokenizer: Any) -> Tensor:
+    """(T,) bool: the tokens of assistant turns, from after ``<|im_start|>assistant\\n`` through ``<|im_end|>``."""
+    start, end = tokenizer.convert_tokens_to_ids("<|im_start|>"), tokenizer.convert_tokens_to_ids("<|im_end|>")
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    tokens = ids.tolist()
+    i = 0
+    while i < len(tokens):
+        if tokens[i] != start:
+            i += 1
+            continue
+        header_end = i + 1  # the role header runs to the first token that ends with a newline
+        while header_end < len(tokens) and not tokenizer.decode(tokens[i + 1 : header_end + 1]).endswith("\n"):
+            header_end += 1
+        role = tokenizer.decode(tokens[i + 1 : header_end + 1]).strip()
+        close = next((j for j in range(header_end + 1, len(tokens)) if tokens[j] == end), len(tokens) - 1)
+        if role == "assistant":
+            mask[header_end + 1 : close + 1] = True
+        i = close + 1
+    return mask
+
+
+def encode_conversations(policy: VLMPolicy, examples: list[SFTExample]) -> dict[str, Tensor]:
+    """Right-padded model inputs plus ``labels`` (−100 outside assistant turns) for ``examples``.
+
+    Raises:
+        UserError: When a conversation (with its image tokens) exceeds ``model.vlm.max_context``.
+    """
+    processor, tokenizer = policy.processor, policy.tokenizer
+    texts = [processor.apply_chat_template(ex.messages, tokenize=False) for ex in examples]
+    images = [load_image(path) for ex in examples for path in ex.images]
+    tokenizer.padding_side = "right"
+    enc = processor(text=texts, images=images or None, return_tensors="pt", padding=True)
+    limit = min(policy.cfg.vlm.max_context, policy.max_positions)
+    for ex, length in zip(examples, enc["attention_mask"].sum(-1).tolist(), strict=True):
+        if length > limit:
+            raise UserError(
+                f"SFT sample #{ex.index} is {length} tokens (with image tokens) > context {limit}; sequences are "
+                "never truncated: raise model.vlm.max_context, lower model.vlm.max_pixels or drop the sample"
+            )
+    labels = enc["input_ids"].clone()
+    for row in range(labels.shape[0]):
+        keep = assistant_mask(enc["input_ids"][row], tokenizer) & enc["attention_mask"][row].bool()
+        labels[row][~keep] = IGNORE
+    enc["labels"] = labels
+    return {key: value.to(policy.device) for key, value in enc.items()}
+
+
+def sft_loss(policy: VLMPolicy, inputs: dict[str, Tensor]) -> tuple[Tensor, int]:
+    """Mean next-token cross-entropy over the labelled (assistant) tokens, and their count."""
+    labels = inputs["labels"][:, 1:]
+    model_inputs = {k: v for k, v in inputs.items() if k != "labels"}
+    with policy.autocast():
+        logits = policy.model(**model_inputs, use_cache=False).logits[:, :-1]
+    loss = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=IGNORE)
+    return loss, int((labels != IGNORE).sum())
+
+
+class VLMSFTRecipe:
+    """setup → train (shuffled epochs of masked cross-entropy → log → eval → checkpoint) → cleanup."""
+
+    def __init__(self, cfg: TrainConfig, raw_cfg: DictConfig) -> None:
+        self.cfg, self.raw_cfg, self.run_dir = cfg, raw_cfg, Path(cfg.run_dir)
+
+    def setup(self) -> None:
+        cfg, algo = self.cfg, self.cfg.algo
+        torch.manual_seed(cfg.seed)
+        self.device = resolve_device(cfg.device)
+        self.policy = build_vlm(cfg.model, self.device)
+        self.train_set, dropped = drop_reflective(load_sft(cfg.data.train), algo.token.sft_drop_markers)
+        if not self.train_set:
+            raise UserError(f"every SFT sample of {cfg.data.train} was dropped by algo.token.sft_drop_markers")
+        log.info("SFT on %d conversations (%d reflective ones dropped)", len(self.train_set), dropped)
+        self.dropped = dropped
+        self.test_set = load_vlm_examples(cfg.data.test) if cfg.eval_every else []
+        self.optimizer = torch.optim.AdamW(
+            self.policy.trainable_parameters(), lr=algo.lr, betas=(algo.adam_beta1, algo.adam_beta2),
+            eps=algo.adam_eps, weight_decay=algo.weight_decay,
+        )  # fmt: skip
+        steps_per_epoch = math.ceil(len(self.train_set) / algo.train_batch_size / algo.gradient_accumulation_steps)
+        total = cfg.epochs * steps_per_epoch
+        warmup = math.ceil(algo.token.warmup_ratio * total)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_lambda(s, total, warmup, algo.token.lr_schedule)
+        )
+        self.start_epoch, self.global_step = 0, 0
+        ckpt = resolve_resume(cfg.resume, self.run_dir)
+        if ckpt is not None:
+            state = ckpt.state()
+            self.policy.load_trainable(ckpt.weights)
+            self.optimizer.load_state_dict(state[OPTIMIZER_KEY])
+            self.scheduler.load_state_dict(state[SCHEDULER_KEY])
+            set_rng_state(state["rng"])
+            self.start_epoch, self.global_step = state[COUNTERS_KEY]["epoch"], state[COUNTERS_KEY]["global_step"]
+        self.logger = JsonlLogger(self.run_dir)
+
+    def train(self) -> dict[str, float]:
+        cfg, metrics = self.cfg, {}
+        with Progress(enabled=cfg.progress) as progress:
+            for epoch in range(self.start_epoch, cfg.epochs):
+                metrics = self.train_epoch(epoch, progress)
+                if cfg.eval_every and (epoch + 1 == cfg.epochs or (epoch + 1) % cfg.eval_every == 0):
+                    n = cfg.data.eval_num_prompts or len(self.test_set)
+                    answers = answer_examples(self.policy, self.test_set[:n], cfg.algo.train_batch_size, cfg.seed, progress)
+                    metrics["eval/accuracy"] = summarise(answers)["accuracy"]
+                self.logger.log(metrics, step=epoch)
+                log.info("epoch %d  loss %.4f  lr %.2e  %.1fs", epoch, metrics["loss"], metrics["lr"], metrics["time/epoch"])
+                if epoch + 1 == cfg.epochs or (cfg.save_every and (epoch + 1) % cfg.save_every == 0):
+                    self.save(epoch + 1)
+        return metrics
+
+    def train_epoch(self, epoch: int, progress: Progress) -> dict[str, float]:
+        """One shuffled pass (order seeded by (seed, epoch), so a resumed run sees the same order)."""
+        algo, start = self.cfg.algo, time.perf_counter()
+        order = torch.randperm(len(self.train_set), generator=torch.Generator().manual_seed(self.cfg.seed + epoch))
+        parts = batches(len(order), algo.train_batch_size)
+        losses, tokens, norms = [], 0, []
+        task = progress.task("sft", total=len(parts))
+        for k, part in enumerate(parts):
+            inputs = encode_conversations(self.policy, [self.train_set[i] for i in order[part].tolist()])
+            loss, count = sft_loss(self.policy, inputs)
+            (loss / algo.gradient_accumulation_steps).backward()
+            losses.append(loss.item())
+            tokens += count
+            if (k + 1) % algo.gradient_accumulation_steps == 0 or k + 1 == len(parts):
+                norms.append(self.optimizer_step())
+            progress.advance(task)
+        progress.remove(task)
+        return {
+            "loss": sum(losses) / len(losses), "tokens": float(tokens), "grad_norm": sum(norms) / len(norms),
+            "lr": self.scheduler.get_last_lr()[0], "dropped_reflective": float(self.dropped),
+            "time/epoch": time.perf_counter() - start, "global_step": self.global_step,
+        }  # fmt: skip
+
+    def optimizer_step(self) -> float:
+        params = self.policy.trainable_parameters()
+        max_norm = self.cfg.algo.max_grad_norm if self.cfg.algo.max_grad_norm > 0 else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        return norm
+
+    def save(self, epochs_done: int) -> None:
+        state = {
+            OPTIMIZER_KEY: self.optimizer.state_dict(), SCHEDULER_KEY: self.scheduler.state_dict(),
+            COUNTERS_KEY: {"epoch": epochs_done, "global_step": self.global_step},
+        }  # fmt: skip
+        ckpt = save_checkpoint(self.run_dir, epochs_done, self.policy, state, self.raw_cfg, self.cfg.keep_last)
+        log.info("saved %s", ckpt.path)
+
+    def cleanup(self) -> None:
+        self.logger.close()
+
+
+def run(cfg: TrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
+    """Entry point of ``rlgen train algo=vlm_sft``; returns the last epoch's metrics."""
+    recipe = VLMSFTRecipe(cfg, raw_cfg)
+    recipe.setup()
+    try:
+        return recipe.train()
+    finally:
+        recipe.cleanup()
