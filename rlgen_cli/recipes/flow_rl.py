@@ -66,7 +66,7 @@ from rlgen_cli.training.checkpoint import (
 )
 from rlgen_cli.training.ema import EMA
 from rlgen_cli.training.images import save_grid
-from rlgen_cli.training.metrics import JsonlLogger, NullLogger
+from rlgen_cli.training.metrics import NullLogger, build_loggers
 from rlgen_cli.training.plots import plot_runs
 from rlgen_cli.training.progress import Progress
 
@@ -178,7 +178,11 @@ class FlowRLRecipe:
         self.ema = EMA(params, decay=ema.decay, update_every=ema.update_every) if ema.enabled else None
         self.start_epoch, self.global_step = 0, 0
         self._maybe_resume()
-        self.logger = JsonlLogger(self.run_dir) if self.dist.is_main else NullLogger()
+        self.logger = (
+            build_loggers(self.run_dir, cfg.logging, self.raw_cfg)
+            if self.dist.is_main
+            else NullLogger()
+        )
         log.info(
             "%s on %s: %d trainable parameters, %d prompts × %d samples per epoch, %s window over %d steps",
             cfg.model.family, self.device, sum(p.numel() for p in params), cfg.algo.prompts_per_epoch,
@@ -247,6 +251,7 @@ class FlowRLRecipe:
             update_stats = self.update(rollouts.select(keep), advantages[keep], progress)
         if self.dist.is_main and self.cfg.images_every and epoch % self.cfg.images_every == 0:
             save_grid(rollouts.images, self.run_dir / "images" / f"train_epoch_{epoch:05d}.png", upscale=2)
+            self.logger.log_images("train/images", rollouts.images[:16], epoch)
         local_stats = reduce_over_ranks(self.dist, {**reward_details, **update_stats, "trained_samples": len(keep)})
         return {
             "reward/mean": total.mean().item(), "reward/std": total.std().item(),

@@ -49,16 +49,31 @@ from rlgen_cli.rewards.r1vl import TEXT_REWARDS
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import TrainConfig
 from rlgen_cli.sde.noise import stream_seed
-from rlgen_cli.training.checkpoint import COUNTERS_KEY, OPTIMIZER_KEY, SAMPLER_KEY, resolve_resume
-from rlgen_cli.training.checkpoint import save_checkpoint, set_rng_state
+from rlgen_cli.training.checkpoint import (
+    COUNTERS_KEY,
+    OPTIMIZER_KEY,
+    SAMPLER_KEY,
+    resolve_resume,
+    save_checkpoint,
+    set_rng_state,
+)
 from rlgen_cli.training.metrics import JsonlLogger
 from rlgen_cli.training.plots import plot_runs
 from rlgen_cli.training.progress import Progress
 from rlgen_cli.vlm.data import load_vlm_examples, prompt_text
 from rlgen_cli.vlm.evaluate import answer_examples, evaluate, summarise
 from rlgen_cli.vlm.policy import build_vlm
-from rlgen_cli.vlm.rollout import SamplingOptions, TokenBatch, check_context, collate, completion_logprobs
-from rlgen_cli.vlm.rollout import encode_prompts, generate, load_image, pad_stack
+from rlgen_cli.vlm.rollout import (
+    SamplingOptions,
+    TokenBatch,
+    check_context,
+    collate,
+    completion_logprobs,
+    encode_prompts,
+    generate,
+    load_image,
+    pad_stack,
+)
 
 __all__ = ["VLMRLRecipe", "check_onpolicy", "evaluate", "run"]
 

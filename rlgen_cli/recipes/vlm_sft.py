@@ -33,8 +33,13 @@ from rlgen_cli.models.base import resolve_device
 from rlgen_cli.recipes.vlm_rl import SCHEDULER_KEY, batches, lr_lambda
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import TrainConfig
-from rlgen_cli.training.checkpoint import COUNTERS_KEY, OPTIMIZER_KEY, resolve_resume
-from rlgen_cli.training.checkpoint import save_checkpoint, set_rng_state
+from rlgen_cli.training.checkpoint import (
+    COUNTERS_KEY,
+    OPTIMIZER_KEY,
+    resolve_resume,
+    save_checkpoint,
+    set_rng_state,
+)
 from rlgen_cli.training.metrics import JsonlLogger
 from rlgen_cli.training.progress import Progress
 from rlgen_cli.vlm.data import SFTExample, drop_reflective, load_sft, load_vlm_examples

@@ -346,6 +346,25 @@ class DataConfig:
     eval_images_per_prompt: int = 1
 
 
+@dataclass
+class WandbConfig:
+    enabled: bool = False
+    project: str = "rlgen"
+    mode: str = "offline"
+    """online | offline (no network; ``wandb sync`` later) | disabled."""
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        _one_of(self.mode, ("online", "offline", "disabled"), "logging.wandb.mode")
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = False
+    """Also write TensorBoard scalars and image grids under run_dir/tensorboard."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
 LAUNCHERS = ("local", "accelerate", "multinode")
 MIXED_PRECISION = ("no", "fp16", "bf16")
 
@@ -408,6 +427,8 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=DataConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """metrics.jsonl is always written; TensorBoard and W&B on request."""
 
     def __post_init__(self) -> None:
         require_rewards(self.reward)

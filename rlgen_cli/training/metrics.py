@@ -10,7 +10,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -43,12 +43,15 @@ class NullLogger:
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         return None
 
+    def log_images(self, key: str, images: Any, step: int) -> None:
+        return None
+
     def close(self) -> None:
         return None
 
 
 class MultiLogger:
-    """Fans every call out to several loggers."""
+    """Fans every call out to several loggers (images only to those that take images)."""
 
     def __init__(self, loggers: Sequence[MetricLogger]) -> None:
         self.loggers = list(loggers)
@@ -56,6 +59,11 @@ class MultiLogger:
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         for logger in self.loggers:
             logger.log(metrics, step)
+
+    def log_images(self, key: str, images: Any, step: int) -> None:
+        for logger in self.loggers:
+            if hasattr(logger, "log_images"):
+                logger.log_images(key, images, step)
 
     def close(self) -> None:
         for logger in self.loggers:
@@ -73,3 +81,21 @@ def read_metrics(run_dir: Path) -> list[dict[str, float]]:
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def build_loggers(run_dir: Path, logging_cfg: Any, config: Any) -> MultiLogger:
+    """jsonl always, plus the backends ``logging_cfg`` enables (TensorBoard, W&B with ``config``)."""
+    loggers: list[MetricLogger] = [JsonlLogger(run_dir)]
+    if logging_cfg.tensorboard:
+        from rlgen_cli.training.backends import TensorBoardLogger
+
+        loggers.append(TensorBoardLogger(run_dir))
+    if logging_cfg.wandb.enabled:
+        from rlgen_cli.training.backends import WandbLogger
+
+        wandb = logging_cfg.wandb
+        from omegaconf import OmegaConf
+
+        resolved = OmegaConf.to_container(config, resolve=True)
+        loggers.append(WandbLogger(run_dir, wandb.project, wandb.mode, resolved, wandb.name))
+    return MultiLogger(loggers)

@@ -1,0 +1,60 @@
+"""Optional metric backends behind :class:`~rlgen_cli.training.metrics.MetricLogger`: TensorBoard and
+Weights & Biases. Each imports its package only when enabled and says how to install it when missing.
+W&B's ``offline`` mode writes runs under ``run_dir/wandb`` with no network (``wandb sync`` uploads later).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from rlgen_cli.schema.errors import UserError
+
+
+class TensorBoardLogger:
+    """Scalars (and image grids) to ``run_dir/tensorboard``."""
+
+    def __init__(self, run_dir: Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as err:
+            raise UserError("logging.tensorboard=true needs the tensorboard package: pip install tensorboard") from err
+        self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        for key, value in metrics.items():
+            if value is not None:
+                self.writer.add_scalar(key, float(value), step)
+        self.writer.flush()
+
+    def log_images(self, key: str, images: Tensor, step: int) -> None:
+        """(B, 3, H, W) in [0, 1]."""
+        self.writer.add_images(key, images, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbLogger:
+    """A W&B run (``online``, ``offline`` or ``disabled``) carrying the resolved config."""
+
+    def __init__(self, run_dir: Path, project: str, mode: str, config: dict[str, Any], name: str | None = None) -> None:
+        try:
+            import wandb
+        except ImportError as err:
+            raise UserError("logging.wandb.enabled=true needs the wandb package: pip install wandb") from err
+        self._wandb = wandb
+        self.run = wandb.init(project=project, mode=mode, dir=str(run_dir), config=config, name=name, reinit="create_new")
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        self.run.log({k: v for k, v in metrics.items() if v is not None}, step=step)
+
+    def log_images(self, key: str, images: Tensor, step: int) -> None:
+        frames = [self._wandb.Image(img.permute(1, 2, 0).cpu().numpy()) for img in images]
+        self.run.log({key: frames}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
