@@ -89,3 +89,15 @@ def test_plot_draws_several_runs_and_rejects_non_runs(cli, tmp_path: Path):
     assert Image.open(out).size[0] > 500  # two panels: reward and KL
     code, output = cli("plot", str(tmp_path / "nothing"))
     assert code == 2 and "no metrics.jsonl" in output
+
+
+def test_submitit_local_sweep_writes_one_run_per_job(cli, tmp_path: Path):
+    sweep = tmp_path / "sweep"
+    code, out = cli(
+        "train", "-m", "hydra/launcher=submitit_local", "algo.lr=1e-3,3e-3", *TINY_RUN, "epochs=1",
+        "eval_every=0", "images_every=0", "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={sweep}",
+    )  # fmt: skip
+    assert code == 0, out
+    runs = sorted(p.name for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
+    assert runs == ["0", "1"]
+    assert all((sweep / r / "metrics.jsonl").is_file() for r in runs)
