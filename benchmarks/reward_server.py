@@ -9,7 +9,10 @@ Scores the same 64-image batches three ways and prints one JSON line:
 
 Reported: images/s and p50/p99 latency per 64-image batch for each, ``loopback_ratio`` =
 one/inproc throughput (targets ≥ 0.8) and ``scaling_ratio`` = two/one (≥ 1.6 where the cores allow it:
-each worker needs its own core, and the client needs one too).
+each worker needs its own core, and the client needs one too). ``jpeg_ms_per_image`` and
+``png_encode_ms_per_image`` / ``png_decode_ms_per_image`` (single-threaded) show the wire's share: the
+client encodes every image as lossless PNG and the server decodes it, so for a reward as cheap as JPEG
+compressibility the wire costs more than the reward; for model rewards on a GPU it is amortised.
 
     python benchmarks/reward_server.py [--size 512] [--batches 20] [--chunk 16] [--concurrency 4] [--msgpack]
 """
@@ -42,7 +45,9 @@ _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 def photo_like(n: int, size: int, seed: int) -> torch.Tensor:
     """Smooth gradients plus mild noise: JPEG/PNG sizes like real generations."""
     g = torch.Generator().manual_seed(seed)
-    base = torch.nn.functional.interpolate(torch.rand(n, 3, 8, 8, generator=g), size=(size, size), mode="bicubic")
+    base = torch.nn.functional.interpolate(
+        torch.rand(n, 3, 8, 8, generator=g), size=(size, size), mode="bicubic"
+    )
     return (base + 0.03 * torch.randn(n, 3, size, size, generator=g)).clamp(0, 1)
 
 
@@ -88,7 +93,32 @@ def worker(max_batch: int, tmp: str) -> Iterator[str]:
             proc.kill()
 
 
-def measure(score: Callable[[RewardBatch], object], batches: list[RewardBatch], warmup: int) -> dict[str, float]:
+def codec_costs(batch: RewardBatch, local: object) -> dict[str, float]:
+    """Single-threaded ms per image of the reward itself and of the PNG wire encode/decode."""
+    from rlgen_cli.server import wire
+
+    n = len(batch)
+    began = time.perf_counter()
+    local.score(batch)
+    jpeg = time.perf_counter() - began
+    began = time.perf_counter()
+    encoded = [wire.encode_image(image) for image in batch.images]
+    encode = time.perf_counter() - began
+    began = time.perf_counter()
+    for i, data in enumerate(encoded):
+        wire.decode_image(data, i)
+    decode = time.perf_counter() - began
+    return {
+        "jpeg_ms_per_image": round(jpeg / n * 1000, 2),
+        "png_encode_ms_per_image": round(encode / n * 1000, 2),
+        "png_decode_ms_per_image": round(decode / n * 1000, 2),
+        "png_kb_per_image": round(sum(map(len, encoded)) / n / 1000, 1),
+    }
+
+
+def measure(
+    score: Callable[[RewardBatch], object], batches: list[RewardBatch], warmup: int
+) -> dict[str, float]:
     """Throughput (images/s) and p50/p99 batch latency (ms) of ``score`` over ``batches``."""
     for batch in batches[:warmup]:
         score(batch)
@@ -128,6 +158,7 @@ def main() -> None:
         for seed in range(args.warmup + args.batches)
     ]
     expected = [local.score(b).scores for b in batches]
+    costs = codec_costs(batches[0], local)
     results: dict[str, dict[str, float]] = {"inproc": measure(local.score, batches, args.warmup)}
 
     def client(urls: list[str]) -> Callable[[RewardBatch], object]:
@@ -158,8 +189,12 @@ def main() -> None:
                 "chunk": args.chunk,
                 "concurrency_per_server": args.concurrency,
                 "cpu_count": os.cpu_count(),
+                "load_avg_1m": round(os.getloadavg()[0], 2),
+                **costs,
                 **{f"{k}_{m}": v for k, r in results.items() for m, v in r.items()},
-                "loopback_ratio": round(results["one"]["images_per_s"] / results["inproc"]["images_per_s"], 3),
+                "loopback_ratio": round(
+                    results["one"]["images_per_s"] / results["inproc"]["images_per_s"], 3
+                ),
                 "scaling_ratio": round(results["two"]["images_per_s"] / results["one"]["images_per_s"], 3),
             }
         )

@@ -123,19 +123,27 @@ def tiny_qwen_pipeline(pipeline_cls: type, seed: int = 0) -> Any:
         )  # fmt: skip
         parts = {"scheduler": FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER), "vae": vae,
                  "transformer": transformer, "text_encoder": None, "tokenizer": None}  # fmt: skip
-        takes_processor = "processor" in inspect.signature(pipeline_cls.__init__).parameters
-        probe = pipeline_cls(**parts, **({"processor": None} if takes_processor else {}))  # reads the template
+        if "processor" in inspect.signature(pipeline_cls.__init__).parameters:
+            parts["processor"] = None
+        probe = pipeline_cls(**parts)  # only to read its prompt template
         processor = tiny_vlm_processor(max_pixels=32 * 32)
-        processor.tokenizer = template_tokenizer(probe.prompt_template_encode, probe.prompt_template_encode_start_idx)
-        parts |= {"tokenizer": processor.tokenizer, "text_encoder": tiny_vlm(processor, hidden_size=32, seed=seed)}
-    return pipeline_cls(**parts, **({"processor": processor} if takes_processor else {}))
+        processor.tokenizer = template_tokenizer(
+            probe.prompt_template_encode, probe.prompt_template_encode_start_idx
+        )
+        parts |= {
+            "tokenizer": processor.tokenizer,
+            "text_encoder": tiny_vlm(processor, hidden_size=32, seed=seed),
+        }
+    if "processor" in parts:
+        parts["processor"] = processor
+    return pipeline_cls(**parts)
 
 
 def load_pipeline(pipeline_cls: type, cfg: ModelConfig, what: str) -> Any:
     """``pipeline_cls.from_pretrained(cfg.path)`` in ``cfg.dtype``; a failure is a :class:`UserError`."""
     try:
         return pipeline_cls.from_pretrained(
-            cfg.path, torch_dtype=TORCH_DTYPES[cfg.dtype], local_files_only=cfg.local_files_only,
+            cfg.path, dtype=TORCH_DTYPES[cfg.dtype], local_files_only=cfg.local_files_only,
             revision=cfg.revision,
         )  # fmt: skip
     except (OSError, ValueError) as err:
@@ -246,6 +254,9 @@ class QwenFamilyPolicy:
             self._trainable = list(transformer.parameters())
         for param in self._trainable:
             param.data = param.data.float()
+        # Active only with grad enabled; it recomputes the same ops, so values match the no-grad rollout
+        # bit for bit (upstream trains the 20 B transformer with activation checkpointing too).
+        transformer.enable_gradient_checkpointing()
         self._reference = ReferenceSwitch(pipeline, "transformer", lora=cfg.lora.enabled)
 
     @property
@@ -293,7 +304,9 @@ class QwenFamilyPolicy:
 
     def schedule(self, num_steps: int, x: Tensor) -> Tensor:
         """(T+1,) sigmas ending at 0 for the image tokens of ``x`` (see :func:`qwen_sigmas`)."""
-        return qwen_sigmas(num_steps, x.shape[1], self.pipeline.scheduler.config, self.cfg.shift).to(self.device)
+        return qwen_sigmas(num_steps, x.shape[1], self.pipeline.scheduler.config, self.cfg.shift).to(
+            self.device
+        )
 
     # -- the one transformer call -------------------------------------------------------------
     def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:

@@ -68,7 +68,9 @@ class QwenImagePolicy(QwenFamilyPolicy):
         ``neg_prompt_embeds`` / ``neg_prompt_mask`` of ``model.negative_prompt``.
         """
         if images is not None:
-            raise UserError("Qwen-Image is a text-to-image model: it takes no source images (use qwen_image_edit)")
+            raise UserError(
+                "Qwen-Image is a text-to-image model: it takes no source images (use qwen_image_edit)"
+            )
         return Cond(self.text_branches(self._encode_prompts, prompts))
 
     def _encode_prompts(self, prompts: list[str]) -> tuple[Tensor, Tensor | None]:

@@ -84,7 +84,7 @@ class QwenImageEditPolicy(QwenFamilyPolicy):
         """
         if images is None:
             raise UserError(
-                "Qwen-Image-Edit needs a source image per prompt: give the dataset an \"image\" field per line "
+                'Qwen-Image-Edit needs a source image per prompt: give the dataset an "image" field per line '
                 '(jsonl lines like {"prompt": ..., "image": "src/0001.png"})'
             )
         if images.ndim != 4 or images.shape[0] != len(prompts) or images.shape[1] != 3:
@@ -122,5 +122,7 @@ class QwenImageEditPolicy(QwenFamilyPolicy):
 
 def build(cfg: ModelConfig, device: torch.device) -> QwenImageEditPolicy:
     """The registry's entry point: the tiny pipeline when ``cfg.tiny``, else the loaded one."""
-    pipeline = tiny_qwen_image_edit_pipeline(cfg.tiny_seed) if cfg.tiny else load_qwen_image_edit_pipeline(cfg)
+    pipeline = (
+        tiny_qwen_image_edit_pipeline(cfg.tiny_seed) if cfg.tiny else load_qwen_image_edit_pipeline(cfg)
+    )
     return QwenImageEditPolicy(pipeline, cfg, device)

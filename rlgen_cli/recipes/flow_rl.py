@@ -33,8 +33,9 @@ import resource
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,17 @@ class Rollouts:
     traj: Trajectory  # (N, S, ...)
     images: Tensor  # (N, 3, H, W) in [0, 1]
     sources: Tensor | None = None  # (N, 3, H, W) source images of editing sets
+    scores: list[Future] = field(default_factory=list)  # per rollout batch: (components, summaries)
+
+    def rewards(self) -> tuple[dict[str, Tensor], dict[str, float]]:
+        """Wait for the batches' scores: components (N,) in rollout order, summaries averaged by size."""
+        results = [future.result() for future in self.scores]
+        components = {k: torch.cat([r[0][k] for r in results]) for k in results[0][0]}
+        sizes = [len(next(iter(r[0].values()))) for r in results]
+        summaries = {
+            k: sum(n * r[1][k] for n, r in zip(sizes, results)) / sum(sizes) for k in results[0][1]
+        }
+        return components, summaries
 
     def select(self, keep: Tensor) -> Rollouts:
         """The samples at positions ``keep`` (N',)."""
@@ -169,6 +181,7 @@ class FlowRLRecipe:
             cfg.sampler.kind, noise_level, cfg.sampler.logprob_reduce, cfg.sampler.logprob_form
         )
         self.objective = STEP_OBJECTIVES[cfg.algo.objective]
+        self.scorer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlgen-reward")
         params = self.policy.trainable_parameters()
         self.optimizer = torch.optim.AdamW(
             params, lr=cfg.algo.lr, betas=(cfg.algo.adam_beta1, cfg.algo.adam_beta2),
@@ -233,8 +246,8 @@ class FlowRLRecipe:
         timings: dict[str, float] = {}
         with _timed(timings, "time/rollout"):
             rollouts = self.sample_epoch(epoch, progress)
-        with _timed(timings, "time/reward"):
-            local, reward_details = self.score(rollouts.images, rollouts.prompts, rollouts.metadata, rollouts.sources)
+        with _timed(timings, "time/reward"):  # only the part of scoring that sampling did not hide
+            local, reward_details = rollouts.rewards()
         # every rank sees the whole batch's rewards with their dataset indices, so a group that spans
         # ranks is normalised as one; each rank then keeps the advantages of its own samples
         components = {k: self.dist.gather(v).cpu() for k, v in local.items()}
@@ -287,22 +300,26 @@ class FlowRLRecipe:
         steps = sample_generators(self.cfg.seed, epoch, positions, self.device, salt=STEP_NOISE)
         start = min(plan.sde_steps) if algo.branch == "shared_prefix" else 0
         sources = self.source_images(examples, self.train_set)
-        conds, trajs, images = [], [], []
+        metadata = [dict(ex.metadata) for ex in examples]
+        conds, trajs, images, scores = [], [], [], []
         task = progress.task("rollout", total=len(indices))
         for part in batches(len(indices), algo.sample_batch_size):
             cond = self.policy.encode(prompts[part], None if sources is None else sources[part].to(self.device))
             x = self.initial_latents(cond, initial[part], start, plan.num_steps)
             trajs.append(self.rollout_batch(cond, x, plan, steps[part], start))
             conds.append(cond)
-            images.append(self.policy.decode(trajs[-1].final))
+            images.append(self.policy.decode(trajs[-1].final).cpu())
+            # score this batch while the next one samples: reward time hides behind generation
+            batch_sources = None if sources is None else sources[part]
+            scores.append(self.scorer.submit(self.score, images[-1], prompts[part], metadata[part], batch_sources))
             progress.advance(task, part.stop - part.start)
         progress.remove(task)
         traj = Trajectory.cat(trajs)
         if plan.train_mask is not None:
             traj = replace(traj, train_mask=plan.train_mask.to(self.device))
         return Rollouts(
-            indices=torch.tensor(indices), prompts=prompts, metadata=[dict(ex.metadata) for ex in examples],
-            cond=Cond.cat(conds), traj=traj, images=torch.cat(images).cpu(), sources=sources,
+            indices=torch.tensor(indices), prompts=prompts, metadata=metadata, cond=Cond.cat(conds), traj=traj,
+            images=torch.cat(images), sources=sources, scores=scores,
         )  # fmt: skip
 
     def source_images(self, examples: list, dataset: PromptDataset) -> Tensor | None:
@@ -474,6 +491,7 @@ class FlowRLRecipe:
         )  # fmt: skip
 
     def cleanup(self) -> None:
+        self.scorer.shutdown(wait=True)
         self.logger.close()
 
 

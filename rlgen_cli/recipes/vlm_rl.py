@@ -74,6 +74,13 @@ from rlgen_cli.vlm.rollout import (
     load_image,
     pad_stack,
 )
+from rlgen_cli.vlm.training import (
+    batches,
+    completion_budget,
+    make_scheduler,
+    print_onpolicy_report,
+    summarise_stats,
+)
 
 __all__ = ["VLMRLRecipe", "check_onpolicy", "evaluate", "run"]
 
@@ -107,20 +114,6 @@ class MicroBatch:
     ref: Tensor | None
 
 
-def batches(n: int, size: int) -> list[slice]:
-    return [slice(start, min(start + size, n)) for start in range(0, n, size)]
-
-
-def lr_lambda(step: int, total: int, warmup: int, schedule: str) -> float:
-    """Linear warm-up over ``warmup`` steps, then constant / cosine / linear decay to 0 at ``total``."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    if schedule == "cosine":
-        return 0.5 * (1 + math.cos(math.pi * progress))
-    return 1.0 - progress if schedule == "linear" else 1.0
-
-
 class VLMRLRecipe:
     """setup → train (rollout → score → advantages → prepare → update → log → eval → save) → cleanup."""
 
@@ -132,23 +125,31 @@ class VLMRLRecipe:
         cfg, algo = self.cfg, self.cfg.algo
         unknown = sorted(set(cfg.reward.weights) - set(TEXT_REWARDS))
         if unknown:
-            raise UserError(f"reward(s) {unknown} score images; VLM recipes score texts: {', '.join(TEXT_REWARDS)}")
+            raise UserError(
+                f"reward(s) {unknown} score images; VLM recipes score texts: {', '.join(TEXT_REWARDS)}"
+            )
         torch.manual_seed(cfg.seed)
         self.device = resolve_device(cfg.device)
         self.policy = build_vlm(cfg.model, self.device)
-        self.reward = build_mix(dict(cfg.reward.weights), **{k: dict(v) for k, v in cfg.reward.kwargs.items()})
+        self.reward = build_mix(
+            dict(cfg.reward.weights), **{k: dict(v) for k, v in cfg.reward.kwargs.items()}
+        )
         self.train_set = load_vlm_examples(cfg.data.train)
         self.test_set = load_vlm_examples(cfg.data.test) if cfg.eval_every else []
-        self.sampler = GroupSampler(len(self.train_set), algo.prompts_per_epoch, algo.group_size, seed=cfg.seed)
+        self.sampler = GroupSampler(
+            len(self.train_set), algo.prompts_per_epoch, algo.group_size, seed=cfg.seed
+        )
         self.optimizer = torch.optim.AdamW(
             self.policy.trainable_parameters(), lr=algo.lr, betas=(algo.adam_beta1, algo.adam_beta2),
             eps=algo.adam_eps, weight_decay=algo.weight_decay,
         )  # fmt: skip
         micro = algo.prompts_per_epoch * algo.group_size // algo.train_batch_size
         total = cfg.epochs * algo.token.num_iterations * micro // algo.gradient_accumulation_steps
-        warmup = math.ceil(algo.token.warmup_ratio * total)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_lambda(s, total, warmup, algo.token.lr_schedule)
+        self.scheduler = make_scheduler(
+            self.optimizer, total, algo.token.warmup_ratio, algo.token.lr_schedule
+        )
+        self.max_completion_tokens = completion_budget(
+            algo.token.max_completion_tokens, cfg.model.vlm.completion_cap
         )
         self.start_epoch, self.global_step = 0, 0
         self._maybe_resume()
@@ -185,7 +186,9 @@ class VLMRLRecipe:
                 )  # fmt: skip
                 if _due(epoch, cfg.save_every, cfg.epochs):
                     self.save(epoch + 1)
-                progress.advance(epochs, description=f"epoch {epoch + 1}: reward {metrics['reward/mean']:+.4g}")
+                progress.advance(
+                    epochs, description=f"epoch {epoch + 1}: reward {metrics['reward/mean']:+.4g}"
+                )
         plot_runs([self.run_dir], self.run_dir / REWARD_CURVE)
         return metrics
 
@@ -221,14 +224,16 @@ class VLMRLRecipe:
     # -- phases ---------------------------------------------------------------------------------
     def sampling_options(self) -> SamplingOptions:
         token = self.cfg.algo.token
-        return SamplingOptions(token.temperature, token.top_p, token.top_k, token.max_completion_tokens)
+        return SamplingOptions(token.temperature, token.top_p, token.top_k, self.max_completion_tokens)
 
     def rollout(self, epoch: int, progress: Progress) -> Rollouts:
         """Generate this epoch's completions in batches of ``sample_batch_size``."""
         cfg, vlm = self.cfg, self.cfg.model.vlm
         indices = self.sampler.indices_for_epoch(epoch)
         examples = [self.train_set[i] for i in indices]
-        prompts = [prompt_text(self.policy.processor, ex, vlm.prompt_format, vlm.system_prompt) for ex in examples]
+        prompts = [
+            prompt_text(self.policy.processor, ex, vlm.prompt_format, vlm.system_prompt) for ex in examples
+        ]
         images = [load_image(ex.image) for ex in examples]
         options = self.sampling_options()
         ids, truncated, logprobs = [], [], []
@@ -253,7 +258,9 @@ class VLMRLRecipe:
         """Per-component rewards (N,) and their weighted total; a failed (NaN) score is an error."""
         batch = RewardBatch(prompts=rollouts.prompts, texts=rollouts.texts, metadata=rollouts.metadata)
         result = self.reward.score(batch)
-        components = {name: torch.as_tensor(result.details[name], dtype=torch.float32) for name in self.reward.rewards}
+        components = {
+            name: torch.as_tensor(result.details[name], dtype=torch.float32) for name in self.reward.rewards
+        }
         if not torch.isfinite(result.scores).all():
             raise RuntimeError("rewards failed for some samples (NaN); a failed score is never replaced by 0")
         return components, result.scores
@@ -291,13 +298,13 @@ class VLMRLRecipe:
                 num_items = sum(self._loss_mask(m, truncated).sum().item() for m in group)
                 out = self.micro_batch_loss(mb, advantages[mb.rows].to(self.device), truncated, num_items)
                 (out.loss if token.loss_type == "dapo" else out.loss / accum).backward()
-                for key, value in {**out.stats, "policy_loss": out.policy_loss.item(), "kl_loss": out.kl.item()}.items():
-                    stats[key].append(value)
+                for key, value in {**out.stats, "policy_loss": out.policy_loss, "kl_loss": out.kl}.items():
+                    stats[key].append(float(value))
                 if (k + 1) % accum == 0:
                     stats["grad_norm"].append(self.optimizer_step())
                 progress.advance(task)
         progress.remove(task)
-        return {k: min(v) if k == "ratio_min" else max(v) if k == "ratio_max" else sum(v) / len(v) for k, v in stats.items()}
+        return summarise_stats(stats)
 
     def _loss_mask(self, mb: MicroBatch, truncated: list[bool]) -> Tensor:
         mask = mb.batch.completion_mask
@@ -313,7 +320,7 @@ class VLMRLRecipe:
         return token_grpo_loss(
             logp, mb.old, adv, self._loss_mask(mb, truncated), loss_type=algo.token.loss_type,
             importance_level=algo.token.importance_level, epsilon=algo.clip_range, epsilon_high=algo.token.epsilon_high,
-            beta=algo.beta, ref_logp=mb.ref, max_completion_length=algo.token.max_completion_tokens, num_items=num_items,
+            beta=algo.beta, ref_logp=mb.ref, max_completion_length=self.max_completion_tokens, num_items=num_items,
         )  # fmt: skip
 
     def optimizer_step(self) -> float:
@@ -339,7 +346,9 @@ class VLMRLRecipe:
     def evaluate(self, progress: Progress) -> dict[str, float]:
         """Accuracy on the first ``data.eval_num_prompts`` test questions (near-greedy decoding)."""
         n = self.cfg.data.eval_num_prompts or len(self.test_set)
-        answers = answer_examples(self.policy, self.test_set[:n], self.cfg.algo.sample_batch_size, self.cfg.seed, progress)
+        answers = answer_examples(
+            self.policy, self.test_set[:n], self.cfg.algo.sample_batch_size, self.cfg.seed, progress
+        )
         summary = summarise(answers)
         per_category = {f"eval/accuracy/{k}": v["accuracy"] for k, v in summary["categories"].items()}
         return {"eval/accuracy": summary["accuracy"], **per_category}
@@ -350,7 +359,9 @@ class VLMRLRecipe:
             SCHEDULER_KEY: self.scheduler.state_dict(),
             COUNTERS_KEY: {"epoch": epochs_done, "global_step": self.global_step},
         }  # fmt: skip
-        ckpt = save_checkpoint(self.run_dir, epochs_done, self.policy, state, self.raw_cfg, self.cfg.keep_last)
+        ckpt = save_checkpoint(
+            self.run_dir, epochs_done, self.policy, state, self.raw_cfg, self.cfg.keep_last
+        )
         log.info("saved %s", ckpt.path)
 
     def cleanup(self) -> None:
@@ -387,7 +398,9 @@ def check_onpolicy(cfg: Any, raw_cfg: DictConfig) -> float:
     old = [m.old[i, : int(m.batch.completion_mask[i].sum())] for m in prepared for i in range(m.old.shape[0])]
     rows = []
     for part in batches(len(rollouts.texts), batch_size):
-        batch = collate(recipe.policy, rollouts.prompts[part], rollouts.images[part], rollouts.completions[part])
+        batch = collate(
+            recipe.policy, rollouts.prompts[part], rollouts.images[part], rollouts.completions[part]
+        )
         logp = completion_logprobs(recipe.policy, batch).detach()
         for i, n in enumerate(batch.completion_mask.sum(-1).tolist()):
             j = part.start + i
@@ -396,20 +409,5 @@ def check_onpolicy(cfg: Any, raw_cfg: DictConfig) -> float:
             rows.append((j, n, ratio_err, gap))
     recipe.cleanup()
     worst = max(r[2] for r in rows)
-    _report(rows, cfg.check.tolerance, worst)
+    print_onpolicy_report(rows, cfg.check.tolerance, worst)
     return worst
-
-
-def _report(rows: list[tuple[int, int, float, float]], tolerance: float, worst: float) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="on-policy check (VLM): training path vs π_old on the rollout")
-    for column in ("sample", "tokens", "max |ratio − 1|", "max |Δ log p| vs sampler"):
-        table.add_column(column, justify="right")
-    for sample, n, ratio_err, gap in rows:
-        table.add_row(str(sample), str(n), f"{ratio_err:.3e}", f"{gap:.3e}")
-    console = Console()
-    console.print(table)
-    verdict = "[green]PASS[/]" if worst <= tolerance else "[bold red]FAIL[/]"
-    console.print(f"{verdict} max |ratio − 1| {worst:.3e} (tolerance {tolerance:.1e})")

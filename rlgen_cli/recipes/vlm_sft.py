@@ -30,7 +30,7 @@ from omegaconf import DictConfig
 from torch import Tensor
 
 from rlgen_cli.models.base import resolve_device
-from rlgen_cli.recipes.vlm_rl import SCHEDULER_KEY, batches, lr_lambda
+from rlgen_cli.recipes.vlm_rl import SCHEDULER_KEY
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import TrainConfig
 from rlgen_cli.training.checkpoint import (
@@ -46,6 +46,7 @@ from rlgen_cli.vlm.data import SFTExample, drop_reflective, load_sft, load_vlm_e
 from rlgen_cli.vlm.evaluate import answer_examples, summarise
 from rlgen_cli.vlm.policy import VLMPolicy, build_vlm
 from rlgen_cli.vlm.rollout import load_image
+from rlgen_cli.vlm.training import batches, make_scheduler
 
 __all__ = ["VLMSFTRecipe", "assistant_mask", "encode_conversations", "run"]
 
@@ -55,7 +56,10 @@ IGNORE = -100
 
 def assistant_mask(ids: Tensor, tokenizer: Any) -> Tensor:
     """(T,) bool: the tokens of assistant turns, from after ``<|im_start|>assistant\\n`` through ``<|im_end|>``."""
-    start, end = tokenizer.convert_tokens_to_ids("<|im_start|>"), tokenizer.convert_tokens_to_ids("<|im_end|>")
+    start, end = (
+        tokenizer.convert_tokens_to_ids("<|im_start|>"),
+        tokenizer.convert_tokens_to_ids("<|im_end|>"),
+    )
     mask = torch.zeros_like(ids, dtype=torch.bool)
     tokens = ids.tolist()
     i = 0
@@ -64,7 +68,9 @@ def assistant_mask(ids: Tensor, tokenizer: Any) -> Tensor:
             i += 1
             continue
         header_end = i + 1  # the role header runs to the first token that ends with a newline
-        while header_end < len(tokens) and not tokenizer.decode(tokens[i + 1 : header_end + 1]).endswith("\n"):
+        while header_end < len(tokens) and not tokenizer.decode(tokens[i + 1 : header_end + 1]).endswith(
+            "\n"
+        ):
             header_end += 1
         role = tokenizer.decode(tokens[i + 1 : header_end + 1]).strip()
         close = next((j for j in range(header_end + 1, len(tokens)) if tokens[j] == end), len(tokens) - 1)
@@ -123,7 +129,9 @@ class VLMSFTRecipe:
         self.policy = build_vlm(cfg.model, self.device)
         self.train_set, dropped = drop_reflective(load_sft(cfg.data.train), algo.token.sft_drop_markers)
         if not self.train_set:
-            raise UserError(f"every SFT sample of {cfg.data.train} was dropped by algo.token.sft_drop_markers")
+            raise UserError(
+                f"every SFT sample of {cfg.data.train} was dropped by algo.token.sft_drop_markers"
+            )
         log.info("SFT on %d conversations (%d reflective ones dropped)", len(self.train_set), dropped)
         self.dropped = dropped
         self.test_set = load_vlm_examples(cfg.data.test) if cfg.eval_every else []
@@ -131,11 +139,12 @@ class VLMSFTRecipe:
             self.policy.trainable_parameters(), lr=algo.lr, betas=(algo.adam_beta1, algo.adam_beta2),
             eps=algo.adam_eps, weight_decay=algo.weight_decay,
         )  # fmt: skip
-        steps_per_epoch = math.ceil(len(self.train_set) / algo.train_batch_size / algo.gradient_accumulation_steps)
+        steps_per_epoch = math.ceil(
+            len(self.train_set) / algo.train_batch_size / algo.gradient_accumulation_steps
+        )
         total = cfg.epochs * steps_per_epoch
-        warmup = math.ceil(algo.token.warmup_ratio * total)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_lambda(s, total, warmup, algo.token.lr_schedule)
+        self.scheduler = make_scheduler(
+            self.optimizer, total, algo.token.warmup_ratio, algo.token.lr_schedule
         )
         self.start_epoch, self.global_step = 0, 0
         ckpt = resolve_resume(cfg.resume, self.run_dir)
@@ -145,7 +154,10 @@ class VLMSFTRecipe:
             self.optimizer.load_state_dict(state[OPTIMIZER_KEY])
             self.scheduler.load_state_dict(state[SCHEDULER_KEY])
             set_rng_state(state["rng"])
-            self.start_epoch, self.global_step = state[COUNTERS_KEY]["epoch"], state[COUNTERS_KEY]["global_step"]
+            self.start_epoch, self.global_step = (
+                state[COUNTERS_KEY]["epoch"],
+                state[COUNTERS_KEY]["global_step"],
+            )
         self.logger = JsonlLogger(self.run_dir)
 
     def train(self) -> dict[str, float]:
@@ -155,10 +167,18 @@ class VLMSFTRecipe:
                 metrics = self.train_epoch(epoch, progress)
                 if cfg.eval_every and (epoch + 1 == cfg.epochs or (epoch + 1) % cfg.eval_every == 0):
                     n = cfg.data.eval_num_prompts or len(self.test_set)
-                    answers = answer_examples(self.policy, self.test_set[:n], cfg.algo.train_batch_size, cfg.seed, progress)
+                    answers = answer_examples(
+                        self.policy, self.test_set[:n], cfg.algo.train_batch_size, cfg.seed, progress
+                    )
                     metrics["eval/accuracy"] = summarise(answers)["accuracy"]
                 self.logger.log(metrics, step=epoch)
-                log.info("epoch %d  loss %.4f  lr %.2e  %.1fs", epoch, metrics["loss"], metrics["lr"], metrics["time/epoch"])
+                log.info(
+                    "epoch %d  loss %.4f  lr %.2e  %.1fs",
+                    epoch,
+                    metrics["loss"],
+                    metrics["lr"],
+                    metrics["time/epoch"],
+                )
                 if epoch + 1 == cfg.epochs or (cfg.save_every and (epoch + 1) % cfg.save_every == 0):
                     self.save(epoch + 1)
         return metrics
@@ -166,7 +186,9 @@ class VLMSFTRecipe:
     def train_epoch(self, epoch: int, progress: Progress) -> dict[str, float]:
         """One shuffled pass (order seeded by (seed, epoch), so a resumed run sees the same order)."""
         algo, start = self.cfg.algo, time.perf_counter()
-        order = torch.randperm(len(self.train_set), generator=torch.Generator().manual_seed(self.cfg.seed + epoch))
+        order = torch.randperm(
+            len(self.train_set), generator=torch.Generator().manual_seed(self.cfg.seed + epoch)
+        )
         parts = batches(len(order), algo.train_batch_size)
         losses, tokens, norms = [], 0, []
         task = progress.task("sft", total=len(parts))
@@ -201,7 +223,9 @@ class VLMSFTRecipe:
             OPTIMIZER_KEY: self.optimizer.state_dict(), SCHEDULER_KEY: self.scheduler.state_dict(),
             COUNTERS_KEY: {"epoch": epochs_done, "global_step": self.global_step},
         }  # fmt: skip
-        ckpt = save_checkpoint(self.run_dir, epochs_done, self.policy, state, self.raw_cfg, self.cfg.keep_last)
+        ckpt = save_checkpoint(
+            self.run_dir, epochs_done, self.policy, state, self.raw_cfg, self.cfg.keep_last
+        )
         log.info("saved %s", ckpt.path)
 
     def cleanup(self) -> None:

@@ -223,7 +223,9 @@ def key_step_fraction(
     return matched / len(groups)
 
 
-def step_rar(completion: str, key_steps: Any, *, mode: str = "r1vl", scale: float = 0.1, **norm: bool) -> float:
+def step_rar(
+    completion: str, key_steps: Any, *, mode: str = "r1vl", scale: float = 0.1, **norm: bool
+) -> float:
     """StepRAR bonus ``scale · k``; ``mode=paper`` pays 0 when there is no final answer."""
     if mode not in RAR_MODES:
         raise ValueError(f"step_rar mode={mode!r}; choose one of {', '.join(RAR_MODES)}")
@@ -256,9 +258,13 @@ def length_score(completion: str, target: int = 256, unit: str = "chars") -> flo
 
 
 # -- TRL-compatible functions ---------------------------------------------------------------------
-def accuracy_reward(completions: Sequence[Any], solution: Sequence[str], backend: str = "auto", **_: Any) -> list[float]:
+def accuracy_reward(
+    completions: Sequence[Any], solution: Sequence[str], backend: str = "auto", **_: Any
+) -> list[float]:
     """TRL reward function: :func:`answer_accuracy` per completion (dataset column ``solution``)."""
-    return [answer_accuracy(completion_text(c), s, backend) for c, s in zip(completions, solution, strict=True)]
+    return [
+        answer_accuracy(completion_text(c), s, backend) for c, s in zip(completions, solution, strict=True)
+    ]
 
 
 def step_rar_reward(completions: Sequence[Any], key_steps: Sequence[Any], **kwargs: Any) -> list[float]:
@@ -277,7 +283,9 @@ def think_format_reward(completions: Sequence[Any], **_: Any) -> list[float]:
     return [think_format(completion_text(c)) for c in completions]
 
 
-def length_reward(completions: Sequence[Any], target: int = 256, unit: str = "chars", **_: Any) -> list[float]:
+def length_reward(
+    completions: Sequence[Any], target: int = 256, unit: str = "chars", **_: Any
+) -> list[float]:
     """TRL reward function: :func:`length_score` per completion."""
     return [length_score(completion_text(c), target, unit) for c in completions]
 
@@ -321,12 +329,18 @@ class TextRuleReward:
 def build_answer_accuracy(backend: str = "auto") -> TextRuleReward:
     """``answer_accuracy``: 0/1 against ``metadata["solution"]``."""
     answer_accuracy("", "", backend)  # validates the backend now, not at the first rollout
-    return TextRuleReward("answer_accuracy", lambda t, m: answer_accuracy(t, m["solution"], backend), ("solution",))
+    return TextRuleReward(
+        "answer_accuracy", lambda t, m: answer_accuracy(t, m["solution"], backend), ("solution",)
+    )
 
 
 @register("step_rar")
 def build_step_rar(
-    mode: str = "r1vl", scale: float = 0.1, whitespace: bool = False, latex: bool = False, numbers: bool = False
+    mode: str = "r1vl",
+    scale: float = 0.1,
+    whitespace: bool = False,
+    latex: bool = False,
+    numbers: bool = False,
 ) -> TextRuleReward:
     """``step_rar``: StepRAR bonus against ``metadata["key_steps"]``."""
     score = partial(step_rar, mode=mode, scale=scale, whitespace=whitespace, latex=latex, numbers=numbers)

@@ -43,6 +43,9 @@ class VLMOptions:
     """Processor upper bound on image pixels (R1-VL: 400000)."""
     max_context: int = 4096
     """Prompt + image tokens + completion must fit; longer prompts fail early (never truncated)."""
+    completion_cap: int | None = None
+    """Upper bound on generated tokens for this model: rollouts use min(algo.token.max_completion_tokens,
+    cap) (logged). Tiny random models set a small cap so CPU runs take seconds; null = no cap."""
     prompt_format: str = "plain"
     """``plain``: the question as given (R1-VL-10K problems, MathVista queries); ``mulberry``: prefix the
     Mulberry / R1-VL step-format instructions (### Image Description … ### The final answer is:)."""
@@ -63,8 +66,12 @@ class VLMOptions:
 
     def __post_init__(self) -> None:
         if not 0 < self.min_pixels <= self.max_pixels:
-            raise UserError(f"model.vlm.min_pixels ({self.min_pixels}) must be in (0, max_pixels ({self.max_pixels})]")
+            raise UserError(
+                f"model.vlm.min_pixels ({self.min_pixels}) must be in (0, max_pixels ({self.max_pixels})]"
+            )
         _one_of(self.prompt_format, PROMPT_FORMATS, "model.vlm.prompt_format")
+        if self.completion_cap is not None and self.completion_cap < 1:
+            raise UserError(f"model.vlm.completion_cap must be ≥ 1 or null, got {self.completion_cap}")
         if self.max_context < 16 or self.eval_max_new_tokens < 1:
             raise UserError("model.vlm.max_context must be ≥ 16 and model.vlm.eval_max_new_tokens ≥ 1")
 

@@ -20,6 +20,7 @@ def sample_task(cfg: DictConfig) -> str:
     from rlgen_cli.sde.rollout import StepSpec
     from rlgen_cli.tasks.loading import load_policy
     from rlgen_cli.training.images import to_pil
+    from rlgen_cli.training.video import save_video
     from rlgen_cli.training.progress import Progress
     from rlgen_cli.training.run import prepare_run_dir, setup_logging
 
@@ -39,12 +40,15 @@ def sample_task(cfg: DictConfig) -> str:
     out_dir.mkdir(exist_ok=True)
     with (run_dir / MANIFEST).open("w", encoding="utf-8") as manifest:
         for i, (prompt, image) in enumerate(zip(expanded, images)):
-            path = out_dir / f"{i:05d}.png"
-            to_pil(image).save(path)
+            if image.ndim == 4:  # (3, F, H, W): a video
+                path = save_video(image, out_dir / f"{i:05d}")
+            else:
+                path = out_dir / f"{i:05d}.png"
+                to_pil(image).save(path)
             row = {"file": str(Path("images") / path.name), "prompt": prompt, "sample": i % typed.images_per_prompt,
                    "seed": typed.seed, "num_steps": num_steps, "checkpoint": typed.checkpoint}  # fmt: skip
             manifest.write(json.dumps(row) + "\n")
     from rich.console import Console
 
-    Console().print(f"wrote {len(expanded)} images and {MANIFEST} to {run_dir}")
+    Console().print(f"wrote {len(expanded)} samples and {MANIFEST} to {run_dir}")
     return str(run_dir)

@@ -17,7 +17,12 @@ def to_pil(image: Tensor) -> Image.Image:
 
 
 def save_grid(images: Tensor, path: Path, columns: int | None = None, upscale: int = 1) -> Path:
-    """Tile (B, 3, H, W) images into one PNG (``upscale`` enlarges tiny images, nearest neighbour)."""
+    """Tile (B, 3, H, W) images into one PNG (``upscale`` enlarges tiny images, nearest neighbour);
+    videos (B, 3, F, H, W) become one tiled video file instead."""
+    if images.ndim == 5:
+        from rlgen_cli.training.video import save_video_grid
+
+        return save_video_grid(images, path, columns, upscale)
     batch, _, height, width = images.shape
     columns = columns or math.ceil(math.sqrt(batch))
     rows = math.ceil(batch / columns)

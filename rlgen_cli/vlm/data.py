@@ -145,12 +145,16 @@ def load_vlm_examples(spec: str) -> list[VLMExample]:
             key_steps = normalize_key_steps(row.get("key_steps"))
         except ValueError as err:
             raise UserError(f"{where}: {err}") from err
-        extras = {k: v for k, v in row.items() if isinstance(v, str | int | float | bool) and k not in _IMAGE_KEYS}
+        extras = {
+            k: v for k, v in row.items() if isinstance(v, str | int | float | bool) and k not in _IMAGE_KEYS
+        }
         examples.append(
             VLMExample(
-                index=i, problem=str(_first(row, _QUESTION_KEYS, where=where)),
+                index=i,
+                problem=str(_first(row, _QUESTION_KEYS, where=where)),
                 image=_image_path(_first(row, _IMAGE_KEYS, where=where, required=False), path.parent, where),
-                solution=solution, category=None if category is None else str(category),
+                solution=solution,
+                category=None if category is None else str(category),
                 metadata={**extras, "solution": solution, "key_steps": key_steps},
             )  # fmt: skip
         )
@@ -159,10 +163,14 @@ def load_vlm_examples(spec: str) -> list[VLMExample]:
     return examples
 
 
-def build_messages(problem: str, has_image: bool, prompt_format: str, system_prompt: str | None) -> list[dict]:
+def build_messages(
+    problem: str, has_image: bool, prompt_format: str, system_prompt: str | None
+) -> list[dict]:
     """The chat messages of one prompt: optional system message, then the image and the question."""
     text = MULBERRY_INSTRUCTIONS + problem if prompt_format == "mulberry" else problem
-    content: list[dict[str, Any]] = ([{"type": "image"}] if has_image else []) + [{"type": "text", "text": text}]
+    content: list[dict[str, Any]] = ([{"type": "image"}] if has_image else []) + [
+        {"type": "text", "text": text}
+    ]
     system = [{"role": "system", "content": system_prompt}] if system_prompt else []
     return [*system, {"role": "user", "content": content}]
 
@@ -199,7 +207,9 @@ def load_sft(spec: str) -> list[SFTExample]:
         placeholders = sum(str(m.get("content", "")).count(IMAGE_PLACEHOLDER) for m in messages)
         if placeholders != len(images):
             raise UserError(f"{where}: {placeholders} <image> placeholders but {len(images)} images")
-        turns = [{"role": m["role"], "content": _sharegpt_content(str(m["content"]), m["role"])} for m in messages]
+        turns = [
+            {"role": m["role"], "content": _sharegpt_content(str(m["content"]), m["role"])} for m in messages
+        ]
         examples.append(SFTExample(index=i, messages=turns, images=[p for p in images if p is not None]))
     return examples
 

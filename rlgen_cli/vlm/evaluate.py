@@ -58,7 +58,9 @@ def is_correct(prediction: str | None, truth: str) -> bool:
     """math-verify (when installed) or the documented normaliser, on the extracted answer."""
     if prediction is None:
         return False
-    return bool(answer_accuracy(f"### The final answer is: {prediction}", truth)) or answers_match(prediction, truth)
+    return bool(answer_accuracy(f"### The final answer is: {prediction}", truth)) or answers_match(
+        prediction, truth
+    )
 
 
 def sampling_options(policy: VLMPolicy) -> SamplingOptions:
@@ -101,7 +103,9 @@ def summarise(answers: list[Answer]) -> dict[str, Any]:
         "accuracy": sum(a.correct for a in answers) / max(len(answers), 1),
         "num_samples": len(answers),
         "answered": sum(a.prediction is not None for a in answers) / max(len(answers), 1),
-        "categories": {k: {"accuracy": sum(v) / len(v), "count": len(v)} for k, v in sorted(by_category.items())},
+        "categories": {
+            k: {"accuracy": sum(v) / len(v), "count": len(v)} for k, v in sorted(by_category.items())
+        },
     }
 
 

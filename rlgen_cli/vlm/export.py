@@ -28,7 +28,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, device: str =
 
 
 def main(argv: list[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("checkpoint", help="a checkpoint directory of rlgen train (VLM recipes)")
     parser.add_argument("out_dir", help="where to write the merged Hugging Face model directory")
     parser.add_argument("--device", default="cpu", help="device used for loading and merging")

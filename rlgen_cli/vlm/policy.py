@@ -126,14 +126,18 @@ class VLMPolicy:
             state = load_file(str(path / _ADAPTER_FILE))
             unexpected = list(getattr(set_peft_model_state_dict(self.model, state), "unexpected_keys", []))
             if unexpected:
-                raise UserError(f"adapter keys {unexpected[:3]} do not fit this model (LoRA rank/targets differ)")
+                raise UserError(
+                    f"adapter keys {unexpected[:3]} do not fit this model (LoRA rank/targets differ)"
+                )
             return
         saved = type(self.model).from_pretrained(path, dtype=torch.float32)  # transformers maps the key names
         state = dict(saved.named_parameters())
         trainable = self.named_trainable()
         absent = sorted(set(trainable) - set(state))
         if absent:
-            raise UserError(f"{path} lacks trained tensors {absent[:3]}; it was saved by another model config")
+            raise UserError(
+                f"{path} lacks trained tensors {absent[:3]}; it was saved by another model config"
+            )
         with torch.no_grad():
             for name, param in trainable.items():
                 param.copy_(state[name].to(param.dtype))
@@ -163,7 +167,11 @@ def _base_model(cfg: ModelConfig, processor: Any) -> Any:
     cls = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
     extra = {"attn_implementation": cfg.vlm.attn_implementation} if cfg.vlm.attn_implementation else {}
     return getattr(transformers, cls[cfg.family]).from_pretrained(
-        cfg.path, dtype=_DTYPES[cfg.dtype], local_files_only=cfg.local_files_only, revision=cfg.revision, **extra
+        cfg.path,
+        dtype=_DTYPES[cfg.dtype],
+        local_files_only=cfg.local_files_only,
+        revision=cfg.revision,
+        **extra,
     )
 
 
@@ -198,7 +206,9 @@ def build_vlm(cfg: ModelConfig, device: torch.device) -> VLMPolicy:
         UserError: On an unknown family or a path that cannot be loaded.
     """
     if cfg.family not in VLM_FAMILIES:
-        raise UserError(f"model.family={cfg.family!r} is not a VLM family; choose one of {', '.join(VLM_FAMILIES)}")
+        raise UserError(
+            f"model.family={cfg.family!r} is not a VLM family; choose one of {', '.join(VLM_FAMILIES)}"
+        )
     try:
         processor = _processor(cfg)
         model = _base_model(cfg, processor)

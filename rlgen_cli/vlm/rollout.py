@@ -201,7 +201,10 @@ def pad_stack(rows: Sequence[Tensor], length: int | None = None, value: float = 
 
 
 def collate(
-    policy: VLMPolicy, prompts: Sequence[str], images: Sequence[Image.Image | None], completions: Sequence[Tensor]
+    policy: VLMPolicy,
+    prompts: Sequence[str],
+    images: Sequence[Image.Image | None],
+    completions: Sequence[Tensor],
 ) -> TokenBatch:
     """The training layout: left-padded prompts (as :func:`encode_prompts`), then right-padded completions."""
     encoded = encode_prompts(policy, prompts, images)

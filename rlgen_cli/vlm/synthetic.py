@@ -57,7 +57,9 @@ def write_tiny_sets(out_dir: str | Path) -> list[Path]:
                 if i % 2 == 0
                 else ("colour", "What colour are the squares?", colour)
             )
-            evals.append({"pid": str(i), "image": name, "query": query, "answer": answer, "category": category})
+            evals.append(
+                {"pid": str(i), "image": name, "query": query, "answer": answer, "category": category}
+            )
         reply = _answer(count, colour)
         if i == 7:  # Mulberry-style reflective data: the warm-up filter removes it
             reply = reply.replace("### Step 2:", "Wait, let me re-examine.\n### Step 2:")

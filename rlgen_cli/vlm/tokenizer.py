@@ -25,7 +25,9 @@ SPECIAL_TOKENS = (
 DEFAULT_SYSTEM = "You are a helpful assistant."
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n" + DEFAULT_SYSTEM + "<|im_end|>\n"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n"
+    + DEFAULT_SYSTEM
+    + "<|im_end|>\n"
     "{% endif %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"

@@ -83,7 +83,9 @@ def test_save_pretrained_round_trip_through_the_real_loader(tmp_path: Path, qwen
     built, x, cond = shared
     sigma = torch.tensor(0.7)
     with torch.no_grad(), loaded.reference(), built.reference():
-        torch.testing.assert_close(loaded.velocity(x, sigma, loaded.encode(PROMPTS)), built.velocity(x, sigma, cond))
+        torch.testing.assert_close(
+            loaded.velocity(x, sigma, loaded.encode(PROMPTS)), built.velocity(x, sigma, cond)
+        )
     with pytest.raises(UserError, match="model.path"):
         load_qwen_image_pipeline(replace(cfg, path=str(tmp_path / "nothing")))
 
@@ -130,7 +132,10 @@ def test_true_cfg_norm_rescale_matches_a_hand_computation(lora_policy):
         c = _raw(policy, x, 0.6, t["prompt_embeds"], t["prompt_mask"])
         u = _raw(policy, x, 0.6, t["neg_prompt_embeds"], t["neg_prompt_mask"])
         combined = u + 4.0 * (c - u)
-        by_hand = combined * (torch.linalg.vector_norm(c, dim=-1) / torch.linalg.vector_norm(combined, dim=-1))[..., None]
+        by_hand = (
+            combined
+            * (torch.linalg.vector_norm(c, dim=-1) / torch.linalg.vector_norm(combined, dim=-1))[..., None]
+        )
         got = policy.velocity(x, torch.tensor(0.6), cond)
     torch.testing.assert_close(got, by_hand, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(true_cfg(c, u, 4.0), by_hand)
@@ -155,7 +160,9 @@ def test_lora_targets_upstream_modules_all_alive_and_only_lora_trains(lora_polic
     assert not any(n.startswith(tuple(f"{d}." for d in dead)) for n in names)
     _perturb_lora(policy)  # gaussian init has B = 0, which blocks A's gradient
     policy.velocity(x, torch.tensor(0.8), cond).square().mean().backward()
-    silent = [n for n, p in policy.transformer.named_parameters() if p.requires_grad and not p.grad.abs().sum()]
+    silent = [
+        n for n, p in policy.transformer.named_parameters() if p.requires_grad and not p.grad.abs().sum()
+    ]
     assert silent == []
 
 
@@ -230,7 +237,9 @@ def trained_run(tmp_path_factory) -> Path:
     from tests.conftest import run_cli
 
     run_dir = tmp_path_factory.mktemp("qwen_rl") / "run"
-    code, out = run_cli("train", "model=tiny_qwen_image", *TINY_RUN, "epochs=2", "save_every=1", f"hydra.run.dir={run_dir}")
+    code, out = run_cli(
+        "train", "model=tiny_qwen_image", *TINY_RUN, "epochs=2", "save_every=1", f"hydra.run.dir={run_dir}"
+    )
     assert code == 0, out
     return run_dir
 
@@ -239,7 +248,9 @@ def test_training_changes_every_lora_tensor(trained_run: Path, qwen_cfg):
     from peft.utils import get_peft_model_state_dict
 
     torch.manual_seed(42)  # the recipe seeds torch with cfg.seed before building the adapter
-    initial = {f"transformer.{k}": v for k, v in get_peft_model_state_dict(_policy(qwen_cfg).transformer).items()}
+    initial = {
+        f"transformer.{k}": v for k, v in get_peft_model_state_dict(_policy(qwen_cfg).transformer).items()
+    }
     trained = load_file(trained_run / "checkpoints" / "epoch_000002" / "weights" / LORA_WEIGHTS_NAME)
     assert trained.keys() == initial.keys() and len(trained) > 0
     assert [k for k in trained if torch.equal(trained[k], initial[k])] == []

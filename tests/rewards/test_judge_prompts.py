@@ -48,7 +48,9 @@ def test_geneval_plus_checklist_golden():
         "- 1 cat.\n"
         "- No more than 2 dogs should appear."
     )
-    text = geneval_plus_text("Instruction: {prompt}\n\nExplanation: {checklist}", "two dogs", GENEVAL_PLUS_META)
+    text = geneval_plus_text(
+        "Instruction: {prompt}\n\nExplanation: {checklist}", "two dogs", GENEVAL_PLUS_META
+    )
     assert text.startswith("Instruction: two dogs\n\nExplanation: This image should contain:\n- brown")
     for requirement in ("classes", "colours", "spatial", "size", "cartoon", "collage", "strict", '"correct"'):
         assert requirement in GENEVAL_PLUS_SYSTEM
@@ -235,7 +237,11 @@ def test_metadata_judges_fail_fast_without_metadata():
 
 def test_templates_can_be_overridden_and_unknown_parsers_are_named():
     judge = build_reward(
-        "openai_judge", parser="geneval_plus", endpoints=["h:1"], prompt_template="{checklist}", system_prompt="S"
+        "openai_judge",
+        parser="geneval_plus",
+        endpoints=["h:1"],
+        prompt_template="{checklist}",
+        system_prompt="S",
     )
     batch = RewardBatch(prompts=["p"], images=torch.rand(1, 3, 8, 8), metadata=[GENEVAL_PLUS_META])
     assert judge.user_texts(batch)[0].startswith("This image should contain:") and judge.system_prompt == "S"

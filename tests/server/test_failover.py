@@ -84,7 +84,13 @@ def test_a_server_killed_mid_stream_loses_no_sample_and_all_down_is_a_clear_erro
     server_b = serve({REWARD: build_reward(REWARD)})
     urls = [url_a, server_b.url]
     client = RemoteReward(
-        REWARD, endpoints=urls, batch_size=4, max_concurrency=4, retries=3, backoff_s=0.01, health_interval_s=60
+        REWARD,
+        endpoints=urls,
+        batch_size=4,
+        max_concurrency=4,
+        retries=3,
+        backoff_s=0.01,
+        health_interval_s=60,
     )
     killed = threading.Event()
     killer = threading.Thread(target=_kill_when_busy, args=(client, proc, url_a, killed), daemon=True)

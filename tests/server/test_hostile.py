@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 
 import msgpack
 import pytest
-import torch
 from PIL import Image
 
 from rlgen_cli.server.app import ServerSettings, build_app
@@ -179,7 +178,9 @@ def _bad_auth() -> Iterator[Case]:
         yield Case(f"auth/score/{i}", body, headers, statuses=(401, 403))
     for path in ("/v1/rewards", "/metrics", f"/v1/rewards?token={TOKEN}"):
         yield Case(f"auth/get{path}", None, {}, "GET", path, statuses=(401,))
-        yield Case(f"auth/get_wrong{path}", None, {"Authorization": "Bearer no"}, "GET", path, statuses=(403,))
+        yield Case(
+            f"auth/get_wrong{path}", None, {"Authorization": "Bearer no"}, "GET", path, statuses=(403,)
+        )
 
 
 def _wrong_content_types() -> Iterator[Case]:
@@ -214,7 +215,9 @@ def _huge_bodies() -> Iterator[Case]:
     yield Case("huge/zeros", b"\x00" * (limit * 2), statuses=(413,))
     yield Case("huge/chunked_json", big_image, statuses=(413,), chunked=True)
     yield Case("huge/chunked_zeros", b"0" * (limit + 1), statuses=(413,), chunked=True)
-    yield Case("huge/msgpack", b"\x00" * (limit + 1), {"Content-Type": "application/msgpack"} | AUTH, statuses=(413,))
+    yield Case(
+        "huge/msgpack", b"\x00" * (limit + 1), {"Content-Type": "application/msgpack"} | AUTH, statuses=(413,)
+    )
 
 
 def _deeply_nested() -> Iterator[Case]:
@@ -316,7 +319,9 @@ def test_hostile_requests_get_4xx_json_errors_and_the_server_stays_healthy(serve
     with ThreadPoolExecutor(max_workers=4) as pool:
         replies = list(pool.map(lambda case: _send(running.port, case), cases))
     elapsed = time.perf_counter() - began
-    problems = [f"{case.name}: {why}" for case, reply in zip(cases, replies) if (why := _problem(case, *reply))]
+    problems = [
+        f"{case.name}: {why}" for case, reply in zip(cases, replies) if (why := _problem(case, *reply))
+    ]
     assert not problems, f"{len(problems)} of {len(cases)} hostile requests were mishandled:\n" + "\n".join(
         problems[:40]
     )
@@ -341,7 +346,7 @@ RAW = [
     b"POST /v1/score HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
     b"POST /v1/score HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 20_000 + b"\r\n\r\n",
     b"POST /v1/score HTTP/9.9\r\nHost: x\r\n\r\n",
-    b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"reward\":",  # then hang up
+    b'POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"reward":',  # then hang up
     b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: 7\r\n\r\nabcdefg",
     b"GET /healthz HTTP/1.1\r\nHost: x\r\n",  # unterminated headers, then hang up
 ]

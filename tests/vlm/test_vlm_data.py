@@ -41,7 +41,12 @@ def test_bad_rows_fail_with_file_and_row(tmp_path):
     path.write_text(json.dumps({"problem": "q"}) + "\n")
     with pytest.raises(UserError, match="no solution / answer field"):
         load_vlm_examples(str(path))
-    path.write_text(json.dumps({"messages": [{"role": "user", "content": "<image>q"}, {"role": "assistant", "content": "a"}]}) + "\n")
+    path.write_text(
+        json.dumps(
+            {"messages": [{"role": "user", "content": "<image>q"}, {"role": "assistant", "content": "a"}]}
+        )
+        + "\n"
+    )
     with pytest.raises(UserError, match="1 <image> placeholders but 0 images"):
         load_sft(str(path))
     with pytest.raises(UserError, match="no built-in VLM data file"):

@@ -65,7 +65,9 @@ def test_rollout_is_seeded_stops_at_eos_and_suppresses_vision_tokens(tiny_vlm_po
 def test_too_long_prompt_fails_early_with_a_clear_error(tiny_vlm_policy):
     prompts, images = _batch(tiny_vlm_policy, 1)
     encoded = encode_prompts(tiny_vlm_policy, prompts, images)
-    with pytest.raises(UserError, match=r"sample #7: prompt is \d+ tokens \(16 of them image tokens\).*never truncated"):
+    with pytest.raises(
+        UserError, match=r"sample #7: prompt is \d+ tokens \(16 of them image tokens\).*never truncated"
+    ):
         check_context(tiny_vlm_policy, encoded, 10_000, ["#7"])
 
 
@@ -81,7 +83,9 @@ def test_real_loading_from_a_saved_directory_applies_pixel_bounds(tmp_path):
     )  # fmt: skip
     policy = build_vlm(typed.model, torch.device("cpu"))
     assert type(policy.model.base_model.model).__name__ == "Qwen2_5_VLForConditionalGeneration"
-    encoded = encode_prompts(policy, ["<|vision_start|><|image_pad|><|vision_end|>hi"], [load_image(_image(tmp_path))])
+    encoded = encode_prompts(
+        policy, ["<|vision_start|><|image_pad|><|vision_end|>hi"], [load_image(_image(tmp_path))]
+    )
     assert int(encoded["image_grid_thw"].prod()) <= 256 // 16  # ≤ max_pixels / patch² patches
     bad, _ = compose_config("train", TINY_VLM + ["algo=step_grpo", "reward=length", "model.tiny=false",
                                                   f"model.path={tmp_path / 'absent'}", "model.local_files_only=true"])  # fmt: skip

@@ -80,10 +80,11 @@ def test_eval_reports_accuracy_overall_and_per_category(tmp_path: Path):
 
 
 def test_sft_warm_up_lowers_the_loss_on_assistant_tokens(tmp_path: Path):
+    """Full fine-tuning (R1-VL's warm-up), 3 epochs of 2 steps on the 7 kept conversations."""
     from rlgen_cli.recipes.vlm_sft import VLMSFTRecipe
 
     overrides = [*TINY_VLM, "algo=vlm_sft", "reward=length", "data.train=builtin:tiny_sft.jsonl", "epochs=3",
-                 "save_every=0", "algo.train_batch_size=4", "algo.lr=3e-2", "algo.token.warmup_ratio=0"]  # fmt: skip
+                 "save_every=0", "algo.lr=1e-2", "algo.token.lr_schedule=constant", "model.lora.enabled=false"]  # fmt: skip
     typed, raw = compose_config("train", overrides, run_dir=tmp_path)
     recipe = VLMSFTRecipe(typed, raw)
     recipe.setup()
@@ -106,7 +107,9 @@ def test_assistant_mask_covers_only_assistant_turns(tiny_vlm_policy):
 
 
 def test_too_long_prompt_exits_2_with_the_fix(tmp_path: Path):
-    code, out = run_cli("train", *STEP_GRPO, "epochs=1", "model.vlm.max_context=40", f"hydra.run.dir={tmp_path}")
+    code, out = run_cli(
+        "train", *STEP_GRPO, "epochs=1", "model.vlm.max_context=40", f"hydra.run.dir={tmp_path}"
+    )
     assert code == 2
     assert "never truncated" in out and "model.vlm.max_context" in out
 

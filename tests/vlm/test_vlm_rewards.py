@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlgen_cli.rewards import RewardBatch, build_mix
-from rlgen_cli.rewards import r1vl
+from rlgen_cli.rewards import RewardBatch, build_mix, r1vl
 from rlgen_cli.rewards.r1vl import (
     accuracy_reward,
     answer_accuracy,
@@ -77,8 +76,15 @@ def test_step_rvr_golden_cases():
     assert step_rvr(GOOD.replace("### Rationales:", "Rationales:")) == 0.0  # missing header
     assert step_rvr(GOOD.replace("### Image Description:", "")) == 0.0
     assert step_rvr(GOOD.replace("### Step 3:", "### Step 4:")) == 0.0  # numbered 1, 2, 4
-    assert step_rvr(GOOD.replace("### Step 1:", "### Step 2:").replace("### Step 2:\nThe hyp", "### Step 1:\nThe hyp")) == 0.0
-    early = GOOD.replace("### Step 3:", "### The final answer is: 5\n### Step 3:").rsplit("\n### The final", 1)[0]
+    assert (
+        step_rvr(
+            GOOD.replace("### Step 1:", "### Step 2:").replace("### Step 2:\nThe hyp", "### Step 1:\nThe hyp")
+        )
+        == 0.0
+    )
+    early = GOOD.replace("### Step 3:", "### The final answer is: 5\n### Step 3:").rsplit(
+        "\n### The final", 1
+    )[0]
     assert step_rvr(early) == 0.0  # answer header before the last step
     assert step_rvr(GOOD.replace("### Step 1:", "### Step one:")) == 0.0  # no Step 1 header
 
@@ -116,7 +122,9 @@ def test_answer_accuracy_backends():
     assert answer_accuracy(GOOD, "### The final answer is: 5", backend="normalizer") == 1.0
     assert answer_accuracy(GOOD, "6", backend="normalizer") == 0.0
     assert answer_accuracy("5", "5", backend="normalizer") == 0.0  # no answer header: no answer
-    assert answer_accuracy("### The final answer is: 5.0", "5", backend="exact") == 0.0  # upstream string match
+    assert (
+        answer_accuracy("### The final answer is: 5.0", "5", backend="exact") == 0.0
+    )  # upstream string match
     assert answer_accuracy("### The final answer is: 5", "5", backend="exact") == 1.0
     with pytest.raises(ValueError, match="backend"):
         answer_accuracy(GOOD, "5", backend="fuzzy")
@@ -130,7 +138,10 @@ def test_think_format():
 
 def test_trl_signatures_accept_strings_and_chat_messages():
     chats = [[{"role": "assistant", "content": GOOD}], [{"role": "assistant", "content": "nothing"}]]
-    assert accuracy_reward(chats, solution=["5", "5"], backend="normalizer", key_steps=[None, None]) == [1.0, 0.0]
+    assert accuracy_reward(chats, solution=["5", "5"], backend="normalizer", key_steps=[None, None]) == [
+        1.0,
+        0.0,
+    ]
     assert step_rar_reward([GOOD, "x"], key_steps=[KEY_STEPS, KEY_STEPS]) == pytest.approx([0.05, 0.0])
     assert step_rvr_reward(chats) == [1.0, 0.0]
     assert think_format_reward(["<think>a</think><answer>b</answer>"]) == [1.0]
@@ -164,5 +175,7 @@ def test_registered_reward_errors_name_the_fix():
         reward.score(RewardBatch(prompts=["p"]))
     with pytest.raises(ValueError, match="needs metadata"):
         reward.score(RewardBatch(prompts=["p"], texts=["x"], metadata=[{}]))
-    with pytest.raises(ImportError if not r1vl._has_math_verify() else ValueError, match="math-verify|backend"):
+    with pytest.raises(
+        ImportError if not r1vl._has_math_verify() else ValueError, match="math-verify|backend"
+    ):
         r1vl.build_answer_accuracy(backend="math_verify" if not r1vl._has_math_verify() else "nope")

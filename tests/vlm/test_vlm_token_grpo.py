@@ -56,7 +56,9 @@ def test_clipping_with_epsilon_and_epsilon_high():
     )  # fmt: skip
     assert out.loss.item() == pytest.approx(-1.25) and out.stats["clipfrac"] == 0.0
     # r = 0.5 with A = −1: min(−0.5, −0.8) = −0.8 → ℓ = 0.8, counted as low-clipped
-    out = token_grpo_loss(torch.full((1, 1), math.log(0.5)), torch.zeros(1, 1), torch.tensor([-1.0]), torch.ones(1, 1))
+    out = token_grpo_loss(
+        torch.full((1, 1), math.log(0.5)), torch.zeros(1, 1), torch.tensor([-1.0]), torch.ones(1, 1)
+    )
     assert out.loss.item() == pytest.approx(0.8) and out.stats["clipfrac_low"] == 1.0
 
 
@@ -65,7 +67,9 @@ def test_sequence_level_ratio_is_the_geometric_mean_of_the_sequence():
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     log_w = log_importance_weights(logp, torch.zeros(1, 3), mask, "sequence")
     assert log_w.shape == (1, 1) and log_w.item() == pytest.approx(math.log(2.0) / 2)  # r = √2
-    out = token_grpo_loss(logp, torch.zeros(1, 3), torch.tensor([1.0]), mask, importance_level="sequence", epsilon=1.0)
+    out = token_grpo_loss(
+        logp, torch.zeros(1, 3), torch.tensor([1.0]), mask, importance_level="sequence", epsilon=1.0
+    )
     assert out.loss.item() == pytest.approx(-math.sqrt(2.0))  # every token: −√2·A, token mean −√2
     with pytest.raises(ValueError, match="importance level"):
         log_importance_weights(logp, logp, mask, "word")

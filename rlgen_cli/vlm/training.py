@@ -1,0 +1,69 @@
+"""Small pieces shared by the VLM recipes: micro-batch slices, the learning-rate schedule, the
+completion budget, statistic summaries and the on-policy report table."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["batches", "completion_budget", "make_scheduler", "print_onpolicy_report", "summarise_stats"]
+
+
+def batches(n: int, size: int) -> list[slice]:
+    """Consecutive slices of ``size`` covering ``range(n)`` (the last may be shorter)."""
+    return [slice(start, min(start + size, n)) for start in range(0, n, size)]
+
+
+def lr_lambda(step: int, total: int, warmup: int, schedule: str) -> float:
+    """Linear warm-up over ``warmup`` steps, then constant / cosine / linear decay to 0 at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "cosine":
+        return 0.5 * (1 + math.cos(math.pi * progress))
+    return 1.0 - progress if schedule == "linear" else 1.0
+
+
+def make_scheduler(
+    optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float, schedule: str
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Warm-up over ``ceil(warmup_ratio · total_steps)`` optimizer steps, then ``schedule``."""
+    warmup = math.ceil(warmup_ratio * total_steps)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_lambda(s, total_steps, warmup, schedule))
+
+
+def completion_budget(requested: int, cap: int | None) -> int:
+    """``algo.token.max_completion_tokens`` capped by ``model.vlm.completion_cap`` (the cap is logged)."""
+    if cap is not None and cap < requested:
+        log.info("completion budget %d capped at %d by model.vlm.completion_cap", requested, cap)
+        return cap
+    return requested
+
+
+def summarise_stats(stats: dict[str, list[float]]) -> dict[str, float]:
+    """Mean of each statistic over micro-batches; ``ratio_min`` / ``ratio_max`` keep their extremes."""
+    reducers = {"ratio_min": min, "ratio_max": max}
+    return {k: reducers[k](v) if k in reducers else sum(v) / len(v) for k, v in stats.items()}
+
+
+def print_onpolicy_report(
+    rows: Sequence[tuple[int, int, float, float]], tolerance: float, worst: float
+) -> None:
+    """Rich table of (sample, tokens, max |ratio − 1| vs π_old, max |Δ log p| vs the sampler) + verdict."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="on-policy check (VLM): training path vs π_old on the rollout")
+    for column in ("sample", "tokens", "max |ratio − 1|", "max |Δ log p| vs sampler"):
+        table.add_column(column, justify="right")
+    for sample, n, ratio_err, gap in rows:
+        table.add_row(str(sample), str(n), f"{ratio_err:.3e}", f"{gap:.3e}")
+    console = Console()
+    console.print(table)
+    verdict = "[green]PASS[/]" if worst <= tolerance else "[bold red]FAIL[/]"
+    console.print(f"{verdict} max |ratio − 1| {worst:.3e} (tolerance {tolerance:.1e})")
