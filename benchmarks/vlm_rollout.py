@@ -37,6 +37,7 @@ from rlgen_cli.vlm.rollout import (
     completion_logprobs,
     encode_prompts,
     generate,
+    generation_config,
     load_image,
 )
 from rlgen_cli.vlm.training import completion_budget
@@ -78,9 +79,7 @@ def main(argv: list[str]) -> dict[str, float]:
     prompts = [prompt_text(policy.processor, ex, vlm.prompt_format, vlm.system_prompt) for ex in examples]
     images = [load_image(ex.image) for ex in examples]
     encoded = encode_prompts(policy, prompts, images)
-    from rlgen_cli.vlm.rollout import _generation_config
-
-    bare_config = _generation_config(policy, options, record=False)
+    bare_config = generation_config(policy, options, record=False)
 
     def bare():
         torch.manual_seed(0)
@@ -97,12 +96,11 @@ def main(argv: list[str]) -> dict[str, float]:
     bare()  # warm-up (kernels, caches)
     bare_times, our_times, tokens = [], [], 0
     for _ in range(repeats):
-        seconds, out = _timed(bare)
+        seconds, _ = _timed(bare)
         bare_times.append(seconds)
         seconds, done = _timed(ours)
         our_times.append(seconds)
         tokens = sum(int(ids.numel()) for ids in done.ids)
-    generated = int(out.sequences.shape[1] - encoded["input_ids"].shape[1]) * len(prompts)
     batch = collate(policy, prompts, images, done.ids)
     with torch.no_grad():
         completion_logprobs(policy, batch)
@@ -112,7 +110,7 @@ def main(argv: list[str]) -> dict[str, float]:
         "device": str(device),
         "batch": len(prompts),
         "max_new_tokens": budget,
-        "bare_tokens_per_s": generated / bare_s,
+        "bare_tokens_per_s": tokens / bare_s,  # same seed and options: the same sampled tokens
         "rlgen_tokens_per_s": tokens / our_s,
         "logprob_ms_per_token": 1000 * lp_seconds / max(batch.num_tokens, 1),
         "bare_s": bare_s,

@@ -21,8 +21,8 @@ Deliberate choices: log-probs are taken at temperature 1 from raw logits (the sa
 shapes exploration); micro-batches are built once per epoch and reused, so the first update is exactly
 on-policy (``rlgen check-onpolicy model=tiny_qwen2_vl algo=step_grpo`` proves it).
 
-    rlgen train model=tiny_qwen2_vl algo=step_grpo              # tiny CPU run
-    rlgen train model=qwen2_vl model.path=Qwen/Qwen2-VL-2B-Instruct algo=step_grpo data=r1vl
+    rlgen train model=tiny_qwen2_vl algo=step_grpo data=tiny_vlm reward=length     # tiny CPU run
+    rlgen train model=qwen2_vl model.path=/ckpt/qwen2vl-2b-sft algo=step_grpo data=r1vl reward=r1vl
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ from rlgen_cli.vlm.rollout import (
     pad_stack,
 )
 from rlgen_cli.vlm.training import (
+    SCHEDULER_KEY,
     batches,
     completion_budget,
     make_scheduler,
@@ -85,7 +86,6 @@ from rlgen_cli.vlm.training import (
 __all__ = ["VLMRLRecipe", "check_onpolicy", "evaluate", "run"]
 
 log = logging.getLogger(__name__)
-SCHEDULER_KEY = "scheduler"
 REWARD_CURVE = "reward_curve.png"
 ROLLOUT_SALT = 3
 

@@ -30,7 +30,6 @@ from omegaconf import DictConfig
 from torch import Tensor
 
 from rlgen_cli.models.base import resolve_device
-from rlgen_cli.recipes.vlm_rl import SCHEDULER_KEY
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import TrainConfig
 from rlgen_cli.training.checkpoint import (
@@ -46,7 +45,7 @@ from rlgen_cli.vlm.data import SFTExample, drop_reflective, load_sft, load_vlm_e
 from rlgen_cli.vlm.evaluate import answer_examples, summarise
 from rlgen_cli.vlm.policy import VLMPolicy, build_vlm
 from rlgen_cli.vlm.rollout import load_image
-from rlgen_cli.vlm.training import batches, make_scheduler
+from rlgen_cli.vlm.training import SCHEDULER_KEY, batches, make_scheduler
 
 __all__ = ["VLMSFTRecipe", "assistant_mask", "encode_conversations", "run"]
 

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-from rlgen_cli.schema.flow import ModelConfig
 from rlgen_cli.vlm.policy import export_merged, load_vlm
 
 __all__ = ["export_checkpoint"]
@@ -23,7 +22,7 @@ __all__ = ["export_checkpoint"]
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, device: str = "cpu") -> Path:
     """Load ``checkpoint`` (its saved model config + weights) and write the merged model to ``out_dir``."""
-    policy = load_vlm(ModelConfig(tiny=True), str(checkpoint), torch.device(device))  # config comes from ckpt
+    policy = load_vlm(None, str(checkpoint), torch.device(device))
     return export_merged(policy, out_dir)
 
 

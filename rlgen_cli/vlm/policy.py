@@ -231,9 +231,12 @@ def build_vlm(cfg: ModelConfig, device: torch.device) -> VLMPolicy:
     return policy
 
 
-def load_vlm(cfg: ModelConfig, checkpoint: str | None, device: torch.device) -> VLMPolicy:
-    """The policy of ``cfg`` or, with ``checkpoint``, of the checkpoint's saved model config + weights."""
+def load_vlm(cfg: ModelConfig | None, checkpoint: str | None, device: torch.device) -> VLMPolicy:
+    """The policy of ``cfg`` or, with ``checkpoint``, of the checkpoint's saved model config + weights
+    (a checkpoint's weights only fit the model that made them, so its own model section is used)."""
     if checkpoint is None:
+        if cfg is None:
+            raise UserError("nothing to load: give a model config or a checkpoint directory")
         return build_vlm(cfg, device)
     from omegaconf import OmegaConf
 

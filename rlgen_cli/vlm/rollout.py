@@ -37,6 +37,7 @@ __all__ = [
     "completion_logprobs",
     "encode_prompts",
     "generate",
+    "generation_config",
     "load_image",
     "pad_stack",
 ]
@@ -144,7 +145,8 @@ def masked_log_softmax_gather(logits: Tensor, ids: Tensor, suppressed: Sequence[
     return torch.stack(rows)
 
 
-def _generation_config(policy: VLMPolicy, options: SamplingOptions, record: bool) -> Any:
+def generation_config(policy: VLMPolicy, options: SamplingOptions, record: bool) -> Any:
+    """Every sampling option explicit (overrides generate's top-k 50 and the checkpoint's own config)."""
     from transformers import GenerationConfig
 
     sample = options.temperature > 0
@@ -170,7 +172,7 @@ def generate(
         seed: Seeds torch's RNG for this call only (the global RNG state is restored afterwards).
         record_logprobs: Also return the sampled tokens' log-probs from the raw logits.
     """
-    config = _generation_config(policy, options, record_logprobs)
+    config = generation_config(policy, options, record_logprobs)
     devices = [policy.device] if policy.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), policy.autocast():
         torch.manual_seed(seed)

@@ -10,8 +10,16 @@ from collections.abc import Sequence
 import torch
 
 log = logging.getLogger(__name__)
+SCHEDULER_KEY = "scheduler"  # trainer-state key of the learning-rate scheduler in checkpoints
 
-__all__ = ["batches", "completion_budget", "make_scheduler", "print_onpolicy_report", "summarise_stats"]
+__all__ = [
+    "SCHEDULER_KEY",
+    "batches",
+    "completion_budget",
+    "make_scheduler",
+    "print_onpolicy_report",
+    "summarise_stats",
+]
 
 
 def batches(n: int, size: int) -> list[slice]:

@@ -35,7 +35,9 @@ def test_primary_configs_validate(name):
     [(g, o) for g in ("model", "algo", "reward", "sampler", "data", "launcher") for o in GROUPS[g]],
 )
 def test_every_group_option_validates_for_train(group, option):
-    validated(_compose("train", [f"{group}={option}"]))
+    # multi-process launchers need a global batch that splits into whole per-process batches
+    geometry = ["algo.prompts_per_epoch=16"] if group == "launcher" else []
+    validated(_compose("train", [f"{group}={option}", *geometry]))
 
 
 @pytest.mark.parametrize("experiment", GROUPS["experiment"])

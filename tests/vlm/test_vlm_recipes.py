@@ -18,7 +18,7 @@ STEP_GRPO = [*TINY_VLM, "algo=step_grpo", "reward=length", "reward.kwargs.length
 @pytest.fixture(scope="module")
 def step_grpo_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("vlm_rl") / "run"
-    code, out = run_cli("train", *STEP_GRPO, "epochs=2", "save_every=0", f"hydra.run.dir={run_dir}")
+    code, out = run_cli("train", *STEP_GRPO, "epochs=2", "save_every=1", f"hydra.run.dir={run_dir}")
     assert code == 0, out
     return run_dir
 
@@ -47,6 +47,18 @@ def test_two_step_grpo_steps_change_every_trainable_tensor(step_grpo_run: Path):
     assert not unchanged, unchanged
 
 
+def test_resumed_run_equals_the_uninterrupted_one(step_grpo_run: Path, tmp_path: Path):
+    from safetensors.torch import load_file
+
+    middle = step_grpo_run / "checkpoints" / "epoch_000001"
+    code, out = run_cli("train", *STEP_GRPO, "epochs=2", f"resume={middle}", f"hydra.run.dir={tmp_path}")
+    assert code == 0, out
+    name = "weights/adapter_model.safetensors"
+    resumed = load_file(tmp_path / "checkpoints" / "epoch_000002" / name)
+    uninterrupted = load_file(step_grpo_run / "checkpoints" / "epoch_000002" / name)
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)
+
+
 def test_export_writes_a_merged_model_that_loads_as_is(step_grpo_run: Path, tmp_path: Path):
     from transformers import Qwen2VLForConditionalGeneration
 
@@ -56,6 +68,33 @@ def test_export_writes_a_merged_model_that_loads_as_is(step_grpo_run: Path, tmp_
     model = Qwen2VLForConditionalGeneration.from_pretrained(out)
     assert not any("lora" in name for name, _ in model.named_parameters())
     assert (out / "processor_config.json").is_file() or (out / "preprocessor_config.json").is_file()
+
+
+def _dispatched(task: str) -> bool:
+    """Whether the shared task module already routes VLM configs to the VLM recipe (wiring step)."""
+    import importlib
+    import inspect
+
+    return "vlm_rl" in inspect.getsource(importlib.import_module(f"rlgen_cli.tasks.{task}"))
+
+
+@pytest.mark.skipif(not _dispatched("check_onpolicy"), reason="tasks/check_onpolicy.py not wired to VLMs yet")
+def test_check_onpolicy_cli_exits_0(tmp_path: Path):
+    code, out = run_cli("check-onpolicy", *STEP_GRPO, f"hydra.run.dir={tmp_path}")
+    assert code == 0 and "PASS" in out, out
+
+
+@pytest.mark.skipif(not _dispatched("evaluate"), reason="tasks/evaluate.py not wired to VLMs yet")
+def test_eval_cli_writes_results(tmp_path: Path):
+    args = [
+        "model=tiny_qwen2_vl",
+        "data=tiny_vlm",
+        "reward=r1vl",
+        "progress=false",
+        "model.vlm.eval_max_new_tokens=4",
+    ]
+    code, out = run_cli("eval", *args, f"hydra.run.dir={tmp_path}")
+    assert code == 0 and (tmp_path / "results.json").is_file(), out
 
 
 def test_check_onpolicy_ratio_is_exactly_one(tmp_path: Path):
