@@ -12,6 +12,7 @@ from rlgen_cli.rewards import clip as _clip  # noqa: F401  (registers the CLIP r
 from rlgen_cli.rewards import geneval as _geneval  # noqa: F401  (registers geneval)
 from rlgen_cli.rewards import jpeg as _jpeg  # noqa: F401  (registers the JPEG rewards)
 from rlgen_cli.rewards import ocr as _ocr  # noqa: F401  (registers ocr, video_ocr)
+from rlgen_cli.rewards import r1vl as _r1vl  # noqa: F401  (answer_accuracy, step_rar, step_rvr, think_format, length)
 from rlgen_cli.rewards import remote as _remote  # noqa: F401  (registers remote, flowgrpo_remote, openai_judge)
 from rlgen_cli.rewards import shapes as _shapes  # noqa: F401  (registers shapes_geneval)
 from rlgen_cli.rewards import vlm_judge as _vlm_judge  # noqa: F401  (registers qwenvl)

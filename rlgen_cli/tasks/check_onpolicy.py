@@ -22,6 +22,10 @@ EXIT_MISMATCH = 1
 @user_errors
 def check_onpolicy_task(cfg: DictConfig) -> float:
     typed = validated(cfg)
+    from rlgen_cli.schema.vlm import VLM_FAMILIES
+
+    if typed.model.family in VLM_FAMILIES:
+        return _check_vlm(typed, cfg)
     from rlgen_cli.recipes.flow_rl import FlowRLRecipe, batches
     from rlgen_cli.training.progress import Progress
     from rlgen_cli.training.run import prepare_run_dir, setup_logging
@@ -53,6 +57,18 @@ def check_onpolicy_task(cfg: DictConfig) -> float:
     worst = float(ratio_err.max().maximum(logp_err.max()))
     _report(rollouts.traj, ratio_err, logp_err, check.tolerance, worst)
     if worst > check.tolerance:
+        sys.exit(EXIT_MISMATCH)
+    return worst
+
+
+def _check_vlm(typed, cfg: DictConfig) -> float:
+    """Token-level check of the VLM recipe: the first inner epoch's ratio must be exactly 1."""
+    from rlgen_cli.recipes.vlm_rl import check_onpolicy
+    from rlgen_cli.training.run import prepare_run_dir, setup_logging
+
+    setup_logging(prepare_run_dir(run_dir_of(typed), cfg))
+    worst = check_onpolicy(typed, cfg)
+    if worst > typed.check.tolerance:
         sys.exit(EXIT_MISMATCH)
     return worst
 

@@ -17,6 +17,14 @@ SAMPLES = "samples.jsonl"
 def eval_task(cfg: DictConfig) -> float:
     """Returns the mean mixed reward (the number a sweeper would optimise)."""
     typed = validated(cfg)
+    from rlgen_cli.schema.vlm import VLM_FAMILIES
+
+    if typed.model.family in VLM_FAMILIES:  # benchmark accuracy of a multimodal LLM
+        from rlgen_cli.recipes.vlm_rl import evaluate
+        from rlgen_cli.training.run import prepare_run_dir, setup_logging
+
+        setup_logging(prepare_run_dir(run_dir_of(typed), cfg))
+        return evaluate(typed, cfg)
     from rlgen_cli.data.paths import load_prompts
     from rlgen_cli.recipes.flow_rl import sample_images
     from rlgen_cli.rewards import RewardBatch, build_mix

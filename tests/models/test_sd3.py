@@ -76,6 +76,7 @@ def test_lora_saved_in_diffusers_format_loads_with_load_lora_weights(tmp_path: P
         torch.device("cpu"),
         torch.float32,
     )
+    reloaded._distributed = None
     torch.testing.assert_close(reloaded.velocity(x, torch.tensor(0.5), cond), expected, atol=1e-5, rtol=1e-5)
 
     fresh = SD3Policy(tiny_sd3_pipeline(0), tiny_model_cfg, torch.device("cpu"))

@@ -70,21 +70,11 @@ def test_export_writes_a_merged_model_that_loads_as_is(step_grpo_run: Path, tmp_
     assert (out / "processor_config.json").is_file() or (out / "preprocessor_config.json").is_file()
 
 
-def _dispatched(task: str) -> bool:
-    """Whether the shared task module already routes VLM configs to the VLM recipe (wiring step)."""
-    import importlib
-    import inspect
-
-    return "vlm_rl" in inspect.getsource(importlib.import_module(f"rlgen_cli.tasks.{task}"))
-
-
-@pytest.mark.skipif(not _dispatched("check_onpolicy"), reason="tasks/check_onpolicy.py not wired to VLMs yet")
 def test_check_onpolicy_cli_exits_0(tmp_path: Path):
     code, out = run_cli("check-onpolicy", *STEP_GRPO, f"hydra.run.dir={tmp_path}")
     assert code == 0 and "PASS" in out, out
 
 
-@pytest.mark.skipif(not _dispatched("evaluate"), reason="tasks/evaluate.py not wired to VLMs yet")
 def test_eval_cli_writes_results(tmp_path: Path):
     args = [
         "model=tiny_qwen2_vl",
@@ -154,5 +144,7 @@ def test_too_long_prompt_exits_2_with_the_fix(tmp_path: Path):
 
 
 def test_image_rewards_are_rejected_by_the_vlm_recipe(tmp_path: Path):
-    code, out = run_cli("train", *TINY_VLM, "algo=step_grpo", "epochs=1", f"hydra.run.dir={tmp_path}")
-    assert code == 2 and "score images" in out  # the train default reward is jpeg_compressibility
+    code, out = run_cli(
+        "train", *TINY_VLM, "algo=step_grpo", "reward=jpeg_compressibility", "epochs=1", f"hydra.run.dir={tmp_path}"
+    )
+    assert code == 2 and "score images" in out
