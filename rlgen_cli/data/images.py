@@ -29,7 +29,7 @@ def source_image_paths(examples: Sequence[PromptExample], dataset_source: str) -
         if not value:
             raise UserError(
                 f"example {example.index} of {dataset_source} has no {SOURCE_IMAGE_KEY!r} field; an editing model "
-                f"needs a source image per prompt (jsonl lines like {{\"prompt\": ..., \"image\": \"src/0001.png\"}})"
+                f'needs a source image per prompt (jsonl lines like {{"prompt": ..., "image": "src/0001.png"}})'
             )
         path = Path(value)
         paths.append(path if path.is_absolute() else base / path)

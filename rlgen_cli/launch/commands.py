@@ -66,4 +66,6 @@ def run_launch(launcher: LauncherConfig, resolved: Path) -> int:
     try:
         return subprocess.run(argv, env=env, check=False).returncode
     except FileNotFoundError as err:
-        raise UserError(f"cannot start the workers ({err}); is accelerate installed in this environment?") from err
+        raise UserError(
+            f"cannot start the workers ({err}); is accelerate installed in this environment?"
+        ) from err

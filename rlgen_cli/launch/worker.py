@@ -1,6 +1,6 @@
 """A worker process of a launched run: reads ``resolved.yaml`` and runs the recipe (never Hydra).
 
-    python -m rlgen_cli.launch.worker RUN_DIR/resolved.yaml     # what the controller's launch runs
+python -m rlgen_cli.launch.worker RUN_DIR/resolved.yaml     # what the controller's launch runs
 """
 
 from __future__ import annotations

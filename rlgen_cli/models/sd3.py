@@ -173,7 +173,11 @@ class SD3Policy:
         """The DDP wrapper for training forwards; the bare module under no_grad (rollouts, reference,
         eval), where no gradient needs averaging and ranks need not call in lockstep."""
         wrapped = self._distributed
-        if wrapped is not None and torch.is_grad_enabled() and getattr(wrapped, "module", None) is self.transformer:
+        if (
+            wrapped is not None
+            and torch.is_grad_enabled()
+            and getattr(wrapped, "module", None) is self.transformer
+        ):
             return wrapped
         return self.transformer
 
@@ -310,5 +314,7 @@ class SD3Policy:
 
 def build(cfg: ModelConfig, device: torch.device) -> SD3Policy:
     """The registry's entry point: the tiny pipeline when ``cfg.tiny``, else the loaded one."""
-    pipeline = tiny_sd3_pipeline(cfg.tiny_seed, cfg.max_sequence_length) if cfg.tiny else load_sd3_pipeline(cfg)
+    pipeline = (
+        tiny_sd3_pipeline(cfg.tiny_seed, cfg.max_sequence_length) if cfg.tiny else load_sd3_pipeline(cfg)
+    )
     return SD3Policy(pipeline, cfg, device)

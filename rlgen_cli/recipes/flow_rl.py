@@ -95,9 +95,7 @@ class Rollouts:
         results = [future.result() for future in self.scores]
         components = {k: torch.cat([r[0][k] for r in results]) for k in results[0][0]}
         sizes = [len(next(iter(r[0].values()))) for r in results]
-        summaries = {
-            k: sum(n * r[1][k] for n, r in zip(sizes, results)) / sum(sizes) for k in results[0][1]
-        }
+        summaries = {k: sum(n * r[1][k] for n, r in zip(sizes, results)) / sum(sizes) for k in results[0][1]}
         return components, summaries
 
     def select(self, keep: Tensor) -> Rollouts:
@@ -192,9 +190,7 @@ class FlowRLRecipe:
         self.start_epoch, self.global_step = 0, 0
         self._maybe_resume()
         self.logger = (
-            build_loggers(self.run_dir, cfg.logging, self.raw_cfg)
-            if self.dist.is_main
-            else NullLogger()
+            build_loggers(self.run_dir, cfg.logging, self.raw_cfg) if self.dist.is_main else NullLogger()
         )
         log.info(
             "%s on %s: %d trainable parameters, %d prompts × %d samples per epoch, %s window over %d steps",
@@ -237,7 +233,9 @@ class FlowRLRecipe:
                 if _due(epoch, cfg.save_every, cfg.epochs):
                     self.save(epoch + 1)
                 self.dist.barrier()
-                progress.advance(epochs, description=f"epoch {epoch + 1}: reward {metrics['reward/mean']:+.4g}")
+                progress.advance(
+                    epochs, description=f"epoch {epoch + 1}: reward {metrics['reward/mean']:+.4g}"
+                )
         if main:
             plot_runs([self.run_dir], self.run_dir / REWARD_CURVE)
         return metrics
@@ -265,7 +263,9 @@ class FlowRLRecipe:
         if self.dist.is_main and self.cfg.images_every and epoch % self.cfg.images_every == 0:
             save_grid(rollouts.images, self.run_dir / "images" / f"train_epoch_{epoch:05d}.png", upscale=2)
             self.logger.log_images("train/images", rollouts.images[:16], epoch)
-        local_stats = reduce_over_ranks(self.dist, {**reward_details, **update_stats, "trained_samples": len(keep)})
+        local_stats = reduce_over_ranks(
+            self.dist, {**reward_details, **update_stats, "trained_samples": len(keep)}
+        )
         return {
             "reward/mean": total.mean().item(), "reward/std": total.std().item(),
             **{f"reward/{k}/mean": v.mean().item() for k, v in components.items()},
@@ -304,14 +304,18 @@ class FlowRLRecipe:
         conds, trajs, images, scores = [], [], [], []
         task = progress.task("rollout", total=len(indices))
         for part in batches(len(indices), algo.sample_batch_size):
-            cond = self.policy.encode(prompts[part], None if sources is None else sources[part].to(self.device))
+            cond = self.policy.encode(
+                prompts[part], None if sources is None else sources[part].to(self.device)
+            )
             x = self.initial_latents(cond, initial[part], start, plan.num_steps)
             trajs.append(self.rollout_batch(cond, x, plan, steps[part], start))
             conds.append(cond)
             images.append(self.policy.decode(trajs[-1].final).cpu())
             # score this batch while the next one samples: reward time hides behind generation
             batch_sources = None if sources is None else sources[part]
-            scores.append(self.scorer.submit(self.score, images[-1], prompts[part], metadata[part], batch_sources))
+            scores.append(
+                self.scorer.submit(self.score, images[-1], prompts[part], metadata[part], batch_sources)
+            )
             progress.advance(task, part.stop - part.start)
         progress.remove(task)
         traj = Trajectory.cat(trajs)

@@ -389,7 +389,10 @@ class LauncherConfig:
     def __post_init__(self) -> None:
         _one_of(self.name, LAUNCHERS, "launcher.name")
         _one_of(self.mixed_precision, MIXED_PRECISION, "launcher.mixed_precision")
-        _require(self.num_processes >= 1 and self.num_machines >= 1, "launcher.num_processes and num_machines must be ≥ 1")
+        _require(
+            self.num_processes >= 1 and self.num_machines >= 1,
+            "launcher.num_processes and num_machines must be ≥ 1",
+        )
         _require(
             self.name != "local" or self.num_processes * self.num_machines == 1,
             "launcher=local runs one process; use launcher=accelerate launcher.num_processes=N",
@@ -454,7 +457,8 @@ class TrainConfig:
         world, algo = self.launcher.world_size, self.algo
         total = algo.prompts_per_epoch * algo.group_size
         _require(
-            total % world == 0 and (total // world) % algo.sample_batch_size == 0
+            total % world == 0
+            and (total // world) % algo.sample_batch_size == 0
             and (total // world) % algo.train_batch_size == 0,
             f"{total} samples per epoch over {world} processes must give every process a whole number of "
             f"sample/train batches (algo.sample_batch_size={algo.sample_batch_size}, "
@@ -485,6 +489,9 @@ class SampleConfig:
     prompts: list[str] = field(default_factory=list)
     """Prompts to draw (alternatively ``prompts_file``)."""
     prompts_file: str | None = None
+    edit_set: bool = False
+    """Build an editing set from a GenEval-style prompts_file: sources from ``source_prompt`` (or
+    ``prompt``), written with their metadata to edit_set.jsonl."""
     checkpoint: str | None = None
     """A checkpoint directory from ``rlgen train``; its config rebuilds the model unless overridden."""
     images_per_prompt: int = 1

@@ -1,4 +1,9 @@
-"""``rlgen sample``: prompts (or a prompt file) [+ checkpoint] → PNGs and ``manifest.jsonl``."""
+"""``rlgen sample``: prompts (or a prompt file) [+ checkpoint] → PNGs and ``manifest.jsonl``.
+
+With ``edit_set=true`` and a GenEval-style ``prompts_file`` it builds an editing set instead: each row's
+source image is generated from its ``source_prompt`` (or its ``prompt``) and ``edit_set.jsonl`` repeats
+every row with ``"image"`` pointing at that source — the format editing families train on.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ from omegaconf import DictConfig
 from rlgen_cli.tasks.common import run_dir_of, user_errors, validated
 
 MANIFEST = "manifest.jsonl"
+EDIT_SET = "edit_set.jsonl"
+SOURCE_PROMPT_KEY = "source_prompt"
 
 
 @user_errors
@@ -26,7 +33,10 @@ def sample_task(cfg: DictConfig) -> str:
 
     run_dir = prepare_run_dir(run_dir_of(typed), cfg)
     setup_logging(run_dir)
-    prompts = list(typed.prompts) or [ex.prompt for ex in load_prompts(typed.prompts_file)]
+    examples = [] if typed.prompts else list(load_prompts(typed.prompts_file))
+    prompts = list(typed.prompts) or [ex.prompt for ex in examples]
+    if typed.edit_set:
+        prompts = [ex.metadata.get(SOURCE_PROMPT_KEY, ex.prompt) for ex in examples]
     policy = load_policy(typed.model, typed.checkpoint, typed.device)
     num_steps = typed.num_steps or policy.cfg.eval_num_steps
     noise_level = (
@@ -48,7 +58,22 @@ def sample_task(cfg: DictConfig) -> str:
             row = {"file": str(Path("images") / path.name), "prompt": prompt, "sample": i % typed.images_per_prompt,
                    "seed": typed.seed, "num_steps": num_steps, "checkpoint": typed.checkpoint}  # fmt: skip
             manifest.write(json.dumps(row) + "\n")
+    if typed.edit_set:
+        write_edit_set(run_dir, examples, typed.images_per_prompt)
     from rich.console import Console
 
-    Console().print(f"wrote {len(expanded)} samples and {MANIFEST} to {run_dir}")
+    Console().print(
+        f"wrote {len(expanded)} samples and {EDIT_SET if typed.edit_set else MANIFEST} to {run_dir}"
+    )
     return str(run_dir)
+
+
+def write_edit_set(run_dir: Path, examples: list, images_per_prompt: int) -> Path:
+    """``edit_set.jsonl``: every metadata row once per source image, with ``"image"`` set to it."""
+    path = run_dir / EDIT_SET
+    with path.open("w", encoding="utf-8") as out:
+        for i, example in enumerate(examples):
+            for k in range(images_per_prompt):
+                row = {**example.metadata, "image": f"images/{i * images_per_prompt + k:05d}.png"}
+                out.write(json.dumps(row) + "\n")
+    return path

@@ -21,7 +21,9 @@ class TensorBoardLogger:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as err:
-            raise UserError("logging.tensorboard=true needs the tensorboard package: pip install tensorboard") from err
+            raise UserError(
+                "logging.tensorboard=true needs the tensorboard package: pip install tensorboard"
+            ) from err
         self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
@@ -41,13 +43,17 @@ class TensorBoardLogger:
 class WandbLogger:
     """A W&B run (``online``, ``offline`` or ``disabled``) carrying the resolved config."""
 
-    def __init__(self, run_dir: Path, project: str, mode: str, config: dict[str, Any], name: str | None = None) -> None:
+    def __init__(
+        self, run_dir: Path, project: str, mode: str, config: dict[str, Any], name: str | None = None
+    ) -> None:
         try:
             import wandb
         except ImportError as err:
             raise UserError("logging.wandb.enabled=true needs the wandb package: pip install wandb") from err
         self._wandb = wandb
-        self.run = wandb.init(project=project, mode=mode, dir=str(run_dir), config=config, name=name, reinit="create_new")
+        self.run = wandb.init(
+            project=project, mode=mode, dir=str(run_dir), config=config, name=name, reinit="create_new"
+        )
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         self.run.log({k: v for k, v in metrics.items() if v is not None}, step=step)

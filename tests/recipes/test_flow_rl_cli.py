@@ -107,3 +107,22 @@ def test_resume_equals_uninterrupted_run(trained_run: Path, tmp_path: Path, cli)
     again = _lora_of(resumed / "checkpoints" / "epoch_000002")
     for key in straight:
         torch.testing.assert_close(again[key], straight[key], rtol=0, atol=0)
+
+
+def test_sample_builds_an_editing_set(tmp_path: Path, cli):
+    meta = tmp_path / "counting.jsonl"
+    rows = [
+        {"tag": "counting", "prompt": "make it three apples", "source_prompt": "two apples",
+         "include": [{"class": "apple", "count": 3}]},
+        {"tag": "counting", "prompt": "make it one dog", "include": [{"class": "dog", "count": 1}]},
+    ]  # fmt: skip
+    meta.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "edit"
+    code, output = cli("sample", f"prompts_file={meta}", "edit_set=true", "num_steps=2", "progress=false",
+                       f"hydra.run.dir={out}")  # fmt: skip
+    assert code == 0, output
+    written = [json.loads(line) for line in (out / "edit_set.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in written] == ["make it three apples", "make it one dog"]
+    assert all((out / r["image"]).is_file() for r in written) and written[0]["include"][0]["count"] == 3
+    manifest = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    assert [m["prompt"] for m in manifest] == ["two apples", "make it one dog"]  # sources from source_prompt

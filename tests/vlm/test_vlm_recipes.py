@@ -145,6 +145,11 @@ def test_too_long_prompt_exits_2_with_the_fix(tmp_path: Path):
 
 def test_image_rewards_are_rejected_by_the_vlm_recipe(tmp_path: Path):
     code, out = run_cli(
-        "train", *TINY_VLM, "algo=step_grpo", "reward=jpeg_compressibility", "epochs=1", f"hydra.run.dir={tmp_path}"
+        "train",
+        *TINY_VLM,
+        "algo=step_grpo",
+        "reward=jpeg_compressibility",
+        "epochs=1",
+        f"hydra.run.dir={tmp_path}",
     )
     assert code == 2 and "score images" in out
