@@ -27,9 +27,9 @@ def sample_task(cfg: DictConfig) -> str:
     from rlgen_cli.sde.rollout import StepSpec
     from rlgen_cli.tasks.loading import load_policy
     from rlgen_cli.training.images import to_pil
-    from rlgen_cli.training.video import save_video
     from rlgen_cli.training.progress import Progress
     from rlgen_cli.training.run import prepare_run_dir, setup_logging
+    from rlgen_cli.training.video import save_video
 
     run_dir = prepare_run_dir(run_dir_of(typed), cfg)
     setup_logging(run_dir)

@@ -12,6 +12,7 @@ crash mid-save never corrupts the last good checkpoint. Older checkpoints beyond
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import re
@@ -24,6 +25,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlgen_cli.schema.errors import UserError
+
+log = logging.getLogger(__name__)
 
 CHECKPOINTS_DIR = "checkpoints"
 WEIGHTS_DIR = "weights"
@@ -110,10 +113,23 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
 
 
 def resolve_resume(resume: str | None, run_dir: Path) -> Checkpoint | None:
-    """``None`` → fresh start; ``auto`` → newest checkpoint in ``run_dir`` (or fresh); else a path."""
+    """``None`` → fresh start; ``auto`` → the newest *readable* checkpoint in ``run_dir`` (or fresh);
+    else that path, which must be readable.
+
+    With ``auto`` a damaged newest checkpoint (e.g. a file truncated by a full disk) is reported and
+    skipped for the one before it, so a crash never strands a run.
+    """
     if resume is None:
         return None
-    if resume == "auto":
-        found = list_checkpoints(run_dir)
-        return found[-1] if found else None
-    return open_checkpoint(resume)
+    if resume != "auto":
+        ckpt = open_checkpoint(resume)
+        ckpt.state()  # fail now, with the path, rather than halfway through loading
+        return ckpt
+    for ckpt in reversed(list_checkpoints(run_dir)):
+        try:
+            open_checkpoint(ckpt.path).state()
+        except UserError as err:
+            log.warning("skipping damaged checkpoint %s: %s", ckpt.path, err)
+            continue
+        return ckpt
+    return None

@@ -72,3 +72,13 @@ def test_resume_resolution(tmp_path: Path):
     assert resolve_resume("auto", tmp_path).path.name == "epoch_000004"
     with pytest.raises(UserError, match="not a complete rlgen checkpoint"):
         resolve_resume(str(tmp_path / "nope"), tmp_path)
+
+
+def test_auto_resume_skips_a_truncated_newest_checkpoint(tmp_path: Path):
+    _save(tmp_path, 1, keep_last=3)
+    newest = _save(tmp_path, 2, keep_last=3)
+    state = newest.path / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])  # a disk that filled up mid-write
+    assert resolve_resume("auto", tmp_path).path.name == "epoch_000001"
+    with pytest.raises(UserError, match="unreadable"):
+        resolve_resume(str(newest.path), tmp_path)
