@@ -54,3 +54,28 @@ def test_upstream_logprob_form_needs_cps():
     with pytest.raises(UserError, match="only exists for sampler.kind=cps"):
         validated(_compose("train", ["sampler.logprob_form=upstream"]))
     validated(_compose("train", ["sampler=cps", "sampler.logprob_form=upstream"]))
+
+
+FLOW_MODELS = [m for m in GROUPS["model"] if "qwen2" not in m]
+FLOW_ALGOS = [a for a in GROUPS["algo"] if a not in ("token_grpo", "step_grpo", "vlm_sft")]
+
+
+def test_every_flow_model_with_every_flow_algorithm_and_reward_composes():
+    """model × algo in full, and every reward with a real and a tiny model (one Hydra context)."""
+    combos = [[f"model={m}", f"algo={a}"] for m in FLOW_MODELS for a in FLOW_ALGOS]
+    combos += [[f"model={m}", f"reward={r}"] for m in ("flux", "tiny_sd3") for r in GROUPS["reward"]]
+    failures = []
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        for overrides in combos:
+            cfg = compose(config_name="train", overrides=[*overrides, "algo.prompts_per_epoch=8"])
+            OmegaConf.set_struct(cfg, False)
+            cfg.run_dir = "/tmp/unused"
+            try:
+                validated(cfg)
+            except UserError as err:
+                failures.append(f"{overrides}: {err}")
+    assert not failures, "\n".join(failures)
+
+
+def test_the_issue_command_composes():
+    validated(_compose("train", ["model=flux", "algo=grpo_fast", "reward=geneval"]))
