@@ -162,3 +162,11 @@ def test_cli_training_on_an_edit_set_changes_every_lora_tensor(
     trained = load_file(run / "checkpoints" / "epoch_000001" / "weights" / LORA_WEIGHTS_NAME)
     assert trained.keys() == initial.keys() and len(trained) > 0
     assert [k for k in trained if torch.equal(trained[k], initial[k])] == []
+
+
+def test_check_onpolicy_on_an_edit_set(edit_data: Path, tmp_path: Path, cli):
+    code, out = cli(
+        "check-onpolicy", "model=tiny_qwen_image_edit", *TINY_RUN, f"data.train={edit_data}",
+        f"data.test={edit_data}", f"hydra.run.dir={tmp_path / 'check'}",
+    )  # fmt: skip
+    assert code == 0 and "PASS" in out, out
