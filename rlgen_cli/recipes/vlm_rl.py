@@ -4,9 +4,11 @@ GRPO: Shao et al. 2024 ("DeepSeekMath"); StepGRPO: Zhang et al. 2025 ("R1-VL: Le
 Multimodal Large Language Models via Step-wise Group Relative Policy Optimization"); loss variants and
 defaults as TRL's ``GRPOTrainer``. Each epoch:
 
-1. **rollout** — ``group_size`` completions per prompt (batched ``generate``, KV cache, explicit
-   temperature / top-p / top-k, vision tokens suppressed, stop at ``<|im_end|>``); the prompt + image +
-   completion budget is checked against the context first (never truncated);
+1. **rollout** — ``group_size`` completions per prompt through the rollout engine
+   (``algo.token.engine``: ``hf`` = batched ``generate`` with the KV cache, or a colocated vLLM synced to
+   the training weights — ``vlm/engines.py``), explicit temperature / top-p / top-k, vision tokens
+   suppressed, stop at ``<|im_end|>``; the prompt + image + completion budget is checked against the
+   context first (never truncated);
 2. **score** — the reward mix scores the decoded texts (StepGRPO: ``answer_accuracy + step_rar +
    step_rvr``, every component logged);
 3. **advantages** — group z-scores keyed by dataset index (``algo.token.scale_rewards``: group / batch /
@@ -61,16 +63,14 @@ from rlgen_cli.training.metrics import JsonlLogger
 from rlgen_cli.training.plots import plot_runs
 from rlgen_cli.training.progress import Progress
 from rlgen_cli.vlm.data import load_vlm_examples, prompt_text
+from rlgen_cli.vlm.engines import build_engine
 from rlgen_cli.vlm.evaluate import answer_examples, evaluate, summarise
 from rlgen_cli.vlm.policy import build_vlm
 from rlgen_cli.vlm.rollout import (
     SamplingOptions,
     TokenBatch,
-    check_context,
     collate,
     completion_logprobs,
-    encode_prompts,
-    generate,
     load_image,
     pad_stack,
 )
@@ -153,6 +153,7 @@ class VLMRLRecipe:
         )
         self.start_epoch, self.global_step = 0, 0
         self._maybe_resume()
+        self.engine = build_engine(self.policy, algo.token, cfg.seed)  # after resume: it syncs on first use
         self.logger = JsonlLogger(self.run_dir)
 
     def _maybe_resume(self) -> None:
@@ -239,9 +240,10 @@ class VLMRLRecipe:
         ids, truncated, logprobs = [], [], []
         task = progress.task("rollout", total=len(indices))
         for k, part in enumerate(batches(len(indices), cfg.algo.sample_batch_size)):
-            encoded = encode_prompts(self.policy, prompts[part], images[part])
-            check_context(self.policy, encoded, options.max_new_tokens, [f"#{i}" for i in indices[part]])
-            done = generate(self.policy, encoded, options, seed=stream_seed(cfg.seed, epoch, k, ROLLOUT_SALT))
+            done = self.engine.generate(
+                prompts[part], images[part], options, seed=stream_seed(cfg.seed, epoch, k, ROLLOUT_SALT),
+                labels=[f"#{i}" for i in indices[part]],
+            )  # fmt: skip
             ids += done.ids
             truncated += done.truncated
             logprobs += done.logprobs or []
@@ -331,6 +333,7 @@ class VLMRLRecipe:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
+        self.engine.weights_updated()  # vLLM: push the new weights before the next rollout
         return grad_norm
 
     def _sampler_gap(self, rollouts: Rollouts, micro_batches: list[MicroBatch]) -> float:
@@ -366,6 +369,7 @@ class VLMRLRecipe:
 
     def cleanup(self) -> None:
         self.logger.close()
+        self.engine.close()
 
 
 def _due(epoch: int, every: int, total: int) -> bool:

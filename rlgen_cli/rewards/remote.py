@@ -1,6 +1,8 @@
 """Remote rewards: clients for the three wire protocols rlgen speaks, usable in a mix like any reward.
 
-* ``remote`` — rlgen's own server (``rlgen serve-reward``, :mod:`rlgen_cli.server.wire`).
+* ``remote`` — rlgen's own server (``rlgen serve-reward``, :mod:`rlgen_cli.server.wire`); by default the
+  images travel as raw uint8 pixels in msgpack (``wire_format="raw"``: no PNG codec on either side),
+  or as PNG in msgpack (``"msgpack"``) or base64 PNG in JSON (``"json"``, interoperable and readable).
 * ``flowgrpo_remote`` — the Flow-GRPO reward-server protocol (pickled JPEG batches, e.g. its GenEval
   server). Pickle can execute code, so this is an explicit opt-in: pass ``allow_pickle=True``. Replies are
   loaded with a restricted unpickler that only admits plain containers and numpy arrays/scalars.
@@ -179,8 +181,9 @@ class RemoteReward(_RemoteBase):
         health_interval_s: float = 10.0,
         max_concurrency: int | None = None,
         on_failure: str = "raise",
-        binary: bool = False,
+        binary: bool | None = None,
         name: str = "remote",
+        wire_format: str | None = None,
     ) -> None:
         """Create the client (no network access until the first score).
 
@@ -197,8 +200,13 @@ class RemoteReward(_RemoteBase):
             health_interval_s: Cool-down of a failed endpoint and the probe interval.
             max_concurrency: Requests in flight per ``score`` call (default: number of endpoints).
             on_failure: ``raise`` or ``nan`` for samples whose score could not be obtained.
-            binary: Send msgpack with raw PNG bytes instead of JSON with base64.
+            binary: Legacy switch, used only when ``wire_format`` is not given: ``True`` = ``"msgpack"``,
+                ``False`` = ``"json"``.
             name: Name used in logs and errors.
+            wire_format: How images travel: ``"raw"`` (default: msgpack with uint8 pixels, no PNG codec,
+                needs an rlgen server that knows it), ``"msgpack"`` (msgpack with PNG bytes) or ``"json"``
+                (JSON with base64 PNG: interoperable, readable). All three are lossless after the
+                ``round(x·255)`` quantisation, so served scores are equal across them.
         """
         if not reward:
             raise UserError(
@@ -206,7 +214,12 @@ class RemoteReward(_RemoteBase):
             )
         if batch_size < 1:
             raise UserError(f"batch_size must be ≥ 1, got {batch_size}")
-        self.name, self.reward, self.batch_size, self.binary = name, reward, batch_size, binary
+        if wire_format is None:
+            wire_format = "raw" if binary is None else ("msgpack" if binary else "json")
+        if wire_format not in wire.FORMATS:
+            raise UserError(f"wire_format={wire_format!r} is not valid; use one of {', '.join(wire.FORMATS)}")
+        self.name, self.reward, self.batch_size = name, reward, batch_size
+        self.wire_format, self.binary = wire_format, wire_format != "json"
         self.on_failure = _check_on_failure(on_failure)
         urls = parse_endpoints(endpoints, hosts, ports)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -222,7 +235,10 @@ class RemoteReward(_RemoteBase):
         images = _images_of(batch, self.name)
 
         def chunk(indices: list[int]) -> tuple[list[float], dict]:
-            encoded = [wire.encode_image(images[i]) for i in indices]
+            if self.wire_format == "raw":  # chunks are index ranges: one vectorised quantisation, no codec
+                encoded = wire.raw_entries(wire.quantize(images[indices[0] : indices[-1] + 1]))
+            else:
+                encoded = [wire.encode_image(images[i]) for i in indices]
             metadata = None if batch.metadata is None else [batch.metadata[i] for i in indices]
             body, ctype = wire.encode_request(
                 self.reward, encoded, [batch.prompts[i] for i in indices], metadata, self.binary

@@ -8,6 +8,7 @@ Defaults follow R1-VL (Zhang et al. 2025) and TRL's ``GRPOConfig``.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
 from rlgen_cli.schema.errors import UserError
@@ -16,6 +17,7 @@ TOKEN_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo")
 IMPORTANCE_LEVELS = ("token", "sequence")
 REWARD_SCALINGS = ("group", "batch", "none")
 OLD_LOGPROBS = ("recompute", "sampler")
+ROLLOUT_ENGINES = ("hf", "vllm")
 PROMPT_FORMATS = ("plain", "mulberry")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 VLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
@@ -28,6 +30,11 @@ REFLECTION_MARKERS = [
     "Upon reflection",
     "re-evaluate",
 ]
+
+
+def vllm_installed() -> bool:
+    """True when the ``vllm`` package can be found (it is not imported: that would initialise CUDA)."""
+    return importlib.util.find_spec("vllm") is not None
 
 
 def _one_of(value: str, valid: tuple[str, ...], key: str) -> None:
@@ -98,6 +105,12 @@ class TokenGRPOOptions:
     """π_old: ``recompute`` = the training forward on the rollout batch right after generation (ratio
     exactly 1 on the first inner epoch); ``sampler`` = generate()'s raw logits (KV-cache numerics differ
     by ~1e-7)."""
+    engine: str = "hf"
+    """Rollout engine: ``hf`` = transformers ``generate`` on the training model; ``vllm`` = a vLLM engine
+    colocated on the same GPU (``pip install vllm``, CUDA), the training weights pushed into it before each
+    rollout that follows an optimizer step. π_old is recomputed by the training model either way."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """``engine=vllm``: fraction of the GPU's memory vLLM takes (weights + KV cache); training needs the rest."""
     mask_truncated_completions: bool = False
     """Completions that hit max_completion_tokens without EOS get no loss (TRL's option)."""
     warmup_ratio: float = 0.0
@@ -115,8 +128,24 @@ class TokenGRPOOptions:
             (self.scale_rewards, REWARD_SCALINGS, "algo.token.scale_rewards"),
             (self.old_logprobs, OLD_LOGPROBS, "algo.token.old_logprobs"),
             (self.lr_schedule, LR_SCHEDULES, "algo.token.lr_schedule"),
+            (self.engine, ROLLOUT_ENGINES, "algo.token.engine"),
         ):
             _one_of(value, valid, key)
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise UserError(
+                f"algo.token.vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization}"
+            )
+        if self.engine == "vllm":
+            if not vllm_installed():
+                raise UserError(
+                    "algo.token.engine=vllm but vLLM is not installed: pip install vllm (Linux + CUDA GPU; see "
+                    "docs/vlm.md), or use algo.token.engine=hf"
+                )
+            if self.old_logprobs != "recompute":
+                raise UserError(
+                    "algo.token.engine=vllm needs algo.token.old_logprobs=recompute: π_old is always recomputed "
+                    "by the training model, never taken from vLLM"
+                )
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise UserError("algo.token: temperature must be ≥ 0, top_p in (0, 1], top_k ≥ 0 (0 = off)")
         if self.max_completion_tokens < 1 or self.num_iterations < 1:

@@ -1,8 +1,10 @@
 """The aiohttp reward server: ``POST /v1/score``, ``GET /healthz``, ``GET /v1/rewards``, ``GET /metrics``.
 
 ``build_app(rewards, settings)`` returns an :class:`aiohttp.web.Application` that hosts several named
-rewards. Score requests follow :mod:`rlgen_cli.server.wire` (JSON with base64 images, or msgpack with raw
-bytes); concurrent requests for one reward are micro-batched (:mod:`rlgen_cli.server.batcher`). Every
+rewards. Score requests follow :mod:`rlgen_cli.server.wire` (JSON with base64 PNG/JPEG; msgpack with PNG/JPEG
+bytes or raw uint8 pixels); concurrent requests for one reward are micro-batched
+(:mod:`rlgen_cli.server.batcher`). Raw pixels are validated and viewed in place on the event loop; only
+PNG/JPEG decoding goes to a decode thread pool (one thread per core). Every
 client mistake is a JSON ``{"error": "..."}`` with a 4xx status that names the problem; a reward failure
 is 422 (the reward rejected the input) or 500. With ``token`` set, every route except ``/healthz`` needs
 ``Authorization: Bearer <token>``. Shutting down (``AppRunner.cleanup``) stops accepting connections,
@@ -15,11 +17,14 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from aiohttp import web
 
 from rlgen_cli.rewards.base import Reward
@@ -94,12 +99,13 @@ class ApiError(Exception):
 
 @dataclass
 class ServerState:
-    """What the handlers share: rewards, settings, metrics and one batcher per reward."""
+    """What the handlers share: rewards, settings, metrics, one batcher per reward, the decode pool."""
 
     rewards: dict[str, Reward]
     settings: ServerSettings
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     batchers: dict[str, MicroBatcher] = field(default_factory=dict)
+    decoder: ThreadPoolExecutor | None = None  # PNG/JPEG decoding; one thread per core
 
 
 STATE = web.AppKey("rlgen_state", ServerState)
@@ -192,7 +198,8 @@ def _check_list(payload: dict[str, Any], key: str, item_type: type | tuple[type,
         raise ApiError(400, f"field {key!r} must be a list, got {type(value).__name__}")
     for i, item in enumerate(value):
         if not isinstance(item, item_type):
-            raise ApiError(400, f"{key}[{i}] has type {type(item).__name__}; expected {item_type}")
+            names = " or ".join(t.__name__ for t in (item_type if isinstance(item_type, tuple) else (item_type,)))
+            raise ApiError(400, f"{key}[{i}] has type {type(item).__name__}; expected {names}")
     return value
 
 
@@ -207,7 +214,7 @@ def _validate(payload: dict[str, Any], state: ServerState, binary: bool) -> tupl
             f"unknown reward {name!r}; this server hosts: {', '.join(sorted(state.batchers))}",
             "not_found",
         )
-    images = _check_list(payload, "images", bytes if binary else str, required=True)
+    images = _check_list(payload, "images", (bytes, dict) if binary else str, required=True)
     prompts = _check_list(payload, "prompts", str, required=True)
     metadata = _check_list(payload, "metadata", dict, required=False)
     if len(images) != len(prompts):
@@ -221,12 +228,29 @@ def _validate(payload: dict[str, Any], state: ServerState, binary: bool) -> tupl
     return name, images, prompts, metadata
 
 
-def _decode_all(raw: list[Any], binary: bool, max_pixels: int) -> list[Any]:
-    """Decode every image (runs in a worker thread)."""
-    return [
-        wire.decode_image(data if binary else wire.b64_to_bytes(data, i), i, max_pixels)
-        for i, data in enumerate(raw)
-    ]
+def _decode_one(data: Any, index: int, max_pixels: int) -> np.ndarray:
+    """One ``images`` entry → ``(3, H, W)`` uint8 array (a view for raw pixels, decoded for PNG/JPEG)."""
+    if isinstance(data, dict):
+        return wire.decode_raw_image(data, index, max_pixels)
+    if isinstance(data, str):
+        data = wire.b64_to_bytes(data, index)
+    return wire.decode_image_array(data, index, max_pixels).transpose(2, 0, 1)
+
+
+def _decode_all(raw: list[Any], max_pixels: int) -> list[np.ndarray]:
+    """Turn every entry into ``(3, H, W)`` uint8 pixels; the batcher converts to float once per batch."""
+    return [_decode_one(data, i, max_pixels) for i, data in enumerate(raw)]
+
+
+async def _decode(raw: list[Any], state: ServerState) -> list[np.ndarray]:
+    """Decode a request's images: raw pixels inline (cheap checks and views), PNG/JPEG in the decode pool."""
+    max_pixels = state.settings.max_image_pixels
+    try:
+        if all(isinstance(data, dict) for data in raw):
+            return _decode_all(raw, max_pixels)
+        return await asyncio.get_running_loop().run_in_executor(state.decoder, _decode_all, raw, max_pixels)
+    except wire.WireError as err:
+        raise ApiError(err.status, str(err), "too_large" if err.status == 413 else "validation") from err
 
 
 def _reply(body: dict[str, Any], binary: bool) -> web.Response:
@@ -246,16 +270,7 @@ async def score(request: web.Request) -> web.Response:
         name, raw, prompts, metadata = _validate(payload, state, binary)
         if not prompts:
             return _reply({"scores": [], "details": {}}, binary)
-        loop = asyncio.get_running_loop()
-        try:
-            images = await loop.run_in_executor(
-                None, _decode_all, raw, binary, state.settings.max_image_pixels
-            )
-        except wire.WireError as err:
-            too_big = "max_image_pixels" in str(err)
-            raise ApiError(
-                413 if too_big else 400, str(err), "too_large" if too_big else "validation"
-            ) from err
+        images = await _decode(raw, state)
         try:
             scored = await state.batchers[name].submit(images, prompts, metadata)
         except ScoringError as err:
@@ -295,6 +310,7 @@ async def list_rewards(request: web.Request) -> web.Response:
                 "max_request_mb": settings.max_request_mb,
                 "max_image_pixels": settings.max_image_pixels,
             },
+            "wire_formats": list(wire.FORMATS),
         }
     )
 
@@ -306,8 +322,9 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def _batchers(app: web.Application) -> AsyncIterator[None]:
-    """Start one batcher per reward; after in-flight requests finished, drain and stop them."""
+    """Start the decode pool and one batcher per reward; after in-flight requests finished, stop them."""
     state = app[STATE]
+    state.decoder = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="rlgen-decode")
     for name, reward in state.rewards.items():
         batcher = MicroBatcher(
             name, reward, state.settings.max_batch, state.settings.max_wait_ms, state.metrics
@@ -316,6 +333,7 @@ async def _batchers(app: web.Application) -> AsyncIterator[None]:
         state.batchers[name] = batcher
     yield
     await asyncio.gather(*(batcher.close() for batcher in state.batchers.values()))
+    state.decoder.shutdown(wait=True)
     logger.info("reward batchers drained and stopped")
 
 

@@ -7,6 +7,11 @@ called concurrently), and hands each request its own slice of the scores and det
 grouped by image size (only equal sizes stack) and each group is scored in chunks of at most
 ``max_batch``. If a merged batch fails, each request is rescored alone, so one bad request cannot fail
 its neighbours.
+
+Images arrive as ``(3, H, W)`` uint8 pixels (numpy views of the request body, or decoded PNG/JPEG) and are
+converted to float in [0, 1] once per ``Reward.score`` chunk, in one pass over the stacked chunk. A
+request waits for company only while its micro-batch is not full: one that fills ``max_batch`` by itself
+is scored at once.
 """
 
 from __future__ import annotations
@@ -18,16 +23,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from rlgen_cli.rewards.base import Reward, RewardBatch, check_result
 from rlgen_cli.server.metrics import ServerMetrics
-from rlgen_cli.server.wire import to_jsonable
+from rlgen_cli.server.wire import pixels_to_float, to_jsonable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Job", "MicroBatcher", "Scored", "ScoringError", "score_samples"]
+__all__ = ["Job", "MicroBatcher", "Scored", "ScoringError", "score_samples", "stack_images"]
 
 
 class ScoringError(Exception):
@@ -51,7 +57,7 @@ class Scored:
 class Job:
     """One queued request: its decoded samples and the future its handler awaits."""
 
-    images: list[Tensor]  # each (3, H, W) float in [0, 1]
+    images: list[np.ndarray | Tensor]  # each (3, H, W): uint8 pixels, or float in [0, 1]
     prompts: list[str]
     metadata: list[dict] | None
     future: asyncio.Future = field(repr=False)
@@ -74,14 +80,30 @@ def _per_sample(details: dict[str, Any], n: int) -> dict[str, list[Any]]:
     return out
 
 
+def stack_images(images: list[np.ndarray | Tensor]) -> Tensor:
+    """Stack equal-size ``(3, H, W)`` images into a ``(B, 3, H, W)`` float32 batch in [0, 1].
+
+    uint8 pixels (numpy or torch) are stacked as uint8 and divided by 255 in one pass; float tensors are
+    stacked as they are.
+    """
+    if all(isinstance(image, np.ndarray) for image in images):
+        return pixels_to_float(torch.from_numpy(np.stack(images)))
+    stacked = torch.stack([torch.as_tensor(image) for image in images])
+    return pixels_to_float(stacked) if stacked.dtype == torch.uint8 else stacked
+
+
 def score_samples(
-    reward: Reward, images: list[Tensor], prompts: list[str], metadata: list[dict] | None, max_batch: int
+    reward: Reward,
+    images: list[np.ndarray | Tensor],
+    prompts: list[str],
+    metadata: list[dict] | None,
+    max_batch: int,
 ) -> Scored:
     """Score samples of possibly different sizes with as few ``Reward.score`` calls as possible.
 
     Args:
         reward: The reward.
-        images: ``(3, H, W)`` images, one per prompt.
+        images: ``(3, H, W)`` images, one per prompt: uint8 pixels or float in [0, 1].
         prompts: The prompts.
         metadata: Optional per-sample metadata.
         max_batch: Largest number of images per ``Reward.score`` call.
@@ -101,7 +123,7 @@ def score_samples(
             chunk = indices[start : start + max_batch]
             batch = RewardBatch(
                 prompts=[prompts[i] for i in chunk],
-                images=torch.stack([images[i] for i in chunk]),
+                images=stack_images([images[i] for i in chunk]),
                 metadata=None if metadata is None else [metadata[i] for i in chunk],
             )
             began = time.perf_counter()
@@ -149,7 +171,9 @@ class MicroBatcher:
             await self._task
         self._executor.shutdown(wait=True)
 
-    async def submit(self, images: list[Tensor], prompts: list[str], metadata: list[dict] | None) -> Scored:
+    async def submit(
+        self, images: list[np.ndarray | Tensor], prompts: list[str], metadata: list[dict] | None
+    ) -> Scored:
         """Queue one request and wait for its scores.
 
         Raises:

@@ -12,7 +12,11 @@
 * **no silent failures** — every failure is logged and counted (:meth:`EndpointPool.stats`); a 4xx
   reply (a client or configuration mistake) is raised at once with the server's message.
 
-It uses only ``urllib`` (thread-safe, no event loop) and ignores proxy environment variables.
+Connections are kept alive: each endpoint keeps its idle HTTP/1.1 connections (``http.client``, one
+per thread in use, no event loop) and a request reuses one when it can, so a steady stream of requests
+pays no TCP handshake or server-side connection setup. A reused connection that the server has closed
+meanwhile is replaced by a fresh one once, transparently; every other failure is handled as above.
+Proxy environment variables are ignored (the endpoints are addressed directly).
 """
 
 from __future__ import annotations
@@ -21,8 +25,7 @@ import http.client
 import logging
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,7 +39,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["EndpointPool", "RemoteRewardError", "RequestRefusedError", "parse_endpoints"]
 
 T = TypeVar("T")
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+_MAX_IDLE = 64  # idle keep-alive connections kept per endpoint
+# Errors of a reused keep-alive connection that the server closed while it sat idle: retried once, fresh.
+_STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
 
 
 class RemoteRewardError(RuntimeError):
@@ -88,6 +93,79 @@ def parse_endpoints(
     return urls
 
 
+class _Connections:
+    """Idle keep-alive connections to one base URL (``http`` or ``https``, with an optional path prefix)."""
+
+    def __init__(self, url: str) -> None:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise UserError(f"endpoint {url!r} is not an http(s)://host[:port] URL")
+        self.https = parts.scheme == "https"
+        self.host, self.port = parts.hostname, parts.port
+        self.prefix = parts.path.rstrip("/")
+        self._idle: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+
+    def _new(self, timeout: float) -> http.client.HTTPConnection:
+        factory = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
+        return factory(self.host, self.port, timeout=timeout)
+
+    def _take(self, timeout: float) -> tuple[http.client.HTTPConnection, bool]:
+        """An idle connection (``reused=True``) or a new one, with its socket timeout set."""
+        with self._lock:
+            conn = self._idle.pop() if self._idle else None
+        if conn is None:
+            return self._new(timeout), False
+        conn.timeout = timeout
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout)
+        return conn, True
+
+    def _give_back(self, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            if len(self._idle) < _MAX_IDLE:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def exchange(
+        self, method: str, path: str, body: bytes | None, headers: dict[str, str], timeout: float
+    ) -> tuple[int, bytes, str]:
+        """One HTTP exchange on a kept-alive connection; returns ``(status, body, content_type)``.
+
+        Raises:
+            OSError, http.client.HTTPException: On connection failures and timeouts (the connection is
+                dropped). A reused connection found closed by the server is retried once on a new one.
+        """
+        conn, reused = self._take(timeout)
+        while True:
+            try:
+                conn.request(method, self.prefix + path, body=body, headers=headers)
+                response = conn.getresponse()
+                data = response.read()
+            except _STALE:
+                conn.close()
+                if not reused:
+                    raise
+                conn, reused = self._new(timeout), False  # the server closed it while idle: once more, fresh
+                continue
+            except BaseException:
+                conn.close()
+                raise
+            if response.will_close:
+                conn.close()
+            else:
+                self._give_back(conn)
+            return response.status, data, response.getheader("Content-Type", "")
+
+    def close(self) -> None:
+        """Close every idle connection."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+
 @dataclass
 class _Endpoint:
     url: str
@@ -97,6 +175,7 @@ class _Endpoint:
     healthy: bool = False
     checked_at: float | None = None  # last successful probe or request
     retry_at: float = 0.0  # end of the cool-down after a failure
+    connections: _Connections | None = None
 
 
 class EndpointPool:
@@ -131,7 +210,7 @@ class EndpointPool:
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
         self.health_path, self.health_interval_s = health_path, health_interval_s
         self.headers = dict(headers or {})
-        self._endpoints = [_Endpoint(url) for url in self.urls]
+        self._endpoints = [_Endpoint(url, connections=_Connections(url)) for url in self.urls]
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
 
@@ -156,26 +235,30 @@ class EndpointPool:
             }
         return out
 
+    def close(self) -> None:
+        """Close the idle keep-alive connections (new ones open on the next request)."""
+        for endpoint in self._endpoints:
+            endpoint.connections.close()
+
     # ---------------------------------------------------------------- transport
     def _http(
-        self, method: str, url: str, body: bytes | None, headers: dict[str, str], timeout: float
+        self,
+        method: str,
+        endpoint: _Endpoint,
+        path: str,
+        body: bytes | None,
+        headers: dict[str, str],
+        timeout: float,
     ) -> tuple[int, bytes, str]:
-        """One HTTP exchange; returns ``(status, body, content_type)`` for any HTTP status."""
-        request = urllib.request.Request(url, data=body, method=method, headers=self.headers | headers)
-        try:
-            with _OPENER.open(request, timeout=timeout) as response:
-                return response.status, response.read(), response.headers.get("Content-Type", "")
-        except urllib.error.HTTPError as err:
-            return err.code, err.read(), err.headers.get("Content-Type", "")
+        """One HTTP exchange on a kept-alive connection; ``(status, body, content_type)`` for any status."""
+        return endpoint.connections.exchange(method, path, body, self.headers | headers, timeout)
 
     def _probe(self, endpoint: _Endpoint) -> bool:
         """``GET health_path``; True when it answers 2xx."""
         self.count("health_checks")
         try:
-            status, _, _ = self._http(
-                "GET", endpoint.url + self.health_path, None, {}, min(self.timeout_s, 5.0)
-            )
-        except (OSError, urllib.error.URLError) as err:
+            status, _, _ = self._http("GET", endpoint, self.health_path, None, {}, min(self.timeout_s, 5.0))
+        except (OSError, http.client.HTTPException) as err:
             status, reason = 0, str(err)
         else:
             reason = f"HTTP {status}"
@@ -253,10 +336,10 @@ class EndpointPool:
         ok = down = False
         try:
             try:
-                status, data, ctype = self._http(method, endpoint.url + path, body, headers, self.timeout_s)
+                status, data, ctype = self._http(method, endpoint, path, body, headers, self.timeout_s)
             except TimeoutError as err:
                 return False, self._failure(endpoint, "timeouts", str(err) or "timed out")
-            except (OSError, urllib.error.URLError, http.client.HTTPException) as err:
+            except (OSError, http.client.HTTPException) as err:
                 if isinstance(getattr(err, "reason", None), TimeoutError):
                     return False, self._failure(endpoint, "timeouts", str(err))
                 down = True

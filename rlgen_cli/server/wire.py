@@ -11,8 +11,16 @@ JSON request (``POST /v1/score``, ``Content-Type: application/json``)::
 JSON reply: ``{"scores": [float | null, ...], "details": {key: [value per sample]}}``. JSON has no NaN:
 a failed (NaN) or infinite score travels as ``null`` and decodes back to ``NaN``, never to 0.
 
-Binary variant (``Content-Type: application/msgpack``): the same map with raw image bytes instead of
-base64 strings; the reply is msgpack too. ``benchmarks/wire_format.py`` measures what it saves.
+Binary variant (``Content-Type: application/msgpack``): the same map, and the reply is msgpack too. Each
+``images`` entry is either
+
+* the PNG/JPEG file as raw bytes (``"msgpack"`` in the clients), or
+* **raw pixels** (``"raw"``, the ``remote`` client's default): a map ``{"shape": [C, H, W], "dtype":
+  "uint8", "data": <C·H·W bytes>}`` — channels first, row-major, ``C`` in {1, 3}, ``round(x·255)`` of
+  the float image. No codec runs on either side; the server checks that ``shape × dtype`` matches the
+  byte count exactly, the pixel limit and the dims, and refuses anything else with a 4xx.
+
+Entries of both kinds may be mixed in one request. ``benchmarks/wire_format.py`` compares the formats.
 
 This module imports only torch, numpy, PIL and the standard library, so the reward clients may use it
 without pulling in aiohttp or the server.
@@ -33,26 +41,44 @@ from PIL import Image
 from torch import Tensor
 
 __all__ = [
+    "FORMATS",
     "JSON_TYPE",
     "MSGPACK_TYPE",
+    "RAW_DTYPES",
     "WireError",
     "b64_to_bytes",
     "decode_image",
+    "decode_image_array",
+    "decode_raw_image",
     "decode_reply",
     "encode_image",
     "encode_request",
     "image_to_b64",
     "nan_to_none",
     "none_to_nan",
+    "pixels_to_float",
+    "quantize",
+    "raw_entries",
     "to_jsonable",
 ]
 
 JSON_TYPE = "application/json"
 MSGPACK_TYPE = "application/msgpack"
+FORMATS = ("raw", "msgpack", "json")  # raw pixels in msgpack; PNG in msgpack; base64 PNG in JSON
+RAW_DTYPES = {"uint8": np.dtype(np.uint8)}
+_RAW_KEYS = frozenset(("shape", "dtype", "data"))
 
 
 class WireError(ValueError):
-    """A payload that does not follow the wire format; the message names the offending field."""
+    """A payload that does not follow the wire format; the message names the offending field.
+
+    Attributes:
+        status: The HTTP status the server answers with (400, or 413 for an image above the pixel limit).
+    """
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def _to_uint8_hwc(image: Tensor) -> np.ndarray:
@@ -107,8 +133,8 @@ def b64_to_bytes(data: Any, index: int) -> bytes:
         ) from err
 
 
-def decode_image(data: bytes, index: int, max_pixels: int | None = None) -> Tensor:
-    """Decode PNG/JPEG bytes into a ``(3, H, W)`` float tensor in [0, 1].
+def decode_image_array(data: bytes, index: int, max_pixels: int | None = None) -> np.ndarray:
+    """Decode PNG/JPEG bytes into an ``(H, W, 3)`` uint8 array (RGB).
 
     The pixel count is checked from the header, before the pixels are decoded.
 
@@ -118,10 +144,10 @@ def decode_image(data: bytes, index: int, max_pixels: int | None = None) -> Tens
         max_pixels: Largest allowed ``H × W``; ``None`` = no limit.
 
     Returns:
-        ``(3, H, W)`` float32 tensor.
+        ``(H, W, 3)`` uint8 array.
 
     Raises:
-        WireError: If the bytes are not a decodable image or it has too many pixels.
+        WireError: If the bytes are not a decodable image (400) or it has too many pixels (413).
     """
     try:
         with Image.open(io.BytesIO(data)) as pil:
@@ -129,14 +155,118 @@ def decode_image(data: bytes, index: int, max_pixels: int | None = None) -> Tens
             if max_pixels is not None and width * height > max_pixels:
                 raise WireError(
                     f"images[{index}] is {width}×{height} = {width * height} pixels, above the server's "
-                    f"max_image_pixels={max_pixels}; send smaller images or raise server.max_image_pixels"
+                    f"max_image_pixels={max_pixels}; send smaller images or raise server.max_image_pixels",
+                    status=413,
                 )
-            array = np.asarray(pil.convert("RGB"), dtype=np.uint8)
+            return np.asarray(pil.convert("RGB"), dtype=np.uint8)
     except WireError:
         raise
     except Exception as err:  # PIL raises several unrelated types for corrupt data
         raise WireError(f"images[{index}] could not be decoded as PNG/JPEG: {err}") from err
-    return torch.from_numpy(array.copy()).permute(2, 0, 1).to(torch.float32) / 255.0
+
+
+def decode_image(data: bytes, index: int, max_pixels: int | None = None) -> Tensor:
+    """Decode PNG/JPEG bytes into a ``(3, H, W)`` float32 tensor in [0, 1] (see :func:`decode_image_array`).
+
+    Raises:
+        WireError: If the bytes are not a decodable image or it has too many pixels.
+    """
+    array = decode_image_array(data, index, max_pixels)
+    return pixels_to_float(torch.from_numpy(np.ascontiguousarray(array.transpose(2, 0, 1))))
+
+
+def quantize(images: Tensor) -> Tensor:
+    """``round(x·255)`` clamped to [0, 255], as contiguous uint8 on the CPU (same shape as ``images``).
+
+    The arithmetic runs where the images are (a GPU batch crosses to the host as uint8, 4× smaller) and
+    matches the quantisation of :func:`encode_image` and of the JPEG rewards bit for bit.
+    """
+    pixels = images.detach()
+    pixels = pixels * 255.0 if pixels.dtype == torch.float32 else pixels.to(torch.float32) * 255.0
+    return pixels.round_().clamp_(0, 255).to(device="cpu", dtype=torch.uint8).contiguous()
+
+
+def pixels_to_float(pixels: Tensor) -> Tensor:
+    """uint8 pixels → float32 in [0, 1] (``x / 255``) in one pass; any shape."""
+    return torch.div(pixels, 255.0)
+
+
+def raw_entries(pixels: Tensor) -> list[dict[str, Any]]:
+    """The raw-pixel ``images`` entries of a ``(N, C, H, W)`` uint8 batch (see :func:`quantize`).
+
+    ``data`` is a zero-copy view of each image; msgpack copies it once into the request body.
+
+    Raises:
+        WireError: If ``pixels`` is not uint8 ``(N, C, H, W)`` with ``C`` in {1, 3}.
+    """
+    if pixels.dtype != torch.uint8 or pixels.ndim != 4 or pixels.shape[1] not in (1, 3):
+        raise WireError(
+            f"raw images must be uint8 (N, C, H, W) with C in {{1, 3}}, got {pixels.dtype} {tuple(pixels.shape)}"
+        )
+    array = np.ascontiguousarray(pixels.numpy())
+    shape = list(array.shape[1:])
+    return [{"shape": shape, "dtype": "uint8", "data": memoryview(image)} for image in array]
+
+
+def _raw_shape(shape: Any, index: int) -> tuple[int, int, int]:
+    """Check a raw entry's ``shape``: three positive ints ``[C, H, W]`` with ``C`` in {1, 3}."""
+    if not isinstance(shape, list | tuple) or len(shape) != 3:
+        raise WireError(f"images[{index}].shape must be [C, H, W] (3 ints, channels first), got {shape!r:.80}")
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape):
+        raise WireError(f"images[{index}].shape must hold positive ints, got {shape!r:.80}")
+    channels, height, width = shape
+    if channels not in (1, 3):
+        raise WireError(f"images[{index}].shape={list(shape)} has C={channels}; send 1 or 3 channels first")
+    return channels, height, width
+
+
+def decode_raw_image(entry: Any, index: int, max_pixels: int | None = None) -> np.ndarray:
+    """Validate one raw-pixel entry and view it as a ``(3, H, W)`` uint8 array (no copy, no codec).
+
+    Args:
+        entry: ``{"shape": [C, H, W], "dtype": "uint8", "data": bytes}``.
+        index: Position in the request, used in errors.
+        max_pixels: Largest allowed ``H × W``; ``None`` = no limit.
+
+    Returns:
+        ``(3, H, W)`` uint8 array (a 1-channel image is broadcast to 3, as PNG decoding converts to RGB).
+
+    Raises:
+        WireError: 400 for a malformed entry or a byte count other than ``C·H·W·itemsize``; 413 above
+            ``max_pixels``.
+    """
+    if not isinstance(entry, dict):
+        raise WireError(f"images[{index}] must be a raw-pixel map or PNG/JPEG bytes, got {type(entry).__name__}")
+    if entry.keys() != _RAW_KEYS:
+        missing = sorted(_RAW_KEYS - entry.keys())
+        extra = sorted(map(str, entry.keys() - _RAW_KEYS))
+        raise WireError(
+            f"images[{index}] must have exactly the keys data, dtype, shape (missing {missing}, unexpected "
+            f"{extra!r:.120})"
+        )
+    channels, height, width = _raw_shape(entry["shape"], index)
+    dtype_name, data = entry["dtype"], entry["data"]
+    if not isinstance(dtype_name, str) or dtype_name not in RAW_DTYPES:
+        raise WireError(
+            f"images[{index}].dtype={dtype_name!r:.40} is not supported; send {', '.join(RAW_DTYPES)}"
+        )
+    if not isinstance(data, bytes):
+        raise WireError(f"images[{index}].data must be bytes (msgpack bin), got {type(data).__name__}")
+    if max_pixels is not None and height * width > max_pixels:
+        raise WireError(
+            f"images[{index}] is {width}×{height} = {height * width} pixels, above the server's "
+            f"max_image_pixels={max_pixels}; send smaller images or raise server.max_image_pixels",
+            status=413,
+        )
+    dtype = RAW_DTYPES[dtype_name]
+    expected = channels * height * width * dtype.itemsize
+    if len(data) != expected:
+        raise WireError(
+            f"images[{index}] declares shape [{channels}, {height}, {width}] × {dtype_name} = {expected} bytes "
+            f"but data has {len(data)} bytes"
+        )
+    array = np.frombuffer(data, dtype=dtype).reshape(channels, height, width)
+    return np.broadcast_to(array, (3, height, width)) if channels == 1 else array
 
 
 def nan_to_none(value: float) -> float | None:
@@ -185,13 +315,17 @@ def encode_request(
 
     Args:
         reward: Name of the reward hosted by the server.
-        images: Encoded PNG/JPEG bytes, one per prompt.
+        images: One per prompt: encoded PNG/JPEG bytes, or (``binary`` only) raw-pixel maps from
+            :func:`raw_entries`.
         prompts: The prompts.
         metadata: Optional per-sample metadata dicts.
         binary: msgpack with raw bytes instead of JSON with base64.
 
     Returns:
         ``(body, content_type)``.
+
+    Raises:
+        ValueError: If raw-pixel entries are given for JSON.
     """
     payload: dict[str, Any] = {"reward": reward, "prompts": list(prompts)}
     if metadata is not None:
@@ -201,6 +335,8 @@ def encode_request(
 
         payload["images"] = list(images)
         return msgpack.packb(payload, use_bin_type=True), MSGPACK_TYPE
+    if any(isinstance(data, dict) for data in images):
+        raise ValueError("raw-pixel images travel only in msgpack (binary=True); JSON carries base64 PNG/JPEG")
     payload["images"] = [base64.b64encode(data).decode("ascii") for data in images]
     return json.dumps(payload).encode("utf-8"), JSON_TYPE
 

@@ -98,15 +98,21 @@ def load_image(path: Path | None) -> Image.Image | None:
         return image.convert("RGB")
 
 
-def encode_prompts(policy: VLMPolicy, prompts: Sequence[str], images: Sequence[Image.Image | None]) -> dict:
-    """Processor outputs for chat-templated ``prompts`` (left-padded, images expanded), on the device."""
+def encode_prompts(
+    policy: VLMPolicy,
+    prompts: Sequence[str],
+    images: Sequence[Image.Image | None],
+    device: torch.device | None = None,
+) -> dict:
+    """Processor outputs for chat-templated ``prompts`` (left-padded, images expanded), on ``device``
+    (default: the policy's)."""
     tokenizer = policy.tokenizer
     tokenizer.padding_side = "left"
     present = [image for image in images if image is not None]
     if present and len(present) != len(images):
         raise UserError("a batch mixes prompts with and without images; keep one kind per dataset")
     encoded = policy.processor(text=list(prompts), images=present or None, return_tensors="pt", padding=True)
-    return {key: value.to(policy.device) for key, value in encoded.items()}
+    return {key: value.to(device or policy.device) for key, value in encoded.items()}
 
 
 def check_context(policy: VLMPolicy, encoded: dict, max_new_tokens: int, labels: Sequence[Any]) -> None:
