@@ -7,14 +7,21 @@ Scores the same 64-image batches three ways and prints one JSON line:
   each batch into ``--chunk``-image requests, ``--concurrency`` in flight);
 * ``two`` — through two worker processes, the client balancing across them (2× the concurrency).
 
+``--wire`` picks the client's wire format: ``raw`` (default: msgpack with uint8 pixels, no codec),
+``msgpack`` (msgpack with PNG bytes; ``--msgpack`` is the old spelling) or ``json`` (base64 PNG).
+
 Reported: images/s and p50/p99 latency per 64-image batch for each, ``loopback_ratio`` =
 one/inproc throughput (targets ≥ 0.8) and ``scaling_ratio`` = two/one (≥ 1.6 where the cores allow it:
-each worker needs its own core, and the client needs one too). ``jpeg_ms_per_image`` and
-``png_encode_ms_per_image`` / ``png_decode_ms_per_image`` (single-threaded) show the wire's share: the
-client encodes every image as lossless PNG and the server decodes it, so for a reward as cheap as JPEG
-compressibility the wire costs more than the reward; for model rewards on a GPU it is amortised.
+each worker needs its own core, and the client needs one too). Single-threaded costs per image show the
+wire's share: ``jpeg_ms_per_image`` (the reward), ``png_encode_ms_per_image`` /
+``png_decode_ms_per_image`` (the PNG wires: client encode, server decode to uint8) and
+``raw_encode_ms_per_image`` / ``raw_decode_ms_per_image`` (the raw wire: client quantise + msgpack pack,
+server unpack + validate + view), ``to_float_ms_per_image`` (the server's uint8 → float conversion of a
+stacked batch, paid by every format) and ``png_kb_per_image`` / ``raw_kb_per_image`` (bytes on the
+wire). ``cpu_count`` and ``load_avg_1m`` say how much CPU the run had: on a shared 2-core machine the
+ratios are noisy, so run it a few times.
 
-    python benchmarks/reward_server.py [--size 512] [--batches 20] [--chunk 16] [--concurrency 4] [--msgpack]
+    python benchmarks/reward_server.py [--size 512] [--batches 20] [--chunk 16] [--concurrency 4] [--wire raw]
 """
 
 from __future__ import annotations
@@ -94,25 +101,38 @@ def worker(max_batch: int, tmp: str) -> Iterator[str]:
 
 
 def codec_costs(batch: RewardBatch, local: object) -> dict[str, float]:
-    """Single-threaded ms per image of the reward itself and of the PNG wire encode/decode."""
+    """Single-threaded ms per image of the reward itself and of each wire's encode/decode."""
+    import msgpack
+
     from rlgen_cli.server import wire
+    from rlgen_cli.server.batcher import stack_images
 
     n = len(batch)
-    began = time.perf_counter()
-    local.score(batch)
-    jpeg = time.perf_counter() - began
-    began = time.perf_counter()
-    encoded = [wire.encode_image(image) for image in batch.images]
-    encode = time.perf_counter() - began
-    began = time.perf_counter()
-    for i, data in enumerate(encoded):
-        wire.decode_image(data, i)
-    decode = time.perf_counter() - began
+
+    def timed(fn: Callable[[], object]) -> tuple[float, object]:
+        began = time.perf_counter()
+        out = fn()
+        return (time.perf_counter() - began) / n * 1000, out
+
+    jpeg, _ = timed(lambda: local.score(batch))
+    png_encode, encoded = timed(lambda: [wire.encode_image(image) for image in batch.images])
+    png_decode, _ = timed(lambda: [wire.decode_image_array(data, i) for i, data in enumerate(encoded)])
+    raw_encode, body = timed(
+        lambda: msgpack.packb({"images": wire.raw_entries(wire.quantize(batch.images))}, use_bin_type=True)
+    )
+    raw_decode, arrays = timed(
+        lambda: [wire.decode_raw_image(e, i) for i, e in enumerate(msgpack.unpackb(body)["images"])]
+    )
+    to_float, _ = timed(lambda: stack_images(arrays))
     return {
-        "jpeg_ms_per_image": round(jpeg / n * 1000, 2),
-        "png_encode_ms_per_image": round(encode / n * 1000, 2),
-        "png_decode_ms_per_image": round(decode / n * 1000, 2),
+        "jpeg_ms_per_image": round(jpeg, 2),
+        "png_encode_ms_per_image": round(png_encode, 2),
+        "png_decode_ms_per_image": round(png_decode, 2),
         "png_kb_per_image": round(sum(map(len, encoded)) / n / 1000, 1),
+        "raw_encode_ms_per_image": round(raw_encode, 2),
+        "raw_decode_ms_per_image": round(raw_decode, 3),
+        "raw_kb_per_image": round(len(body) / n / 1000, 1),
+        "to_float_ms_per_image": round(to_float, 2),
     }
 
 
@@ -147,8 +167,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--chunk", type=int, default=16, help="images per request (client batch_size)")
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight per server")
-    parser.add_argument("--msgpack", action="store_true", help="binary wire (msgpack + raw PNG)")
+    parser.add_argument(
+        "--wire", choices=("raw", "msgpack", "json"), default="raw", help="client wire format"
+    )
+    parser.add_argument("--msgpack", action="store_true", help="same as --wire msgpack (msgpack + PNG bytes)")
     args = parser.parse_args()
+    wire_format = "msgpack" if args.msgpack else args.wire
     logging.disable(logging.WARNING)
     torch.set_num_threads(1)
 
@@ -164,7 +188,7 @@ def main() -> None:
     def client(urls: list[str]) -> Callable[[RewardBatch], object]:
         remote = RemoteReward(
             REWARD, endpoints=urls, batch_size=args.chunk, max_concurrency=args.concurrency * len(urls),
-            binary=args.msgpack,
+            wire_format=wire_format,
         )  # fmt: skip
 
         def score(batch: RewardBatch) -> object:
@@ -185,7 +209,7 @@ def main() -> None:
                 "reward": REWARD,
                 "images_per_batch": args.images,
                 "size": args.size,
-                "wire": "msgpack" if args.msgpack else "json",
+                "wire": wire_format,
                 "chunk": args.chunk,
                 "concurrency_per_server": args.concurrency,
                 "cpu_count": os.cpu_count(),

@@ -8,6 +8,7 @@ config files in ``launch/configs/``.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -20,6 +21,11 @@ from rlgen_cli.schema.flow import LauncherConfig
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 WORKER_MODULE = "rlgen_cli.launch.worker"
+# launchers whose engine is an optional dependency: the package it needs, and how to install it
+ENGINE_PACKAGES = {
+    "deepspeed_zero2": ("deepspeed", "DS_BUILD_OPS=0 pip install deepspeed"),
+    "deepspeed_zero3": ("deepspeed", "DS_BUILD_OPS=0 pip install deepspeed"),
+}
 
 
 def engine_config(name: str) -> Path | None:
@@ -41,7 +47,7 @@ def launch_command(launcher: LauncherConfig, resolved: Path) -> list[str]:
     if total > 1 and config is None:
         # --multi_gpu also gives N gloo ranks on CPU (--cpu would silently run ONE process)
         argv.append("--multi_gpu")
-    elif total == 1 and not torch.cuda.is_available():
+    elif total == 1 and config is None and not torch.cuda.is_available():
         argv.append("--cpu")
     argv += [
         "--num_processes", str(total), "--num_machines", str(launcher.num_machines),
@@ -59,8 +65,16 @@ def _env_machine_rank() -> int:
     return 0
 
 
+def require_engine(launcher: LauncherConfig) -> None:
+    """A clear error, before any worker starts, when the launcher's engine is not installed."""
+    package, install = ENGINE_PACKAGES.get(launcher.name, (None, ""))
+    if package is not None and importlib.util.find_spec(package) is None:
+        raise UserError(f"launcher={launcher.name} needs {package}, which is not installed: {install}")
+
+
 def run_launch(launcher: LauncherConfig, resolved: Path) -> int:
     """Run the workers and return their exit code (the controller's own exit code follows it)."""
+    require_engine(launcher)
     argv = launch_command(launcher, resolved)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     try:

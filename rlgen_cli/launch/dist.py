@@ -1,25 +1,51 @@
-"""The distributed context a recipe sees: rank, world size, device, gather, model wrapping.
+"""The distributed context a recipe sees: rank, world size, gather, and how the model trains.
 
 Two implementations behind one small interface (null object, no ``if distributed:`` in the loop):
 :class:`LocalDist` for one in-process run, and :class:`AccelerateDist` over an ``accelerate.Accelerator``
-when ``rlgen`` workers run under ``accelerate launch`` (DDP on GPUs, or gloo on CPUs). rlgen adds no
-communication of its own: gathers, DDP gradient averaging and barriers are accelerate's / PyTorch's.
+when ``rlgen`` workers run under ``accelerate launch``. rlgen adds no communication of its own: gathers,
+gradient averaging, sharding and barriers are accelerate's / PyTorch's / DeepSpeed's.
+
+The training surface is the same for every engine::
+
+    optimizer = dist.prepare(policy, optimizer, max_grad_norm=1.0, micro_batch_size=4)
+    dist.backward(loss, sync=is_last_backward_before_the_step)   # as often as the recipe needs
+    grad_norm = dist.clip_and_step(optimizer, params, max_norm)
+
+* local / DDP (``launcher=accelerate``): the optimizer is torch's own; DDP averages gradients in every
+  backward; clipping is ``clip_grad_norm_`` — exactly the single-process arithmetic.
+* DeepSpeed ZeRO-2/3 (``launcher=deepspeed_zero2|3``): ``accelerator.prepare(model, optimizer)`` builds the
+  engine, which owns gradient reduction (on the backward marked ``sync``), clipping (at ``max_grad_norm``)
+  and the optimizer step.
+* FSDP2 (``launcher=fsdp``): ``accelerator.prepare`` shards the transformer in place; clipping and the step
+  go through the prepared optimizer.
+
+ZeRO-3 and FSDP shard the parameters themselves (:attr:`sharded`): every rank then takes part in every
+forward (evaluation included) and in :meth:`full_weights` before rank 0 writes a checkpoint.
 """
 
 from __future__ import annotations
 
+import math
 import os
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
+
+from rlgen_cli.schema.errors import UserError
+
+# what ``accelerate launch --config_file`` exports to the workers for each engine
+ENGINE_FLAGS = {"deepspeed": "ACCELERATE_USE_DEEPSPEED", "fsdp": "ACCELERATE_USE_FSDP"}
 
 
 class Dist(Protocol):
     rank: int
     world_size: int
     device: torch.device
+    sharded: bool
+    """Parameters are sharded over ranks (ZeRO-3, FSDP): every rank must run every forward."""
 
     @property
     def is_main(self) -> bool: ...
@@ -27,12 +53,24 @@ class Dist(Protocol):
     def wrap_model(self, module: nn.Module) -> nn.Module: ...
     def no_sync(self, module: nn.Module) -> AbstractContextManager[Any]: ...
     def barrier(self) -> None: ...
+    def prepare(
+        self, policy: Any, optimizer: torch.optim.Optimizer, *, max_grad_norm: float, micro_batch_size: int
+    ) -> torch.optim.Optimizer: ...
+    def backward(self, loss: Tensor, sync: bool = True) -> None: ...
+    def clip_and_step(
+        self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max_norm: float
+    ) -> float: ...
+    def full_weights(self) -> AbstractContextManager[Any]: ...
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None: ...
+    def load_optimizer_state(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any] | None
+    ) -> None: ...
 
 
 class LocalDist:
-    """One process: gather is the identity, models run unwrapped."""
+    """One process: gather is the identity, models run unwrapped, the optimizer is torch's."""
 
-    rank, world_size = 0, 1
+    rank, world_size, sharded = 0, 1, False
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -53,17 +91,61 @@ class LocalDist:
     def barrier(self) -> None:
         return None
 
+    def prepare(
+        self, policy: Any, optimizer: torch.optim.Optimizer, *, max_grad_norm: float, micro_batch_size: int
+    ) -> torch.optim.Optimizer:
+        return optimizer
+
+    def backward(self, loss: Tensor, sync: bool = True) -> None:
+        loss.backward()
+
+    def clip_and_step(
+        self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max_norm: float
+    ) -> float:
+        """Clip the gradients of ``params`` to ``max_norm`` (inf: none), step, zero; the pre-clip norm."""
+        return _torch_clip_and_step(optimizer, params, max_norm)
+
+    def full_weights(self) -> AbstractContextManager[Any]:
+        return nullcontext()
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any] | None) -> None:
+        optimizer.load_state_dict(_require_optimizer_state(state))
+
 
 class AccelerateDist:
-    """Several processes under ``accelerate launch``; tensors are gathered in rank order."""
+    """Several processes under ``accelerate launch``: DDP, DeepSpeed ZeRO or FSDP2 (from the launch's config).
+
+    Tensors are gathered in rank order. On CPUs every engine talks gloo.
+    """
 
     def __init__(self, cpu: bool) -> None:
         from accelerate import Accelerator
 
-        self.accelerator = Accelerator(cpu=cpu)
+        self.engine = launched_engine()
+        if self.engine == "deepspeed" and cpu:
+            self.accelerator = _cpu_deepspeed_accelerator()
+        else:
+            self.accelerator = Accelerator(cpu=cpu)
+            if self.engine == "fsdp":
+                _enable_fsdp(self.accelerator)
         self.rank = self.accelerator.process_index
         self.world_size = self.accelerator.num_processes
         self.device = self.accelerator.device
+        self.model: nn.Module | None = None  # the prepared transformer (engine or FSDP module)
+        self._synced = False  # DeepSpeed: the last backward reduced the gradients for a step
+        self.sharded = self.engine == "fsdp" or (
+            self.engine == "deepspeed" and self.accelerator.state.deepspeed_plugin.zero_stage == 3
+        )
+        if self.engine == "deepspeed" and not self.accelerator.state.deepspeed_plugin.zero3_init_flag:
+            # accelerate registers its ZeRO config with transformers whatever zero3_init_flag says, and
+            # transformers then builds every model (text encoders included) partitioned; rlgen builds whole
+            # models and lets the engine partition the transformer it is given
+            from transformers.integrations import unset_hf_deepspeed_config
+
+            unset_hf_deepspeed_config()
 
     @property
     def is_main(self) -> bool:
@@ -74,7 +156,7 @@ class AccelerateDist:
         return self.accelerator.gather(tensor.to(self.device).contiguous())
 
     def wrap_model(self, module: nn.Module) -> nn.Module:
-        """DDP (or the configured engine) around the trainable module; gradients are averaged."""
+        """DDP around the trainable module; gradients are averaged in every backward."""
         return self.accelerator.prepare_model(module)
 
     def no_sync(self, module: nn.Module) -> AbstractContextManager[Any]:
@@ -83,6 +165,177 @@ class AccelerateDist:
     def barrier(self) -> None:
         self.accelerator.wait_for_everyone()
 
+    # -- training through the engine -------------------------------------------------------------
+    def prepare(
+        self, policy: Any, optimizer: torch.optim.Optimizer, *, max_grad_norm: float, micro_batch_size: int
+    ) -> torch.optim.Optimizer:
+        """Route the policy's gradient-carrying forwards through the engine and return the optimizer to
+        step. DDP wraps the transformer only; ZeRO / FSDP take the optimizer too (``policy.distribute``
+        hands over the transformer, the prepared module comes back)."""
+        if self.engine is None:
+            policy.distribute(self.wrap_model)
+            return optimizer
+        if self.engine == "deepspeed":  # the recipe's numbers, not accelerate's "auto" defaults
+            config = self.accelerator.state.deepspeed_plugin.deepspeed_config
+            config["train_micro_batch_size_per_gpu"] = micro_batch_size
+            config["gradient_clipping"] = max(max_grad_norm, 0.0)  # 0 = off
+        prepared: dict[str, Any] = {}
+
+        def wrap(module: nn.Module) -> nn.Module:
+            prepared["model"], prepared["optimizer"] = self.accelerator.prepare(module, optimizer)
+            return prepared["model"]
+
+        policy.distribute(wrap)
+        self.model = prepared["model"]
+        return prepared["optimizer"]
+
+    def backward(self, loss: Tensor, sync: bool = True) -> None:
+        """``loss.backward()``; under DeepSpeed the engine's, which reduces the accumulated gradients on
+        the backward marked ``sync`` (the last before an optimizer step)."""
+        if self.engine == "deepspeed":
+            self.model.set_gradient_accumulation_boundary(sync)
+            self.model.backward(loss)
+            self._synced = sync
+        elif self.engine == "fsdp":
+            self.accelerator.backward(loss)
+        else:
+            loss.backward()
+
+    def clip_and_step(
+        self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max_norm: float
+    ) -> float:
+        """Clip, step, zero the gradients; returns the pre-clip global norm. Engines clip their own
+        (sharded) parameters: ``params`` is what DDP clips."""
+        if self.engine == "deepspeed":  # clips at prepare's max_grad_norm, steps, zeroes
+            if not self._synced:
+                raise RuntimeError(
+                    "DeepSpeed reduces gradients in the engine's backward: the last backward before a step "
+                    "must be dist.backward(loss, sync=True) (a plain loss.backward() bypasses the engine)"
+                )
+            self._synced = False
+            self.model.step()
+            norm = self.model.get_global_grad_norm()  # None when the config turns the norm off
+            return math.nan if norm is None else float(norm)
+        if self.engine == "fsdp":
+            live = [p for p in self.model.parameters() if p.requires_grad]
+            norm = self.accelerator.clip_grad_norm_(live, max_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        return _torch_clip_and_step(optimizer, params, max_norm)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def full_weights(self) -> AbstractContextManager[Any]:
+        """Within: ``state_dict()`` of the transformer holds full, unsharded tensors (ZeRO-3 / FSDP gather
+        them; a collective, so every rank enters). A no-op for DDP and ZeRO-2, whose weights are whole."""
+        if self.engine == "fsdp":
+            return _fsdp_full_state_dict(self.model)
+        if self.sharded:
+            import deepspeed
+
+            return deepspeed.zero.GatheredParameters(list(self.model.module.parameters()), modifier_rank=None)
+        return nullcontext()
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        """A full optimizer state for the checkpoint (collective: every rank calls it).
+
+        FSDP: torch's full state dict keyed by parameter names. DeepSpeed: None — ZeRO partitions the
+        optimizer state over ranks and rlgen's checkpoint holds one full state."""
+        if self.engine == "deepspeed":
+            return None
+        if self.engine == "fsdp":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            return get_optimizer_state_dict(self.model, optimizer.optimizer, options=options)
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any] | None) -> None:
+        """Restore what :meth:`optimizer_state` wrote, into the prepared optimizer."""
+        if self.engine == "deepspeed":
+            raise UserError(
+                "resuming under DeepSpeed ZeRO is not supported: ZeRO partitions the optimizer state over "
+                "ranks and rlgen checkpoints hold one full state; resume with launcher=accelerate or fsdp"
+            )
+        state = _require_optimizer_state(state)
+        if self.engine == "fsdp":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            options = StateDictOptions(full_state_dict=True)
+            set_optimizer_state_dict(self.model, optimizer.optimizer, state, options=options)
+        else:
+            optimizer.load_state_dict(state)
+
+
+def _torch_clip_and_step(
+    optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max_norm: float
+) -> float:
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def _require_optimizer_state(state: dict[str, Any] | None) -> dict[str, Any]:
+    if state is None:
+        raise UserError(
+            "this checkpoint holds no optimizer state (it was written under DeepSpeed ZeRO, which partitions "
+            "it over ranks); start a fresh run from its weights instead of resuming"
+        )
+    return state
+
+
+@contextmanager
+def _fsdp_full_state_dict(model: nn.Module) -> Iterator[None]:
+    """FSDP2's ``state_dict()`` always returns shards (DTensors); gather the full one (a collective) and
+    let the module's ``state_dict()`` return it while the context lasts (rank 0 gets the tensors)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def unsharded(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        for key in state:
+            if key.removeprefix(prefix) in full:
+                state[key] = full[key.removeprefix(prefix)]
+
+    handle = model.register_state_dict_post_hook(unsharded)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _cpu_deepspeed_accelerator() -> Any:
+    """accelerate enables DeepSpeed only for a non-CPU Accelerator, and with no accelerator device it leaves
+    the backend unset and counts ONE process; naming gloo gives the true ranks. DeepSpeed's optional shared-
+    memory allreduce op would be JIT-compiled on first use (minutes): gloo does without it."""
+    import deepspeed
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+
+
+def _enable_fsdp(accelerator: Any) -> None:
+    """accelerate turns FSDP on only for accelerator devices (``AcceleratorState``: MULTI_GPU, …); on CPUs
+    the launch's FSDP settings are ignored. PyTorch's FSDP2 itself runs on gloo, so switch it on with the
+    plugin accelerate would have built from the same environment."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return
+    accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()
+    accelerator.state.distributed_type = DistributedType.FSDP
+
+
+def launched_engine() -> str | None:
+    """``deepspeed`` / ``fsdp`` when ``accelerate launch`` ran with such a config, else None (DDP)."""
+    for engine, flag in ENGINE_FLAGS.items():
+        if os.environ.get(flag, "false").lower() == "true":
+            return engine
+    return None
+
 
 def launched_world_size() -> int:
     """Processes of this launch (``WORLD_SIZE`` set by accelerate / torchrun; 1 when run directly)."""
@@ -90,9 +343,9 @@ def launched_world_size() -> int:
 
 
 def make_dist(device_name: str) -> Dist:
-    """:class:`AccelerateDist` inside a multi-process launch, else :class:`LocalDist`."""
+    """:class:`AccelerateDist` inside a multi-process or engine launch, else :class:`LocalDist`."""
     from rlgen_cli.models import resolve_device
 
-    if launched_world_size() > 1:
+    if launched_world_size() > 1 or launched_engine() is not None:
         return AccelerateDist(cpu=device_name == "cpu" or not torch.cuda.is_available())
     return LocalDist(resolve_device(device_name))

@@ -30,15 +30,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rlgen_cli.models.base import TORCH_DTYPES, Cond, ReferenceSwitch, add_lora, lora_parameters
+from rlgen_cli.models.base import TORCH_DTYPES, Cond
 from rlgen_cli.models.tokenizers import tiny_clip_tokenizer, tiny_t5_tokenizer, vocab_size
+from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME as LORA_WEIGHTS_NAME  # re-exported
+from rlgen_cli.models.trainable import TRANSFORMER_DIR as TRANSFORMER_DIR  # re-exported
+from rlgen_cli.models.trainable import TrainableTransformer, autocast
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
 from rlgen_cli.sde.noise import randn_per_sample
 from rlgen_cli.sde.schedule import calculate_mu, dynamic_shift_sigmas, shift_sigmas
-
-LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
-TRANSFORMER_DIR = "transformer"
 
 FLUX_LORA_TARGETS = [
     "attn.to_k",
@@ -169,21 +169,10 @@ class FluxFamilyPolicy:
             part.requires_grad_(False).eval()
         self.pipeline = pipeline
         self.latent_hw = (self._latent_side(self.height, "height"), self._latent_side(self.width, "width"))
-        transformer = pipeline.transformer.eval()  # eval: dropout would break ratio == 1
-        if cfg.lora.enabled:
-            transformer.requires_grad_(False)
-            add_lora(
-                transformer, cfg.lora.rank, cfg.lora.alpha, cfg.lora.target_modules, cfg.lora.init,
-                exclude=dead_context_outputs(transformer),
-            )  # fmt: skip
-            self._trainable = lora_parameters(transformer)
-        else:
-            transformer.float().requires_grad_(True)
-            self._trainable = list(transformer.parameters())
-        for param in self._trainable:
-            param.data = param.data.float()
-        self._reference = ReferenceSwitch(pipeline, "transformer", lora=cfg.lora.enabled)
-        self._distributed: nn.Module | None = None
+        self._train = TrainableTransformer(
+            pipeline, cfg, pipeline_class=self.pipeline_class, transformer_class="FluxTransformer2DModel",
+            exclude=dead_context_outputs(pipeline.transformer) if cfg.lora.enabled else (),
+        )  # fmt: skip
 
     @property
     def transformer(self) -> nn.Module:
@@ -191,19 +180,7 @@ class FluxFamilyPolicy:
 
     def distribute(self, wrap: Callable[[nn.Module], nn.Module]) -> None:
         """Route gradient-carrying forwards through ``wrap(transformer)`` (DDP: averaged gradients)."""
-        self._distributed = wrap(self.transformer)
-
-    def _forward_module(self) -> nn.Module:
-        """The wrapper for training forwards; the bare module under no_grad (rollouts, reference, eval)
-        or while ``reference()`` has swapped in a frozen copy."""
-        wrapped = self._distributed
-        if (
-            wrapped is not None
-            and torch.is_grad_enabled()
-            and getattr(wrapped, "module", None) is self.transformer
-        ):
-            return wrapped
-        return self.transformer
+        self._train.distribute(wrap)
 
     def _latent_side(self, pixels: int, name: str) -> int:
         multiple = self.pipeline.vae_scale_factor * 2
@@ -270,18 +247,13 @@ class FluxFamilyPolicy:
         if extra is not None:
             hidden, ids = torch.cat([x, extra[0].to(x.dtype)], dim=1), torch.cat([ids, extra[1]])
         text_ids = torch.zeros(embeds.shape[1], 3, device=self.device)
-        with self._autocast():
-            out = self._forward_module()(
+        with autocast(self.device, self.dtype):
+            out = self._train.forward_module()(
                 hidden_states=hidden.to(self.dtype), timestep=timestep, guidance=guidance,
                 pooled_projections=pooled, encoder_hidden_states=embeds, txt_ids=text_ids, img_ids=ids,
                 return_dict=False,
             )[0]  # fmt: skip
         return out[:, :length].float()
-
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
 
     @torch.no_grad()
     def decode(self, x0: Tensor) -> Tensor:
@@ -291,54 +263,19 @@ class FluxFamilyPolicy:
         images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
         return (images.float() / 2 + 0.5).clamp(0, 1)
 
-    # -- training surface ---------------------------------------------------------------------
+    # -- training surface (delegated to the shared component) ---------------------------------
     def trainable_parameters(self) -> list[nn.Parameter]:
-        return self._trainable
+        return self._train.parameters
 
     def reference(self) -> contextlib.AbstractContextManager[None]:
         """Within this context ``velocity`` runs the frozen reference (LoRA disabled or a frozen copy)."""
-        return self._reference()
+        return self._train.reference()
 
     def save_trainable(self, directory: Path) -> None:
         """LoRA → ``pytorch_lora_weights.safetensors`` (what ``load_lora_weights`` reads); full FT →
         ``transformer/``."""
-        directory.mkdir(parents=True, exist_ok=True)
-        if not self.cfg.lora.enabled:
-            self.transformer.save_pretrained(directory / TRANSFORMER_DIR)
-            return
-        import diffusers
-        from peft.utils import get_peft_model_state_dict
-
-        # The adapter config travels in the safetensors metadata, so load_lora_weights restores α/r.
-        getattr(diffusers, self.pipeline_class).save_lora_weights(
-            directory, transformer_lora_layers=get_peft_model_state_dict(self.transformer),
-            weight_name=LORA_WEIGHTS_NAME,
-            transformer_lora_adapter_metadata=self.transformer.peft_config["default"].to_dict(),
-        )  # fmt: skip
+        self._train.save(directory)
 
     def load_trainable(self, directory: Path) -> None:
         """Load what ``save_trainable`` wrote into the live modules (shapes must match)."""
-        if self.cfg.lora.enabled:
-            self._load_lora(directory / LORA_WEIGHTS_NAME)
-            return
-        from diffusers import FluxTransformer2DModel
-
-        source = directory / TRANSFORMER_DIR
-        if not source.is_dir():
-            raise UserError(f"{source} is missing: the checkpoint holds no full transformer weights")
-        self.transformer.load_state_dict(FluxTransformer2DModel.from_pretrained(source).state_dict())
-
-    def _load_lora(self, path: Path) -> None:
-        from peft.utils import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        if not path.is_file():
-            raise UserError(f"{path} is missing: the checkpoint holds no LoRA weights")
-        state = {k.removeprefix("transformer."): v for k, v in load_file(path).items()}
-        result = set_peft_model_state_dict(self.transformer, state)
-        missing = [k for k in result.missing_keys if "lora_" in k]
-        if missing or result.unexpected_keys:
-            raise UserError(
-                f"LoRA weights in {path} do not fit this model (missing {len(missing)}, unexpected "
-                f"{len(result.unexpected_keys)}); was the checkpoint made with other model.lora settings?"
-            )
+        self._train.load(directory)

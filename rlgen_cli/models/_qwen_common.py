@@ -27,7 +27,7 @@ makes the recomputed log-prob equal the sampled one).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,21 +35,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rlgen_cli.models.base import (
-    TORCH_DTYPES,
-    Cond,
-    ReferenceSwitch,
-    add_lora,
-    cfg_combine,
-    lora_parameters,
-)
+from rlgen_cli.models.base import TORCH_DTYPES, Cond, cfg_combine
+from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME as LORA_WEIGHTS_NAME  # re-exported
+from rlgen_cli.models.trainable import TRANSFORMER_DIR as TRANSFORMER_DIR  # re-exported
+from rlgen_cli.models.trainable import TrainableTransformer, autocast
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
 from rlgen_cli.sde.noise import randn_per_sample
 from rlgen_cli.sde.schedule import calculate_mu, dynamic_shift_sigmas, shift_sigmas
-
-LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
-TRANSFORMER_DIR = "transformer"
 
 QWEN_LORA_TARGETS = [
     "attn.to_k",
@@ -241,23 +234,12 @@ class QwenFamilyPolicy:
         pipeline.text_encoder.requires_grad_(False).eval()
         self.pipeline = pipeline
         self.latent_hw = (self.latent_side(self.height, "height"), self.latent_side(self.width, "width"))
-        transformer = pipeline.transformer.eval()  # eval: dropout would break ratio == 1
-        if cfg.lora.enabled:
-            transformer.requires_grad_(False)
-            add_lora(
-                transformer, cfg.lora.rank, cfg.lora.alpha, cfg.lora.target_modules, cfg.lora.init,
-                exclude=dead_text_outputs(transformer),
-            )  # fmt: skip
-            self._trainable = lora_parameters(transformer)
-        else:
-            transformer.float().requires_grad_(True)
-            self._trainable = list(transformer.parameters())
-        for param in self._trainable:
-            param.data = param.data.float()
-        # Active only with grad enabled; it recomputes the same ops, so values match the no-grad rollout
-        # bit for bit (upstream trains the 20 B transformer with activation checkpointing too).
-        transformer.enable_gradient_checkpointing()
-        self._reference = ReferenceSwitch(pipeline, "transformer", lora=cfg.lora.enabled)
+        # Gradient checkpointing: upstream trains the 20 B transformer with activation checkpointing too.
+        self._train = TrainableTransformer(
+            pipeline, cfg, pipeline_class=self.pipeline_class, transformer_class="QwenImageTransformer2DModel",
+            exclude=dead_text_outputs(pipeline.transformer) if cfg.lora.enabled else (),
+            gradient_checkpointing=True,
+        )  # fmt: skip
 
     @property
     def transformer(self) -> nn.Module:
@@ -325,8 +307,8 @@ class QwenFamilyPolicy:
             embeds = torch.cat([embeds, cond.tensors["neg_prompt_embeds"]])
             mask = torch.cat([mask, cond.tensors["neg_prompt_mask"]])
         keep = max(int(mask.sum(dim=1).max()), 1)  # drop the padding every prompt of the batch shares
-        with self._autocast():
-            out = self.transformer(
+        with autocast(self.device, self.dtype):
+            out = self._train.forward_module()(
                 hidden_states=hidden.to(self.dtype), timestep=timestep, encoder_hidden_states=embeds[:, :keep],
                 encoder_hidden_states_mask=mask[:, :keep], img_shapes=[shapes] * hidden.shape[0],
                 return_dict=False,
@@ -336,11 +318,6 @@ class QwenFamilyPolicy:
             cond_v, uncond_v = out.chunk(2)
             return true_cfg(cond_v, uncond_v, self.guidance_scale)
         return out
-
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
 
     def _latent_stats(self) -> tuple[Tensor, Tensor]:
         """The VAE's per-channel latent mean and std, shaped (1, C, 1, 1, 1)."""
@@ -358,54 +335,23 @@ class QwenFamilyPolicy:
         images = vae.decode(latents.to(vae.dtype), return_dict=False)[0][:, :, 0]
         return (images.float() / 2 + 0.5).clamp(0, 1)
 
-    # -- training surface ---------------------------------------------------------------------
+    # -- training surface (delegated to the shared component) ---------------------------------
     def trainable_parameters(self) -> list[nn.Parameter]:
-        return self._trainable
+        return self._train.parameters
+
+    def distribute(self, wrap: Callable[[nn.Module], nn.Module]) -> None:
+        """Route gradient-carrying forwards through ``wrap(transformer)`` (DDP: averaged gradients)."""
+        self._train.distribute(wrap)
 
     def reference(self) -> contextlib.AbstractContextManager[None]:
         """Within this context ``velocity`` runs the frozen reference (LoRA disabled or a frozen copy)."""
-        return self._reference()
+        return self._train.reference()
 
     def save_trainable(self, directory: Path) -> None:
         """LoRA → ``pytorch_lora_weights.safetensors`` (what ``load_lora_weights`` reads); full FT →
         ``transformer/``."""
-        directory.mkdir(parents=True, exist_ok=True)
-        if not self.cfg.lora.enabled:
-            self.transformer.save_pretrained(directory / TRANSFORMER_DIR)
-            return
-        import diffusers
-        from peft.utils import get_peft_model_state_dict
-
-        # The adapter config travels in the safetensors metadata, so load_lora_weights restores α/r.
-        getattr(diffusers, self.pipeline_class).save_lora_weights(
-            directory, transformer_lora_layers=get_peft_model_state_dict(self.transformer),
-            weight_name=LORA_WEIGHTS_NAME,
-            transformer_lora_adapter_metadata=self.transformer.peft_config["default"].to_dict(),
-        )  # fmt: skip
+        self._train.save(directory)
 
     def load_trainable(self, directory: Path) -> None:
         """Load what ``save_trainable`` wrote into the live modules (shapes must match)."""
-        if self.cfg.lora.enabled:
-            self._load_lora(directory / LORA_WEIGHTS_NAME)
-            return
-        from diffusers import QwenImageTransformer2DModel
-
-        source = directory / TRANSFORMER_DIR
-        if not source.is_dir():
-            raise UserError(f"{source} is missing: the checkpoint holds no full transformer weights")
-        self.transformer.load_state_dict(QwenImageTransformer2DModel.from_pretrained(source).state_dict())
-
-    def _load_lora(self, path: Path) -> None:
-        from peft.utils import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        if not path.is_file():
-            raise UserError(f"{path} is missing: the checkpoint holds no LoRA weights")
-        state = {k.removeprefix("transformer."): v for k, v in load_file(path).items()}
-        result = set_peft_model_state_dict(self.transformer, state)
-        missing = [k for k in result.missing_keys if "lora_" in k]
-        if missing or result.unexpected_keys:
-            raise UserError(
-                f"LoRA weights in {path} do not fit this model (missing {len(missing)}, unexpected "
-                f"{len(result.unexpected_keys)}); was the checkpoint made with other model.lora settings?"
-            )
+        self._train.load(directory)

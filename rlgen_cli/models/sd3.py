@@ -16,24 +16,17 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from rlgen_cli.models.base import (
-    TORCH_DTYPES,
-    Cond,
-    ReferenceSwitch,
-    add_lora,
-    cfg_combine,
-    lora_parameters,
-)
+from rlgen_cli.models.base import TORCH_DTYPES, Cond, cfg_combine
 from rlgen_cli.models.tokenizers import tiny_clip_tokenizer, tiny_t5_tokenizer, vocab_size
+from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME as LORA_WEIGHTS_NAME  # re-exported
+from rlgen_cli.models.trainable import TRANSFORMER_DIR as TRANSFORMER_DIR  # re-exported
+from rlgen_cli.models.trainable import TrainableTransformer, autocast
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
 from rlgen_cli.sde.noise import randn_per_sample
 from rlgen_cli.sde.schedule import sd3_sigmas
 
 log = logging.getLogger(__name__)
-
-LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
-TRANSFORMER_DIR = "transformer"
 
 
 def tiny_sd3_pipeline(seed: int = 0, max_sequence_length: int = 32):
@@ -145,21 +138,10 @@ class SD3Policy:
             if part is not None:
                 part.requires_grad_(False).eval()
         self.pipeline = pipeline
-        transformer = pipeline.transformer.eval()  # eval: dropout would break ratio == 1
-        if cfg.lora.enabled:
-            transformer.requires_grad_(False)
-            add_lora(
-                transformer, cfg.lora.rank, cfg.lora.alpha, cfg.lora.target_modules, cfg.lora.init,
-                exclude=dead_context_queries(transformer),
-            )  # fmt: skip
-            self._trainable = lora_parameters(transformer)
-        else:
-            transformer.float().requires_grad_(True)
-            self._trainable = list(transformer.parameters())
-        for param in self._trainable:
-            param.data = param.data.float()
-        self._reference = ReferenceSwitch(pipeline, "transformer", lora=cfg.lora.enabled)
-        self._distributed: nn.Module | None = None
+        self._train = TrainableTransformer(
+            pipeline, cfg, pipeline_class="StableDiffusion3Pipeline", transformer_class="SD3Transformer2DModel",
+            exclude=dead_context_queries(pipeline.transformer) if cfg.lora.enabled else (),
+        )  # fmt: skip
 
     @property
     def transformer(self) -> nn.Module:
@@ -167,19 +149,7 @@ class SD3Policy:
 
     def distribute(self, wrap: Callable[[nn.Module], nn.Module]) -> None:
         """Route gradient-carrying forwards through ``wrap(transformer)`` (DDP: averaged gradients)."""
-        self._distributed = wrap(self.transformer)
-
-    def _forward_module(self) -> nn.Module:
-        """The DDP wrapper for training forwards; the bare module under no_grad (rollouts, reference,
-        eval), where no gradient needs averaging and ranks need not call in lockstep."""
-        wrapped = self._distributed
-        if (
-            wrapped is not None
-            and torch.is_grad_enabled()
-            and getattr(wrapped, "module", None) is self.transformer
-        ):
-            return wrapped
-        return self.transformer
+        self._train.distribute(wrap)
 
     # -- conditioning -------------------------------------------------------------------------
     @torch.no_grad()
@@ -229,8 +199,8 @@ class SD3Policy:
             timestep = torch.cat([timestep, timestep])
         else:
             x_in = x
-        with self._autocast():
-            out = self._forward_module()(
+        with autocast(self.device, self.dtype):
+            out = self._train.forward_module()(
                 hidden_states=x_in.to(self.dtype), timestep=timestep, encoder_hidden_states=embeds,
                 pooled_projections=pooled, return_dict=False,
             )[0].float()  # fmt: skip
@@ -238,11 +208,6 @@ class SD3Policy:
             uncond, cond_v = out.chunk(2)
             return cfg_combine(uncond, cond_v, self.guidance_scale)
         return out
-
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
 
     @torch.no_grad()
     def decode(self, x0: Tensor) -> Tensor:
@@ -252,64 +217,24 @@ class SD3Policy:
         images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
         return (images.float() / 2 + 0.5).clamp(0, 1)
 
-    # -- training surface ---------------------------------------------------------------------
+    # -- training surface (delegated to the shared component) ---------------------------------
     def trainable_parameters(self) -> list[nn.Parameter]:
-        return self._trainable
+        return self._train.parameters
 
     def reference(self) -> contextlib.AbstractContextManager[None]:
         """Within this context ``velocity`` runs the frozen reference (LoRA disabled or a frozen copy)."""
-        return self._reference()
+        return self._train.reference()
 
     def save_trainable(self, directory: Path) -> None:
         """LoRA → ``pytorch_lora_weights.safetensors`` (diffusers format); full FT → ``transformer/``."""
-        directory.mkdir(parents=True, exist_ok=True)
-        if self.cfg.lora.enabled:
-            from diffusers import StableDiffusion3Pipeline
-            from peft.utils import get_peft_model_state_dict
-
-            layers = get_peft_model_state_dict(self.transformer)
-            # The adapter config (rank, alpha, targets) travels in the safetensors metadata, so
-            # load_lora_weights restores the α/r scaling instead of assuming α = r.
-            metadata = self.transformer.peft_config["default"].to_dict()
-            StableDiffusion3Pipeline.save_lora_weights(
-                directory, transformer_lora_layers=layers, weight_name=LORA_WEIGHTS_NAME,
-                transformer_lora_adapter_metadata=metadata,
-            )  # fmt: skip
-        else:
-            self.transformer.save_pretrained(directory / TRANSFORMER_DIR)
+        self._train.save(directory)
 
     def load_trainable(self, directory: Path) -> None:
         """Load what ``save_trainable`` wrote into the live modules (shapes must match)."""
-        if self.cfg.lora.enabled:
-            self._load_lora(directory / LORA_WEIGHTS_NAME)
-        else:
-            from diffusers import SD3Transformer2DModel
-
-            source = directory / TRANSFORMER_DIR
-            if not source.is_dir():
-                raise UserError(f"{source} is missing: the checkpoint holds no full transformer weights")
-            loaded = SD3Transformer2DModel.from_pretrained(source)
-            self.transformer.load_state_dict(loaded.state_dict())
-
-    def _load_lora(self, path: Path) -> None:
-        from peft.utils import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        if not path.is_file():
-            raise UserError(f"{path} is missing: the checkpoint holds no LoRA weights")
-        state = {k.removeprefix("transformer."): v for k, v in load_file(path).items()}
-        result = set_peft_model_state_dict(self.transformer, state)
-        missing = [k for k in result.missing_keys if "lora_" in k]
-        if missing or result.unexpected_keys:
-            raise UserError(
-                f"LoRA weights in {path} do not fit this model (missing {len(missing)}, unexpected "
-                f"{len(result.unexpected_keys)}); was the checkpoint made with other model.lora settings?"
-            )
+        self._train.load(directory)
 
     def named_trainable(self) -> Iterator[tuple[str, nn.Parameter]]:
-        for name, param in self.transformer.named_parameters():
-            if param.requires_grad:
-                yield name, param
+        return self._train.named_trainable()
 
 
 def build(cfg: ModelConfig, device: torch.device) -> SD3Policy:

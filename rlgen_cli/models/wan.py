@@ -36,15 +36,11 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from rlgen_cli.models.base import (
-    TORCH_DTYPES,
-    Cond,
-    ReferenceSwitch,
-    add_lora,
-    cfg_combine,
-    lora_parameters,
-)
+from rlgen_cli.models.base import TORCH_DTYPES, Cond, cfg_combine
 from rlgen_cli.models.tokenizers import tiny_t5_tokenizer, vocab_size
+from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME as LORA_WEIGHTS_NAME  # re-exported
+from rlgen_cli.models.trainable import TRANSFORMER_DIR as TRANSFORMER_DIR  # re-exported
+from rlgen_cli.models.trainable import TrainableTransformer, autocast
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
 from rlgen_cli.sde.noise import randn_per_sample
@@ -53,8 +49,6 @@ from rlgen_cli.sde.schedule import shift_sigmas
 log = logging.getLogger(__name__)
 
 DEFAULT_PATH = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
-LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
-TRANSFORMER_DIR = "transformer"
 WAN_LORA_TARGETS = [f"attn{i}.{proj}" for i in (1, 2) for proj in ("to_q", "to_k", "to_v", "to_out.0")]
 NUM_TRAIN_TIMESTEPS = 1000
 
@@ -177,28 +171,16 @@ class WanPolicy:
         for part in (pipeline.vae, pipeline.text_encoder):
             part.requires_grad_(False).eval()
         self.pipeline = pipeline
-        transformer = pipeline.transformer.eval()  # eval: dropout would break ratio == 1
-        self._trainable = self._make_trainable(transformer)
-        # Checkpointing is active only with grad enabled and recomputes the same ops, so values match
-        # the no-grad rollout bit for bit; it keeps 33-frame activations affordable during updates.
-        transformer.enable_gradient_checkpointing()
-        self._reference = ReferenceSwitch(pipeline, "transformer", lora=cfg.lora.enabled)
-        self._distributed: nn.Module | None = None
-
-    def _make_trainable(self, transformer: nn.Module) -> list[nn.Parameter]:
-        """Attach LoRA (or unfreeze everything) and keep the trainable weights in fp32."""
-        lora = self.cfg.lora
-        if lora.enabled:
-            transformer.requires_grad_(False)
-            _check_targets(transformer, lora.target_modules)
-            add_lora(transformer, lora.rank, lora.alpha, lora.target_modules, lora.init)
-            params = lora_parameters(transformer)
-        else:
-            transformer.float().requires_grad_(True)
-            params = list(transformer.parameters())
-        for param in params:
-            param.data = param.data.float()
-        return params
+        if cfg.lora.enabled:
+            _check_targets(pipeline.transformer, cfg.lora.target_modules)
+        # Checkpointing keeps 33-frame activations affordable during updates.
+        self._train = TrainableTransformer(
+            pipeline,
+            cfg,
+            pipeline_class="WanPipeline",
+            transformer_class="WanTransformer3DModel",
+            gradient_checkpointing=True,
+        )
 
     @property
     def transformer(self) -> nn.Module:
@@ -210,19 +192,7 @@ class WanPolicy:
         Both CFG branches go through the wrapper before one backward; autograd sums each parameter's
         two contributions before its gradient hook fires, so DDP reduces it once.
         """
-        self._distributed = wrap(self.transformer)
-
-    def _forward_module(self) -> nn.Module:
-        """The DDP wrapper for training forwards; the bare module under no_grad (rollouts, reference,
-        eval), where no gradient needs averaging and ranks need not call in lockstep."""
-        wrapped = self._distributed
-        if (
-            wrapped is not None
-            and torch.is_grad_enabled()
-            and getattr(wrapped, "module", None) is self.transformer
-        ):
-            return wrapped
-        return self.transformer
+        self._train.distribute(wrap)
 
     # -- conditioning -------------------------------------------------------------------------
     @torch.no_grad()
@@ -272,17 +242,12 @@ class WanPolicy:
 
     def _forward(self, x: Tensor, timestep: Tensor, embeds: Tensor) -> Tensor:
         """One transformer pass in the model dtype; latents in and velocity out stay fp32 outside."""
-        with self._autocast():
-            out = self._forward_module()(
+        with autocast(self.device, self.dtype):
+            out = self._train.forward_module()(
                 hidden_states=x.to(self.dtype), timestep=timestep, encoder_hidden_states=embeds.to(self.dtype),
                 return_dict=False,
             )[0]  # fmt: skip
         return out.float()
-
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
 
     @torch.no_grad()
     def decode(self, x0: Tensor) -> Tensor:
@@ -298,62 +263,24 @@ class WanPolicy:
         videos = vae.decode(latents.to(vae.dtype), return_dict=False)[0]  # (B, 3, F, H, W) in [-1, 1]
         return (videos.float() / 2 + 0.5).clamp(0, 1)
 
-    # -- training surface ---------------------------------------------------------------------
+    # -- training surface (delegated to the shared component) ---------------------------------
     def trainable_parameters(self) -> list[nn.Parameter]:
-        return self._trainable
+        return self._train.parameters
 
     def reference(self) -> contextlib.AbstractContextManager[None]:
         """Within this context ``velocity`` runs the frozen reference (LoRA disabled or a frozen copy)."""
-        return self._reference()
+        return self._train.reference()
 
     def save_trainable(self, directory: Path) -> None:
         """LoRA → ``pytorch_lora_weights.safetensors`` (WanPipeline format); full FT → ``transformer/``."""
-        directory.mkdir(parents=True, exist_ok=True)
-        if not self.cfg.lora.enabled:
-            self.transformer.save_pretrained(directory / TRANSFORMER_DIR)
-            return
-        from diffusers import WanPipeline
-        from peft.utils import get_peft_model_state_dict
-
-        layers = get_peft_model_state_dict(self.transformer)
-        # rank, alpha and targets travel in the safetensors metadata, so load_lora_weights restores α/r
-        metadata = self.transformer.peft_config["default"].to_dict()
-        WanPipeline.save_lora_weights(
-            directory, transformer_lora_layers=layers, weight_name=LORA_WEIGHTS_NAME,
-            transformer_lora_adapter_metadata=metadata,
-        )  # fmt: skip
+        self._train.save(directory)
 
     def load_trainable(self, directory: Path) -> None:
         """Load what ``save_trainable`` wrote into the live modules (shapes must match)."""
-        if self.cfg.lora.enabled:
-            self._load_lora(directory / LORA_WEIGHTS_NAME)
-            return
-        from diffusers import WanTransformer3DModel
-
-        source = directory / TRANSFORMER_DIR
-        if not source.is_dir():
-            raise UserError(f"{source} is missing: the checkpoint holds no full transformer weights")
-        self.transformer.load_state_dict(WanTransformer3DModel.from_pretrained(source).state_dict())
-
-    def _load_lora(self, path: Path) -> None:
-        from peft.utils import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        if not path.is_file():
-            raise UserError(f"{path} is missing: the checkpoint holds no LoRA weights")
-        state = {k.removeprefix("transformer."): v for k, v in load_file(path).items()}
-        result = set_peft_model_state_dict(self.transformer, state)
-        missing = [k for k in result.missing_keys if "lora_" in k]
-        if missing or result.unexpected_keys:
-            raise UserError(
-                f"LoRA weights in {path} do not fit this model (missing {len(missing)}, unexpected "
-                f"{len(result.unexpected_keys)}); was the checkpoint made with other model.lora settings?"
-            )
+        self._train.load(directory)
 
     def named_trainable(self) -> Iterator[tuple[str, nn.Parameter]]:
-        for name, param in self.transformer.named_parameters():
-            if param.requires_grad:
-                yield name, param
+        return self._train.named_trainable()
 
 
 def _check_targets(transformer: nn.Module, targets: Sequence[str]) -> None:

@@ -160,9 +160,8 @@ class FlowRLRecipe:
         self.dist: Dist = make_dist(cfg.device)
         self.device = self.dist.device
         self.policy: FlowPolicy = build_policy(cfg.model, self.device)
-        if self.dist.world_size > 1:
-            _require_rank_symmetric(cfg.algo)
-            self.policy.distribute(self.dist.wrap_model)
+        if self.dist.world_size > 1 or self.dist.sharded:
+            _require_rank_symmetric(cfg.algo, sharded=self.dist.sharded)
         self.reward = build_mix(
             dict(cfg.reward.weights), **{k: dict(v) for k, v in cfg.reward.kwargs.items()}
         )
@@ -181,6 +180,7 @@ class FlowRLRecipe:
         self.objective = STEP_OBJECTIVES[cfg.algo.objective]
         self.scorer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlgen-reward")
         params = self.policy.trainable_parameters()
+        num_trainable = sum(p.numel() for p in params)  # counted before an engine shards them
         self.optimizer = torch.optim.AdamW(
             params, lr=cfg.algo.lr, betas=(cfg.algo.adam_beta1, cfg.algo.adam_beta2),
             eps=cfg.algo.adam_eps, weight_decay=cfg.algo.weight_decay,
@@ -188,33 +188,42 @@ class FlowRLRecipe:
         ema = cfg.algo.ema
         self.ema = EMA(params, decay=ema.decay, update_every=ema.update_every) if ema.enabled else None
         self.start_epoch, self.global_step = 0, 0
-        self._maybe_resume()
+        resumed = self._maybe_resume()  # into the whole modules, before an engine shards them
+        # DDP wraps the transformer; DeepSpeed / FSDP also take the optimizer (launch/dist.py)
+        self.optimizer = self.dist.prepare(
+            self.policy, self.optimizer, max_grad_norm=cfg.algo.max_grad_norm,
+            micro_batch_size=cfg.algo.train_batch_size,
+        )  # fmt: skip
+        if resumed is not None:
+            self.dist.load_optimizer_state(self.optimizer, resumed[OPTIMIZER_KEY])
+            set_rng_state(resumed["rng"])
         self.logger = (
             build_loggers(self.run_dir, cfg.logging, self.raw_cfg) if self.dist.is_main else NullLogger()
         )
         log.info(
             "%s on %s: %d trainable parameters, %d prompts × %d samples per epoch, %s window over %d steps",
-            cfg.model.family, self.device, sum(p.numel() for p in params), cfg.algo.prompts_per_epoch,
+            cfg.model.family, self.device, num_trainable, cfg.algo.prompts_per_epoch,
             cfg.algo.group_size, cfg.algo.window.kind, cfg.model.num_steps,
         )  # fmt: skip
 
-    def _maybe_resume(self) -> None:
+    def _maybe_resume(self) -> dict[str, Any] | None:
+        """Weights, EMA, sampler and counters of the checkpoint to resume (if any); returns its state, whose
+        optimizer and RNG entries ``setup`` restores once the optimizer is prepared."""
         ckpt = resolve_resume(self.cfg.resume, self.run_dir)
         if ckpt is None:
-            return
+            return None
         state = ckpt.state()
         self.policy.load_trainable(ckpt.weights)
-        self.optimizer.load_state_dict(state[OPTIMIZER_KEY])
         self.sampler.load_state_dict(state[SAMPLER_KEY])
         if self.ema is not None and EMA_KEY in state:
             self.ema.load_state_dict(state[EMA_KEY])
             with torch.no_grad():  # weights/ holds the EMA weights; training resumes from the raw ones
                 for param, raw in zip(self.policy.trainable_parameters(), state[RAW_KEY], strict=True):
                     param.copy_(raw)
-        set_rng_state(state["rng"])
         self.start_epoch = state[COUNTERS_KEY]["epoch"]
         self.global_step = state[COUNTERS_KEY]["global_step"]
         log.info("resumed from %s at epoch %d", ckpt.path, self.start_epoch)
+        return state
 
     # -- the loop -------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
@@ -225,7 +234,9 @@ class FlowRLRecipe:
             epochs = progress.task("epochs", total=cfg.epochs, completed=self.start_epoch)
             for epoch in range(self.start_epoch, cfg.epochs):
                 metrics = self.epoch_fn(self, epoch, progress)
-                if main and cfg.eval_every and (epoch == 0 or _due(epoch, cfg.eval_every, cfg.epochs)):
+                # with sharded weights (ZeRO-3, FSDP) every rank takes part in the evaluation's forwards
+                evaluates = main or self.dist.sharded
+                if evaluates and cfg.eval_every and (epoch == 0 or _due(epoch, cfg.eval_every, cfg.epochs)):
                     metrics |= self.evaluate(epoch, progress)
                 self.logger.log(metrics, step=epoch)
                 if main:
@@ -400,30 +411,39 @@ class FlowRLRecipe:
         task = progress.task("update", total=algo.num_inner_epochs * len(micro_batches))
         for _ in range(algo.num_inner_epochs):
             for k, part in enumerate(micro_batches):
+                steps_after = (k + 1) % algo.gradient_accumulation_steps == 0
                 self.train_micro_batch(
-                    rollouts.traj.index(part), rollouts.cond.index(part), advantages[part], stats
+                    rollouts.traj.index(part), rollouts.cond.index(part), advantages[part], stats, steps_after
                 )
-                if (k + 1) % algo.gradient_accumulation_steps == 0:
+                if steps_after:
                     stats["grad_norm"].append(self.optimizer_step())
                 progress.advance(task)
         progress.remove(task)
         return _summarise(stats)
 
     def train_micro_batch(
-        self, traj: Trajectory, cond: Cond, adv: Tensor, stats: dict[str, list[float]]
+        self,
+        traj: Trajectory,
+        cond: Cond,
+        adv: Tensor,
+        stats: dict[str, list[float]],
+        steps_after: bool = True,
     ) -> None:
-        """Backward through every trained step of one micro-batch (masked samples sit a step out)."""
+        """Backward through every trained step of one micro-batch (masked samples sit a step out);
+        ``steps_after``: the optimizer steps after this micro-batch (its last backward syncs gradients)."""
         algo, adv = self.cfg.algo, adv.to(self.device)
-        for j in range(traj.num_steps):
+        trained = [j for j in range(traj.num_steps) if traj.train_mask is None or traj.train_mask[:, j].any()]
+        for j in trained:
             rows = slice(None) if traj.train_mask is None else traj.train_mask[:, j].nonzero().squeeze(1)
-            if traj.train_mask is not None and rows.numel() == 0:
-                continue
             sub_traj, sub_cond = (
                 (traj, cond) if traj.train_mask is None else (traj.index(rows), cond.index(rows))
             )
             out, kl = self.step_logprob(sub_traj, sub_cond, j, self.spec)
             loss = self.objective(out, sub_traj, j, adv[rows], kl, algo)
-            (loss.loss / (traj.num_steps * algo.gradient_accumulation_steps)).backward()
+            self.dist.backward(
+                loss.loss / (traj.num_steps * algo.gradient_accumulation_steps),
+                sync=steps_after and j == trained[-1],
+            )
             for key, value in {
                 **loss.stats,
                 "policy_loss": loss.policy_loss.item(),
@@ -434,9 +454,7 @@ class FlowRLRecipe:
     def optimizer_step(self) -> float:
         params = self.policy.trainable_parameters()
         max_norm = self.cfg.algo.max_grad_norm if self.cfg.algo.max_grad_norm > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = self.dist.clip_and_step(self.optimizer, params, max_norm)
         self.global_step += 1
         if self.ema is not None:
             self.ema.step(self.global_step)
@@ -460,7 +478,8 @@ class FlowRLRecipe:
                 self.cfg.seed, progress, sources=sources,
             )  # fmt: skip
         components, _ = self.score(images, prompts, [dict(ex.metadata) for ex in examples], sources)
-        save_grid(images, self.run_dir / "images" / f"eval_epoch_{epoch:05d}.png", upscale=2)
+        if self.dist.is_main:
+            save_grid(images, self.run_dir / "images" / f"eval_epoch_{epoch:05d}.png", upscale=2)
         total = sum(self.cfg.reward.weights[k] * v for k, v in components.items())
         return {
             "eval/reward/mean": total.mean().item(),
@@ -471,18 +490,19 @@ class FlowRLRecipe:
         """A full-state checkpoint; with EMA, ``weights/`` holds the EMA weights and the raw ones travel in
         the trainer state for resume."""
         state = {
-            OPTIMIZER_KEY: self.optimizer.state_dict(), SAMPLER_KEY: self.sampler.state_dict(),
+            OPTIMIZER_KEY: self.dist.optimizer_state(self.optimizer), SAMPLER_KEY: self.sampler.state_dict(),
             COUNTERS_KEY: {"epoch": epochs_done, "global_step": self.global_step},
         }  # fmt: skip
-        if not self.dist.is_main:
-            return
-        if self.ema is not None:
-            state[EMA_KEY] = self.ema.state_dict()
-            state[RAW_KEY] = [p.detach().cpu().clone() for p in self.policy.trainable_parameters()]
-        with self.ema_weights():  # the weights users sample from are the EMA ones
-            ckpt = save_checkpoint(
-                self.run_dir, epochs_done, self.policy, state, self.raw_cfg, self.cfg.keep_last
-            )
+        with self.dist.full_weights():  # ZeRO-3 / FSDP gather the sharded weights (every rank enters)
+            if not self.dist.is_main:
+                return
+            if self.ema is not None:
+                state[EMA_KEY] = self.ema.state_dict()
+                state[RAW_KEY] = [p.detach().cpu().clone() for p in self.policy.trainable_parameters()]
+            with self.ema_weights():  # the weights users sample from are the EMA ones
+                ckpt = save_checkpoint(
+                    self.run_dir, epochs_done, self.policy, state, self.raw_cfg, self.cfg.keep_last
+                )
         log.info("saved %s", ckpt.path)
 
     def _log_console(self, epoch: int, m: dict[str, float]) -> None:
@@ -509,13 +529,19 @@ def reduce_over_ranks(dist: Dist, stats: dict[str, float]) -> dict[str, float]:
     return {k: float(reducers.get(k, torch.mean)(table[:, i])) for i, k in enumerate(keys)}
 
 
-def _require_rank_symmetric(algo: AlgoConfig) -> None:
+def _require_rank_symmetric(algo: AlgoConfig, sharded: bool = False) -> None:
     """DDP needs every rank to run the same number of backward passes; per-sample step subsets and
-    best-of-N selection can give ranks different counts."""
+    best-of-N selection can give ranks different counts. Sharded weights (ZeRO-3, FSDP) have no whole
+    copy for an EMA to shadow."""
     if algo.window.kind == "random_subset" or algo.best_of_n > 0:
         raise UserError(
             "algo.window.kind=random_subset and algo.best_of_n are single-process for now (ranks would run "
             "different numbers of backward passes); use launcher=local or another window"
+        )
+    if sharded and algo.ema.enabled:
+        raise UserError(
+            "algo.ema needs whole weights on every rank; ZeRO-3 and FSDP shard them: use "
+            "launcher=deepspeed_zero2 or accelerate, or algo.ema.enabled=false"
         )
 
 

@@ -365,7 +365,7 @@ class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
-LAUNCHERS = ("local", "accelerate", "multinode")
+LAUNCHERS = ("local", "accelerate", "deepspeed_zero2", "deepspeed_zero3", "fsdp", "multinode")
 MIXED_PRECISION = ("no", "fp16", "bf16")
 
 
@@ -373,7 +373,9 @@ MIXED_PRECISION = ("no", "fp16", "bf16")
 class LauncherConfig:
     name: str = "local"
     """How ONE run spreads over devices: ``local`` (this process), ``accelerate`` (DDP over N processes,
-    gloo on CPU), ``multinode`` (several machines). Not Hydra's hydra/launcher, which places sweep jobs."""
+    gloo on CPU), ``deepspeed_zero2`` / ``deepspeed_zero3`` (DeepSpeed ZeRO through accelerate), ``fsdp``
+    (PyTorch FSDP2 through accelerate), ``multinode`` (several machines). Not Hydra's hydra/launcher,
+    which places sweep jobs."""
     num_processes: int = 1
     """Processes per machine (one per GPU)."""
     num_machines: int = 1

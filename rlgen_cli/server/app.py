@@ -198,7 +198,9 @@ def _check_list(payload: dict[str, Any], key: str, item_type: type | tuple[type,
         raise ApiError(400, f"field {key!r} must be a list, got {type(value).__name__}")
     for i, item in enumerate(value):
         if not isinstance(item, item_type):
-            names = " or ".join(t.__name__ for t in (item_type if isinstance(item_type, tuple) else (item_type,)))
+            names = " or ".join(
+                t.__name__ for t in (item_type if isinstance(item_type, tuple) else (item_type,))
+            )
             raise ApiError(400, f"{key}[{i}] has type {type(item).__name__}; expected {names}")
     return value
 

@@ -83,13 +83,16 @@ def _per_sample(details: dict[str, Any], n: int) -> dict[str, list[Any]]:
 def stack_images(images: list[np.ndarray | Tensor]) -> Tensor:
     """Stack equal-size ``(3, H, W)`` images into a ``(B, 3, H, W)`` float32 batch in [0, 1].
 
-    uint8 pixels (numpy or torch) are stacked as uint8 and divided by 255 in one pass; float tensors are
-    stacked as they are.
+    uint8 numpy pixels are divided by 255 straight into the batch, one image at a time (no uint8 stack,
+    no batch-sized temporary); tensors are stacked, uint8 ones then divided by 255.
     """
-    if all(isinstance(image, np.ndarray) for image in images):
-        return pixels_to_float(torch.from_numpy(np.stack(images)))
+    if all(isinstance(image, np.ndarray) and image.dtype == np.uint8 for image in images):
+        out = np.empty((len(images), *images[0].shape), dtype=np.float32)
+        for image, dst in zip(images, out):
+            pixels_to_float(image, out=dst)
+        return torch.from_numpy(out)
     stacked = torch.stack([torch.as_tensor(image) for image in images])
-    return pixels_to_float(stacked) if stacked.dtype == torch.uint8 else stacked
+    return torch.div(stacked, 255.0) if stacked.dtype == torch.uint8 else stacked
 
 
 def score_samples(

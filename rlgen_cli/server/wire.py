@@ -85,8 +85,7 @@ def _to_uint8_hwc(image: Tensor) -> np.ndarray:
     """Quantise a ``(C, H, W)`` float image in [0, 1] to ``(H, W, C)`` uint8 (``round(x·255)``)."""
     if image.ndim != 3 or image.shape[0] not in (1, 3):
         raise WireError(f"expected an image (C, H, W) with C in {{1, 3}}, got shape {tuple(image.shape)}")
-    pixels = (image.detach().to(device="cpu", dtype=torch.float32) * 255.0).round().clamp(0, 255)
-    array = pixels.to(torch.uint8).permute(1, 2, 0).numpy()
+    array = quantize(image).numpy().transpose(1, 2, 0)
     return array[:, :, 0] if array.shape[2] == 1 else array
 
 
@@ -171,24 +170,40 @@ def decode_image(data: bytes, index: int, max_pixels: int | None = None) -> Tens
     Raises:
         WireError: If the bytes are not a decodable image or it has too many pixels.
     """
-    array = decode_image_array(data, index, max_pixels)
-    return pixels_to_float(torch.from_numpy(np.ascontiguousarray(array.transpose(2, 0, 1))))
+    return torch.from_numpy(pixels_to_float(decode_image_array(data, index, max_pixels).transpose(2, 0, 1)))
+
+
+def _quantize_into(src: np.ndarray, dst: np.ndarray) -> None:
+    """``dst[...] = clamp(round(src·255), 0, 255)`` for one float32 image (a temporary of one image)."""
+    tmp = np.multiply(src, np.float32(255.0), dtype=np.float32)
+    np.rint(tmp, out=tmp)  # round half to even, like torch.round
+    np.clip(tmp, 0, 255, out=tmp)
+    with np.errstate(invalid="ignore"):  # NaN pixels: undefined, as in torch's cast
+        dst[...] = tmp
 
 
 def quantize(images: Tensor) -> Tensor:
     """``round(x·255)`` clamped to [0, 255], as contiguous uint8 on the CPU (same shape as ``images``).
 
-    The arithmetic runs where the images are (a GPU batch crosses to the host as uint8, 4× smaller) and
-    matches the quantisation of :func:`encode_image` and of the JPEG rewards bit for bit.
+    Bit for bit the quantisation of :func:`encode_image` and of the JPEG rewards. A GPU batch is quantised
+    on its device and crosses to the host as uint8 (4× smaller); a CPU batch is quantised one image at a
+    time with numpy into a preallocated output, so no batch-sized float temporary is allocated (on small
+    machines the page faults of such temporaries cost more than the arithmetic).
     """
-    pixels = images.detach()
-    pixels = pixels * 255.0 if pixels.dtype == torch.float32 else pixels.to(torch.float32) * 255.0
-    return pixels.round_().clamp_(0, 255).to(device="cpu", dtype=torch.uint8).contiguous()
+    images = images.detach()
+    if images.device.type != "cpu":
+        pixels = images.to(torch.float32) * 255.0
+        return pixels.round_().clamp_(0, 255).to(device="cpu", dtype=torch.uint8).contiguous()
+    out = np.empty(tuple(images.shape), dtype=np.uint8)
+    rows = zip(images, out) if images.ndim >= 4 else [(images, out)]
+    for image, dst in rows:
+        _quantize_into(image.to(torch.float32).numpy(), dst)
+    return torch.from_numpy(out)
 
 
-def pixels_to_float(pixels: Tensor) -> Tensor:
-    """uint8 pixels → float32 in [0, 1] (``x / 255``) in one pass; any shape."""
-    return torch.div(pixels, 255.0)
+def pixels_to_float(pixels: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """uint8 pixels → float32 ``x / 255`` in [0, 1] in one pass (into ``out`` when given); any shape."""
+    return np.divide(pixels, np.float32(255.0), out=out, dtype=np.float32)
 
 
 def raw_entries(pixels: Tensor) -> list[dict[str, Any]]:
@@ -211,7 +226,9 @@ def raw_entries(pixels: Tensor) -> list[dict[str, Any]]:
 def _raw_shape(shape: Any, index: int) -> tuple[int, int, int]:
     """Check a raw entry's ``shape``: three positive ints ``[C, H, W]`` with ``C`` in {1, 3}."""
     if not isinstance(shape, list | tuple) or len(shape) != 3:
-        raise WireError(f"images[{index}].shape must be [C, H, W] (3 ints, channels first), got {shape!r:.80}")
+        raise WireError(
+            f"images[{index}].shape must be [C, H, W] (3 ints, channels first), got {shape!r:.80}"
+        )
     if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape):
         raise WireError(f"images[{index}].shape must hold positive ints, got {shape!r:.80}")
     channels, height, width = shape
@@ -236,7 +253,9 @@ def decode_raw_image(entry: Any, index: int, max_pixels: int | None = None) -> n
             ``max_pixels``.
     """
     if not isinstance(entry, dict):
-        raise WireError(f"images[{index}] must be a raw-pixel map or PNG/JPEG bytes, got {type(entry).__name__}")
+        raise WireError(
+            f"images[{index}] must be a raw-pixel map or PNG/JPEG bytes, got {type(entry).__name__}"
+        )
     if entry.keys() != _RAW_KEYS:
         missing = sorted(_RAW_KEYS - entry.keys())
         extra = sorted(map(str, entry.keys() - _RAW_KEYS))
@@ -336,7 +355,9 @@ def encode_request(
         payload["images"] = list(images)
         return msgpack.packb(payload, use_bin_type=True), MSGPACK_TYPE
     if any(isinstance(data, dict) for data in images):
-        raise ValueError("raw-pixel images travel only in msgpack (binary=True); JSON carries base64 PNG/JPEG")
+        raise ValueError(
+            "raw-pixel images travel only in msgpack (binary=True); JSON carries base64 PNG/JPEG"
+        )
     payload["images"] = [base64.b64encode(data).decode("ascii") for data in images]
     return json.dumps(payload).encode("utf-8"), JSON_TYPE
 

@@ -22,28 +22,9 @@ from rlgen_cli.models.flux import (
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
 from tests.conftest import TINY_RUN, run_cli
+from tests.models.helpers import CPU, model_cfg, perturb_lora
 
-CPU = torch.device("cpu")
 PROMPTS = ["a red circle", "a blue square"]
-
-
-def model_cfg(name: str) -> ModelConfig:
-    """``conf/model/NAME.yaml`` merged into the schema."""
-    from omegaconf import OmegaConf
-
-    from rlgen_cli._hydra import conf_dir
-
-    merged = OmegaConf.merge(
-        OmegaConf.structured(ModelConfig), OmegaConf.load(conf_dir() / "model" / f"{name}.yaml")
-    )
-    return OmegaConf.to_object(merged)
-
-
-def perturb_lora(policy) -> None:
-    with torch.no_grad():
-        for name, param in policy.transformer.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.3)
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +134,7 @@ def test_guidance_is_embedded_without_a_cfg_branch(cfg, probe):
 
 def test_lora_saved_in_diffusers_format_loads_with_load_lora_weights(tmp_path: Path, cfg, probe):
     policy = FluxPolicy(tiny_flux_pipeline(0), cfg, CPU)
-    perturb_lora(policy)
+    perturb_lora(policy, 0.3)
     policy.save_trainable(tmp_path)
     x, cond = probe
     sigma = torch.tensor(0.5)
@@ -178,7 +159,7 @@ def test_reference_disables_the_adapter_and_decode_is_in_unit_range(cfg, probe):
     x, cond = probe
     sigma = torch.tensor(0.6)
     base = policy.velocity(x, sigma, cond).detach()
-    perturb_lora(policy)
+    perturb_lora(policy, 0.3)
     tuned = policy.velocity(x, sigma, cond).detach()
     with policy.reference():
         torch.testing.assert_close(policy.velocity(x, sigma, cond).detach(), base)

@@ -23,28 +23,9 @@ from rlgen_cli.models.flux_kontext import (
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
 from tests.conftest import TINY_RUN, run_cli
+from tests.models.helpers import CPU, model_cfg, perturb_lora
 
-CPU = torch.device("cpu")
 PROMPTS = ["add two cats", "remove the dog"]
-
-
-def model_cfg(name: str) -> ModelConfig:
-    """``conf/model/NAME.yaml`` merged into the schema."""
-    from omegaconf import OmegaConf
-
-    from rlgen_cli._hydra import conf_dir
-
-    merged = OmegaConf.merge(
-        OmegaConf.structured(ModelConfig), OmegaConf.load(conf_dir() / "model" / f"{name}.yaml")
-    )
-    return OmegaConf.to_object(merged)
-
-
-def perturb_lora(policy) -> None:
-    with torch.no_grad():
-        for name, param in policy.transformer.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.3)
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +121,7 @@ def test_lora_format_reference_and_reload(tmp_path: Path, cfg, probe):
     x, cond = probe
     sigma = torch.tensor(0.5)
     base = policy.velocity(x, sigma, cond).detach()
-    perturb_lora(policy)
+    perturb_lora(policy, 0.3)
     tuned = policy.velocity(x, sigma, cond).detach()
     with policy.reference():
         torch.testing.assert_close(policy.velocity(x, sigma, cond).detach(), base)

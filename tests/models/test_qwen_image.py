@@ -15,20 +15,14 @@ from rlgen_cli.models._qwen_common import LORA_WEIGHTS_NAME, dead_text_outputs, 
 from rlgen_cli.models.qwen_image import QwenImagePolicy, load_qwen_image_pipeline, tiny_qwen_image_pipeline
 from rlgen_cli.schema.errors import UserError
 from tests.conftest import TINY_RUN
+from tests.models.helpers import CPU, model_cfg, perturb_lora
 
 PROMPTS = ["a red circle", "two blue squares on a wooden table"]
-CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
 def qwen_cfg():
-    from omegaconf import OmegaConf
-
-    from rlgen_cli._hydra import conf_dir
-    from rlgen_cli.schema.flow import ModelConfig
-
-    raw = OmegaConf.load(conf_dir() / "model" / "tiny_qwen_image.yaml")
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), raw))
+    return model_cfg("tiny_qwen_image")
 
 
 def _policy(cfg, **changes) -> QwenImagePolicy:
@@ -56,13 +50,6 @@ def lora_policy(shared):
 
 def _probe(policy: QwenImagePolicy):
     return policy.noise(2, torch.Generator().manual_seed(0)), policy.encode(PROMPTS)
-
-
-def _perturb_lora(policy: QwenImagePolicy) -> None:
-    with torch.no_grad():
-        for name, param in policy.transformer.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.5)
 
 
 def _raw(policy: QwenImagePolicy, x, sigma: float, embeds, mask):
@@ -126,7 +113,7 @@ def _mu(policy: QwenImagePolicy, x) -> float:
 
 def test_true_cfg_norm_rescale_matches_a_hand_computation(lora_policy):
     policy, x, cond = lora_policy
-    _perturb_lora(policy)
+    perturb_lora(policy)
     t = cond.tensors
     with torch.no_grad():
         c = _raw(policy, x, 0.6, t["prompt_embeds"], t["prompt_mask"])
@@ -158,7 +145,7 @@ def test_lora_targets_upstream_modules_all_alive_and_only_lora_trains(lora_polic
     assert any("img_mlp.net.2" in n for n in names) and any("attn.add_k_proj" in n for n in names)
     dead = dead_text_outputs(policy.transformer)
     assert not any(n.startswith(tuple(f"{d}." for d in dead)) for n in names)
-    _perturb_lora(policy)  # gaussian init has B = 0, which blocks A's gradient
+    perturb_lora(policy)  # gaussian init has B = 0, which blocks A's gradient
     policy.velocity(x, torch.tensor(0.8), cond).square().mean().backward()
     silent = [
         n for n, p in policy.transformer.named_parameters() if p.requires_grad and not p.grad.abs().sum()
@@ -170,7 +157,7 @@ def test_lora_targets_upstream_modules_all_alive_and_only_lora_trains(lora_polic
 @pytest.mark.filterwarnings("ignore:You have passed exclude_modules")
 def test_lora_saved_in_diffusers_format_loads_with_load_lora_weights(tmp_path: Path, qwen_cfg, lora_policy):
     policy, x, cond = lora_policy
-    _perturb_lora(policy)
+    perturb_lora(policy)
     policy.save_trainable(tmp_path)
     sigma = torch.tensor(0.5)
     expected = policy.velocity(x, sigma, cond).detach()
@@ -193,7 +180,7 @@ def test_reference_disables_the_adapter(lora_policy):
     with torch.no_grad():
         with policy.reference():
             base = policy.velocity(x, sigma, cond)
-        _perturb_lora(policy)
+        perturb_lora(policy)
         tuned = policy.velocity(x, sigma, cond)
         with policy.reference():
             torch.testing.assert_close(policy.velocity(x, sigma, cond), base)

@@ -22,20 +22,14 @@ from rlgen_cli.models.qwen_image_edit import (
 )
 from rlgen_cli.schema.errors import UserError
 from tests.conftest import TINY_RUN
+from tests.models.helpers import CPU, model_cfg, perturb_lora
 
 PROMPTS = ["add a red circle", "remove the two blue squares"]
-CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
 def edit_cfg():
-    from omegaconf import OmegaConf
-
-    from rlgen_cli._hydra import conf_dir
-    from rlgen_cli.schema.flow import ModelConfig
-
-    raw = OmegaConf.load(conf_dir() / "model" / "tiny_qwen_image_edit.yaml")
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), raw))
+    return model_cfg("tiny_qwen_image_edit")
 
 
 def _sources(seed: int) -> torch.Tensor:
@@ -46,10 +40,7 @@ def _sources(seed: int) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def shared(edit_cfg):
     policy = QwenImageEditPolicy(tiny_qwen_image_edit_pipeline(0), edit_cfg, CPU)
-    with torch.no_grad():
-        for name, param in policy.transformer.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.3, generator=torch.Generator().manual_seed(7))
+    perturb_lora(policy, 0.3, generator=torch.Generator().manual_seed(7))
     return policy, policy.noise(2, torch.Generator().manual_seed(0)), policy.encode(PROMPTS, _sources(0))
 
 

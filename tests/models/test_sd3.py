@@ -11,6 +11,7 @@ import torch
 from rlgen_cli.models.base import Cond
 from rlgen_cli.models.sd3 import LORA_WEIGHTS_NAME, SD3Policy, load_sd3_pipeline, tiny_sd3_pipeline
 from rlgen_cli.schema.errors import UserError
+from tests.models.helpers import CPU, assert_reference_disables_the_adapter, perturb_lora
 
 
 def _probe(policy, n: int = 2):
@@ -19,19 +20,12 @@ def _probe(policy, n: int = 2):
     return x, cond
 
 
-def _perturb_lora(policy) -> None:
-    with torch.no_grad():
-        for name, param in policy.transformer.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.5)
-
-
 def test_save_pretrained_round_trip_through_the_real_loader(tmp_path: Path, tiny_model_cfg):
     source = tiny_sd3_pipeline(seed=0)
     source.save_pretrained(tmp_path / "sd3")
     cfg = replace(tiny_model_cfg, tiny=False, path=str(tmp_path / "sd3"), local_files_only=True)
-    loaded = SD3Policy(load_sd3_pipeline(cfg), cfg, torch.device("cpu"))
-    built = SD3Policy(tiny_sd3_pipeline(seed=0), tiny_model_cfg, torch.device("cpu"))
+    loaded = SD3Policy(load_sd3_pipeline(cfg), cfg, CPU)
+    built = SD3Policy(tiny_sd3_pipeline(seed=0), tiny_model_cfg, CPU)
     x, cond = _probe(built)
     sigma = torch.tensor(0.7)
     torch.testing.assert_close(loaded.velocity(x, sigma, loaded.encode(["a red circle", "a blue square"])),
@@ -60,8 +54,8 @@ def test_lora_targets_upstream_attention_and_only_lora_trains(tiny_policy):
 
 def test_lora_saved_in_diffusers_format_loads_with_load_lora_weights(tmp_path: Path, tiny_model_cfg):
     tiny_model_cfg = replace(tiny_model_cfg, guidance_scale=4.5)
-    policy = SD3Policy(tiny_sd3_pipeline(0), tiny_model_cfg, torch.device("cpu"))
-    _perturb_lora(policy)
+    policy = SD3Policy(tiny_sd3_pipeline(0), tiny_model_cfg, CPU)
+    perturb_lora(policy)
     policy.save_trainable(tmp_path)
     assert (tmp_path / LORA_WEIGHTS_NAME).is_file()
     x, cond = _probe(policy)
@@ -69,38 +63,25 @@ def test_lora_saved_in_diffusers_format_loads_with_load_lora_weights(tmp_path: P
 
     plain = tiny_sd3_pipeline(0)
     plain.load_lora_weights(tmp_path, weight_name=LORA_WEIGHTS_NAME)
-    reloaded = SD3Policy.__new__(SD3Policy)  # velocity() only needs these attributes
-    reloaded.pipeline, reloaded.guidance_scale, reloaded.device, reloaded.dtype = (
-        plain,
-        4.5,
-        torch.device("cpu"),
-        torch.float32,
+    reloaded = SD3Policy(
+        plain, replace(tiny_model_cfg, lora=replace(tiny_model_cfg.lora, enabled=False)), CPU
     )
-    reloaded._distributed = None
     torch.testing.assert_close(reloaded.velocity(x, torch.tensor(0.5), cond), expected, atol=1e-5, rtol=1e-5)
 
-    fresh = SD3Policy(tiny_sd3_pipeline(0), tiny_model_cfg, torch.device("cpu"))
+    fresh = SD3Policy(tiny_sd3_pipeline(0), tiny_model_cfg, CPU)
     fresh.load_trainable(tmp_path)
     torch.testing.assert_close(fresh.velocity(x, torch.tensor(0.5), cond), expected)
 
 
 def test_reference_disables_the_adapter(tiny_model_cfg):
-    policy = SD3Policy(tiny_sd3_pipeline(0), tiny_model_cfg, torch.device("cpu"))
+    policy = SD3Policy(tiny_sd3_pipeline(0), tiny_model_cfg, CPU)
     x, cond = _probe(policy)
-    sigma = torch.tensor(0.6)
-    base = policy.velocity(x, sigma, cond).detach()
-    _perturb_lora(policy)
-    tuned = policy.velocity(x, sigma, cond).detach()
-    with policy.reference():
-        ref = policy.velocity(x, sigma, cond).detach()
-    assert not torch.allclose(tuned, base)
-    torch.testing.assert_close(ref, base)
-    torch.testing.assert_close(policy.velocity(x, sigma, cond).detach(), tuned)  # adapter back on
+    assert_reference_disables_the_adapter(policy, x, cond)
 
 
 def test_cfg_lives_in_velocity(tiny_model_cfg):
     cfg = replace(tiny_model_cfg, guidance_scale=4.5)
-    policy = SD3Policy(tiny_sd3_pipeline(0), cfg, torch.device("cpu"))
+    policy = SD3Policy(tiny_sd3_pipeline(0), cfg, CPU)
     x, cond = _probe(policy)
     t = torch.full((2,), 700.0)
     call = lambda e, p: policy.transformer(hidden_states=x, timestep=t, encoder_hidden_states=e,  # noqa: E731
@@ -114,7 +95,7 @@ def test_cfg_lives_in_velocity(tiny_model_cfg):
 
 def test_guidance_one_has_no_unconditional_branch(tiny_model_cfg):
     cfg = replace(tiny_model_cfg, guidance_scale=1.0)
-    policy = SD3Policy(tiny_sd3_pipeline(0), cfg, torch.device("cpu"))
+    policy = SD3Policy(tiny_sd3_pipeline(0), cfg, CPU)
     x, cond = _probe(policy)
     assert set(cond.tensors) == {"prompt_embeds", "pooled"}
     direct = policy.transformer(hidden_states=x, timestep=torch.full((2,), 500.0),
@@ -125,7 +106,7 @@ def test_guidance_one_has_no_unconditional_branch(tiny_model_cfg):
 
 def test_full_finetune_trains_everything_and_keeps_a_frozen_reference(tmp_path: Path, tiny_model_cfg):
     cfg = replace(tiny_model_cfg, lora=replace(tiny_model_cfg.lora, enabled=False))
-    policy = SD3Policy(tiny_sd3_pipeline(0), cfg, torch.device("cpu"))
+    policy = SD3Policy(tiny_sd3_pipeline(0), cfg, CPU)
     assert len(policy.trainable_parameters()) == len(list(policy.transformer.parameters()))
     x, cond = _probe(policy)
     sigma = torch.tensor(0.4)
@@ -136,7 +117,7 @@ def test_full_finetune_trains_everything_and_keeps_a_frozen_reference(tmp_path: 
     with policy.reference():
         torch.testing.assert_close(policy.velocity(x, sigma, cond).detach(), base)
     policy.save_trainable(tmp_path)
-    fresh = SD3Policy(tiny_sd3_pipeline(0), cfg, torch.device("cpu"))
+    fresh = SD3Policy(tiny_sd3_pipeline(0), cfg, CPU)
     fresh.load_trainable(tmp_path)
     torch.testing.assert_close(fresh.velocity(x, sigma, cond), policy.velocity(x, sigma, cond))
 

@@ -21,41 +21,26 @@ from rlgen_cli.models.wan import (
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.training.video import save_video, video_encoder
 from tests.conftest import TINY_RUN
+from tests.models.helpers import CPU, assert_reference_disables_the_adapter, model_cfg, perturb_lora
 
-CPU = torch.device("cpu")
 PROMPTS = ["a red circle", "a blue square"]
 
 
 @pytest.fixture(scope="module")
 def wan_cfg():
-    from omegaconf import OmegaConf
-
-    from rlgen_cli._hydra import conf_dir
-    from rlgen_cli.schema.flow import ModelConfig
-
-    merged = OmegaConf.merge(
-        OmegaConf.structured(ModelConfig), OmegaConf.load(conf_dir() / "model" / "tiny_wan2_1.yaml")
-    )
-    return OmegaConf.to_object(merged)
+    return model_cfg("tiny_wan2_1")
 
 
 @pytest.fixture(scope="module")
 def cfg_policy(wan_cfg) -> WanPolicy:
     """A tiny Wan with CFG on, LoRA B perturbed so the adapter matters."""
     policy = WanPolicy(tiny_wan_pipeline(0), replace(wan_cfg, guidance_scale=4.5), CPU)
-    _perturb_lora(policy)
+    perturb_lora(policy)
     return policy
 
 
 def _probe(policy: WanPolicy, n: int = 2):
     return policy.noise(n, torch.Generator().manual_seed(0)), policy.encode(PROMPTS[:n])
-
-
-def _perturb_lora(policy: WanPolicy) -> None:
-    with torch.no_grad():
-        for name, param in policy.transformer.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.5)
 
 
 def test_video_geometry_noise_velocity_and_decode(cfg_policy: WanPolicy):
@@ -148,9 +133,8 @@ def test_lora_saved_in_wan_format_loads_with_load_lora_weights(tmp_path: Path, c
 
     plain = tiny_wan_pipeline(0)
     plain.load_lora_weights(tmp_path, weight_name=LORA_WEIGHTS_NAME)
-    reloaded = WanPolicy.__new__(WanPolicy)  # velocity() only needs these attributes
-    reloaded.pipeline, reloaded.guidance_scale = plain, 4.5
-    reloaded.device, reloaded.dtype, reloaded._distributed = CPU, torch.float32, None
+    no_lora = replace(cfg_policy.cfg, lora=replace(cfg_policy.cfg.lora, enabled=False))
+    reloaded = WanPolicy(plain, no_lora, CPU)  # loaded adapter stays active; nothing new is attached
     got = reloaded.velocity(x, torch.tensor(0.5), cond)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
@@ -162,15 +146,7 @@ def test_lora_saved_in_wan_format_loads_with_load_lora_weights(tmp_path: Path, c
 def test_reference_disables_the_adapter(wan_cfg):
     policy = WanPolicy(tiny_wan_pipeline(0), wan_cfg, CPU)
     x, cond = _probe(policy)
-    sigma = torch.tensor(0.6)
-    base = policy.velocity(x, sigma, cond).detach()
-    _perturb_lora(policy)
-    tuned = policy.velocity(x, sigma, cond).detach()
-    with policy.reference():
-        ref = policy.velocity(x, sigma, cond).detach()
-    assert not torch.allclose(tuned, base)
-    torch.testing.assert_close(ref, base)
-    torch.testing.assert_close(policy.velocity(x, sigma, cond).detach(), tuned)  # adapter back on
+    assert_reference_disables_the_adapter(policy, x, cond)
 
 
 def test_full_finetune_keeps_a_frozen_reference_and_round_trips(tmp_path: Path, wan_cfg):

@@ -6,10 +6,12 @@ import base64
 import math
 import threading
 
+import pytest
 import torch
 
 from rlgen_cli.rewards import RewardBatch, build_reward
 from rlgen_cli.rewards.remote import RemoteReward
+from rlgen_cli.schema.errors import UserError
 from rlgen_cli.server import wire
 from rlgen_cli.server.app import STATE
 from tests.server.helpers import MeanReward, constant_images, http, metric
@@ -25,11 +27,31 @@ def test_scores_over_http_equal_local_scores(serve):
     images = torch.rand(5, 3, 24, 24, generator=torch.Generator().manual_seed(0))
     batch = RewardBatch(prompts=[f"p{i}" for i in range(5)], images=images)
     local = jpeg.score(batch)
-    for binary in (False, True):
-        client = RemoteReward("jpeg_compressibility", endpoints=[server.url], batch_size=2, binary=binary)
+    options = [({}, "raw"), ({"binary": False}, "json"), ({"binary": True}, "msgpack"),
+               ({"wire_format": "json"}, "json"), ({"wire_format": "msgpack"}, "msgpack"),
+               ({"wire_format": "raw", "binary": False}, "raw")]  # fmt: skip
+    for kwargs, fmt in options:
+        client = RemoteReward("jpeg_compressibility", endpoints=[server.url], batch_size=2, **kwargs)
+        assert client.wire_format == fmt
         remote = client.score(batch)
-        assert torch.equal(remote.scores, local.scores)
+        assert torch.equal(remote.scores, local.scores), kwargs
         assert torch.allclose(remote.details["jpeg_kb"], local.details["jpeg_kb"])
+    with pytest.raises(UserError, match="wire_format='png' is not valid"):
+        RemoteReward("jpeg_compressibility", endpoints=[server.url], wire_format="png")
+
+
+def test_every_wire_format_gives_the_same_scores_for_any_channels_and_sizes(serve):
+    server = serve({"mean": MeanReward()})
+    grey = RewardBatch(prompts=["a", "b"], images=constant_images([0.2, 0.7], size=6)[:, :1])
+    odd = RewardBatch(
+        prompts=["c"], images=torch.rand(1, 3, 5, 9, generator=torch.Generator().manual_seed(1))
+    )
+    for batch in (grey, odd):
+        quantised = torch.round(batch.images * 255) / 255
+        want = quantised.mean(dim=(1, 2, 3))
+        for fmt in ("raw", "msgpack", "json"):
+            got = RemoteReward("mean", endpoints=[server.url], wire_format=fmt).score(batch).scores
+            assert torch.allclose(got, want, atol=1e-6), (fmt, got, want)
 
 
 def test_rewards_healthz_and_mixed_sizes(serve):
@@ -37,7 +59,7 @@ def test_rewards_healthz_and_mixed_sizes(serve):
     status, body = http("GET", server.url + "/healthz")
     assert status == 200 and body["status"] == "ok"
     status, body = http("GET", server.url + "/v1/rewards")
-    assert [r["name"] for r in body["rewards"]] == ["mean"]
+    assert [r["name"] for r in body["rewards"]] == ["mean"] and "raw" in body["wire_formats"]
     assert body["rewards"][0]["meta"]["class"].endswith("MeanReward") and body["limits"]["max_batch"] == 64
     images = [_png_b64(torch.full((3, 8, 8), 0.2)), _png_b64(torch.full((3, 16, 4), 0.6))]
     status, body = http(

@@ -1,7 +1,8 @@
 """Hostile and malformed requests against a real loopback reward server.
 
 Several hundred generated requests (bad JSON, wrong types, huge bodies, bad base64, undecodable or oversized
-images, wrong lengths, unknown rewards, bad auth, wrong content types and methods, deeply nested JSON) must
+images, malformed raw-pixel entries — wrong shape, dtype or byte count, above the pixel limit —, wrong
+lengths, unknown rewards, bad auth, wrong content types and methods, deeply nested JSON) must
 each get a 4xx JSON ``{"error": ...}``; afterwards the server is healthy, has logged no internal error, and
 still scores a valid request correctly. Malformed HTTP (below the application) is checked separately: the
 server answers or closes, and stays healthy.
@@ -149,6 +150,87 @@ def _bad_images() -> Iterator[Case]:
     yield Case("too_many_pixels/bomb", bomb, statuses=(400, 413))
 
 
+RAW_TYPE = {"Content-Type": "application/msgpack"} | AUTH
+
+
+def _raw_entry(
+    shape: object = (3, 8, 8), dtype: object = "uint8", data: object = None, **extra: object
+) -> dict:
+    """A raw-pixel ``images`` entry; ``data`` defaults to the right byte count for a valid ``shape``."""
+    if data is None:
+        data = bytes(128 for _ in range(3 * 8 * 8)) if shape == (3, 8, 8) else b""
+    entry = {"shape": list(shape) if isinstance(shape, tuple) else shape, "dtype": dtype, "data": data}
+    return entry | extra
+
+
+def _packed(images: list, prompts: list | None = None, reward: str = "mean", **fields: object) -> bytes:
+    payload = {
+        "reward": reward,
+        "images": images,
+        "prompts": ["p"] * len(images) if prompts is None else prompts,
+    }
+    return msgpack.packb(payload | fields, use_bin_type=True)
+
+
+def _bad_raw() -> Iterator[Case]:
+    """Raw-pixel msgpack requests that break the format: each a 400, 413 or 404 naming the problem."""
+    good, png = _raw_entry(), _png()
+    not_maps = [1, 1.5, True, "text", None, [1, 2], [good]]
+    for i, value in enumerate(not_maps):
+        yield Case(f"raw/not_a_map/{i}", _packed([value]), dict(RAW_TYPE))
+    keys = [{}, {k: v for k, v in good.items() if k != "shape"}, {k: v for k, v in good.items() if k != "dtype"},
+            {k: v for k, v in good.items() if k != "data"}, good | {"layout": "CHW"}, good | {"shape ": [3, 8, 8]},
+            {"Shape": [3, 8, 8], "dtype": "uint8", "data": good["data"]}]  # fmt: skip
+    for i, entry in enumerate(keys):
+        yield Case(f"raw/keys/{i}", _packed([entry]), dict(RAW_TYPE))
+    byte_keys = msgpack.packb({"reward": "mean", "images": [{b"shape": [3, 8, 8], b"dtype": b"uint8",
+                               b"data": good["data"]}], "prompts": ["p"]}, use_bin_type=True)  # fmt: skip
+    yield Case("raw/keys/bytes", byte_keys, dict(RAW_TYPE))
+    shapes = [[], [8, 8], [3, 8], [3, 8, 8, 1], [1, 3, 8, 8], "3x8x8", None, 192, {"c": 3}, [3, 8, -8], [3, 0, 8],
+              [0, 8, 8], [3, 8.0, 8], [3, True, 8], [True, 8, 8], [3, "8", 8], [3, None, 8], [2, 8, 8], [4, 8, 8],
+              [8, 8, 3], [-3, 8, 8], [3, [8], 8], [3, 2**63, -1]]  # fmt: skip
+    for i, shape in enumerate(shapes):
+        yield Case(f"raw/shape/{i}", _packed([_raw_entry(shape, data=good["data"])]), dict(RAW_TYPE))
+    dtypes = ["float32", "float16", "int8", "uint16", "UINT8", "uint8 ", "|u1", "u1", "", None, 8, ["uint8"],
+              b"uint8", {"name": "uint8"}, "bool", "object"]  # fmt: skip
+    for i, dtype in enumerate(dtypes):
+        yield Case(f"raw/dtype/{i}", _packed([_raw_entry(dtype=dtype)]), dict(RAW_TYPE))
+    datas = ["A" * 192, 192, None, [0] * 192, {"bytes": 1}, True, 1.5]
+    for i, data in enumerate(datas):
+        entry = good | {"data": data}
+        yield Case(f"raw/data_type/{i}", _packed([entry]), dict(RAW_TYPE))
+    lengths = [((3, 8, 8), 191), ((3, 8, 8), 193), ((3, 8, 8), 0), ((3, 8, 8), 384), ((3, 8, 8), 64),
+               ((1, 8, 8), 192), ((1, 8, 8), 63), ((3, 1, 1), 1), ((3, 64, 64), 3 * 64 * 64 - 1),
+               ((1, 64, 64), 3 * 64 * 64), ((3, 16, 4), 3 * 4 * 16 + 3)]  # fmt: skip
+    for i, (shape, n_bytes) in enumerate(lengths):
+        entry = _raw_entry(shape, data=bytes(n_bytes))
+        yield Case(f"raw/byte_count/{i}", _packed([entry]), dict(RAW_TYPE))
+    too_big = [((3, 65, 65), 3 * 65 * 65), ((1, 1, MAX_PIXELS + 1), MAX_PIXELS + 1), ((3, 10**6, 10**6), 192),
+               ((1, 2**40, 1), 0), ((3, 2**62, 2**62), 192), ((3, 1, 2**63), 0)]  # fmt: skip
+    for i, (shape, n_bytes) in enumerate(too_big):
+        entry = _raw_entry(shape, data=bytes(n_bytes))
+        yield Case(f"raw/too_many_pixels/{i}", _packed([entry]), dict(RAW_TYPE), statuses=(413,))
+    mixed = [[good, _raw_entry(data=bytes(191))], [png, _raw_entry(dtype="float32")], [good, png[:20]],
+             [good, good, "AAAA"], [good, None], [png, good, {}]]  # fmt: skip
+    for i, images in enumerate(mixed):
+        yield Case(f"raw/mixed/{i}", _packed(images), dict(RAW_TYPE))
+    for i, (n_img, n_prompt) in enumerate([(2, 1), (1, 2), (0, 1), (1, 0), (3, 5)]):
+        yield Case(f"raw/lengths/{i}", _packed([good] * n_img, ["p"] * n_prompt), dict(RAW_TYPE))
+    yield Case("raw/metadata_length", _packed([good], metadata=[{}, {}]), dict(RAW_TYPE))
+    yield Case("raw/unknown_reward", _packed([good], reward="nope"), dict(RAW_TYPE), statuses=(404,))
+    yield Case(
+        "raw/in_json", _with(images=[{"shape": [3, 8, 8], "dtype": "uint8", "data": _b64(good["data"])}])
+    )
+    yield Case("raw/json_content_type", _packed([good]))
+    yield Case("raw/no_auth", _packed([good]), {"Content-Type": "application/msgpack"}, statuses=(401,))
+    limit = int(MAX_MB * 1024 * 1024)
+    huge = _packed([_raw_entry((3, 600, 600), data=bytes(3 * 600 * 600))])
+    assert len(huge) > limit
+    yield Case("raw/huge_body", huge, dict(RAW_TYPE), statuses=(413,))
+    yield Case("raw/huge_body_chunked", huge, dict(RAW_TYPE), statuses=(413,), chunked=True)
+    yield Case("raw/nested_shape", _packed([_raw_entry([[[[3]]], 8, 8], data=good["data"])]), dict(RAW_TYPE))
+
+
 def _wrong_lengths() -> Iterator[Case]:
     img = _b64(_png())
     shapes = [(2, 1, None), (1, 2, None), (0, 1, None), (1, 0, None), (3, 3, 2), (2, 2, 3), (1, 1, 0),
@@ -247,8 +329,9 @@ def _wrong_routes() -> Iterator[Case]:
 def hostile_cases() -> list[Case]:
     """Every hostile request, generated deterministically (seeded)."""
     rng = random.Random(1234)
-    groups = [_bad_json(rng), _wrong_types(), _bad_base64(), _bad_images(), _wrong_lengths(), _unknown_rewards(),
-              _bad_auth(), _wrong_content_types(), _huge_bodies(), _deeply_nested(), _wrong_routes()]  # fmt: skip
+    groups = [_bad_json(rng), _wrong_types(), _bad_base64(), _bad_images(), _bad_raw(), _wrong_lengths(),
+              _unknown_rewards(), _bad_auth(), _wrong_content_types(), _huge_bodies(), _deeply_nested(),
+              _wrong_routes()]  # fmt: skip
     return [case for group in groups for case in group]
 
 
@@ -309,6 +392,12 @@ def _score_valid(server: BackgroundServer) -> None:
     status, reply = http("POST", server.url + "/v1/score", payload, AUTH)
     assert status == 200, reply
     assert reply["scores"] == pytest.approx(images.mean(dim=(1, 2, 3)).tolist(), abs=1e-6)
+    # and the same images as raw pixels (one of them single-channel, as the format allows)
+    raw = [_raw_entry((3, 8, 8), data=bytes([round(values[0] * 255)] * 192)),
+           _raw_entry((1, 8, 8), data=bytes([round(values[1] * 255)] * 64))]  # fmt: skip
+    status, _, body = _send(server.port, Case("valid_raw", _packed(raw), dict(RAW_TYPE)))
+    assert status == 200, body
+    assert msgpack.unpackb(body)["scores"] == pytest.approx(images.mean(dim=(1, 2, 3)).tolist(), abs=1e-6)
 
 
 def test_hostile_requests_get_4xx_json_errors_and_the_server_stays_healthy(server):
@@ -364,6 +453,25 @@ def _raw(port: int, data: bytes) -> bytes:
         except (ConnectionResetError, TimeoutError):
             pass
     return b"".join(chunks)
+
+
+def test_raw_errors_name_the_problem(server):
+    running, _ = server
+    cases = [
+        ([_raw_entry(data=bytes(191))], 400, "declares shape [3, 8, 8] × uint8 = 192 bytes but data has 191 bytes"),
+        ([_raw_entry(), _raw_entry(dtype="float32")], 400, "images[1].dtype='float32' is not supported"),
+        ([_raw_entry([8, 8, 3])], 400, "has C=8"),
+        ([_raw_entry([3, 8])], 400, "images[0].shape must be [C, H, W]"),
+        ([_raw_entry() | {"layout": "HWC"}], 400, "unexpected ['layout']"),
+        ([{"shape": [3, 8, 8], "dtype": "uint8"}], 400, "missing ['data']"),
+        ([_raw_entry(data="text")], 400, "images[0].data must be bytes"),
+        ([_raw_entry([3, 65, 65], data=bytes(3 * 65 * 65))], 413, "max_image_pixels"),
+        ([7], 400, "images[0] has type int; expected bytes or dict"),
+    ]  # fmt: skip
+    for images, status, fragment in cases:
+        got, _, body = _send(running.port, Case("raw", _packed(images), dict(RAW_TYPE)))
+        error = json.loads(body)["error"]
+        assert (got, fragment in error) == (status, True), (images, error)
 
 
 def test_malformed_http_is_refused_below_the_app_and_the_server_stays_healthy(server):

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import http.server
+import json
 import socket
+import threading
 
 import pytest
 import torch
+from aiohttp import web
 
 from rlgen_cli.rewards import RewardBatch, build_mix
 from rlgen_cli.rewards.remote import RemoteReward, RemoteRewardError, RequestRefusedError
 from rlgen_cli.schema.errors import UserError
-from rlgen_cli.server.transport import parse_endpoints
+from rlgen_cli.server.runner import BackgroundServer
+from rlgen_cli.server.transport import EndpointPool, parse_endpoints
 from tests.server.helpers import MeanReward, constant_images
 
 VALUES = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
@@ -115,3 +120,69 @@ def test_timeout_is_counted(serve):
     client = RemoteReward("mean", endpoints=[server.url], timeout_s=0.1, retries=0, on_failure="nan", **FAST)
     assert torch.isnan(client.score(_batch([0.5])).scores).all()
     assert client.stats()["timeouts"] == 1 and client.stats()["nan_samples"] == 1
+
+
+def _json(body: bytes, _ctype: str) -> dict:
+    return json.loads(body)
+
+
+def test_connections_are_kept_alive():
+    peers: list[int] = []
+
+    async def echo(request: web.Request) -> web.Response:
+        peers.append(request.transport.get_extra_info("peername")[1])
+        return web.json_response({"n": len(peers)})
+
+    app = web.Application()
+    app.router.add_get("/healthz", echo)
+    app.router.add_post("/echo", echo)
+    with BackgroundServer(app) as server:
+        pool = EndpointPool([server.url], backoff_s=0.01)
+        for _ in range(6):
+            pool.request("/echo", b"{}", {"Content-Type": "application/json"}, _json)
+        pool.close()
+    assert len(peers) == 7 and len(set(peers)) == 1  # probe + 6 requests on one connection
+    assert pool.stats()["ok"] == 6 and pool.stats().get("failures", 0) == 0
+
+
+class _ClosesIdle(http.server.BaseHTTPRequestHandler):
+    """Answers keep-alive style (HTTP/1.1, no ``Connection: close``), then closes the socket anyway."""
+
+    protocol_version = "HTTP/1.1"
+    connections: list[int] = []
+
+    def do_GET(self) -> None:  # noqa: N802  (http.server's naming)
+        self.do_POST()
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        body = b'{"ok": true}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        self.close_connection = True  # like a server whose keep-alive timeout expired
+
+    def setup(self) -> None:
+        super().setup()
+        self.connections.append(self.client_address[1])
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_keep_alive_connection_closed_by_the_server_is_replaced_transparently():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ClosesIdle)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        pool = EndpointPool([f"http://127.0.0.1:{server.server_port}"], retries=0, health_path=None)
+        for _ in range(3):
+            assert pool.request("/x", b"{}", {}, _json) == {"ok": True}
+    finally:
+        server.shutdown()
+        server.server_close()
+    stats = pool.stats()
+    assert stats["ok"] == 3 and stats.get("failures", 0) == 0 and stats.get("retries", 0) == 0
+    assert len(_ClosesIdle.connections) == 3

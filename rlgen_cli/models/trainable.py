@@ -1,0 +1,157 @@
+"""The training surface every flow adapter shares, as a component the adapter holds (no inheritance).
+
+:class:`TrainableTransformer` owns what is identical across families once the pipeline is loaded: the
+LoRA (or full fine-tuning) set-up of the pipeline's transformer, the trainable parameter list, the frozen
+reference for KL, the distributed (DDP) forward wrapper and the checkpoint format — diffusers-format
+LoRA (``pytorch_lora_weights.safetensors`` with the adapter config in its metadata, what the family
+pipeline's ``load_lora_weights`` reads) or the full transformer under ``transformer/``. Each adapter keeps
+its family-specific code (encode, noise, schedule, velocity, decode, builders, loaders) and delegates
+the protocol's training methods here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from rlgen_cli.models.base import ReferenceSwitch, add_lora, lora_parameters
+from rlgen_cli.schema.errors import UserError
+from rlgen_cli.schema.flow import ModelConfig
+
+LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
+TRANSFORMER_DIR = "transformer"
+
+
+def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    """Autocast to the model dtype on ``device``; nothing for fp32."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+class TrainableTransformer:
+    """The trainable transformer ``pipeline.transformer`` of a flow adapter.
+
+    On construction the transformer is put in eval mode (dropout would break ratio == 1) and either
+    frozen with a LoRA adapter attached (``exclude``: modules that can never get a gradient) or fully
+    unfrozen in fp32; trainable weights are fp32 either way. ``gradient_checkpointing`` is enabled before
+    the full-FT reference copy is taken. ``pipeline_class`` / ``transformer_class`` name the diffusers
+    classes whose ``save_lora_weights`` / ``from_pretrained`` define the checkpoint format.
+    """
+
+    def __init__(
+        self,
+        pipeline: Any,
+        cfg: ModelConfig,
+        *,
+        pipeline_class: str,
+        transformer_class: str,
+        exclude: Sequence[str] = (),
+        gradient_checkpointing: bool = False,
+    ) -> None:
+        self._pipeline = pipeline
+        self.lora = cfg.lora.enabled
+        self.pipeline_class = pipeline_class
+        self.transformer_class = transformer_class
+        transformer = pipeline.transformer.eval()
+        if self.lora:
+            transformer.requires_grad_(False)
+            lora = cfg.lora
+            add_lora(transformer, lora.rank, lora.alpha, lora.target_modules, lora.init, exclude=exclude)
+            params = lora_parameters(transformer)
+        else:
+            transformer.float().requires_grad_(True)
+            params = list(transformer.parameters())
+        for param in params:
+            param.data = param.data.float()
+        self.parameters = params
+        if gradient_checkpointing:
+            # Active only with grad enabled; it recomputes the same ops, so values match the no-grad
+            # rollout bit for bit.
+            transformer.enable_gradient_checkpointing()
+        self._reference = ReferenceSwitch(pipeline, "transformer", lora=self.lora)
+        self._distributed: nn.Module | None = None
+
+    @property
+    def module(self) -> nn.Module:
+        """The live transformer (the frozen copy while a full-FT ``reference()`` is active)."""
+        return self._pipeline.transformer
+
+    def reference(self) -> contextlib.AbstractContextManager[None]:
+        """Within this context the transformer is the frozen reference (LoRA disabled or a frozen copy)."""
+        return self._reference()
+
+    def named_trainable(self) -> Iterator[tuple[str, nn.Parameter]]:
+        for name, param in self.module.named_parameters():
+            if param.requires_grad:
+                yield name, param
+
+    # -- distributed forwards -----------------------------------------------------------------
+    def distribute(self, wrap: Callable[[nn.Module], nn.Module]) -> None:
+        """Route gradient-carrying forwards through ``wrap(transformer)`` (DDP: averaged gradients)."""
+        self._distributed = wrap(self.module)
+
+    def forward_module(self) -> nn.Module:
+        """The DDP wrapper for training forwards; the bare module under no_grad (rollouts, reference,
+        eval), where no gradient needs averaging and ranks need not call in lockstep, or while
+        ``reference()`` has swapped in a frozen copy."""
+        wrapped = self._distributed
+        if (
+            wrapped is not None
+            and torch.is_grad_enabled()
+            and getattr(wrapped, "module", None) is self.module
+        ):
+            return wrapped
+        return self.module
+
+    # -- checkpoint format --------------------------------------------------------------------
+    def save(self, directory: Path) -> None:
+        """LoRA → ``pytorch_lora_weights.safetensors`` (what ``load_lora_weights`` reads); full FT →
+        ``transformer/``."""
+        directory.mkdir(parents=True, exist_ok=True)
+        if not self.lora:
+            self.module.save_pretrained(directory / TRANSFORMER_DIR)
+            return
+        import diffusers
+        from peft.utils import get_peft_model_state_dict
+
+        # The adapter config (rank, alpha, targets) travels in the safetensors metadata, so
+        # load_lora_weights restores the α/r scaling instead of assuming α = r.
+        getattr(diffusers, self.pipeline_class).save_lora_weights(
+            directory, transformer_lora_layers=get_peft_model_state_dict(self.module),
+            weight_name=LORA_WEIGHTS_NAME,
+            transformer_lora_adapter_metadata=self.module.peft_config["default"].to_dict(),
+        )  # fmt: skip
+
+    def load(self, directory: Path) -> None:
+        """Load what :meth:`save` wrote into the live modules (shapes must match)."""
+        if self.lora:
+            self._load_lora(directory / LORA_WEIGHTS_NAME)
+            return
+        import diffusers
+
+        source = directory / TRANSFORMER_DIR
+        if not source.is_dir():
+            raise UserError(f"{source} is missing: the checkpoint holds no full transformer weights")
+        loaded = getattr(diffusers, self.transformer_class).from_pretrained(source)
+        self.module.load_state_dict(loaded.state_dict())
+
+    def _load_lora(self, path: Path) -> None:
+        from peft.utils import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        if not path.is_file():
+            raise UserError(f"{path} is missing: the checkpoint holds no LoRA weights")
+        state = {k.removeprefix("transformer."): v for k, v in load_file(path).items()}
+        result = set_peft_model_state_dict(self.module, state)
+        missing = [k for k in result.missing_keys if "lora_" in k]
+        if missing or result.unexpected_keys:
+            raise UserError(
+                f"LoRA weights in {path} do not fit this model (missing {len(missing)}, unexpected "
+                f"{len(result.unexpected_keys)}); was the checkpoint made with other model.lora settings?"
+            )
