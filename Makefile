@@ -23,7 +23,7 @@ $(STAMP): $(PY) pyproject.toml requirements/cpu.txt
 	touch $@
 
 $(DEV_STAMP): $(STAMP)
-	$(PIP) install -e ".[ocr,dev]"
+	DS_BUILD_OPS=0 $(PIP) install -e ".[ocr,dev]"
 	touch $@
 
 install: $(STAMP)  ## create .venv and install rlgen with the pinned CPU torch

@@ -116,10 +116,9 @@ class LocalDist:
 
 
 class AccelerateDist:
-    """Several processes under ``accelerate launch``: DDP, DeepSpeed ZeRO or FSDP2 (from the launch's config).
-
-    Tensors are gathered in rank order. On CPUs every engine talks gloo.
-    """
+    """Workers under ``accelerate launch``: DDP, or DeepSpeed ZeRO / FSDP2 when the launch's config names
+    one (then also for a single process). Tensors are gathered in rank order; on CPUs every engine talks
+    gloo."""
 
     def __init__(self, cpu: bool) -> None:
         from accelerate import Accelerator

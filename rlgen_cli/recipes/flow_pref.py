@@ -143,7 +143,7 @@ class PreferenceEpoch:
                 errors["ref_l"],
                 beta=recipe.cfg.algo.pref.beta,
             )
-            out.loss.backward()
+            recipe.dist.backward(out.loss)
             stats["grad_norm"].append(recipe.optimizer_step())
             if self._reference_copy is not None:
                 self._reference_copy.step(recipe.global_step)
@@ -172,7 +172,7 @@ class PreferenceEpoch:
             out = sft_loss(
                 velocity(x_sigma, sigma), x0[rows], noise, v_base=v_base, beta=pref.beta, weights=weights
             )
-            out.loss.backward()
+            recipe.dist.backward(out.loss)
             stats["grad_norm"].append(recipe.optimizer_step())
             for key, value in {**out.stats, "sft_loss": out.loss.item()}.items():
                 stats[key].append(float(value))
