@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -20,27 +21,36 @@ RUN = [*TINY_RUN, "epochs=4", "save_every=1", "keep_last=5", "eval_every=0", "im
 
 def _train(run: Path, *extra: str) -> subprocess.Popen:
     argv = [sys.executable, "-m", "rlgen_cli.cli", "train", *RUN, *extra, f"hydra.run.dir={run}"]
-    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # its own session, so a kill reaches the launcher's worker processes too
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
 def _final(run: Path) -> dict[str, torch.Tensor]:
     return load_file(run / "checkpoints" / "epoch_000004" / "weights" / LORA_WEIGHTS_NAME)
 
 
-def test_kill_9_then_resume_equals_uninterrupted(tmp_path: Path):
+@pytest.mark.parametrize(
+    "launch",
+    [
+        pytest.param([], id="one-process"),
+        pytest.param(["launcher=accelerate", "launcher.num_processes=2", "algo.sample_batch_size=2",
+                      "algo.train_batch_size=2"], id="two-processes"),  # fmt: skip
+    ],
+)
+def test_kill_9_then_resume_equals_uninterrupted(tmp_path: Path, launch: list[str]):
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    victim = _train(crashed)
+    victim = _train(crashed, *launch)
     deadline = time.monotonic() + 240
     while not (crashed / "checkpoints" / "epoch_000002").is_dir():
         assert victim.poll() is None, victim.stderr.read()
         assert time.monotonic() < deadline, "no second checkpoint within 240 s"
         time.sleep(0.05)
-    os.kill(victim.pid, signal.SIGKILL)  # mid-run: epoch 3 is sampling or updating
+    os.killpg(victim.pid, signal.SIGKILL)  # mid-run: epoch 3 is sampling or updating, in every process
     victim.wait()
     assert not (crashed / "checkpoints" / "epoch_000004").exists()
 
-    resumed = _train(crashed, "resume=auto")
-    uninterrupted = _train(straight)
+    resumed = _train(crashed, *launch, "resume=auto")
+    uninterrupted = _train(straight, *launch)
     assert resumed.wait(timeout=300) == 0, resumed.stderr.read()
     assert uninterrupted.wait(timeout=300) == 0, uninterrupted.stderr.read()
     a, b = _final(straight), _final(crashed)
