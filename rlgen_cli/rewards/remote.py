@@ -32,6 +32,8 @@ import dataclasses
 import importlib
 import logging
 import math
+import os
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -87,6 +89,14 @@ def _images_of(batch: RewardBatch, name: str) -> Tensor:
             f"reward {name!r} sends images (B, C, H, W) to its server, got {shape}; decode to images first"
         )
     return batch.images
+
+
+def _cpus() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def _run_chunks(fn: Callable[[list[int]], Any], n: int, size: int, workers: int) -> list[Any]:
@@ -225,6 +235,11 @@ class RemoteReward(_RemoteBase):
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.pool = EndpointPool(urls, timeout_s, retries, backoff_s, "/healthz", health_interval_s, headers)
         self.max_concurrency = max_concurrency or len(urls)
+        # Raw chunks are quantised at most half-the-cores at a time (and sent in parallel): on a small
+        # machine the first request then reaches the server after one chunk's quantisation, not after all
+        # of them. PNG encoding (~20× dearer, often the bottleneck) keeps every thread busy.
+        slots = max(1, _cpus() // 2) if wire_format == "raw" else max(1, self.max_concurrency)
+        self._encoding = threading.BoundedSemaphore(slots)
 
     def score(self, batch: RewardBatch) -> RewardResult:
         """Score ``batch`` on the server (chunks of ``batch_size`` in parallel).
@@ -235,14 +250,16 @@ class RemoteReward(_RemoteBase):
         images = _images_of(batch, self.name)
 
         def chunk(indices: list[int]) -> tuple[list[float], dict]:
-            if self.wire_format == "raw":  # chunks are index ranges: one vectorised quantisation, no codec
-                encoded = wire.raw_entries(wire.quantize(images[indices[0] : indices[-1] + 1]))
-            else:
-                encoded = [wire.encode_image(images[i]) for i in indices]
             metadata = None if batch.metadata is None else [batch.metadata[i] for i in indices]
-            body, ctype = wire.encode_request(
-                self.reward, encoded, [batch.prompts[i] for i in indices], metadata, self.binary
-            )
+            with self._encoding:
+                if self.wire_format == "raw":  # chunks are index ranges: one quantisation, no codec
+                    encoded = wire.raw_entries(wire.quantize(images[indices[0] : indices[-1] + 1]))
+                else:
+                    encoded = [wire.encode_image(images[i]) for i in indices]
+                body, ctype = wire.encode_request(
+                    self.reward, encoded, [batch.prompts[i] for i in indices], metadata, self.binary
+                )
+                del encoded  # the body holds the pixels now
             scores, details = self.pool.request(
                 "/v1/score", body, {"Content-Type": ctype}, _reply_of(len(indices))
             )

@@ -105,7 +105,7 @@ class ServerState:
     settings: ServerSettings
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     batchers: dict[str, MicroBatcher] = field(default_factory=dict)
-    decoder: ThreadPoolExecutor | None = None  # PNG/JPEG decoding; one thread per core
+    decoder: ThreadPoolExecutor | None = None  # PNG/JPEG decoding, float conversion; one thread per core
 
 
 STATE = web.AppKey("rlgen_state", ServerState)
@@ -328,8 +328,9 @@ async def _batchers(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     state.decoder = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="rlgen-decode")
     for name, reward in state.rewards.items():
+        settings = state.settings
         batcher = MicroBatcher(
-            name, reward, state.settings.max_batch, state.settings.max_wait_ms, state.metrics
+            name, reward, settings.max_batch, settings.max_wait_ms, state.metrics, pool=state.decoder
         )
         batcher.start()
         state.batchers[name] = batcher

@@ -8,18 +8,19 @@ grouped by image size (only equal sizes stack) and each group is scored in chunk
 ``max_batch``. If a merged batch fails, each request is rescored alone, so one bad request cannot fail
 its neighbours.
 
-Images arrive as ``(3, H, W)`` uint8 pixels (numpy views of the request body, or decoded PNG/JPEG) and are
-converted to float in [0, 1] once per ``Reward.score`` chunk, in one pass over the stacked chunk. A
-request waits for company only while its micro-batch is not full: one that fills ``max_batch`` by itself
-is scored at once.
+Images arrive as ``(3, H, W)`` uint8 pixels (numpy views of the request body, or decoded PNG/JPEG) and
+stay uint8 until a ``Reward.score`` chunk is built: each is then divided by 255 straight into the float
+batch (one pass, no intermediate copies). A request waits for company only while its micro-batch is not
+full: one that fills ``max_batch`` by itself is scored at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,7 @@ from rlgen_cli.server.metrics import ServerMetrics
 from rlgen_cli.server.wire import pixels_to_float, to_jsonable
 
 logger = logging.getLogger(__name__)
+_MIN_SLICE = 4  # fewest images per slice when a batch's float conversion is split over threads
 
 __all__ = ["Job", "MicroBatcher", "Scored", "ScoringError", "score_samples", "stack_images"]
 
@@ -80,19 +82,32 @@ def _per_sample(details: dict[str, Any], n: int) -> dict[str, list[Any]]:
     return out
 
 
-def stack_images(images: list[np.ndarray | Tensor]) -> Tensor:
+def stack_images(images: list[np.ndarray | Tensor], pool: Executor | None = None) -> Tensor:
     """Stack equal-size ``(3, H, W)`` images into a ``(B, 3, H, W)`` float32 batch in [0, 1].
 
     uint8 numpy pixels are divided by 255 straight into the batch, one image at a time (no uint8 stack,
-    no batch-sized temporary); tensors are stacked, uint8 ones then divided by 255.
+    no batch-sized temporary); with a ``pool``, a large batch is converted in slices on its threads too
+    (numpy releases the GIL). Tensors are stacked, uint8 ones then divided by 255.
     """
-    if all(isinstance(image, np.ndarray) and image.dtype == np.uint8 for image in images):
-        out = np.empty((len(images), *images[0].shape), dtype=np.float32)
-        for image, dst in zip(images, out):
-            pixels_to_float(image, out=dst)
-        return torch.from_numpy(out)
-    stacked = torch.stack([torch.as_tensor(image) for image in images])
-    return torch.div(stacked, 255.0) if stacked.dtype == torch.uint8 else stacked
+    if not all(isinstance(image, np.ndarray) and image.dtype == np.uint8 for image in images):
+        stacked = torch.stack([torch.as_tensor(image) for image in images])
+        return torch.div(stacked, 255.0) if stacked.dtype == torch.uint8 else stacked
+    out = np.empty((len(images), *images[0].shape), dtype=np.float32)
+
+    def convert(start: int, stop: int) -> None:
+        for i in range(start, stop):
+            pixels_to_float(images[i], out=out[i])
+
+    parts = min(os.cpu_count() or 1, len(images) // _MIN_SLICE) if pool is not None else 1
+    if parts < 2:
+        convert(0, len(images))
+    else:
+        bounds = [round(k * len(images) / parts) for k in range(parts + 1)]
+        futures = [pool.submit(convert, a, b) for a, b in zip(bounds[1:-1], bounds[2:])]
+        convert(bounds[0], bounds[1])  # this thread takes the first slice
+        for future in futures:
+            future.result()
+    return torch.from_numpy(out)
 
 
 def score_samples(
@@ -101,6 +116,7 @@ def score_samples(
     prompts: list[str],
     metadata: list[dict] | None,
     max_batch: int,
+    pool: Executor | None = None,
 ) -> Scored:
     """Score samples of possibly different sizes with as few ``Reward.score`` calls as possible.
 
@@ -110,6 +126,7 @@ def score_samples(
         prompts: The prompts.
         metadata: Optional per-sample metadata.
         max_batch: Largest number of images per ``Reward.score`` call.
+        pool: Threads that help convert uint8 pixels to float (see :func:`stack_images`).
 
     Returns:
         Scores (in input order), per-sample details, and ``(images, seconds)`` per call.
@@ -126,7 +143,7 @@ def score_samples(
             chunk = indices[start : start + max_batch]
             batch = RewardBatch(
                 prompts=[prompts[i] for i in chunk],
-                images=stack_images([images[i] for i in chunk]),
+                images=stack_images([images[i] for i in chunk], pool),
                 metadata=None if metadata is None else [metadata[i] for i in chunk],
             )
             began = time.perf_counter()
@@ -150,12 +167,19 @@ class MicroBatcher:
         reward: The reward.
         max_batch: Images per micro-batch and per ``Reward.score`` call.
         max_wait_s: How long the first request of a batch waits for company.
+        pool: Threads (the server's decode pool) that help convert a batch's pixels to float.
     """
 
     def __init__(
-        self, name: str, reward: Reward, max_batch: int, max_wait_ms: float, metrics: ServerMetrics
+        self,
+        name: str,
+        reward: Reward,
+        max_batch: int,
+        max_wait_ms: float,
+        metrics: ServerMetrics,
+        pool: Executor | None = None,
     ) -> None:
-        self.name, self.reward, self.metrics = name, reward, metrics
+        self.name, self.reward, self.metrics, self.pool = name, reward, metrics, pool
         self.max_batch, self.max_wait_s = max_batch, max_wait_ms / 1000.0
         self._queue: asyncio.Queue[Job | None] = asyncio.Queue()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"reward-{name}")
@@ -236,7 +260,14 @@ class MicroBatcher:
         loop = asyncio.get_running_loop()
         try:
             scored = await loop.run_in_executor(
-                self._executor, score_samples, self.reward, images, prompts, metadata, self.max_batch
+                self._executor,
+                score_samples,
+                self.reward,
+                images,
+                prompts,
+                metadata,
+                self.max_batch,
+                self.pool,
             )
         except Exception as err:
             if len(jobs) > 1:

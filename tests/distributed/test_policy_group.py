@@ -27,7 +27,9 @@ def test_group_spanning_two_processes_is_one_group(cli, tmp_path: Path):
     single, pair = tmp_path / "single", tmp_path / "pair"
     code, out = cli("train", *GEOMETRY, "algo.gradient_accumulation_steps=2", f"hydra.run.dir={single}")
     assert code == 0, out
-    code, out = cli("train", *GEOMETRY, "launcher=accelerate", "launcher.num_processes=2", f"hydra.run.dir={pair}")
+    code, out = cli(
+        "train", *GEOMETRY, "launcher=accelerate", "launcher.num_processes=2", f"hydra.run.dir={pair}"
+    )
     assert code == 0, out
     one, two = _metrics(single), _metrics(pair)
     assert one["num_groups"] == two["num_groups"] == 1  # both halves normalised as one group

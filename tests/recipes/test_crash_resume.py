@@ -22,7 +22,9 @@ RUN = [*TINY_RUN, "epochs=4", "save_every=1", "keep_last=5", "eval_every=0", "im
 def _train(run: Path, *extra: str) -> subprocess.Popen:
     argv = [sys.executable, "-m", "rlgen_cli.cli", "train", *RUN, *extra, f"hydra.run.dir={run}"]
     # its own session, so a kill reaches the launcher's worker processes too
-    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
 
 
 def _final(run: Path) -> dict[str, torch.Tensor]:
@@ -33,8 +35,15 @@ def _final(run: Path) -> dict[str, torch.Tensor]:
     "launch",
     [
         pytest.param([], id="one-process"),
-        pytest.param(["launcher=accelerate", "launcher.num_processes=2", "algo.sample_batch_size=2",
-                      "algo.train_batch_size=2"], id="two-processes"),  # fmt: skip
+        pytest.param(
+            [
+                "launcher=accelerate",
+                "launcher.num_processes=2",
+                "algo.sample_batch_size=2",
+                "algo.train_batch_size=2",
+            ],
+            id="two-processes",
+        ),  # fmt: skip
     ],
 )
 def test_kill_9_then_resume_equals_uninterrupted(tmp_path: Path, launch: list[str]):

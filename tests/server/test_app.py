@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import math
 import threading
+import time
 
 import pytest
 import torch
@@ -184,3 +185,13 @@ def test_graceful_shutdown_completes_in_flight_request(serve):
     thread.join(timeout=10)
     status, body = result["r"]
     assert status == 200 and math.isclose(body["scores"][0], round(0.4 * 255) / 255, rel_tol=1e-6)
+
+
+def test_a_request_that_fills_the_batch_is_scored_without_waiting(serve):
+    reward = MeanReward()
+    server = serve({"mean": reward}, max_wait_ms=10_000, max_batch=4)  # a partial batch would wait 10 s
+    client = RemoteReward("mean", endpoints=[server.url], batch_size=4)
+    began = time.perf_counter()
+    scores = client.score(RewardBatch(prompts=["a"] * 4, images=constant_images([0.2, 0.4, 0.6, 0.8]))).scores
+    assert time.perf_counter() - began < 5 and reward.calls == [4]
+    assert torch.allclose(scores, torch.tensor([round(v * 255) / 255 for v in (0.2, 0.4, 0.6, 0.8)]))
