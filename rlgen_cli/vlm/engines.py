@@ -24,6 +24,7 @@ sampled tokens (``logprobs=0``) only feed the ``sampler/logp_gap_max`` diagnosti
 
 from __future__ import annotations
 
+import abc
 import logging
 import os
 import random
@@ -56,11 +57,12 @@ __all__ = [
 SUPPRESS_BIAS = -100.0  # vLLM clamps logit_bias to [-100, 100]: e^-100 ≈ never sampled
 
 
-class RolloutEngine:
+class RolloutEngine(abc.ABC):
     """Samples one completion per row of ``prompts``; told when the training weights changed."""
 
     name = "base"
 
+    @abc.abstractmethod
     def generate(
         self,
         prompts: Sequence[str],
@@ -81,12 +83,11 @@ class RolloutEngine:
         Raises:
             UserError: When a prompt + image tokens + completion budget exceeds the context.
         """
-        raise NotImplementedError
 
-    def weights_updated(self) -> None:
+    def weights_updated(self) -> None:  # noqa: B027  (a no-op unless the engine holds its own weights)
         """Called after every optimizer step of the training model."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  (nothing to release by default)
         """Release what the engine holds."""
 
 
