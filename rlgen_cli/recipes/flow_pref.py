@@ -38,7 +38,8 @@ from rlgen_cli.algos import (
     sft_loss,
 )
 from rlgen_cli.models import Cond
-from rlgen_cli.recipes.flow_rl import FlowRLRecipe, _conditioned, _summarise, batches, sample_latents
+from rlgen_cli.recipes.flow_rl import FlowRLRecipe, _summarise
+from rlgen_cli.recipes.sampling import batches, conditioned, sample_latents
 from rlgen_cli.schema.flow import TrainConfig
 from rlgen_cli.sde.noise import stream_seed
 from rlgen_cli.training.ema import EMA
@@ -130,7 +131,7 @@ class PreferenceEpoch:
                 for name, rows in (("w", chosen), ("l", rejected)):
                     s = sigma.view(-1, *([1] * (x0.dim() - 1)))
                     x_sigma = (1 - s) * x0[rows] + s * noise
-                    velocity = functools.partial(_conditioned, recipe.policy, cond.index(rows))
+                    velocity = functools.partial(conditioned, recipe.policy, cond.index(rows))
                     context = torch.no_grad() if owner == "ref" else nullcontext()
                     with context, self.reference(recipe) if owner == "ref" else nullcontext():
                         errors[f"{owner}_{name}"] = flow_matching_error(
@@ -164,7 +165,7 @@ class PreferenceEpoch:
         stats: dict[str, list[float]] = defaultdict(list)
         for t in range(pref.timesteps_per_sample):
             sigma, noise, x_sigma = self._noised(recipe, epoch, x0[rows], t)
-            velocity = functools.partial(_conditioned, recipe.policy, cond.index(rows))
+            velocity = functools.partial(conditioned, recipe.policy, cond.index(rows))
             v_base = None
             if pref.beta > 0:
                 with torch.no_grad(), recipe.policy.reference():

@@ -45,10 +45,18 @@ from torch import Tensor
 
 from rlgen_cli.algos import GRPOLossOut, combine_rewards, grpo_loss, guard_loss
 from rlgen_cli.data import GroupSampler, PromptDataset
-from rlgen_cli.data.images import load_images, source_image_paths
 from rlgen_cli.data.paths import load_prompts
 from rlgen_cli.launch.dist import Dist, make_dist
 from rlgen_cli.models import Cond, FlowPolicy, build_policy
+from rlgen_cli.recipes.sampling import (
+    INITIAL_NOISE,
+    STEP_NOISE,
+    WINDOW,
+    batches,
+    conditioned,
+    sample_images,
+    source_images_for,
+)
 from rlgen_cli.rewards import RewardBatch, build_mix
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import AlgoConfig, TrainConfig
@@ -74,7 +82,6 @@ from rlgen_cli.training.progress import Progress
 log = logging.getLogger(__name__)
 REWARD_CURVE = "reward_curve.png"
 EMA_KEY, RAW_KEY = "ema", "raw_trainable"
-INITIAL_NOISE, STEP_NOISE, WINDOW = 0, 1, 2  # salts of the independent random streams
 
 
 @dataclass
@@ -135,11 +142,6 @@ def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
-def batches(n: int, size: int) -> Iterator[slice]:
-    for start in range(0, n, size):
-        yield slice(start, min(start + size, n))
 
 
 class FlowRLRecipe:
@@ -351,7 +353,7 @@ class FlowRLRecipe:
             return x
         sigmas = self.policy.schedule(num_steps, x)[: start + 1]
         firsts = _first_of_runs(generators)  # one prefix per run of samples sharing a noise stream
-        prefix = euler(functools.partial(_conditioned, self.policy, cond.index(firsts)), x[firsts], sigmas)
+        prefix = euler(functools.partial(conditioned, self.policy, cond.index(firsts)), x[firsts], sigmas)
         return prefix[_run_ids(generators)]
 
     def rollout_batch(
@@ -359,7 +361,7 @@ class FlowRLRecipe:
     ) -> Trajectory:
         """One rollout batch from ``x`` at ``sigmas[start]``; sample i's step noise from generator i."""
         sigmas = self.policy.schedule(plan.num_steps, x)
-        velocity = functools.partial(_conditioned, self.policy, cond)
+        velocity = functools.partial(conditioned, self.policy, cond)
         flash = self.cfg.algo.flash
         return rollout(
             velocity, x, sigmas, plan, self.spec, steps, start=start,
@@ -394,7 +396,7 @@ class FlowRLRecipe:
         self, traj: Trajectory, cond: Cond, j: int, spec: StepSpec
     ) -> tuple[StepOut, Tensor | None]:
         """The training-path step ``j`` (log-prob and mean, with gradients) — and its KL when β > 0."""
-        velocity = functools.partial(_conditioned, self.policy, cond)
+        velocity = functools.partial(conditioned, self.policy, cond)
         out = recompute_step(velocity, traj, j, spec)
         if self.cfg.algo.beta <= 0:
             return out, None
@@ -569,64 +571,6 @@ def _run_ids(generators: list[torch.Generator]) -> Tensor:
     return torch.tensor(
         [sum(1 for j in range(1, i + 1) if seeds[j] != seeds[j - 1]) for i in range(len(seeds))]
     )
-
-
-@torch.no_grad()
-def sample_latents(
-    policy: FlowPolicy,
-    prompts: list[str],
-    num_steps: int,
-    batch_size: int,
-    seed: int,
-    progress: Progress,
-    spec: StepSpec | None = None,
-    epoch: int = 0,
-    sources: Tensor | None = None,
-) -> Tensor:
-    """Final latents x_0 for ``prompts`` (ODE unless ``spec`` says otherwise), batch by batch; sample i's
-    noise comes from stream (seed, epoch, i) whatever the batch size."""
-    spec = spec or StepSpec("ode", 0.0)
-    plan = plan_window("all", num_steps, timestep_fraction=1.0)
-    initial = sample_generators(seed, epoch, range(len(prompts)), policy.device, salt=INITIAL_NOISE)
-    steps = sample_generators(seed, epoch, range(len(prompts)), policy.device, salt=STEP_NOISE)
-    latents = []
-    task = progress.task("sampling", total=len(prompts))
-    for part in batches(len(prompts), batch_size):
-        cond = policy.encode(prompts[part], None if sources is None else sources[part].to(policy.device))
-        x = policy.noise(part.stop - part.start, initial[part])
-        velocity = functools.partial(_conditioned, policy, cond)
-        latents.append(rollout(velocity, x, policy.schedule(num_steps, x), plan, spec, steps[part]).final)
-        progress.advance(task, part.stop - part.start)
-    progress.remove(task)
-    return torch.cat(latents)
-
-
-def sample_images(
-    policy: FlowPolicy,
-    prompts: list[str],
-    num_steps: int,
-    batch_size: int,
-    seed: int,
-    progress: Progress,
-    spec: StepSpec | None = None,
-    sources: Tensor | None = None,
-) -> Tensor:
-    """Images (B, 3, H, W) in [0, 1] for ``prompts``: :func:`sample_latents`, decoded batch by batch."""
-    latents = sample_latents(policy, prompts, num_steps, batch_size, seed, progress, spec, sources=sources)
-    return torch.cat([policy.decode(latents[part]).cpu() for part in batches(len(latents), batch_size)])
-
-
-def source_images_for(policy: FlowPolicy, examples: list, dataset: PromptDataset) -> Tensor | None:
-    """Editing families get each example's source image, resized to the model's size; others None."""
-    if not getattr(policy, "takes_source_images", False):
-        return None
-    height, width = policy.cfg.height or policy.cfg.resolution, policy.cfg.width or policy.cfg.resolution
-    return load_images(source_image_paths(examples, dataset.source), height, width)
-
-
-def _conditioned(policy: FlowPolicy, cond: Cond, x: Tensor, sigma: Tensor) -> Tensor:
-    """``velocity(x, sigma)`` with the conditioning bound (what ``sde.rollout`` expects)."""
-    return policy.velocity(x, sigma, cond)
 
 
 def _due(epoch: int, every: int, total: int) -> bool:

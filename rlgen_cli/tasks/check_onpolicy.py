@@ -26,7 +26,8 @@ def check_onpolicy_task(cfg: DictConfig) -> float:
 
     if typed.model.family in VLM_FAMILIES:
         return _check_vlm(typed, cfg)
-    from rlgen_cli.recipes.flow_rl import FlowRLRecipe, batches
+    from rlgen_cli.recipes.flow_rl import FlowRLRecipe
+    from rlgen_cli.recipes.sampling import batches
     from rlgen_cli.training.progress import Progress
     from rlgen_cli.training.run import prepare_run_dir, setup_logging
 

@@ -26,7 +26,7 @@ def eval_task(cfg: DictConfig) -> float:
         setup_logging(prepare_run_dir(run_dir_of(typed), cfg))
         return evaluate(typed, cfg)
     from rlgen_cli.data.paths import load_prompts
-    from rlgen_cli.recipes.flow_rl import sample_images
+    from rlgen_cli.recipes.sampling import sample_images
     from rlgen_cli.rewards import RewardBatch, build_mix
     from rlgen_cli.tasks.loading import load_policy
     from rlgen_cli.training.images import save_grid

@@ -23,7 +23,7 @@ SOURCE_PROMPT_KEY = "source_prompt"
 def sample_task(cfg: DictConfig) -> str:
     typed = validated(cfg)
     from rlgen_cli.data.paths import load_prompts
-    from rlgen_cli.recipes.flow_rl import sample_images
+    from rlgen_cli.recipes.sampling import sample_images
     from rlgen_cli.sde.rollout import StepSpec
     from rlgen_cli.tasks.loading import load_policy
     from rlgen_cli.training.images import to_pil

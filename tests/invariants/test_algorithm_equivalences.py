@@ -69,7 +69,7 @@ def test_mix_grpo_covering_every_step_is_grpo(tmp_path):
 
 @pytest.mark.parametrize("sampler", ["cps", "dance", "flow_sde"])
 def test_zero_noise_is_the_ode(tmp_path, sampler):
-    from rlgen_cli.recipes.flow_rl import sample_images
+    from rlgen_cli.recipes.sampling import sample_images
     from rlgen_cli.sde.rollout import StepSpec
 
     recipe = _recipe(tmp_path, [f"sampler={sampler}", "sampler.noise_level=0"])
