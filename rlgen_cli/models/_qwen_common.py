@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rlgen_cli.models.base import TORCH_DTYPES, Cond, cfg_combine
+from rlgen_cli.models.loading import pack, unpack
 from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME as LORA_WEIGHTS_NAME  # re-exported
 from rlgen_cli.models.trainable import TRANSFORMER_DIR as TRANSFORMER_DIR  # re-exported
 from rlgen_cli.models.trainable import TrainableTransformer, autocast
@@ -130,34 +131,6 @@ def tiny_qwen_pipeline(pipeline_cls: type, seed: int = 0) -> Any:
     if "processor" in parts:
         parts["processor"] = processor
     return pipeline_cls(**parts)
-
-
-def load_pipeline(pipeline_cls: type, cfg: ModelConfig, what: str) -> Any:
-    """``pipeline_cls.from_pretrained(cfg.path)`` in ``cfg.dtype``; a failure is a :class:`UserError`."""
-    try:
-        return pipeline_cls.from_pretrained(
-            cfg.path, dtype=TORCH_DTYPES[cfg.dtype], local_files_only=cfg.local_files_only,
-            revision=cfg.revision,
-        )  # fmt: skip
-    except (OSError, ValueError) as err:
-        raise UserError(
-            f"could not load a {what} pipeline from model.path={cfg.path!r}: {err}. Pass a local directory "
-            "saved with save_pretrained, or a hub id with network access (model.local_files_only=false)"
-        ) from err
-
-
-def pack(latents: Tensor) -> Tensor:
-    """(B, C, h, w) → (B, h/2·w/2, 4C): 2×2 patches as tokens (diffusers' ``_pack_latents``)."""
-    b, c, h, w = latents.shape
-    patches = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return patches.reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack(tokens: Tensor, h: int, w: int) -> Tensor:
-    """Inverse of :func:`pack` for an h×w latent: (B, L, 4C) → (B, C, h, w)."""
-    b, _, d = tokens.shape
-    patches = tokens.view(b, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return patches.reshape(b, d // 4, h, w)
 
 
 def pad_text(embeds: Tensor, mask: Tensor | None, length: int) -> tuple[Tensor, Tensor]:

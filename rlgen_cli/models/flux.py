@@ -23,9 +23,9 @@ from rlgen_cli.models._flux_common import (
     FLUX_LORA_TARGETS,
     LORA_WEIGHTS_NAME,
     FluxFamilyPolicy,
-    load_pipeline,
     tiny_flux_components,
 )
+from rlgen_cli.models.loading import load_pipeline
 from rlgen_cli.schema.flow import ModelConfig
 
 __all__ = [

@@ -29,11 +29,11 @@ from rlgen_cli.models._flux_common import (
     LORA_WEIGHTS_NAME,
     FluxFamilyPolicy,
     image_ids,
-    load_pipeline,
     pack,
     tiny_flux_components,
 )
 from rlgen_cli.models.base import Cond
+from rlgen_cli.models.loading import load_pipeline
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
 

@@ -27,11 +27,11 @@ from rlgen_cli.models._qwen_common import (
     QWEN_LORA_TARGETS,
     TRANSFORMER_DIR,
     QwenFamilyPolicy,
-    load_pipeline,
     pack,
     tiny_qwen_pipeline,
 )
 from rlgen_cli.models.base import Cond
+from rlgen_cli.models.loading import load_pipeline
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
 

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from rlgen_cli.models.base import TORCH_DTYPES, Cond, cfg_combine
+from rlgen_cli.models.loading import load_pipeline
 from rlgen_cli.models.tokenizers import tiny_clip_tokenizer, tiny_t5_tokenizer, vocab_size
 from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME as LORA_WEIGHTS_NAME  # re-exported
 from rlgen_cli.models.trainable import TRANSFORMER_DIR as TRANSFORMER_DIR  # re-exported
@@ -97,18 +98,7 @@ def load_sd3_pipeline(cfg: ModelConfig):
     """Load a real SD3 pipeline from ``cfg.path`` (hub id or local directory)."""
     from diffusers import StableDiffusion3Pipeline
 
-    try:
-        return StableDiffusion3Pipeline.from_pretrained(
-            cfg.path,
-            torch_dtype=TORCH_DTYPES[cfg.dtype],
-            local_files_only=cfg.local_files_only,
-            revision=cfg.revision,
-        )
-    except (OSError, ValueError) as err:
-        raise UserError(
-            f"could not load an SD3 pipeline from model.path={cfg.path!r}: {err}. Pass a local directory "
-            "saved with save_pretrained, or a hub id with network access (model.local_files_only=false)"
-        ) from err
+    return load_pipeline(StableDiffusion3Pipeline, cfg, "SD3")
 
 
 def dead_context_queries(transformer: nn.Module) -> list[str]:

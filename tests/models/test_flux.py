@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlgen_cli.models._flux_common import image_ids, pack, unpack
+from rlgen_cli.models._flux_common import image_ids
 from rlgen_cli.models.flux import (
     FLUX_LORA_TARGETS,
     LORA_WEIGHTS_NAME,
@@ -19,6 +19,7 @@ from rlgen_cli.models.flux import (
     load_flux_pipeline,
     tiny_flux_pipeline,
 )
+from rlgen_cli.models.loading import pack, unpack
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
 from tests.conftest import TINY_RUN, run_cli
