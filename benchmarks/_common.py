@@ -14,8 +14,11 @@ from rlgen_cli.tasks.common import validated
 
 
 def build_recipe(overrides: list[str]) -> FlowRLRecipe:
-    """A set-up training recipe for the default config plus ``overrides`` (run dir in /tmp)."""
+    """A set-up training recipe for the tiny CPU demo (``experiment=tiny_cpu`` unless ``overrides`` name
+    another experiment) plus ``overrides`` (run dir in /tmp)."""
     register_schemas()
+    if not any(o.startswith("experiment=") for o in overrides):
+        overrides = ["experiment=tiny_cpu", *overrides]
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         cfg = compose(config_name="train", overrides=["progress=false", *overrides])
     OmegaConf.set_struct(cfg, False)

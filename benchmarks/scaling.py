@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 GEOMETRY = [
-    "algo.prompts_per_epoch=4", "algo.group_size=4", "algo.sample_batch_size=4", "algo.train_batch_size=4",
+    "experiment=tiny_cpu", "algo.prompts_per_epoch=4", "algo.group_size=4", "algo.sample_batch_size=4", "algo.train_batch_size=4",
     "model.num_steps=4", "eval_every=0", "images_every=0", "save_every=0", "progress=false",
 ]  # fmt: skip
 CLI = "import sys; from rlgen_cli.cli import main; sys.exit(main())"

@@ -12,9 +12,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
-# A run small enough for CI: 1 prompt × 2 samples per epoch, 3 steps (2 trained), no bars.
+# A run small enough for CI: the tiny SD3 demo, 2 prompts × 2 samples per epoch, 3 steps, no bars.
 TINY_RUN = [
-    "algo.prompts_per_epoch=2", "algo.group_size=2", "algo.sample_batch_size=4", "algo.train_batch_size=4",
+    "experiment=tiny_cpu", "algo.prompts_per_epoch=2", "algo.group_size=2", "algo.sample_batch_size=4", "algo.train_batch_size=4",
     "model.num_steps=3", "model.eval_num_steps=3", "data.eval_num_prompts=2", "progress=false",
 ]  # fmt: skip
 
@@ -25,7 +25,10 @@ def run_cli(*args: str) -> tuple[int, str]:
 
     from rlgen_cli.cli import app
 
-    result = CliRunner().invoke(app, list(args))
+    args = list(args)
+    if args and args[0] == "train" and not any(a.startswith(("experiment=", "+experiment=")) for a in args):
+        args.insert(1, "experiment=tiny_cpu")  # the tiny SD3 demo, not the default ShapesEval experiment
+    result = CliRunner().invoke(app, args)
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception
     return result.exit_code, result.output

@@ -21,14 +21,20 @@ The training surface is the same for every engine::
 
 ZeRO-3 and FSDP shard the parameters themselves (:attr:`sharded`): every rank then takes part in every
 forward (evaluation included) and in :meth:`full_weights` before rank 0 writes a checkpoint.
+
+Optimizer state in checkpoints: torch's full ``state_dict`` for local / DDP / FSDP (FSDP gathers it); under
+DeepSpeed ZeRO (:attr:`shards_optimizer`) the engine's own ``save_checkpoint`` writes one shard per rank and
+its ``load_checkpoint`` reads them back, for the same ZeRO stage and number of processes.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -38,14 +44,21 @@ from rlgen_cli.schema.errors import UserError
 
 # what ``accelerate launch --config_file`` exports to the workers for each engine
 ENGINE_FLAGS = {"deepspeed": "ACCELERATE_USE_DEEPSPEED", "fsdp": "ACCELERATE_USE_FSDP"}
+# what a checkpoint's optimizer entry holds under DeepSpeed: the engine, its ZeRO stage and process count
+# (its shards live in the checkpoint's engine/ directory, under DeepSpeed's tag directory ENGINE_TAG)
+ENGINE_KEY, ZERO_STAGE_KEY, WORLD_SIZE_KEY, ENGINE_TAG = "engine", "zero_stage", "world_size", "zero"
 
 
 class Dist(Protocol):
+    engine: str | None
+    """What trains the model: None (torch, DDP), ``deepspeed`` or ``fsdp``."""
     rank: int
     world_size: int
     device: torch.device
     sharded: bool
     """Parameters are sharded over ranks (ZeRO-3, FSDP): every rank must run every forward."""
+    shards_optimizer: bool
+    """Checkpoints hold the optimizer state as per-rank engine shards (DeepSpeed ZeRO), not one dict."""
 
     @property
     def is_main(self) -> bool: ...
@@ -61,16 +74,17 @@ class Dist(Protocol):
         self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max_norm: float
     ) -> float: ...
     def full_weights(self) -> AbstractContextManager[Any]: ...
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None: ...
+    def gathered(self, params: list[Tensor], modify: bool = False) -> AbstractContextManager[Any]: ...
+    def optimizer_state(self, optimizer: torch.optim.Optimizer, staging: Path) -> dict[str, Any] | None: ...
     def load_optimizer_state(
-        self, optimizer: torch.optim.Optimizer, state: dict[str, Any] | None
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any] | None, engine_dir: Path
     ) -> None: ...
 
 
 class LocalDist:
     """One process: gather is the identity, models run unwrapped, the optimizer is torch's."""
 
-    rank, world_size, sharded = 0, 1, False
+    rank, world_size, sharded, shards_optimizer, engine = 0, 1, False, False, None
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -108,10 +122,15 @@ class LocalDist:
     def full_weights(self) -> AbstractContextManager[Any]:
         return nullcontext()
 
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    def gathered(self, params: list[Tensor], modify: bool = False) -> AbstractContextManager[Any]:
+        return nullcontext()
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer, staging: Path) -> dict[str, Any] | None:
         return optimizer.state_dict()
 
-    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any] | None) -> None:
+    def load_optimizer_state(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any] | None, engine_dir: Path
+    ) -> None:
         optimizer.load_state_dict(_require_optimizer_state(state))
 
 
@@ -135,9 +154,11 @@ class AccelerateDist:
         self.device = self.accelerator.device
         self.model: nn.Module | None = None  # the prepared transformer (engine or FSDP module)
         self._synced = False  # DeepSpeed: the last backward reduced the gradients for a step
-        self.sharded = self.engine == "fsdp" or (
-            self.engine == "deepspeed" and self.accelerator.state.deepspeed_plugin.zero_stage == 3
+        self.zero_stage = (
+            self.accelerator.state.deepspeed_plugin.zero_stage if self.engine == "deepspeed" else 0
         )
+        self.sharded = self.engine == "fsdp" or self.zero_stage == 3
+        self.shards_optimizer = self.engine == "deepspeed"
         if self.engine == "deepspeed" and not self.accelerator.state.deepspeed_plugin.zero3_init_flag:
             # accelerate registers its ZeRO config with transformers whatever zero3_init_flag says, and
             # transformers then builds every model (text encoders included) partitioned; rlgen builds whole
@@ -235,13 +256,25 @@ class AccelerateDist:
             return deepspeed.zero.GatheredParameters(list(self.model.module.parameters()), modifier_rank=None)
         return nullcontext()
 
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-        """A full optimizer state for the checkpoint (collective: every rank calls it).
+    def gathered(self, params: list[Tensor], modify: bool = False) -> AbstractContextManager[Any]:
+        """Within: ZeRO-3 ``params`` hold their full values (a collective: every rank enters); with
+        ``modify``, rank 0's values are written back to every rank's shards on exit. A no-op for whole
+        weights (DDP, ZeRO-2) and for parameters the engine has not partitioned yet. Not for FSDP2, whose
+        gathered values never reach its shards (the flow recipe refuses an EMA there)."""
+        if self.zero_stage != 3:
+            return nullcontext()
+        import deepspeed
 
-        FSDP: torch's full state dict keyed by parameter names. DeepSpeed: None — ZeRO partitions the
-        optimizer state over ranks and rlgen's checkpoint holds one full state."""
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=0 if modify else None)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer, staging: Path) -> dict[str, Any] | None:
+        """The optimizer state for the checkpoint (collective: every rank calls it).
+
+        FSDP: torch's full state dict keyed by parameter names. DeepSpeed: every rank writes its ZeRO shard
+        into ``staging`` (:func:`~rlgen_cli.training.checkpoint.engine_staging`) through the engine's
+        ``save_checkpoint``; the returned entry names the stage and process count the shards need."""
         if self.engine == "deepspeed":
-            return None
+            return self._save_engine_state(staging)
         if self.engine == "fsdp":
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
@@ -249,13 +282,14 @@ class AccelerateDist:
             return get_optimizer_state_dict(self.model, optimizer.optimizer, options=options)
         return optimizer.state_dict()
 
-    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any] | None) -> None:
-        """Restore what :meth:`optimizer_state` wrote, into the prepared optimizer."""
+    def load_optimizer_state(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any] | None, engine_dir: Path
+    ) -> None:
+        """Restore what :meth:`optimizer_state` wrote, into the prepared optimizer (DeepSpeed: from the
+        shards in ``engine_dir``, every rank its own)."""
         if self.engine == "deepspeed":
-            raise UserError(
-                "resuming under DeepSpeed ZeRO is not supported: ZeRO partitions the optimizer state over "
-                "ranks and rlgen checkpoints hold one full state; resume with launcher=accelerate or fsdp"
-            )
+            self._load_engine_state(state, engine_dir)
+            return
         state = _require_optimizer_state(state)
         if self.engine == "fsdp":
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
@@ -264,6 +298,40 @@ class AccelerateDist:
             set_optimizer_state_dict(self.model, optimizer.optimizer, state, options=options)
         else:
             optimizer.load_state_dict(state)
+
+    def _save_engine_state(self, staging: Path) -> dict[str, Any]:
+        if self.is_main:  # a crashed save's leftovers would mix with this save's shards
+            shutil.rmtree(staging, ignore_errors=True)
+        self.barrier()
+        # the frozen base weights come from the model config on resume: only trainable ones are the run's;
+        # the engine's save ends with a barrier, so every shard is on disk when this returns
+        self.model.save_checkpoint(
+            str(staging), tag=ENGINE_TAG, save_latest=False, exclude_frozen_parameters=True
+        )
+        return {ENGINE_KEY: "deepspeed", ZERO_STAGE_KEY: self.zero_stage, WORLD_SIZE_KEY: self.world_size}
+
+    def _load_engine_state(self, state: dict[str, Any] | None, engine_dir: Path) -> None:
+        if not _is_engine_state(state):
+            raise UserError(
+                "this checkpoint holds one full optimizer state (written by launcher=local, accelerate or fsdp) "
+                "and DeepSpeed ZeRO loads only its own per-rank shards: resume with the launcher that wrote "
+                "it, or start a fresh run from its weights"
+            )
+        saved = (state[ZERO_STAGE_KEY], state[WORLD_SIZE_KEY])
+        if saved != (self.zero_stage, self.world_size):
+            raise UserError(
+                f"this checkpoint's optimizer state is sharded for ZeRO-{saved[0]} over {saved[1]} processes, "
+                f"this run is ZeRO-{self.zero_stage} over {self.world_size}: resume with "
+                f"launcher=deepspeed_zero{saved[0]} and {saved[1]} processes in all (launcher.num_processes × "
+                "launcher.num_machines)"
+            )
+        # the module's trainable weights in the shards equal the checkpoint's raw weights (already loaded);
+        # its frozen ones were left out on save, hence non-strict
+        path, _ = self.model.load_checkpoint(
+            str(engine_dir), tag=ENGINE_TAG, load_module_strict=False, load_lr_scheduler_states=False
+        )
+        if path is None:
+            raise UserError(f"{engine_dir} holds no DeepSpeed checkpoint; resume from an older checkpoint")
 
 
 def _torch_clip_and_step(
@@ -275,11 +343,24 @@ def _torch_clip_and_step(
     return grad_norm
 
 
+def _is_engine_state(state: dict[str, Any] | None) -> bool:
+    """Whether a checkpoint's optimizer entry points at DeepSpeed shards (rather than holding a state)."""
+    return isinstance(state, dict) and state.get(ENGINE_KEY) == "deepspeed"
+
+
 def _require_optimizer_state(state: dict[str, Any] | None) -> dict[str, Any]:
+    """A full torch optimizer state, or a :class:`UserError` saying which launcher can resume instead."""
+    if _is_engine_state(state):
+        raise UserError(
+            f"this checkpoint's optimizer state is DeepSpeed ZeRO-{state[ZERO_STAGE_KEY]} shards of "
+            f"{state[WORLD_SIZE_KEY]} processes: resume with launcher=deepspeed_zero{state[ZERO_STAGE_KEY]} "
+            f"and {state[WORLD_SIZE_KEY]} processes in all (launcher.num_processes × launcher.num_machines), or "
+            "start a fresh run from its weights"
+        )
     if state is None:
         raise UserError(
-            "this checkpoint holds no optimizer state (it was written under DeepSpeed ZeRO, which partitions "
-            "it over ranks); start a fresh run from its weights instead of resuming"
+            "this checkpoint holds no optimizer state (an older rlgen wrote it under DeepSpeed ZeRO without "
+            "its shards); start a fresh run from its weights instead of resuming"
         )
     return state
 

@@ -22,6 +22,7 @@ FAMILIES: dict[str, str] = {
     "qwen_image": "rlgen_cli.models.qwen_image",
     "qwen_image_edit": "rlgen_cli.models.qwen_image_edit",
     "wan2_1": "rlgen_cli.models.wan",
+    "shapes": "rlgen_cli.models.shapes",
 }
 
 

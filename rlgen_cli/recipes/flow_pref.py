@@ -94,7 +94,9 @@ class PreferenceEpoch:
         self._sigma_table = recipe.policy.schedule(TRAIN_SCHEDULE_STEPS, probe)[:-1]
         if pref.loss == "dpo" and pref.ref_update_step > 0:  # an EMA with decay 0 is an exact periodic copy
             params = recipe.policy.trainable_parameters()
-            self._reference_copy = EMA(params, decay=0.0, update_every=pref.ref_update_step)
+            self._reference_copy = EMA(
+                params, decay=0.0, update_every=pref.ref_update_step, gather=recipe.dist.gathered
+            )
 
     def reference(self, recipe: FlowRLRecipe) -> AbstractContextManager[Any]:
         """The DPO reference: the periodic copy of the policy (online) or the base model (offline)."""

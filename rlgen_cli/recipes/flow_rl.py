@@ -69,6 +69,8 @@ from rlgen_cli.training.checkpoint import (
     COUNTERS_KEY,
     OPTIMIZER_KEY,
     SAMPLER_KEY,
+    Checkpoint,
+    engine_staging,
     resolve_resume,
     save_checkpoint,
     set_rng_state,
@@ -78,9 +80,11 @@ from rlgen_cli.training.images import save_grid
 from rlgen_cli.training.metrics import NullLogger, build_loggers
 from rlgen_cli.training.plots import plot_runs
 from rlgen_cli.training.progress import Progress
+from rlgen_cli.training.report import SHAPES_CURVES, detail_summaries, write_before_after
 
 log = logging.getLogger(__name__)
 REWARD_CURVE = "reward_curve.png"
+SHAPES_CURVE = "shapes_curves.png"
 EMA_KEY, RAW_KEY = "ema", "raw_trainable"
 
 
@@ -154,6 +158,8 @@ class FlowRLRecipe:
         self.raw_cfg = raw_cfg
         self.run_dir = Path(cfg.run_dir)
         self.epoch_fn: EpochFn = epoch_fn or FlowRLRecipe.train_epoch
+        self.eval_images: Tensor | None = None  # the last evaluation's samples (and the first's, below)
+        self.before_images: Tensor | None = None
 
     # -- setup ----------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -163,7 +169,7 @@ class FlowRLRecipe:
         self.device = self.dist.device
         self.policy: FlowPolicy = build_policy(cfg.model, self.device)
         if self.dist.world_size > 1 or self.dist.sharded:
-            _require_rank_symmetric(cfg.algo, sharded=self.dist.sharded)
+            _require_rank_symmetric(cfg.algo, fsdp=self.dist.engine == "fsdp")
         self.reward = build_mix(
             dict(cfg.reward.weights), **{k: dict(v) for k, v in cfg.reward.kwargs.items()}
         )
@@ -188,7 +194,17 @@ class FlowRLRecipe:
             eps=cfg.algo.adam_eps, weight_decay=cfg.algo.weight_decay,
         )  # fmt: skip
         ema = cfg.algo.ema
-        self.ema = EMA(params, decay=ema.decay, update_every=ema.update_every) if ema.enabled else None
+        self.ema = (  # ZeRO-3: updates and swaps gather the shards in the engine's own context
+            EMA(
+                params,
+                decay=ema.decay,
+                update_every=ema.update_every,
+                warmup=ema.warmup,
+                gather=self.dist.gathered,
+            )  # fmt: skip
+            if ema.enabled
+            else None
+        )
         self.start_epoch, self.global_step = 0, 0
         resumed = self._maybe_resume()  # into the whole modules, before an engine shards them
         # DDP wraps the transformer; DeepSpeed / FSDP also take the optimizer (launch/dist.py)
@@ -197,8 +213,9 @@ class FlowRLRecipe:
             micro_batch_size=cfg.algo.train_batch_size,
         )  # fmt: skip
         if resumed is not None:
-            self.dist.load_optimizer_state(self.optimizer, resumed[OPTIMIZER_KEY])
-            set_rng_state(resumed["rng"])
+            ckpt, state = resumed
+            self.dist.load_optimizer_state(self.optimizer, state[OPTIMIZER_KEY], ckpt.engine)
+            set_rng_state(state["rng"])
         self.logger = (
             build_loggers(self.run_dir, cfg.logging, self.raw_cfg) if self.dist.is_main else NullLogger()
         )
@@ -208,9 +225,9 @@ class FlowRLRecipe:
             cfg.algo.group_size, cfg.algo.window.kind, cfg.model.num_steps,
         )  # fmt: skip
 
-    def _maybe_resume(self) -> dict[str, Any] | None:
-        """Weights, EMA, sampler and counters of the checkpoint to resume (if any); returns its state, whose
-        optimizer and RNG entries ``setup`` restores once the optimizer is prepared."""
+    def _maybe_resume(self) -> tuple[Checkpoint, dict[str, Any]] | None:
+        """Weights, EMA, sampler and counters of the checkpoint to resume (if any); returns it and its state,
+        whose optimizer and RNG entries ``setup`` restores once the optimizer is prepared."""
         ckpt = resolve_resume(self.cfg.resume, self.run_dir)
         if ckpt is None:
             return None
@@ -225,7 +242,7 @@ class FlowRLRecipe:
         self.start_epoch = state[COUNTERS_KEY]["epoch"]
         self.global_step = state[COUNTERS_KEY]["global_step"]
         log.info("resumed from %s at epoch %d", ckpt.path, self.start_epoch)
-        return state
+        return ckpt, state
 
     # -- the loop -------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
@@ -234,24 +251,70 @@ class FlowRLRecipe:
         main = self.dist.is_main
         with Progress(enabled=cfg.progress and main) as progress:
             epochs = progress.task("epochs", total=cfg.epochs, completed=self.start_epoch)
+            before = self.evaluate_before(progress)
+            deadline = time.monotonic() + 60 * cfg.time_limit_minutes if cfg.time_limit_minutes else math.inf
             for epoch in range(self.start_epoch, cfg.epochs):
+                start = time.perf_counter()
                 metrics = self.epoch_fn(self, epoch, progress)
+                metrics["time/epoch"] = time.perf_counter() - start
+                # the run's last epoch: the configured one, or the first past the time limit (decided
+                # on rank 0 so every rank stops together)
+                final = epoch + 1 == cfg.epochs or self._out_of_time(deadline)
                 # with sharded weights (ZeRO-3, FSDP) every rank takes part in the evaluation's forwards
                 evaluates = main or self.dist.sharded
-                if evaluates and cfg.eval_every and (epoch == 0 or _due(epoch, cfg.eval_every, cfg.epochs)):
+                if (
+                    evaluates
+                    and cfg.eval_every
+                    and (epoch == 0 or final or _due(epoch, cfg.eval_every, cfg.epochs))
+                ):
                     metrics |= self.evaluate(epoch, progress)
                 self.logger.log(metrics, step=epoch)
                 if main:
                     self._log_console(epoch, metrics)
-                if _due(epoch, cfg.save_every, cfg.epochs):
+                if final or _due(epoch, cfg.save_every, cfg.epochs):
                     self.save(epoch + 1)
                 self.dist.barrier()
-                progress.advance(
-                    epochs, description=f"epoch {epoch + 1}: reward {metrics['reward/mean']:+.4g}"
-                )
+                progress.advance(epochs, description=f"epoch {epoch + 1}: {_headline(metrics)}")
+                if final:
+                    if epoch + 1 < cfg.epochs:
+                        log.info(
+                            "time limit of %g min reached after epoch %d", cfg.time_limit_minutes, epoch + 1
+                        )
+                    break
         if main:
             plot_runs([self.run_dir], self.run_dir / REWARD_CURVE)
+            self.report(before, metrics)
         return metrics
+
+    def _out_of_time(self, deadline: float) -> bool:
+        """Whether the time limit has passed, as rank 0 sees it (every rank gets the same answer)."""
+        if deadline == math.inf:
+            return False
+        late = torch.tensor([float(time.monotonic() >= deadline)])
+        return bool(self.dist.gather(late)[0] > 0)
+
+    def evaluate_before(self, progress: Progress) -> dict[str, float] | None:
+        """With ``eval_before``, evaluate the starting weights (logged at step −1) of a fresh run."""
+        cfg = self.cfg
+        if not (cfg.eval_before and cfg.eval_every and self.start_epoch == 0):
+            return None
+        metrics = {}
+        if self.dist.is_main or self.dist.sharded:
+            metrics = self.evaluate(-1, progress)
+            self.before_images = self.eval_images
+            self.logger.log(metrics, step=-1)
+            log.info("before training: eval %+.4g", metrics["eval/reward/mean"])
+        self.dist.barrier()
+        return metrics
+
+    def report(self, before: dict[str, float] | None, after: dict[str, float]) -> None:
+        """The curves of tagged metrics and, after an ``eval_before`` run, the before → after table."""
+        if any(key.startswith("eval/reward/shapes_geneval/") for key in after):
+            plot_runs([self.run_dir], self.run_dir / SHAPES_CURVE, keys=SHAPES_CURVES)
+        if before and "eval/reward/mean" in after:
+            table = write_before_after(self.run_dir, before, after, self.before_images, self.eval_images)
+            if table:
+                log.info("test accuracy before → after training (%s):\n%s", self.run_dir, table)
 
     def train_epoch(self, epoch: int, progress: Progress) -> dict[str, float]:
         timings: dict[str, float] = {}
@@ -370,9 +433,15 @@ class FlowRLRecipe:
 
     @torch.no_grad()
     def score(
-        self, images: Tensor, prompts: list[str], metadata: list[dict], sources: Tensor | None = None
+        self,
+        images: Tensor,
+        prompts: list[str],
+        metadata: list[dict],
+        sources: Tensor | None = None,
+        by_tag: bool = False,
     ) -> tuple[dict[str, Tensor], dict]:
-        """Per-component rewards (N,) and scalar summaries of the mix's details."""
+        """Per-component rewards (N,) and scalar summaries of the mix's details (see
+        :func:`detail_summaries`)."""
         batch = RewardBatch(prompts=prompts, images=images, metadata=metadata, ref_images=sources)
         result = self.reward.score(batch)
         components = {
@@ -385,12 +454,7 @@ class FlowRLRecipe:
             raise RuntimeError(
                 f"rewards failed for some samples {bad}; a failed score is never replaced by 0"
             )
-        summaries = {
-            f"reward/{key}/mean": float(torch.as_tensor(value, dtype=torch.float32).mean())
-            for key, value in result.details.items()
-            if "/" in key and isinstance(value, Tensor) and value.is_floating_point()
-        }
-        return components, summaries
+        return components, detail_summaries(result.details, by_tag=by_tag)
 
     def step_logprob(
         self, traj: Trajectory, cond: Cond, j: int, spec: StepSpec
@@ -479,36 +543,48 @@ class FlowRLRecipe:
                 self.policy, prompts, self.cfg.model.eval_num_steps, self.cfg.algo.sample_batch_size,
                 self.cfg.seed, progress, sources=sources,
             )  # fmt: skip
-        components, _ = self.score(images, prompts, [dict(ex.metadata) for ex in examples], sources)
+        metadata = [dict(ex.metadata) for ex in examples]
+        components, details = self.score(images, prompts, metadata, sources, by_tag=True)
+        self.eval_images = images
         if self.dist.is_main:
-            save_grid(images, self.run_dir / "images" / f"eval_epoch_{epoch:05d}.png", upscale=2)
+            name = "eval_before.png" if epoch < 0 else f"eval_epoch_{epoch:05d}.png"
+            save_grid(images, self.run_dir / "images" / name, upscale=2)
         total = sum(self.cfg.reward.weights[k] * v for k, v in components.items())
         return {
             "eval/reward/mean": total.mean().item(),
             **{f"eval/reward/{k}/mean": v.mean().item() for k, v in components.items()},
+            **{f"eval/{k}": v for k, v in details.items()},
         }
 
     def save(self, epochs_done: int) -> None:
         """A full-state checkpoint; with EMA, ``weights/`` holds the EMA weights and the raw ones travel in
-        the trainer state for resume."""
+        the trainer state for resume. Every rank enters: optimizer shards, gathers and swaps are collective."""
+        staging = engine_staging(self.run_dir, epochs_done)  # DeepSpeed's per-rank optimizer shards
         state = {
-            OPTIMIZER_KEY: self.dist.optimizer_state(self.optimizer), SAMPLER_KEY: self.sampler.state_dict(),
+            OPTIMIZER_KEY: self.dist.optimizer_state(self.optimizer, staging),
+            SAMPLER_KEY: self.sampler.state_dict(),
             COUNTERS_KEY: {"epoch": epochs_done, "global_step": self.global_step},
-        }  # fmt: skip
-        with self.dist.full_weights():  # ZeRO-3 / FSDP gather the sharded weights (every rank enters)
+        }
+        if self.ema is not None:
+            params = self.policy.trainable_parameters()
+            with self.dist.gathered(params):  # ZeRO-3 shards them
+                state[RAW_KEY] = [p.detach().cpu().clone() for p in params]
+            state[EMA_KEY] = self.ema.state_dict()
+        # the weights users sample from are the EMA ones; ZeRO-3 / FSDP gather the sharded weights
+        with self.ema_weights(), self.dist.full_weights():
             if not self.dist.is_main:
                 return
-            if self.ema is not None:
-                state[EMA_KEY] = self.ema.state_dict()
-                state[RAW_KEY] = [p.detach().cpu().clone() for p in self.policy.trainable_parameters()]
-            with self.ema_weights():  # the weights users sample from are the EMA ones
-                ckpt = save_checkpoint(
-                    self.run_dir, epochs_done, self.policy, state, self.raw_cfg, self.cfg.keep_last
-                )
+            ckpt = save_checkpoint(
+                self.run_dir, epochs_done, self.policy, state, self.raw_cfg, self.cfg.keep_last,
+                engine_state=staging if self.dist.shards_optimizer else None,
+            )  # fmt: skip
         log.info("saved %s", ckpt.path)
 
     def _log_console(self, epoch: int, m: dict[str, float]) -> None:
         extra = f" eval {m['eval/reward/mean']:+.4g}" if "eval/reward/mean" in m else ""
+        if "reward/mean" not in m:  # an epoch without rollouts (pretraining)
+            log.info("epoch %d  %s%s", epoch, _headline(m), extra)
+            return
         log.info(
             "epoch %d  reward %+.4g±%.3g%s  kl %.2e  clipfrac %.3f  |ratio-1|max %.2e  %.1fs",
             epoch, m["reward/mean"], m["reward/std"], extra, m.get("kl_loss", 0.0), m.get("clipfrac", 0.0),
@@ -531,19 +607,21 @@ def reduce_over_ranks(dist: Dist, stats: dict[str, float]) -> dict[str, float]:
     return {k: float(reducers.get(k, torch.mean)(table[:, i])) for i, k in enumerate(keys)}
 
 
-def _require_rank_symmetric(algo: AlgoConfig, sharded: bool = False) -> None:
+def _require_rank_symmetric(algo: AlgoConfig, fsdp: bool = False) -> None:
     """DDP needs every rank to run the same number of backward passes; per-sample step subsets and
-    best-of-N selection can give ranks different counts. Sharded weights (ZeRO-3, FSDP) have no whole
-    copy for an EMA to shadow."""
+    best-of-N selection can give ranks different counts. FSDP2 swaps in new (DTensor) parameters when it
+    shards the model and never writes gathered values back to the shards, so an EMA can neither follow the
+    live weights nor be swapped in for evaluation (ZeRO-3 can: ``Dist.gathered``)."""
     if algo.window.kind == "random_subset" or algo.best_of_n > 0:
         raise UserError(
             "algo.window.kind=random_subset and algo.best_of_n are single-process for now (ranks would run "
             "different numbers of backward passes); use launcher=local or another window"
         )
-    if sharded and algo.ema.enabled:
+    if fsdp and algo.ema.enabled:
         raise UserError(
-            "algo.ema needs whole weights on every rank; ZeRO-3 and FSDP shard them: use "
-            "launcher=deepspeed_zero2 or accelerate, or algo.ema.enabled=false"
+            "algo.ema is not supported with launcher=fsdp (FSDP2 cannot write gathered weights back to its "
+            "shards for an EMA swap): use launcher=deepspeed_zero3, deepspeed_zero2 or accelerate, or "
+            "algo.ema.enabled=false"
         )
 
 
@@ -571,6 +649,13 @@ def _run_ids(generators: list[torch.Generator]) -> Tensor:
     return torch.tensor(
         [sum(1 for j in range(1, i + 1) if seeds[j] != seeds[j - 1]) for i in range(len(seeds))]
     )
+
+
+def _headline(metrics: dict[str, float]) -> str:
+    """The epoch's one-number summary: the reward, or the loss of an epoch without rollouts."""
+    if "reward/mean" in metrics:
+        return f"reward {metrics['reward/mean']:+.4g}"
+    return f"loss {metrics.get('loss', float('nan')):.4g}"
 
 
 def _due(epoch: int, every: int, total: int) -> bool:

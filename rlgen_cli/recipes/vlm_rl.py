@@ -23,7 +23,17 @@ Deliberate choices: log-probs are taken at temperature 1 from raw logits (the sa
 shapes exploration); micro-batches are built once per epoch and reused, so the first update is exactly
 on-policy (``rlgen check-onpolicy model=tiny_qwen2_vl algo=step_grpo`` proves it).
 
+Several processes (``launcher=accelerate`` = DDP, ``launcher=deepspeed_zero2``) go through the same
+``launch/dist.py`` context as the flow recipe: the global batch is split contiguously over ranks (a group
+may span ranks), each rank samples its rows with ``generate`` on the bare model under the seed of the
+rows' global rollout batch, rewards are gathered with their dataset indices before the group
+statistics, the training forwards go through the DDP wrapper / engine (gradients averaged), dapo's token
+normaliser counts the tokens of every rank, and rank 0 alone evaluates, logs and writes checkpoints.
+So two processes equal one process with ``gradient_accumulation_steps=2``
+(``tests/distributed/test_vlm_distributed.py``).
+
     rlgen train model=tiny_qwen2_vl algo=step_grpo data=tiny_vlm reward=length     # tiny CPU run
+    rlgen train model=tiny_qwen2_vl algo=token_grpo launcher=accelerate launcher.num_processes=2
     rlgen train model=qwen2_vl model.path=/ckpt/qwen2vl-2b-sft algo=step_grpo data=r1vl reward=r1vl
 """
 
@@ -45,7 +55,7 @@ from torch import Tensor
 from rlgen_cli.algos.advantages import combine_rewards
 from rlgen_cli.algos.token_grpo import token_grpo_loss
 from rlgen_cli.data.sampler import GroupSampler
-from rlgen_cli.models.base import resolve_device
+from rlgen_cli.launch.dist import Dist, make_dist
 from rlgen_cli.rewards import RewardBatch, build_mix
 from rlgen_cli.rewards.r1vl import TEXT_REWARDS
 from rlgen_cli.schema.errors import UserError
@@ -55,11 +65,13 @@ from rlgen_cli.training.checkpoint import (
     COUNTERS_KEY,
     OPTIMIZER_KEY,
     SAMPLER_KEY,
+    Checkpoint,
+    engine_staging,
     resolve_resume,
     save_checkpoint,
     set_rng_state,
 )
-from rlgen_cli.training.metrics import JsonlLogger
+from rlgen_cli.training.metrics import JsonlLogger, NullLogger
 from rlgen_cli.training.plots import plot_runs
 from rlgen_cli.training.progress import Progress
 from rlgen_cli.vlm.data import load_vlm_examples, prompt_text
@@ -80,6 +92,8 @@ from rlgen_cli.vlm.training import (
     completion_budget,
     make_scheduler,
     print_onpolicy_report,
+    reduce_over_ranks,
+    require_whole_weights,
     summarise_stats,
 )
 
@@ -92,7 +106,7 @@ ROLLOUT_SALT = 3
 
 @dataclass
 class Rollouts:
-    """One epoch's samples in rollout order; N = prompts_per_epoch × group_size."""
+    """This rank's samples of one epoch in rollout order; N = prompts_per_epoch × group_size / processes."""
 
     indices: Tensor  # (N,) dataset indices: the group keys
     prompts: list[str]  # chat-templated prompt strings
@@ -129,7 +143,9 @@ class VLMRLRecipe:
                 f"reward(s) {unknown} score images; VLM recipes score texts: {', '.join(TEXT_REWARDS)}"
             )
         torch.manual_seed(cfg.seed)
-        self.device = resolve_device(cfg.device)
+        self.dist: Dist = make_dist(cfg.device)
+        require_whole_weights(self.dist, algo.token.engine)
+        self.device = self.dist.device
         self.policy = build_vlm(cfg.model, self.device)
         self.reward = build_mix(
             dict(cfg.reward.weights), **{k: dict(v) for k, v in cfg.reward.kwargs.items()}
@@ -137,14 +153,16 @@ class VLMRLRecipe:
         self.train_set = load_vlm_examples(cfg.data.train)
         self.test_set = load_vlm_examples(cfg.data.test) if cfg.eval_every else []
         self.sampler = GroupSampler(
-            len(self.train_set), algo.prompts_per_epoch, algo.group_size, seed=cfg.seed
-        )
+            len(self.train_set), algo.prompts_per_epoch, algo.group_size, seed=cfg.seed,
+            num_replicas=self.dist.world_size, rank=self.dist.rank,
+        )  # fmt: skip
         self.optimizer = torch.optim.AdamW(
             self.policy.trainable_parameters(), lr=algo.lr, betas=(algo.adam_beta1, algo.adam_beta2),
             eps=algo.adam_eps, weight_decay=algo.weight_decay,
         )  # fmt: skip
-        micro = algo.prompts_per_epoch * algo.group_size // algo.train_batch_size
+        micro = self.sampler.samples_per_rank // algo.train_batch_size  # per rank: the steps are shared
         total = cfg.epochs * algo.token.num_iterations * micro // algo.gradient_accumulation_steps
+        # on the torch optimizer: DeepSpeed's ZeRO optimizer steps with its param_groups' learning rates
         self.scheduler = make_scheduler(
             self.optimizer, total, algo.token.warmup_ratio, algo.token.lr_schedule
         )
@@ -152,32 +170,41 @@ class VLMRLRecipe:
             algo.token.max_completion_tokens, cfg.model.vlm.completion_cap
         )
         self.start_epoch, self.global_step = 0, 0
-        self._maybe_resume()
+        resumed = self._maybe_resume()  # into the bare model, before DDP / the engine wraps it
+        self.optimizer = self.dist.prepare(
+            self.policy, self.optimizer, max_grad_norm=algo.max_grad_norm, micro_batch_size=algo.train_batch_size
+        )  # fmt: skip
+        if resumed is not None:  # DeepSpeed reads its optimizer shards from the checkpoint's engine/
+            ckpt, state = resumed
+            self.dist.load_optimizer_state(self.optimizer, state[OPTIMIZER_KEY], ckpt.engine)
         self.engine = build_engine(self.policy, algo.token, cfg.seed)  # after resume: it syncs on first use
-        self.logger = JsonlLogger(self.run_dir)
+        self.logger = JsonlLogger(self.run_dir) if self.dist.is_main else NullLogger()
 
-    def _maybe_resume(self) -> None:
+    def _maybe_resume(self) -> tuple[Checkpoint, dict[str, Any]] | None:
+        """Weights, scheduler, sampler, RNG and counters of the checkpoint to resume (if any); returns it and
+        its state, whose optimizer entry ``setup`` restores once the optimizer is prepared."""
         ckpt = resolve_resume(self.cfg.resume, self.run_dir)
         if ckpt is None:
-            return
+            return None
         state = ckpt.state()
         self.policy.load_trainable(ckpt.weights)
-        self.optimizer.load_state_dict(state[OPTIMIZER_KEY])
         self.scheduler.load_state_dict(state[SCHEDULER_KEY])
         self.sampler.load_state_dict(state[SAMPLER_KEY])
         set_rng_state(state["rng"])
         self.start_epoch = state[COUNTERS_KEY]["epoch"]
         self.global_step = state[COUNTERS_KEY]["global_step"]
         log.info("resumed from %s at epoch %d", ckpt.path, self.start_epoch)
+        return ckpt, state
 
     # -- the loop -------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
-        cfg, metrics = self.cfg, {}
-        with Progress(enabled=cfg.progress) as progress:
+        cfg, metrics, main = self.cfg, {}, self.dist.is_main
+        with Progress(enabled=cfg.progress and main) as progress:
             epochs = progress.task("epochs", total=cfg.epochs, completed=self.start_epoch)
             for epoch in range(self.start_epoch, cfg.epochs):
                 metrics = self.train_epoch(epoch, progress)
-                if cfg.eval_every and _due(epoch, cfg.eval_every, cfg.epochs):
+                # whole weights on every rank (require_whole_weights): rank 0 evaluates alone
+                if main and cfg.eval_every and _due(epoch, cfg.eval_every, cfg.epochs):
                     metrics |= self.evaluate(progress)
                 self.logger.log(metrics, step=epoch)
                 log.info(
@@ -187,10 +214,12 @@ class VLMRLRecipe:
                 )  # fmt: skip
                 if _due(epoch, cfg.save_every, cfg.epochs):
                     self.save(epoch + 1)
+                self.dist.barrier()
                 progress.advance(
                     epochs, description=f"epoch {epoch + 1}: reward {metrics['reward/mean']:+.4g}"
                 )
-        plot_runs([self.run_dir], self.run_dir / REWARD_CURVE)
+        if main:
+            plot_runs([self.run_dir], self.run_dir / REWARD_CURVE)
         return metrics
 
     def train_epoch(self, epoch: int, progress: Progress) -> dict[str, float]:
@@ -198,28 +227,42 @@ class VLMRLRecipe:
         start = time.perf_counter()
         rollouts = self.rollout(epoch, progress)
         timings["time/rollout"] = time.perf_counter() - start
-        components, total = self.score(rollouts)
+        local, local_total = self.score(rollouts)
+        # every rank sees the whole batch's rewards with their dataset indices, so a group that spans
+        # ranks is normalised as one; each rank then keeps the advantages of its own rows
+        components = {k: self.dist.gather(v).cpu() for k, v in local.items()}
+        total, group_ids = self.dist.gather(local_total).cpu(), self.dist.gather(rollouts.indices).cpu()
         algo = self.cfg.algo
         advantages, adv_stats = combine_rewards(
-            components, dict(self.cfg.reward.weights), rollouts.indices, mode=self.cfg.reward.aggregation,
+            components, dict(self.cfg.reward.weights), group_ids, mode=self.cfg.reward.aggregation,
             global_std=algo.token.scale_rewards == "batch", scale="none" if algo.token.scale_rewards == "none" else "std",
             eps=1e-4, clip_max=algo.adv_clip_max,
         )  # fmt: skip
+        n = len(rollouts.indices)
+        advantages = advantages[self.dist.rank * n : (self.dist.rank + 1) * n]
         start = time.perf_counter()
         micro_batches = self.prepare(rollouts)
         update_stats = self.update(micro_batches, advantages, rollouts.truncated, progress)
         timings["time/update"] = time.perf_counter() - start
-        lengths = torch.tensor([float(c.numel()) for c in rollouts.completions])
+        local_stats = reduce_over_ranks(
+            self.dist, {**update_stats, "sampler/logp_gap_max": self._sampler_gap(rollouts, micro_batches)}
+        )
         return {
             "reward/mean": total.mean().item(), "reward/std": total.std().item(),
             **{f"reward/{k}/mean": v.mean().item() for k, v in components.items()},
             **{f"reward/{k}/std": v.std().item() for k, v in components.items()},
             "zero_std_ratio": adv_stats.zero_std_ratio, "num_groups": adv_stats.num_groups,
+            **self._completion_stats(rollouts), **local_stats, **timings,
+            "lr": self.scheduler.get_last_lr()[0], "global_step": self.global_step,
+        }  # fmt: skip
+
+    def _completion_stats(self, rollouts: Rollouts) -> dict[str, float]:
+        """Completion lengths and the truncated fraction over every rank's rows."""
+        lengths = self.dist.gather(torch.tensor([float(c.numel()) for c in rollouts.completions])).cpu()
+        truncated = self.dist.gather(torch.tensor([float(t) for t in rollouts.truncated])).cpu()
+        return {
             "completions/mean_length": lengths.mean().item(), "completions/max_length": lengths.max().item(),
-            "completions/min_length": lengths.min().item(),
-            "completions/clipped_ratio": sum(rollouts.truncated) / len(rollouts.truncated),
-            "sampler/logp_gap_max": self._sampler_gap(rollouts, micro_batches),
-            **update_stats, **timings, "lr": self.scheduler.get_last_lr()[0], "global_step": self.global_step,
+            "completions/min_length": lengths.min().item(), "completions/clipped_ratio": truncated.mean().item(),
         }  # fmt: skip
 
     # -- phases ---------------------------------------------------------------------------------
@@ -228,8 +271,10 @@ class VLMRLRecipe:
         return SamplingOptions(token.temperature, token.top_p, token.top_k, self.max_completion_tokens)
 
     def rollout(self, epoch: int, progress: Progress) -> Rollouts:
-        """Generate this epoch's completions in batches of ``sample_batch_size``."""
+        """Generate this rank's completions of the epoch in batches of ``sample_batch_size``; a batch's seed
+        is keyed by its global position, so the samples do not depend on the number of processes."""
         cfg, vlm = self.cfg, self.cfg.model.vlm
+        first = self.dist.rank * self.sampler.samples_per_rank // cfg.algo.sample_batch_size
         indices = self.sampler.indices_for_epoch(epoch)
         examples = [self.train_set[i] for i in indices]
         prompts = [
@@ -241,7 +286,7 @@ class VLMRLRecipe:
         task = progress.task("rollout", total=len(indices))
         for k, part in enumerate(batches(len(indices), cfg.algo.sample_batch_size)):
             done = self.engine.generate(
-                prompts[part], images[part], options, seed=stream_seed(cfg.seed, epoch, k, ROLLOUT_SALT),
+                prompts[part], images[part], options, seed=stream_seed(cfg.seed, epoch, first + k, ROLLOUT_SALT),
                 labels=[f"#{i}" for i in indices[part]],
             )  # fmt: skip
             ids += done.ids
@@ -289,24 +334,38 @@ class VLMRLRecipe:
     def update(
         self, micro_batches: list[MicroBatch], advantages: Tensor, truncated: list[bool], progress: Progress
     ) -> dict[str, float]:
-        """``num_iterations`` passes of the token loss over the micro-batches, stepping every accumulation."""
+        """``num_iterations`` passes of the token loss over the micro-batches, stepping every accumulation;
+        each backward carries 1/accum of its micro-batch's loss (the engine averages over ranks)."""
         algo, token = self.cfg.algo, self.cfg.algo.token
         accum = algo.gradient_accumulation_steps
+        num_items = self.token_normalisers(micro_batches, truncated)
         stats: dict[str, list[float]] = defaultdict(list)
         task = progress.task("update", total=token.num_iterations * len(micro_batches))
         for _ in range(token.num_iterations):
             for k, mb in enumerate(micro_batches):
-                group = micro_batches[k - k % accum : k - k % accum + accum]
-                num_items = sum(self._loss_mask(m, truncated).sum().item() for m in group)
-                out = self.micro_batch_loss(mb, advantages[mb.rows].to(self.device), truncated, num_items)
-                (out.loss if token.loss_type == "dapo" else out.loss / accum).backward()
+                out = self.micro_batch_loss(mb, advantages[mb.rows].to(self.device), truncated, num_items[k])
+                steps_after = (k + 1) % accum == 0
+                self.dist.backward(out.loss / accum, sync=steps_after)
                 for key, value in {**out.stats, "policy_loss": out.policy_loss, "kl_loss": out.kl}.items():
                     stats[key].append(float(value))
-                if (k + 1) % accum == 0:
+                if steps_after:
                     stats["grad_norm"].append(self.optimizer_step())
                 progress.advance(task)
         progress.remove(task)
         return summarise_stats(stats)
+
+    def token_normalisers(self, micro_batches: list[MicroBatch], truncated: list[bool]) -> list[float]:
+        """Per micro-batch, dapo's ``num_items``: the loss tokens of its accumulation group on every rank,
+        divided by the micro-batches they fill (accum × ranks). Averaging the backwards (1/accum each) and
+        the ranks' gradients then gives Σ loss / all tokens of the optimizer step, as TRL normalises;
+        the other loss types ignore it."""
+        accum, ranks = self.cfg.algo.gradient_accumulation_steps, self.dist.world_size
+        local = torch.tensor(
+            [[float(self._loss_mask(mb, truncated).sum()) for mb in micro_batches]]
+        )  # (1, M)
+        counts = self.dist.gather(local).sum(0).cpu()  # (M,) over ranks
+        starts = [k - k % accum for k in range(len(micro_batches))]
+        return [counts[s : s + accum].sum().item() / (accum * ranks) for s in starts]
 
     def _loss_mask(self, mb: MicroBatch, truncated: list[bool]) -> Tensor:
         mask = mb.batch.completion_mask
@@ -328,10 +387,8 @@ class VLMRLRecipe:
     def optimizer_step(self) -> float:
         params = self.policy.trainable_parameters()
         max_norm = self.cfg.algo.max_grad_norm if self.cfg.algo.max_grad_norm > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
-        self.optimizer.step()
+        grad_norm = self.dist.clip_and_step(self.optimizer, params, max_norm)  # the pre-clip global norm
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
         self.engine.weights_updated()  # vLLM: push the new weights before the next rollout
         return grad_norm
@@ -357,14 +414,20 @@ class VLMRLRecipe:
         return {"eval/accuracy": summary["accuracy"], **per_category}
 
     def save(self, epochs_done: int) -> None:
+        """A full-state checkpoint, written by rank 0 (every rank calls: the optimizer state may be a
+        collective)."""
+        staging = engine_staging(self.run_dir, epochs_done)  # DeepSpeed's per-rank optimizer shards
         state = {
-            OPTIMIZER_KEY: self.optimizer.state_dict(), SAMPLER_KEY: self.sampler.state_dict(),
+            OPTIMIZER_KEY: self.dist.optimizer_state(self.optimizer, staging), SAMPLER_KEY: self.sampler.state_dict(),
             SCHEDULER_KEY: self.scheduler.state_dict(),
             COUNTERS_KEY: {"epoch": epochs_done, "global_step": self.global_step},
         }  # fmt: skip
+        if not self.dist.is_main:
+            return
         ckpt = save_checkpoint(
-            self.run_dir, epochs_done, self.policy, state, self.raw_cfg, self.cfg.keep_last
-        )
+            self.run_dir, epochs_done, self.policy, state, self.raw_cfg, self.cfg.keep_last,
+            engine_state=staging if self.dist.shards_optimizer else None,
+        )  # fmt: skip
         log.info("saved %s", ckpt.path)
 
     def cleanup(self) -> None:

@@ -11,10 +11,16 @@ upstream runs LLaMA-Factory). Here:
   system turns are masked; sequences are never truncated (too long → a clear error);
 * loop — ``epochs`` passes in a seeded shuffled order, gradient accumulation, grad-norm clip, warm-up +
   cosine / linear / constant schedule, metrics.jsonl, full-state checkpoints (resume), optional accuracy
-  on ``data.test`` every ``eval_every`` epochs.
+  on ``data.test`` every ``eval_every`` epochs;
+* several processes (``launcher=accelerate`` / ``deepspeed_zero2``, ``launch/dist.py``) — as torch's
+  ``DistributedSampler``: the epoch's order is padded by wrapping to a multiple of the process count and
+  rank r takes every W-th conversation from position r, so every rank runs the same number of
+  micro-batches; gradients are averaged by DDP / the engine; rank 0 evaluates, logs and saves.
 
     rlgen train model=tiny_qwen2_vl algo=vlm_sft data=tiny_vlm data.train=builtin:tiny_sft.jsonl reward=length
     rlgen train model=qwen2_vl algo=vlm_sft epochs=2 data.train=mulberry_sft.jsonl reward=r1vl
+    rlgen train model=tiny_qwen2_vl algo=vlm_sft data.train=builtin:tiny_sft.jsonl reward=length \
+        launcher=accelerate launcher.num_processes=2
 """
 
 from __future__ import annotations
@@ -29,25 +35,33 @@ import torch
 from omegaconf import DictConfig
 from torch import Tensor
 
-from rlgen_cli.models.base import resolve_device
+from rlgen_cli.launch.dist import Dist, make_dist
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import TrainConfig
 from rlgen_cli.training.checkpoint import (
     COUNTERS_KEY,
     OPTIMIZER_KEY,
+    Checkpoint,
+    engine_staging,
     resolve_resume,
     save_checkpoint,
     set_rng_state,
 )
-from rlgen_cli.training.metrics import JsonlLogger
+from rlgen_cli.training.metrics import JsonlLogger, NullLogger
 from rlgen_cli.training.progress import Progress
 from rlgen_cli.vlm.data import SFTExample, drop_reflective, load_sft, load_vlm_examples
 from rlgen_cli.vlm.evaluate import answer_examples, summarise
 from rlgen_cli.vlm.policy import VLMPolicy, build_vlm
 from rlgen_cli.vlm.rollout import load_image
-from rlgen_cli.vlm.training import SCHEDULER_KEY, batches, make_scheduler
+from rlgen_cli.vlm.training import (
+    SCHEDULER_KEY,
+    batches,
+    make_scheduler,
+    reduce_over_ranks,
+    require_whole_weights,
+)
 
-__all__ = ["VLMSFTRecipe", "assistant_mask", "encode_conversations", "run"]
+__all__ = ["VLMSFTRecipe", "assistant_mask", "encode_conversations", "rank_order", "run"]
 
 log = logging.getLogger(__name__)
 IGNORE = -100
@@ -110,9 +124,18 @@ def sft_loss(policy: VLMPolicy, inputs: dict[str, Tensor]) -> tuple[Tensor, int]
     labels = inputs["labels"][:, 1:]
     model_inputs = {k: v for k, v in inputs.items() if k != "labels"}
     with policy.autocast():
-        logits = policy.model(**model_inputs, use_cache=False).logits[:, :-1]
+        logits = policy.train_model(**model_inputs, use_cache=False).logits[:, :-1]
     loss = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=IGNORE)
     return loss, int((labels != IGNORE).sum())
+
+
+def rank_order(size: int, seed: int, rank: int, world_size: int) -> list[int]:
+    """This rank's conversations of one epoch: ``randperm(size)`` seeded by ``seed``, padded by wrapping to
+    a multiple of ``world_size`` (as ``DistributedSampler``), then every ``world_size``-th from ``rank``;
+    with one process, the whole permutation."""
+    order = torch.randperm(size, generator=torch.Generator().manual_seed(seed)).tolist()
+    padded = order + order[: -size % world_size] if size % world_size else order
+    return padded[rank::world_size]
 
 
 class VLMSFTRecipe:
@@ -124,7 +147,9 @@ class VLMSFTRecipe:
     def setup(self) -> None:
         cfg, algo = self.cfg, self.cfg.algo
         torch.manual_seed(cfg.seed)
-        self.device = resolve_device(cfg.device)
+        self.dist: Dist = make_dist(cfg.device)
+        require_whole_weights(self.dist)  # rank 0 evaluates with generate on its whole model
+        self.device = self.dist.device
         self.policy = build_vlm(cfg.model, self.device)
         self.train_set, dropped = drop_reflective(load_sft(cfg.data.train), algo.token.sft_drop_markers)
         if not self.train_set:
@@ -138,33 +163,46 @@ class VLMSFTRecipe:
             self.policy.trainable_parameters(), lr=algo.lr, betas=(algo.adam_beta1, algo.adam_beta2),
             eps=algo.adam_eps, weight_decay=algo.weight_decay,
         )  # fmt: skip
+        per_rank = math.ceil(len(self.train_set) / self.dist.world_size)
         steps_per_epoch = math.ceil(
-            len(self.train_set) / algo.train_batch_size / algo.gradient_accumulation_steps
+            math.ceil(per_rank / algo.train_batch_size) / algo.gradient_accumulation_steps
         )
         total = cfg.epochs * steps_per_epoch
         self.scheduler = make_scheduler(
             self.optimizer, total, algo.token.warmup_ratio, algo.token.lr_schedule
         )
         self.start_epoch, self.global_step = 0, 0
-        ckpt = resolve_resume(cfg.resume, self.run_dir)
-        if ckpt is not None:
-            state = ckpt.state()
-            self.policy.load_trainable(ckpt.weights)
-            self.optimizer.load_state_dict(state[OPTIMIZER_KEY])
-            self.scheduler.load_state_dict(state[SCHEDULER_KEY])
-            set_rng_state(state["rng"])
-            self.start_epoch, self.global_step = (
-                state[COUNTERS_KEY]["epoch"],
-                state[COUNTERS_KEY]["global_step"],
-            )
-        self.logger = JsonlLogger(self.run_dir)
+        resumed = self._maybe_resume()  # into the bare model, before DDP / the engine wraps it
+        self.optimizer = self.dist.prepare(
+            self.policy, self.optimizer, max_grad_norm=algo.max_grad_norm, micro_batch_size=algo.train_batch_size
+        )  # fmt: skip
+        if resumed is not None:  # DeepSpeed reads its optimizer shards from the checkpoint's engine/
+            ckpt, state = resumed
+            self.dist.load_optimizer_state(self.optimizer, state[OPTIMIZER_KEY], ckpt.engine)
+        self.logger = JsonlLogger(self.run_dir) if self.dist.is_main else NullLogger()
+
+    def _maybe_resume(self) -> tuple[Checkpoint, dict[str, Any]] | None:
+        """Weights, scheduler, RNG and counters of the checkpoint to resume (if any); returns it and its
+        state, whose optimizer entry ``setup`` restores once the optimizer is prepared."""
+        ckpt = resolve_resume(self.cfg.resume, self.run_dir)
+        if ckpt is None:
+            return None
+        state = ckpt.state()
+        self.policy.load_trainable(ckpt.weights)
+        self.scheduler.load_state_dict(state[SCHEDULER_KEY])
+        set_rng_state(state["rng"])
+        self.start_epoch = state[COUNTERS_KEY]["epoch"]
+        self.global_step = state[COUNTERS_KEY]["global_step"]
+        log.info("resumed from %s at epoch %d", ckpt.path, self.start_epoch)
+        return ckpt, state
 
     def train(self) -> dict[str, float]:
-        cfg, metrics = self.cfg, {}
-        with Progress(enabled=cfg.progress) as progress:
+        cfg, metrics, main = self.cfg, {}, self.dist.is_main
+        with Progress(enabled=cfg.progress and main) as progress:
             for epoch in range(self.start_epoch, cfg.epochs):
                 metrics = self.train_epoch(epoch, progress)
-                if cfg.eval_every and (epoch + 1 == cfg.epochs or (epoch + 1) % cfg.eval_every == 0):
+                due = epoch + 1 == cfg.epochs or (epoch + 1) % max(cfg.eval_every, 1) == 0
+                if main and cfg.eval_every and due:  # whole weights on every rank: rank 0 evaluates alone
                     n = cfg.data.eval_num_prompts or len(self.test_set)
                     answers = answer_examples(
                         self.policy, self.test_set[:n], cfg.algo.train_batch_size, cfg.seed, progress
@@ -180,29 +218,32 @@ class VLMSFTRecipe:
                 )
                 if epoch + 1 == cfg.epochs or (cfg.save_every and (epoch + 1) % cfg.save_every == 0):
                     self.save(epoch + 1)
+                self.dist.barrier()
         return metrics
 
     def train_epoch(self, epoch: int, progress: Progress) -> dict[str, float]:
-        """One shuffled pass (order seeded by (seed, epoch), so a resumed run sees the same order)."""
+        """One shuffled pass (order seeded by (seed, epoch), so a resumed run sees the same order); this
+        rank's share of it (:func:`rank_order`), the same number of micro-batches on every rank."""
         algo, start = self.cfg.algo, time.perf_counter()
-        order = torch.randperm(
-            len(self.train_set), generator=torch.Generator().manual_seed(self.cfg.seed + epoch)
-        )
+        order = rank_order(len(self.train_set), self.cfg.seed + epoch, self.dist.rank, self.dist.world_size)
         parts = batches(len(order), algo.train_batch_size)
+        accum = algo.gradient_accumulation_steps
         losses, tokens, norms = [], 0, []
         task = progress.task("sft", total=len(parts))
         for k, part in enumerate(parts):
-            inputs = encode_conversations(self.policy, [self.train_set[i] for i in order[part].tolist()])
+            inputs = encode_conversations(self.policy, [self.train_set[i] for i in order[part]])
             loss, count = sft_loss(self.policy, inputs)
-            (loss / algo.gradient_accumulation_steps).backward()
+            steps_after = (k + 1) % accum == 0 or k + 1 == len(parts)
+            self.dist.backward(loss / accum, sync=steps_after)
             losses.append(loss.item())
             tokens += count
-            if (k + 1) % algo.gradient_accumulation_steps == 0 or k + 1 == len(parts):
+            if steps_after:
                 norms.append(self.optimizer_step())
             progress.advance(task)
         progress.remove(task)
+        stats = reduce_over_ranks(self.dist, {"loss": sum(losses) / len(losses), "tokens": float(tokens)})
         return {
-            "loss": sum(losses) / len(losses), "tokens": float(tokens), "grad_norm": sum(norms) / len(norms),
+            **stats, "grad_norm": sum(norms) / len(norms),
             "lr": self.scheduler.get_last_lr()[0], "dropped_reflective": float(self.dropped),
             "time/epoch": time.perf_counter() - start, "global_step": self.global_step,
         }  # fmt: skip
@@ -210,21 +251,25 @@ class VLMSFTRecipe:
     def optimizer_step(self) -> float:
         params = self.policy.trainable_parameters()
         max_norm = self.cfg.algo.max_grad_norm if self.cfg.algo.max_grad_norm > 0 else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
-        self.optimizer.step()
+        norm = self.dist.clip_and_step(self.optimizer, params, max_norm)  # the pre-clip global norm
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
         return norm
 
     def save(self, epochs_done: int) -> None:
+        """A full-state checkpoint, written by rank 0 (every rank calls: the optimizer state may be a
+        collective)."""
+        staging = engine_staging(self.run_dir, epochs_done)  # DeepSpeed's per-rank optimizer shards
         state = {
-            OPTIMIZER_KEY: self.optimizer.state_dict(), SCHEDULER_KEY: self.scheduler.state_dict(),
+            OPTIMIZER_KEY: self.dist.optimizer_state(self.optimizer, staging), SCHEDULER_KEY: self.scheduler.state_dict(),
             COUNTERS_KEY: {"epoch": epochs_done, "global_step": self.global_step},
         }  # fmt: skip
+        if not self.dist.is_main:
+            return
         ckpt = save_checkpoint(
-            self.run_dir, epochs_done, self.policy, state, self.raw_cfg, self.cfg.keep_last
-        )
+            self.run_dir, epochs_done, self.policy, state, self.raw_cfg, self.cfg.keep_last,
+            engine_state=staging if self.dist.shards_optimizer else None,
+        )  # fmt: skip
         log.info("saved %s", ckpt.path)
 
     def cleanup(self) -> None:

@@ -34,7 +34,7 @@ WINDOW_OPTIONS = {
     "single": ("max_index",),
 }
 OBJECTIVES = ("grpo", "grpo_guard")
-RECIPES = ("flow_rl", "flow_pref", "vlm_rl", "vlm_sft")
+RECIPES = ("flow_rl", "flow_pref", "flow_pretrain", "vlm_rl", "vlm_sft")
 PREF_LOSSES = ("dpo", "sft")
 BRANCHES = ("independent", "shared_prefix")
 KL_FORMS = ("true", "upstream")
@@ -219,12 +219,47 @@ class PrefConfig:
 
 
 @dataclass
+class PretrainConfig:
+    """Flow-matching pretraining on ground-truth images (``algo.recipe=flow_pretrain``)."""
+
+    steps_per_epoch: int = 50
+    """Optimizer steps per epoch (an epoch is the unit of eval, logging and checkpoints)."""
+    batch_size: int = 128
+    """Images per optimizer step."""
+    source: str = "shapes"
+    """Where the images come from: ``shapes`` renders the ShapesEval metadata of each train row."""
+    cond_dropout: float = 0.1
+    """Share of prompts replaced by the empty prompt, so the model also learns the unconditional
+    velocity that classifier-free guidance needs."""
+    sigma_sampling: str = "logit_normal"
+    """Training σ distribution: ``logit_normal`` (SD3, mean 0, std 1) or ``uniform``."""
+    warmup_steps: int = 200
+    """Linear learning-rate warm-up; then a cosine decay to ``min_lr_ratio``·lr at the last step."""
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        _one_of(self.source, ("shapes",), "algo.pretrain.source")
+        _one_of(self.sigma_sampling, ("logit_normal", "uniform"), "algo.pretrain.sigma_sampling")
+        _require(
+            self.steps_per_epoch >= 1 and self.batch_size >= 1,
+            "algo.pretrain.steps_per_epoch and algo.pretrain.batch_size must be ≥ 1",
+        )
+        _require(
+            0 <= self.cond_dropout < 1,
+            f"algo.pretrain.cond_dropout must be in [0, 1), got {self.cond_dropout}",
+        )
+
+
+@dataclass
 class EMAConfig:
     enabled: bool = False
     """Keep an exponential moving average of the trainable weights, used for eval and saving."""
     decay: float = 0.9
     update_every: int = 8
     """Optimizer steps between EMA updates."""
+    warmup: bool = False
+    """Ramp the decay up as ``min(decay, (1 + step) / (10 + step))`` so the average forgets the
+    starting weights quickly (training from scratch); off keeps the decay constant (fine-tuning)."""
 
 
 @dataclass
@@ -274,6 +309,7 @@ class AlgoConfig:
     """Train only the k best and k worst samples of each group (DanceGRPO's best-of-N); 0 = all."""
     ema: EMAConfig = field(default_factory=EMAConfig)
     pref: PrefConfig = field(default_factory=PrefConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     token: TokenGRPOOptions = field(default_factory=TokenGRPOOptions)
     """Token-level GRPO (VLM recipes only)."""
 
@@ -412,6 +448,12 @@ class TrainConfig:
     """Sampling rounds; each is rollout → reward → advantages → update."""
     eval_every: int = 10
     """Epochs between evaluations (ODE sampling on the test prompts); 0 = never."""
+    time_limit_minutes: float = 0.0
+    """Stop after the first epoch that ends past this many minutes of training (then evaluate and save
+    as after the last epoch); 0 = no limit."""
+    eval_before: bool = False
+    """Also evaluate before the first epoch (logged at step −1): the run ends with a before → after
+    table per prompt tag (``before_after.txt``) and sample grid when the reward reports tags."""
     save_every: int = 10
     """Epochs between checkpoints; 0 = only at the end."""
     keep_last: int = 3
@@ -440,6 +482,9 @@ class TrainConfig:
         _require(self.epochs >= 1, f"epochs must be ≥ 1, got {self.epochs}")
         _require(min(self.eval_every, self.save_every, self.images_every) >= 0, "*_every must be ≥ 0")
         _require(self.keep_last >= 1, f"keep_last must be ≥ 1, got {self.keep_last}")
+        _require(
+            self.time_limit_minutes >= 0, f"time_limit_minutes must be ≥ 0, got {self.time_limit_minutes}"
+        )
         window, steps = self.algo.window, self.model.num_steps
         if window.kind in ("all", "random_subset"):
             _require(
@@ -522,6 +567,8 @@ class EvalConfig:
     run_dir: str = "${hydra:runtime.output_dir}"
     checkpoint: str | None = None
     """Checkpoint to evaluate; null evaluates the base model."""
+    ckpt: str | None = None
+    """Short alias of ``checkpoint``."""
     images_per_prompt: int = 1
     batch_size: int = 8
     num_steps: int | None = None
@@ -536,3 +583,8 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         require_rewards(self.reward)
+        _require(
+            not (self.ckpt and self.checkpoint and self.ckpt != self.checkpoint),
+            f"ckpt={self.ckpt} and checkpoint={self.checkpoint} disagree; pass one of them",
+        )
+        self.checkpoint = self.checkpoint or self.ckpt

@@ -1,21 +1,24 @@
 """Registers the typed schemas in Hydra's ConfigStore.
 
 Each primary config in ``conf/`` lists its schema first in its defaults (``_schema_<verb>``), so every
-group option merges into a typed node and a misspelt key fails with its full name.
+group option merges into a typed node and a misspelt key fails with its full name. ``train``,
+``check_onpolicy`` and ``eval`` carry the ``r3`` section (``schema/r3.py``) next to the shared ones, as
+``model.vlm`` and ``algo.token`` sit next to the flow keys.
 """
 
 from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
 
-from rlgen_cli.schema.flow import CheckOnPolicyConfig, EvalConfig, SampleConfig, TrainConfig
+from rlgen_cli.schema.flow import SampleConfig
+from rlgen_cli.schema.r3 import R3CheckOnPolicyConfig, R3EvalConfig, R3TrainConfig
 from rlgen_cli.schema.serve import ServeRewardConfig
 
 PRIMARY_SCHEMAS = {
-    "_schema_train": TrainConfig,
-    "_schema_check_onpolicy": CheckOnPolicyConfig,
+    "_schema_train": R3TrainConfig,
+    "_schema_check_onpolicy": R3CheckOnPolicyConfig,
     "_schema_sample": SampleConfig,
-    "_schema_eval": EvalConfig,
+    "_schema_eval": R3EvalConfig,
     "_schema_serve_reward": ServeRewardConfig,
 }
 

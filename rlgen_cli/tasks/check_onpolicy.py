@@ -22,10 +22,13 @@ EXIT_MISMATCH = 1
 @user_errors
 def check_onpolicy_task(cfg: DictConfig) -> float:
     typed = validated(cfg)
+    from rlgen_cli.schema.r3 import is_r3
     from rlgen_cli.schema.vlm import VLM_FAMILIES
 
     if typed.model.family in VLM_FAMILIES:
         return _check_vlm(typed, cfg)
+    if is_r3(typed.model):
+        return _check_r3(typed, cfg)
     from rlgen_cli.recipes.flow_rl import FlowRLRecipe
     from rlgen_cli.recipes.sampling import batches
     from rlgen_cli.training.progress import Progress
@@ -69,6 +72,25 @@ def _check_vlm(typed, cfg: DictConfig) -> float:
 
     setup_logging(prepare_run_dir(run_dir_of(typed), cfg))
     worst = check_onpolicy(typed, cfg)
+    if worst > typed.check.tolerance:
+        sys.exit(EXIT_MISMATCH)
+    return worst
+
+
+def _check_r3(typed, cfg: DictConfig) -> float:
+    """Both tracks of a unified policy, in the reason (step 0) and the refine (step 1) stage."""
+    from rlgen_cli.r3.onpolicy import check_stage, print_report
+    from rlgen_cli.recipes.r3 import R3Recipe
+    from rlgen_cli.training.run import prepare_run_dir, setup_logging
+
+    setup_logging(prepare_run_dir(run_dir_of(typed), cfg))
+    recipe = R3Recipe(typed, cfg)
+    recipe.setup()
+    try:
+        rows = check_stage(recipe, 0) + check_stage(recipe, 1)
+    finally:
+        recipe.cleanup()
+    worst = print_report(rows, typed.check.tolerance)
     if worst > typed.check.tolerance:
         sys.exit(EXIT_MISMATCH)
     return worst

@@ -17,8 +17,11 @@ SAMPLES = "samples.jsonl"
 def eval_task(cfg: DictConfig) -> float:
     """Returns the mean mixed reward (the number a sweeper would optimise)."""
     typed = validated(cfg)
+    from rlgen_cli.schema.r3 import is_r3
     from rlgen_cli.schema.vlm import VLM_FAMILIES
 
+    if is_r3(typed.model):  # multi-round reflect → refine evaluation of a unified policy
+        return _eval_r3(typed, cfg)
     if typed.model.family in VLM_FAMILIES:  # benchmark accuracy of a multimodal LLM
         from rlgen_cli.recipes.vlm_rl import evaluate
         from rlgen_cli.training.run import prepare_run_dir, setup_logging
@@ -31,6 +34,7 @@ def eval_task(cfg: DictConfig) -> float:
     from rlgen_cli.tasks.loading import load_policy
     from rlgen_cli.training.images import save_grid
     from rlgen_cli.training.progress import Progress
+    from rlgen_cli.training.report import detail_summaries
     from rlgen_cli.training.run import prepare_run_dir, setup_logging
 
     run_dir = prepare_run_dir(run_dir_of(typed), cfg)
@@ -48,6 +52,7 @@ def eval_task(cfg: DictConfig) -> float:
         RewardBatch(prompts=prompts, images=images, metadata=[dict(ex.metadata) for ex in examples])
     )
     summary = _summary(result.scores, {name: result.details[name] for name in reward.rewards})
+    summary["details"] = detail_summaries(result.details, by_tag=True)
     summary |= {"checkpoint": typed.checkpoint, "num_samples": len(examples), "num_steps": num_steps}
     (run_dir / RESULTS).write_text(json.dumps(summary, indent=2), encoding="utf-8")
     with (run_dir / SAMPLES).open("w", encoding="utf-8") as out:
@@ -58,7 +63,24 @@ def eval_task(cfg: DictConfig) -> float:
     if typed.save_images:
         save_grid(images, run_dir / "eval_grid.png", upscale=2)
     _print_table(summary, run_dir)
+    _print_tag_tables(summary["details"], list(reward.rewards))
     return summary["reward"]["mean"]
+
+
+def _eval_r3(typed, cfg: DictConfig) -> float:
+    """Per-round accuracy by tag, change fractions and finish rate; returns the last round's overall."""
+    from rich.console import Console
+
+    from rlgen_cli.r3.evaluate import run_evaluation
+    from rlgen_cli.training.run import prepare_run_dir, setup_logging
+
+    run_dir = prepare_run_dir(run_dir_of(typed), cfg)
+    setup_logging(run_dir)
+    summary = run_evaluation(typed, run_dir)
+    console = Console()
+    console.print(summary["table"], highlight=False, markup=False)
+    console.print(f"results: {run_dir / RESULTS}")
+    return summary[f"round_{typed.r3.eval_rounds}/overall"]
 
 
 def _finite(value: torch.Tensor | float) -> float | None:
@@ -92,3 +114,17 @@ def _print_table(summary: dict, run_dir) -> None:
     console = Console()
     console.print(table)
     console.print(f"results: {run_dir / RESULTS}")
+
+
+def _print_tag_tables(details: dict[str, float], rewards: list[str]) -> None:
+    """Per-tag accuracy tables of the rewards that report prompt tags (GenEval-style, ShapesEval)."""
+    from rich.console import Console
+
+    from rlgen_cli.training.report import SHAPES_COLUMNS, has_tag_breakdown, tag_table
+
+    for name in rewards:
+        columns = [(m, t) for m, t in SHAPES_COLUMNS if has_tag_breakdown(details, name, m, prefix="")]
+        if columns:
+            Console().print(
+                f"{name} by tag\n" + tag_table(details, name, columns, prefix=""), highlight=False
+            )

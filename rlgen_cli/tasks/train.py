@@ -31,6 +31,8 @@ def train_task(cfg: DictConfig) -> Any:
             sys.exit(code)
         return None
     setup_logging(run_dir)
-    recipe = importlib.import_module(f"rlgen_cli.recipes.{typed.algo.recipe}")
+    from rlgen_cli.schema.r3 import train_recipe
+
+    recipe = importlib.import_module(f"rlgen_cli.recipes.{train_recipe(typed)}")
     metrics = recipe.run(typed, cfg)
     return metrics.get("eval/reward/mean", metrics.get("reward/mean"))

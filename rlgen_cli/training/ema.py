@@ -13,20 +13,33 @@ Differences from upstream's ``EMAModuleWrapper``: upstream updates when ``(step 
 and warms the decay up as ``min((1 + step)/(10 + step), decay)``; here ``step(global_step)`` takes the
 number of optimizer steps done so far and the decay is constant unless ``warmup=True`` (upstream's
 schedule, for parity). A repeated ``global_step`` (e.g. called once per micro-batch) updates only once.
+
+Sharded weights (DeepSpeed ZeRO-3): ``gather`` is the engine's own context that shows the parameters' full
+values (``Dist.gathered``); updates read them inside it, and :meth:`EMA.swap` writes the EMA weights — and
+afterwards the live ones — back into the shards through it. Every rank keeps the same full shadows (the
+update is the same on every rank), so every rank must call :meth:`EMA.step` and :meth:`EMA.swap` together.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["EMA", "SHADOW_KEY", "STEP_KEY"]
+__all__ = ["EMA", "SHADOW_KEY", "STEP_KEY", "Gather", "whole"]
 
 SHADOW_KEY, STEP_KEY = "shadow", "last_step"
+# (params, modify) -> context in which ``params`` hold their full values; with ``modify``, writes made
+# inside it reach the shards on exit
+Gather = Callable[[list[Tensor], bool], AbstractContextManager[Any]]
+
+
+def whole(params: list[Tensor], modify: bool = False) -> AbstractContextManager[Any]:
+    """The :data:`Gather` of unsharded parameters: nothing to do."""
+    return nullcontext()
 
 
 class EMA:
@@ -37,6 +50,8 @@ class EMA:
         decay: EMA decay in [0, 1): ``shadow ← decay·shadow + (1 − decay)·param``.
         update_every: Update on optimizer steps that are multiples of this, >= 1.
         warmup: Use upstream's warm-up decay ``min((1 + step)/(10 + step), decay)``.
+        gather: How to see (and write) the parameters' full values when an engine shards them
+            (``Dist.gathered``); a collective, so every rank updates and swaps together.
 
     Raises:
         ValueError: On an empty parameter list, ``decay`` outside [0, 1) or ``update_every < 1``.
@@ -49,6 +64,7 @@ class EMA:
         update_every: int = 8,
         *,
         warmup: bool = False,
+        gather: Gather = whole,
     ) -> None:
         self.params: list[Tensor] = list(parameters)
         if not self.params:
@@ -62,9 +78,11 @@ class EMA:
         self.decay = decay
         self.update_every = update_every
         self.warmup = warmup
-        self.shadow: list[Tensor] = [
-            p.detach().to(torch.promote_types(p.dtype, torch.float32), copy=True) for p in self.params
-        ]
+        self.gather = gather
+        with gather(self.params, False):
+            self.shadow: list[Tensor] = [
+                p.detach().to(torch.promote_types(p.dtype, torch.float32), copy=True) for p in self.params
+            ]
         self.last_step = 0
         self._swapped = False
 
@@ -97,8 +115,9 @@ class EMA:
         if global_step == 0 or global_step % self.update_every or global_step <= self.last_step:
             return False
         decay = self.current_decay(global_step)
-        for shadow, param in zip(self.shadow, self.params, strict=True):
-            shadow.mul_(decay).add_(param.detach().to(shadow.dtype), alpha=1.0 - decay)
+        with self.gather(self.params, False):
+            for shadow, param in zip(self.shadow, self.params, strict=True):
+                shadow.mul_(decay).add_(param.detach().to(shadow.dtype), alpha=1.0 - decay)
         self.last_step = global_step
         return True
 
@@ -111,15 +130,15 @@ class EMA:
         """
         if self._swapped:
             raise RuntimeError("EMA.swap() is already active; nested swaps would lose the live weights.")
-        backup = [p.detach().clone() for p in self.params]
-        self._swapped = True
+        with torch.no_grad(), self.gather(self.params, True):
+            backup = [p.detach().clone() for p in self.params]
+            self._swapped = True
+            for param, shadow in zip(self.params, self.shadow, strict=True):
+                param.copy_(shadow)
         try:
-            with torch.no_grad():
-                for param, shadow in zip(self.params, self.shadow, strict=True):
-                    param.copy_(shadow)
             yield
         finally:
-            with torch.no_grad():
+            with torch.no_grad(), self.gather(self.params, True):
                 for param, saved in zip(self.params, backup, strict=True):
                     param.copy_(saved)
             self._swapped = False

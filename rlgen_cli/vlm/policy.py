@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +51,7 @@ class VLMPolicy:
     cfg: ModelConfig
     device: torch.device
     _frozen_copy: Any = field(default=None, repr=False)
+    _train_model: Any = field(default=None, repr=False)
 
     @property
     def tokenizer(self) -> Any:
@@ -79,6 +80,18 @@ class VLMPolicy:
         config = self.model.config
         text = getattr(config, "text_config", config)
         return int(getattr(text, "max_position_embeddings", 1 << 30))
+
+    @property
+    def train_model(self) -> Any:
+        """What the log-prob and loss forwards call: :attr:`model`, or its DDP / DeepSpeed wrapper after
+        :meth:`distribute`. ``generate``, the reference and checkpoints use the bare :attr:`model`
+        (HF ``generate`` is not a method of the wrappers)."""
+        return self.model if self._train_model is None else self._train_model
+
+    def distribute(self, wrap: Callable[[torch.nn.Module], torch.nn.Module]) -> None:
+        """Route the training forwards through ``wrap(model)`` (``Dist.prepare``: DDP averages the gradients,
+        a DeepSpeed engine reduces them); the wrapper shares the model's parameters."""
+        self._train_model = wrap(self.model)
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]

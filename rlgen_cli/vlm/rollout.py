@@ -231,11 +231,12 @@ def completion_logprobs(policy: VLMPolicy, batch: TokenBatch, model: Any = None)
     """(B, L) log-probs of the completion tokens at temperature 1 (gradients if enabled).
 
     Args:
-        policy: The policy (its model unless ``model`` is given; its vision-token mask and autocast).
+        policy: The policy (its :attr:`~VLMPolicy.train_model` unless ``model`` is given — π_old and π_θ
+            take the same path, DDP wrapper included; its vision-token mask and autocast).
         batch: From :func:`collate`.
         model: Another model to score with (the frozen reference).
     """
     length = batch.completion_ids.shape[1]
     with policy.autocast():
-        out = (model or policy.model)(**batch.inputs, logits_to_keep=length + 1, use_cache=False)
+        out = (model or policy.train_model)(**batch.inputs, logits_to_keep=length + 1, use_cache=False)
     return masked_log_softmax_gather(out.logits[:, :-1], batch.completion_ids, policy.suppressed_ids)

@@ -1,13 +1,16 @@
 """Small pieces shared by the VLM recipes: micro-batch slices, the learning-rate schedule, the
-completion budget, statistic summaries and the on-policy report table."""
+completion budget, statistic summaries, what runs over several processes, and the on-policy report."""
 
 from __future__ import annotations
 
 import logging
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+
+from rlgen_cli.schema.errors import UserError
 
 log = logging.getLogger(__name__)
 SCHEDULER_KEY = "scheduler"  # trainer-state key of the learning-rate scheduler in checkpoints
@@ -18,6 +21,8 @@ __all__ = [
     "completion_budget",
     "make_scheduler",
     "print_onpolicy_report",
+    "reduce_over_ranks",
+    "require_whole_weights",
     "summarise_stats",
 ]
 
@@ -57,6 +62,43 @@ def summarise_stats(stats: dict[str, list[float]]) -> dict[str, float]:
     """Mean of each statistic over micro-batches; ``ratio_min`` / ``ratio_max`` keep their extremes."""
     reducers = {"ratio_min": min, "ratio_max": max}
     return {k: reducers[k](v) if k in reducers else sum(v) / len(v) for k, v in stats.items()}
+
+
+def require_whole_weights(dist: Any, engine: str = "hf") -> None:
+    """The VLM recipes run on DDP (``launcher=accelerate``) and DeepSpeed ZeRO-2, where every rank holds the
+    whole model and ``generate`` runs on it alone.
+
+    Args:
+        dist: The run's ``launch.dist.Dist``.
+        engine: ``algo.token.engine`` (the SFT recipe has none: ``hf``).
+
+    Raises:
+        UserError: Under ZeRO-3 / FSDP (sharded weights: every rank would have to join every decoding step
+            of every other rank's ``generate``), or for the vLLM engine over several processes.
+    """
+    if dist.sharded:
+        raise UserError(
+            "the VLM recipes need whole weights on every rank (each rank samples with HF generate on its own "
+            "prompts); ZeRO-3 / FSDP shard them: use launcher=accelerate or launcher=deepspeed_zero2"
+        )
+    if engine == "vllm" and dist.world_size > 1:
+        raise UserError(
+            "algo.token.engine=vllm runs in one process for now; over several processes use "
+            "algo.token.engine=hf, or run vLLM with launcher=local"
+        )
+
+
+def reduce_over_ranks(dist: Any, stats: dict[str, float]) -> dict[str, float]:
+    """Per-rank scalars → run-wide ones: min / max for the ratio and gap extremes, sums for token counts,
+    else the mean (ranks hold equal numbers of samples). The flow recipe's function of the same name."""
+    if dist.world_size == 1 or not stats:
+        return stats
+    keys = sorted(stats)
+    table = dist.gather(torch.tensor([[float(stats[k]) for k in keys]], dtype=torch.float64)).cpu()  # (W, K)
+    reducers = {
+        "ratio_min": torch.min, "ratio_max": torch.max, "sampler/logp_gap_max": torch.max, "tokens": torch.sum,
+    }  # fmt: skip
+    return {k: float(reducers.get(k, torch.mean)(table[:, i])) for i, k in enumerate(keys)}
 
 
 def print_onpolicy_report(

@@ -36,18 +36,23 @@ def test_primary_configs_validate(name):
 )
 def test_every_group_option_validates_for_train(group, option):
     # multi-process launchers need a global batch that splits into whole per-process batches
-    geometry = ["algo.prompts_per_epoch=16"] if group == "launcher" else []
+    geometry = (
+        ["algo.prompts_per_epoch=16", "algo.sample_batch_size=8", "algo.train_batch_size=8"]
+        if group == "launcher"
+        else []
+    )
     validated(_compose("train", [f"{group}={option}", *geometry]))
 
 
 @pytest.mark.parametrize("experiment", GROUPS["experiment"])
 def test_every_experiment_validates(experiment):
-    validated(_compose("train", [f"experiment={experiment}"]))
+    primary = "eval" if experiment.endswith("_eval") else "train"  # shapes_eval is an `rlgen eval` one
+    validated(_compose(primary, [f"experiment={experiment}"]))
 
 
 def test_window_longer_than_steps_is_rejected():
     with pytest.raises(UserError, match="timestep_fraction"):
-        validated(_compose("train", ["model.num_steps=1", "algo.window.timestep_fraction=0.5"]))
+        validated(_compose("train", ["algo=grpo", "model.num_steps=1", "algo.window.timestep_fraction=0.5"]))
 
 
 def test_upstream_logprob_form_needs_cps():

@@ -111,12 +111,12 @@ def test_missing_engine_is_a_clear_error(monkeypatch):
     require_engine(LauncherConfig(name="fsdp", num_processes=2))  # torch's own
 
 
-def test_sharded_weights_refuse_ema():
+def test_fsdp_refuses_ema():
     algo = AlgoConfig()
     algo.ema.enabled = True
-    _require_rank_symmetric(algo)  # DDP / ZeRO-2 keep whole weights
-    with pytest.raises(UserError, match="ema"):
-        _require_rank_symmetric(algo, sharded=True)
+    _require_rank_symmetric(algo)  # DDP / ZeRO-2 keep whole weights; ZeRO-3 gathers them for the EMA
+    with pytest.raises(UserError, match="ema is not supported with launcher=fsdp"):
+        _require_rank_symmetric(algo, fsdp=True)
 
 
 def test_local_clip_and_step_is_torch_arithmetic():

@@ -44,6 +44,16 @@ def _final(run: Path) -> dict[str, torch.Tensor]:
             ],
             id="two-processes",
         ),  # fmt: skip
+        pytest.param(  # the optimizer state is ZeRO's per-rank shards, in the checkpoint's engine/
+            [
+                "launcher=deepspeed_zero2",
+                "launcher.num_processes=2",
+                "algo.sample_batch_size=2",
+                "algo.train_batch_size=2",
+            ],
+            id="deepspeed-zero2",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_kill_9_then_resume_equals_uninterrupted(tmp_path: Path, launch: list[str]):

@@ -10,6 +10,9 @@ from omegaconf import OmegaConf
 
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.training.checkpoint import (
+    ENGINE_FILES_KEY,
+    Checkpoint,
+    engine_staging,
     list_checkpoints,
     open_checkpoint,
     resolve_resume,
@@ -81,4 +84,39 @@ def test_auto_resume_skips_a_truncated_newest_checkpoint(tmp_path: Path):
     state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])  # a disk that filled up mid-write
     assert resolve_resume("auto", tmp_path).path.name == "epoch_000001"
     with pytest.raises(UserError, match="unreadable"):
+        resolve_resume(str(newest.path), tmp_path)
+
+
+def _save_with_engine(run_dir: Path, epoch: int) -> Checkpoint:
+    """A checkpoint whose optimizer lives in per-rank engine shards (as DeepSpeed ZeRO writes them)."""
+    staging = engine_staging(run_dir, epoch)
+    (staging / "zero").mkdir(parents=True)
+    for rank in (0, 1):
+        torch.save({"rank": rank}, staging / "zero" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    return save_checkpoint(run_dir, epoch, _FakePolicy(epoch), {"counters": {"epoch": epoch}},
+                           OmegaConf.create({}), keep_last=3, engine_state=staging)  # fmt: skip
+
+
+def test_engine_shards_move_into_the_checkpoint_with_their_sizes(tmp_path: Path):
+    ckpt = _save_with_engine(tmp_path, 1)
+    shard = ckpt.engine / "zero" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    assert shard.is_file() and not engine_staging(tmp_path, 1).exists()
+    assert (
+        ckpt.state()[ENGINE_FILES_KEY]["zero/zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+        == shard.stat().st_size
+    )
+    assert resolve_resume("auto", tmp_path).path == ckpt.path
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_auto_resume_skips_a_checkpoint_with_a_damaged_engine_shard(tmp_path: Path, damage: str):
+    _save_with_engine(tmp_path, 1)
+    newest = _save_with_engine(tmp_path, 2)
+    shard = newest.engine / "zero" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    if damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[:10])
+    else:
+        shard.unlink()
+    assert resolve_resume("auto", tmp_path).path.name == "epoch_000001"
+    with pytest.raises(UserError, match="missing" if damage == "delete" else r"truncated \(10 of"):
         resolve_resume(str(newest.path), tmp_path)

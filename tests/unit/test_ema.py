@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
 from torch import nn
@@ -153,3 +156,41 @@ def test_empty_parameters_and_negative_step_raise() -> None:
         EMA([])
     with pytest.raises(ValueError, match="global_step"):
         EMA([_param([1.0])]).step(-1)
+
+
+class _Shards:
+    """A stand-in for ZeRO-3: between gathers a parameter holds no data (its value lives in ``full``);
+    inside one it holds the full value, written back on exit only when ``modify``."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.full = {id(p): p.detach().clone() for p in params}
+        self.calls: list[bool] = []
+        for p in params:
+            p.data = torch.empty(0)
+
+    @contextmanager
+    def gather(self, params: list[torch.Tensor], modify: bool = False) -> Iterator[None]:
+        self.calls.append(modify)
+        for p in params:
+            p.data = self.full[id(p)].clone()
+        yield
+        for p in params:
+            if modify:
+                self.full[id(p)] = p.detach().clone()
+            p.data = torch.empty(0)
+
+
+def test_sharded_parameters_update_and_swap_through_the_gather() -> None:
+    # shards hold [1, 2]; shadow = [1, 2]; live becomes [3, 4]; decay 0.5 -> shadow [2, 3]
+    p = _param([1.0, 2.0])
+    shards = _Shards([p])
+    ema = EMA([p], decay=0.5, update_every=1, gather=shards.gather)
+    torch.testing.assert_close(ema.shadow[0], torch.tensor([1.0, 2.0]))  # read inside a gather
+    shards.full[id(p)] = torch.tensor([3.0, 4.0])  # an optimizer step on the shards
+    assert ema.step(1)
+    torch.testing.assert_close(ema.shadow[0], torch.tensor([2.0, 3.0]))
+    assert shards.calls == [False, False]  # reading needs no write-back
+    with ema.swap():
+        torch.testing.assert_close(shards.full[id(p)], torch.tensor([2.0, 3.0]))  # the EMA reached the shards
+    assert shards.calls[2:] == [True, True]
+    assert torch.equal(shards.full[id(p)], torch.tensor([3.0, 4.0]))  # the live values restored exactly

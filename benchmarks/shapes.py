@@ -1,0 +1,148 @@
+"""ShapesEval: strict and lenient test accuracy vs training wall-clock, per algorithm, from one base.
+
+Every run starts from the shipped base (``model=shapes_base``) with the same seed and the same epoch
+geometry as the default ``rlgen train`` (16 prompts × 8 samples, full fine-tuning), and trains for the
+same wall-clock budget (``time_limit_minutes``) through the CLI:
+
+* ``grpo``       Flow-GRPO: SDE at every step, every step trained;
+* ``grpo_fast``  Flow-GRPO-Fast: SDE in a random 2-step window (the default ``rlgen train``);
+* ``mix_grpo``   MixGRPO: a sliding 4-step SDE window;
+* ``dance``      DanceGRPO-style: shared initial noise per group, a random 60 % subset of steps;
+* ``dpo``        Flow-DPO on the best-vs-worst sample of each group;
+* ``grpo_partial``  Flow-GRPO on plain GenEval partial credit (no clutter penalty): reward hacking —
+  lenient accuracy may rise while strict accuracy falls and extra objects multiply.
+
+Each run is evaluated before training and every few epochs (ODE sampling of the test prompts, the same
+noise every time). Time is the cumulative training seconds (``time/epoch``), evaluations excluded.
+
+    python benchmarks/shapes.py [--minutes 5] [--runs grpo_fast,grpo_partial] [--out benchmarks/results]
+
+Writes ``shapes.json`` and ``shapes.png`` under ``--out`` and prints the JSON summary on one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CLI = "import sys; from rlgen_cli.cli import main; sys.exit(main())"
+COMMON = ["experiment=shapes_grpo_fast", "progress=false", "images_every=0", "save_every=0", "seed=0"]
+GEOMETRY = [
+    "algo.prompts_per_epoch=16", "algo.group_size=8", "algo.sample_batch_size=64", "algo.train_batch_size=64",
+    "algo.lr=1e-4", "algo.beta=0.0",
+]  # fmt: skip
+RUNS: dict[str, list[str]] = {
+    "grpo": ["algo=grpo", *GEOMETRY, "algo.clip_range=1e-3"],
+    "grpo_fast": [],  # the default experiment as it is
+    "mix_grpo": ["algo=mix_grpo", *GEOMETRY, "algo.clip_range=1e-3", "algo.window.shift_every=5"],
+    "dance": ["algo=dance", *GEOMETRY, "algo.clip_range=1e-3", "sampler=dance"],
+    "dpo": ["algo=dpo", *GEOMETRY],
+    "grpo_partial": [
+        "algo=grpo",
+        *GEOMETRY,
+        "algo.clip_range=1e-3",
+        "reward.kwargs.shapes_geneval.mode=partial",
+    ],
+}
+METRICS = {
+    "strict": "eval/reward/shapes_geneval/strict/mean",
+    "lenient": "eval/reward/shapes_geneval/accuracy/mean",
+    "extra_per_image": "eval/reward/shapes_geneval/n_extra/mean",
+}
+
+
+def train(name: str, overrides: list[str], minutes: float, eval_every: int, root: Path) -> list[dict]:
+    """One CLI run; returns its metrics rows."""
+    run = root / name
+    argv = [
+        sys.executable, "-c", CLI, "train", *COMMON, *overrides, f"time_limit_minutes={minutes}", "epochs=100000",
+        f"eval_every={eval_every}", f"hydra.run.dir={run}",
+    ]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{name} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def curve(rows: list[dict]) -> dict[str, list[float]]:
+    """Evaluation points against cumulative training minutes (the before-training one at 0)."""
+    points: dict[str, list[float]] = {"minutes": [], **{k: [] for k in METRICS}}
+    elapsed = 0.0
+    for row in sorted(rows, key=lambda r: r["step"]):
+        elapsed += row.get("time/epoch", 0.0)
+        if METRICS["strict"] in row:
+            points["minutes"].append(round(elapsed / 60, 3))
+            for short, key in METRICS.items():
+                points[short].append(round(row[key], 4))
+    return points
+
+
+def plot(curves: dict[str, dict[str, list[float]]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    titles = {"strict": "strict accuracy (headline)", "lenient": "lenient (GenEval) accuracy",
+              "extra_per_image": "extra objects per image"}  # fmt: skip
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for ax, (metric, title) in zip(axes, titles.items()):
+        for name, points in curves.items():
+            ax.plot(points["minutes"], points[metric], marker="o", ms=3, label=name,
+                    linestyle="--" if name == "grpo_partial" else "-")  # fmt: skip
+        ax.set_title(title)
+        ax.set_xlabel("training minutes (2 CPU cores)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("ShapesEval test set: RL from the same base, same seed, same budget")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def summary(points: dict[str, list[float]]) -> dict[str, float]:
+    """Before, after and the change of each metric."""
+    out: dict[str, float] = {"minutes": points["minutes"][-1]}
+    for metric in METRICS:
+        before, after = points[metric][0], points[metric][-1]
+        out |= {
+            f"{metric}_before": before,
+            f"{metric}_after": after,
+            f"{metric}_delta": round(after - before, 4),
+        }
+    return out
+
+
+def main() -> dict[str, object]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=5.0, help="training budget per algorithm")
+    parser.add_argument("--eval-every", type=int, default=10, help="epochs between evaluations")
+    parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args()
+    names = [n for n in args.runs.split(",") if n]
+    unknown = sorted(set(names) - set(RUNS))
+    if unknown:
+        parser.error(f"unknown runs {unknown}; choose from {list(RUNS)}")
+    started = time.perf_counter()
+    curves = {}
+    with tempfile.TemporaryDirectory(prefix="rlgen-shapes-") as tmp:
+        for name in names:
+            curves[name] = curve(train(name, RUNS[name], args.minutes, args.eval_every, Path(tmp)))
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {
+        "benchmark": "shapes", "minutes_per_run": args.minutes, "wall_s": round(time.perf_counter() - started, 1),
+        "summary": {name: summary(points) for name, points in curves.items()}, "curves": curves,
+    }  # fmt: skip
+    (args.out / "shapes.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
+    plot(curves, args.out / "shapes.png")
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps(main()))

@@ -1,0 +1,473 @@
+"""R3: reason → reflect → refine, trained with Tree-RL and the Mix-GRPO loss (REFERENCE §5).
+
+A unified policy (``r3/policy.py``; here the composite of a VLM, a generator and an editor) plans in text
+and draws (reason), looks at its image and writes an edit instruction or "no further edit needed"
+(reflect), then edits (refine). Text tokens train with token GRPO, image denoising with Flow-GRPO,
+jointly. Each step of the loop:
+
+1. **rollout** — even steps: the reason stage. A policy group (``policy_group_size`` consecutive ranks)
+   takes one prompt; its ``group_size`` branches each sample a plan and draw an image conditioned on prompt
+   + plan. Odd steps: the refine stage. The group draws one stage-1 image from the buffer every rank holds
+   (``perfect_ratio`` of the draws perfect), and its branches each reflect and edit it. Every image takes
+   exactly one SDE step (any step when generating, one of the first ``max_sde_timestep_idx_for_edit`` when
+   editing), at the same index and from the same initial noise across the group; ``enable_sde_gen/edit``
+   = false samples ODE only (that stage then trains its text alone).
+2. **score** — the reward of ``reward_fn`` (``r3/scoring.py``); reason stage images enter the buffer.
+3. **advantages** — ``r3/rewards.py``: text f·(r + w_f) / f·(w_f + Δ), image r / r_new (masked where no
+   edit happened); reward minus the group mean, per track, over the whole policy group (rewards are
+   gathered with their group ids first).
+4. **update** — one on-policy step of ``ce_weight·(L_text + kl_weight_text·KL_text) + mse_weight·L_img +
+   kl_weight_image·KL_img`` (``r3/loss.py``; ``tune_text_cot`` / ``tune_image_cot`` switch the tracks):
+   text log-probs at temperature 1 on the rollout's own micro-batches, the image step recomputed through
+   the same ``velocity`` (CFG recombined exactly as in the rollout, in both stages), so both importance
+   ratios are exactly 1.
+5. **log / eval / checkpoint** — metrics.jsonl, each branch in ``samples/rank_<r>.jsonl``, periodic
+   multi-round evaluation, full-state checkpoints (the buffer included).
+
+Deliberate choices: the reason stage trains on the CFG-combined velocity it sampled with (upstream trains
+on the unguided one); every branch of a refine group runs the editor, even those that keep their image
+(their image track is masked), so every rank runs the same forwards — what DDP needs.
+
+    rlgen train model=tiny_r3                                   # tiny composite on the CPU, offline
+    rlgen train experiment=r3_geneval r3.reward_server_urls=[HOST] r3.reward_server_port=[1001,1002]
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch import Tensor
+
+from rlgen_cli.data.sampler import GroupSampler
+from rlgen_cli.launch.dist import Dist, launched_engine, make_dist
+from rlgen_cli.r3.buffer import StageOneBuffer
+from rlgen_cli.r3.composite import build_composite
+from rlgen_cli.r3.data import R3Sample, load_r3_dataset
+from rlgen_cli.r3.evaluate import evaluate_rounds, save_strips
+from rlgen_cli.r3.loss import image_kl, image_track_loss, text_track_loss
+from rlgen_cli.r3.policy import EDIT, GENERATE, IMAGE, TEXT, Thoughts, UnifiedPolicy
+from rlgen_cli.r3.rewards import (
+    NO_EDIT,
+    StageRewards,
+    extract_instruction,
+    extract_plan,
+    is_no_edit,
+    reason_rewards,
+    refine_rewards,
+    track_advantages,
+)
+from rlgen_cli.r3.rollout import ImageRollout, image_rollout, micro_batches, stage_plan, text_rollout
+from rlgen_cli.r3.scoring import R3Scorer
+from rlgen_cli.recipes.sampling import conditioned
+from rlgen_cli.schema.errors import UserError
+from rlgen_cli.schema.r3 import R3TrainConfig
+from rlgen_cli.sde.rollout import StepSpec, Trajectory, recompute_step
+from rlgen_cli.training.checkpoint import (
+    COUNTERS_KEY,
+    OPTIMIZER_KEY,
+    resolve_resume,
+    save_checkpoint,
+    set_rng_state,
+)
+from rlgen_cli.training.metrics import NullLogger, build_loggers
+from rlgen_cli.training.plots import plot_runs
+from rlgen_cli.training.progress import Progress
+from rlgen_cli.vlm.rollout import SamplingOptions, TokenBatch
+from rlgen_cli.vlm.training import SCHEDULER_KEY
+
+log = logging.getLogger(__name__)
+
+__all__ = ["R3Recipe", "StageBatch", "run"]
+
+REASON, REFINE = "reason", "refine"
+BUFFER_KEY = "stage_one_buffer"
+SAMPLES_DIR = "samples"
+
+
+@dataclass
+class TextMicroBatch:
+    """A text micro-batch: its rows, its layout and π_old / π_ref recorded right after the rollout."""
+
+    rows: slice
+    batch: TokenBatch
+    old: Tensor  # (B, L)
+    ref: Tensor | None  # (B, L)
+
+
+@dataclass
+class StageBatch:
+    """One stage's rollout on this process, ready for the update; N = group_size / policy_group_size."""
+
+    stage: str
+    samples: list[R3Sample]
+    thoughts: Thoughts
+    images: ImageRollout
+    rewards: StageRewards
+    text_adv: Tensor  # (N,)
+    image_adv: Tensor  # (N,), 0 where masked
+    positions: list[int]  # global branch positions
+    group: int
+    text_micro: list[TextMicroBatch] = field(default_factory=list)
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+class R3Recipe:
+    """setup → train (rollout → score → advantages → update → log → eval → checkpoint) → cleanup."""
+
+    def __init__(self, cfg: R3TrainConfig, raw_cfg: DictConfig) -> None:
+        self.cfg, self.raw_cfg, self.run_dir = cfg, raw_cfg, Path(cfg.run_dir)
+
+    # -- setup ----------------------------------------------------------------------------------
+    def setup(self) -> None:
+        cfg, r3 = self.cfg, self.cfg.r3
+        torch.manual_seed(cfg.seed)
+        if launched_engine() is not None:
+            raise UserError(
+                "R3 trains three models and runs on launcher=local or launcher=accelerate (DDP); "
+                "DeepSpeed / FSDP launchers shard one model"
+            )
+        self.dist: Dist = make_dist(cfg.device)
+        self.device = self.dist.device
+        self.policy: UnifiedPolicy = build_composite(r3.policy, self.device)
+        train_path, val_path = r3.data_paths()
+        self.train_set = load_r3_dataset(train_path, r3.dataset_name)
+        self.val_set = load_r3_dataset(val_path, r3.dataset_name) if cfg.eval_every else []
+        self.scorer = R3Scorer(r3, cfg.reward)
+        self.per_rank = r3.group_size // r3.policy_group_size
+        self.sampler = GroupSampler(
+            len(self.train_set), self.dist.world_size // r3.policy_group_size, r3.group_size, seed=cfg.seed,
+            num_replicas=self.dist.world_size, rank=self.dist.rank,
+        )  # fmt: skip
+        self.buffer = StageOneBuffer(r3.buffer_size)
+        self.tracks = [t for t, on in ((TEXT, r3.tune_text_cot), (IMAGE, r3.tune_image_cot)) if on]
+        self.params = [p for track in self.tracks for p in self.policy.trainable_parameters(track)]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=r3.lr, betas=(r3.adam_beta1, r3.adam_beta2), weight_decay=r3.weight_decay
+        )
+        warmup = max(r3.warmup_steps, 0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
+        )
+        self.start_step, self.global_step = 0, 0
+        resumed = self._maybe_resume()  # into the bare modules, before DDP wraps them
+        self.optimizer = self.dist.prepare(
+            self.policy, self.optimizer, max_grad_norm=r3.max_grad_norm, micro_batch_size=self.per_rank
+        )
+        if resumed is not None:
+            self.optimizer.load_state_dict(resumed[OPTIMIZER_KEY])
+        self.logger = (
+            build_loggers(self.run_dir, cfg.logging, self.raw_cfg) if self.dist.is_main else NullLogger()
+        )
+        (self.run_dir / SAMPLES_DIR).mkdir(parents=True, exist_ok=True)
+        self.sample_log = (self.run_dir / SAMPLES_DIR / f"rank_{self.dist.rank}.jsonl").open(
+            "a", encoding="utf-8"
+        )
+        log.info(
+            "R3 on %s: %d processes, policy groups of %d, %d branches per group (%d per process), tracks %s",
+            self.device, self.dist.world_size, r3.policy_group_size, r3.group_size, self.per_rank, self.tracks,
+        )  # fmt: skip
+
+    def _maybe_resume(self) -> dict[str, Any] | None:
+        ckpt = resolve_resume(self.cfg.resume, self.run_dir)
+        if ckpt is None:
+            return None
+        state = ckpt.state()
+        self.policy.load_trainable(ckpt.weights)
+        self.scheduler.load_state_dict(state[SCHEDULER_KEY])
+        self.buffer.load_state_dict(state[BUFFER_KEY])
+        set_rng_state(state["rng"])
+        self.start_step = state[COUNTERS_KEY]["epoch"]
+        self.global_step = state[COUNTERS_KEY]["global_step"]
+        log.info("resumed from %s at step %d", ckpt.path, self.start_step)
+        return state
+
+    # -- the loop -------------------------------------------------------------------------------
+    def train(self) -> dict[str, float]:
+        cfg, metrics, main = self.cfg, {}, self.dist.is_main
+        with Progress(enabled=cfg.progress and main) as progress:
+            bar = progress.task("steps", total=cfg.epochs, completed=self.start_step)
+            for step in range(self.start_step, cfg.epochs):
+                metrics = self.train_step(step)
+                if main and cfg.eval_every and _due(step, cfg.eval_every, cfg.epochs):
+                    metrics |= self.evaluate(step)  # whole weights on every rank: rank 0 evaluates alone
+                self.logger.log(metrics, step=step)
+                log.info(
+                    "step %d %-6s reward %+.4g  text %+.4g  format %.2f  |ratio-1| %.1e  %.1fs", step,
+                    STAGE_NAMES[int(metrics["stage"])], metrics["reward/mean"], metrics["reward/text/mean"],
+                    metrics["format_rate"], metrics["ratio_error_max"], metrics["time/step"],
+                )  # fmt: skip
+                if _due(step, cfg.save_every, cfg.epochs):
+                    self.save(step + 1)
+                self.dist.barrier()
+                progress.advance(bar, description=f"step {step + 1}: reward {metrics['reward/mean']:+.4g}")
+        if main:
+            plot_runs([self.run_dir], self.run_dir / "reward_curve.png")
+        return metrics
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """Even steps the reason stage, odd steps reflect + refine; one optimizer step each."""
+        start = time.perf_counter()
+        batch = self.rollout_reason(step) if step % 2 == 0 else self.rollout_refine(step)
+        rollout_time = time.perf_counter() - start
+        update_stats = self.update(batch)
+        self._log_samples(step, batch)
+        return {
+            **batch.stats, **update_stats, "stage": float(STAGE_NAMES.index(batch.stage)),
+            "time/rollout": rollout_time, "time/step": time.perf_counter() - start,
+            "lr": self.scheduler.get_last_lr()[0], "global_step": self.global_step,
+        }  # fmt: skip
+
+    # -- rollouts -------------------------------------------------------------------------------
+    def _positions(self) -> tuple[list[int], int]:
+        """This rank's global branch positions and its policy group."""
+        first = self.dist.rank * self.per_rank
+        return list(range(first, first + self.per_rank)), first // self.cfg.r3.group_size
+
+    def _spec(self, stage: str) -> StepSpec:
+        r3 = self.cfg.r3
+        return StepSpec(r3.sde_kind, r3.noise_level_gen if stage == GENERATE else r3.noise_level_edit)
+
+    def rollout_reason(self, step: int) -> StageBatch:
+        """Plans and images of this rank's branches of its group's prompt."""
+        r3, seed = self.cfg.r3, self.cfg.seed
+        samples = [self.train_set[i] for i in self.sampler.indices_for_epoch(step // 2)]
+        prompts = [s.prompt for s in samples]
+        positions, group = self._positions()
+        options = SamplingOptions(r3.temperature, r3.top_p, 0, r3.max_output_token_n_gen)
+        thoughts = text_rollout(
+            lambda rows, s: self.policy.think(prompts[rows], options, s), len(samples), r3.micro_batch_size, seed,
+            step, positions[0],
+        )  # fmt: skip
+        plans = [extract_plan(text) for text in thoughts.texts]
+        images = image_rollout(
+            self.policy, lambda rows: self.policy.encode_generate(prompts[rows], plans[rows]), GENERATE,
+            stage_plan(r3.steps_gen, r3.enable_sde_gen, None, seed, step, group), self._spec(GENERATE),
+            positions, [group] * len(positions), seed, step, r3.micro_batch_size,
+        )  # fmt: skip
+        scores = self.scorer.score(images.images, samples)
+        self._fill_buffer(torch.tensor([s.index for s in samples]), images.images, scores)
+        rewards = reason_rewards(thoughts.texts, scores, r3.format_weight)
+        return self._stage_batch(REASON, samples, thoughts, images, rewards, positions, group)
+
+    def _fill_buffer(self, indices: Tensor, images: Tensor, scores: Tensor) -> None:
+        """Every rank adds every rank's stage-1 images: the buffer is the same everywhere."""
+        gather = self.dist.gather
+        all_scores = gather(scores.to(self.device)).cpu()
+        perfect = all_scores >= self.cfg.r3.perfect_threshold
+        self.buffer.add(
+            gather(indices.to(self.device)).cpu(), gather(images.to(self.device)).cpu(), all_scores, perfect
+        )
+
+    def rollout_refine(self, step: int) -> StageBatch:
+        """Reflections on, and edits of, one stage-1 image drawn by this rank's policy group."""
+        r3, seed = self.cfg.r3, self.cfg.seed
+        positions, group = self._positions()
+        draw = self.buffer.draw(seed, step, group, r3.perfect_ratio)
+        n = len(positions)
+        samples = [self.train_set[draw.index]] * n
+        prompts = [s.prompt for s in samples]
+        sources = draw.image.expand(n, -1, -1, -1)  # (n, 3, H, W)
+        options = SamplingOptions(r3.temperature, r3.top_p, 0, r3.max_output_token_n_edit)
+        thoughts = text_rollout(
+            lambda rows, s: self.policy.reflect(sources[rows], prompts[rows], options, s), n, r3.micro_batch_size,
+            seed, step, positions[0],
+        )  # fmt: skip
+        instructions = [extract_instruction(t) or NO_EDIT for t in thoughts.texts]
+        kept = torch.tensor([is_no_edit(t) for t in thoughts.texts])
+        images = image_rollout(
+            self.policy, lambda rows: self.policy.encode_edit(sources[rows], instructions[rows]), EDIT,
+            stage_plan(r3.steps_edit, r3.enable_sde_edit, r3.max_sde_timestep_idx_for_edit, seed, step, group),
+            self._spec(EDIT), positions, [group] * n, seed, step, r3.micro_batch_size,
+        )  # fmt: skip
+        prev = torch.full((n,), draw.score)
+        new = prev.clone()
+        edited = (~kept).nonzero().squeeze(1)
+        new[edited] = self.scorer.score(images.images[edited], [samples[i] for i in edited.tolist()])
+        rewards = refine_rewards(thoughts.texts, prev, new, torch.full((n,), draw.perfect), r3.format_weight)
+        batch = self._stage_batch(REFINE, samples, thoughts, images, rewards, positions, group)
+        batch.stats |= self._reduced(
+            {"no_edit_rate": kept.float().mean().item(), "refine/drew_perfect": float(draw.perfect),
+             "refine/missed_kind": float(draw.missed), "delta/mean": rewards.delta.mean().item()}
+        )  # fmt: skip
+        return batch
+
+    # -- advantages and π_old -------------------------------------------------------------------
+    def _stage_batch(
+        self, stage: str, samples: list[R3Sample], thoughts: Thoughts, images: ImageRollout,
+        rewards: StageRewards, positions: list[int], group: int,
+    ) -> StageBatch:  # fmt: skip
+        """Group advantages over the whole policy group (gathered with group ids), this rank's rows kept."""
+        r3, n = self.cfg.r3, len(positions)
+        gather = functools.partial(_gather, self.dist)
+        ids = gather(torch.full((n,), group))
+        text, image = gather(rewards.text), gather(rewards.image)
+        mask = gather(rewards.image_mask.float()) > 0.5
+        mine = slice(self.dist.rank * n, (self.dist.rank + 1) * n)
+        text_adv = track_advantages(text, ids, scale_by_std=r3.scale_by_std)[mine]
+        image_adv = track_advantages(image, ids, mask, scale_by_std=r3.scale_by_std)[mine]
+        batch = StageBatch(stage, samples, thoughts, images, rewards, text_adv, image_adv, positions, group)
+        if TEXT in self.tracks:
+            batch.text_micro = self.prepare_text(thoughts)
+        lengths = torch.tensor([float(c.numel()) for c in thoughts.completions])
+        batch.stats = {
+            "reward/mean": image.mean().item(), "reward/std": image.std().item(),
+            "reward/text/mean": text.mean().item(), "reward/text/std": text.std().item(),
+            "advantage/text/abs_mean": text_adv.abs().mean().item(),
+            "advantage/image/abs_mean": image_adv.abs().mean().item(),
+            "buffer/size": float(len(self.buffer)), "buffer/perfect_fraction": self.buffer.perfect.float().mean().item(),
+            **self._reduced({"format_rate": rewards.format.mean().item(), "sde_step": float(images.sde_step),
+                             "completions/mean_length": lengths.mean().item(),
+                             "completions/clipped_ratio": sum(thoughts.truncated) / n}),
+        }  # fmt: skip
+        return batch
+
+    @torch.no_grad()
+    def prepare_text(self, thoughts: Thoughts) -> list[TextMicroBatch]:
+        """π_old (the training path, right after the rollout) and π_ref on the rollout's micro-batches."""
+        out = []
+        for rows in micro_batches(len(thoughts), self.cfg.r3.micro_batch_size):
+            batch = self.policy.token_batch(thoughts, rows)
+            old = self.policy.token_logprobs(batch)
+            ref = (
+                self.policy.token_logprobs(batch, reference=True) if self.cfg.r3.kl_weight_text > 0 else None
+            )
+            out.append(TextMicroBatch(rows, batch, old, ref))
+        return out
+
+    # -- the update -----------------------------------------------------------------------------
+    def image_step(self, traj: Trajectory, cond: Any, spec: StepSpec) -> tuple[Any, Tensor | None]:
+        """The trained step recomputed on the training path (gradients), and R3's KL to the reference."""
+        velocity = functools.partial(conditioned, self.policy, cond)
+        out = recompute_step(velocity, traj, 0, spec)
+        if self.cfg.r3.kl_weight_image <= 0:
+            return out, None
+        with torch.no_grad(), self.policy.image_reference():
+            ref = recompute_step(velocity, traj, 0, spec)
+        return out, image_kl(out, ref.mean)
+
+    def update(self, batch: StageBatch) -> dict[str, float]:
+        """One optimizer step on both tracks (the tracks that are tuned and have something to train)."""
+        r3, dev = self.cfg.r3, self.device
+        stats: dict[str, list[float]] = defaultdict(list)
+        for mb in batch.text_micro:
+            logp = self.policy.token_logprobs(mb.batch)
+            loss = text_track_loss(
+                logp, mb.old, batch.text_adv[mb.rows].to(dev), mb.batch.completion_mask, mb.ref,
+                clip_range=r3.clip_range, ce_weight=r3.ce_weight, kl_weight=r3.kl_weight_text,
+            )  # fmt: skip
+            self.dist.backward(loss.loss / len(batch.text_micro))
+            _collect(stats, loss.stats)
+        rollout = batch.images
+        if IMAGE in self.tracks and rollout.traj.num_steps:
+            parts = list(micro_batches(len(batch.positions), r3.micro_batch_size))
+            for rows in parts:
+                traj = rollout.traj.index(rows)
+                out, kl = self.image_step(traj, rollout.cond.index(rows), rollout.spec)
+                loss = image_track_loss(
+                    out, traj.logprobs[:, 0], batch.image_adv[rows].to(dev), batch.rewards.image_mask[rows].to(dev),
+                    kl, clip_range=r3.clip_range, mse_weight=r3.mse_weight, kl_weight=r3.kl_weight_image,
+                )  # fmt: skip
+                self.dist.backward(loss.loss / len(parts))
+                _collect(stats, loss.stats)
+        max_norm = r3.max_grad_norm if r3.max_grad_norm > 0 else math.inf
+        stats["grad_norm"].append(self.dist.clip_and_step(self.optimizer, self.params, max_norm))
+        self.scheduler.step()
+        self.global_step += 1
+        summary = _summarise(stats)
+        extremes = [
+            abs(summary.get(f"{t}/ratio_{e}", 1.0) - 1) for t in (TEXT, IMAGE) for e in ("min", "max")
+        ]
+        return self._reduced(summary) | {"ratio_error_max": max(extremes)}
+
+    def _reduced(self, stats: dict[str, float]) -> dict[str, float]:
+        """Per-rank scalars → run-wide ones: extremes of ratio extremes, else the mean (equal rows per rank)."""
+        if self.dist.world_size == 1 or not stats:
+            return stats
+        keys = sorted(stats)
+        table = self.dist.gather(torch.tensor([[stats[k] for k in keys]], dtype=torch.float64)).cpu()
+        return {
+            k: float(_REDUCERS.get(k.rsplit("/", 1)[-1], torch.mean)(table[:, i])) for i, k in enumerate(keys)
+        }
+
+    # -- logging, evaluation, checkpoints -------------------------------------------------------
+    def _log_samples(self, step: int, batch: StageBatch) -> None:
+        """Each branch of this rank: what it wrote, where its image was stochastic, what it earned."""
+        for i, position in enumerate(batch.positions):
+            row = {
+                "step": step, "stage": batch.stage, "rank": self.dist.rank, "group": batch.group,
+                "position": position, "index": batch.samples[i].index, "prompt": batch.samples[i].prompt,
+                "text": batch.thoughts.texts[i], "sde_step": batch.images.sde_step,
+                "noise_sum": batch.images.noise_sum, "reward_image": float(batch.rewards.image[i]),
+                "reward_text": float(batch.rewards.text[i]), "format": float(batch.rewards.format[i]),
+            }  # fmt: skip
+            self.sample_log.write(json.dumps(row) + "\n")
+        self.sample_log.flush()
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Multi-round evaluation (ODE, greedy text) on the first ``r3.eval_max_prompts`` prompts."""
+        r3 = self.cfg.r3
+        samples = self.val_set[: r3.eval_max_prompts or len(self.val_set)]
+        result = evaluate_rounds(self.policy, samples, self.scorer, r3, self.cfg.seed)
+        save_strips(result, self.run_dir / "images" / f"eval_step_{step:05d}.png")
+        return {f"eval/{k}": float(v) for k, v in result.metrics.to_dict().items()}
+
+    def save(self, steps_done: int) -> None:
+        if not self.dist.is_main:
+            return
+        state = {
+            OPTIMIZER_KEY: self.optimizer.state_dict(), SCHEDULER_KEY: self.scheduler.state_dict(),
+            BUFFER_KEY: self.buffer.state_dict(), COUNTERS_KEY: {"epoch": steps_done, "global_step": self.global_step},
+        }  # fmt: skip
+        ckpt = save_checkpoint(self.run_dir, steps_done, self.policy, state, self.raw_cfg, self.cfg.keep_last)
+        log.info("saved %s", ckpt.path)
+
+    def cleanup(self) -> None:
+        self.sample_log.close()
+        self.logger.close()
+
+
+STAGE_NAMES = (REASON, REFINE)
+
+
+def _gather(dist: Dist, values: Tensor) -> Tensor:
+    """Every rank's (n,) values in rank order, on the CPU."""
+    return dist.gather(values.to(dist.device)).cpu()
+
+
+_REDUCERS = {"ratio_min": torch.min, "ratio_max": torch.max}
+
+
+def _summarise(stats: dict[str, list[float]]) -> dict[str, float]:
+    """Micro-batch statistics: min / max of the ratio extremes, else the mean."""
+    picks = {"ratio_min": min, "ratio_max": max}
+    return {k: picks.get(k.rsplit("/", 1)[-1], lambda v: sum(v) / len(v))(v) for k, v in stats.items()}
+
+
+def _collect(stats: dict[str, list[float]], values: dict[str, float]) -> None:
+    for key, value in values.items():
+        stats[key].append(float(value))
+
+
+def _due(step: int, every: int, total: int) -> bool:
+    """Periodic work after ``step`` (0-based): every ``every`` steps and always after the last."""
+    return step + 1 == total or (every > 0 and (step + 1) % every == 0)
+
+
+def run(cfg: R3TrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
+    """Entry point of ``rlgen train`` for unified policies (``model.family`` in ``schema.r3.R3_FAMILIES``)."""
+    recipe = R3Recipe(cfg, raw_cfg)
+    recipe.setup()
+    try:
+        return recipe.train()
+    finally:
+        recipe.cleanup()

@@ -1,0 +1,285 @@
+"""Schema of R3 (reason → reflect → refine, Mix-GRPO): the ``r3`` section and the primary schemas that
+carry it.
+
+The keys the seed's ``train_rl.sh`` names keep their names (``kl_weight_text``, ``group_size``,
+``train_data_path``, ``reward_server_urls``, …; docs/r3.md maps each to an override). Everything R3 reads
+lives here: its composite policy (``r3.policy``: text policy, generator, editor — three ordinary model
+sections), its data, its reward, its loss weights and its optimiser. The shared sections (``algo``,
+``data``, ``sampler``) belong to the flow / VLM recipes and are ignored by R3; ``reward.kwargs.<name>``
+still passes client options (timeouts, tokens) to the reward that ``reward_fn`` selects.
+
+``r3.offline``: a model may declare an offline stand-in (``model=tiny_r3`` does): its runs read the
+packaged tiny prompts of ``dataset_name`` and score with a local reward, whatever an experiment says, so
+``rlgen train experiment=r3_geneval model=tiny_r3`` runs on a laptop without a reward server. The stand-in
+is logged at start; ``r3.offline.enabled=false`` turns it off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlgen_cli.schema.errors import UserError
+from rlgen_cli.schema.flow import CheckOnPolicyConfig, EvalConfig, ModelConfig, TrainConfig
+
+R3_FAMILIES = ("r3_composite",)
+"""``model.family`` values that run the R3 recipe (a native unified model would join this list)."""
+R3_DATASETS = ("geneval", "geneval_plus", "tiif")
+SERVED_REWARDS = ("geneval", "geneval_plus", "tiif")
+"""``reward_fn`` values scored by a server: the GenEval server, or the VLM judge with GenEval++ / TIIF
+prompts. Any other value names a local reward of the registry (``mix`` = the ``reward`` section as is)."""
+SDE_KINDS = ("dance", "flow_sde", "cps")
+TINY_DATA = {name: f"builtin:r3_{name}_tiny.jsonl" for name in R3_DATASETS}
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise UserError(message)
+
+
+def is_r3(model: ModelConfig) -> bool:
+    """Whether ``model`` is a unified policy (R3 recipe, check and eval)."""
+    return model.family in R3_FAMILIES
+
+
+@dataclass
+class R3PolicyConfig:
+    """The composite policy: one model section per role, each as ``model=`` would give it."""
+
+    text: ModelConfig = field(default_factory=lambda: ModelConfig(family="qwen2_5_vl", tiny=True))
+    """Text policy (plans, critiques, instructions): a VLM family (qwen2_vl | qwen2_5_vl)."""
+    generator: ModelConfig = field(default_factory=lambda: ModelConfig(family="qwen_image", tiny=True))
+    """Text-to-image policy (reason stage): any flow family without source images."""
+    editor: ModelConfig = field(default_factory=lambda: ModelConfig(family="qwen_image_edit", tiny=True))
+    """Editing policy (refine stage): any flow family that takes source images."""
+    share_text_encoder: bool = False
+    """The text policy IS the generator's Qwen2.5-VL text encoder, with a LoRA adapter that is disabled
+    whenever the generator encodes a prompt (one copy of the 7 B weights instead of two)."""
+
+
+@dataclass
+class OfflineConfig:
+    """A model's offline stand-in for data and reward (see the module docstring)."""
+
+    enabled: bool = False
+    reward: str = "jpeg_compressibility"
+    """Local reward that replaces ``reward_fn``: it must score any prompt set, so not a GenEval detector."""
+    data: dict[str, str] = field(default_factory=lambda: dict(TINY_DATA))
+    """``dataset_name`` → the prompts that replace ``train_data_path`` and ``val_data_path``."""
+
+
+@dataclass
+class R3Config:
+    # -- the seed's keys ------------------------------------------------------------------------------
+    kl_weight_text: float = 0.001
+    """KL weight of the text track (k3 estimator against the reference = adapter off)."""
+    kl_weight_image: float = 0.001
+    """KL weight of the image track: mean((μθ − μref)²/s²) at the trained step."""
+    tune_text_cot: bool = True
+    """Train the text track (plans and instructions) with token GRPO."""
+    tune_image_cot: bool = True
+    """Train the image track (generated and edited images) with Flow-GRPO."""
+    group_size: int = 16
+    """Branches per prompt (reason) or per stage-1 image (refine)."""
+    policy_group_size: int = 1
+    """Consecutive processes sharing one group (prompt, initial noise, SDE step); each rolls out
+    group_size / policy_group_size branches. Upstream: 4 of 8 GPUs."""
+    max_output_token_n_gen: int = 196
+    """Text tokens of a plan (reason stage)."""
+    max_output_token_n_edit: int = 384
+    """Text tokens of a reflection (reflect stage)."""
+    num_timesteps_gen: int = 16
+    """Timesteps of the generation schedule, both ends included: 16 = 15 denoising steps (upstream)."""
+    num_timesteps_edit: int = 21
+    """Timesteps of the editing schedule: 21 = 20 denoising steps (upstream)."""
+    enable_sde_gen: bool = True
+    """One SDE step per generated image (false = ODE only: the reason stage trains text alone)."""
+    enable_sde_edit: bool = True
+    """One SDE step per edited image (false = ODE only: the refine stage trains text alone)."""
+    train_data_path: str | None = "./data/rl_train/train_geneval.jsonl"
+    """Training prompts (jsonl in the format of dataset_name); ``builtin:NAME`` = a packaged file."""
+    val_data_path: str | None = "./data/rl_test/test_geneval.jsonl"
+    """Evaluation prompts, same format (null = train_data_path)."""
+    dataset_name: str = "geneval"
+    """geneval | geneval_plus | tiif (REFERENCE §4)."""
+    reward_fn: str = "geneval"
+    """geneval (GenEval server) | geneval_plus | tiif (OpenAI-compatible judge with those prompts) | mix
+    (the ``reward`` section) | the name of any local reward."""
+    reward_server_urls: list[str] = field(default_factory=list)
+    """Hosts of the reward servers / judges (empty = the client's default, 127.0.0.1)."""
+    reward_server_port: list[int] = field(default_factory=list)
+    """Ports on every host (empty = the client's default); endpoints = every host × port."""
+    # -- rewards and loss -----------------------------------------------------------------------------
+    format_weight: float = 0.5
+    """w_f: reason text reward f·(r + w_f), refine text reward f·(w_f + Δ)."""
+    ce_weight: float = 1.0
+    """Weight of the text track: ce_weight·(L_text + kl_weight_text·KL_text)."""
+    mse_weight: float = 2.0
+    """Weight of the image track's policy loss (mse_weight·L_img + kl_weight_image·KL_img)."""
+    clip_range: float = 0.2
+    """PPO clip ε of both tracks."""
+    scale_by_std: bool = False
+    """Divide advantages by the group std (+1e-4); R3 only subtracts the group mean."""
+    perfect_ratio: float = 0.15
+    """Share of refine steps whose stage-1 image is drawn from the perfect ones."""
+    perfect_threshold: float = 1.0
+    """A stage-1 image with reward ≥ this is perfect (GenEval: every clause satisfied)."""
+    buffer_size: int = 256
+    """Stage-1 images kept for the refine stage (the newest; shared by all ranks)."""
+    max_sde_timestep_idx_for_edit: int = 2
+    """The edit stage's SDE step is one of the first N steps."""
+    # -- sampling ---------------------------------------------------------------------------------------
+    temperature: float = 0.9
+    """Text sampling temperature (log-probs are always taken at temperature 1)."""
+    top_p: float = 0.9
+    sde_kind: str = "dance"
+    """Stochastic step: dance (score form, constant η; upstream) | flow_sde | cps."""
+    noise_level_gen: float = 0.7
+    """η of the generation SDE step."""
+    noise_level_edit: float = 1.0
+    """η of the editing SDE step."""
+    micro_batch_size: int | None = None
+    """Branches per forward on one process (rollout and training alike); null = all of them."""
+    # -- optimiser --------------------------------------------------------------------------------------
+    lr: float = 5e-6
+    warmup_steps: int = 10
+    """Linear learning-rate warm-up, then constant."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    """Global grad-norm clip over both tracks; ≤ 0 disables it."""
+    # -- evaluation -------------------------------------------------------------------------------------
+    eval_rounds: int = 3
+    """``rlgen eval``: reflect → refine rounds after generation (auto-stop on "no further edit needed")."""
+    eval_max_prompts: int = 8
+    """Prompts of the periodic evaluation during training (0 = all of val_data_path)."""
+    policy: R3PolicyConfig = field(default_factory=R3PolicyConfig)
+    offline: OfflineConfig = field(default_factory=OfflineConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.group_size >= 2, f"r3.group_size must be ≥ 2 to form advantages, got {self.group_size}")
+        _require(
+            self.policy_group_size >= 1 and self.group_size % self.policy_group_size == 0,
+            f"r3.group_size ({self.group_size}) must be divisible by r3.policy_group_size "
+            f"({self.policy_group_size}): each process rolls out group_size / policy_group_size branches",
+        )
+        per_rank = self.group_size // self.policy_group_size
+        _require(
+            self.micro_batch_size is None
+            or (self.micro_batch_size > 0 and per_rank % self.micro_batch_size == 0),
+            f"r3.micro_batch_size ({self.micro_batch_size}) must divide the {per_rank} branches of a process",
+        )
+        _require(
+            self.tune_text_cot or self.tune_image_cot, "r3.tune_text_cot and r3.tune_image_cot are both false"
+        )
+        _require(
+            self.dataset_name in R3_DATASETS,
+            f"r3.dataset_name={self.dataset_name!r}; choose one of {R3_DATASETS}",
+        )
+        _require(bool(self.reward_fn), "r3.reward_fn is empty; e.g. geneval, geneval_plus, tiif or mix")
+        _require(self.sde_kind in SDE_KINDS, f"r3.sde_kind={self.sde_kind!r}; choose one of {SDE_KINDS}")
+        _require(
+            self.num_timesteps_gen >= 2 and self.num_timesteps_edit >= 2,
+            "r3.num_timesteps_gen and r3.num_timesteps_edit count both ends of the schedule: ≥ 2",
+        )
+        _require(
+            1 <= self.max_sde_timestep_idx_for_edit <= self.num_timesteps_edit - 1,
+            f"r3.max_sde_timestep_idx_for_edit ({self.max_sde_timestep_idx_for_edit}) must be in "
+            f"[1, {self.num_timesteps_edit - 1}] (the editing steps)",
+        )
+        _require(
+            0 <= self.perfect_ratio <= 1, f"r3.perfect_ratio must be in [0, 1], got {self.perfect_ratio}"
+        )
+        _require(
+            min(self.max_output_token_n_gen, self.max_output_token_n_edit, self.buffer_size) >= 1,
+            "r3.max_output_token_n_gen, r3.max_output_token_n_edit and r3.buffer_size must be ≥ 1",
+        )
+        _require(
+            min(self.kl_weight_text, self.kl_weight_image, self.ce_weight, self.mse_weight) >= 0,
+            "r3 loss weights (ce_weight, mse_weight, kl_weight_text, kl_weight_image) must be ≥ 0",
+        )
+        _require(self.clip_range > 0, f"r3.clip_range must be positive, got {self.clip_range}")
+        _require(
+            self.temperature > 0 and 0 < self.top_p <= 1, "r3.temperature must be > 0, r3.top_p in (0, 1]"
+        )
+        _require(
+            self.eval_rounds >= 0 and self.eval_max_prompts >= 0, "r3.eval_rounds and eval_max_prompts ≥ 0"
+        )
+
+    @property
+    def steps_gen(self) -> int:
+        """Denoising steps of the reason stage."""
+        return self.num_timesteps_gen - 1
+
+    @property
+    def steps_edit(self) -> int:
+        """Denoising steps of the refine stage."""
+        return self.num_timesteps_edit - 1
+
+    def data_paths(self) -> tuple[str, str]:
+        """(train, val) prompts, the offline stand-in's when it is on.
+
+        Raises:
+            UserError: When neither the paths nor an offline stand-in give prompts.
+        """
+        if self.offline.enabled:
+            _require(
+                self.dataset_name in self.offline.data,
+                f"r3.offline.data has no prompts for dataset_name={self.dataset_name!r}",
+            )
+            path = self.offline.data[self.dataset_name]
+            return path, path
+        path = self.train_data_path or self.val_data_path
+        _require(
+            path is not None,
+            "r3.train_data_path is not set: give the jsonl of r3.dataset_name (e.g. r3.train_data_path="
+            "data/rl_train/train_geneval.jsonl, or the packaged builtin:r3_geneval_tiny.jsonl)",
+        )
+        return self.train_data_path or path, self.val_data_path or path
+
+
+def _check_world(r3: R3Config, world_size: int) -> None:
+    _require(
+        world_size % r3.policy_group_size == 0,
+        f"{world_size} processes cannot form policy groups of r3.policy_group_size={r3.policy_group_size}; "
+        f"use a divisor of {world_size} (1 = each process rolls out its own group)",
+    )
+
+
+@dataclass
+class R3TrainConfig(TrainConfig):
+    """``rlgen train``: every recipe's sections plus ``r3`` (read by the R3 recipe only)."""
+
+    r3: R3Config = field(default_factory=R3Config)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if is_r3(self.model):
+            _check_world(self.r3, self.launcher.world_size)
+            self.r3.data_paths()
+
+
+@dataclass
+class R3CheckOnPolicyConfig(CheckOnPolicyConfig):
+    """``rlgen check-onpolicy`` with the ``r3`` section."""
+
+    r3: R3Config = field(default_factory=R3Config)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if is_r3(self.model):
+            _check_world(self.r3, self.launcher.world_size)
+            self.r3.data_paths()
+
+
+@dataclass
+class R3EvalConfig(EvalConfig):
+    """``rlgen eval`` with the ``r3`` section (multi-round evaluation of a unified policy)."""
+
+    r3: R3Config = field(default_factory=R3Config)
+
+
+def train_recipe(cfg: TrainConfig) -> str:
+    """The ``rlgen_cli.recipes`` module that trains ``cfg``: ``r3`` for a unified policy, else
+    ``algo.recipe`` (one rule for ``rlgen train`` and the launched workers)."""
+    return "r3" if is_r3(cfg.model) else cfg.algo.recipe

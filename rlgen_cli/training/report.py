@@ -1,0 +1,135 @@
+"""Per-tag tables of GenEval-style evaluations: one run's results, or before → after training.
+
+Evaluation metrics are flat ``{key: value}`` dicts as the flow recipe logs them:
+``[eval/]reward/<reward>/<metric>/mean`` and, per prompt tag, ``[eval/]reward/<reward>/<metric>/tag/<tag>``
+(see :func:`rlgen_cli.recipes.flow_rl.detail_summaries`). ShapesEval's headline metric is ``strict``;
+``accuracy`` is GenEval's binary (lenient) accuracy and ``n_extra`` the unrequested objects per image.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+SHAPES_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("strict", "strict"),
+    ("accuracy", "lenient"),
+    ("n_extra", "extra/img"),
+)
+"""(detail name, column title) of the ShapesEval tables."""
+
+SHAPES_CURVES: tuple[tuple[str, str], ...] = (
+    ("eval/reward/shapes_geneval/strict/mean", "strict accuracy (test, ODE)"),
+    ("eval/reward/shapes_geneval/accuracy/mean", "lenient accuracy (test, ODE)"),
+    ("eval/reward/shapes_geneval/n_extra/mean", "extra objects per image (test)"),
+    ("reward/mean", "train reward"),
+)
+"""The curves of a ShapesEval run (``rlgen plot`` keys and titles)."""
+
+
+def detail_summaries(details: Mapping[str, Any], by_tag: bool = False) -> dict[str, float]:
+    """Means of a reward mix's float details (``"<reward>/<name>"`` → ``reward/<reward>/<name>/mean``);
+    with ``by_tag``, also per tag when the reward reports one (``"<reward>/tag"``, GenEval-style):
+    ``reward/<reward>/<name>/tag/<tag>``."""
+    out: dict[str, float] = {}
+    for key, value in details.items():
+        if "/" not in key or not isinstance(value, Tensor) or not value.is_floating_point():
+            continue
+        values = value.float()
+        out[f"reward/{key}/mean"] = float(values.mean())
+        tags = details.get(f"{key.split('/')[0]}/tag")
+        if by_tag and isinstance(tags, list) and len(tags) == len(values):
+            for tag in sorted(set(tags)):
+                rows = torch.tensor([t == tag for t in tags])
+                out[f"reward/{key}/tag/{tag}"] = float(values[rows].mean())
+    return out
+
+
+def tags_of(metrics: Mapping[str, float], reward: str, metric: str, prefix: str = "eval/") -> list[str]:
+    """The tags that ``metrics`` breaks ``metric`` down by, in first-seen order."""
+    head = f"{prefix}reward/{reward}/{metric}/tag/"
+    return [key[len(head) :] for key in metrics if key.startswith(head)]
+
+
+def _value(metrics: Mapping[str, float], reward: str, metric: str, tag: str, prefix: str) -> float:
+    suffix = "mean" if tag == "overall" else f"tag/{tag}"
+    return float(metrics.get(f"{prefix}reward/{reward}/{metric}/{suffix}", float("nan")))
+
+
+def tag_table(
+    metrics: Mapping[str, float],
+    reward: str = "shapes_geneval",
+    columns: Sequence[tuple[str, str]] = SHAPES_COLUMNS,
+    prefix: str = "eval/",
+) -> str:
+    """One row per tag (then ``overall`` = mean over all samples) and one column per metric."""
+    tags = tags_of(metrics, reward, columns[0][0], prefix) + ["overall"]
+    lines = [f"{'tag':<14}" + "".join(f"{title:>12}" for _, title in columns)]
+    for tag in tags:
+        cells = "".join(f"{_value(metrics, reward, m, tag, prefix):>12.3f}" for m, _ in columns)
+        lines.append(f"{tag:<14}{cells}")
+    return "\n".join(lines)
+
+
+def before_after_table(
+    before: Mapping[str, float],
+    after: Mapping[str, float],
+    reward: str = "shapes_geneval",
+    columns: Sequence[tuple[str, str]] = SHAPES_COLUMNS,
+    prefix: str = "eval/",
+) -> str:
+    """Per tag and metric: ``before → after (Δ)``; accuracies in percent, extra objects as counts."""
+    tags = tags_of(after, reward, columns[0][0], prefix) + ["overall"]
+    width = 24
+    lines = [f"{'tag':<14}" + "".join(f"{title:>{width}}" for _, title in columns)]
+    for tag in tags:
+        cells = []
+        for metric, _ in columns:
+            old = _value(before, reward, metric, tag, prefix)
+            new = _value(after, reward, metric, tag, prefix)
+            scale = 1.0 if metric == "n_extra" else 100.0
+            cells.append(f"{old * scale:6.1f} → {new * scale:6.1f} ({(new - old) * scale:+6.1f})")
+        lines.append(f"{tag:<14}" + "".join(f"{c:>{width}}" for c in cells))
+    return "\n".join(lines)
+
+
+def has_tag_breakdown(metrics: Mapping[str, float], reward: str, metric: str, prefix: str = "eval/") -> bool:
+    """Whether ``metrics`` holds a per-tag breakdown of ``reward``'s ``metric``."""
+    return bool(tags_of(metrics, reward, metric, prefix))
+
+
+BEFORE_AFTER_TABLE = "before_after.txt"
+BEFORE_AFTER_GRID = "images/before_after.png"
+
+
+def write_before_after(
+    run_dir: Path,
+    before: Mapping[str, float],
+    after: Mapping[str, float],
+    images_before: Tensor | None = None,
+    images_after: Tensor | None = None,
+    reward: str = "shapes_geneval",
+) -> str | None:
+    """The final report of a run evaluated before and after training: the per-tag table (written to
+    ``before_after.txt`` and returned) and a grid with the before samples above the after samples of
+    the same prompts and noise. ``None`` when the evaluation has no per-tag breakdown of ``reward``."""
+    columns = [(m, t) for m, t in SHAPES_COLUMNS if has_tag_breakdown(after, reward, m)]
+    if not columns:
+        return None
+    table = before_after_table(before, after, reward, columns)
+    (run_dir / BEFORE_AFTER_TABLE).write_text(table + "\n", encoding="utf-8")
+    if images_before is not None and images_after is not None:
+        from rlgen_cli.training.images import save_grid
+
+        n = min(len(images_before), len(images_after), 16)
+        save_grid(
+            torch.cat([images_before[:n], images_after[:n]]),
+            run_dir / BEFORE_AFTER_GRID,
+            columns=n,
+            upscale=2,
+        )
+    return table
