@@ -38,7 +38,8 @@ from rlgen_cli.algos import (
     sft_loss,
 )
 from rlgen_cli.models import Cond
-from rlgen_cli.recipes.flow_rl import FlowRLRecipe, _summarise
+from rlgen_cli.recipes.flow_rl import FlowRLRecipe
+from rlgen_cli.recipes.loop import summarise
 from rlgen_cli.recipes.sampling import batches, conditioned, sample_latents
 from rlgen_cli.schema.flow import TrainConfig
 from rlgen_cli.sde.noise import stream_seed
@@ -154,7 +155,7 @@ class PreferenceEpoch:
                 stats[key].append(float(value))
         stats["pairs"].append(float(len(chosen)))
         stats["skipped_groups"].append(float(pairs.num_skipped))
-        return _summarise(stats)
+        return summarise(stats)
 
     def _sft(
         self, recipe: FlowRLRecipe, epoch: int, x0: Tensor, cond: Cond, rewards: Tensor, groups: Tensor
@@ -180,7 +181,7 @@ class PreferenceEpoch:
             for key, value in {**out.stats, "sft_loss": out.loss.item()}.items():
                 stats[key].append(float(value))
         stats["trained_samples"].append(float(len(keep)))
-        return _summarise(stats)
+        return summarise(stats)
 
 
 def run(cfg: TrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:

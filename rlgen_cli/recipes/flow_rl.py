@@ -29,12 +29,11 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import resource
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -48,6 +47,7 @@ from rlgen_cli.data import GroupSampler, PromptDataset
 from rlgen_cli.data.paths import load_prompts
 from rlgen_cli.launch.dist import Dist, make_dist
 from rlgen_cli.models import Cond, FlowPolicy, build_policy
+from rlgen_cli.recipes.loop import due, peak_memory_mb, reduce_over_ranks, summarise, timed
 from rlgen_cli.recipes.sampling import (
     INITIAL_NOISE,
     STEP_NOISE,
@@ -140,12 +140,6 @@ def _guard_objective(
 
 STEP_OBJECTIVES: dict[str, StepObjective] = {"grpo": _grpo_objective, "grpo_guard": _guard_objective}
 EpochFn = Callable[["FlowRLRecipe", int, Progress], dict[str, float]]
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 class FlowRLRecipe:
@@ -265,13 +259,13 @@ class FlowRLRecipe:
                 if (
                     evaluates
                     and cfg.eval_every
-                    and (epoch == 0 or final or _due(epoch, cfg.eval_every, cfg.epochs))
+                    and (epoch == 0 or final or due(epoch, cfg.eval_every, cfg.epochs))
                 ):
                     metrics |= self.evaluate(epoch, progress)
                 self.logger.log(metrics, step=epoch)
                 if main:
                     self._log_console(epoch, metrics)
-                if final or _due(epoch, cfg.save_every, cfg.epochs):
+                if final or due(epoch, cfg.save_every, cfg.epochs):
                     self.save(epoch + 1)
                 self.dist.barrier()
                 progress.advance(epochs, description=f"epoch {epoch + 1}: {_headline(metrics)}")
@@ -318,9 +312,9 @@ class FlowRLRecipe:
 
     def train_epoch(self, epoch: int, progress: Progress) -> dict[str, float]:
         timings: dict[str, float] = {}
-        with _timed(timings, "time/rollout"):
+        with timed(timings, "time/rollout"):
             rollouts = self.sample_epoch(epoch, progress)
-        with _timed(timings, "time/reward"):  # only the part of scoring that sampling did not hide
+        with timed(timings, "time/reward"):  # only the part of scoring that sampling did not hide
             local, reward_details = rollouts.rewards()
         # every rank sees the whole batch's rewards with their dataset indices, so a group that spans
         # ranks is normalised as one; each rank then keeps the advantages of its own samples
@@ -334,7 +328,7 @@ class FlowRLRecipe:
         total = sum(self.cfg.reward.weights[k] * v for k, v in components.items())
         keep = best_and_worst(total[mine], rollouts.indices, self.cfg.algo.best_of_n)
         advantages = advantages[mine]
-        with _timed(timings, "time/update"):
+        with timed(timings, "time/update"):
             update_stats = self.update(rollouts.select(keep), advantages[keep], progress)
         if self.dist.is_main and self.cfg.images_every and epoch % self.cfg.images_every == 0:
             save_grid(rollouts.images, self.run_dir / "images" / f"train_epoch_{epoch:05d}.png", upscale=2)
@@ -485,7 +479,7 @@ class FlowRLRecipe:
                     stats["grad_norm"].append(self.optimizer_step())
                 progress.advance(task)
         progress.remove(task)
-        return _summarise(stats)
+        return summarise(stats)
 
     def train_micro_batch(
         self,
@@ -597,16 +591,6 @@ class FlowRLRecipe:
         self.logger.close()
 
 
-def reduce_over_ranks(dist: Dist, stats: dict[str, float]) -> dict[str, float]:
-    """Per-rank scalars → run-wide ones: min/max for ratio extremes, sums for counts, else the mean."""
-    if dist.world_size == 1 or not stats:
-        return stats
-    keys = sorted(stats)
-    table = dist.gather(torch.tensor([[float(stats[k]) for k in keys]], dtype=torch.float64)).cpu()  # (W, K)
-    reducers = {"ratio_min": torch.min, "ratio_max": torch.max, "trained_samples": torch.sum}
-    return {k: float(reducers.get(k, torch.mean)(table[:, i])) for i, k in enumerate(keys)}
-
-
 def _require_rank_symmetric(algo: AlgoConfig, fsdp: bool = False) -> None:
     """DDP needs every rank to run the same number of backward passes; per-sample step subsets and
     best-of-N selection can give ranks different counts. FSDP2 swaps in new (DTensor) parameters when it
@@ -656,30 +640,6 @@ def _headline(metrics: dict[str, float]) -> str:
     if "reward/mean" in metrics:
         return f"reward {metrics['reward/mean']:+.4g}"
     return f"loss {metrics.get('loss', float('nan')):.4g}"
-
-
-def _due(epoch: int, every: int, total: int) -> bool:
-    """Periodic work after ``epoch`` (0-based): every ``every`` epochs and always after the last."""
-    return epoch + 1 == total or (every > 0 and (epoch + 1) % every == 0)
-
-
-@contextmanager
-def _timed(timings: dict[str, float], key: str) -> Iterator[None]:
-    start = time.perf_counter()
-    yield
-    timings[key] = time.perf_counter() - start
-
-
-def _summarise(stats: dict[str, list[float]]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for key, values in stats.items():
-        if key == "ratio_min":
-            out[key] = min(values)
-        elif key == "ratio_max":
-            out[key] = max(values)
-        else:
-            out[key] = sum(values) / len(values)
-    return out
 
 
 def run(cfg: TrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:

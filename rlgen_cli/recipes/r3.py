@@ -68,6 +68,7 @@ from rlgen_cli.r3.rewards import (
 )
 from rlgen_cli.r3.rollout import ImageRollout, image_rollout, micro_batches, stage_plan, text_rollout
 from rlgen_cli.r3.scoring import R3Scorer
+from rlgen_cli.recipes.loop import due, load_resume, reduce_over_ranks, summarise
 from rlgen_cli.recipes.sampling import conditioned
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.r3 import R3TrainConfig
@@ -75,7 +76,6 @@ from rlgen_cli.sde.rollout import StepSpec, Trajectory, recompute_step
 from rlgen_cli.training.checkpoint import (
     COUNTERS_KEY,
     OPTIMIZER_KEY,
-    resolve_resume,
     save_checkpoint,
     set_rng_state,
 )
@@ -178,17 +178,15 @@ class R3Recipe:
         )  # fmt: skip
 
     def _maybe_resume(self) -> dict[str, Any] | None:
-        ckpt = resolve_resume(self.cfg.resume, self.run_dir)
-        if ckpt is None:
+        resumed = load_resume(self.cfg.resume, self.run_dir, self.policy)
+        if resumed is None:
             return None
-        state = ckpt.state()
-        self.policy.load_trainable(ckpt.weights)
+        state = resumed[1]
         self.scheduler.load_state_dict(state[SCHEDULER_KEY])
         self.buffer.load_state_dict(state[BUFFER_KEY])
         set_rng_state(state["rng"])
         self.start_step = state[COUNTERS_KEY]["epoch"]
         self.global_step = state[COUNTERS_KEY]["global_step"]
-        log.info("resumed from %s at step %d", ckpt.path, self.start_step)
         return state
 
     # -- the loop -------------------------------------------------------------------------------
@@ -198,7 +196,7 @@ class R3Recipe:
             bar = progress.task("steps", total=cfg.epochs, completed=self.start_step)
             for step in range(self.start_step, cfg.epochs):
                 metrics = self.train_step(step)
-                if main and cfg.eval_every and _due(step, cfg.eval_every, cfg.epochs):
+                if main and cfg.eval_every and due(step, cfg.eval_every, cfg.epochs):
                     metrics |= self.evaluate(step)  # whole weights on every rank: rank 0 evaluates alone
                 self.logger.log(metrics, step=step)
                 log.info(
@@ -206,7 +204,7 @@ class R3Recipe:
                     STAGE_NAMES[int(metrics["stage"])], metrics["reward/mean"], metrics["reward/text/mean"],
                     metrics["format_rate"], metrics["ratio_error_max"], metrics["time/step"],
                 )  # fmt: skip
-                if _due(step, cfg.save_every, cfg.epochs):
+                if due(step, cfg.save_every, cfg.epochs):
                     self.save(step + 1)
                 self.dist.barrier()
                 progress.advance(bar, description=f"step {step + 1}: reward {metrics['reward/mean']:+.4g}")
@@ -295,7 +293,8 @@ class R3Recipe:
         new[edited] = self.scorer.score(images.images[edited], [samples[i] for i in edited.tolist()])
         rewards = refine_rewards(thoughts.texts, prev, new, torch.full((n,), draw.perfect), r3.format_weight)
         batch = self._stage_batch(REFINE, samples, thoughts, images, rewards, positions, group)
-        batch.stats |= self._reduced(
+        batch.stats |= reduce_over_ranks(
+            self.dist,
             {"no_edit_rate": kept.float().mean().item(), "refine/drew_perfect": float(draw.perfect),
              "refine/missed_kind": float(draw.missed), "delta/mean": rewards.delta.mean().item()}
         )  # fmt: skip
@@ -325,9 +324,11 @@ class R3Recipe:
             "advantage/text/abs_mean": text_adv.abs().mean().item(),
             "advantage/image/abs_mean": image_adv.abs().mean().item(),
             "buffer/size": float(len(self.buffer)), "buffer/perfect_fraction": self.buffer.perfect.float().mean().item(),
-            **self._reduced({"format_rate": rewards.format.mean().item(), "sde_step": float(images.sde_step),
-                             "completions/mean_length": lengths.mean().item(),
-                             "completions/clipped_ratio": sum(thoughts.truncated) / n}),
+            **reduce_over_ranks(self.dist, {
+                "format_rate": rewards.format.mean().item(), "sde_step": float(images.sde_step),
+                "completions/mean_length": lengths.mean().item(),
+                "completions/clipped_ratio": sum(thoughts.truncated) / n,
+            }),
         }  # fmt: skip
         return batch
 
@@ -383,21 +384,11 @@ class R3Recipe:
         stats["grad_norm"].append(self.dist.clip_and_step(self.optimizer, self.params, max_norm))
         self.scheduler.step()
         self.global_step += 1
-        summary = _summarise(stats)
+        summary = summarise(stats)
         extremes = [
             abs(summary.get(f"{t}/ratio_{e}", 1.0) - 1) for t in (TEXT, IMAGE) for e in ("min", "max")
         ]
-        return self._reduced(summary) | {"ratio_error_max": max(extremes)}
-
-    def _reduced(self, stats: dict[str, float]) -> dict[str, float]:
-        """Per-rank scalars → run-wide ones: extremes of ratio extremes, else the mean (equal rows per rank)."""
-        if self.dist.world_size == 1 or not stats:
-            return stats
-        keys = sorted(stats)
-        table = self.dist.gather(torch.tensor([[stats[k] for k in keys]], dtype=torch.float64)).cpu()
-        return {
-            k: float(_REDUCERS.get(k.rsplit("/", 1)[-1], torch.mean)(table[:, i])) for i, k in enumerate(keys)
-        }
+        return reduce_over_ranks(self.dist, summary) | {"ratio_error_max": max(extremes)}
 
     # -- logging, evaluation, checkpoints -------------------------------------------------------
     def _log_samples(self, step: int, batch: StageBatch) -> None:
@@ -444,23 +435,9 @@ def _gather(dist: Dist, values: Tensor) -> Tensor:
     return dist.gather(values.to(dist.device)).cpu()
 
 
-_REDUCERS = {"ratio_min": torch.min, "ratio_max": torch.max}
-
-
-def _summarise(stats: dict[str, list[float]]) -> dict[str, float]:
-    """Micro-batch statistics: min / max of the ratio extremes, else the mean."""
-    picks = {"ratio_min": min, "ratio_max": max}
-    return {k: picks.get(k.rsplit("/", 1)[-1], lambda v: sum(v) / len(v))(v) for k, v in stats.items()}
-
-
 def _collect(stats: dict[str, list[float]], values: dict[str, float]) -> None:
     for key, value in values.items():
         stats[key].append(float(value))
-
-
-def _due(step: int, every: int, total: int) -> bool:
-    """Periodic work after ``step`` (0-based): every ``every`` steps and always after the last."""
-    return step + 1 == total or (every > 0 and (step + 1) % every == 0)
 
 
 def run(cfg: R3TrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:

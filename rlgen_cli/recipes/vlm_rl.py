@@ -56,6 +56,8 @@ from rlgen_cli.algos.advantages import combine_rewards
 from rlgen_cli.algos.token_grpo import token_grpo_loss
 from rlgen_cli.data.sampler import GroupSampler
 from rlgen_cli.launch.dist import Dist, make_dist
+from rlgen_cli.recipes.loop import due, load_resume, reduce_over_ranks
+from rlgen_cli.recipes.loop import summarise as summarise_stats
 from rlgen_cli.rewards import RewardBatch, build_mix
 from rlgen_cli.rewards.r1vl import TEXT_REWARDS
 from rlgen_cli.schema.errors import UserError
@@ -67,7 +69,6 @@ from rlgen_cli.training.checkpoint import (
     SAMPLER_KEY,
     Checkpoint,
     engine_staging,
-    resolve_resume,
     save_checkpoint,
     set_rng_state,
 )
@@ -92,9 +93,7 @@ from rlgen_cli.vlm.training import (
     completion_budget,
     make_scheduler,
     print_onpolicy_report,
-    reduce_over_ranks,
     require_whole_weights,
-    summarise_stats,
 )
 
 __all__ = ["VLMRLRecipe", "check_onpolicy", "evaluate", "run"]
@@ -183,18 +182,16 @@ class VLMRLRecipe:
     def _maybe_resume(self) -> tuple[Checkpoint, dict[str, Any]] | None:
         """Weights, scheduler, sampler, RNG and counters of the checkpoint to resume (if any); returns it and
         its state, whose optimizer entry ``setup`` restores once the optimizer is prepared."""
-        ckpt = resolve_resume(self.cfg.resume, self.run_dir)
-        if ckpt is None:
+        resumed = load_resume(self.cfg.resume, self.run_dir, self.policy)
+        if resumed is None:
             return None
-        state = ckpt.state()
-        self.policy.load_trainable(ckpt.weights)
+        state = resumed[1]
         self.scheduler.load_state_dict(state[SCHEDULER_KEY])
         self.sampler.load_state_dict(state[SAMPLER_KEY])
         set_rng_state(state["rng"])
         self.start_epoch = state[COUNTERS_KEY]["epoch"]
         self.global_step = state[COUNTERS_KEY]["global_step"]
-        log.info("resumed from %s at epoch %d", ckpt.path, self.start_epoch)
-        return ckpt, state
+        return resumed
 
     # -- the loop -------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
@@ -204,7 +201,7 @@ class VLMRLRecipe:
             for epoch in range(self.start_epoch, cfg.epochs):
                 metrics = self.train_epoch(epoch, progress)
                 # whole weights on every rank (require_whole_weights): rank 0 evaluates alone
-                if main and cfg.eval_every and _due(epoch, cfg.eval_every, cfg.epochs):
+                if main and cfg.eval_every and due(epoch, cfg.eval_every, cfg.epochs):
                     metrics |= self.evaluate(progress)
                 self.logger.log(metrics, step=epoch)
                 log.info(
@@ -212,7 +209,7 @@ class VLMRLRecipe:
                     metrics["reward/mean"], metrics["reward/std"], metrics["kl_loss"], metrics["clipfrac"],
                     metrics["completions/mean_length"], metrics["time/rollout"] + metrics["time/update"],
                 )  # fmt: skip
-                if _due(epoch, cfg.save_every, cfg.epochs):
+                if due(epoch, cfg.save_every, cfg.epochs):
                     self.save(epoch + 1)
                 self.dist.barrier()
                 progress.advance(
@@ -433,10 +430,6 @@ class VLMRLRecipe:
     def cleanup(self) -> None:
         self.logger.close()
         self.engine.close()
-
-
-def _due(epoch: int, every: int, total: int) -> bool:
-    return epoch + 1 == total or (every > 0 and (epoch + 1) % every == 0)
 
 
 def run(cfg: TrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:

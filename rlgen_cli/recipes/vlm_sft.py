@@ -36,6 +36,7 @@ from omegaconf import DictConfig
 from torch import Tensor
 
 from rlgen_cli.launch.dist import Dist, make_dist
+from rlgen_cli.recipes.loop import load_resume, reduce_over_ranks
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import TrainConfig
 from rlgen_cli.training.checkpoint import (
@@ -43,7 +44,6 @@ from rlgen_cli.training.checkpoint import (
     OPTIMIZER_KEY,
     Checkpoint,
     engine_staging,
-    resolve_resume,
     save_checkpoint,
     set_rng_state,
 )
@@ -57,7 +57,6 @@ from rlgen_cli.vlm.training import (
     SCHEDULER_KEY,
     batches,
     make_scheduler,
-    reduce_over_ranks,
     require_whole_weights,
 )
 
@@ -184,17 +183,15 @@ class VLMSFTRecipe:
     def _maybe_resume(self) -> tuple[Checkpoint, dict[str, Any]] | None:
         """Weights, scheduler, RNG and counters of the checkpoint to resume (if any); returns it and its
         state, whose optimizer entry ``setup`` restores once the optimizer is prepared."""
-        ckpt = resolve_resume(self.cfg.resume, self.run_dir)
-        if ckpt is None:
+        resumed = load_resume(self.cfg.resume, self.run_dir, self.policy)
+        if resumed is None:
             return None
-        state = ckpt.state()
-        self.policy.load_trainable(ckpt.weights)
+        state = resumed[1]
         self.scheduler.load_state_dict(state[SCHEDULER_KEY])
         set_rng_state(state["rng"])
         self.start_epoch = state[COUNTERS_KEY]["epoch"]
         self.global_step = state[COUNTERS_KEY]["global_step"]
-        log.info("resumed from %s at epoch %d", ckpt.path, self.start_epoch)
-        return ckpt, state
+        return resumed
 
     def train(self) -> dict[str, float]:
         cfg, metrics, main = self.cfg, {}, self.dist.is_main

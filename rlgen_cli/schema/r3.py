@@ -246,6 +246,13 @@ def _check_world(r3: R3Config, world_size: int) -> None:
     )
 
 
+def _check_run(cfg: TrainConfig) -> None:
+    """Checks of a train / check-onpolicy config that a unified-policy model adds."""
+    if is_r3(cfg.model):
+        _check_world(cfg.r3, cfg.launcher.world_size)
+        cfg.r3.data_paths()
+
+
 @dataclass
 class R3TrainConfig(TrainConfig):
     """``rlgen train``: every recipe's sections plus ``r3`` (read by the R3 recipe only)."""
@@ -254,9 +261,7 @@ class R3TrainConfig(TrainConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if is_r3(self.model):
-            _check_world(self.r3, self.launcher.world_size)
-            self.r3.data_paths()
+        _check_run(self)
 
 
 @dataclass
@@ -267,9 +272,7 @@ class R3CheckOnPolicyConfig(CheckOnPolicyConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if is_r3(self.model):
-            _check_world(self.r3, self.launcher.world_size)
-            self.r3.data_paths()
+        _check_run(self)
 
 
 @dataclass

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+GENEVAL_TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
+
 SHAPES_COLUMNS: tuple[tuple[str, str], ...] = (
     ("strict", "strict"),
     ("accuracy", "lenient"),
@@ -50,9 +52,10 @@ def detail_summaries(details: Mapping[str, Any], by_tag: bool = False) -> dict[s
 
 
 def tags_of(metrics: Mapping[str, float], reward: str, metric: str, prefix: str = "eval/") -> list[str]:
-    """The tags that ``metrics`` breaks ``metric`` down by, in first-seen order."""
+    """The tags that ``metrics`` breaks ``metric`` down by: GenEval's in GenEval's order, then others."""
     head = f"{prefix}reward/{reward}/{metric}/tag/"
-    return [key[len(head) :] for key in metrics if key.startswith(head)]
+    found = {key[len(head) :] for key in metrics if key.startswith(head)}
+    return [t for t in GENEVAL_TAGS if t in found] + sorted(found - set(GENEVAL_TAGS))
 
 
 def _value(metrics: Mapping[str, float], reward: str, metric: str, tag: str, prefix: str) -> float:

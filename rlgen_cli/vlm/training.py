@@ -21,9 +21,7 @@ __all__ = [
     "completion_budget",
     "make_scheduler",
     "print_onpolicy_report",
-    "reduce_over_ranks",
     "require_whole_weights",
-    "summarise_stats",
 ]
 
 
@@ -58,12 +56,6 @@ def completion_budget(requested: int, cap: int | None) -> int:
     return requested
 
 
-def summarise_stats(stats: dict[str, list[float]]) -> dict[str, float]:
-    """Mean of each statistic over micro-batches; ``ratio_min`` / ``ratio_max`` keep their extremes."""
-    reducers = {"ratio_min": min, "ratio_max": max}
-    return {k: reducers[k](v) if k in reducers else sum(v) / len(v) for k, v in stats.items()}
-
-
 def require_whole_weights(dist: Any, engine: str = "hf") -> None:
     """The VLM recipes run on DDP (``launcher=accelerate``) and DeepSpeed ZeRO-2, where every rank holds the
     whole model and ``generate`` runs on it alone.
@@ -86,19 +78,6 @@ def require_whole_weights(dist: Any, engine: str = "hf") -> None:
             "algo.token.engine=vllm runs in one process for now; over several processes use "
             "algo.token.engine=hf, or run vLLM with launcher=local"
         )
-
-
-def reduce_over_ranks(dist: Any, stats: dict[str, float]) -> dict[str, float]:
-    """Per-rank scalars → run-wide ones: min / max for the ratio and gap extremes, sums for token counts,
-    else the mean (ranks hold equal numbers of samples). The flow recipe's function of the same name."""
-    if dist.world_size == 1 or not stats:
-        return stats
-    keys = sorted(stats)
-    table = dist.gather(torch.tensor([[float(stats[k]) for k in keys]], dtype=torch.float64)).cpu()  # (W, K)
-    reducers = {
-        "ratio_min": torch.min, "ratio_max": torch.max, "sampler/logp_gap_max": torch.max, "tokens": torch.sum,
-    }  # fmt: skip
-    return {k: float(reducers.get(k, torch.mean)(table[:, i])) for i, k in enumerate(keys)}
 
 
 def print_onpolicy_report(

@@ -1,0 +1,77 @@
+"""Per-tag evaluation summaries and the before → after report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlgen_cli.training.report import (
+    BEFORE_AFTER_GRID,
+    BEFORE_AFTER_TABLE,
+    before_after_table,
+    detail_summaries,
+    tag_table,
+    write_before_after,
+)
+
+DETAILS = {
+    "shapes_geneval": torch.tensor([1.0, 0.0, 0.5, 0.5]),
+    "shapes_geneval/strict": torch.tensor([1.0, 0.0, 1.0, 0.0]),
+    "shapes_geneval/n_extra": torch.tensor([0.0, 2.0, 0.0, 1.0]),
+    "shapes_geneval/tag": ["counting", "counting", "position", "colors"],
+    "shapes_geneval/reason": ["", "", "", ""],
+}
+
+
+def test_detail_summaries_average_overall_and_per_tag():
+    out = detail_summaries(DETAILS, by_tag=True)
+    assert out["reward/shapes_geneval/strict/mean"] == pytest.approx(0.5)
+    assert out["reward/shapes_geneval/strict/tag/counting"] == pytest.approx(0.5)
+    assert out["reward/shapes_geneval/strict/tag/position"] == pytest.approx(1.0)
+    assert out["reward/shapes_geneval/n_extra/tag/colors"] == pytest.approx(1.0)
+    assert "reward/shapes_geneval/reason/mean" not in out  # strings are not averaged
+    assert not any("/tag/" in key for key in detail_summaries(DETAILS))  # only when asked
+
+
+def _metrics(strict: dict[str, float], extra: float) -> dict[str, float]:
+    out = {f"eval/reward/shapes_geneval/strict/tag/{t}": v for t, v in strict.items()}
+    out["eval/reward/shapes_geneval/strict/mean"] = sum(strict.values()) / len(strict)
+    out |= {f"eval/reward/shapes_geneval/n_extra/tag/{t}": extra for t in strict}
+    out["eval/reward/shapes_geneval/n_extra/mean"] = extra
+    return out
+
+
+def test_before_after_table_rows_and_deltas():
+    before = _metrics({"counting": 0.25, "position": 0.5}, extra=0.8)
+    after = _metrics({"counting": 0.5, "position": 0.75}, extra=0.4)
+    columns = [("strict", "strict"), ("n_extra", "extra/img")]
+    lines = before_after_table(before, after, columns=columns).splitlines()
+    assert [line.split()[0] for line in lines] == ["tag", "counting", "position", "overall"]
+    assert "25.0 →   50.0 ( +25.0)" in lines[1]  # accuracies in percent
+    assert "0.8 →    0.4 (  -0.4)" in lines[1]  # extra objects as counts
+    assert "37.5 →   62.5 ( +25.0)" in lines[3]
+
+
+def test_tag_table_without_prefix_reads_eval_task_keys():
+    table = tag_table(detail_summaries(DETAILS, by_tag=True), columns=[("strict", "strict")], prefix="")
+    assert [line.split()[0] for line in table.splitlines()] == [
+        "tag",
+        "counting",
+        "colors",
+        "position",
+        "overall",
+    ]
+    assert table.splitlines()[1].split() == ["counting", "0.500"]
+    assert table.splitlines()[-1].split() == ["overall", "0.500"]
+
+
+def test_write_before_after_writes_the_table_and_grid(tmp_path: Path):
+    before = _metrics({"counting": 0.25}, extra=1.0)
+    after = _metrics({"counting": 0.5}, extra=0.5)
+    images = torch.rand(3, 3, 8, 8)
+    table = write_before_after(tmp_path, before, after, images, images)
+    assert table is not None and (tmp_path / BEFORE_AFTER_TABLE).read_text().strip() == table
+    assert (tmp_path / BEFORE_AFTER_GRID).is_file()
+    assert write_before_after(tmp_path, {}, {"eval/reward/mean": 1.0}) is None  # no tags: no report
