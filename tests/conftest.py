@@ -27,7 +27,7 @@ def run_cli(*args: str) -> tuple[int, str]:
 
     args = list(args)
     if args and args[0] == "train" and not any(a.startswith(("experiment=", "+experiment=")) for a in args):
-        args.insert(1, "experiment=tiny_cpu")  # the tiny SD3 demo, not the default ShapesEval experiment
+        args.append("experiment=tiny_cpu")  # the tiny SD3 demo, not the default ShapesEval experiment
     result = CliRunner().invoke(app, args)
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception

@@ -37,7 +37,12 @@ def test_primary_configs_validate(name):
 def test_every_group_option_validates_for_train(group, option):
     # multi-process launchers need a global batch that splits into whole per-process batches
     geometry = (
-        ["algo.prompts_per_epoch=16", "algo.sample_batch_size=8", "algo.train_batch_size=8"]
+        [
+            "algo.prompts_per_epoch=16",
+            "algo.sample_batch_size=8",
+            "algo.train_batch_size=8",
+            "algo.gradient_accumulation_steps=1",
+        ]
         if group == "launcher"
         else []
     )
@@ -72,7 +77,10 @@ def test_every_flow_model_with_every_flow_algorithm_and_reward_composes():
     failures = []
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         for overrides in combos:
-            cfg = compose(config_name="train", overrides=[*overrides, "algo.prompts_per_epoch=8"])
+            cfg = compose(
+                config_name="train",
+                overrides=[*overrides, "algo.prompts_per_epoch=8", "algo.gradient_accumulation_steps=1"],
+            )
             OmegaConf.set_struct(cfg, False)
             cfg.run_dir = "/tmp/unused"
             try:
