@@ -31,6 +31,7 @@ __all__ = [
     "COMBINE_MODES",
     "SCALES",
     "AdvantageStats",
+    "best_and_worst",
     "combine_rewards",
     "group_advantages",
     "group_moments",
@@ -332,3 +333,15 @@ def combine_rewards(
         adv = adv + float(weights[k]) * adv_k
         zero_var = zero_var & zero_k
     return _clip(adv, clip_max), _advantage_stats(total, group_ids, zero_var)
+
+
+def best_and_worst(rewards: Tensor, group_ids: Tensor, k: int) -> Tensor:
+    """Positions of the k best and k worst samples of each group (DanceGRPO's best-of-N); k=0 = all."""
+    if k == 0:
+        return torch.arange(len(rewards))
+    keep = []
+    for group in torch.unique(group_ids):
+        members = (group_ids == group).nonzero().squeeze(1)
+        order = members[torch.argsort(rewards[members], descending=True)]
+        keep.append(torch.cat([order[:k], order[-k:]]))
+    return torch.sort(torch.cat(keep)).values

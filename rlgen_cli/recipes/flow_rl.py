@@ -42,12 +42,13 @@ import torch
 from omegaconf import DictConfig
 from torch import Tensor
 
-from rlgen_cli.algos import GRPOLossOut, combine_rewards, grpo_loss, guard_loss
+from rlgen_cli.algos import best_and_worst, combine_rewards
+from rlgen_cli.algos.objectives import STEP_OBJECTIVES
 from rlgen_cli.data import GroupSampler, PromptDataset
 from rlgen_cli.data.paths import load_prompts
 from rlgen_cli.launch.dist import Dist, make_dist
 from rlgen_cli.models import Cond, FlowPolicy, build_policy
-from rlgen_cli.recipes.loop import due, peak_memory_mb, reduce_over_ranks, summarise, timed
+from rlgen_cli.recipes.loop import due, headline, peak_memory_mb, reduce_over_ranks, summarise, timed
 from rlgen_cli.recipes.sampling import (
     INITIAL_NOISE,
     STEP_NOISE,
@@ -61,7 +62,7 @@ from rlgen_cli.rewards import RewardBatch, build_mix
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import AlgoConfig, TrainConfig
 from rlgen_cli.sde import euler, step_kl
-from rlgen_cli.sde.noise import sample_generators, stream_seed
+from rlgen_cli.sde.noise import first_of_runs, run_ids, sample_generators, stream_seed
 from rlgen_cli.sde.rollout import StepSpec, Trajectory, recompute_step, rollout
 from rlgen_cli.sde.step import StepOut
 from rlgen_cli.sde.window import WindowPlan, plan_window
@@ -119,26 +120,6 @@ class Rollouts:
         )  # fmt: skip
 
 
-# -- per-step objectives: one entry per algos/ module; the loop never branches on the algorithm -----
-StepObjective = Callable[[StepOut, Trajectory, int, Tensor, Tensor | None, AlgoConfig], GRPOLossOut]
-
-
-def _grpo_objective(out: StepOut, traj: Trajectory, j: int, adv: Tensor, kl: Tensor | None, algo: AlgoConfig):
-    return grpo_loss(out.logprob, traj.logprobs[:, j], adv, clip_range=algo.clip_range, kl=kl, beta=algo.beta)
-
-
-def _guard_objective(
-    out: StepOut, traj: Trajectory, j: int, adv: Tensor, kl: Tensor | None, algo: AlgoConfig
-):
-    sqrt_neg_dt = (traj.sigmas[j] - traj.sigmas_next[j]).sqrt().expand(adv.shape[0])  # (B,)
-    sigma_t = traj.stds[:, j] / sqrt_neg_dt  # the noise scale σ_t of s = σ_t·sqrt(−dt)
-    return guard_loss(
-        out.logprob, traj.logprobs[:, j], out.mean, traj.means[:, j], sigma_t, sqrt_neg_dt, adv,
-        clip_range=algo.clip_range, kl=kl, beta=algo.beta,
-    )  # fmt: skip
-
-
-STEP_OBJECTIVES: dict[str, StepObjective] = {"grpo": _grpo_objective, "grpo_guard": _guard_objective}
 EpochFn = Callable[["FlowRLRecipe", int, Progress], dict[str, float]]
 
 
@@ -268,7 +249,7 @@ class FlowRLRecipe:
                 if final or due(epoch, cfg.save_every, cfg.epochs):
                     self.save(epoch + 1)
                 self.dist.barrier()
-                progress.advance(epochs, description=f"epoch {epoch + 1}: {_headline(metrics)}")
+                progress.advance(epochs, description=f"epoch {epoch + 1}: {headline(metrics)}")
                 if final:
                     if epoch + 1 < cfg.epochs:
                         log.info(
@@ -409,9 +390,9 @@ class FlowRLRecipe:
         if start == 0:
             return x
         sigmas = self.policy.schedule(num_steps, x)[: start + 1]
-        firsts = _first_of_runs(generators)  # one prefix per run of samples sharing a noise stream
+        firsts = first_of_runs(generators)  # one prefix per run of samples sharing a noise stream
         prefix = euler(functools.partial(conditioned, self.policy, cond.index(firsts)), x[firsts], sigmas)
-        return prefix[_run_ids(generators)]
+        return prefix[run_ids(generators)]
 
     def rollout_batch(
         self, cond: Cond, x: Tensor, plan: WindowPlan, steps: list[torch.Generator], start: int = 0
@@ -577,7 +558,7 @@ class FlowRLRecipe:
     def _log_console(self, epoch: int, m: dict[str, float]) -> None:
         extra = f" eval {m['eval/reward/mean']:+.4g}" if "eval/reward/mean" in m else ""
         if "reward/mean" not in m:  # an epoch without rollouts (pretraining)
-            log.info("epoch %d  %s%s", epoch, _headline(m), extra)
+            log.info("epoch %d  %s%s", epoch, headline(m), extra)
             return
         log.info(
             "epoch %d  reward %+.4g±%.3g%s  kl %.2e  clipfrac %.3f  |ratio-1|max %.2e  %.1fs",
@@ -607,39 +588,6 @@ def _require_rank_symmetric(algo: AlgoConfig, fsdp: bool = False) -> None:
             "shards for an EMA swap): use launcher=deepspeed_zero3, deepspeed_zero2 or accelerate, or "
             "algo.ema.enabled=false"
         )
-
-
-def best_and_worst(rewards: Tensor, group_ids: Tensor, k: int) -> Tensor:
-    """Positions of the k best and k worst samples of each group (DanceGRPO's best-of-N); k=0 = all."""
-    if k == 0:
-        return torch.arange(len(rewards))
-    keep = []
-    for group in torch.unique(group_ids):
-        members = (group_ids == group).nonzero().squeeze(1)
-        order = members[torch.argsort(rewards[members], descending=True)]
-        keep.append(torch.cat([order[:k], order[-k:]]))
-    return torch.sort(torch.cat(keep)).values
-
-
-def _first_of_runs(generators: list[torch.Generator]) -> Tensor:
-    """Positions where a new noise stream starts (consecutive samples sharing a generator seed)."""
-    seeds = [g.initial_seed() for g in generators]
-    return torch.tensor([i for i, s in enumerate(seeds) if i == 0 or s != seeds[i - 1]])
-
-
-def _run_ids(generators: list[torch.Generator]) -> Tensor:
-    """For each sample, the ordinal of its run of equal noise streams."""
-    seeds = [g.initial_seed() for g in generators]
-    return torch.tensor(
-        [sum(1 for j in range(1, i + 1) if seeds[j] != seeds[j - 1]) for i in range(len(seeds))]
-    )
-
-
-def _headline(metrics: dict[str, float]) -> str:
-    """The epoch's one-number summary: the reward, or the loss of an epoch without rollouts."""
-    if "reward/mean" in metrics:
-        return f"reward {metrics['reward/mean']:+.4g}"
-    return f"loss {metrics.get('loss', float('nan')):.4g}"
 
 
 def run(cfg: TrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:

@@ -79,3 +79,10 @@ def load_resume(resume: str | None, run_dir: Path, policy: Any) -> tuple[Checkpo
     policy.load_trainable(ckpt.weights)
     log.info("resuming from %s", ckpt.path)
     return ckpt, state
+
+
+def headline(metrics: dict[str, float]) -> str:
+    """The epoch's one-number summary: the reward, or the loss of an epoch without rollouts."""
+    if "reward/mean" in metrics:
+        return f"reward {metrics['reward/mean']:+.4g}"
+    return f"loss {metrics.get('loss', float('nan')):.4g}"

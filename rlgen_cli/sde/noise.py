@@ -41,3 +41,17 @@ def randn_per_sample(
     """(len(generators), *shape) standard normals, row i drawn from generator i (fp32)."""
     rows = [torch.randn((1, *shape), generator=g, device=device, dtype=torch.float32) for g in generators]
     return torch.cat(rows)
+
+
+def first_of_runs(generators: list[torch.Generator]) -> Tensor:
+    """Positions where a new noise stream starts (consecutive samples sharing a generator seed)."""
+    seeds = [g.initial_seed() for g in generators]
+    return torch.tensor([i for i, s in enumerate(seeds) if i == 0 or s != seeds[i - 1]])
+
+
+def run_ids(generators: list[torch.Generator]) -> Tensor:
+    """For each sample, the ordinal of its run of equal noise streams."""
+    seeds = [g.initial_seed() for g in generators]
+    return torch.tensor(
+        [sum(1 for j in range(1, i + 1) if seeds[j] != seeds[j - 1]) for i in range(len(seeds))]
+    )
