@@ -6,25 +6,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.vlm.conftest import compose_config
+
 # tiny_r3 already has 4 branches, 8 text tokens and 3 + 3 flow steps; no bars, no periodic eval
 TINY_R3 = ["model=tiny_r3", "progress=false", "eval_every=0", "images_every=0"]
 
 
-def compose_r3(name: str, overrides: list[str], run_dir: Path | str = "/tmp/unused"):
-    """(typed, raw) config of primary config ``name``, as the tasks receive them."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from rlgen_cli._hydra import conf_dir
-    from rlgen_cli.schema.store import register_schemas
-    from rlgen_cli.tasks.common import validated
-
-    register_schemas()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-        raw = compose(config_name=name, overrides=overrides)
-    OmegaConf.set_struct(raw, False)
-    raw.run_dir = str(run_dir)
-    return validated(raw), raw
+compose_r3 = compose_config  # the VLM tests' composer: (typed, raw) as the tasks receive them
 
 
 @pytest.fixture(scope="session")
