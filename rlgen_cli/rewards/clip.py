@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rlgen_cli.rewards.base import RewardBatch, RewardResult
+from rlgen_cli.rewards.base import RewardBatch, RewardResult, all_finite
 from rlgen_cli.rewards.registry import register
 
 logger = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ def _check_images(images: Tensor | None, reward_name: str, field_name: str = "im
             f"reward {reward_name!r} expects {field_name} (B, C, H, W) with C in {{1, 3}}, got "
             f"{tuple(images.shape)}; score videos frame by frame."
         )
-    if not torch.isfinite(images).all():
+    if not all_finite(images):
         raise ValueError(f"reward {reward_name!r} got non-finite values in {field_name}; check the decoder.")
     return images
 

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from rlgen_cli.rewards.base import RewardBatch, RewardResult
+from rlgen_cli.rewards.base import RewardBatch, RewardResult, all_finite
 from rlgen_cli.rewards.registry import register
 
 logger = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ KB_SCALE = 500.0  # upstream divides the size in kB by 500
 
 
 def _to_uint8_hwc(image: Tensor) -> np.ndarray:
-    """Quantise one ``(C, H, W)`` float image in [0, 1] to an ``(H, W, C)`` uint8 array.
+    """Quantise one ``(C, H, W)`` float image in [0, 1] (uint8 passes as is) to an ``(H, W, C)`` uint8 array.
 
     Args:
         image: One image, ``C`` in {1, 3}.
@@ -34,8 +34,10 @@ def _to_uint8_hwc(image: Tensor) -> np.ndarray:
     Returns:
         ``(H, W, C)`` uint8 array (``(H, W)`` for one channel).
     """
-    pixels = (image.detach().to(device="cpu", dtype=torch.float32) * 255.0).round().clamp(0, 255)
-    array = pixels.to(torch.uint8).permute(1, 2, 0).numpy()
+    pixels = image.detach().cpu()
+    if pixels.dtype != torch.uint8:
+        pixels = (pixels.to(torch.float32) * 255.0).round().clamp(0, 255).to(torch.uint8)
+    array = pixels.permute(1, 2, 0).numpy()
     return array[:, :, 0] if array.shape[2] == 1 else array
 
 
@@ -43,7 +45,7 @@ def jpeg_size_kb(image: Tensor, quality: int = 95) -> float:
     """Return the JPEG size of one image in kB (``bytes / 1000``).
 
     Args:
-        image: ``(C, H, W)`` float image in [0, 1], ``C`` in {1, 3}.
+        image: ``(C, H, W)`` float image in [0, 1] or uint8 pixels, ``C`` in {1, 3}.
         quality: PIL JPEG quality.
 
     Returns:
@@ -77,7 +79,7 @@ def _check_images(images: Tensor | None, reward_name: str) -> Tensor:
             f"reward {reward_name!r} expects images (B, C, H, W) or videos (B, C, F, H, W) with C in "
             f"{{1, 3}}, got shape {tuple(images.shape)}; move the channel axis to dim 1."
         )
-    if not torch.isfinite(images).all():
+    if not all_finite(images):
         raise ValueError(f"reward {reward_name!r} got non-finite pixel values; check the decoder output.")
     return images
 
@@ -90,6 +92,8 @@ class JpegReward:
         sign: ``-1.0`` rewards small files (compressibility), ``+1.0`` large ones.
         quality: PIL JPEG quality used for encoding.
     """
+
+    accepts_uint8 = True  # it quantises to uint8 first: served uint8 pixels skip the float round trip
 
     def __init__(self, name: str, sign: float, quality: int = 95) -> None:
         """Create the reward.
@@ -119,7 +123,7 @@ class JpegReward:
         """Score every image (or video) of ``batch``.
 
         Args:
-            batch: Batch with ``images`` ``(B, C, H, W)`` or ``(B, C, F, H, W)`` in [0, 1].
+            batch: Batch with ``images`` ``(B, C, H, W)`` or ``(B, C, F, H, W)`` in [0, 1] (or uint8).
 
         Returns:
             ``scores = sign · kB / 500`` (float32) and ``details["jpeg_kb"]`` (float32 sizes).

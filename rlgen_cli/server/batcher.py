@@ -10,7 +10,8 @@ its neighbours.
 
 Images arrive as ``(3, H, W)`` uint8 pixels (numpy views of the request body, or decoded PNG/JPEG) and
 stay uint8 until a ``Reward.score`` chunk is built: each is then divided by 255 straight into the float
-batch (one pass, no intermediate copies). A request waits for company only while its micro-batch is not
+batch (one pass, no intermediate copies), or, for a reward that ``accepts_uint8`` (it would quantise
+again at once), stacked as uint8. A request waits for company only while its micro-batch is not
 full: one that fills ``max_batch`` by itself is scored at once.
 """
 
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlgen_cli.rewards.base import Reward, RewardBatch, check_result
+from rlgen_cli.rewards.base import Reward, RewardBatch, accepts_uint8, check_result
 from rlgen_cli.server.metrics import ServerMetrics
 from rlgen_cli.server.wire import pixels_to_float, to_jsonable
 
@@ -82,13 +83,18 @@ def _per_sample(details: dict[str, Any], n: int) -> dict[str, list[Any]]:
     return out
 
 
-def stack_images(images: list[np.ndarray | Tensor], pool: Executor | None = None) -> Tensor:
+def stack_images(
+    images: list[np.ndarray | Tensor], pool: Executor | None = None, keep_uint8: bool = False
+) -> Tensor:
     """Stack equal-size ``(3, H, W)`` images into a ``(B, 3, H, W)`` float32 batch in [0, 1].
 
     uint8 numpy pixels are divided by 255 straight into the batch, one image at a time (no uint8 stack,
     no batch-sized temporary); with a ``pool``, a large batch is converted in slices on its threads too
-    (numpy releases the GIL). Tensors are stacked, uint8 ones then divided by 255.
+    (numpy releases the GIL). Tensors are stacked, uint8 ones then divided by 255. With ``keep_uint8``
+    (for a reward that ``accepts_uint8``) all-uint8 pixels are stacked as they are: a uint8 batch.
     """
+    if keep_uint8 and all(_is_uint8(image) for image in images):  # np.stack: a writable copy
+        return torch.from_numpy(np.stack([np.asarray(image) for image in images]))
     if not all(isinstance(image, np.ndarray) and image.dtype == np.uint8 for image in images):
         stacked = torch.stack([torch.as_tensor(image) for image in images])
         return torch.div(stacked, 255.0) if stacked.dtype == torch.uint8 else stacked
@@ -110,6 +116,10 @@ def stack_images(images: list[np.ndarray | Tensor], pool: Executor | None = None
     return torch.from_numpy(out)
 
 
+def _is_uint8(image: np.ndarray | Tensor) -> bool:
+    return image.dtype in (np.uint8, torch.uint8)
+
+
 def score_samples(
     reward: Reward,
     images: list[np.ndarray | Tensor],
@@ -126,12 +136,13 @@ def score_samples(
         prompts: The prompts.
         metadata: Optional per-sample metadata.
         max_batch: Largest number of images per ``Reward.score`` call.
-        pool: Threads that help convert uint8 pixels to float (see :func:`stack_images`).
+        pool: Threads that help convert uint8 pixels to float (see :func:`stack_images`); a reward that
+            ``accepts_uint8`` gets uint8 pixels unconverted.
 
     Returns:
         Scores (in input order), per-sample details, and ``(images, seconds)`` per call.
     """
-    n = len(prompts)
+    n, uint8 = len(prompts), accepts_uint8(reward)
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, image in enumerate(images):
         groups.setdefault(tuple(image.shape), []).append(i)
@@ -143,7 +154,7 @@ def score_samples(
             chunk = indices[start : start + max_batch]
             batch = RewardBatch(
                 prompts=[prompts[i] for i in chunk],
-                images=stack_images([images[i] for i in chunk], pool),
+                images=stack_images([images[i] for i in chunk], pool, keep_uint8=uint8),
                 metadata=None if metadata is None else [metadata[i] for i in chunk],
             )
             began = time.perf_counter()

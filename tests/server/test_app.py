@@ -55,6 +55,35 @@ def test_every_wire_format_gives_the_same_scores_for_any_channels_and_sizes(serv
             assert torch.allclose(got, want, atol=1e-6), (fmt, got, want)
 
 
+class _DtypeRecorder(MeanReward):
+    """MeanReward on pixels in [0, 1] that records the dtype of every batch it gets."""
+
+    def __init__(self, name: str, accepts_uint8: bool):
+        super().__init__(name)
+        self.accepts_uint8, self.dtypes = accepts_uint8, []
+
+    def score(self, batch: RewardBatch):
+        self.dtypes.append(batch.images.dtype)
+        images = batch.images / 255.0 if batch.images.dtype == torch.uint8 else batch.images
+        return super().score(RewardBatch(batch.prompts, images=images))
+
+
+def test_uint8_pixels_reach_a_reward_that_accepts_them_unconverted(serve):
+    takes_uint8, takes_float = _DtypeRecorder("u8", True), _DtypeRecorder("f32", False)
+    server = serve({"u8": takes_uint8, "f32": takes_float})
+    batch = RewardBatch(prompts=["a", "b"], images=constant_images([0.2, 0.6]))
+    for fmt in ("raw", "msgpack", "json"):
+        scores = {
+            name: RemoteReward(name, endpoints=[server.url], wire_format=fmt).score(batch).scores
+            for name in ("u8", "f32")
+        }
+        assert torch.allclose(scores["u8"], scores["f32"]) and torch.allclose(
+            scores["u8"], torch.tensor([0.2, 0.6])
+        )
+    assert takes_uint8.dtypes == [torch.uint8] * 3
+    assert takes_float.dtypes == [torch.float32] * 3
+
+
 def test_rewards_healthz_and_mixed_sizes(serve):
     server = serve({"mean": MeanReward()})
     status, body = http("GET", server.url + "/healthz")

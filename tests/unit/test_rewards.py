@@ -19,6 +19,7 @@ from rlgen_cli.rewards import (
     build_reward,
     register,
 )
+from rlgen_cli.rewards.base import accepts_uint8, all_finite
 from rlgen_cli.rewards.registry import REWARDS
 
 
@@ -110,6 +111,40 @@ def test_jpeg_rejects_missing_or_bad_images() -> None:
         reward.score(RewardBatch(["a"], images=torch.full((1, 3, 8, 8), float("nan"))))
     with pytest.raises(ValueError, match="C in"):
         reward.score(RewardBatch(["a"], images=torch.zeros(1, 4, 8, 8)))
+
+
+def test_jpeg_scores_uint8_pixels_like_the_float_images_they_quantise() -> None:
+    images = _flat_and_noise()
+    pixels = (images * 255).round().to(torch.uint8)
+    reward = build_reward("jpeg_compressibility")
+    assert accepts_uint8(reward)
+    as_float = reward.score(RewardBatch(["a", "b"], images=images)).scores
+    as_uint8 = reward.score(RewardBatch(["a", "b"], images=pixels)).scores
+    assert torch.equal(as_float, as_uint8)
+
+
+def test_jpeg_rejects_infinite_pixels() -> None:
+    images = torch.zeros(2, 3, 8, 8)
+    images[1, 2, 3, 4] = -float("inf")
+    with pytest.raises(ValueError, match="non-finite"):
+        build_reward("jpeg_compressibility").score(RewardBatch(["a", "b"], images=images))
+
+
+@pytest.mark.parametrize(
+    ("values", "finite"),
+    [
+        (torch.tensor([0.0, 1.0, -3.0]), True),
+        (torch.tensor([0.0, float("nan"), 1.0]), False),
+        (torch.tensor([float("inf"), 0.0]), False),
+        (torch.tensor([0.0, -float("inf")]), False),
+        (torch.tensor([float("nan")] * 3), False),
+        (torch.empty(0), True),
+        (torch.tensor([0, 255], dtype=torch.uint8), True),
+    ],
+)
+def test_all_finite(values: torch.Tensor, finite: bool) -> None:
+    assert all_finite(values) is finite
+    assert all_finite(values) == bool(torch.isfinite(values).all())
 
 
 # --- registry -----------------------------------------------------------------------------------
