@@ -1,8 +1,9 @@
 """ShapesEval: strict and lenient test accuracy vs training wall-clock, per algorithm, from one base.
 
 Every run starts from the shipped base (``model=shapes_base``) with the same seed and the same epoch
-geometry as the default ``rlgen train`` (16 prompts × 8 samples, full fine-tuning), and trains for the
-same wall-clock budget (``time_limit_minutes``) through the CLI:
+geometry as the default ``rlgen train`` (16 prompts × 8 samples, full fine-tuning, lr 3e-5, evaluated
+through an EMA of the weights with decay 0.95), and trains for the same wall-clock budget
+(``time_limit_minutes``) through the CLI:
 
 * ``grpo``       Flow-GRPO: SDE at every step, every step trained;
 * ``grpo_fast``  Flow-GRPO-Fast: SDE in a random 2-step window (the default ``rlgen train``);
@@ -35,6 +36,7 @@ COMMON = ["experiment=shapes_grpo_fast", "progress=false", "images_every=0", "sa
 GEOMETRY = [
     "algo.prompts_per_epoch=16", "algo.group_size=8", "algo.sample_batch_size=64", "algo.train_batch_size=64",
     "algo.gradient_accumulation_steps=2", "algo.lr=3e-5", "algo.beta=0.0",
+    "algo.ema.enabled=true", "algo.ema.decay=0.95", "algo.ema.update_every=1",
 ]  # fmt: skip
 RUNS: dict[str, list[str]] = {
     "grpo": ["algo=grpo", *GEOMETRY, "algo.clip_range=1e-3"],

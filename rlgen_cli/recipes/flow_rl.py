@@ -82,6 +82,7 @@ from rlgen_cli.training.metrics import NullLogger, build_loggers
 from rlgen_cli.training.plots import plot_runs
 from rlgen_cli.training.progress import Progress
 from rlgen_cli.training.report import SHAPES_CURVES, detail_summaries, write_before_after
+from rlgen_cli.training.schedule import apply_lr_schedule
 
 log = logging.getLogger(__name__)
 REWARD_CURVE = "reward_curve.png"
@@ -230,7 +231,8 @@ class FlowRLRecipe:
             deadline = time.monotonic() + 60 * cfg.time_limit_minutes if cfg.time_limit_minutes else math.inf
             for epoch in range(self.start_epoch, cfg.epochs):
                 start = time.perf_counter()
-                metrics = self.epoch_fn(self, epoch, progress)
+                lr = apply_lr_schedule(self.optimizer, cfg.algo, epoch, cfg.epochs)
+                metrics = {"lr": lr} | self.epoch_fn(self, epoch, progress)
                 metrics["time/epoch"] = time.perf_counter() - start
                 # the run's last epoch: the configured one, or the first past the time limit (decided
                 # on rank 0 so every rank stops together)
@@ -252,9 +254,7 @@ class FlowRLRecipe:
                 progress.advance(epochs, description=f"epoch {epoch + 1}: {headline(metrics)}")
                 if final:
                     if epoch + 1 < cfg.epochs:
-                        log.info(
-                            "time limit of %g min reached after epoch %d", cfg.time_limit_minutes, epoch + 1
-                        )
+                        log.info("time limit of %g min reached after epoch %d", cfg.time_limit_minutes, epoch + 1)
                     break
         if main:
             plot_runs([self.run_dir], self.run_dir / REWARD_CURVE)

@@ -60,6 +60,19 @@ def test_window_longer_than_steps_is_rejected():
         validated(_compose("train", ["algo=grpo", "model.num_steps=1", "algo.window.timestep_fraction=0.5"]))
 
 
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("algo.lr_schedule=step", "algo.lr_schedule"),
+        ("algo.lr_decay_start=1.0", "lr_decay_start must be in"),
+        ("algo.lr_min_ratio=-0.1", "lr_min_ratio in"),
+    ],
+)
+def test_bad_lr_schedules_are_rejected(override, match):
+    with pytest.raises(UserError, match=match):
+        validated(_compose("train", [override]))
+
+
 def test_upstream_logprob_form_needs_cps():
     with pytest.raises(UserError, match="only exists for sampler.kind=cps"):
         validated(_compose("train", ["sampler.logprob_form=upstream"]))

@@ -109,6 +109,18 @@ def test_resume_equals_uninterrupted_run(trained_run: Path, tmp_path: Path, cli)
         torch.testing.assert_close(again[key], straight[key], rtol=0, atol=0)
 
 
+def test_lr_schedule_decays_the_optimizer_rate_epoch_by_epoch(tmp_path: Path, cli):
+    run = tmp_path / "linear"
+    code, out = cli(
+        "train", *TINY_RUN, "epochs=3", "eval_every=0", "save_every=0", "images_every=0", "algo.lr=1e-3",
+        "algo.lr_schedule=linear", "algo.lr_min_ratio=0.1", f"hydra.run.dir={run}",
+    )  # fmt: skip
+    assert code == 0, out
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    lrs = [row["lr"] for row in rows if "lr" in row]
+    assert lrs == pytest.approx([1e-3, 5.5e-4, 1e-4])
+
+
 def test_sample_builds_an_editing_set(tmp_path: Path, cli):
     meta = tmp_path / "counting.jsonl"
     rows = [
