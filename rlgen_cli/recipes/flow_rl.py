@@ -254,9 +254,7 @@ class FlowRLRecipe:
                 progress.advance(epochs, description=f"epoch {epoch + 1}: {headline(metrics)}")
                 if final:
                     if epoch + 1 < cfg.epochs:
-                        log.info(
-                            "time limit of %g min reached after epoch %d", cfg.time_limit_minutes, epoch + 1
-                        )
+                        log.info("time limit (%g min) hit after epoch %d", cfg.time_limit_minutes, epoch + 1)
                     break
         if main:
             plot_runs([self.run_dir], self.run_dir / REWARD_CURVE)
