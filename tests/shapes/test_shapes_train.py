@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -18,6 +19,7 @@ SMALL = [
 ]  # fmt: skip
 STRICT = "eval/reward/shapes_geneval/strict/mean"
 LENIENT = "eval/reward/shapes_geneval/accuracy/mean"
+EXTRA = "eval/reward/shapes_geneval/n_extra/mean"
 
 
 def _rows(run: Path) -> list[dict]:
@@ -57,3 +59,17 @@ def test_time_limit_stops_after_the_epoch_that_crosses_it_and_saves(cli, tmp_pat
     rows = _rows(run)
     assert [r["step"] for r in rows] == [0] and STRICT in rows[0] and rows[0]["time/epoch"] > 0
     assert (run / "checkpoints" / "epoch_000001").is_dir()
+
+
+@pytest.mark.slow
+def test_the_default_run_raises_strict_accuracy_by_ten_points(cli, tmp_path: Path):
+    """The whole default `rlgen train` (≈ 17 min on 2 idle cores): ≥ +10 strict points at the last
+    evaluation, and no more extra objects than before."""
+    run = tmp_path / "default"
+    code, out = cli("train", "experiment=shapes_grpo_fast", "progress=false", f"hydra.run.dir={run}")
+    assert code == 0, out
+    evals = [row for row in _rows(run) if STRICT in row]
+    before, after = evals[0], evals[-1]
+    assert before["step"] == -1
+    assert after[STRICT] - before[STRICT] >= 0.10, (before[STRICT], after[STRICT])
+    assert after[EXTRA] <= before[EXTRA], (before[EXTRA], after[EXTRA])
