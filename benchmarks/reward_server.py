@@ -20,7 +20,7 @@ wire's share: ``jpeg_ms_per_image`` (the reward), ``png_encode_ms_per_image`` /
 ``png_decode_ms_per_image`` (the PNG wires: client encode, server decode to uint8) and
 ``raw_encode_ms_per_image`` / ``raw_decode_ms_per_image`` (the raw wire: client quantise + msgpack pack,
 server unpack + validate + view), ``to_float_ms_per_image`` (the server's uint8 → float conversion of a
-stacked batch, paid by every format) and ``png_kb_per_image`` / ``raw_kb_per_image`` (bytes on the
+stacked batch, paid by every format for a float reward; the JPEG rewards ``accepts_uint8`` and skip it) and ``png_kb_per_image`` / ``raw_kb_per_image`` (bytes on the
 wire). ``cpu_count`` and ``load_avg_1m`` say how much CPU the run had: on a shared 2-core machine the
 ratios are noisy, so run it a few times.
 
