@@ -282,12 +282,10 @@ class AlgoConfig:
     """Passes over each epoch's samples."""
     lr: float = 3e-4
     lr_schedule: str = "constant"
-    """``constant``; or ``cosine`` / ``linear`` decay to ``lr_min_ratio``·lr at the last epoch (of
-    ``epochs``: with ``time_limit_minutes``, size ``epochs`` to what fits, or the decay stops short)."""
+    """``constant``, or ``cosine`` / ``linear``: ``lr`` for the ``lr_decay_start`` share of ``epochs``, then a
+    decay to ``lr_min_ratio``·lr at the last epoch (a time limit that stops the run first cuts it short)."""
     lr_decay_start: float = 0.0
-    """Share of the epochs held at ``lr`` before the decay starts, in [0, 1)."""
     lr_min_ratio: float = 0.0
-    """The last epoch's learning rate as a share of ``lr``, in [0, 1]."""
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
@@ -324,11 +322,9 @@ class AlgoConfig:
         _one_of(self.recipe, RECIPES, "algo.recipe")
         _one_of(self.kl_form, KL_FORMS, "algo.kl_form")
         _one_of(self.lr_schedule, LR_SCHEDULES, "algo.lr_schedule")
-        _require(
-            0 <= self.lr_decay_start < 1 and 0 <= self.lr_min_ratio <= 1,
-            f"algo.lr_decay_start must be in [0, 1) and algo.lr_min_ratio in [0, 1], got "
-            f"{self.lr_decay_start} and {self.lr_min_ratio}",
-        )
+        in_range = 0 <= self.lr_decay_start < 1 and 0 <= self.lr_min_ratio <= 1
+        got = f"got {self.lr_decay_start} and {self.lr_min_ratio}"
+        _require(in_range, f"algo.lr_decay_start must be in [0, 1) and algo.lr_min_ratio in [0, 1], {got}")
         _one_of(self.objective, OBJECTIVES, "algo.objective")
         _one_of(self.branch, BRANCHES, "algo.branch")
         _require(
