@@ -17,7 +17,6 @@ weights when ``algo.ema`` is on) is the pretrained model:
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,6 +29,7 @@ from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import TrainConfig
 from rlgen_cli.sde.noise import stream_seed
 from rlgen_cli.training.progress import Progress
+from rlgen_cli.training.schedule import decay_factor
 
 PRETRAIN_STREAM = 5  # salt of the pretraining draws (rows, scenes, dropout, σ, ε)
 
@@ -39,7 +39,7 @@ def learning_rate(step: int, base_lr: float, warmup: int, total: int, min_ratio:
     if step < warmup:
         return base_lr * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return base_lr * decay_factor(progress, "cosine", min_ratio)
 
 
 def sample_sigmas(n: int, kind: str, generator: torch.Generator) -> Tensor:

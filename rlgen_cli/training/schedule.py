@@ -1,4 +1,5 @@
-"""Per-epoch learning-rate schedules of the flow RL loop (``algo.lr_schedule``).
+"""Learning-rate schedules: the decay shapes every recipe uses, and the flow RL loop's per-epoch one
+(``algo.lr_schedule``).
 
 ``constant`` leaves the optimizer alone. ``cosine`` and ``linear`` hold ``algo.lr`` for the first
 ``algo.lr_decay_start`` share of the epochs (a warm-up-free "stable, then decay" schedule), then decay
@@ -11,7 +12,19 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["apply_lr_schedule", "epoch_lr"]
+__all__ = ["apply_lr_schedule", "decay_factor", "epoch_lr"]
+
+
+def decay_factor(progress: float, schedule: str, min_ratio: float = 0.0) -> float:
+    """The share of the base learning rate at ``progress`` ∈ [0, 1] through a decay.
+
+    ``cosine`` and ``linear`` go from 1 at progress 0 to ``min_ratio`` at 1; ``constant`` stays at 1.
+    """
+    if schedule == "cosine":
+        shape = 0.5 * (1 + math.cos(math.pi * progress))
+    else:
+        shape = 1.0 - progress if schedule == "linear" else 1.0
+    return min_ratio + (1 - min_ratio) * shape
 
 
 def epoch_lr(
@@ -34,8 +47,7 @@ def epoch_lr(
         return base_lr
     first = math.floor(decay_start * epochs)  # the last epoch at base_lr; the decay ends at epochs - 1
     progress = min(1.0, max(0.0, (epoch - first) / max(1, epochs - 1 - first)))
-    shape = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
-    return base_lr * (min_ratio + (1 - min_ratio) * shape)
+    return base_lr * decay_factor(progress, schedule, min_ratio)
 
 
 def apply_lr_schedule(optimizer: Any, algo: Any, epoch: int, epochs: int) -> float:

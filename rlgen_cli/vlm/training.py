@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from rlgen_cli.schema.errors import UserError
+from rlgen_cli.training.schedule import decay_factor
 
 log = logging.getLogger(__name__)
 SCHEDULER_KEY = "scheduler"  # trainer-state key of the learning-rate scheduler in checkpoints
@@ -34,10 +35,7 @@ def lr_lambda(step: int, total: int, warmup: int, schedule: str) -> float:
     """Linear warm-up over ``warmup`` steps, then constant / cosine / linear decay to 0 at ``total``."""
     if step < warmup:
         return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    if schedule == "cosine":
-        return 0.5 * (1 + math.cos(math.pi * progress))
-    return 1.0 - progress if schedule == "linear" else 1.0
+    return decay_factor(min(1.0, (step - warmup) / max(1, total - warmup)), schedule)
 
 
 def make_scheduler(
