@@ -3,6 +3,10 @@
 Hydra reads only ``sys.argv``; the bridge swaps it for the verb's arguments and restores it afterwards,
 so every Hydra feature (overrides, ``-m`` sweeps, ``hydra/launcher=…``, ``--cfg``, ``--info``,
 ``--config-dir``) works unchanged and a second call in the same process (tests) starts clean.
+
+``rlgen train`` with no content choice runs the ShapesEval recipe: :func:`verb_overrides` adds
+``experiment=shapes_grpo_fast`` there, so ``conf/train.yaml`` itself stays neutral (no time limit, no
+evaluation before training, no epoch cap) and nothing of ShapesEval leaks into other compositions.
 """
 
 from __future__ import annotations
@@ -14,6 +18,10 @@ from pathlib import Path
 from typing import Any
 
 EXIT_USER_ERROR = 2
+
+# Choosing any of these says what to train; a key override (algo.lr=…) or a launcher alone does not.
+CONTENT_GROUPS = frozenset({"model", "algo", "reward", "data", "sampler", "experiment"})
+DEFAULT_RUNS = {"train": "experiment=shapes_grpo_fast"}  # a verb's run when no content group is chosen
 
 
 def conf_dir() -> Path:
@@ -33,6 +41,35 @@ def config_groups() -> dict[str, list[str]]:
         for group in sorted(root.iterdir())
         if group.is_dir()
     }
+
+
+def chosen_group(arg: str) -> str | None:
+    """The config group an override chooses, adds or deletes (``model=flux``, ``+experiment=x``,
+    ``~experiment``, ``data@x=y``); None for key overrides (``algo.lr=…``), flags and flag values."""
+    if arg.startswith("-") or ("=" not in arg and not arg.startswith("~")):
+        return None
+    group = arg.split("=", 1)[0].lstrip("+~").split("@", 1)[0]
+    return group if group and "." not in group else None
+
+
+def verb_overrides(config_name: str, args: Sequence[str]) -> list[str]:
+    """The overrides Hydra composes for ``rlgen <verb> ARGS``: ``args``, preceded by the verb's default run
+    when no argument chooses a content group. Tests compose through this too, so they see what users do."""
+    default_run = DEFAULT_RUNS.get(config_name)
+    if default_run is None or any(chosen_group(arg) in CONTENT_GROUPS for arg in args):
+        return list(args)
+    return [default_run, *args]
+
+
+def compose_verb(config_name: str, args: Sequence[str]) -> Any:
+    """The config ``rlgen <verb> ARGS`` runs with (what ``--cfg job`` prints), composed without running."""
+    from hydra import compose, initialize_config_dir
+
+    from rlgen_cli.schema.store import register_schemas
+
+    register_schemas()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        return compose(config_name=config_name, overrides=verb_overrides(config_name, args))
 
 
 def run_hydra(task: Callable[[Any], Any], config_name: str, args: Sequence[str]) -> Any:
@@ -55,7 +92,7 @@ def run_hydra(task: Callable[[Any], Any], config_name: str, args: Sequence[str])
 
     main = hydra.main(version_base=None, config_path=str(conf_dir()), config_name=config_name)(_task)
     saved_argv = sys.argv
-    sys.argv = [f"rlgen {config_name.replace('_', '-')}", *args]
+    sys.argv = [f"rlgen {config_name.replace('_', '-')}", *verb_overrides(config_name, args)]
     try:
         return main()
     except SystemExit as exit_:

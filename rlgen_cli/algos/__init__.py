@@ -18,7 +18,7 @@ from rlgen_cli.algos.dpo import (
     preference_pairs,
     sample_dpo_sigmas,
 )
-from rlgen_cli.algos.grpo import GRPOLossOut, grpo_loss
+from rlgen_cli.algos.grpo import GRPOLossOut, grpo_loss, nonzero_advantage_rows
 from rlgen_cli.algos.guard import guard_loss
 from rlgen_cli.algos.sft import SFTLossOut, select_best, sft_loss
 
@@ -33,6 +33,7 @@ __all__ = [
     "group_advantages",
     "group_moments",
     "guard_loss",
+    "nonzero_advantage_rows",
     "NUM_TRAIN_TIMESTEPS",
     "DPOLossOut",
     "PreferencePairs",

@@ -2,13 +2,15 @@
 
 Implements the per-prompt group z-score of GRPO (Shao et al. 2024, "DeepSeekMath: Pushing the Limits of
 Mathematical Reasoning in Open Language Models") as used by Flow-GRPO (Liu et al. 2025, "Flow-GRPO:
-Training Flow Matching Models via Online RL"):
+Training Flow Matching Models via Online RL"), MixGRPO and DanceGRPO (docs/maths.md, advantages):
 
     A_i = clip((r_i - mean_g(r)) / (std + eps), -clip_max, +clip_max)
 
 where ``g`` is the group of sample ``i`` (all samples of one prompt, keyed by dataset index) and ``std``
-is the group's or, with ``global_std``, the whole batch's *population* standard deviation
-(``unbiased=False``, as upstream Flow-GRPO's ``np.std``; TRL uses the unbiased ``torch.std``).
+is the group's or, with ``global_std``, the whole batch's standard deviation. ``std_estimator`` picks
+the estimator: ``population`` (divide by n; Flow-GRPO's ``np.std``, eps 1e-4) or ``unbiased`` (divide by
+n − 1; MixGRPO's and DanceGRPO's ``torch.std``, eps 1e-8). At group size G the unbiased std is
+√(G/(G−1)) times the population one.
 
 Multi-reward aggregation (``combine_rewards``) offers Flow-GRPO's ``sum_then_normalize`` and MixGRPO's
 ``advantage_aggr`` (``normalize_then_sum``: normalise each reward within its group, then sum the
@@ -30,6 +32,7 @@ from torch import Tensor
 __all__ = [
     "COMBINE_MODES",
     "SCALES",
+    "STD_ESTIMATORS",
     "AdvantageStats",
     "best_and_worst",
     "combine_rewards",
@@ -39,6 +42,7 @@ __all__ = [
 
 SCALES: tuple[str, ...] = ("std", "none")
 COMBINE_MODES: tuple[str, ...] = ("sum_then_normalize", "normalize_then_sum")
+STD_ESTIMATORS: tuple[str, ...] = ("population", "unbiased")
 _MAX_LISTED = 10  # how many offending indices an error message names
 
 
@@ -129,8 +133,10 @@ def _scatter_sum(values: Tensor, inverse: Tensor, num_groups: int) -> Tensor:
     return values.new_zeros(num_groups).index_add_(0, inverse, values)
 
 
-def group_moments(values: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-sample group mean, population std and group size (vectorised, no loop over groups).
+def group_moments(
+    values: Tensor, group_ids: Tensor, *, std_estimator: str = "population"
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-sample group mean, std and group size (vectorised, no loop over groups).
 
     Statistics are accumulated in float64 (two-pass variance) and returned in ``values.dtype``. A group
     whose values are all exactly equal gets exactly that value as its mean and exactly 0 as its std, so
@@ -142,18 +148,22 @@ def group_moments(values: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Te
     Args:
         values: (N,) float values (e.g. rewards).
         group_ids: (N,) integer group ids; need not be contiguous or sorted.
+        std_estimator: ``population`` (sum of squares / n) or ``unbiased`` (/ (n − 1)); a group of one
+            has std 0 either way.
 
     Returns:
         ``(mean, std, size)``, each (N,): the statistics of the group each sample belongs to; ``size``
         is int64.
     """
     _check_inputs(values, group_ids)
+    _check_estimator(std_estimator)
     inverse, num_groups = _group_index(group_ids)  # (N,), G
     x = values.double()  # (N,)
     count = _scatter_sum(torch.ones_like(x), inverse, num_groups)  # (G,)
     mean_g = _scatter_sum(x, inverse, num_groups) / count  # (G,)
     dev = x - mean_g[inverse]  # (N,)
-    std_g = (_scatter_sum(dev * dev, inverse, num_groups) / count).sqrt()  # (G,) population std
+    dof = count - 1 if std_estimator == "unbiased" else count  # (G,)
+    std_g = (_scatter_sum(dev * dev, inverse, num_groups) / dof.clamp(min=1)).sqrt()  # (G,)
     vmax = x.new_full((num_groups,), float("-inf")).scatter_reduce_(0, inverse, x, reduce="amax")
     vmin = x.new_full((num_groups,), float("inf")).scatter_reduce_(0, inverse, x, reduce="amin")
     constant = vmax == vmin  # (G,) exact zero-variance test, immune to rounding in the mean
@@ -191,8 +201,17 @@ def _advantage_stats(rewards: Tensor, group_ids: Tensor, zero_var: Tensor) -> Ad
 # --------------------------------------------------------------------------------------------------
 
 
-def _check_options(global_std: bool, eps: float, scale: str) -> None:
-    """Raise ``ValueError`` for an unknown ``scale``, a negative ``eps`` or a contradictory combination."""
+def _check_estimator(std_estimator: str) -> None:
+    if std_estimator not in STD_ESTIMATORS:
+        raise ValueError(
+            f"unknown std estimator {std_estimator!r}; valid estimators: {', '.join(STD_ESTIMATORS)}."
+        )
+
+
+def _check_options(global_std: bool, eps: float, scale: str, std_estimator: str) -> None:
+    """Raise ``ValueError`` for an unknown ``scale`` or estimator, a negative ``eps`` or a contradictory
+    combination."""
+    _check_estimator(std_estimator)
     if scale not in SCALES:
         raise ValueError(f"unknown advantage scale {scale!r}; valid scales: {', '.join(SCALES)}.")
     if eps < 0:
@@ -211,15 +230,22 @@ def _clip(advantages: Tensor, clip_max: float | None) -> Tensor:
     return advantages.clamp(-clip_max, clip_max)
 
 
+def _batch_std(rewards: Tensor, std_estimator: str) -> Tensor:
+    """Std of all N rewards (0 for a single reward, whose advantage is 0 anyway)."""
+    if rewards.numel() < 2:
+        return rewards.new_zeros(())
+    return rewards.double().std(unbiased=std_estimator == "unbiased").to(rewards.dtype)
+
+
 def _normalize(
-    rewards: Tensor, group_ids: Tensor, *, global_std: bool, eps: float, scale: str
+    rewards: Tensor, group_ids: Tensor, *, global_std: bool, eps: float, scale: str, std_estimator: str
 ) -> tuple[Tensor, Tensor]:
     """Unclipped group advantages and the per-sample zero-variance mask, both (N,)."""
-    mean, std, _ = group_moments(rewards, group_ids)  # (N,) each
+    mean, std, _ = group_moments(rewards, group_ids, std_estimator=std_estimator)  # (N,) each
     zero_var = std == 0  # (N,) singletons and constant groups
     centered = rewards - mean  # (N,)
     if scale == "std":
-        denom = rewards.double().std(unbiased=False).to(rewards.dtype) if global_std else std
+        denom = _batch_std(rewards, std_estimator) if global_std else std
         centered = centered / (denom + eps)
     # Exactly 0 for zero-variance groups, whatever the rounding in the mean or the size of eps.
     return torch.where(zero_var, torch.zeros_like(centered), centered), zero_var
@@ -233,32 +259,38 @@ def group_advantages(
     eps: float = 1e-4,
     clip_max: float | None = 5.0,
     scale: str = "std",
+    std_estimator: str = "population",
 ) -> tuple[Tensor, AdvantageStats]:
     """GRPO / Flow-GRPO group-relative advantages.
 
-    ``A = (r - mean_group) / (std + eps)``, clamped to ±``clip_max``. ``std`` is the population std of
-    the sample's group or, with ``global_std``, of all N rewards (Flow-GRPO's SD3/FLUX default).
-    ``scale="none"`` skips the division (R3: ``A = r - mean_group``). Samples of a zero-variance group
-    (all rewards equal, or a group of one) get exactly 0.
+    ``A = (r - mean_group) / (std + eps)``, clamped to ±``clip_max``. ``std`` is the std of the sample's
+    group or, with ``global_std``, of all N rewards (Flow-GRPO's SD3/FLUX default), computed with
+    ``std_estimator``. ``scale="none"`` skips the division (R3: ``A = r - mean_group``). Samples of a
+    zero-variance group (all rewards equal, or a group of one) get exactly 0 (upstream divides their
+    rounding residue by eps instead, which with eps 1e-8 can reach the clip bound).
 
     Args:
         rewards: (N,) float rewards; NaN/inf raise (handle failed scores upstream, explicitly).
         group_ids: (N,) integer group ids (the prompt's dataset index); groups may differ in size and
             ids need not be contiguous or sorted.
         global_std: Divide by the std of the whole batch instead of the group's.
-        eps: Added to the std before dividing.
+        eps: Added to the std before dividing (Flow-GRPO 1e-4, MixGRPO / DanceGRPO 1e-8).
         clip_max: Clamp bound; None or <= 0 disables clipping.
         scale: ``"std"`` (z-score) or ``"none"`` (mean-centering only).
+        std_estimator: ``"population"`` (/ n) or ``"unbiased"`` (/ (n − 1)).
 
     Returns:
         ``(advantages, stats)``: advantages (N,) in ``rewards.dtype`` on ``rewards.device``, and
         :class:`AdvantageStats` of the rewards.
 
     Raises:
-        ValueError: On bad shapes/dtypes, non-finite rewards, an unknown ``scale`` or negative ``eps``.
+        ValueError: On bad shapes/dtypes, non-finite rewards, an unknown ``scale`` or ``std_estimator``,
+            or a negative ``eps``.
     """
-    _check_options(global_std, eps, scale)
-    adv, zero_var = _normalize(rewards, group_ids, global_std=global_std, eps=eps, scale=scale)
+    _check_options(global_std, eps, scale, std_estimator)
+    adv, zero_var = _normalize(
+        rewards, group_ids, global_std=global_std, eps=eps, scale=scale, std_estimator=std_estimator
+    )
     return _clip(adv, clip_max), _advantage_stats(rewards, group_ids, zero_var)
 
 
@@ -307,7 +339,8 @@ def combine_rewards(
         weights: ``{name: weight}``, exactly the keys of ``components``.
         group_ids: (N,) integer group ids.
         mode: ``"sum_then_normalize"`` or ``"normalize_then_sum"``.
-        **adv_kwargs: ``global_std``, ``eps``, ``clip_max``, ``scale`` of :func:`group_advantages`.
+        **adv_kwargs: ``global_std``, ``eps``, ``clip_max``, ``scale``, ``std_estimator`` of
+            :func:`group_advantages`.
 
     Returns:
         ``(advantages, stats)``, advantages (N,).
@@ -324,7 +357,7 @@ def combine_rewards(
     if mode == "sum_then_normalize":
         return group_advantages(total, group_ids, **adv_kwargs)
     clip_max = adv_kwargs.pop("clip_max", 5.0)
-    opts = {"global_std": False, "eps": 1e-4, "scale": "std", **adv_kwargs}
+    opts = {"global_std": False, "eps": 1e-4, "scale": "std", "std_estimator": "population", **adv_kwargs}
     _check_options(**opts)
     adv = torch.zeros_like(total)  # (N,)
     zero_var = torch.ones_like(total, dtype=torch.bool)  # (N,)

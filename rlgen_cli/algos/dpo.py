@@ -3,7 +3,7 @@
 Implements the preference objective of Flow-DPO (Liu et al. 2025, "Improving Video Generation with
 Human Feedback"), the flow-matching form of Diffusion-DPO (Wallace et al. 2023, "Diffusion Model
 Alignment Using Direct Preference Optimization"). For a pair (winner w, loser l) noised with the
-*same* σ and ε (REFERENCE §1.10):
+*same* σ and ε (docs/maths.md §7.1):
 
     e          = mean((v(x_σ) − (ε − x₀))²)                     (per sample, over non-batch dims)
     inner      = (e_θʷ − e_refʷ) − (e_θˡ − e_refˡ)

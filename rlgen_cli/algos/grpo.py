@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["GRPOLossOut", "grpo_loss"]
+__all__ = ["GRPOLossOut", "grpo_loss", "nonzero_advantage_rows"]
 
 
 @dataclass(frozen=True)
@@ -133,3 +133,37 @@ def grpo_loss(
         kl_loss=kl_loss.detach(),
         stats=_ratio_stats(log_ratio.detach(), ratio.detach(), clip_range),
     )
+
+
+def nonzero_advantage_rows(advantages: Tensor, num_batches: int, generator: torch.Generator) -> Tensor:
+    """Flow-GRPO's zero-advantage filter: which samples to train (docs/maths.md §4.5).
+
+    Keeps the samples whose advantage is non-zero (a sample's advantage is the same at every trained
+    step), then adds randomly chosen zero-advantage samples until the count splits into ``num_batches``
+    equal micro-batches with at least one sample each (when N is a multiple of ``num_batches`` there are
+    always enough). The caller trains the same number of micro-batches as without the filter, so each
+    micro-batch is smaller and — the loss being a mean over the micro-batch — every kept sample weighs
+    more.
+
+    Args:
+        advantages: (N,) advantages of this process's samples.
+        num_batches: Micro-batches per epoch, 1 ≤ num_batches ≤ N.
+        generator: Picks the zero-advantage samples that fill the last places.
+
+    Returns:
+        (N',) ascending row indices, N' ≥ ``num_batches``.
+
+    Raises:
+        ValueError: If ``advantages`` is not 1-D or ``num_batches`` is not in [1, N].
+    """
+    if advantages.ndim != 1:
+        raise ValueError(f"advantages must be (N,), got shape {tuple(advantages.shape)}")
+    n = advantages.shape[0]
+    if not 1 <= num_batches <= n:
+        raise ValueError(f"{n} samples do not fill {num_batches} micro-batches")
+    keep = advantages.cpu() != 0  # (N,)
+    kept = int(keep.sum())
+    missing = num_batches if kept == 0 else -kept % num_batches  # one per micro-batch when none is kept
+    zeros = torch.nonzero(~keep).squeeze(1)  # (Z,)
+    keep[zeros[torch.randperm(zeros.numel(), generator=generator)[:missing]]] = True
+    return torch.nonzero(keep).squeeze(1)

@@ -3,7 +3,7 @@
 Implements the regulated clipping of GRPO-Guard (Wang et al. 2025, "GRPO-Guard: Mitigating Implicit
 Over-Optimization in Flow Matching via Regulated Clipping", arXiv 2510.22319). With the SDE step's
 Gaussian ``N(μ, s²)``, ``s = σ_t·sqrt(−dt)``, and the log-prob averaged over elements (Flow-GRPO's
-convention, REFERENCE §1.1), the plain log-ratio of a stored transition ``x' = μ_old + s·z`` is
+convention, docs/maths.md §2.3), the plain log-ratio of a stored transition ``x' = μ_old + s·z`` is
 ``mean(z·Δμ)/s − mean(Δμ²)/(2s²)`` with ``Δμ = μ_θ − μ_old``: the second term is always negative (the
 ratio distribution is left-shifted) and the scale ``1/s`` differs by orders of magnitude between steps,
 so one clip range fits no step. GRPO-Guard removes both, per sample ``i``:
@@ -13,7 +13,7 @@ so one clip range fits no step. GRPO-Guard removes both, per sample ``i``:
     L        = mean_i( max(−A_i·ratio_i, −A_i·clip(ratio_i, 1−ε, 1+ε)) / s̄_i² ) + β·mean(KL)
 
 where ``σ̄_i`` is the mean noise scale σ_t and ``s̄_i`` the mean ``sqrt(−dt)`` of sample i's trained
-step(s) (REFERENCE §1.9); the division by ``s̄²`` is the paper's gradient reweighting (Eq. 12,
+step(s) (docs/maths.md §6); the division by ``s̄²`` is the paper's gradient reweighting (Eq. 12,
 ``δ = 1/Δt`` for Flow-GRPO's SDE), which makes the gradient magnitude step-size invariant. Upstream
 clip ranges are 2e-6…4e-6.
 

@@ -1,6 +1,6 @@
 """Reward-filtered SFT: flow matching on the best samples of each group, optionally anchored to the base.
 
-The SFT baseline of Flow-GRPO's family (REFERENCE §1.10; rejection-sampling fine-tuning, e.g. RAFT,
+The SFT baseline of Flow-GRPO's family (docs/maths.md §7.2; rejection-sampling fine-tuning, e.g. RAFT,
 Dong et al. 2023, "RAFT: Reward rAnked FineTuning for Generative Foundation Model Alignment"): keep the
 top-k samples of each prompt group (:func:`select_best`), re-noise them and regress the velocity:
 

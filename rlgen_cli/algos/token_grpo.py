@@ -16,6 +16,11 @@ tokens. Aggregation over the (B, T) token grid with completion mask m (TRL's nam
 * ``dr_grpo`` — Σ m·ℓ / (B · max_completion_length) (Dr. GRPO: no length bias);
 * ``dapo``    — Σ m·ℓ / num_items, num_items = completion tokens of the whole accumulated batch (DAPO).
 
+Group advantages (:func:`advantage_options`): A_i = (r_i − mean_g r) / (std_g r + 1e-4) with the
+*unbiased* std by default (``torch.std``, as R1-VL's trainer and TRL compute it; at G = 4 it is
+√(4/3) ≈ 1.155 times the population std, so advantages are that much smaller); ``population`` is
+rlgen's flow-side estimator (docs/maths.md, advantages).
+
 Everything is pure torch on log-probabilities the caller computed at temperature 1 (raw logits).
 """
 
@@ -26,10 +31,38 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["LOSS_TYPES", "TokenLossOut", "aggregate", "k3_kl", "log_importance_weights", "token_grpo_loss"]
+__all__ = [
+    "ADV_EPS", "LOSS_TYPES", "TokenLossOut", "advantage_options", "aggregate", "k3_kl",
+    "log_importance_weights", "token_grpo_loss",
+]  # fmt: skip
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 IMPORTANCE_LEVELS = ("token", "sequence")
+REWARD_SCALINGS = ("group", "batch", "none")
+STD_ESTIMATORS = ("population", "unbiased")
+ADV_EPS = 1e-4
+"""Added to the std before dividing (R1-VL's trainer and TRL alike)."""
+
+
+def advantage_options(scale_rewards: str, std_estimator: str) -> dict[str, object]:
+    """``combine_rewards`` options for TRL's ``scale_rewards`` (group | batch | none) and the std estimator.
+
+    ``group`` divides by each prompt's std, ``batch`` by the std of the whole batch, ``none`` only
+    centres on the group mean (Dr. GRPO); the std is ``unbiased`` (n − 1) or ``population`` (n).
+
+    Raises:
+        ValueError: On an unknown scaling or estimator.
+    """
+    if scale_rewards not in REWARD_SCALINGS:
+        raise ValueError(f"scale_rewards={scale_rewards!r}; choose one of {', '.join(REWARD_SCALINGS)}")
+    if std_estimator not in STD_ESTIMATORS:
+        raise ValueError(f"std_estimator={std_estimator!r}; choose one of {', '.join(STD_ESTIMATORS)}")
+    return {
+        "global_std": scale_rewards == "batch",
+        "scale": "none" if scale_rewards == "none" else "std",
+        "eps": ADV_EPS,
+        "std_estimator": std_estimator,
+    }
 
 
 @dataclass

@@ -18,6 +18,8 @@ from rlgen_cli.data.prompts import PromptExample
 from rlgen_cli.schema.errors import UserError
 
 SOURCE_IMAGE_KEY = "image"
+EDITING_FAMILIES = ("flux_kontext", "qwen_image_edit")
+"""Model families that edit a source image (their policies have ``takes_source_images``)."""
 
 
 def source_image_paths(examples: Sequence[PromptExample], dataset_source: str) -> list[Path]:
@@ -29,11 +31,22 @@ def source_image_paths(examples: Sequence[PromptExample], dataset_source: str) -
         if not value:
             raise UserError(
                 f"example {example.index} of {dataset_source} has no {SOURCE_IMAGE_KEY!r} field; an editing model "
-                f'needs a source image per prompt (jsonl lines like {{"prompt": ..., "image": "src/0001.png"}})'
+                f'needs a source image per prompt (jsonl lines like {{"prompt": ..., "image": "src/0001.png"}}); '
+                    "data=tiny_edit generates a small editing set for the tiny models"
             )
         path = Path(value)
         paths.append(path if path.is_absolute() else base / path)
     return paths
+
+
+def require_source_images(examples: Sequence[PromptExample], dataset_source: str, key: str) -> None:
+    """Every example names a source image that exists (checked before a model is loaded)."""
+    for example, path in zip(examples, source_image_paths(examples, dataset_source)):
+        if not path.is_file():
+            raise UserError(
+                f"{key}: example {example.index} of {dataset_source} names source image {path}, which does "
+                "not exist; paths in \"image\" are relative to the dataset file"
+            )
 
 
 def load_images(paths: Sequence[Path], height: int, width: int) -> Tensor:

@@ -1,6 +1,6 @@
 """Prompt datasets read from local files.
 
-Two formats (see ``REFERENCE.md`` §4): plain text, one prompt per line (OCR / PickScore prompt sets),
+Two formats (docs/maths.md §12): plain text, one prompt per line (OCR / PickScore prompt sets),
 and GenEval-style JSON lines, one object per line with at least a ``"prompt"`` key (the whole object is
 kept as the example's metadata, for GenEval-style rewards). Each example carries its position in the
 dataset, which is the group key for GRPO — never the decoded prompt, so duplicate prompts stay

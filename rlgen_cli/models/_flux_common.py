@@ -8,7 +8,7 @@ reproduced from diffusers' ``FluxPipeline`` (0.42):
 * **Packing.** The VAE latent (B, C, h, w) is cut into 2×2 patches, so the policy's ``x`` is the packed
   token sequence (B, h/2·w/2, 4C); image ids are (0, row, col) per token, text ids are zeros.
 * **Schedule.** ``linspace(1, 1/T, T)`` with the dynamic exponential shift μ linear in the image token
-  count (REFERENCE §1). ``model.shift > 0`` selects a static SD3-style shift of ``linspace(1, 0, T+1)``
+  count (docs/maths.md §1.3). ``model.shift > 0`` selects a static SD3-style shift of ``linspace(1, 0, T+1)``
   instead (DanceGRPO / MixGRPO use 3).
 * **Timestep.** The transformer takes t = σ (diffusers passes ``timesteps / 1000`` with timesteps = σ·1000
   and multiplies by 1000 inside); the guidance-distilled models embed the guidance scale the same way.
@@ -59,7 +59,7 @@ FLUX_LORA_TARGETS = [
 
 
 def tiny_flux_components(seed: int = 0) -> dict[str, Any]:
-    """The modules of a tiny FLUX pipeline (REFERENCE §2 transformer), deterministic in ``seed``.
+    """The modules of a tiny FLUX pipeline (diffusers' test-suite transformer), deterministic in ``seed``.
 
     The VAE has two levels (scale factor 2) and 2 latent channels, so the transformer's ``in_channels``
     8 is 4·latent_channels (2×2 packing); a 32 px image is a 16×16 latent and 64 image tokens.

@@ -14,6 +14,7 @@ One recipe serves every family because each adapter exposes the same small surfa
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import ModelConfig
+from rlgen_cli.schema.flow import CFG_GRADS, ModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -88,8 +89,35 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+_CFG_GRAD: contextvars.ContextVar[str] = contextvars.ContextVar("cfg_grad", default="both")
+
+
+@contextlib.contextmanager
+def cfg_gradient(mode: str) -> Iterator[None]:
+    """Inside, CFG velocities back-propagate through ``both`` branches or only the ``conditional`` one.
+
+    ``conditional`` detaches the unconditional prediction (docs/maths.md §4.6): the forward values are
+    unchanged, so the on-policy ratio stays exactly 1, but ∂v/∂θ = g·∂c/∂θ. Sampling runs without
+    gradients, so only the training forward is affected.
+    """
+    if mode not in CFG_GRADS:
+        raise ValueError(f"unknown cfg_grad {mode!r}; choose one of {', '.join(CFG_GRADS)}")
+    token = _CFG_GRAD.set(mode)
+    try:
+        yield
+    finally:
+        _CFG_GRAD.reset(token)
+
+
+def uncond_takes_grad() -> bool:
+    """Whether the unconditional CFG branch is differentiated here (see :func:`cfg_gradient`)."""
+    return _CFG_GRAD.get() == "both"
+
+
 def cfg_combine(uncond: Tensor, cond: Tensor, scale: float) -> Tensor:
-    """Classifier-free guidance: u + g·(c − u)."""
+    """Classifier-free guidance: u + g·(c − u), with u detached under ``cfg_gradient("conditional")``."""
+    if not uncond_takes_grad():
+        uncond = uncond.detach()
     return uncond + scale * (cond - uncond)
 
 

@@ -7,7 +7,7 @@ diffusers' ``FluxPipeline.from_pretrained`` (hub id ``black-forest-labs/FLUX.1-d
 directory, ``local_files_only`` honoured); ``tiny_flux_pipeline`` builds the same classes from tiny
 configs with random weights and offline tokenizers.
 
-Flow-GRPO settings (Liu et al. 2025, REFERENCE §2): 6 / 28 steps, 512 px, LoRA r 64 / α 128 on attention
+Flow-GRPO settings (Liu et al. 2025): 6 / 28 steps, 512 px, LoRA r 64 / α 128 on attention
 and feed-forwards (:data:`FLUX_LORA_TARGETS`), gaussian init, noise level 0.9, bf16. The LoRA is saved
 in the format ``FluxPipeline.load_lora_weights`` reads. Packing, schedule, timestep and precision
 conventions: see ``models/_flux_common.py``.

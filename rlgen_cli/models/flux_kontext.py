@@ -11,7 +11,7 @@ The source is encoded at the size it is given (the recipe resizes it to the mode
 diffusers' optional auto-resize to Kontext's preferred ≈ 1 MP resolutions is not applied, so the
 sequence is twice the target's length.
 
-Flow-GRPO settings (REFERENCE §2, ``counting_flux_kontext``): 6 / 28 steps, 512 px, LoRA r 64 / α 128
+Flow-GRPO settings (``counting_flux_kontext``): 6 / 28 steps, 512 px, LoRA r 64 / α 128
 on FLUX's attention and feed-forward targets plus the single blocks' ``proj_mlp``
 (:data:`KONTEXT_LORA_TARGETS`), noise level 0.9, bf16 (precision notes: ``models/_flux_common.py``).
 """

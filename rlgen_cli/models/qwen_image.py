@@ -3,7 +3,7 @@
 Real weights load through ``QwenImagePipeline.from_pretrained`` (hub id ``Qwen/Qwen-Image`` or a local
 directory, ``local_files_only`` honoured); :func:`tiny_qwen_image_pipeline` builds the same classes from
 tiny configs with random weights and an offline byte-level tokenizer. Upstream Flow-GRPO settings
-(REFERENCE §2): 10 / 50 steps, true CFG 4 with the per-token norm rescale, negative prompt " ", 512 px,
+(pickscore_qwenimage): 10 / 50 steps, true CFG 4 with the per-token norm rescale, negative prompt " ", 512 px,
 LoRA r 64 / α 128 on attention and MLPs (gaussian init), SDE noise level 1.2, bf16. Packing, schedule,
 CFG and precision are shared with Qwen-Image-Edit: see ``models/_qwen_common.py``.
 """

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from rlgen_cli.models.base import TORCH_DTYPES, Cond, cfg_combine
+from rlgen_cli.models.base import TORCH_DTYPES, Cond, cfg_combine, uncond_takes_grad
 from rlgen_cli.models.tokenizers import tiny_t5_tokenizer, vocab_size
 from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME as LORA_WEIGHTS_NAME  # re-exported
 from rlgen_cli.models.trainable import TRANSFORMER_DIR as TRANSFORMER_DIR  # re-exported
@@ -237,7 +237,9 @@ class WanPolicy:
         v_cond = self._forward(x, timestep, cond.tensors["prompt_embeds"])
         if self.guidance_scale <= 1.0:
             return v_cond
-        v_uncond = self._forward(x, timestep, cond.tensors["neg_prompt_embeds"])
+        # a separate forward: without its gradient it need not keep activations (same values either way)
+        with contextlib.nullcontext() if uncond_takes_grad() else torch.no_grad():
+            v_uncond = self._forward(x, timestep, cond.tensors["neg_prompt_embeds"])
         return cfg_combine(v_uncond, v_cond, self.guidance_scale)
 
     def _forward(self, x: Tensor, timestep: Tensor, embeds: Tensor) -> Tensor:

@@ -2,7 +2,7 @@
 
 Every reason step adds the images of *all* ranks (gathered), so every rank holds the same buffer and a
 policy group draws the same entry on each of its ranks without talking: the draw is a pure function of
-(seed, step, group). A draw is perfect with probability ``perfect_ratio`` (REFERENCE §5: 15 % perfect,
+(seed, step, group). A draw is perfect with probability ``perfect_ratio`` (docs/maths.md §9.4: 15 % perfect,
 85 % imperfect); when the wanted kind is absent the other kind is drawn and the miss is counted, so a
 model that never draws a perfect image still trains its refine stage. Images are kept as uint8 (what a
 PNG holds) and the newest ``capacity`` entries survive; the whole buffer travels in checkpoints.

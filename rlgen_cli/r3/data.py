@@ -1,4 +1,4 @@
-"""R3 prompt sets: GenEval, GenEval++ and TIIF JSON lines (REFERENCE §4).
+"""R3 prompt sets: GenEval, GenEval++ and TIIF JSON lines (docs/maths.md §12).
 
 * ``geneval`` — ``{"tag", "include": [{"class", "count", "color"?, "position"?: [relation, idx]}],
   "exclude"?: [{"class", "count"}], "prompt"}``; scored by the GenEval server.
@@ -139,7 +139,7 @@ def _check_dataset(dataset_name: str) -> Callable[[Mapping[str, Any]], tuple[str
     if dataset_name not in _PARSERS:
         raise UserError(
             f"unknown R3 dataset_name {dataset_name!r}; valid names: {', '.join(DATASETS)} "
-            "(REFERENCE §4 describes their formats)."
+            "(docs/maths.md §12 describes their formats)."
         )
     return _PARSERS[dataset_name]
 
@@ -181,7 +181,7 @@ def load_r3_dataset(path: str | Path, dataset_name: str) -> list[R3Sample]:
 
     Args:
         path: A file path, or ``builtin:NAME`` for a file shipped with rlgen.
-        dataset_name: ``geneval``, ``geneval_plus`` or ``tiif`` (the seed's ``dataset_name``).
+        dataset_name: ``geneval``, ``geneval_plus`` or ``tiif`` (upstream R3's ``dataset_name``).
 
     Returns:
         The samples in file order, ``index`` = position.

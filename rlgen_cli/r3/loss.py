@@ -1,4 +1,4 @@
-"""The Mix-GRPO loss of R3: token GRPO on the text track, Flow-GRPO on the image track (REFERENCE §5).
+"""The Mix-GRPO loss of R3: token GRPO on the text track, Flow-GRPO on the image track (docs/maths.md §9.3).
 
     L = ce_weight·(L_text + kl_weight_text·KL_text) + mse_weight·L_img + kl_weight_image·KL_img
 

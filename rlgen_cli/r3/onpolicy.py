@@ -1,24 +1,31 @@
-"""``rlgen check-onpolicy`` for unified policies: both tracks at ratio exactly 1, in both stages.
+"""``rlgen check-onpolicy`` for unified policies: both tracks, in both stages, against what the rollout
+recorded while sampling.
 
 Runs the recipe's own rollouts — step 0 (reason) and step 1 (refine, from the buffer step 0 filled) —
-then, with gradients enabled as in training but without an update, recomputes
+then, with gradients enabled as in training but without an update, recomputes on the training path
 
-* **text** — every completion token's log-prob on the training path (the DDP wrapper, when there is one)
-  against π_old recorded right after the rollout, and reports the gap to the sampler's own raw-logit
-  log-probs (KV cache vs full forward; informative only);
+* **text** — every completion token's log-prob (the training layout, full forward; the DDP wrapper when
+  there is one) against the sampler's own: ``generate``'s raw logits at temperature 1 with the vision
+  tokens masked, the very quantity training uses, computed by KV-cache decoding (``vlm/onpolicy.py``
+  explains why the temperature and the processors drop out). Tolerance ``check.text_tolerance``.
 * **image** — the log-prob of each image's stochastic step, recomputed through the same ``velocity`` (CFG
-  recombined as in the rollout) against the one recorded while sampling.
+  recombined as in the rollout) against the one recorded while sampling. Tolerance ``check.tolerance``.
 
-The worst |ratio − 1| over both tracks and stages must stay within ``check.tolerance``.
+π_old of the text track is the training forward itself (right after the rollout), so it is never what
+this check compares against. ``perturb`` runs between each rollout and its recompute (the weights of both
+tracks: ``check.perturb_weights``), and any track whose weights moved must then fail.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from rlgen_cli.r3.policy import IMAGE, TEXT
 from rlgen_cli.r3.rollout import micro_batches
+from rlgen_cli.vlm.onpolicy import sampler_gaps
 
 __all__ = ["CheckRow", "check_stage", "print_report"]
 
@@ -31,57 +38,73 @@ class CheckRow:
     track: str
     rows: int
     ratio_error: float
-    sampler_gap: float | None
+    logp_error: float
+    tolerance: float
+
+    @property
+    def error(self) -> float:
+        return max(self.ratio_error, self.logp_error)
+
+    @property
+    def passed(self) -> bool:
+        return self.error <= self.tolerance
 
 
-def _text_rows(recipe, batch) -> CheckRow:
-    ratio_err, gap = 0.0, 0.0
-    for mb in batch.text_micro:
-        logp = recipe.policy.token_logprobs(mb.batch).detach()
-        mask = mb.batch.completion_mask.bool()
-        ratio_err = max(ratio_err, (torch.exp(logp - mb.old) - 1).abs()[mask].max().item())
-        for i, row in enumerate(range(mb.rows.start, mb.rows.stop)):
-            n = int(mask[i].sum())
-            sampled = batch.thoughts.sampler_logprobs[row].to(logp.device)
-            gap = max(gap, (logp[i, :n] - sampled[:n]).abs().max().item() if n else 0.0)
-    return CheckRow(batch.stage, "text", len(batch.positions), ratio_err, gap)
+def _text_row(recipe, batch, tolerance: float) -> CheckRow:
+    thoughts, ratio_err, logp_err = batch.thoughts, 0.0, 0.0
+    for rows in micro_batches(len(thoughts), recipe.cfg.r3.micro_batch_size):
+        tokens = recipe.policy.token_batch(thoughts, rows)
+        trained = recipe.policy.token_logprobs(tokens)
+        for ratio, delta in sampler_gaps(trained, tokens.completion_mask, thoughts.sampler_logprobs[rows]):
+            ratio_err, logp_err = max(ratio_err, ratio), max(logp_err, delta)
+    return CheckRow(batch.stage, "text", len(thoughts), ratio_err, logp_err, tolerance)
 
 
-def _image_rows(recipe, batch) -> CheckRow:
-    rollout, ratio_err = batch.images, 0.0
+def _image_row(recipe, batch, tolerance: float) -> CheckRow:
+    rollout, ratio_err, logp_err = batch.images, 0.0, 0.0
     if rollout.traj.num_steps:
         for rows in micro_batches(len(batch.positions), recipe.cfg.r3.micro_batch_size):
             traj = rollout.traj.index(rows)
             out, _ = recipe.image_step(traj, rollout.cond.index(rows), rollout.spec)
-            ratio = torch.exp(out.logprob.detach() - traj.logprobs[:, 0])
-            ratio_err = max(ratio_err, (ratio - 1).abs().max().item())
-    return CheckRow(
-        batch.stage, f"image (SDE step {rollout.sde_step})", len(batch.positions), ratio_err, None
-    )
+            delta = out.logprob.detach() - traj.logprobs[:, 0]
+            ratio_err = max(ratio_err, (torch.exp(delta) - 1).abs().max().item())
+            logp_err = max(logp_err, delta.abs().max().item())
+    track = f"image (SDE step {rollout.sde_step})"
+    return CheckRow(batch.stage, track, len(batch.positions), ratio_err, logp_err, tolerance)
 
 
-def check_stage(recipe, step: int) -> list[CheckRow]:
-    """Roll out ``step`` with the recipe and check its text and image tracks (no update)."""
+def check_stage(
+    recipe,
+    step: int,
+    perturb: Callable[[list[torch.nn.Parameter]], None],
+    tolerance: float,
+    text_tolerance: float,
+) -> list[CheckRow]:
+    """Roll out ``step`` with the recipe, ``perturb`` the trainable weights of both tracks (a no-op unless
+    testing), then check the text and the image track (no update)."""
     batch = recipe.rollout_reason(step) if step % 2 == 0 else recipe.rollout_refine(step)
-    if not batch.text_micro:  # the text track is not tuned: check it all the same
-        batch.text_micro = recipe.prepare_text(batch.thoughts)
-    return [_text_rows(recipe, batch), _image_rows(recipe, batch)]
+    perturb(recipe.policy.trainable_parameters(TEXT) + recipe.policy.trainable_parameters(IMAGE))
+    return [_text_row(recipe, batch, text_tolerance), _image_row(recipe, batch, tolerance)]
 
 
-def print_report(rows: list[CheckRow], tolerance: float) -> float:
-    """Rich table of the rows and the verdict; returns the worst |ratio − 1|."""
+def print_report(rows: list[CheckRow]) -> bool:
+    """Rich table of the rows and the verdict; True when every row is within its tolerance."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="on-policy check (R3): training path vs the rollout")
-    for column in ("stage", "track", "rows", "max |ratio − 1|", "max |Δ log p| vs sampler"):
+    table = Table(title="on-policy check (R3): training path vs the log-probs recorded while sampling (max)")
+    for column in ("stage", "track", "rows", "|ratio − 1|", "|Δ log p|", "tolerance", "verdict"):
         table.add_column(column, justify="right")
     for row in rows:
-        gap = "—" if row.sampler_gap is None else f"{row.sampler_gap:.3e}"
-        table.add_row(row.stage, row.track, str(row.rows), f"{row.ratio_error:.3e}", gap)
-    worst = max(row.ratio_error for row in rows)
+        table.add_row(
+            row.stage, row.track, str(row.rows), f"{row.ratio_error:.3e}", f"{row.logp_error:.3e}",
+            f"{row.tolerance:.1e}", "ok" if row.passed else "FAIL",
+        )  # fmt: skip
+    passed = all(row.passed for row in rows)
+    worst = max(rows, key=lambda row: row.error / row.tolerance)
     console = Console()
     console.print(table)
-    verdict = "[green]PASS[/]" if worst <= tolerance else "[bold red]FAIL[/]"
-    console.print(f"{verdict} max |ratio − 1| {worst:.3e} (tolerance {tolerance:.1e})")
-    return worst
+    verdict = "[green]PASS[/]" if passed else "[bold red]FAIL[/]"
+    console.print(f"{verdict} worst: {worst.stage} {worst.track}, max error {worst.error:.3e} "
+                  f"(tolerance {worst.tolerance:.1e})")  # fmt: skip
+    return passed

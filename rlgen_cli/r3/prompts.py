@@ -1,4 +1,4 @@
-"""The words R3 says to its text policy (REFERENCE §5), in one place.
+"""The words R3 says to its text policy (docs/r3.md), in one place.
 
 * **Reason** — a system prompt that asks for a plan between ``<think>`` and ``</think>``; the user turn is
   the text-to-image prompt. The generator then draws from the prompt and the plan

@@ -1,4 +1,4 @@
-"""R3 stage rewards and per-track advantages (REFERENCE §5).
+"""R3 stage rewards and per-track advantages (docs/maths.md §9.1, §9.2).
 
 R3 (reason → reflect → refine) trains a text track (plans and edit instructions, token GRPO) and an image
 track (generated and edited images, Flow-GRPO) from one reward per branch:

@@ -1,4 +1,4 @@
-"""What scores R3's images: ``reward_fn`` and the server keys of the seed, resolved to a reward mix.
+"""What scores R3's images: ``reward_fn`` and the server keys of upstream R3, resolved to a reward mix.
 
 * ``geneval`` — GenEval on a reward server (rlgen's ``remote`` client, reward ``geneval``);
 * ``geneval_plus`` / ``tiif`` — an OpenAI-compatible VLM judge with the GenEval++ / TIIF prompts;

@@ -42,12 +42,12 @@ import torch
 from omegaconf import DictConfig
 from torch import Tensor
 
-from rlgen_cli.algos import best_and_worst, combine_rewards
+from rlgen_cli.algos import best_and_worst, combine_rewards, nonzero_advantage_rows
 from rlgen_cli.algos.objectives import STEP_OBJECTIVES
 from rlgen_cli.data import GroupSampler, PromptDataset
 from rlgen_cli.data.paths import load_prompts
 from rlgen_cli.launch.dist import Dist, make_dist
-from rlgen_cli.models import Cond, FlowPolicy, build_policy
+from rlgen_cli.models import Cond, FlowPolicy, build_policy, cfg_gradient
 from rlgen_cli.recipes.loop import due, headline, peak_memory_mb, reduce_over_ranks, summarise, timed
 from rlgen_cli.recipes.sampling import (
     INITIAL_NOISE,
@@ -88,6 +88,7 @@ log = logging.getLogger(__name__)
 REWARD_CURVE = "reward_curve.png"
 SHAPES_CURVE = "shapes_curves.png"
 EMA_KEY, RAW_KEY = "ema", "raw_trainable"
+ZERO_ADVANTAGE_FILL = 4  # salt of the stream that picks zero-advantage samples to fill micro-batches
 
 
 @dataclass
@@ -149,8 +150,8 @@ class FlowRLRecipe:
         self.reward = build_mix(
             dict(cfg.reward.weights), **{k: dict(v) for k, v in cfg.reward.kwargs.items()}
         )
-        self.train_set: PromptDataset = load_prompts(cfg.data.train)
-        self.test_set: PromptDataset = load_prompts(cfg.data.test)
+        self.train_set: PromptDataset = load_prompts(cfg.data.train, self.run_dir, "data.train")
+        self.test_set: PromptDataset = load_prompts(cfg.data.test, self.run_dir, "data.test")
         self.sampler = GroupSampler(
             len(self.train_set), cfg.algo.prompts_per_epoch, cfg.algo.group_size, seed=cfg.seed,
             num_replicas=self.dist.world_size, rank=self.dist.rank,
@@ -309,8 +310,15 @@ class FlowRLRecipe:
         total = sum(self.cfg.reward.weights[k] * v for k, v in components.items())
         keep = best_and_worst(total[mine], rollouts.indices, self.cfg.algo.best_of_n)
         advantages = advantages[mine]
+        num_batches = None  # micro-batches of algo.train_batch_size
+        if self.cfg.algo.drop_zero_advantage:  # as many micro-batches, each smaller (docs/maths.md §4.5)
+            num_batches = math.ceil(len(keep) / self.cfg.algo.train_batch_size)
+            fill = torch.Generator().manual_seed(
+                stream_seed(self.cfg.seed, epoch, self.dist.rank, salt=ZERO_ADVANTAGE_FILL)
+            )
+            keep = keep[nonzero_advantage_rows(advantages[keep], num_batches, fill)]
         with timed(timings, "time/update"):
-            update_stats = self.update(rollouts.select(keep), advantages[keep], progress)
+            update_stats = self.update(rollouts.select(keep), advantages[keep], progress, num_batches)
         if self.dist.is_main and self.cfg.images_every and epoch % self.cfg.images_every == 0:
             save_grid(rollouts.images, self.run_dir / "images" / f"train_epoch_{epoch:05d}.png", upscale=2)
             self.logger.log_images("train/images", rollouts.images[:16], epoch)
@@ -423,11 +431,15 @@ class FlowRLRecipe:
             name: torch.as_tensor(result.details[name], dtype=torch.float32) for name in self.reward.rewards
         }
         bad = {
-            k: int((~torch.isfinite(v)).sum()) for k, v in components.items() if not torch.isfinite(v).all()
+            k: f"{int(v.isnan().sum())} NaN, {int(v.isinf().sum())} inf"
+            for k, v in components.items()
+            if not torch.isfinite(v).all()
         }
         if bad:
             raise RuntimeError(
-                f"rewards failed for some samples {bad}; a failed score is never replaced by 0"
+                f"non-finite rewards {bad} out of {len(prompts)} samples: the run stops rather than train on "
+                "them (a failed score is never replaced by 0); fix the reward, then resume=auto continues "
+                "from the last checkpoint"
             )
         return components, detail_summaries(result.details, by_tag=by_tag)
 
@@ -436,18 +448,24 @@ class FlowRLRecipe:
     ) -> tuple[StepOut, Tensor | None]:
         """The training-path step ``j`` (log-prob and mean, with gradients) — and its KL when β > 0."""
         velocity = functools.partial(conditioned, self.policy, cond)
-        out = recompute_step(velocity, traj, j, spec)
+        with cfg_gradient(self.cfg.algo.cfg_grad):
+            out = recompute_step(velocity, traj, j, spec)
         if self.cfg.algo.beta <= 0:
             return out, None
         with torch.no_grad(), self.policy.reference():
             ref = recompute_step(velocity, traj, j, spec)
         dt = traj.sigmas_next[j] - traj.sigmas[j]
-        return out, step_kl(out.mean, ref.mean, out.std, dt, form=self.cfg.algo.kl_form)
+        return out, step_kl(out.mean, ref.mean, out.std, dt, form=self.cfg.algo.kl_form, kind=spec.kind)
 
-    def update(self, rollouts: Rollouts, advantages: Tensor, progress: Progress) -> dict[str, float]:
-        """``num_inner_epochs`` passes of per-step policy-gradient updates over every trained step."""
+    def update(
+        self, rollouts: Rollouts, advantages: Tensor, progress: Progress, num_batches: int | None = None
+    ) -> dict[str, float]:
+        """``num_inner_epochs`` passes of per-step policy-gradient updates over every trained step, in
+        ``num_batches`` equal micro-batches (default: batches of ``algo.train_batch_size``)."""
         algo = self.cfg.algo
-        micro_batches = list(batches(len(rollouts.indices), algo.train_batch_size))
+        n = len(rollouts.indices)
+        size = math.ceil(n / num_batches) if num_batches else algo.train_batch_size
+        micro_batches = list(batches(n, size))
         stats: dict[str, list[float]] = defaultdict(list)
         task = progress.task("update", total=algo.num_inner_epochs * len(micro_batches))
         for _ in range(algo.num_inner_epochs):

@@ -1,4 +1,4 @@
-"""R3: reason → reflect → refine, trained with Tree-RL and the Mix-GRPO loss (REFERENCE §5).
+"""R3: reason → reflect → refine, trained with Tree-RL and the Mix-GRPO loss (docs/maths.md §9).
 
 A unified policy (``r3/policy.py``; here the composite of a VLM, a generator and an editor) plans in text
 and draws (reason), looks at its image and writes an edit instruction or "no further edit needed"

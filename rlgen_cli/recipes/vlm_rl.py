@@ -12,7 +12,7 @@ defaults as TRL's ``GRPOTrainer``. Each epoch:
 2. **score** — the reward mix scores the decoded texts (StepGRPO: ``answer_accuracy + step_rar +
    step_rvr``, every component logged);
 3. **advantages** — group z-scores keyed by dataset index (``algo.token.scale_rewards``: group / batch /
-   none, eps 1e-4);
+   none; ``algo.token.std_estimator``: unbiased / population; eps 1e-4);
 4. **prepare** — π_old (training-path recompute, or the sampler's raw-logit log-probs) and π_ref (LoRA
    disabled, or a frozen copy) on the training micro-batches;
 5. **update** — ``num_iterations`` passes of the clipped token loss (``algos/token_grpo.py``) + β·k3 KL,
@@ -21,7 +21,8 @@ defaults as TRL's ``GRPOTrainer``. Each epoch:
 
 Deliberate choices: log-probs are taken at temperature 1 from raw logits (the sampling temperature only
 shapes exploration); micro-batches are built once per epoch and reused, so the first update is exactly
-on-policy (``rlgen check-onpolicy model=tiny_qwen2_vl algo=step_grpo`` proves it).
+on-policy; ``rlgen check-onpolicy model=tiny_qwen2_vl algo=step_grpo`` holds the training forward against
+the sampler's own log-probs (``vlm/onpolicy.py``).
 
 Several processes (``launcher=accelerate`` = DDP, ``launcher=deepspeed_zero2``) go through the same
 ``launch/dist.py`` context as the flow recipe: the global batch is split contiguously over ranks (a group
@@ -53,7 +54,7 @@ from PIL import Image
 from torch import Tensor
 
 from rlgen_cli.algos.advantages import combine_rewards
-from rlgen_cli.algos.token_grpo import token_grpo_loss
+from rlgen_cli.algos.token_grpo import advantage_options, token_grpo_loss
 from rlgen_cli.data.sampler import GroupSampler
 from rlgen_cli.launch.dist import Dist, make_dist
 from rlgen_cli.recipes.loop import due, load_resume, reduce_over_ranks
@@ -92,11 +93,10 @@ from rlgen_cli.vlm.training import (
     batches,
     completion_budget,
     make_scheduler,
-    print_onpolicy_report,
     require_whole_weights,
 )
 
-__all__ = ["VLMRLRecipe", "check_onpolicy", "evaluate", "run"]
+__all__ = ["VLMRLRecipe", "evaluate", "run"]
 
 log = logging.getLogger(__name__)
 REWARD_CURVE = "reward_curve.png"
@@ -232,8 +232,7 @@ class VLMRLRecipe:
         algo = self.cfg.algo
         advantages, adv_stats = combine_rewards(
             components, dict(self.cfg.reward.weights), group_ids, mode=self.cfg.reward.aggregation,
-            global_std=algo.token.scale_rewards == "batch", scale="none" if algo.token.scale_rewards == "none" else "std",
-            eps=1e-4, clip_max=algo.adv_clip_max,
+            **advantage_options(algo.token.scale_rewards, algo.token.std_estimator), clip_max=algo.adv_clip_max,
         )  # fmt: skip
         n = len(rollouts.indices)
         advantages = advantages[self.dist.rank * n : (self.dist.rank + 1) * n]
@@ -440,34 +439,3 @@ def run(cfg: TrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
         return recipe.train()
     finally:
         recipe.cleanup()
-
-
-def check_onpolicy(cfg: Any, raw_cfg: DictConfig) -> float:
-    """Roll out one epoch, then run the training path (gradients on, no update) on the same micro-batches.
-
-    Returns the largest |ratio − 1| against π_old over every completion token (exactly 0 when the
-    trainer reproduces the rollout), after printing a table that also shows the sampler gap
-    (π_old vs generate()'s raw-logit log-probs). ``check.train_batch_size`` re-batches the training side.
-    """
-    recipe = VLMRLRecipe(cfg, raw_cfg)
-    recipe.setup()
-    batch_size = cfg.check.train_batch_size or cfg.algo.train_batch_size
-    with Progress(cfg.progress) as progress:
-        rollouts = recipe.rollout(0, progress)
-    prepared = recipe.prepare(rollouts)
-    old = [m.old[i, : int(m.batch.completion_mask[i].sum())] for m in prepared for i in range(m.old.shape[0])]
-    rows = []
-    for part in batches(len(rollouts.texts), batch_size):
-        batch = collate(
-            recipe.policy, rollouts.prompts[part], rollouts.images[part], rollouts.completions[part]
-        )
-        logp = completion_logprobs(recipe.policy, batch).detach()
-        for i, n in enumerate(batch.completion_mask.sum(-1).tolist()):
-            j = part.start + i
-            ratio_err = (torch.exp(logp[i, :n] - old[j].to(logp.device)) - 1).abs().max().item() if n else 0.0
-            gap = (logp[i, :n].cpu() - rollouts.sampler_logprobs[j]).abs().max().item() if n else 0.0
-            rows.append((j, n, ratio_err, gap))
-    recipe.cleanup()
-    worst = max(r[2] for r in rows)
-    print_onpolicy_report(rows, cfg.check.tolerance, worst)
-    return worst

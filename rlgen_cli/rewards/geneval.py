@@ -9,11 +9,13 @@ from detection:
   needs at least ``count`` objects; colour and position are checked on the ``count`` most confident
   ones; an ``exclude`` clause fails when ``count`` or more objects are found. Counting prompts carry
   ``exclude: count + 1``, which makes their counts exact.
-* ``score``: Flow-GRPO's partial credit (REFERENCE §3). Per ``include`` clause: count term
+* ``score``: Flow-GRPO's partial credit (docs/maths.md §10.3). Per ``include`` clause: count term
   ``1 − |req − found|/req`` (floored at 0 unless ``clamp_count_term=False``, so the score stays in
   [0, 1]); a wrong count on a clause with colour/position appends 0; a right count appends the colour
-  term ``1 − |req − with_colour|/req`` and the position term 1/0. Score = mean of all terms. Unlike
-  the upstream server, a failed position check appends only 0 (upstream appends 0 then also 1).
+  term ``1 − |req − with_colour|/req`` and a position term: 1 when the relation holds, else as
+  ``position_credit`` says — ``upstream`` reproduces Flow-GRPO's reward server (a failed relation
+  appends 0 and then 1, a missing target group 0, and a clause whose colour failed adds no position
+  term), ``strict`` appends a single 0 for any position not satisfied. Score = mean of all terms.
 * ``strict``: exact counts for every ``include`` clause (so no extra objects of a requested class),
   every colour and position satisfied, and every ``exclude`` clause respected.
 
@@ -38,12 +40,13 @@ from rlgen_cli.rewards.registry import register
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "COLORS", "TAGS", "CLIPColorClassifier", "ColorClassifier", "Detection", "Detector", "GenEvalResult",
+    "COLORS", "POSITION_CREDITS", "TAGS", "CLIPColorClassifier", "ColorClassifier", "Detection", "Detector", "GenEvalResult",
     "GenEvalReward", "GenEvalThresholds", "TransformersDetector", "geneval", "relative_position",
     "score_geneval", "select_detections", "summarise"
 ]  # fmt: skip
 
 COLORS = ("red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white")
+POSITION_CREDITS = ("upstream", "strict")
 TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
 COLOR_TEMPLATES = ("a photo of a {c} {cls}", "a photo of a {c}-colored {cls}", "a photo of a {c} object")
 # Detector label spellings (HF COCO / VOC) -> GenEval class names.
@@ -183,12 +186,35 @@ def _excludes_hold(objects: Mapping[str, list[Detection]], metadata: Mapping[str
     return all(len(objects.get(req["class"], [])) < req["count"] for req in metadata.get("exclude", []))
 
 
+def check_position_credit(position_credit: str) -> None:
+    """Raise a ValueError naming the options for an unknown ``position_credit``."""
+    if position_credit not in POSITION_CREDITS:
+        raise ValueError(
+            f"position_credit={position_credit!r}; choose one of {', '.join(POSITION_CREDITS)} "
+            "(upstream = Flow-GRPO's GenEval server, strict = one 0 for a failed position)"
+        )
+
+
+def _position_terms(
+    holds: bool | None, has_target: bool, colour_ok: bool, position_credit: str
+) -> list[float]:
+    """The partial-credit terms of one position check (``holds`` is None when it was not checked)."""
+    if holds:
+        return [1.0]
+    if position_credit == "strict":
+        return [0.0]
+    if not colour_ok:  # upstream checks a position only while the clause still matches
+        return []
+    return [0.0, 1.0] if has_target else [0.0]  # upstream appends 1 after its loop even on a failure
+
+
 def _partial_credit(
     objects: Mapping[str, list[Detection]],
     metadata: Mapping[str, Any],
     colors: ColorFn,
     margin: float,
     clamp_count_term: bool,
+    position_credit: str,
 ) -> tuple[float, bool, list[str]]:
     """Flow-GRPO partial credit; returns ``(score, all include clauses exact, reasons)``."""
     terms: list[float] = []
@@ -214,7 +240,7 @@ def _partial_credit(
             if "position" in req:
                 relation, target = req["position"]
                 holds = matched and _position_holds(found, groups[target], relation, margin)
-                terms.append(1.0 if holds else 0.0)
+                terms += _position_terms(holds, groups[target] is not None, matched, position_credit)
                 if not holds:
                     matched = False
                     reasons.append(f"expected {name} {relation} group {target}")
@@ -229,6 +255,7 @@ def score_geneval(
     colors: ColorFn,
     thresholds: GenEvalThresholds = GenEvalThresholds(),
     clamp_count_term: bool = True,
+    position_credit: str = "upstream",
 ) -> GenEvalResult:
     """Score one image's detections against its GenEval metadata.
 
@@ -237,19 +264,22 @@ def score_geneval(
         metadata: GenEval dict with ``tag``, ``include`` and optional ``exclude``.
         colors: ``colors(objects, classname) -> [colour per object]``; called at most once per clause.
         thresholds: Detection filtering and position settings.
-        clamp_count_term: Floor the count term at 0 (REFERENCE: score in [0, 1]); ``False`` reproduces
+        clamp_count_term: Floor the count term at 0 (docs/maths.md §10.3); ``False`` reproduces
             the upstream server, whose count term goes negative for over-generation.
+        position_credit: ``upstream`` (the server's terms for a failed position) or ``strict`` (one 0);
+            see the module docstring.
 
     Returns:
         Partial credit, original accuracy and strict correctness.
 
     Raises:
-        ValueError: If ``metadata`` has no ``tag`` or ``include``.
+        ValueError: If ``metadata`` has no ``tag`` or ``include``, or on an unknown ``position_credit``.
     """
+    check_position_credit(position_credit)
     if "tag" not in metadata or "include" not in metadata:
         raise ValueError(
             f"GenEval metadata needs 'tag' and 'include' keys, got {sorted(metadata)}; "
-            "load prompts from a GenEval .jsonl (REFERENCE §4)."
+            "load prompts from a GenEval .jsonl (docs/maths.md §12 describes the format)."
         )
     objects = select_detections(detections, metadata["tag"], thresholds)
     cache: dict[tuple[str, int], list[str]] = {}
@@ -262,7 +292,9 @@ def score_geneval(
 
     margin = thresholds.position_margin
     accuracy = _original_accuracy(objects, metadata, cached_colors, margin)
-    score, exact, reasons = _partial_credit(objects, metadata, cached_colors, margin, clamp_count_term)
+    score, exact, reasons = _partial_credit(
+        objects, metadata, cached_colors, margin, clamp_count_term, position_credit
+    )
     excludes = _excludes_hold(objects, metadata)
     if not excludes:
         reasons.append("an exclude clause was violated")
@@ -449,6 +481,7 @@ class GenEvalReward:
         color_classifier: Names colours.
         thresholds: Detection filtering and position settings.
         clamp_count_term: See :func:`score_geneval`.
+        position_credit: See :func:`score_geneval`.
         name: Registry name.
     """
 
@@ -458,10 +491,13 @@ class GenEvalReward:
         color_classifier: ColorClassifier,
         thresholds: GenEvalThresholds = GenEvalThresholds(),
         clamp_count_term: bool = True,
+        position_credit: str = "upstream",
         name: str = "geneval",
     ) -> None:
+        check_position_credit(position_credit)
         self.detector, self.color_classifier = detector, color_classifier
         self.thresholds, self.clamp_count_term, self.name = thresholds, clamp_count_term, name
+        self.position_credit = position_credit
 
     def _check(self, batch: RewardBatch) -> None:
         """Raise a ValueError unless the batch has RGB images and GenEval metadata."""
@@ -498,7 +534,9 @@ class GenEvalReward:
             def colors(objs: Sequence[Detection], cls: str, image: Image.Image = image) -> list[str]:
                 return self.color_classifier.classify(image, objs, cls)
 
-            results.append(score_geneval(dets, meta, colors, self.thresholds, self.clamp_count_term))
+            results.append(
+                score_geneval(dets, meta, colors, self.thresholds, self.clamp_count_term, self.position_credit)
+            )
         return RewardResult(
             scores=torch.tensor([r.score for r in results], dtype=torch.float32),
             details={
@@ -523,6 +561,7 @@ def geneval(
     clamp_count_term: bool = True,
     label_aliases: Mapping[str, str] | None = None,
     batch_size: int = 8,
+    position_credit: str = "upstream",
 ) -> GenEvalReward:
     """Build the GenEval reward over a transformers detector and a CLIP colour classifier.
 
@@ -535,13 +574,15 @@ def geneval(
         clamp_count_term: Floor the count term at 0 (see :func:`score_geneval`).
         label_aliases: Detector label -> GenEval class overrides.
         batch_size: Images per detector forward pass.
+        position_credit: ``upstream`` or ``strict`` terms for a failed position (see :func:`score_geneval`).
 
     Returns:
         The reward; the models load on first use.
 
     Raises:
-        ValueError: If a model path is missing.
+        ValueError: If a model path is missing or ``position_credit`` is unknown.
     """
+    check_position_credit(position_credit)
     for key, value in (("detector_path", detector_path), ("clip_path", clip_path)):
         if not value:
             raise ValueError(
@@ -554,4 +595,4 @@ def geneval(
         str(detector_path), device, local_files_only, min_threshold, label_aliases, batch_size
     )
     colors = CLIPColorClassifier(str(clip_path), device, local_files_only)
-    return GenEvalReward(detector, colors, thresholds, clamp_count_term)
+    return GenEvalReward(detector, colors, thresholds, clamp_count_term, position_credit)

@@ -1,4 +1,4 @@
-"""Prompt builders and answer parsers of the metadata-aware VLM judges (REFERENCE §3.2).
+"""Prompt builders and answer parsers of the metadata-aware VLM judges (docs/rewards.md, "VLM judges").
 
 A :class:`JudgeSpec` says how one OpenAI-compatible judge (:class:`~rlgen_cli.rewards.remote.OpenAIJudgeReward`)
 is asked about an image and how its answer becomes a score. Unlike the rubric judges (``unifiedreward``,

@@ -2,13 +2,13 @@
 
 Text is read with PP-OCR (Du et al. 2020, "PP-OCR: A Practical Ultra Lightweight OCR System") through
 ``rapidocr_onnxruntime``, whose wheel ships the ONNX detection/recognition models, so this works
-offline. As in Flow-GRPO (REFERENCE §3): the target is the text between the first pair of ``"`` in the
+offline. As in Flow-GRPO (docs/maths.md §11): the target is the text between the first pair of ``"`` in the
 prompt; both strings are lower-cased with whitespace removed; the score is 1 if the target is a
 substring of the recognised text, else ``1 − min(Levenshtein, len(target)) / len(target)``.
 
 The text detector's side limit is set to each image's shorter side, so images are read at their own
 resolution; the package default upsamples the shorter side to 736 px (≈ 0.24 s vs 0.08 s per 256-px
-image on 2 CPU cores here; REFERENCE §7 reports ≈ 1.2 s vs ≈ 0.1 s with default settings).
+image on 2 CPU cores).
 ``video_ocr`` scores every 4th frame and averages. Lines below ``text_score`` confidence are dropped
 (PP-OCR's 0.5; Flow-GRPO keeps every line).
 """

@@ -6,17 +6,20 @@ plugs into ``trl.GRPOTrainer(reward_funcs=[...])`` as-is; completions may be str
 and an rlgen :class:`~rlgen_cli.rewards.base.Reward` in the registry, which reads the generated texts from
 ``RewardBatch.texts`` and the dataset columns (``solution``, ``key_steps``) from ``RewardBatch.metadata``.
 
-* ``answer_accuracy`` — 1 if the answer is right. With ``backend=math_verify`` (``pip install
-  math-verify``; ``auto`` picks it when importable) the completion is parsed and verified against the
-  solution as upstream; ``normalizer`` compares the text after ``### The final answer is:`` with
+* ``answer_accuracy`` — 1 if the answer is right. ``math_verify`` (a default dependency; ``auto`` picks
+  it when importable) is upstream's order: the whole completion is parsed and verified against the
+  solution, else the rest of the answer line (or the whole stripped text when there is no answer
+  header) must equal the solution's, an empty answer matching an empty ground truth; ``exact`` is that
+  string fallback alone; ``normalizer`` compares the text after ``### The final answer is:`` with
   :func:`answers_match` (boxed/text/dollar unwrapping, case, trailing dot, thousands commas, numeric
-  equality incl. simple fractions, option letters); ``exact`` is upstream's string fallback.
+  equality incl. simple fractions, option letters) and pays 0 without an answer.
 * ``step_rar`` — StepRAR: the ``### Step N:`` bodies are joined and lower-cased; a key-step group (a list
   of equivalent phrasings) matches when any variant is a substring; reward ``scale · matched/total``
   (0.1·k). ``mode=r1vl`` pays it even without a final answer (upstream code); ``mode=paper`` pays 0 then.
 * ``step_rvr`` — StepRVR: 1 iff ``### Image Description:``, ``### Rationales:``, ``### Step 1:`` and
   ``### The final answer is:`` are present (upstream's four), the steps are numbered 1..N in order and
-  the answer header comes after the last step; else 0.
+  the (first) answer header comes after the last step; else 0. ``mode=r1vl`` (upstream code) waives
+  the last condition when the completion ends with an empty answer header; ``strict`` never does.
 * ``think_format`` — 1 iff the completion is ``<think>…</think><answer>…</answer>`` (R1-V / TRL format).
 * ``length`` — ``min(len, target) / target`` in characters or whitespace words (a reward that varies,
   for smoke tests and length shaping).
@@ -62,6 +65,7 @@ FINAL_ANSWER = "### The final answer is:"
 REQUIRED_HEADERS = ("### Image Description:", "### Rationales:", "### Step 1:", FINAL_ANSWER)
 ACCURACY_BACKENDS = ("auto", "math_verify", "normalizer", "exact")
 RAR_MODES = ("r1vl", "paper")
+RVR_MODES = ("r1vl", "strict")
 _STEP_HEADER = re.compile(r"### Step (\d+):")
 _STEP_BODY = re.compile(r"### Step \d+:\s*(.*?)(?=\n###|\Z)", re.DOTALL)
 _ANSWER_LINE = re.compile(r"### The final answer is:\s*\n?(.*)")
@@ -180,6 +184,13 @@ def _has_math_verify() -> bool:
     return True
 
 
+def _answer_or_whole(text: str) -> str:
+    """R1-VL's string fallback operand: the (possibly empty) rest of the answer line, or the whole text
+    stripped when there is no answer header. An empty answer is kept as "" (it equals an empty truth)."""
+    match = _ANSWER_LINE.search(text)
+    return match.group(1).strip() if match else text.strip()
+
+
 def answer_accuracy(completion: str, solution: str, backend: str = "auto") -> float:
     """1.0 if ``completion`` answers ``solution`` correctly, else 0.0 (see the module docstring)."""
     if backend not in ACCURACY_BACKENDS:
@@ -188,10 +199,9 @@ def answer_accuracy(completion: str, solution: str, backend: str = "auto") -> fl
         raise ImportError("answer_accuracy backend=math_verify needs `pip install math-verify`")
     if backend in ("auto", "math_verify") and _has_math_verify() and _math_verify(completion, solution):
         return 1.0
-    truth = extract_answer(solution) or solution.strip()
-    answer = extract_answer(completion)
-    if backend == "exact" or (backend == "auto" and _has_math_verify()):  # upstream's string fallback
-        return float((answer if answer is not None else completion.strip()) == truth)
+    if backend == "exact" or (backend in ("auto", "math_verify") and _has_math_verify()):
+        return float(_answer_or_whole(completion) == _answer_or_whole(solution))  # upstream's fallback
+    answer, truth = extract_answer(completion), extract_answer(solution) or solution.strip()
     return float(answer is not None and answers_match(answer, truth))
 
 
@@ -234,13 +244,21 @@ def step_rar(
     return scale * key_step_fraction(completion, key_steps, **norm)
 
 
-def step_rvr(completion: str) -> float:
-    """StepRVR: 1.0 iff complete (four headers) and logical (steps 1..N, answer after the last step)."""
+def step_rvr(completion: str, mode: str = "r1vl") -> float:
+    """StepRVR: 1.0 iff complete (four headers) and logical (steps 1..N, answer after the last step).
+
+    ``mode=r1vl`` skips the answer-after-the-last-step check when the completion ends with an empty
+    answer header (upstream code); ``strict`` always applies it.
+    """
+    if mode not in RVR_MODES:
+        raise ValueError(f"step_rvr mode={mode!r}; choose one of {', '.join(RVR_MODES)}")
     if any(header not in completion for header in REQUIRED_HEADERS):
         return 0.0
     steps = list(_STEP_HEADER.finditer(completion))
     if [int(m.group(1)) for m in steps] != list(range(1, len(steps) + 1)):
         return 0.0
+    if mode == "r1vl" and completion.strip().endswith(FINAL_ANSWER):
+        return 1.0
     return float(completion.find(FINAL_ANSWER) >= steps[-1].end())
 
 
@@ -273,9 +291,9 @@ def step_rar_reward(completions: Sequence[Any], key_steps: Sequence[Any], **kwar
     return [step_rar(completion_text(c), k, **options) for c, k in zip(completions, key_steps, strict=True)]
 
 
-def step_rvr_reward(completions: Sequence[Any], **_: Any) -> list[float]:
+def step_rvr_reward(completions: Sequence[Any], mode: str = "r1vl", **_: Any) -> list[float]:
     """TRL reward function: :func:`step_rvr` per completion."""
-    return [step_rvr(completion_text(c)) for c in completions]
+    return [step_rvr(completion_text(c), mode) for c in completions]
 
 
 def think_format_reward(completions: Sequence[Any], **_: Any) -> list[float]:
@@ -349,9 +367,10 @@ def build_step_rar(
 
 
 @register("step_rvr")
-def build_step_rvr() -> TextRuleReward:
+def build_step_rvr(mode: str = "r1vl") -> TextRuleReward:
     """``step_rvr``: StepRVR validity."""
-    return TextRuleReward("step_rvr", lambda t, m: step_rvr(t))
+    step_rvr("", mode)  # validates the mode
+    return TextRuleReward("step_rvr", lambda t, m: step_rvr(t, mode))
 
 
 @register("think_format")

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from rlgen_cli.rewards.base import RewardBatch, RewardResult
-from rlgen_cli.rewards.geneval import GenEvalThresholds
+from rlgen_cli.rewards.geneval import GenEvalThresholds, check_position_credit
 from rlgen_cli.rewards.registry import register
 
 if TYPE_CHECKING:  # rlgen_cli.shapes imports rlgen_cli.rewards: import it lazily to avoid a cycle
@@ -61,6 +61,8 @@ class ShapesGenEvalReward:
         extra_penalty: Log-discount per extra object in ``"clutter"`` mode.
         detector: The shapes detector.
         thresholds: GenEval settings (only the position margin matters: detections have confidence 1).
+        position_credit: Partial-credit terms of a failed position (``strict``: one 0; ``upstream``: the
+            GenEval server's 0 and 1).
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class ShapesGenEvalReward:
         detector: ShapeDetector | None = None,
         thresholds: GenEvalThresholds = GenEvalThresholds(),
         name: str = "shapes_geneval",
+        position_credit: str = "strict",
     ) -> None:
         """Create the reward.
 
@@ -85,6 +88,8 @@ class ShapesGenEvalReward:
         self.name, self.mode, self.extra_penalty = name, mode, extra_penalty
         self.detector = detector or ShapeDetector()
         self.thresholds = thresholds
+        check_position_credit(position_credit)
+        self.position_credit = position_credit
 
     def _check(self, batch: RewardBatch) -> tuple[Tensor, list[dict]]:
         """Return the batch's images and metadata; raise a ValueError unless both are usable."""
@@ -125,7 +130,7 @@ class ShapesGenEvalReward:
         from rlgen_cli.shapes.score import score_images
 
         images, metadata = self._check(batch)
-        results = score_images(images, metadata, self.detector, self.thresholds)
+        results = score_images(images, metadata, self.detector, self.thresholds, self.position_credit)
 
         def column(key: str) -> torch.Tensor:
             return torch.tensor([float(getattr(r, key)) for r in results], dtype=torch.float32)
@@ -150,6 +155,7 @@ def shapes_geneval(
     extra_penalty: float = 0.5,
     min_area: int | None = None,
     position_margin: float = 0.1,
+    position_credit: str = "strict",
 ) -> ShapesGenEvalReward:
     """Build the ShapesEval reward.
 
@@ -158,6 +164,7 @@ def shapes_geneval(
         extra_penalty: Log-discount per unrequested object in ``"clutter"`` mode.
         min_area: Smallest component counted as an object; ``None`` = 8 px per 32×32 (size-scaled).
         position_margin: GenEval position margin.
+        position_credit: ``strict`` (ShapesEval's) or ``upstream`` partial credit of a failed position.
 
     Returns:
         The reward (no model to load).
@@ -168,4 +175,6 @@ def shapes_geneval(
     from rlgen_cli.shapes.detect import ShapeDetector
 
     thresholds = GenEvalThresholds(position_margin=position_margin)
-    return ShapesGenEvalReward(mode, extra_penalty, ShapeDetector(min_area), thresholds)
+    return ShapesGenEvalReward(
+        mode, extra_penalty, ShapeDetector(min_area), thresholds, position_credit=position_credit
+    )

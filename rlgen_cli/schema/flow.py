@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlgen_cli.schema.errors import UserError
+from rlgen_cli.schema.fidelity import FidelityConfig
 from rlgen_cli.schema.vlm import LR_SCHEDULES, TokenGRPOOptions, VLMOptions
 
 SD3_LORA_TARGETS = [
@@ -37,7 +38,8 @@ OBJECTIVES = ("grpo", "grpo_guard")
 RECIPES = ("flow_rl", "flow_pref", "flow_pretrain", "vlm_rl", "vlm_sft")
 PREF_LOSSES = ("dpo", "sft")
 BRANCHES = ("independent", "shared_prefix")
-KL_FORMS = ("true", "upstream")
+KL_FORMS = ("upstream", "gaussian")
+CFG_GRADS = ("conditional", "both")
 ADV_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
@@ -300,8 +302,15 @@ class AlgoConfig:
     """Normalise advantages by the whole batch's reward std instead of each group's."""
     beta: float = 0.04
     """KL weight towards the reference (LoRA disabled); 0 skips the reference forward."""
-    kl_form: str = "true"
-    """``true`` = mean((μθ−μref)²)/(2s²); ``upstream`` = Flow-GRPO's /(2σ_t²), missing the |dt| factor."""
+    kl_form: str = "gaussian"
+    """``gaussian`` = mean((μθ−μref)²)/(2s²), the KL of the two step Gaussians; ``upstream`` = Flow-GRPO's
+    code, /(2σ_t²) with σ_t = s/sqrt(−dt) for flow_sde/dance (|dt| times weaker per step), s for cps."""
+    cfg_grad: str = "both"
+    """With CFG, the training forward back-propagates through ``both`` branches of u + g·(c − u), or only
+    the ``conditional`` one (the unconditional prediction detached; same forward values)."""
+    drop_zero_advantage: bool = False
+    """Train only samples whose advantage is non-zero (Flow-GRPO's SD3 / Kontext / Wan scripts): the
+    micro-batches per epoch stay the same and shrink, so each kept sample weighs more (docs/maths.md)."""
     objective: str = "grpo"
     """Per-step loss: ``grpo`` (clipped ratio) or ``grpo_guard`` (ratio normalisation, reweighting)."""
     window: WindowConfig = field(default_factory=WindowConfig)
@@ -321,6 +330,7 @@ class AlgoConfig:
     def __post_init__(self) -> None:
         _one_of(self.recipe, RECIPES, "algo.recipe")
         _one_of(self.kl_form, KL_FORMS, "algo.kl_form")
+        _one_of(self.cfg_grad, CFG_GRADS, "algo.cfg_grad")
         _one_of(self.lr_schedule, LR_SCHEDULES, "algo.lr_schedule")
         in_range = 0 <= self.lr_decay_start < 1 and 0 <= self.lr_min_ratio <= 1
         got = f"got {self.lr_decay_start} and {self.lr_min_ratio}"
@@ -485,6 +495,8 @@ class TrainConfig:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """metrics.jsonl is always written; TensorBoard and W&B on request."""
+    fidelity: FidelityConfig | None = None
+    """Experiments named after an upstream recipe: its source and every knob that matches or differs."""
 
     def __post_init__(self) -> None:
         require_rewards(self.reward)
@@ -523,27 +535,12 @@ class TrainConfig:
 
 
 @dataclass
-class CheckConfig:
-    tolerance: float = 1e-6
-    """Largest allowed |ratio − 1| (and |Δ log-prob|)."""
-    train_noise_level: float | None = None
-    """Noise level of the training-side recompute; null = the sampling one (set it to see the check fail)."""
-    train_batch_size: int | None = None
-    """Training-side batch size; null = algo.train_batch_size."""
-
-
-@dataclass
-class CheckOnPolicyConfig(TrainConfig):
-    check: CheckConfig = field(default_factory=CheckConfig)
-
-
-@dataclass
 class SampleConfig:
     seed: int = 0
     device: str = "auto"
     run_dir: str = "${hydra:runtime.output_dir}"
     prompts: list[str] = field(default_factory=list)
-    """Prompts to draw (alternatively ``prompts_file``)."""
+    """Prompts to draw (alternatively ``prompts_file``; with neither, ``data.test``)."""
     prompts_file: str | None = None
     edit_set: bool = False
     """Build an editing set from a GenEval-style prompts_file: sources from ``source_prompt`` (or
@@ -557,12 +554,11 @@ class SampleConfig:
     sampler: SamplerConfig = field(default_factory=lambda: SamplerConfig(kind="ode"))
     progress: bool = True
     model: ModelConfig = field(default_factory=lambda: ModelConfig(tiny=True))
+    data: DataConfig = field(default_factory=DataConfig)
+    """``data.test`` is drawn when neither ``prompts`` nor ``prompts_file`` is given; a model picks its own
+    (editing models: rows with source images)."""
 
     def __post_init__(self) -> None:
-        _require(
-            bool(self.prompts) or bool(self.prompts_file) or bool(self.checkpoint),
-            "nothing to sample: give prompts='[a cat, a dog]' or prompts_file=PATH",
-        )
         _require(
             self.images_per_prompt >= 1 and self.batch_size >= 1,
             "images_per_prompt and batch_size must be ≥ 1",
@@ -589,6 +585,10 @@ class EvalConfig:
     model: ModelConfig = field(default_factory=lambda: ModelConfig(tiny=True))
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    algo: AlgoConfig | None = None
+    """Unused by eval: where a model's own training algorithm lands (the VLMs pick theirs)."""
+    fidelity: FidelityConfig | None = None
+    """Carried by experiments named after an upstream recipe (see ``TrainConfig.fidelity``)."""
 
     def __post_init__(self) -> None:
         require_rewards(self.reward)

@@ -1,7 +1,7 @@
 """Schema of R3 (reason → reflect → refine, Mix-GRPO): the ``r3`` section and the primary schemas that
 carry it.
 
-The keys the seed's ``train_rl.sh`` names keep their names (``kl_weight_text``, ``group_size``,
+The keys upstream R3's ``train_rl.sh`` names keep their names (``kl_weight_text``, ``group_size``,
 ``train_data_path``, ``reward_server_urls``, …; docs/r3.md maps each to an override). Everything R3 reads
 lives here: its composite policy (``r3.policy``: text policy, generator, editor — three ordinary model
 sections), its data, its reward, its loss weights and its optimiser. The shared sections (``algo``,
@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rlgen_cli.schema.check import CheckOnPolicyConfig
 from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import CheckOnPolicyConfig, EvalConfig, ModelConfig, TrainConfig
+from rlgen_cli.schema.flow import EvalConfig, ModelConfig, TrainConfig
 
 R3_FAMILIES = ("r3_composite",)
 """``model.family`` values that run the R3 recipe (a native unified model would join this list)."""
@@ -69,7 +70,7 @@ class OfflineConfig:
 
 @dataclass
 class R3Config:
-    # -- the seed's keys ------------------------------------------------------------------------------
+    # -- upstream R3's keys ----------------------------------------------------------------------------
     kl_weight_text: float = 0.001
     """KL weight of the text track (k3 estimator against the reference = adapter off)."""
     kl_weight_image: float = 0.001
@@ -100,7 +101,7 @@ class R3Config:
     val_data_path: str | None = "./data/rl_test/test_geneval.jsonl"
     """Evaluation prompts, same format (null = train_data_path)."""
     dataset_name: str = "geneval"
-    """geneval | geneval_plus | tiif (REFERENCE §4)."""
+    """geneval | geneval_plus | tiif (docs/maths.md §12)."""
     reward_fn: str = "geneval"
     """geneval (GenEval server) | geneval_plus | tiif (OpenAI-compatible judge with those prompts) | mix
     (the ``reward`` section) | the name of any local reward."""

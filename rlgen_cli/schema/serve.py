@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import RewardConfig
+from rlgen_cli.schema.flow import DataConfig, RewardConfig
 
 
 def _require(condition: bool, message: str) -> None:
@@ -62,3 +62,5 @@ class ServeRewardConfig:
     """Every reward named in reward.weights is hosted (weights themselves are unused by the server)."""
     log_level: str = "INFO"
     """Console log level of the server (DEBUG, INFO, WARNING)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Unused by the server: where a reward config's natural prompts land (train and eval read them)."""

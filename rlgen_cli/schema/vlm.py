@@ -16,6 +16,7 @@ from rlgen_cli.schema.errors import UserError
 TOKEN_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo")
 IMPORTANCE_LEVELS = ("token", "sequence")
 REWARD_SCALINGS = ("group", "batch", "none")
+STD_ESTIMATORS = ("unbiased", "population")
 OLD_LOGPROBS = ("recompute", "sampler")
 ROLLOUT_ENGINES = ("hf", "vllm")
 PROMPT_FORMATS = ("plain", "mulberry")
@@ -93,6 +94,9 @@ class TokenGRPOOptions:
     """Upper clip ε (DAPO's clip-higher); null = clip_range."""
     scale_rewards: str = "group"
     """Advantage std: per group, over the batch, or none."""
+    std_estimator: str = "unbiased"
+    """Advantage std estimator: ``unbiased`` (÷ (n − 1), ``torch.std``: R1-VL's trainer and TRL) or
+    ``population`` (÷ n, rlgen's flow-side choice); eps 1e-4 either way."""
     temperature: float = 1.2
     """Rollout sampling temperature (log-probs are always taken at temperature 1)."""
     top_p: float = 1.0
@@ -126,6 +130,7 @@ class TokenGRPOOptions:
             (self.loss_type, TOKEN_LOSSES, "algo.token.loss_type"),
             (self.importance_level, IMPORTANCE_LEVELS, "algo.token.importance_level"),
             (self.scale_rewards, REWARD_SCALINGS, "algo.token.scale_rewards"),
+            (self.std_estimator, STD_ESTIMATORS, "algo.token.std_estimator"),
             (self.old_logprobs, OLD_LOGPROBS, "algo.token.old_logprobs"),
             (self.lr_schedule, LR_SCHEDULES, "algo.token.lr_schedule"),
             (self.engine, ROLLOUT_ENGINES, "algo.token.engine"),

@@ -1,13 +1,14 @@
-"""Per-step KL between the policy's and the reference model's Gaussian transitions.
+"""Per-step KL between the policy's and the reference model's Gaussian transitions (docs/maths.md §3).
 
 Implements the KL regulariser of Flow-GRPO (Liu et al., 2025, "Flow-GRPO: Training Flow Matching
-Models via Online RL", Eq. 12; REFERENCE §1.5). Both transitions share the std ``s`` (it depends only
-on the schedule), so ``KL(N(μ, s²I) ‖ N(μ_ref, s²I)) = ‖μ − μ_ref‖² / (2s²)``.
+Models via Online RL", Eq. 12). Both transitions share the std ``s`` (it depends only on the schedule),
+so ``KL(N(μ, s²I) ‖ N(μ_ref, s²I)) = ‖μ − μ_ref‖² / (2s²)``.
 
-* ``"true"`` (default): the Gaussian KL per element, ``mean((μ − μ_ref)²) / (2s²)``.
-* ``"upstream"``: Flow-GRPO's code divides by ``2σ_t²`` with ``σ_t = s / sqrt(−dt)``, i.e. it omits
-  the ``|dt|`` factor of the variance (acknowledged upstream); equals ``"true"·(−dt)``. Note that for
-  ``cps`` upstream's ``σ_t`` is already the full std, so its KL is the ``"true"`` form.
+* ``"gaussian"`` (default): that KL per element, ``mean((μ − μ_ref)²) / (2s²)``.
+* ``"upstream"``: what Flow-GRPO's code computes, ``mean((μ − μ_ref)²) / (2σ_t²)`` with its step's
+  ``σ_t``. For ``flow_sde`` (and ``dance``) ``σ_t = s / sqrt(−dt)``, so the term is ``"gaussian"·(−dt)``:
+  the ``|dt|`` factor of the variance is missing and a β tuned for one form does not carry over. For
+  ``cps`` the code's ``σ_t`` is the full std ``s``, so the upstream term equals ``"gaussian"``.
 """
 
 from __future__ import annotations
@@ -15,11 +16,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlgen_cli.sde.step import _check_choice, _per_sample, reduce_nonbatch
+from rlgen_cli.sde.step import STEP_KINDS, _check_choice, _per_sample, reduce_nonbatch
 
 __all__ = ["KL_FORMS", "step_kl"]
 
-KL_FORMS = ("true", "upstream")
+KL_FORMS = ("upstream", "gaussian")
+FULL_STD_KINDS = ("cps",)  # kinds whose upstream σ_t is the total std s (no √(−dt) factor)
+
+
+def _variance(s: Tensor, dt: Tensor | float, mean: Tensor, form: str, kind: str) -> Tensor:
+    """(B,) the variance the KL divides by: s², or upstream's σ_t² = s²/(−dt) for flow_sde-like steps."""
+    var = s**2
+    if form == "gaussian" or kind in FULL_STD_KINDS:
+        return var
+    neg_dt = -_per_sample(dt, mean, "dt")  # (B,); 0 only on deterministic steps, whose KL is 0 anyway
+    return var / torch.where(neg_dt > 0, neg_dt, torch.ones_like(neg_dt))
 
 
 def step_kl(
@@ -27,8 +38,9 @@ def step_kl(
     ref_mean: Tensor,
     std: Tensor | float,
     dt: Tensor | float,
-    form: str = "true",
+    form: str = "gaussian",
     reduce: str = "mean",
+    kind: str = "flow_sde",
 ) -> Tensor:
     """KL between two equal-variance Gaussian step transitions, per sample.
 
@@ -39,16 +51,18 @@ def step_kl(
         ref_mean: ``(B, ...)`` reference step mean ``μ_ref``.
         std: Total step std ``s``: float, 0-d or ``(B,)`` (``StepOut.std``).
         dt: ``sigma_next − sigma`` (<= 0): float, 0-d or ``(B,)``; used by ``form="upstream"`` only.
-        form: ``"true"`` (Gaussian KL) or ``"upstream"`` (Flow-GRPO's, missing ``|dt|``).
+        form: ``"gaussian"`` (the Gaussian KL) or ``"upstream"`` (Flow-GRPO's term, see the module doc).
         reduce: ``"mean"`` (default, upstream) or ``"sum"`` (the KL of the joint) over non-batch dims.
+        kind: The sampler step that produced ``std`` (``sampler.kind``); decides upstream's ``σ_t``.
 
     Returns:
         ``(B,)`` float32 KL values.
 
     Raises:
-        ValueError: On an unknown ``form`` / ``reduce`` or mismatched shapes.
+        ValueError: On an unknown ``form`` / ``reduce`` / ``kind`` or mismatched shapes.
     """
     _check_choice("KL form", form, KL_FORMS)
+    _check_choice("step kind", kind, STEP_KINDS)
     if mean.shape != ref_mean.shape:
         raise ValueError(
             f"mean has shape {tuple(mean.shape)} but ref_mean has {tuple(ref_mean.shape)}; pass the "
@@ -57,9 +71,6 @@ def step_kl(
     sq = reduce_nonbatch((mean.float() - ref_mean.float()) ** 2, reduce)  # (B,)
     s = _per_sample(std, mean, "std")  # (B,)
     live = s > 0  # (B,)
-    var = torch.where(live, s**2, torch.ones_like(s))  # (B,) s²
-    if form == "upstream":
-        neg_dt = -_per_sample(dt, mean, "dt")  # (B,)
-        var = torch.where(live, var / neg_dt, var)  # σ_t² = s² / (−dt)
-    kl = sq / (2 * var)
+    safe = torch.where(live, s, torch.ones_like(s))  # (B,) avoids 0/0 on deterministic steps
+    kl = sq / (2 * _variance(safe, dt, mean, form, kind))
     return torch.where(live, kl, torch.zeros_like(kl))

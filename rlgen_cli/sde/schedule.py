@@ -8,7 +8,7 @@ High-Resolution Image Synthesis", the SD3 paper, §5.3.2 "resolution-dependent s
 * FLUX / Qwen-Image: a dynamic, resolution-dependent exponential time shift with
   ``μ`` linear in the image token count (:func:`calculate_mu`, :func:`dynamic_shift_sigmas`).
 
-Convention (REFERENCE §1): ``x_σ = (1 − σ)·x₀ + σ·ε``; σ = 1 is pure noise; a schedule walks
+Convention (docs/maths.md §1.1): ``x_σ = (1 − σ)·x₀ + σ·ε``; σ = 1 is pure noise; a schedule walks
 σ₀ = 1 > σ₁ > … > σ_T = 0 and has ``T + 1`` entries (the final 0 is appended). Schedules are computed
 in float64 (as diffusers does with numpy) and returned as float32.
 """

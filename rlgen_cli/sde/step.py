@@ -1,7 +1,7 @@
 """One denoising step of a flow-matching sampler, with the Gaussian log-probability of the transition.
 
 Implements, in float32, the transition kernels that policy-gradient RL for flow models trains
-(REFERENCE §1.1–1.3):
+(docs/maths.md §2):
 
 * ``ode`` — deterministic Euler step ``x' = x + v·dt`` (rectified flow, Liu et al., 2022).
 * ``flow_sde`` — the reverse-time SDE with the same marginals as the flow ODE, noise level
@@ -138,7 +138,7 @@ def _check_args(kind: str, eta: float, reduce: str, logprob_form: str) -> None:
 def _flow_sde(
     x: Tensor, v: Tensor, sigma: Tensor, dt: Tensor, eta: float, sigma_max: float | None
 ) -> tuple[Tensor, Tensor]:
-    """Flow-GRPO SDE mean and ``(B,)`` std (REFERENCE §1.1)."""
+    """Flow-GRPO SDE mean and ``(B,)`` std (docs/maths.md §2.2)."""
     at_one = sigma == 1  # (B,)
     if sigma_max is None and bool(at_one.any()):
         raise ValueError(
@@ -156,7 +156,7 @@ def _flow_sde(
 
 
 def _dance(x: Tensor, v: Tensor, sigma: Tensor, dt: Tensor, eta: float) -> tuple[Tensor, Tensor]:
-    """DanceGRPO score-form SDE mean and ``(B,)`` std with constant η (REFERENCE §1.2)."""
+    """DanceGRPO score-form SDE mean and ``(B,)`` std with constant η (docs/maths.md §2.4)."""
     sig = _bcast(sigma, x)
     x0_hat = x - sig * v
     score = -(x - (1 - sig) * x0_hat) / sig**2
@@ -165,7 +165,7 @@ def _dance(x: Tensor, v: Tensor, sigma: Tensor, dt: Tensor, eta: float) -> tuple
 
 
 def _cps(x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, eta: float) -> tuple[Tensor, Tensor]:
-    """Coefficients-preserving sampling mean and ``(B,)`` std (REFERENCE §1.3)."""
+    """Coefficients-preserving sampling mean and ``(B,)`` std (docs/maths.md §2.5)."""
     sigma_t = sigma_next * math.sin(eta * math.pi / 2)  # (B,)
     sig = _bcast(sigma, x)
     x0_hat = x - sig * v

@@ -8,11 +8,12 @@ A policy turns ``num_steps`` (T) and a few options into a :class:`WindowPlan`. S
 * ``random_window`` (Flow-GRPO-Fast): ``size`` consecutive SDE steps whose start is drawn uniformly in
   ``range``; ODE before and after; only the window is trained. ``size=0`` is plain Flow-GRPO.
 * ``sliding`` (MixGRPO: Li et al. 2025, "MixGRPO: Unlocking Flow-based GRPO Efficiency with Mixed
-  ODE-SDE"): ``size`` consecutive SDE steps that start at the noisiest step and move by ``stride`` every
-  ``shift_every`` training iterations (strategies ``progressive``, ``random``, ``decay``, ``exp_decay``).
+  ODE-SDE"): ``size`` consecutive SDE steps before ``T − end_offset`` that start at the noisiest step and
+  move by ``stride`` after a number of training iterations set by the strategy (``progressive``,
+  ``random``, ``decay``, ``exp_decay``); see docs/maths.md (windows).
 * ``random_subset`` (DanceGRPO: Xue et al. 2025, "DanceGRPO: Unleashing GRPO on Visual Generation"):
-  every step SDE; each sample trains its own random ``timestep_fraction`` of the steps
-  (:attr:`WindowPlan.train_mask`).
+  every step SDE; each sample trains its own random ``timestep_fraction`` of the steps, never the last
+  one with ``skip_last_step`` (:attr:`WindowPlan.train_mask`).
 * ``single`` (R3 Mix-GRPO loss): exactly one SDE step, drawn once for the whole batch / group.
 
 Every random choice is drawn from an explicit ``torch.Generator``; the same generator state gives the
@@ -184,11 +185,22 @@ def _random_window(
     return _consecutive(num_steps, start, size)
 
 
-def _sliding_positions(max_start: int, stride: int) -> list[int]:
-    """Window starts in visiting order: 0, stride, 2·stride, … and finally ``max_start`` itself."""
+def _sliding_positions(end: int, size: int, stride: int, shrink_at_end: bool) -> list[int]:
+    """Window starts in visiting order.
+
+    ``stride`` 0: the window never moves. ``shrink_at_end`` (MixGRPO): 0, stride, 2·stride, … while the
+    window keeps at least one step before ``end``; the last windows lose their steps past ``end``.
+    Otherwise 0, stride, … up to ``end − size`` and then ``end − size`` itself (a shorter last move), so
+    every window has ``size`` steps and every step before ``end`` gets its turn.
+    """
+    if stride == 0:
+        return [0]
+    if shrink_at_end:
+        return list(range(0, end, stride))
+    max_start = end - size
     positions = list(range(0, max_start + 1, stride))
     if positions[-1] != max_start:
-        positions.append(max_start)  # the last, clipped move: every eligible step gets its turn
+        positions.append(max_start)
     return positions
 
 
@@ -200,7 +212,7 @@ def _sliding_start(epoch: int, positions: list[int], intervals: list[int], roll_
         if epoch < interval:
             return position
         epoch -= interval
-    return positions[-1]  # no roll-back: the window stays at the end
+    return positions[-1]  # no roll-back: the window stays at its last position
 
 
 def _shift_intervals(
@@ -208,24 +220,40 @@ def _shift_intervals(
     positions: list[int],
     end: int,
     shift_every: int,
-    min_shift_every: int,
-    k: float,
-    start: int,
+    max_every: int,
+    min_every: int,
+    rate: float,
+    onset: int,
 ) -> list[int]:
-    """Iterations spent at each position (MixGRPO ``GRPOTrainingStates`` semantics).
+    """Iterations the window stays at each of ``positions`` (MixGRPO's shift-interval rules).
 
-    ``progressive``: ``shift_every``. ``decay``: linear from ``shift_every`` at start 0 down to
-    ``min_shift_every`` at start ``end``: ``max(min, int(max·(1 − p/end) + min·p/end))``.
-    ``exp_decay``: ``ceil(shift_every·exp(−k·max(0, p − start)))``.
+    ``progressive``: ``shift_every``. ``decay``: linear in the start p, from ``max_every`` at p = 0
+    towards ``min_every`` at p = ``end``, truncated: ``max(min, int(max·(1 − p/end) + min·p/end))``.
+    ``exp_decay``: ``ceil(shift_every·exp(−rate·max(0, p − onset)))``. An interval is never below one
+    iteration (MixGRPO moves at the earliest after the iteration that used the window).
     """
     if strategy == "decay":
-        return [
-            max(min_shift_every, int(shift_every * (1 - p / end) + min_shift_every * p / end))
-            for p in positions
-        ]
+        return [max(min_every, int(max_every * (1 - p / end) + min_every * p / end)) for p in positions]
     if strategy == "exp_decay":
-        return [math.ceil(shift_every * math.exp(-k * max(0, p - start))) for p in positions]
+        return [max(1, math.ceil(shift_every * math.exp(-rate * max(0, p - onset)))) for p in positions]
     return [shift_every] * len(positions)
+
+
+def _sliding_window(num_steps: int, start: int, size: int, end: int) -> WindowPlan:
+    """SDE on, and training of, steps ``start … min(start + size, end) − 1``; ODE elsewhere."""
+    return _consecutive(num_steps, start, min(size, end - start))
+
+
+def _check_rate(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"window 'sliding': exp_decay_rate={value!r} must be a finite number >= 0")
+    return float(value)
+
+
+def _check_flag(kind: str, name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"window {kind!r}: {name}={value!r} must be true or false")
+    return value
 
 
 def _sliding(
@@ -236,81 +264,92 @@ def _sliding(
     shift_every: int = 25,
     strategy: str = "progressive",
     roll_back: bool = False,
-    end: int | None = None,
+    end_offset: int = 0,
+    shrink_at_end: bool = False,
     min_shift_every: int | None = None,
-    exp_decay_k: float = 0.1,
+    max_shift_every: int | None = None,
+    exp_decay_rate: float = 0.1,
     exp_decay_start: int = 13,
     epoch: int = 0,
     generator: torch.Generator | None = None,
 ) -> WindowPlan:
     """MixGRPO: ``size`` SDE (and trained) steps starting where the schedule of ``strategy`` puts them.
 
-    The window starts at step 0 and, every ``shift_every`` iterations (``epoch`` = τ, the training
-    iteration), moves ``stride`` steps towards σ = 0 until it ends at ``end`` (default T; upstream uses
-    T − 2); there it stays, or restarts at 0 with ``roll_back``. A last move shorter than ``stride``
-    lands exactly on ``end − size`` (upstream instead lets the window shrink past the end). ``random``
-    draws the start uniformly in ``[0, end − size]`` each call (needs ``generator``; ignores ``epoch``).
-    ``decay`` / ``exp_decay`` shorten the stay as the window moves towards σ = 0, following MixGRPO's
-    code (its ``max_iters_per_group`` = ``shift_every``, ``min_iters_per_group`` = ``min_shift_every``,
-    default ``max(1, shift_every // 4)``; ``exp_decay_thre_timestep`` = ``exp_decay_start``), see
-    :func:`_shift_intervals`.
+    The window lies before ``end = T − end_offset`` (MixGRPO: T − 2). It starts at step 0 and moves
+    ``stride`` steps towards σ = 0 (``stride`` 0: it stays) whenever it has stayed its interval
+    (``epoch`` = τ, the training iteration): ``shift_every`` for ``progressive``, a linear decay from
+    ``max_shift_every`` (default ``shift_every``) to ``min_shift_every`` (default
+    ``max(1, shift_every // 4)``) for ``decay``, ``ceil(shift_every·exp(−exp_decay_rate·max(0, p −
+    exp_decay_start)))`` at start p for ``exp_decay`` (see :func:`_shift_intervals`). After its last
+    position it stays, or restarts at 0 with ``roll_back``. With ``shrink_at_end`` (MixGRPO) the window
+    keeps moving past ``end − size`` and loses the steps at and after ``end`` (down to one step;
+    MixGRPO would next visit an empty window at start ``end``, which its trainer cannot run, so that
+    position is left out); without, its last move lands exactly on ``end − size``. ``random`` uses
+    the window at 0 in iteration 0 and then draws its start uniformly in ``[0, end − size]`` each
+    iteration (as MixGRPO, which draws after each iteration; needs ``generator``). MixGRPO's names:
+    ``iters_per_group`` = ``shift_every``, ``group_size`` = ``size``, ``prog_overlap_step`` = ``stride``
+    (``stride = size`` without ``prog_overlap``), ``max/min_iters_per_group`` = ``max/min_shift_every``,
+    ``exp_decay_k`` = ``exp_decay_rate``, ``exp_decay_thre_timestep`` = ``exp_decay_start``.
     """
-    end = _check_int("sliding", "end", num_steps if end is None else end, 1, num_steps, "window end bound")
-    size = _check_int("sliding", "size", size, 1, end, "window length, at most end (default T)")
-    stride = _check_int("sliding", "stride", stride, 1, None, "steps moved per shift")
+    end_offset = _check_int("sliding", "end_offset", end_offset, 0, num_steps - 1, "steps kept out at the end")
+    end = num_steps - end_offset
+    size = _check_int("sliding", "size", size, 1, end, "window length, at most T − end_offset")
+    stride = _check_int("sliding", "stride", stride, 0, None, "steps moved per shift; 0 = never moves")
     shift_every = _check_int("sliding", "shift_every", shift_every, 1, None, "iterations per position")
+    max_every = shift_every if max_shift_every is None else max_shift_every
+    max_every = _check_int("sliding", "max_shift_every", max_every, 1, None, "decay ceiling")
     min_every = max(1, shift_every // 4) if min_shift_every is None else min_shift_every
-    min_every = _check_int("sliding", "min_shift_every", min_every, 1, shift_every, "decay floor")
+    min_every = _check_int("sliding", "min_shift_every", min_every, 1, max_every, "decay floor")
     epoch = _check_int("sliding", "epoch", epoch, 0, None, "training iteration τ")
-    exp_decay_start = _check_int("sliding", "exp_decay_start", exp_decay_start, 0, None, "decay onset")
+    onset = _check_int("sliding", "exp_decay_start", exp_decay_start, 0, None, "decay onset")
+    rate = _check_rate(exp_decay_rate)
     if strategy not in SLIDING_STRATEGIES:
         raise ValueError(
             f"window 'sliding': strategy={strategy!r}; choose one of {', '.join(SLIDING_STRATEGIES)}"
         )
-    if not isinstance(roll_back, bool):
-        raise ValueError(f"window 'sliding': roll_back={roll_back!r} must be true or false")
-    if not (isinstance(exp_decay_k, (int, float)) and math.isfinite(exp_decay_k) and exp_decay_k >= 0):
-        raise ValueError(f"window 'sliding': exp_decay_k={exp_decay_k!r} must be a finite number >= 0")
-    max_start = end - size
+    roll_back = _check_flag("sliding", "roll_back", roll_back)
+    shrink_at_end = _check_flag("sliding", "shrink_at_end", shrink_at_end)
     if strategy == "random":
-        return _consecutive(
-            num_steps, _uniform_int(0, max_start, _need_generator("sliding", generator)), size
-        )
-    positions = _sliding_positions(max_start, stride)
-    intervals = _shift_intervals(
-        strategy, positions, end, shift_every, min_every, exp_decay_k, exp_decay_start
-    )
-    return _consecutive(num_steps, _sliding_start(epoch, positions, intervals, roll_back), size)
+        gen = _need_generator("sliding", generator)
+        start = 0 if epoch == 0 else _uniform_int(0, end - size, gen)
+        return _sliding_window(num_steps, start, size, end)
+    positions = _sliding_positions(end, size, stride, shrink_at_end)
+    intervals = _shift_intervals(strategy, positions, end, shift_every, max_every, min_every, rate, onset)
+    return _sliding_window(num_steps, _sliding_start(epoch, positions, intervals, roll_back), size, end)
 
 
 def _random_subset(
     num_steps: int,
     *,
     timestep_fraction: float = 0.6,
+    skip_last_step: bool = True,
     batch_size: int | None = None,
     generator: torch.Generator | None = None,
 ) -> WindowPlan:
-    """DanceGRPO: every step SDE and stored; each sample trains ``int(T·fraction)`` steps of its own.
+    """DanceGRPO: every step SDE; each sample trains a random share of the candidate steps.
 
-    ``train_mask`` (B, T) has exactly ``int(T·fraction)`` True entries per row, a uniformly random subset
-    (the first entries of a random permutation, as DanceGRPO draws them). Draws B·T floats from
-    ``generator``.
+    The candidates are the first T − 1 steps with ``skip_last_step`` (DanceGRPO: the step onto σ′ = 0 is
+    neither stored nor trained) or all T steps. Each sample trains the first ``int(n·fraction)`` entries
+    of its own random permutation of the n candidates, drawn as DanceGRPO does: one
+    ``torch.randperm(n)`` per sample, in sample order, from ``generator``. ``train_mask`` is (B, n).
     """
     fraction = _check_fraction("random_subset", timestep_fraction)
+    skip_last_step = _check_flag("random_subset", "skip_last_step", skip_last_step)
     batch_size = _check_int("random_subset", "batch_size", batch_size, 1, None, "samples in the rollout")
-    trained = int(num_steps * fraction)
+    candidates = num_steps - 1 if skip_last_step else num_steps
+    trained = int(candidates * fraction)
     if trained < 1:
         raise ValueError(
-            f"window 'random_subset': int({num_steps} steps × timestep_fraction {fraction}) = 0 trained "
-            "steps; raise timestep_fraction or num_steps"
+            f"window 'random_subset': int({candidates} candidate steps × timestep_fraction {fraction}) = 0 "
+            "trained steps; raise timestep_fraction or num_steps"
+            + (" (skip_last_step leaves the last step out)" if skip_last_step else "")
         )
     gen = _need_generator("random_subset", generator)
-    keys = torch.rand(batch_size, num_steps, generator=gen, device=gen.device)  # (B, T)
-    chosen = keys.argsort(dim=1)[:, :trained]  # (B, k): a random permutation's head per sample
-    mask = torch.zeros(batch_size, num_steps, dtype=torch.bool, device=gen.device)
-    mask.scatter_(1, chosen, True)  # (B, T)
-    steps = tuple(range(num_steps))
-    return WindowPlan(num_steps, steps, steps, train_mask=mask)
+    perms = [torch.randperm(candidates, generator=gen, device=gen.device) for _ in range(batch_size)]
+    chosen = torch.stack(perms)[:, :trained]  # (B, k): the head of each sample's permutation
+    mask = torch.zeros(batch_size, candidates, dtype=torch.bool, device=gen.device)
+    mask.scatter_(1, chosen, True)  # (B, n)
+    return WindowPlan(num_steps, tuple(range(num_steps)), tuple(range(candidates)), train_mask=mask)
 
 
 def _single(
@@ -371,8 +410,10 @@ def plan_window(
             ``strategy="random"``, ``random_subset``, ``single``); ignored by deterministic policies.
         batch_size: B, the number of samples in the rollout (``random_subset``'s mask); ignored otherwise.
         **options: The policy's own options, e.g. ``timestep_fraction`` (``all``, ``random_subset``),
-            ``size`` and ``range`` (``random_window``), ``size``, ``stride``, ``shift_every``,
-            ``strategy``, ``roll_back``, ``end`` (``sliding``), ``max_index`` (``single``).
+            ``skip_last_step`` (``random_subset``), ``size`` and ``range`` (``random_window``), ``size``,
+            ``stride``, ``shift_every``, ``strategy``, ``roll_back``, ``end_offset``, ``shrink_at_end``,
+            ``min_shift_every``, ``max_shift_every``, ``exp_decay_rate``, ``exp_decay_start``
+            (``sliding``), ``max_index`` (``single``).
 
     Returns:
         The :class:`WindowPlan`.

@@ -1,4 +1,4 @@
-"""Wire formats of the two foreign protocols the remote rewards speak (REFERENCE §3.1).
+"""Wire formats of the two foreign protocols the remote rewards speak (docs/rewards.md, "Served rewards").
 
 * **Flow-GRPO reward server** (``POST /``): the body is a pickle of ``{"images": [JPEG bytes],
   "meta_datas": [dict], "only_strict": bool}``; the reply a pickle of ``{"scores", "rewards",

@@ -4,8 +4,10 @@ Scale-out design (the simplest that stays robust): ``server.workers = N`` starts
 processes; worker ``i`` listens on ``port + i`` and sees only device ``devices[i % len(devices)]``
 (through ``CUDA_VISIBLE_DEVICES``, so a reward inside it just uses ``cuda``/``cuda:0``). The processes
 share nothing; the client (:mod:`rlgen_cli.rewards.remote`) balances requests across the ports and fails
-over when one dies. The parent forwards SIGINT/SIGTERM to the workers and, if one exits with an error,
-stops the others, so the whole group lives and dies together.
+over when one dies. The parent forwards SIGINT/SIGTERM to the workers and watches them: a worker that dies
+on its own (an error, a crash, the OOM killer's SIGKILL) is reported with its index, pid, port and exit
+status, the others are stopped, and the parent exits non-zero, so the whole group lives and dies together
+and a supervisor (systemd, Kubernetes, a shell loop) sees the failure and can restart it.
 
 Each process shuts down gracefully: it stops accepting connections, finishes in-flight requests (up to
 ``shutdown_timeout_s``) and drains its batch queues before exiting.
@@ -25,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
-from typing import Any
+from typing import Any, NamedTuple
 
 from aiohttp import web
 
@@ -130,32 +132,41 @@ def serve_workers(specs: Mapping[str, Mapping[str, Any]], settings: ServerSettin
         settings: Server settings.
 
     Returns:
-        0 after a clean shutdown, else the first failing worker's exit code.
+        0 after a clean shutdown, else the first failing worker's exit code (``128 + N`` for a worker
+        killed by signal N, as a shell reports it).
     """
     plan = worker_plan(settings)
     if len(plan) == 1:
         os.environ.update(worker_env(plan[0][1]))
         serve(build_rewards(specs), settings)
         return 0
-    procs: list[subprocess.Popen] = []
+    workers: list[Worker] = []
     stopping = threading.Event()
 
     def stop_all(_signum: int = signal.SIGTERM, _frame: Any = None) -> None:
         stopping.set()
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+        for worker in workers:
+            if worker.proc.poll() is None:
+                worker.proc.send_signal(signal.SIGTERM)
 
     previous = {sig: signal.signal(sig, stop_all) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         with tempfile.TemporaryDirectory(prefix="rlgen-serve-") as tmp:
             for i, (port, device) in enumerate(plan):
                 if not stopping.is_set():
-                    procs.append(_spawn(tmp, i, port, device, specs, settings))
-            return _supervise(procs, stopping, stop_all)
+                    workers.append(Worker(i, port, _spawn(tmp, i, port, device, specs, settings)))
+            return _supervise(workers, stopping, stop_all)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+class Worker(NamedTuple):
+    """One server process of a multi-worker group."""
+
+    index: int
+    port: int
+    proc: subprocess.Popen
 
 
 def _spawn(
@@ -180,17 +191,32 @@ def _spawn(
     return proc
 
 
-def _supervise(procs: list[subprocess.Popen], stopping: threading.Event, stop_all: Callable[[], None]) -> int:
-    """Wait until every worker exited; the first failing worker stops the rest and sets the exit code."""
+def exit_status(returncode: int) -> tuple[str, int]:
+    """How a worker ended, in words, and the exit code the group reports for it (128 + N for signal N)."""
+    if returncode >= 0:
+        return f"exited with code {returncode}", returncode
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    return f"was killed by {name}", 128 - returncode
+
+
+def _supervise(workers: list[Worker], stopping: threading.Event, stop_all: Callable[[], None]) -> int:
+    """Wait until every worker exited. The first worker to exit on its own (not asked to stop) is
+    reported, stops the rest and, unless it exited cleanly, sets the exit code."""
     code = 0
-    while any(proc.poll() is None for proc in procs) or not stopping.is_set():
-        for proc in procs:
-            rc = proc.poll()
+    while any(w.proc.poll() is None for w in workers) or not stopping.is_set():
+        for worker in workers:
+            rc = worker.proc.poll()
             if rc is None or stopping.is_set():
                 continue
-            if rc != 0:
-                code = rc if rc > 0 else 1
-                logger.error("worker pid %d exited with %d; stopping the others", proc.pid, rc)
+            how, code = exit_status(rc)
+            report = logger.warning if code == 0 else logger.error
+            report(
+                "worker %d (pid %d, port %d) %s; stopping the other workers",
+                worker.index, worker.proc.pid, worker.port, how,
+            )  # fmt: skip
             stop_all()
         time.sleep(0.2)
     return code

@@ -1,6 +1,6 @@
 """ShapesEval prompts: GenEval-format metadata over shapes × palette colours, and the fixed splits.
 
-Every prompt is a GenEval dict ``{"tag", "include", "exclude"?, "prompt"}`` (REFERENCE §4) with the
+Every prompt is a GenEval dict ``{"tag", "include", "exclude"?, "prompt"}`` (docs/maths.md §12) with the
 original benchmark's phrasing:
 
 ==============  ==========================================  ============================================

@@ -117,6 +117,7 @@ def score_detections(
     detections: Sequence[Detection],
     metadata: Mapping[str, Any],
     thresholds: GenEvalThresholds = GenEvalThresholds(),
+    position_credit: str = "strict",
 ) -> ShapesResult:
     """Score one image's detections against its GenEval metadata.
 
@@ -124,6 +125,8 @@ def score_detections(
         detections: :class:`~rlgen_cli.shapes.detect.ShapeDetection` objects of one image.
         metadata: GenEval dict over ShapesEval shapes and colours.
         thresholds: GenEval settings (position margin 0.1; detections have confidence 1).
+        position_credit: Partial-credit terms of a failed position (:func:`score_geneval`); ShapesEval
+            pays it a single 0 (``strict``).
 
     Returns:
         GenEval metrics plus strict accuracy and extra objects.
@@ -132,7 +135,7 @@ def score_detections(
         ValueError: If the metadata is not ShapesEval metadata.
     """
     check_metadata(metadata)
-    base = score_geneval(detections, metadata, _detected_colors, thresholds)
+    base = score_geneval(detections, metadata, _detected_colors, thresholds, position_credit=position_credit)
     n_extra = count_extra(detections, metadata)
     reasons = list(base.reasons) + ([f"{n_extra} unrequested object(s)"] if n_extra else [])
     return ShapesResult(
@@ -152,6 +155,7 @@ def score_images(
     metadata: Sequence[Mapping[str, Any]],
     detector: ShapeDetector | None = None,
     thresholds: GenEvalThresholds = GenEvalThresholds(),
+    position_credit: str = "strict",
 ) -> list[ShapesResult]:
     """Detect and score a batch of images.
 
@@ -160,6 +164,7 @@ def score_images(
         metadata: B GenEval dicts.
         detector: Default :class:`ShapeDetector` ``()``.
         thresholds: GenEval settings.
+        position_credit: See :func:`score_detections`.
 
     Returns:
         One result per image.
@@ -172,7 +177,7 @@ def score_images(
             f"got {images.shape[0]} images but {len(metadata)} metadata dicts; pass one per image."
         )
     found = (detector or ShapeDetector()).detect(images)
-    return [score_detections(dets, meta, thresholds) for dets, meta in zip(found, metadata)]
+    return [score_detections(dets, meta, thresholds, position_credit) for dets, meta in zip(found, metadata)]
 
 
 def summarise_results(results: Sequence[ShapesResult]) -> dict[str, dict[str, float]]:

@@ -1,22 +1,59 @@
-"""``rlgen check-onpolicy``: prove that the training path reproduces the rollout's log-probabilities.
+"""``rlgen check-onpolicy``: prove that the training path reproduces the log-probabilities the rollout
+recorded while sampling.
 
-Rolls out one epoch, then recomputes every trained step's log-prob with the exact training code
-(one batch per epoch, no update, no accumulation) and reports max |ratio − 1| and |Δ log p| per step and
-σ. Exits 1 when any exceeds ``check.tolerance``: the sampler and the trainer disagree, and PPO's clip
-would be silently eating that error.
+Rolls out one epoch, then recomputes what was recorded with the exact training code (no update, no
+accumulation) and exits 1 when the two disagree beyond the tolerance: the sampler and the trainer
+disagree, and PPO's clip would be silently eating that error. Every track compares two computations:
+
+* **flow models** — each trained step's log-prob stored by the rollout vs its recompute on the training
+  path, per step and σ (``check.tolerance``);
+* **VLMs** — the sampler's per-token log-probs (``generate``'s raw logits / vLLM's log-probs) vs the
+  training forward (``check.text_tolerance``; ``vlm/onpolicy.py``);
+* **unified policies (R3)** — both tracks in both stages (``r3/onpolicy.py``).
+
+``check.perturb_weights`` adds noise to the trainable weights between the rollout and the recompute:
+the check must then fail, which is how the tests show that it can.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
 from omegaconf import DictConfig
 
-from rlgen_cli.tasks.common import run_dir_of, user_errors, validated
+from rlgen_cli.schema.errors import UserError
+from rlgen_cli.tasks.common import require_data, run_dir_of, user_errors, validated
 
+log = logging.getLogger(__name__)
 EXIT_MISMATCH = 1
+PERTURB_SALT = 0x5EED  # keeps the perturbation's stream apart from every other use of ``seed``
+
+Perturb = Callable[[Sequence[torch.nn.Parameter]], None]
+
+
+def perturb_weights(params: Sequence[torch.nn.Parameter], std: float, seed: int) -> None:
+    """Add N(0, std²) noise, drawn on the CPU from ``seed``, to every tensor of ``params`` in place (std 0:
+    nothing). The check that follows must fail: this is ``check.perturb_weights``.
+
+    Raises:
+        UserError: When asked to perturb a model with no trainable weights (nothing could change).
+    """
+    if std == 0:
+        return
+    if not params:
+        raise UserError("check.perturb_weights is set but the model has no trainable weights to perturb")
+    generator = torch.Generator().manual_seed(seed + PERTURB_SALT)
+    with torch.no_grad():
+        for param in params:
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            param.add_(noise.to(device=param.device, dtype=param.dtype), alpha=std)
+    log.warning("check.perturb_weights=%g: noise added to %d trainable tensors after the rollout; the check "
+                "must fail", std, len(params))  # fmt: skip
 
 
 @user_errors
@@ -24,18 +61,35 @@ def check_onpolicy_task(cfg: DictConfig) -> float:
     typed = validated(cfg)
     from rlgen_cli.schema.r3 import is_r3
     from rlgen_cli.schema.vlm import VLM_FAMILIES
+    from rlgen_cli.training.run import prepare_run_dir, setup_logging
 
+    perturb = functools.partial(perturb_weights, std=typed.check.perturb_weights, seed=typed.seed)
+    text = typed.model.family in VLM_FAMILIES or is_r3(typed.model)
+    if text and typed.check.train_noise_level is not None:
+        raise UserError(
+            "check.train_noise_level recomputes flow steps at another noise level; it has no meaning for "
+            f"model.family={typed.model.family} (use check.perturb_weights to see the check fail)"
+        )
+    run_dir = prepare_run_dir(run_dir_of(typed), cfg)
+    setup_logging(run_dir)
+    require_data(typed, run_dir, ("train",) if text else ("train", "test"))
     if typed.model.family in VLM_FAMILIES:
-        return _check_vlm(typed, cfg)
-    if is_r3(typed.model):
-        return _check_r3(typed, cfg)
+        worst, passed = _check_vlm(typed, cfg, perturb)
+    elif is_r3(typed.model):
+        worst, passed = _check_r3(typed, cfg, perturb)
+    else:
+        worst, passed = _check_flow(typed, cfg, perturb)
+    if not passed:
+        sys.exit(EXIT_MISMATCH)
+    return worst
+
+
+def _check_flow(typed, cfg: DictConfig, perturb: Perturb) -> tuple[float, bool]:
+    """Every trained step's stored log-prob vs its training-path recompute."""
     from rlgen_cli.recipes.flow_rl import FlowRLRecipe
     from rlgen_cli.recipes.sampling import batches
     from rlgen_cli.training.progress import Progress
-    from rlgen_cli.training.run import prepare_run_dir, setup_logging
 
-    run_dir = prepare_run_dir(run_dir_of(typed), cfg)
-    setup_logging(run_dir)
     recipe = FlowRLRecipe(typed, cfg)
     recipe.setup()
     check = typed.check
@@ -45,6 +99,7 @@ def check_onpolicy_task(cfg: DictConfig) -> float:
     batch_size = check.train_batch_size or typed.algo.train_batch_size
     with Progress(typed.progress) as progress:
         rollouts = recipe.sample_epoch(0, progress)
+    perturb(recipe.policy.trainable_parameters())
     n, steps = len(rollouts.indices), rollouts.traj.num_steps
     ratio_err = torch.zeros(steps)
     logp_err = torch.zeros(steps)
@@ -60,40 +115,44 @@ def check_onpolicy_task(cfg: DictConfig) -> float:
     recipe.cleanup()
     worst = float(ratio_err.max().maximum(logp_err.max()))
     _report(rollouts.traj, ratio_err, logp_err, check.tolerance, worst)
-    if worst > check.tolerance:
-        sys.exit(EXIT_MISMATCH)
-    return worst
+    return worst, worst <= check.tolerance
 
 
-def _check_vlm(typed, cfg: DictConfig) -> float:
-    """Token-level check of the VLM recipe: the first inner epoch's ratio must be exactly 1."""
-    from rlgen_cli.recipes.vlm_rl import check_onpolicy
-    from rlgen_cli.training.run import prepare_run_dir, setup_logging
+def _check_vlm(typed, cfg: DictConfig, perturb: Perturb) -> tuple[float, bool]:
+    """Per-token log-probs of the rollout engine vs the training forward on the same completions."""
+    from rlgen_cli.recipes.vlm_rl import VLMRLRecipe
+    from rlgen_cli.vlm.onpolicy import check_rollout, print_report
 
-    setup_logging(prepare_run_dir(run_dir_of(typed), cfg))
-    worst = check_onpolicy(typed, cfg)
-    if worst > typed.check.tolerance:
-        sys.exit(EXIT_MISMATCH)
-    return worst
+    if typed.algo.recipe != "vlm_rl":
+        raise UserError(
+            f"check-onpolicy checks the RL recipes' rollouts; algo.recipe={typed.algo.recipe} has none "
+            "(use algo=token_grpo or algo=step_grpo)"
+        )
+    recipe = VLMRLRecipe(typed, cfg)
+    recipe.setup()
+    try:
+        batch_size = typed.check.train_batch_size or typed.algo.train_batch_size
+        rows = check_rollout(recipe, batch_size, perturb)
+    finally:
+        recipe.cleanup()
+    worst = print_report(rows, typed.check.text_tolerance, recipe.engine.name)
+    return worst, worst <= typed.check.text_tolerance
 
 
-def _check_r3(typed, cfg: DictConfig) -> float:
+def _check_r3(typed, cfg: DictConfig, perturb: Perturb) -> tuple[float, bool]:
     """Both tracks of a unified policy, in the reason (step 0) and the refine (step 1) stage."""
     from rlgen_cli.r3.onpolicy import check_stage, print_report
     from rlgen_cli.recipes.r3 import R3Recipe
-    from rlgen_cli.training.run import prepare_run_dir, setup_logging
 
-    setup_logging(prepare_run_dir(run_dir_of(typed), cfg))
     recipe = R3Recipe(typed, cfg)
     recipe.setup()
+    tolerances = typed.check.tolerance, typed.check.text_tolerance
     try:
-        rows = check_stage(recipe, 0) + check_stage(recipe, 1)
+        rows = check_stage(recipe, 0, perturb, *tolerances) + check_stage(recipe, 1, perturb, *tolerances)
     finally:
         recipe.cleanup()
-    worst = print_report(rows, typed.check.tolerance)
-    if worst > typed.check.tolerance:
-        sys.exit(EXIT_MISMATCH)
-    return worst
+    passed = print_report(rows)
+    return max(row.error for row in rows), passed
 
 
 def _report(traj, ratio_err: torch.Tensor, logp_err: torch.Tensor, tolerance: float, worst: float) -> None:

@@ -49,3 +49,26 @@ def user_errors(task: Callable[[DictConfig], T]) -> Callable[[DictConfig], T]:
 
 def run_dir_of(cfg: Any) -> Path:
     return Path(cfg.run_dir)
+
+
+def require_data(cfg: Any, run_dir: Path, splits: tuple[str, ...] = ("train", "test")) -> None:
+    """Every prompt file the run reads exists (builtin sets generated into ``run_dir``) and, for an editing
+    model, names an existing source image per row: checked before any model is loaded, so a missing file
+    costs seconds, not a model load."""
+    from rlgen_cli.data.images import EDITING_FAMILIES, require_source_images
+    from rlgen_cli.data.paths import BUILTIN_PREFIX, load_prompts, resolve_data_path
+    from rlgen_cli.schema.r3 import is_r3
+    from rlgen_cli.schema.vlm import VLM_FAMILIES
+
+    if is_r3(cfg.model):  # R3 reads r3.train_data_path / val_data_path (or its offline stand-in)
+        return
+    for split in splits:
+        spec, key = getattr(cfg.data, split), f"data.{split}"
+        if cfg.model.family in VLM_FAMILIES:
+            if not spec.startswith(BUILTIN_PREFIX):  # shipped VLM sets are resolved by the VLM loader
+                resolve_data_path(spec, key, run_dir)
+        elif cfg.model.family in EDITING_FAMILIES:
+            dataset = load_prompts(spec, run_dir, key)
+            require_source_images(list(dataset), dataset.source, key)
+        else:
+            resolve_data_path(spec, key, run_dir)

@@ -7,7 +7,7 @@ import json
 import torch
 from omegaconf import DictConfig
 
-from rlgen_cli.tasks.common import run_dir_of, user_errors, validated
+from rlgen_cli.tasks.common import require_data, run_dir_of, user_errors, validated
 
 RESULTS = "results.json"
 SAMPLES = "samples.jsonl"
@@ -26,10 +26,12 @@ def eval_task(cfg: DictConfig) -> float:
         from rlgen_cli.recipes.vlm_rl import evaluate
         from rlgen_cli.training.run import prepare_run_dir, setup_logging
 
-        setup_logging(prepare_run_dir(run_dir_of(typed), cfg))
+        run_dir = prepare_run_dir(run_dir_of(typed), cfg)
+        setup_logging(run_dir)
+        require_data(typed, run_dir, ("test",))
         return evaluate(typed, cfg)
     from rlgen_cli.data.paths import load_prompts
-    from rlgen_cli.recipes.sampling import sample_images
+    from rlgen_cli.recipes.sampling import sample_images, source_images_for
     from rlgen_cli.rewards import RewardBatch, build_mix
     from rlgen_cli.tasks.loading import load_policy
     from rlgen_cli.training.images import save_grid
@@ -39,18 +41,21 @@ def eval_task(cfg: DictConfig) -> float:
 
     run_dir = prepare_run_dir(run_dir_of(typed), cfg)
     setup_logging(run_dir)
-    dataset = load_prompts(typed.data.test)
+    require_data(typed, run_dir, ("test",))  # before the reward and the policy load
+    dataset = load_prompts(typed.data.test, run_dir, "data.test")
     examples = list(dataset)[: typed.max_prompts or len(dataset)]
     examples = [ex for ex in examples for _ in range(typed.images_per_prompt)]
     reward = build_mix(dict(typed.reward.weights), **{k: dict(v) for k, v in typed.reward.kwargs.items()})
     policy = load_policy(typed.model, typed.checkpoint, typed.device)
     num_steps = typed.num_steps or policy.cfg.eval_num_steps
     prompts = [ex.prompt for ex in examples]
+    sources = source_images_for(policy, examples, dataset)  # editing models: each row's source image
     with Progress(typed.progress) as progress:
-        images = sample_images(policy, prompts, num_steps, typed.batch_size, typed.seed, progress)
-    result = reward.score(
-        RewardBatch(prompts=prompts, images=images, metadata=[dict(ex.metadata) for ex in examples])
-    )
+        images = sample_images(
+            policy, prompts, num_steps, typed.batch_size, typed.seed, progress, sources=sources
+        )
+    metadata = [dict(ex.metadata) for ex in examples]
+    result = reward.score(RewardBatch(prompts=prompts, images=images, metadata=metadata, ref_images=sources))
     summary = _summary(result.scores, {name: result.details[name] for name in reward.rewards})
     summary["details"] = detail_summaries(result.details, by_tag=True)
     summary |= {"checkpoint": typed.checkpoint, "num_samples": len(examples), "num_steps": num_steps}

@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from rlgen_cli.tasks.common import run_dir_of, user_errors, validated
+from rlgen_cli.tasks.common import require_data, run_dir_of, user_errors, validated
 
 
 @user_errors
@@ -23,6 +23,7 @@ def train_task(cfg: DictConfig) -> Any:
     from rlgen_cli.training.run import RESOLVED_FILE, prepare_run_dir, setup_logging
 
     run_dir = prepare_run_dir(run_dir_of(typed), cfg)
+    require_data(typed, run_dir, _splits_read(typed))
     if typed.launcher.name != "local":
         from rlgen_cli.launch.commands import run_launch
 
@@ -36,3 +37,12 @@ def train_task(cfg: DictConfig) -> Any:
     recipe = importlib.import_module(f"rlgen_cli.recipes.{train_recipe(typed)}")
     metrics = recipe.run(typed, cfg)
     return metrics.get("eval/reward/mean", metrics.get("reward/mean"))
+
+
+def _splits_read(cfg: Any) -> tuple[str, ...]:
+    """The flow recipes read both prompt files; the VLM ones read the test set only when they evaluate."""
+    from rlgen_cli.schema.vlm import VLM_FAMILIES
+
+    if cfg.model.family in VLM_FAMILIES and not cfg.eval_every:
+        return ("train",)
+    return ("train", "test")

@@ -1,7 +1,7 @@
 """Exponential moving average of the trainable weights, for evaluation and saving only.
 
 Flow-GRPO keeps an EMA of the trainable parameters (decay 0.9, updated every 8 optimizer steps,
-REFERENCE §1.5) and evaluates / saves with it while training continues on the live weights:
+docs/maths.md §4.7) and evaluates / saves with it while training continues on the live weights:
 
     every ``update_every`` optimizer steps:  shadow ← decay·shadow + (1 − decay)·param
 

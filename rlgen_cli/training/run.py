@@ -1,9 +1,24 @@
-"""The run directory: resolved config, provenance (git SHA, package versions), logging set-up."""
+"""The run directory: resolved config, provenance (git SHA, package versions, config hash), logging set-up.
+
+``provenance.json`` holds:
+
+* ``git_sha`` / ``git_dirty``: the commit of the rlgen checkout the code was imported from (``git rev-parse
+  HEAD``) and whether tracked files differ from it; both null when rlgen is not imported from a git checkout
+  (an installed wheel);
+* ``versions``: the installed versions of rlgen and the libraries that decide its numbers (torch, diffusers,
+  transformers, accelerate, peft, hydra-core), plus ``python``;
+* ``resolved_config_sha256``: the SHA-256 of ``resolved.yaml``'s bytes, so a run's config can be matched
+  (or found edited) later: ``sha256sum RUN_DIR/resolved.yaml``;
+* ``argv``: the command line.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
+import platform
 import subprocess
 import sys
 from importlib import metadata
@@ -14,20 +29,36 @@ from omegaconf import DictConfig, OmegaConf
 RESOLVED_FILE = "resolved.yaml"
 PROVENANCE_FILE = "provenance.json"
 _PACKAGES = ("rlgen", "torch", "diffusers", "transformers", "accelerate", "peft", "hydra-core")
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent  # rlgen_cli/
 
 
-def _git_sha() -> str | None:
+def _git(*args: str) -> str | None:
+    """``git ARGS`` run beside the package; its stdout, or None when git or the repository is missing."""
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent
+            ["git", *args], capture_output=True, text=True, timeout=10, cwd=_PACKAGE_DIR, check=False
         )
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _git_state() -> tuple[str | None, bool | None]:
+    """(HEAD's SHA, tracked files modified) of the checkout rlgen is imported from, else (None, None).
+
+    Only a checkout whose top level holds this very package counts: a wheel installed inside some other
+    repository (a virtual environment in a project's tree) must not report that project's commit.
+    """
+    top = _git("rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != _PACKAGE_DIR.parent:
+        return None, None
+    sha = _git("rev-parse", "HEAD")
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return sha or None, None if status is None else bool(status)
 
 
 def _versions() -> dict[str, str]:
-    found = {}
+    found = {"python": platform.python_version()}
     for name in _PACKAGES:
         try:
             found[name] = metadata.version(name)
@@ -36,12 +67,33 @@ def _versions() -> dict[str, str]:
     return found
 
 
+def config_sha256(text: str) -> str:
+    """The hash recorded for a resolved config: SHA-256 of its UTF-8 bytes as written to ``resolved.yaml``."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` through a temporary sibling and a rename: a reader (a launched worker, another node
+    preparing the same shared run directory) never sees a half-written file."""
+    tmp = path.with_name(f".{path.name}.tmp-{platform.node()}-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def prepare_run_dir(run_dir: Path, cfg: DictConfig) -> Path:
     """Create ``run_dir`` and write ``resolved.yaml`` and ``provenance.json`` into it."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, run_dir / RESOLVED_FILE, resolve=True)
-    provenance = {"argv": sys.argv, "git_sha": _git_sha(), "versions": _versions()}
-    (run_dir / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2), encoding="utf-8")
+    resolved = OmegaConf.to_yaml(cfg, resolve=True)
+    _write_atomic(run_dir / RESOLVED_FILE, resolved)
+    sha, dirty = _git_state()
+    provenance = {
+        "argv": sys.argv,
+        "git_sha": sha,
+        "git_dirty": dirty,
+        "versions": _versions(),
+        "resolved_config_sha256": config_sha256(resolved),
+    }
+    _write_atomic(run_dir / PROVENANCE_FILE, json.dumps(provenance, indent=2))
     return run_dir
 
 

@@ -15,11 +15,15 @@
   LoRA merged *out of place* (base + B·A·scale per layer, so the training model and its LoRA-disabled
   reference are never modified — ``merge_adapter`` / ``unmerge_adapter`` would round the base weights).
 
-**π_old never comes from an engine.** The recipe always recomputes the old log-probs with the training
-model at temperature 1 on the training layout (``algo.token.old_logprobs=recompute``, required with
-``vllm``), so the importance ratio of the first inner iteration is exactly 1 whatever the engine's
-numerics (bf16 kernels, paged attention, its sampler). The engine's own per-token log-probs of the
-sampled tokens (``logprobs=0``) only feed the ``sampler/logp_gap_max`` diagnostic.
+**π_old never comes from vLLM.** The recipe recomputes the old log-probs with the training model at
+temperature 1 on the training layout (``algo.token.old_logprobs=recompute``, required with ``vllm``), so
+the importance ratio of the first inner iteration is exactly 1 whatever the engine's numerics (bf16
+kernels, paged attention, its sampler). The engine's own per-token log-probs of the sampled tokens are
+what ``rlgen check-onpolicy`` holds the training forward against (``vlm/onpolicy.py``) and what the
+``sampler/logp_gap_max`` diagnostic tracks. Their vocabulary differs per engine
+(:attr:`RolloutEngine.masks_suppressed`): ``hf`` leaves the vision tokens out of the softmax as training
+does; vLLM's raw log-probs (``logprobs_mode="raw_logprobs"``: before its logit bias, temperature and
+top-k / top-p) normalise over the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -61,6 +65,9 @@ class RolloutEngine(abc.ABC):
     """Samples one completion per row of ``prompts``; told when the training weights changed."""
 
     name = "base"
+    masks_suppressed = True
+    """Whether the recorded log-probs leave the suppressed (vision) tokens out of the softmax, as the
+    training path does; False = normalised over the whole vocabulary."""
 
     @abc.abstractmethod
     def generate(
@@ -184,6 +191,7 @@ class VLLMEngine(RolloutEngine):
     """
 
     name = "vllm"
+    masks_suppressed = False  # raw log-probs: the −100 logit bias on vision tokens comes after them
 
     def __init__(self, policy: VLMPolicy, gpu_memory_utilization: float, seed: int, llm: Any = None) -> None:
         self.policy = policy
@@ -226,7 +234,7 @@ class VLLMEngine(RolloutEngine):
             max_model_len=min(cfg.vlm.max_context, policy.max_positions),
             limit_mm_per_prompt={"image": 1},
             mm_processor_kwargs={"min_pixels": cfg.vlm.min_pixels, "max_pixels": cfg.vlm.max_pixels},
-            distributed_executor_backend="external_launcher",
+            distributed_executor_backend="external_launcher", logprobs_mode="raw_logprobs",
         )  # fmt: skip
         log.info("vLLM engine on %s (%.1fs, gpu_memory_utilization %.2f)", source, time.perf_counter() - start,
                  gpu_memory_utilization)  # fmt: skip

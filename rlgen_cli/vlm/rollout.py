@@ -3,7 +3,10 @@
 * :func:`generate` — batched ``model.generate`` with the KV cache, explicit sampling options
   (temperature, top-p, top-k — generate's implicit top-k 50 and the checkpoint's near-greedy
   generation config are both overridden), stop at ``<|im_end|>`` / ``<|endoftext|>``, vision tokens
-  suppressed, and per-token log-probs of the sampled tokens from the *raw* logits (temperature 1).
+  suppressed, and per-token log-probs of the sampled tokens from the *raw* logits (``output_logits``:
+  before the temperature, top-k / top-p and suppression processors), put through the training
+  transform — temperature 1, vision tokens out of the softmax — so they are the trainer's quantity,
+  computed by the sampler (``rlgen check-onpolicy`` compares the two).
 * :func:`check_context` — prompt + image tokens + completion budget must fit the context: prompts are
   never truncated (that cuts image tokens; TRL's advice), a too-long sample fails early with a
   :class:`UserError` naming the sample and the fix.
@@ -227,7 +230,9 @@ def collate(
     return TokenBatch(inputs=inputs, completion_ids=ids, completion_mask=mask)
 
 
-def completion_logprobs(policy: VLMPolicy, batch: TokenBatch, model: Any = None) -> Tensor:
+def completion_logprobs(
+    policy: VLMPolicy, batch: TokenBatch, model: Any = None, suppressed: Sequence[int] | None = None
+) -> Tensor:
     """(B, L) log-probs of the completion tokens at temperature 1 (gradients if enabled).
 
     Args:
@@ -235,8 +240,11 @@ def completion_logprobs(policy: VLMPolicy, batch: TokenBatch, model: Any = None)
             take the same path, DDP wrapper included; its vision-token mask and autocast).
         batch: From :func:`collate`.
         model: Another model to score with (the frozen reference).
+        suppressed: Vocabulary columns left out of the softmax; None = the policy's vision tokens (what
+            training uses). ``()`` normalises over the whole vocabulary, as vLLM's raw log-probs do.
     """
     length = batch.completion_ids.shape[1]
     with policy.autocast():
         out = (model or policy.train_model)(**batch.inputs, logits_to_keep=length + 1, use_cache=False)
-    return masked_log_softmax_gather(out.logits[:, :-1], batch.completion_ids, policy.suppressed_ids)
+    columns = policy.suppressed_ids if suppressed is None else suppressed
+    return masked_log_softmax_gather(out.logits[:, :-1], batch.completion_ids, columns)

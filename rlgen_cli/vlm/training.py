@@ -1,11 +1,10 @@
 """Small pieces shared by the VLM recipes: micro-batch slices, the learning-rate schedule, the
-completion budget, statistic summaries, what runs over several processes, and the on-policy report."""
+completion budget, statistic summaries and what runs over several processes."""
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -21,7 +20,6 @@ __all__ = [
     "batches",
     "completion_budget",
     "make_scheduler",
-    "print_onpolicy_report",
     "require_whole_weights",
 ]
 
@@ -76,21 +74,3 @@ def require_whole_weights(dist: Any, engine: str = "hf") -> None:
             "algo.token.engine=vllm runs in one process for now; over several processes use "
             "algo.token.engine=hf, or run vLLM with launcher=local"
         )
-
-
-def print_onpolicy_report(
-    rows: Sequence[tuple[int, int, float, float]], tolerance: float, worst: float
-) -> None:
-    """Rich table of (sample, tokens, max |ratio − 1| vs π_old, max |Δ log p| vs the sampler) + verdict."""
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="on-policy check (VLM): training path vs π_old on the rollout")
-    for column in ("sample", "tokens", "max |ratio − 1|", "max |Δ log p| vs sampler"):
-        table.add_column(column, justify="right")
-    for sample, n, ratio_err, gap in rows:
-        table.add_row(str(sample), str(n), f"{ratio_err:.3e}", f"{gap:.3e}")
-    console = Console()
-    console.print(table)
-    verdict = "[green]PASS[/]" if worst <= tolerance else "[bold red]FAIL[/]"
-    console.print(f"{verdict} max |ratio − 1| {worst:.3e} (tolerance {tolerance:.1e})")

@@ -202,16 +202,56 @@ def test_position_right_of():
     assert (r.score, r.accuracy, r.strict) == (1.0, True, True)
 
 
-def test_position_wrong_side():
-    r = score_geneval([det("cat", RIGHT), det("dog", LEFT)], POSITION, no_colors)
-    # terms [1, 1, 0] → 2/3 (the upstream server would also append 1 → 3/4).
+def test_position_wrong_side_upstream_appends_zero_then_one():
+    r = score_geneval([det("cat", RIGHT), det("dog", LEFT)], POSITION, no_colors)  # default: upstream
+    # the server's terms [1 (cat), 1 (dog), 0 (relation fails), 1 (appended after its loop)] → 3/4.
+    assert r.score == pytest.approx(3 / 4) and not r.accuracy and not r.strict
+
+
+def test_position_wrong_side_strict_appends_one_zero():
+    r = score_geneval([det("cat", RIGHT), det("dog", LEFT)], POSITION, no_colors, position_credit="strict")
+    # terms [1, 1, 0] → 2/3.
     assert r.score == pytest.approx(2 / 3) and not r.accuracy and not r.strict
 
 
-def test_position_target_missing():
-    r = score_geneval([det("dog", RIGHT)], POSITION, no_colors)
-    # terms [0 (no cat), 1 (dog), 0 (no target group)] → 1/3.
+def test_position_wrong_side_for_one_of_two_objects():
+    meta = {
+        "tag": "position",
+        "include": [{"class": "cat", "count": 1}, {"class": "dog", "count": 2, "position": ["right of", 0]}],
+    }
+    dets = [det("cat", (40, 40, 60, 60)), det("dog", RIGHT), det("dog", LEFT, 0.9)]  # one dog left of the cat
+    # upstream [1, 1, 0, 1] → 3/4 (one 0 however many pairs fail); strict [1, 1, 0] → 2/3.
+    assert score_geneval(dets, meta, no_colors).score == pytest.approx(3 / 4)
+    assert score_geneval(dets, meta, no_colors, position_credit="strict").score == pytest.approx(2 / 3)
+
+
+@pytest.mark.parametrize("position_credit", ["upstream", "strict"])
+def test_position_target_missing(position_credit):
+    r = score_geneval([det("dog", RIGHT)], POSITION, no_colors, position_credit=position_credit)
+    # terms [0 (no cat), 1 (dog), 0 (no target group)] → 1/3 under both.
     assert r.score == pytest.approx(1 / 3) and not r.accuracy
+
+
+def test_position_after_a_failed_colour():
+    meta = {
+        "tag": "position",
+        "include": [
+            {"class": "cat", "count": 1},
+            {"class": "dog", "count": 1, "color": "red", "position": ["right of", 0]},
+        ],
+    }
+    dets, colours = [det("cat", LEFT), det("dog", RIGHT)], paint({RIGHT: "blue"})
+    # upstream checks no position once the colour failed: [1, 1, 0 (colour)] → 2/3;
+    # strict pays the unchecked position a 0: [1, 1, 0, 0] → 1/2.
+    assert score_geneval(dets, meta, colours).score == pytest.approx(2 / 3)
+    assert score_geneval(dets, meta, colours, position_credit="strict").score == pytest.approx(1 / 2)
+
+
+def test_unknown_position_credit_is_rejected():
+    with pytest.raises(ValueError, match="position_credit.*upstream, strict"):
+        score_geneval([det("cat", LEFT)], POSITION, no_colors, position_credit="lenient")
+    with pytest.raises(ValueError, match="position_credit"):
+        build_reward("geneval", detector_path="d", clip_path="c", position_credit="half")
 
 
 def test_relative_position_basic_relations():
@@ -398,4 +438,5 @@ def test_hydra_config_kwargs_reach_the_factory():
     with pytest.raises(ValueError, match=r"reward\.kwargs\.geneval\.detector_path="):
         build_reward("geneval", **cfg["kwargs"]["geneval"])
     kwargs = {**cfg["kwargs"]["geneval"], "detector_path": "d", "clip_path": "c"}
-    assert isinstance(build_reward("geneval", **kwargs), GenEvalReward)  # nothing loads until first use
+    reward = build_reward("geneval", **kwargs)  # nothing loads until first use
+    assert isinstance(reward, GenEvalReward) and reward.position_credit == "upstream"

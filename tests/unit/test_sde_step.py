@@ -80,7 +80,7 @@ def test_dance_hand_values() -> None:
 
 
 def test_dance_with_flow_grpo_eta_equals_flow_sde() -> None:
-    # REFERENCE §1.2: η(σ) = σ_t = a·sqrt(σ/(1−σ)) makes the score form the Flow-GRPO step
+    # docs/maths.md §2.4: η(σ) = σ_t = a·sqrt(σ/(1−σ)) makes the score form the Flow-GRPO step
     x, v, noise = _rand(3, 4, 5, seed=1), _rand(3, 4, 5, seed=2), _rand(3, 4, 5, seed=3)
     sigma, sigma_next, a = 0.6, 0.45, 0.7
     sigma_t = a * math.sqrt(sigma / (1 - sigma))
@@ -277,19 +277,22 @@ def test_errors() -> None:
 
 def test_step_kl_hand_values() -> None:
     # μ − μ_ref = 0.5 everywhere, s = 0.35, dt = −0.25
-    # true:     0.25 / (2·0.1225) = 1.0204082
-    # upstream: σ_t = 0.35/sqrt(0.25) = 0.7 -> 0.25 / (2·0.49) = 0.2551020 (= true·|dt|)
+    # gaussian: 0.25 / (2·0.1225) = 1.0204082
+    # upstream: σ_t = 0.35/sqrt(0.25) = 0.7 -> 0.25 / (2·0.49) = 0.2551020 (= gaussian·|dt|)
+    # upstream with cps: σ_t is the full std 0.35 -> the gaussian value
     mean, ref = _full(0.5), torch.zeros(2, 3)
     std = torch.full((2,), 0.35)
     torch.testing.assert_close(step_kl(mean, ref, std, -0.25), torch.full((2,), 1.0204082))
     torch.testing.assert_close(step_kl(mean, ref, std, -0.25, form="upstream"), torch.full((2,), 0.2551020))
+    cps = step_kl(mean, ref, std, -0.25, form="upstream", kind="cps")
+    torch.testing.assert_close(cps, torch.full((2,), 1.0204082))
     torch.testing.assert_close(step_kl(mean, ref, std, -0.25, reduce="sum"), torch.full((2,), 3.0612245))
 
 
 def test_step_kl_zero_std_and_errors() -> None:
     kl = step_kl(_full(0.5), torch.zeros(2, 3), torch.tensor([0.0, 0.35]), torch.tensor([0.0, -0.25]))
     torch.testing.assert_close(kl, torch.tensor([0.0, 1.0204082]))
-    with pytest.raises(ValueError, match="'true', 'upstream'"):
+    with pytest.raises(ValueError, match="'upstream', 'gaussian'"):
         step_kl(_full(0.5), torch.zeros(2, 3), 0.35, -0.25, form="exact")
     with pytest.raises(ValueError, match="ref_mean has"):
         step_kl(_full(0.5), torch.zeros(2, 4), 0.35, -0.25)

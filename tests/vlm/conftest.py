@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-# A tiny StepGRPO run: 2 prompts × 2 completions of ≤ 12 tokens, one micro-batch, no periodic eval.
+# A tiny StepGRPO run: 2 prompts × 2 completions of ≤ 12 tokens, one micro-batch per optimizer step, no
+# periodic eval (step_grpo's own geometry is R1-VL's 64 completions per step).
 TINY_VLM = [
     "model=tiny_qwen2_vl", "data=tiny_vlm", "progress=false", "eval_every=0", "algo.prompts_per_epoch=2",
     "algo.group_size=2", "algo.sample_batch_size=4", "algo.train_batch_size=4",
-    "algo.token.max_completion_tokens=12",
+    "algo.gradient_accumulation_steps=1", "algo.token.max_completion_tokens=12",
 ]  # fmt: skip
 
 

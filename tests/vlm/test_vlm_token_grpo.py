@@ -7,7 +7,16 @@ import math
 import pytest
 import torch
 
-from rlgen_cli.algos.token_grpo import aggregate, k3_kl, log_importance_weights, token_grpo_loss
+from rlgen_cli.algos.advantages import combine_rewards
+from rlgen_cli.algos.token_grpo import (
+    advantage_options,
+    aggregate,
+    k3_kl,
+    log_importance_weights,
+    token_grpo_loss,
+)
+from rlgen_cli.schema.errors import UserError
+from tests.vlm.conftest import compose_config
 
 # Two sequences, T = 3: the first has 3 completion tokens, the second 1.
 MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
@@ -101,3 +110,57 @@ def test_bad_inputs():
         token_grpo_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(3), torch.ones(2, 3))
     with pytest.raises(ValueError, match="loss_type"):
         aggregate(torch.zeros(1, 1), torch.ones(1, 1), "ppo")
+
+
+# Two groups of G = 4 with the same spread: deviations from the group mean ±0.75 / ∓0.25, Σ dev² = 0.75.
+REWARDS = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 3.0])
+GROUPS = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+
+
+def _advantages(scale_rewards: str, std_estimator: str) -> torch.Tensor:
+    options = advantage_options(scale_rewards, std_estimator)
+    adv, _ = combine_rewards({"r": REWARDS}, {"r": 1.0}, GROUPS, clip_max=0.0, **options)
+    return adv
+
+
+@pytest.mark.parametrize(
+    "std_estimator,std",
+    [("unbiased", math.sqrt(0.75 / 3)), ("population", math.sqrt(0.75 / 4))],  # 0.5 (torch.std) | 0.4330
+)
+def test_group_advantages_divide_by_the_chosen_std_plus_1e_4(std_estimator, std):
+    big, small = 0.75 / (std + 1e-4), -0.25 / (std + 1e-4)  # unbiased: 1.49970, −0.49990
+    expected = torch.tensor([big, small, small, small, small, small, small, big])
+    assert torch.allclose(_advantages("group", std_estimator), expected, rtol=1e-6)
+
+
+def test_unbiased_advantages_are_the_population_ones_over_sqrt_g_over_g_minus_1():
+    ratio = _advantages("group", "population") / _advantages("group", "unbiased")
+    assert torch.allclose(ratio, torch.full((8,), math.sqrt(4 / 3)), rtol=1e-3)  # 1.155 (eps aside)
+
+
+def test_batch_scaling_uses_the_estimator_over_all_rewards():
+    # mean 1.25, Σ (r − 1.25)² = 9.5: unbiased std √(9.5/7) = 1.16496, population √(9.5/8) = 1.08972
+    for std_estimator, std in (("unbiased", math.sqrt(9.5 / 7)), ("population", math.sqrt(9.5 / 8))):
+        assert _advantages("batch", std_estimator)[0].item() == pytest.approx(0.75 / (std + 1e-4), rel=1e-6)
+    assert _advantages("none", "unbiased")[0].item() == pytest.approx(0.75)  # centred only
+
+
+def test_advantage_options_reject_unknown_values():
+    with pytest.raises(ValueError, match="std_estimator"):
+        advantage_options("group", "sample")
+    with pytest.raises(ValueError, match="scale_rewards"):
+        advantage_options("prompt", "unbiased")
+
+
+def test_step_grpo_is_r1vl_per_optimizer_step():
+    algo = compose_config("train", ["model=qwen2_vl", "algo=step_grpo"])[0].algo
+    micro_batches = algo.prompts_per_epoch * algo.group_size // algo.train_batch_size
+    assert algo.train_batch_size * algo.gradient_accumulation_steps == 64  # 16 prompts × G = 4
+    assert algo.group_size == 4 and micro_batches // algo.gradient_accumulation_steps == 1
+    assert (algo.lr, algo.beta, algo.token.loss_type, algo.token.std_estimator) == (1e-6, 0.04, "grpo", "unbiased")
+    assert (algo.token.temperature, algo.token.max_completion_tokens, algo.token.lr_schedule) == (1.2, 1024, "linear")
+
+
+def test_a_bad_std_estimator_names_the_key():
+    with pytest.raises(UserError, match="algo.token.std_estimator"):
+        compose_config("train", ["model=qwen2_vl", "algo=step_grpo", "algo.token.std_estimator=sample"])

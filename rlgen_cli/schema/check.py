@@ -1,0 +1,54 @@
+"""Schema of ``rlgen check-onpolicy``: the training config plus the ``check`` section.
+
+What is compared, per track (``tasks/check_onpolicy.py``): each log-prob recorded *while sampling* (the
+flow rollout's step log-probs; ``generate``'s raw logits for text) against the training path's
+recompute on the same samples — two different computations, so the check can fail.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlgen_cli.schema.errors import UserError
+from rlgen_cli.schema.flow import TrainConfig
+
+__all__ = ["TEXT_TOLERANCE", "CheckConfig", "CheckOnPolicyConfig"]
+
+TEXT_TOLERANCE = 1e-5
+"""Default ``check.text_tolerance``. Measured on the tiny Qwen2-VL in fp32 on CPU: ``generate``'s
+KV-cache decoding and the training layout's full forward give log-probs that differ by at most 9.5e-7
+(one or two float32 ulps of a log-prob near −12), over temperatures 0.7–1.2, completions of 12–48 tokens
+and training batches of 2 and 6. 1e-5 leaves a 10× margin; weight noise of std 1e-5 already moves the
+log-probs by ≈ 2.6e-5 and fails it."""
+
+
+@dataclass
+class CheckConfig:
+    tolerance: float = 1e-6
+    """Largest allowed |ratio − 1| (and |Δ log-prob|) of the image / flow tracks: the rollout stores the
+    fp32 transition it sampled, so the training path reproduces it to rounding."""
+    text_tolerance: float = TEXT_TOLERANCE
+    """Largest allowed |ratio − 1| (and |Δ log-prob|) of the text tracks (VLM, R3's think / reflect):
+    the sampler's KV-cache decoding vs the training forward (see ``TEXT_TOLERANCE``; raise it for bf16)."""
+    train_noise_level: float | None = None
+    """Noise level of the training-side recompute; null = the sampling one (set it to see the check fail)."""
+    train_batch_size: int | None = None
+    """Training-side batch size; null = algo.train_batch_size."""
+    perturb_weights: float = 0.0
+    """Test switch: after the rollout and before the training-path recompute, add Gaussian noise of this
+    standard deviation (seeded by ``seed``) to every trainable weight — the check must then fail (exit 1).
+    It shows the check can fail; 0 = off. 1e-3 moves the tiny models' log-probs by ≈ 3e-3."""
+
+    def __post_init__(self) -> None:
+        for key in ("tolerance", "text_tolerance"):
+            if not getattr(self, key) > 0:
+                raise UserError(f"check.{key} must be > 0, got {getattr(self, key)}")
+        if not self.perturb_weights >= 0:
+            raise UserError(f"check.perturb_weights must be ≥ 0 (0 = off), got {self.perturb_weights}")
+        if self.train_batch_size is not None and self.train_batch_size < 1:
+            raise UserError(f"check.train_batch_size must be ≥ 1 (or null), got {self.train_batch_size}")
+
+
+@dataclass
+class CheckOnPolicyConfig(TrainConfig):
+    check: CheckConfig = field(default_factory=CheckConfig)
