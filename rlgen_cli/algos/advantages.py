@@ -2,7 +2,7 @@
 
 Implements the per-prompt group z-score of GRPO (Shao et al. 2024, "DeepSeekMath: Pushing the Limits of
 Mathematical Reasoning in Open Language Models") as used by Flow-GRPO (Liu et al. 2025, "Flow-GRPO:
-Training Flow Matching Models via Online RL"), MixGRPO and DanceGRPO (docs/maths.md, advantages):
+Training Flow Matching Models via Online RL"), MixGRPO and DanceGRPO (docs/maths.md §4.2):
 
     A_i = clip((r_i - mean_g(r)) / (std + eps), -clip_max, +clip_max)
 

@@ -19,7 +19,7 @@ tokens. Aggregation over the (B, T) token grid with completion mask m (TRL's nam
 Group advantages (:func:`advantage_options`): A_i = (r_i − mean_g r) / (std_g r + 1e-4) with the
 *unbiased* std by default (``torch.std``, as R1-VL's trainer and TRL compute it; at G = 4 it is
 √(4/3) ≈ 1.155 times the population std, so advantages are that much smaller); ``population`` is
-rlgen's flow-side estimator (docs/maths.md, advantages).
+rlgen's flow-side estimator (docs/maths.md §4.2, §8.1).
 
 Everything is pure torch on log-probabilities the caller computed at temperature 1 (raw logits).
 """

@@ -69,7 +69,7 @@ def _image_row(recipe, batch, tolerance: float) -> CheckRow:
             delta = out.logprob.detach() - traj.logprobs[:, 0]
             ratio_err = max(ratio_err, (torch.exp(delta) - 1).abs().max().item())
             logp_err = max(logp_err, delta.abs().max().item())
-    track = f"image (SDE step {rollout.sde_step})"
+    track = f"image, step {rollout.sde_step}" if rollout.traj.num_steps else "image, no SDE"
     return CheckRow(batch.stage, track, len(batch.positions), ratio_err, logp_err, tolerance)
 
 
@@ -93,7 +93,7 @@ def print_report(rows: list[CheckRow]) -> bool:
     from rich.table import Table
 
     table = Table(title="on-policy check (R3): training path vs the log-probs recorded while sampling (max)")
-    for column in ("stage", "track", "rows", "|ratio − 1|", "|Δ log p|", "tolerance", "verdict"):
+    for column in ("stage", "track", "rows", "|ratio − 1|", "|Δ log p|", "tol.", "verdict"):
         table.add_column(column, justify="right")
     for row in rows:
         table.add_row(

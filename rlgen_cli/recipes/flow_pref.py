@@ -162,7 +162,10 @@ class PreferenceEpoch:
     ) -> dict[str, float]:
         pref = recipe.cfg.algo.pref
         keep = select_best(rewards, groups, top_k=pref.top_k)
-        advantages, _ = group_advantages(rewards, groups, global_std=recipe.cfg.algo.global_std)
+        algo = recipe.cfg.algo
+        advantages, _ = group_advantages(
+            rewards, groups, global_std=algo.global_std, std_estimator=algo.std_estimator, eps=algo.adv_eps
+        )
         weights = advantages[keep].clamp(min=0).to(x0.device)
         rows = keep.to(x0.device)
         stats: dict[str, list[float]] = defaultdict(list)

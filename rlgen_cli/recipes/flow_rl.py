@@ -305,6 +305,7 @@ class FlowRLRecipe:
         advantages, adv_stats = combine_rewards(
             components, dict(self.cfg.reward.weights), group_ids, mode=self.cfg.reward.aggregation,
             global_std=self.cfg.algo.global_std, clip_max=self.cfg.algo.adv_clip_max,
+            std_estimator=self.cfg.algo.std_estimator, eps=self.cfg.algo.adv_eps,
         )  # fmt: skip
         mine = slice(self.dist.rank * len(rollouts.indices), (self.dist.rank + 1) * len(rollouts.indices))
         total = sum(self.cfg.reward.weights[k] * v for k, v in components.items())

@@ -17,7 +17,9 @@ from detection:
   appends 0 and then 1, a missing target group 0, and a clause whose colour failed adds no position
   term), ``strict`` appends a single 0 for any position not satisfied. Score = mean of all terms.
 * ``strict``: exact counts for every ``include`` clause (so no extra objects of a requested class),
-  every colour and position satisfied, and every ``exclude`` clause respected.
+  every colour and position satisfied, and every ``exclude`` clause respected. The server's strict
+  verdict skips the ``exclude`` clauses; on GenEval's prompts, whose only excludes are the counting
+  prompts' ``count + 1``, exact counts imply them and the two agree.
 
 Thresholds: confidence > 0.3 (> 0.9 for ``counting``), at most 16 objects per class, position margin
 0.1 of the summed box sizes, relations on box centres as in the original.
@@ -535,7 +537,9 @@ class GenEvalReward:
                 return self.color_classifier.classify(image, objs, cls)
 
             results.append(
-                score_geneval(dets, meta, colors, self.thresholds, self.clamp_count_term, self.position_credit)
+                score_geneval(
+                    dets, meta, colors, self.thresholds, self.clamp_count_term, self.position_credit
+                )
             )
         return RewardResult(
             scores=torch.tensor([r.score for r in results], dtype=torch.float32),

@@ -312,7 +312,9 @@ class FlowGrpoRemoteReward(_RemoteBase):
             only_strict: Sent as ``only_strict`` (GenEval: skip the partial-credit scores).
             batch_size: Images per request (Flow-GRPO uses 64).
             timeout_s: Per-request timeout (Flow-GRPO: 120 s).
-            retries: Extra attempts on connection errors and 500s (Flow-GRPO: 3).
+            retries: Extra attempts on connection errors and 500s, each on another endpoint when possible.
+                Flow-GRPO's client retries up to 1000 times (urllib3 backoff from 1 s, capped at 120 s,
+                so practically until the server answers); R3's GenEval client 3 times.
             backoff_s: First retry delay (doubles each retry).
             jpeg_quality: JPEG quality (Flow-GRPO's client uses PIL's default, 75).
             on_failure: ``raise`` or ``nan``.
@@ -342,7 +344,9 @@ class FlowGrpoRemoteReward(_RemoteBase):
         self.max_concurrency = max_concurrency or len(urls)
 
     def score(self, batch: RewardBatch) -> RewardResult:
-        """Score ``batch`` on the Flow-GRPO server; details carry rewards, strict and group rewards."""
+        """Score ``batch`` on the Flow-GRPO server; details carry rewards, strict rewards, the per-tag
+        group rewards (NaN for images of another tag, see :func:`~rlgen_cli.server.protocols.flowgrpo_reply`)
+        and each image's tag."""
         images = _images_of(batch, self.name)
         metadata = batch.metadata or [{} for _ in range(len(batch))]
 

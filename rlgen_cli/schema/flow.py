@@ -30,10 +30,13 @@ WINDOW_KINDS = ("all", "random_window", "sliding", "random_subset", "single")
 WINDOW_OPTIONS = {
     "all": ("timestep_fraction",),
     "random_window": ("size", "range"),
-    "sliding": ("size", "stride", "shift_every", "strategy", "roll_back"),
-    "random_subset": ("timestep_fraction",),
+    "sliding": (
+        "size", "stride", "shift_every", "strategy", "roll_back", "end_offset", "shrink_at_end",
+        "min_shift_every", "max_shift_every", "exp_decay_rate", "exp_decay_start",
+    ),
+    "random_subset": ("timestep_fraction", "skip_last_step"),
     "single": ("max_index",),
-}
+}  # fmt: skip
 OBJECTIVES = ("grpo", "grpo_guard")
 RECIPES = ("flow_rl", "flow_pref", "flow_pretrain", "vlm_rl", "vlm_sft")
 PREF_LOSSES = ("dpo", "sft")
@@ -41,6 +44,7 @@ BRANCHES = ("independent", "shared_prefix")
 KL_FORMS = ("upstream", "gaussian")
 CFG_GRADS = ("conditional", "both")
 ADV_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+STD_ESTIMATORS = ("population", "unbiased")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -159,19 +163,35 @@ class WindowConfig:
     ``sliding`` (MixGRPO), ``random_subset`` (DanceGRPO), ``single`` (R3)."""
     timestep_fraction: float = 0.99
     """``all``: train the first int(T·fraction) (0.99 skips the near-zero-σ last step);
-    ``random_subset``: train a random int(T·fraction) per sample."""
+    ``random_subset``: train a random int(n·fraction) of the n candidate steps per sample."""
+    skip_last_step: bool = True
+    """``random_subset``: the candidates are the first T − 1 steps, never the step onto σ′ = 0
+    (DanceGRPO); false = all T steps."""
     size: int = 0
     """``random_window`` / ``sliding``: window length (Fast: 0 = all steps but the last)."""
     range: list[int] | None = None
     """``random_window``: [lo, hi) where the window may lie (null = [0, T−1))."""
     stride: int = 1
-    """``sliding``: steps the window moves per shift."""
+    """``sliding``: steps the window moves per shift (0: it stays at the first steps)."""
     shift_every: int = 25
-    """``sliding``: epochs between shifts (τ)."""
+    """``sliding``: epochs between shifts (τ); the ``exp_decay`` base interval."""
     strategy: str = "progressive"
-    """``sliding``: progressive | random | decay | exp_decay."""
+    """``sliding``: progressive | random | decay | exp_decay (docs/maths.md §5.4)."""
     roll_back: bool = False
-    """``sliding``: restart at step 0 after reaching the end."""
+    """``sliding``: restart at step 0 after the last position."""
+    end_offset: int = 0
+    """``sliding``: the window lies before step T − end_offset (MixGRPO: 2)."""
+    shrink_at_end: bool = False
+    """``sliding``: keep moving past T − end_offset − size, dropping the steps past the end (MixGRPO);
+    false: the last move lands on T − end_offset − size, every window full."""
+    min_shift_every: int | None = None
+    """``decay``: the shortest stay (null = max(1, shift_every // 4))."""
+    max_shift_every: int | None = None
+    """``decay``: the stay at the first position (null = shift_every)."""
+    exp_decay_rate: float = 0.1
+    """``exp_decay``: k in ceil(shift_every·exp(−k·max(0, start − exp_decay_start)))."""
+    exp_decay_start: int = 13
+    """``exp_decay``: the window start from which the stays shrink."""
     max_index: int | None = None
     """``single``: the SDE step is drawn from the first max_index steps (null = any)."""
 
@@ -186,6 +206,20 @@ class WindowConfig:
         if values.get("range") is not None:
             values["range"] = tuple(values["range"])
         return values
+
+
+def _check_window(window: WindowConfig, num_steps: int) -> None:
+    """Plan the window once at validation, so a bad option (or one that does not fit model.num_steps)
+    stops the run before it starts, with the option's name; the window module holds the valid ranges."""
+    import torch  # the schema stays importable without torch; validation of a training run needs it anyway
+
+    from rlgen_cli.sde.window import plan_window
+
+    generator = torch.Generator().manual_seed(0)
+    try:
+        plan_window(window.kind, num_steps, generator=generator, batch_size=1, **window.options())
+    except ValueError as err:
+        raise UserError(f"algo.window with model.num_steps={num_steps}: {err}") from None
 
 
 @dataclass
@@ -300,6 +334,10 @@ class AlgoConfig:
     """Advantages are clamped to ±adv_clip_max."""
     global_std: bool = True
     """Normalise advantages by the whole batch's reward std instead of each group's."""
+    std_estimator: str = "population"
+    """Advantage std: ``population`` (/ n, Flow-GRPO) or ``unbiased`` (/ (n − 1), MixGRPO, DanceGRPO)."""
+    adv_eps: float = 1e-4
+    """Added to the advantage std before dividing (Flow-GRPO 1e-4, MixGRPO / DanceGRPO 1e-8)."""
     beta: float = 0.04
     """KL weight towards the reference (LoRA disabled); 0 skips the reference forward."""
     kl_form: str = "gaussian"
@@ -310,7 +348,7 @@ class AlgoConfig:
     the ``conditional`` one (the unconditional prediction detached; same forward values)."""
     drop_zero_advantage: bool = False
     """Train only samples whose advantage is non-zero (Flow-GRPO's SD3 / Kontext / Wan scripts): the
-    micro-batches per epoch stay the same and shrink, so each kept sample weighs more (docs/maths.md)."""
+    micro-batches per epoch stay the same and shrink, so each kept sample weighs more (docs/maths.md §4.5)."""
     objective: str = "grpo"
     """Per-step loss: ``grpo`` (clipped ratio) or ``grpo_guard`` (ratio normalisation, reweighting)."""
     window: WindowConfig = field(default_factory=WindowConfig)
@@ -330,6 +368,8 @@ class AlgoConfig:
     def __post_init__(self) -> None:
         _one_of(self.recipe, RECIPES, "algo.recipe")
         _one_of(self.kl_form, KL_FORMS, "algo.kl_form")
+        _one_of(self.std_estimator, STD_ESTIMATORS, "algo.std_estimator")
+        _require(self.adv_eps >= 0, f"algo.adv_eps must be ≥ 0, got {self.adv_eps}")
         _one_of(self.cfg_grad, CFG_GRADS, "algo.cfg_grad")
         _one_of(self.lr_schedule, LR_SCHEDULES, "algo.lr_schedule")
         in_range = 0 <= self.lr_decay_start < 1 and 0 <= self.lr_min_ratio <= 1
@@ -506,18 +546,7 @@ class TrainConfig:
         _require(
             self.time_limit_minutes >= 0, f"time_limit_minutes must be ≥ 0, got {self.time_limit_minutes}"
         )
-        window, steps = self.algo.window, self.model.num_steps
-        if window.kind in ("all", "random_subset"):
-            _require(
-                int(steps * window.timestep_fraction) >= 1,
-                f"int(model.num_steps ({steps}) × algo.window.timestep_fraction "
-                f"({window.timestep_fraction})) = 0 trained steps; raise either",
-            )
-        if window.kind in ("random_window", "sliding"):
-            _require(
-                window.size <= steps,
-                f"algo.window.size ({window.size}) must be ≤ model.num_steps ({steps})",
-            )
+        _check_window(self.algo.window, self.model.num_steps)
         _require(
             self.sampler.kind != "ode",
             "sampler.kind=ode has no log-probability to train; use flow_sde, dance or cps",

@@ -110,8 +110,9 @@ class R3Config:
     reward_server_port: list[int] = field(default_factory=list)
     """Ports on every host (empty = the client's default); endpoints = every host × port."""
     # -- rewards and loss -----------------------------------------------------------------------------
-    format_weight: float = 0.5
-    """w_f: reason text reward f·(r + w_f), refine text reward f·(w_f + Δ)."""
+    format_weight: float = 1.0
+    """w_f: reason text reward f·(r + w_f), refine text reward f·(w_f + Δ) (upstream's
+    ``format_reward_weight``, 1.0 in its code and training script)."""
     ce_weight: float = 1.0
     """Weight of the text track: ce_weight·(L_text + kl_weight_text·KL_text)."""
     mse_weight: float = 2.0
@@ -133,7 +134,9 @@ class R3Config:
     """Text sampling temperature (log-probs are always taken at temperature 1)."""
     top_p: float = 0.9
     sde_kind: str = "dance"
-    """Stochastic step: dance (score form, constant η; upstream) | flow_sde | cps."""
+    """Stochastic step: dance (score form, constant η) | flow_sde | cps. Upstream's score-form step scales
+    η with time, η·sqrt(t / (1 − min(t, 0.95))), which none of these is exactly (the r3_* experiments'
+    fidelity records say so)."""
     noise_level_gen: float = 0.7
     """η of the generation SDE step."""
     noise_level_edit: float = 1.0

@@ -121,7 +121,7 @@ def _check_args(kind: str, eta: float, reduce: str, logprob_form: str) -> None:
     _check_choice("step kind", kind, STEP_KINDS)
     _check_choice("reduce", reduce, REDUCTIONS)
     _check_choice("logprob_form", logprob_form, LOGPROB_FORMS)
-    if logprob_form == "upstream" and kind != "cps":
+    if logprob_form == "upstream" and kind not in ("cps", "ode"):  # an ODE step has no density either way
         raise ValueError(
             f"logprob_form='upstream' is only defined for kind='cps' (got {kind!r}); use the "
             "default logprob_form='gaussian'."

@@ -10,7 +10,7 @@ A policy turns ``num_steps`` (T) and a few options into a :class:`WindowPlan`. S
 * ``sliding`` (MixGRPO: Li et al. 2025, "MixGRPO: Unlocking Flow-based GRPO Efficiency with Mixed
   ODE-SDE"): ``size`` consecutive SDE steps before ``T − end_offset`` that start at the noisiest step and
   move by ``stride`` after a number of training iterations set by the strategy (``progressive``,
-  ``random``, ``decay``, ``exp_decay``); see docs/maths.md (windows).
+  ``random``, ``decay``, ``exp_decay``); see docs/maths.md §5.4.
 * ``random_subset`` (DanceGRPO: Xue et al. 2025, "DanceGRPO: Unleashing GRPO on Visual Generation"):
   every step SDE; each sample trains its own random ``timestep_fraction`` of the steps, never the last
   one with ``skip_last_step`` (:attr:`WindowPlan.train_mask`).
@@ -245,7 +245,12 @@ def _sliding_window(num_steps: int, start: int, size: int, end: int) -> WindowPl
 
 
 def _check_rate(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
         raise ValueError(f"window 'sliding': exp_decay_rate={value!r} must be a finite number >= 0")
     return float(value)
 
@@ -291,7 +296,9 @@ def _sliding(
     (``stride = size`` without ``prog_overlap``), ``max/min_iters_per_group`` = ``max/min_shift_every``,
     ``exp_decay_k`` = ``exp_decay_rate``, ``exp_decay_thre_timestep`` = ``exp_decay_start``.
     """
-    end_offset = _check_int("sliding", "end_offset", end_offset, 0, num_steps - 1, "steps kept out at the end")
+    end_offset = _check_int(
+        "sliding", "end_offset", end_offset, 0, num_steps - 1, "steps kept out at the end"
+    )
     end = num_steps - end_offset
     size = _check_int("sliding", "size", size, 1, end, "window length, at most T − end_offset")
     stride = _check_int("sliding", "stride", stride, 0, None, "steps moved per shift; 0 = never moves")

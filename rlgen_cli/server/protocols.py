@@ -19,7 +19,12 @@ from typing import Any
 
 from rlgen_cli.server.wire import WireError
 
-__all__ = ["PlainUnpickler", "chat_reply", "chat_request", "flowgrpo_reply", "flowgrpo_request"]
+__all__ = [
+    "OTHER_TAG", "PlainUnpickler", "chat_reply", "chat_request", "flowgrpo_reply", "flowgrpo_request",
+]  # fmt: skip
+
+OTHER_TAG = -10.0
+"""What the Flow-GRPO GenEval server writes in ``group_*_rewards[tag]`` for an image of another tag."""
 
 
 class PlainUnpickler(pickle.Unpickler):
@@ -53,17 +58,35 @@ def flowgrpo_request(jpegs: list[bytes], meta_datas: list[dict], only_strict: bo
     )
 
 
+def _tag_column(values: list) -> list[float | None]:
+    """One per-tag list of the reply: the server's other-tag sentinel becomes None (not applicable)."""
+    return [None if float(v) == OTHER_TAG else float(v) for v in values]
+
+
+def _tags_from_groups(groups: dict[str, list[float | None]], n: int) -> list[str] | None:
+    """Each image's tag: the one per-tag list that holds a value for it (None when that is ambiguous)."""
+    tags = []
+    for i in range(n):
+        owners = [tag for tag, values in groups.items() if values[i] is not None]
+        if len(owners) != 1:
+            return None
+        tags.append(owners[0])
+    return tags
+
+
 def flowgrpo_reply(
     n: int, score_key: str = "scores"
-) -> Callable[[bytes, str], tuple[list[float], dict[str, list[float]]]]:
+) -> Callable[[bytes, str], tuple[list[float], dict[str, list]]]:
     """A parser of Flow-GRPO replies for ``n`` images: ``(scores, details)``.
 
-    ``details`` holds ``rewards`` and ``strict_rewards`` and each per-tag ``group_rewards/{tag}`` and
-    ``group_strict_rewards/{tag}`` list that has one entry per image. ``score_key`` names the list of
-    scores: ``scores`` (GenEval server) or ``outputs`` (DeQA server).
+    ``details`` holds ``rewards`` and ``strict_rewards``, each per-tag ``group_rewards/{tag}`` and
+    ``group_strict_rewards/{tag}`` list that has one entry per image, and ``tag`` (each image's tag, read
+    off those lists). The GenEval server fills a tag's list with the sentinel :data:`OTHER_TAG` for images
+    of other tags; those entries become None (NaN once collected), so a tag's mean covers only its own
+    images. ``score_key`` names the list of scores: ``scores`` (GenEval server) or ``outputs`` (DeQA).
     """
 
-    def parse(body: bytes, _content_type: str) -> tuple[list[float], dict[str, list[float]]]:
+    def parse(body: bytes, _content_type: str) -> tuple[list[float], dict[str, list]]:
         try:
             reply = PlainUnpickler(io.BytesIO(body)).load()
             scores = [float(s) for s in reply[score_key]]
@@ -71,14 +94,16 @@ def flowgrpo_reply(
             raise WireError(f"malformed Flow-GRPO reply: {type(err).__name__}: {err}") from err
         if len(scores) != n:
             raise WireError(f"Flow-GRPO server returned {len(scores)} scores for {n} images")
-        details: dict[str, list[float]] = {}
+        details: dict[str, list] = {}
         for key in ("rewards", "strict_rewards"):
             if isinstance(reply.get(key), list | tuple) and len(reply[key]) == n:
                 details[key] = [float(v) for v in reply[key]]
         for key in ("group_rewards", "group_strict_rewards"):
-            for tag, values in dict(reply.get(key) or {}).items():
-                if len(values) == n:
-                    details[f"{key}/{tag}"] = [float(v) for v in values]
+            groups = {tag: _tag_column(v) for tag, v in dict(reply.get(key) or {}).items() if len(v) == n}
+            details.update({f"{key}/{tag}": values for tag, values in groups.items()})
+            tags = _tags_from_groups(groups, n) if groups and "tag" not in details else None
+            if tags is not None:
+                details["tag"] = tags
         return scores, details
 
     return parse

@@ -36,19 +36,26 @@ SHAPES_CURVES: tuple[tuple[str, str], ...] = (
 def detail_summaries(details: Mapping[str, Any], by_tag: bool = False) -> dict[str, float]:
     """Means of a reward mix's float details (``"<reward>/<name>"`` → ``reward/<reward>/<name>/mean``);
     with ``by_tag``, also per tag when the reward reports one (``"<reward>/tag"``, GenEval-style):
-    ``reward/<reward>/<name>/tag/<tag>``."""
+    ``reward/<reward>/<name>/tag/<tag>``. NaN entries (a value that does not apply to that sample, e.g.
+    another tag's slot of a per-tag list) are left out of the means; a mean over none is not reported."""
     out: dict[str, float] = {}
     for key, value in details.items():
         if "/" not in key or not isinstance(value, Tensor) or not value.is_floating_point():
             continue
         values = value.float()
-        out[f"reward/{key}/mean"] = float(values.mean())
+        _put_mean(out, f"reward/{key}/mean", values)
         tags = details.get(f"{key.split('/')[0]}/tag")
         if by_tag and isinstance(tags, list) and len(tags) == len(values):
-            for tag in sorted(set(tags)):
+            for tag in sorted({t for t in tags if t is not None}):
                 rows = torch.tensor([t == tag for t in tags])
-                out[f"reward/{key}/tag/{tag}"] = float(values[rows].mean())
+                _put_mean(out, f"reward/{key}/tag/{tag}", values[rows])
     return out
+
+
+def _put_mean(out: dict[str, float], key: str, values: Tensor) -> None:
+    known = values[~values.isnan()]
+    if known.numel():
+        out[key] = float(known.mean())
 
 
 def tags_of(metrics: Mapping[str, float], reward: str, metric: str, prefix: str = "eval/") -> list[str]:

@@ -5,8 +5,8 @@
 * ``git_sha`` / ``git_dirty``: the commit of the rlgen checkout the code was imported from (``git rev-parse
   HEAD``) and whether tracked files differ from it; both null when rlgen is not imported from a git checkout
   (an installed wheel);
-* ``versions``: the installed versions of rlgen and the libraries that decide its numbers (torch, diffusers,
-  transformers, accelerate, peft, hydra-core), plus ``python``;
+* ``versions``: the versions of rlgen and the libraries that decide its numbers (torch, diffusers,
+  transformers, accelerate, peft, hydra-core) as imported, plus ``python``;
 * ``resolved_config_sha256``: the SHA-256 of ``resolved.yaml``'s bytes, so a run's config can be matched
   (or found edited) later: ``sha256sum RUN_DIR/resolved.yaml``;
 * ``argv``: the command line.
@@ -28,7 +28,11 @@ from omegaconf import DictConfig, OmegaConf
 
 RESOLVED_FILE = "resolved.yaml"
 PROVENANCE_FILE = "provenance.json"
-_PACKAGES = ("rlgen", "torch", "diffusers", "transformers", "accelerate", "peft", "hydra-core")
+# distribution → the module it imports as
+_PACKAGES = {
+    "rlgen": "rlgen_cli", "torch": "torch", "diffusers": "diffusers", "transformers": "transformers",
+    "accelerate": "accelerate", "peft": "peft", "hydra-core": "hydra",
+}  # fmt: skip
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent  # rlgen_cli/
 
 
@@ -58,12 +62,17 @@ def _git_state() -> tuple[str | None, bool | None]:
 
 
 def _versions() -> dict[str, str]:
+    """Versions of the libraries as imported (``torch.__version__`` keeps its build tag, e.g. ``+cu124``,
+    which the installed metadata may lack); the installed metadata for those not imported yet."""
     found = {"python": platform.python_version()}
-    for name in _PACKAGES:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
+    for name, module in _PACKAGES.items():
+        version = getattr(sys.modules.get(module), "__version__", None)
+        if version is None:
+            try:
+                version = metadata.version(name)
+            except metadata.PackageNotFoundError:
+                continue
+        found[name] = str(version)
     return found
 
 

@@ -108,8 +108,8 @@ def print_report(rows: Sequence[SampleGap], tolerance: float, engine: str) -> fl
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"on-policy check (VLM): training forward vs the {engine} sampler's log-probs")
-    for column in ("sample", "tokens", "max |ratio − 1|", "max |Δ log p|"):
+    table = Table(title="on-policy check (VLM): training forward vs the sampler's log-probs (max)")
+    for column in ("sample", "tokens", "|ratio − 1|", "|Δ log p|"):
         table.add_column(column, justify="right")
     for row in rows:
         table.add_row(str(row.sample), str(row.tokens), f"{row.ratio_error:.3e}", f"{row.logp_error:.3e}")
@@ -117,5 +117,7 @@ def print_report(rows: Sequence[SampleGap], tolerance: float, engine: str) -> fl
     console = Console()
     console.print(table)
     verdict = "[green]PASS[/]" if worst <= tolerance else "[bold red]FAIL[/]"
-    console.print(f"{verdict} text: max error {worst:.3e} (check.text_tolerance {tolerance:.1e})")
+    console.print(
+        f"{verdict} text ({engine} sampler): max error {worst:.3e} (check.text_tolerance {tolerance:.1e})"
+    )
     return worst

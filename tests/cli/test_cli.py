@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import TINY_RUN
 
 
@@ -101,3 +103,82 @@ def test_submitit_local_sweep_writes_one_run_per_job(cli, tmp_path: Path):
     runs = sorted(p.name for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
     assert runs == ["0", "1"]
     assert all((sweep / r / "metrics.jsonl").is_file() for r in runs)
+
+
+def _rlgen(*args: str) -> tuple[int, str]:
+    """``rlgen ARGS`` exactly as typed (the ``cli`` fixture adds experiment=tiny_cpu to a bare train)."""
+    from typer.testing import CliRunner
+
+    from rlgen_cli.cli import app
+
+    result = CliRunner().invoke(app, list(args))
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.output
+
+
+def test_the_introductory_command_shows_geneval_data_and_no_shapes_settings():
+    code, out = _rlgen("train", "model=flux", "algo=grpo_fast", "reward=geneval", "--cfg", "job")
+    assert code == 0, out
+    assert "train: dataset/geneval/train_metadata.jsonl" in out
+    assert "test: dataset/geneval/test_metadata.jsonl" in out
+    assert "time_limit_minutes: 0.0" in out and "eval_before: false" in out and "epochs: 100000" in out
+    assert "builtin:shapes" not in out  # no ShapesEval data or model
+
+
+def test_bare_train_shows_the_shapes_run():
+    code, out = _rlgen("train", "--cfg", "job")
+    assert code == 0, out
+    assert "train: builtin:shapes_train.jsonl" in out and "path: builtin:shapes_base" in out
+    assert "epochs: 180" in out and "time_limit_minutes: 18.0" in out and "eval_before: true" in out
+
+
+def test_a_missing_data_file_exits_2_before_any_model_loads(tmp_path: Path, monkeypatch, capsys):
+    def no_model(*_args, **_kwargs):
+        raise AssertionError("a model was loaded before the data files were checked")
+
+    monkeypatch.setattr("rlgen_cli.recipes.flow_rl.build_policy", no_model)
+    monkeypatch.chdir(tmp_path)  # no dataset/ folder here
+    code, out = _rlgen("train", "model=tiny_sd3", "reward=pickscore", f"hydra.run.dir={tmp_path / 'run'}")
+    message = " ".join((out + capsys.readouterr().err).split())  # rich wraps long lines
+    assert code == 2, message
+    assert f"data.train: prompt file dataset/pickscore/train.txt does not exist (looked at {tmp_path}" in message
+    assert "github.com/yifan123/flow_grpo" in message and "one prompt per line" in message
+    assert "data.train=/path/to/train.txt (data.test=… likewise)" in message
+
+
+def test_an_editing_model_without_source_images_exits_2_naming_the_row(tmp_path: Path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("make it red\n")
+    code, out = _rlgen(
+        "check-onpolicy", "model=tiny_flux_kontext", f"data.train={prompts}", f"data.test={prompts}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )  # fmt: skip
+    message = " ".join((out + capsys.readouterr().err).split())
+    assert code == 2 and "example 0 of" in message and "has no 'image' field" in message, message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny_flux_kontext", "tiny_qwen_image_edit"])
+def test_check_onpolicy_of_an_editing_model_needs_no_other_argument(model, tmp_path: Path):
+    code, out = _rlgen("check-onpolicy", f"model={model}", "progress=false", f"hydra.run.dir={tmp_path}")
+    assert code == 0 and "PASS" in out, out
+
+
+def test_sample_of_a_tiny_editing_model_draws_its_editing_set(tmp_path: Path):
+    import json
+
+    code, out = _rlgen(
+        "sample", "model=tiny_qwen_image_edit", "num_steps=2", "progress=false", f"hydra.run.dir={tmp_path}"
+    )
+    assert code == 0, out
+    rows = [json.loads(line) for line in (tmp_path / "manifest.jsonl").read_text().splitlines()]
+    edits = (tmp_path / "tiny_edit" / "tiny_edit_test.jsonl").read_text().splitlines()
+    assert [r["prompt"] for r in rows] == [json.loads(line)["prompt"] for line in edits]
+    assert all((tmp_path / r["file"]).is_file() for r in rows)
+
+
+def test_sample_of_an_editing_model_refuses_prompts_without_sources(tmp_path: Path, capsys):
+    code, out = _rlgen("sample", "model=tiny_flux_kontext", "prompts=[make it red]", f"hydra.run.dir={tmp_path}")
+    message = " ".join((out + capsys.readouterr().err).split())
+    assert code == 2 and "drop prompts= to draw data.test (builtin:tiny_edit_test.jsonl)" in message, message

@@ -6,19 +6,18 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from rlgen_cli._hydra import conf_dir, config_groups
+from rlgen_cli._hydra import compose_verb, conf_dir, config_groups, verb_overrides
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.store import register_schemas
 from rlgen_cli.tasks.common import validated
 
 register_schemas()
-PRIMARY = ("train", "check_onpolicy", "sample", "eval")
+PRIMARY = ("train", "check_onpolicy", "sample", "eval", "serve_reward")
 GROUPS = config_groups()
 
 
 def _compose(name: str, overrides: list[str]):
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-        cfg = compose(config_name=name, overrides=overrides, return_hydra_config=False)
+    cfg = compose_verb(name, overrides)  # what `rlgen <verb> OVERRIDES` composes
     OmegaConf.set_struct(cfg, False)
     cfg.run_dir = "/tmp/unused"
     return cfg
@@ -92,7 +91,9 @@ def test_every_flow_model_with_every_flow_algorithm_and_reward_composes():
         for overrides in combos:
             cfg = compose(
                 config_name="train",
-                overrides=[*overrides, "algo.prompts_per_epoch=8", "algo.gradient_accumulation_steps=1"],
+                overrides=verb_overrides(
+                    "train", [*overrides, "algo.prompts_per_epoch=8", "algo.gradient_accumulation_steps=1"]
+                ),
             )
             OmegaConf.set_struct(cfg, False)
             cfg.run_dir = "/tmp/unused"

@@ -93,7 +93,9 @@ def test_multinode_rank_and_address_come_from_the_environment(monkeypatch, tmp_p
     monkeypatch.setenv(variable, "3")
     monkeypatch.setenv("MASTER_ADDR", "node-0")
     monkeypatch.setenv("MASTER_PORT", "29600")
-    argv = launch_command(LauncherConfig(name="multinode", num_processes=1, num_machines=4), tmp_path / "r.yaml")
+    argv = launch_command(
+        LauncherConfig(name="multinode", num_processes=1, num_machines=4), tmp_path / "r.yaml"
+    )
     assert argv[argv.index("--machine_rank") + 1] == "3"
     assert argv[argv.index("--main_process_ip") + 1] == "node-0"
     assert argv[argv.index("--main_process_port") + 1] == "29600"

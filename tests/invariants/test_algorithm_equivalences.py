@@ -59,7 +59,11 @@ def test_fast_with_window_zero_is_grpo(tmp_path):
 
 
 def test_mix_grpo_covering_every_step_is_grpo(tmp_path):
-    mix = _recipe(tmp_path / "a", ["algo=mix_grpo", "algo.window.size=4", "algo.clip_range=1e-2"])
+    # MixGRPO's own window ends before T − 2: end_offset 0 lets it cover all 4 steps
+    mix = _recipe(
+        tmp_path / "a",
+        ["algo=mix_grpo", "algo.window.size=4", "algo.window.end_offset=0", "algo.clip_range=1e-2"],
+    )
     full = _recipe(
         tmp_path / "b",
         ["algo=grpo", "algo.window.timestep_fraction=1.0", "algo.clip_range=1e-2", "algo.beta=0"],

@@ -15,10 +15,9 @@ def model_cfg(name: str) -> ModelConfig:
 
     from rlgen_cli._hydra import conf_dir
 
-    merged = OmegaConf.merge(
-        OmegaConf.structured(ModelConfig), OmegaConf.load(conf_dir() / "model" / f"{name}.yaml")
-    )
-    return OmegaConf.to_object(merged)
+    raw = OmegaConf.load(conf_dir() / "model" / f"{name}.yaml")
+    raw.pop("defaults", None)  # the data / reward a model picks for a run, not model settings
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), raw))
 
 
 def perturb_lora(policy, std: float = 0.5, generator: torch.Generator | None = None) -> None:

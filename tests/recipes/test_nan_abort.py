@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from rlgen_cli.models.sd3 import LORA_WEIGHTS_NAME
 from rlgen_cli.rewards.base import RewardBatch, RewardResult
 from rlgen_cli.rewards.registry import REWARDS
-from rlgen_cli.training.checkpoint import COUNTERS_KEY, CHECKPOINTS_DIR, list_checkpoints, open_checkpoint
+from rlgen_cli.training.checkpoint import CHECKPOINTS_DIR, COUNTERS_KEY, list_checkpoints, open_checkpoint
 from tests.conftest import TINY_RUN
 
 NAME = "fails_from_call"  # registered by the fixture below, for these tests only
@@ -60,7 +60,8 @@ def _assert_stopped_after_first_epoch(run: Path, code: int, out: str, what: str)
     assert f"non-finite rewards {{'{NAME}': '{what}'}} out of 4 samples" in out, out
     assert "resume=auto continues from the last checkpoint" in out
     assert [c.path.name for c in list_checkpoints(run)] == ["epoch_000001"]
-    assert sorted(p.name for p in (run / CHECKPOINTS_DIR).iterdir()) == ["epoch_000001"]  # no half-written one
+    on_disk = sorted(p.name for p in (run / CHECKPOINTS_DIR).iterdir())
+    assert on_disk == ["epoch_000001"]  # no half-written checkpoint or temporary directory left behind
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0] and rows[0]["reward/mean"] == rows[0]["reward/mean"]
     ckpt = open_checkpoint(run / CHECKPOINTS_DIR / "epoch_000001")
@@ -81,7 +82,8 @@ def _abort_then_resume(crashed: Path) -> None:
     _assert_stopped_after_first_epoch(crashed, code, out, "4 NaN, 0 inf")
     code, out = _train(crashed, 2, 99, "nan", "resume=auto")  # the reward fixed: it never fails now
     assert code == 0, out
-    assert f"resumed from {crashed / CHECKPOINTS_DIR / 'epoch_000001'} at epoch 1" in (crashed / "run.log").read_text()
+    last_good = crashed / CHECKPOINTS_DIR / "epoch_000001"
+    assert f"resumed from {last_good} at epoch 1" in (crashed / "run.log").read_text()
     rows = [json.loads(line) for line in (crashed / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]  # epoch 1 logged once, by the resumed run
 

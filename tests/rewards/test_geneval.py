@@ -340,6 +340,20 @@ def test_reward_with_injected_models():
         reward.score(RewardBatch(prompts=["a"], images=torch.rand(1, 3, 8, 8)))
 
 
+class TwoAnimals:
+    def detect(self, images):
+        return [[det("dog", LEFT), det("cat", RIGHT)] for _ in images]  # the dog is LEFT of the cat
+
+
+@pytest.mark.parametrize(("position_credit", "expected"), [("upstream", 0.75), ("strict", 2 / 3)])
+def test_reward_applies_its_position_credit(position_credit, expected):
+    reward = GenEvalReward(TwoAnimals(), FakeColors(), position_credit=position_credit)
+    batch = RewardBatch(
+        prompts=["a dog right of a cat"], images=torch.rand(1, 3, 100, 100), metadata=[POSITION]
+    )
+    assert reward.score(batch).scores.item() == pytest.approx(expected)  # [1, 1, 0, 1] | [1, 1, 0]
+
+
 # ----------------------------------------------------------------------------------- tiny transformers
 
 

@@ -110,7 +110,11 @@ def _wait(condition, timeout: float, group: Group, what: str) -> None:
 def test_two_workers_answer_and_a_killed_one_stops_the_group(group):
     parent, port = group
     ports = [port, port + 1]
-    _wait(lambda: all(_answers(p) for p in ports) or parent.proc.poll() is not None, STARTUP_S, parent, "2 workers up")
+
+    def up_or_dead() -> bool:
+        return all(_answers(p) for p in ports) or parent.proc.poll() is not None
+
+    _wait(up_or_dead, STARTUP_S, parent, "both workers answering")
     assert parent.proc.poll() is None, parent.output
     pids = parent.worker_pids()
     assert sorted(pids) == ports and len(set(pids.values())) == 2, parent.output
@@ -124,11 +128,13 @@ def test_two_workers_answer_and_a_killed_one_stops_the_group(group):
 
     os.kill(pids[port + 1], signal.SIGKILL)
     assert parent.proc.wait(timeout=60) == 128 + signal.SIGKILL, parent.output
-    _wait(lambda: not any(_answers(p) for p in ports), 10, parent, "both ports closed")
+    parent.close()  # every line read
     assert (
         f"worker 1 (pid {pids[port + 1]}, port {port + 1}) was killed by SIGKILL; stopping the other workers"
         in parent.output
     )
+    assert f"[pid {pids[port]}]: shutting down: finishing in-flight requests" in parent.output  # gracefully
+    assert not any(_answers(p) for p in ports)
     for pid in pids.values():  # no worker left behind: both reaped by the parent
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
 

@@ -8,6 +8,9 @@ import pytest
 import torch
 
 from rlgen_cli.algos import AdvantageStats, combine_rewards, group_advantages, group_moments
+from rlgen_cli.schema.errors import UserError
+from rlgen_cli.tasks.common import validated
+from tests.configs.test_compose import _compose
 
 EPS = 1e-4
 
@@ -188,3 +191,130 @@ def test_combine_unknown_mode_raises() -> None:
 def test_combine_nan_names_component() -> None:
     with pytest.raises(ValueError, match=r"component 'b'.*1 NaN"):
         combine_rewards({"a": _t([1, 3]), "b": _t([0, float("nan")])}, {"a": 1.0, "b": 1.0}, _ids([0, 0]))
+
+
+# ------------------------------------------------------------------------- std estimator and eps (MixGRPO)
+
+TINY = 1e-8
+
+
+def test_unbiased_std_hand_values() -> None:
+    # group 0: [1, 3]      -> mean 2, unbiased var (1 + 1)/1 = 2        -> A = ∓1/(√2 + 1e-8)
+    # group 1: [10, 20, 30] -> mean 20, unbiased var (100 + 0 + 100)/2 = 100 -> A = [-10, 0, 10]/(10 + 1e-8)
+    rewards, ids = _t([1, 3, 10, 20, 30]), _ids([0, 0, 1, 1, 1])
+    adv, _ = group_advantages(rewards, ids, std_estimator="unbiased", eps=TINY)
+    r2 = math.sqrt(2)
+    expected = _t([-1 / (r2 + TINY), 1 / (r2 + TINY), -10 / (10 + TINY), 0.0, 10 / (10 + TINY)])
+    torch.testing.assert_close(adv, expected, rtol=0, atol=1e-12)
+    # population on the same rewards: std 1 and √(200/3) -> larger by √(n/(n − 1)) = √2 and √1.5
+    pop, _ = group_advantages(rewards, ids, std_estimator="population", eps=TINY)
+    s1 = math.sqrt(200 / 3)
+    torch.testing.assert_close(
+        pop,
+        _t([-1 / (1 + TINY), 1 / (1 + TINY), -10 / (s1 + TINY), 0.0, 10 / (s1 + TINY)]),
+        rtol=0,
+        atol=1e-12,
+    )
+    torch.testing.assert_close(pop[:2] / adv[:2], _t([r2, r2]), rtol=1e-7, atol=0)
+    torch.testing.assert_close(
+        pop[2] / adv[2], torch.tensor(math.sqrt(1.5), dtype=torch.float64), rtol=1e-7, atol=0
+    )
+
+
+def test_unbiased_global_std() -> None:
+    # [1, 3 | 5, 7]: group-centered [-1, 1, -1, 1]; all four around 4: unbiased var (9+1+1+9)/3 = 20/3
+    adv, _ = group_advantages(_t([1, 3, 5, 7]), _ids([0, 0, 1, 1]), global_std=True, std_estimator="unbiased")
+    torch.testing.assert_close(adv, _t([-1, 1, -1, 1]) / (math.sqrt(20 / 3) + EPS))
+
+
+def test_eps_matters_for_tiny_reward_spreads() -> None:
+    # [0, 1e-6]: population std 5e-7. eps 1e-4 -> ±5e-7/(1.005e-4) = ±0.004975; eps 1e-8 -> ±5e-7/5.1e-7 = ±0.98039
+    rewards, ids = _t([0.0, 1e-6]), _ids([0, 0])
+    flow, _ = group_advantages(rewards, ids, eps=1e-4)
+    mix, _ = group_advantages(rewards, ids, eps=1e-8)
+    torch.testing.assert_close(flow, _t([-5e-7 / 1.005e-4, 5e-7 / 1.005e-4]))
+    torch.testing.assert_close(mix, _t([-5e-7 / 5.1e-7, 5e-7 / 5.1e-7]))
+
+
+def test_matches_the_mixgrpo_and_dancegrpo_rule() -> None:
+    # MixGRPO / DanceGRPO: per group of 12, (r − r.mean()) / (r.std() + 1e-8), torch's unbiased std, float32
+    gen = torch.Generator().manual_seed(0)
+    rewards = torch.rand(48, generator=gen)  # 4 groups of 12, in rollout order
+    ids = torch.arange(4).repeat_interleave(12)
+    expected = torch.cat([(g - g.mean()) / (g.std() + 1e-8) for g in rewards.view(4, 12)])
+    adv, _ = group_advantages(rewards, ids, std_estimator="unbiased", eps=1e-8, clip_max=None)
+    torch.testing.assert_close(adv, expected, rtol=0, atol=1e-6)
+    pop, _ = group_advantages(rewards, ids, eps=1e-8, clip_max=None)  # population: √(12/11) = 1.044 larger
+    torch.testing.assert_close(pop, expected * math.sqrt(12 / 11), rtol=0, atol=1e-6)
+
+
+def test_group_moments_unbiased_and_singletons() -> None:
+    mean, std, size = group_moments(
+        _t([1, 3, 10, 20, 30, 7]), _ids([1, 1, 0, 0, 0, 2]), std_estimator="unbiased"
+    )
+    torch.testing.assert_close(mean, _t([2, 2, 20, 20, 20, 7]))
+    torch.testing.assert_close(std, _t([math.sqrt(2)] * 2 + [10.0] * 3 + [0.0]))  # a group of one: 0
+    assert size.tolist() == [2, 2, 3, 3, 3, 1]
+
+
+def test_normalize_then_sum_unbiased() -> None:
+    # a = [1, 3 | 0, 0]: unbiased std √2 in group 0 -> A_a = [∓1/(√2 + ε) | 0, 0]
+    # b = [0, 0 | 2, 6]: mean 4, unbiased var (4 + 4)/1 = 8 -> A_b = [0, 0 | ∓2/(√8 + ε)]
+    # A = 2·A_a + 0.5·A_b
+    comps = {"a": _t([1, 3, 0, 0]), "b": _t([0, 0, 2, 6])}
+    adv, _ = combine_rewards(
+        comps,
+        {"a": 2.0, "b": 0.5},
+        _ids([0, 0, 1, 1]),
+        mode="normalize_then_sum",
+        std_estimator="unbiased",
+        eps=TINY,
+    )
+    a, b = 2 / (math.sqrt(2) + TINY), 1 / (math.sqrt(8) + TINY)
+    torch.testing.assert_close(adv, _t([-a, a, -b, b]))
+
+
+def test_unknown_std_estimator_raises() -> None:
+    with pytest.raises(ValueError, match="valid estimators: population, unbiased"):
+        group_advantages(_t([1, 2]), _ids([0, 0]), std_estimator="sample")
+    with pytest.raises(ValueError, match="valid estimators: population, unbiased"):
+        group_moments(_t([1, 2]), _ids([0, 0]), std_estimator="ddof1")
+
+
+# --------------------------------------------------------------------------- what the algo configs select
+
+
+def _algo(*overrides: str):
+    """The validated algo section of ``rlgen train OVERRIDES``."""
+    return validated(_compose("train", list(overrides))).algo
+
+
+@pytest.mark.parametrize(
+    ("algo", "scope", "estimator", "eps"),
+    [
+        ("grpo", True, "population", 1e-4),  # Flow-GRPO SD3/FLUX: batch-wide np.std + 1e-4
+        ("grpo_fast_shapes", True, "population", 1e-4),  # the ShapesEval default keeps rlgen's numbers
+        ("mix_grpo", False, "unbiased", 1e-8),
+        ("mix_grpo_flash", False, "unbiased", 1e-8),
+        ("dance", False, "unbiased", 1e-8),
+        ("grpo_guard", False, "population", 1e-4),  # Flow-GRPO's per-prompt stat tracker
+    ],
+)
+def test_algo_configs_pick_their_upstream_advantages(algo, scope, estimator, eps) -> None:
+    cfg = _algo(f"algo={algo}")
+    assert (cfg.global_std, cfg.std_estimator, cfg.adv_eps) == (scope, estimator, pytest.approx(eps))
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        (
+            "algo.std_estimator=sample",
+            "algo.std_estimator='sample' is not valid; choose one of population, unbiased",
+        ),
+        ("algo.adv_eps=-1e-3", "algo.adv_eps must be ≥ 0"),
+    ],
+)
+def test_bad_advantage_options_name_the_key(override, match) -> None:
+    with pytest.raises(UserError, match=match):
+        _algo(override)

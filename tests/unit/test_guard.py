@@ -221,3 +221,18 @@ def test_bad_inputs_raise(override: dict, kwargs: dict, match: str) -> None:
     args = {**_args(), **override}
     with pytest.raises(ValueError, match=match):
         guard_loss(*args.values(), **{"clip_range": 0.2, **kwargs})
+
+
+def test_algo_grpo_guard_defaults_are_its_authors_sd3_configs() -> None:
+    # config/grpo_guard.py (general_ocr / geneval / pickscore_hps ..._sd3_rationorm): rationorm on, clip 2e-6
+    # (4e-6 for PickScore), per-prompt stat tracking with np.std + 1e-4 (global_std False), β = 0, the first
+    # 99 % of steps trained, all-zero-advantage samples dropped before training
+    from rlgen_cli.tasks.common import validated
+    from tests.configs.test_compose import _compose
+
+    algo = validated(_compose("train", ["algo=grpo_guard"])).algo
+    assert algo.objective == "grpo_guard" and algo.clip_range == pytest.approx(2e-6)
+    assert (algo.global_std, algo.std_estimator, algo.adv_eps) == (False, "population", pytest.approx(1e-4))
+    assert algo.beta == 0.0 and algo.adv_clip_max == 5.0
+    assert (algo.window.kind, algo.window.timestep_fraction) == ("all", 0.99)
+    assert algo.drop_zero_advantage is True

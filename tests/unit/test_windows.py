@@ -121,10 +121,104 @@ def test_sliding_last_move_is_clipped_to_the_end():
     assert rolled == [0, 2, 4, 5, 0, 2]
 
 
-def test_sliding_end_bound_keeps_the_last_steps_out():
-    # upstream MixGRPO lets the window run up to T − 2
-    plan = plan_window("sliding", 25, size=4, shift_every=1, end=23, epoch=10_000)
+def test_sliding_end_offset_keeps_the_last_steps_out():
+    # end_offset 2 of T = 25: the window lies before step 23; full windows only, so it stops at start 19
+    plan = plan_window("sliding", 25, size=4, shift_every=1, end_offset=2, epoch=10_000)
     assert plan.sde_steps == (19, 20, 21, 22)
+
+
+# MixGRPO's schedule, derived by hand from its GRPOTrainingStates: the window of iteration τ is
+# range(cur, min(cur + size, T − 2)); after each iteration the counter rises and, once it reaches the
+# position's interval, cur += stride (size without prog_overlap); cur > T − 2 rolls back to 0 (or clips).
+MIXGRPO = {"size": 4, "stride": 1, "shift_every": 25, "end_offset": 2, "shrink_at_end": True}
+
+
+def _windows(num_steps: int, epochs, **options) -> list[tuple[int, ...]]:
+    return [plan_window("sliding", num_steps, epoch=e, **options).train_steps for e in epochs]
+
+
+def test_mixgrpo_progressive_shrinks_at_the_end_and_rolls_back():
+    # T = 25, w = 4, τ = 25, end 23: start p during iterations 25p … 25p + 24, for p = 0 … 22
+    got = _windows(
+        25, [0, 24, 25, 49, 50, 19 * 25, 20 * 25, 21 * 25, 22 * 25, 22 * 25 + 24], roll_back=True, **MIXGRPO
+    )
+    assert got == [
+        (0, 1, 2, 3), (0, 1, 2, 3), (1, 2, 3, 4), (1, 2, 3, 4), (2, 3, 4, 5),
+        (19, 20, 21, 22), (20, 21, 22), (21, 22), (22,), (22,),
+    ]  # fmt: skip
+    # 23 positions × 25 iterations = 575 per cycle; then back to the first window
+    assert _windows(25, [575, 600, 575 + 22 * 25], roll_back=True, **MIXGRPO) == [
+        (0, 1, 2, 3),
+        (1, 2, 3, 4),
+        (22,),
+    ]
+    # no roll-back: the window keeps its last, one-step position
+    assert _windows(25, [22 * 25, 10_000], roll_back=False, **MIXGRPO) == [(22,), (22,)]
+    assert all(
+        23 not in w and 24 not in w for w in _windows(25, range(0, 1200, 7), roll_back=True, **MIXGRPO)
+    )
+
+
+def test_mixgrpo_without_overlap_moves_by_the_window_size():
+    # prog_overlap off: cur += size. T = 10, end 8, w = 3: starts 0, 3, 6 (window cut to (6, 7)), then 0
+    opts = {
+        "size": 3,
+        "stride": 3,
+        "shift_every": 2,
+        "end_offset": 2,
+        "shrink_at_end": True,
+        "roll_back": True,
+    }
+    assert (
+        _windows(10, range(8), **opts) == [(0, 1, 2)] * 2 + [(3, 4, 5)] * 2 + [(6, 7)] * 2 + [(0, 1, 2)] * 2
+    )
+    # rlgen's clamp instead: the last move lands on end − size = 5, every window full
+    clamp = {**opts, "shrink_at_end": False}
+    assert _windows(10, range(0, 8, 2), **clamp) == [(0, 1, 2), (3, 4, 5), (5, 6, 7), (0, 1, 2)]
+
+
+def test_mixgrpo_flash_star_window_never_moves():
+    # MixGRPO-Flash*: prog_overlap_step 0 keeps the window on the first 4 steps
+    assert set(_windows(25, range(0, 2000, 37), **{**MIXGRPO, "stride": 0, "roll_back": True})) == {
+        (0, 1, 2, 3)
+    }
+
+
+def test_mixgrpo_decay_between_its_script_bounds():
+    # max 10, min 1, end 23: stay(p) = max(1, int(10·(1 − p/23) + p/23)) = int(10 − 9p/23)
+    # p = 0: 10; 1: int(9.61) = 9; 2: int(9.22) = 9; 3: int(8.83) = 8; 4: int(8.43) = 8; 5: int(8.04) = 8;
+    # 6: int(7.65) = 7; 22: int(1.39) = 1
+    opts = {**MIXGRPO, "strategy": "decay", "max_shift_every": 10, "min_shift_every": 1}
+    stays = [10, 9, 9, 8, 8, 8, 7]
+    firsts = [sum(stays[:p]) for p in range(len(stays))]  # 0, 10, 19, 28, 36, 44, 52
+    assert firsts == [0, 10, 19, 28, 36, 44, 52]
+    starts = [w[0] for w in _windows(25, range(60), **opts)]  # p = 6 stays 52 … 58, p = 7 from 59
+    assert starts == [p for p, n in enumerate(stays) for _ in range(n)] + [7]
+    # without max_shift_every the ceiling is shift_every (25) and the floor max(1, 25 // 4) = 6
+    default = [w[0] for w in _windows(25, [24, 25], **{**MIXGRPO, "strategy": "decay"})]
+    assert default == [0, 1]
+
+
+def test_mixgrpo_exp_decay_with_its_defaults():
+    # k = 0.1 from start 13, τ = 25: stay 25 up to p = 13, then ceil(25·e^−0.1) = ceil(22.62) = 23 at p = 14,
+    # ceil(25·e^−0.2) = ceil(20.47) = 21 at p = 15, ceil(25·e^−0.3) = ceil(18.52) = 19 at p = 16
+    opts = {**MIXGRPO, "strategy": "exp_decay", "exp_decay_rate": 0.1, "exp_decay_start": 13}
+    at = {
+        e: w[0]
+        for e, w in zip(
+            [349, 350, 372, 373, 393, 394, 412, 413],
+            _windows(25, [349, 350, 372, 373, 393, 394, 412, 413], **opts),
+        )
+    }
+    assert at == {349: 13, 350: 14, 372: 14, 373: 15, 393: 15, 394: 16, 412: 16, 413: 17}
+
+
+def test_mixgrpo_random_starts_at_zero_then_draws_full_windows():
+    # iteration 0 uses the initial window; later starts are uniform in [0, T − 2 − w] = [0, 19]
+    opts = {**MIXGRPO, "strategy": "random"}
+    assert plan_window("sliding", 25, epoch=0, generator=_gen(5), **opts).train_steps == (0, 1, 2, 3)
+    starts = [plan_window("sliding", 25, epoch=1, generator=_gen(s), **opts).sde_steps[0] for s in range(600)]
+    assert set(starts) == set(range(20))
 
 
 def test_sliding_decay_shortens_the_stay_linearly():
@@ -152,18 +246,26 @@ def test_sliding_exp_decay_follows_mixgrpo():
     stays = [math.ceil(10 * math.exp(-0.5 * max(0, p - 2))) for p in range(7)]
     assert stays == [10, 10, 10, 7, 4, 3, 2]
     expected = [p for p, n in enumerate(stays) for _ in range(n)]
-    opts = {"size": 4, "strategy": "exp_decay", "shift_every": 10, "exp_decay_k": 0.5, "exp_decay_start": 2}
+    opts = {
+        "size": 4,
+        "strategy": "exp_decay",
+        "shift_every": 10,
+        "exp_decay_rate": 0.5,
+        "exp_decay_start": 2,
+    }
     got = [_start(plan_window("sliding", 10, epoch=e, **opts)) for e in range(len(expected) + 5)]
     assert got == expected + [6] * 5
 
 
 def test_sliding_random_is_uniform_and_seeded():
     starts = [
-        _start(plan_window("sliding", 8, size=5, strategy="random", generator=_gen(s))) for s in range(200)
+        _start(plan_window("sliding", 8, size=5, strategy="random", epoch=1, generator=_gen(s)))
+        for s in range(200)
     ]
     assert set(starts) == {0, 1, 2, 3}
     again = [
-        _start(plan_window("sliding", 8, size=5, strategy="random", generator=_gen(s))) for s in range(200)
+        _start(plan_window("sliding", 8, size=5, strategy="random", epoch=1, generator=_gen(s)))
+        for s in range(200)
     ]
     assert starts == again
     with pytest.raises(ValueError, match="generator"):
@@ -182,13 +284,17 @@ def test_sliding_over_every_step_equals_all(strategy, epoch):
     [
         ({"size": 0}, r"size=0 must be an integer in \[1, 10\]"),
         ({"size": 11}, r"size=11 must be an integer in \[1, 10\]"),
-        ({"size": 3, "end": 2}, r"size=3 must be an integer in \[1, 2\]"),
-        ({"size": 2, "end": 11}, r"end=11 must be an integer in \[1, 10\]"),
-        ({"size": 2, "stride": 0}, r"stride=0 must be an integer >= 1"),
+        ({"size": 3, "end_offset": 8}, r"size=3 must be an integer in \[1, 2\]"),
+        ({"size": 2, "end_offset": 10}, r"end_offset=10 must be an integer in \[0, 9\]"),
+        ({"size": 2, "stride": -1}, r"stride=-1 must be an integer >= 0"),
         ({"size": 2, "shift_every": 0}, r"shift_every=0 must be an integer >= 1"),
         (
             {"size": 2, "shift_every": 4, "min_shift_every": 5},
             r"min_shift_every=5 must be an integer in \[1, 4\]",
+        ),
+        (
+            {"size": 2, "max_shift_every": 3, "min_shift_every": 4},
+            r"min_shift_every=4 must be an integer in \[1, 3\]",
         ),
         ({"size": 2, "epoch": -1}, r"epoch=-1 must be an integer >= 0"),
         (
@@ -196,8 +302,10 @@ def test_sliding_over_every_step_equals_all(strategy, epoch):
             r"strategy='linear'; choose one of progressive, random, decay, exp_decay",
         ),
         ({"size": 2, "roll_back": "yes"}, r"roll_back='yes' must be true or false"),
-        ({"size": 2, "exp_decay_k": -1.0}, r"exp_decay_k=-1.0 must be a finite number >= 0"),
-        ({"size": 2, "window": 3}, r"takes no option 'window'; its options are size, stride, shift_every"),
+        ({"size": 2, "shrink_at_end": 1}, r"shrink_at_end=1 must be true or false"),
+        ({"size": 2, "exp_decay_rate": -1.0}, r"exp_decay_rate=-1.0 must be a finite number >= 0"),
+        ({"size": 2, "exp_decay_start": -1}, r"exp_decay_start=-1 must be an integer >= 0"),
+        ({"size": 2, "end": 8}, r"takes no option 'end'; its options are size, stride, shift_every"),
     ],
 )
 def test_sliding_bad_options(options, match):
@@ -208,41 +316,95 @@ def test_sliding_bad_options(options, match):
 # ----------------------------------------------------------------------------------------- random_subset
 
 
+def _trained(plan: WindowPlan) -> list[set[int]]:
+    """The step indices each sample trains."""
+    return [{plan.train_steps[j] for j in row.nonzero().flatten().tolist()} for row in plan.train_mask]
+
+
 def test_random_subset_every_step_sde_and_a_per_sample_mask():
     plan = plan_window("random_subset", 10, timestep_fraction=0.6, batch_size=5, generator=_gen(1))
-    assert plan.sde_steps == plan.train_steps == tuple(range(10))
+    assert plan.sde_steps == tuple(range(10))  # every step stochastic, the last one included
+    assert plan.train_steps == tuple(range(9))  # the step onto σ′ = 0 is not even stored
     mask = plan.train_mask
-    assert mask is not None and mask.dtype == torch.bool and mask.shape == (5, 10)
-    assert mask.sum(dim=1).tolist() == [6] * 5  # int(10 · 0.6) trained steps per sample
+    assert mask is not None and mask.dtype == torch.bool and mask.shape == (5, 9)
+    assert mask.sum(dim=1).tolist() == [5] * 5  # int(9 · 0.6) = int(5.4) trained steps per sample
     assert len({tuple(row.tolist()) for row in mask}) > 1  # samples draw their own subsets
+
+
+@pytest.mark.parametrize("num_steps", [2, 3, 12, 16, 25])
+def test_random_subset_never_trains_the_last_step(num_steps):
+    for seed in range(100):
+        plan = plan_window(
+            "random_subset", num_steps, timestep_fraction=1.0, batch_size=3, generator=_gen(seed)
+        )
+        assert all(num_steps - 1 not in steps for steps in _trained(plan))
+        assert all(steps == set(range(num_steps - 1)) for steps in _trained(plan))  # fraction 1: all others
+
+
+@pytest.mark.parametrize("num_steps,fraction", [(16, 0.6), (12, 0.6), (25, 0.5), (4, 1.0)])
+def test_random_subset_is_dancegrpos_selection(num_steps, fraction):
+    # DanceGRPO: perms = one torch.randperm(T − 1) per sample (rows of its stored steps 0 … T − 2), and
+    # sample i trains perms[i][:int((T − 1)·fraction)]; the same draws from a generator in the same state
+    for seed in range(5):
+        torch.manual_seed(seed)
+        perms = torch.stack([torch.randperm(num_steps - 1) for _ in range(6)])
+        expected = [set(row[: int((num_steps - 1) * fraction)].tolist()) for row in perms]
+        plan = plan_window(
+            "random_subset", num_steps, timestep_fraction=fraction, batch_size=6, generator=_gen(seed)
+        )
+        assert _trained(plan) == expected
+
+
+def test_random_subset_over_all_steps_when_asked():
+    # skip_last_step=false: candidates are all T steps, int(T·fraction) of them, the last one included
+    plans = [
+        plan_window(
+            "random_subset", 5, timestep_fraction=0.6, skip_last_step=False, batch_size=4, generator=_gen(s)
+        )
+        for s in range(50)
+    ]
+    assert all(
+        p.train_steps == tuple(range(5)) and p.train_mask.sum(dim=1).tolist() == [3] * 4 for p in plans
+    )
+    assert any(4 in steps for p in plans for steps in _trained(p))
 
 
 def test_random_subset_is_seeded_and_uniform_over_steps():
     a = plan_window("random_subset", 8, timestep_fraction=0.5, batch_size=400, generator=_gen(2))
     b = plan_window("random_subset", 8, timestep_fraction=0.5, batch_size=400, generator=_gen(2))
     assert a == b
-    per_step = a.train_mask.float().mean(dim=0)  # (T,) ≈ 0.5 each
-    assert (per_step - 0.5).abs().max() < 0.1
+    per_step = a.train_mask.float().mean(dim=0)  # (7,) ≈ int(7 · 0.5) / 7 = 3/7 each
+    assert (per_step - 3 / 7).abs().max() < 0.1
 
 
 def test_random_subset_defaults_to_dancegrpo_fraction():
     plan = plan_window("random_subset", 20, batch_size=2, generator=_gen())
-    assert plan.train_mask.sum(dim=1).tolist() == [12, 12]  # int(20 · 0.6)
+    assert plan.train_mask.sum(dim=1).tolist() == [11, 11]  # int(19 · 0.6) = int(11.4)
 
 
 @pytest.mark.parametrize(
-    "options,match",
+    "num_steps,options,match",
     [
-        ({"timestep_fraction": 0.0, "batch_size": 2}, r"timestep_fraction=0.0 must be a number in \(0, 1\]"),
-        ({"timestep_fraction": 1.5, "batch_size": 2}, r"timestep_fraction=1.5 must be a number in \(0, 1\]"),
-        ({"timestep_fraction": 0.05, "batch_size": 2}, r"= 0 trained steps"),
-        ({}, r"batch_size=None must be an integer >= 1"),
-        ({"batch_size": 0}, r"batch_size=0 must be an integer >= 1"),
+        (
+            10,
+            {"timestep_fraction": 0.0, "batch_size": 2},
+            r"timestep_fraction=0.0 must be a number in \(0, 1\]",
+        ),
+        (
+            10,
+            {"timestep_fraction": 1.5, "batch_size": 2},
+            r"timestep_fraction=1.5 must be a number in \(0, 1\]",
+        ),
+        (10, {"timestep_fraction": 0.1, "batch_size": 2}, r"int\(9 candidate steps .* = 0 trained steps"),
+        (1, {"batch_size": 2}, r"int\(0 candidate steps .*\(skip_last_step leaves the last step out\)"),
+        (10, {"batch_size": 2, "skip_last_step": "no"}, r"skip_last_step='no' must be true or false"),
+        (10, {}, r"batch_size=None must be an integer >= 1"),
+        (10, {"batch_size": 0}, r"batch_size=0 must be an integer >= 1"),
     ],
 )
-def test_random_subset_bad_options(options, match):
+def test_random_subset_bad_options(num_steps, options, match):
     with pytest.raises(ValueError, match=match):
-        plan_window("random_subset", 10, generator=_gen(), **options)
+        plan_window("random_subset", num_steps, generator=_gen(), **options)
 
 
 def test_train_mask_must_fit_the_train_steps():

@@ -87,13 +87,6 @@ def test_eval_cli_writes_results(tmp_path: Path):
     assert code == 0 and (tmp_path / "results.json").is_file(), out
 
 
-def test_check_onpolicy_ratio_is_exactly_one(tmp_path: Path):
-    from rlgen_cli.recipes.vlm_rl import check_onpolicy
-
-    typed, raw = compose_config("check_onpolicy", STEP_GRPO, run_dir=tmp_path)
-    assert check_onpolicy(typed, raw) == 0.0
-
-
 def test_eval_reports_accuracy_overall_and_per_category(tmp_path: Path):
     from rlgen_cli.recipes.vlm_rl import evaluate
 

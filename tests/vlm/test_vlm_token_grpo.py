@@ -157,8 +157,9 @@ def test_step_grpo_is_r1vl_per_optimizer_step():
     micro_batches = algo.prompts_per_epoch * algo.group_size // algo.train_batch_size
     assert algo.train_batch_size * algo.gradient_accumulation_steps == 64  # 16 prompts × G = 4
     assert algo.group_size == 4 and micro_batches // algo.gradient_accumulation_steps == 1
-    assert (algo.lr, algo.beta, algo.token.loss_type, algo.token.std_estimator) == (1e-6, 0.04, "grpo", "unbiased")
-    assert (algo.token.temperature, algo.token.max_completion_tokens, algo.token.lr_schedule) == (1.2, 1024, "linear")
+    token = algo.token
+    assert (algo.lr, algo.beta, token.loss_type, token.std_estimator) == (1e-6, 0.04, "grpo", "unbiased")
+    assert (token.temperature, token.max_completion_tokens, token.lr_schedule) == (1.2, 1024, "linear")
 
 
 def test_a_bad_std_estimator_names_the_key():

@@ -1,0 +1,108 @@
+"""``algo.drop_zero_advantage``: Flow-GRPO trains only samples with a non-zero advantage, in as many
+micro-batches as before (each smaller), so every kept sample weighs more (docs/maths.md §4.5)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlgen_cli.algos import grpo_loss, nonzero_advantage_rows
+from rlgen_cli.recipes.flow_rl import FlowRLRecipe
+from rlgen_cli.training.progress import Progress
+from tests.conftest import TINY_RUN
+
+ADV = torch.tensor([0.0, 1.5, 0.0, -0.5, 0.0, 0.0, 1.0, 0.0])  # samples 1, 3 and 6 carry a signal
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_nonzero_rows_are_kept_and_topped_up_to_whole_micro_batches():
+    rows = nonzero_advantage_rows(ADV, num_batches=2, generator=_gen())
+    # 3 kept; 3 % 2 = 1 → one zero-advantage sample fills the second micro-batch: 4 rows, ascending
+    assert len(rows) == 4 and rows.tolist() == sorted(rows.tolist())
+    assert {1, 3, 6} <= set(rows.tolist())
+    assert ADV[rows].eq(0).sum() == 1
+    assert nonzero_advantage_rows(ADV, num_batches=3, generator=_gen()).tolist() == [1, 3, 6]
+
+
+def test_fillers_are_random_and_cover_an_all_zero_batch():
+    fillers = {
+        tuple(set(nonzero_advantage_rows(ADV, 2, _gen(seed)).tolist()) - {1, 3, 6}) for seed in range(20)
+    }
+    assert len(fillers) > 1  # drawn from the generator, not always the first zero
+    rows = nonzero_advantage_rows(torch.zeros(6), num_batches=3, generator=_gen())
+    assert len(rows) == 3  # nothing to learn from: one sample per micro-batch (upstream's Fast script)
+    assert nonzero_advantage_rows(torch.ones(4), 2, _gen()).tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("advantages", "num_batches", "match"),
+    [(torch.zeros(2, 4), 1, r"must be \(N,\)"), (ADV, 0, "do not fill"), (ADV, 9, "do not fill")],
+)
+def test_bad_arguments_are_rejected(advantages, num_batches, match):
+    with pytest.raises(ValueError, match=match):
+        nonzero_advantage_rows(advantages, num_batches, _gen())
+
+
+class _Rows:
+    """Rollout stand-in: ``index(part)`` returns the original sample ids of a micro-batch."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids
+
+    def index(self, part: slice) -> torch.Tensor:
+        return self.ids[part]
+
+
+def _logp_gradient(drop: bool) -> tuple[torch.Tensor, int]:
+    """d(loss of one epoch)/d(new log-prob) per sample, through the recipe's own micro-batching, and the
+    number of optimizer steps. 8 samples, train batches of 4, 2 micro-batches per optimizer step."""
+    algo = SimpleNamespace(train_batch_size=4, gradient_accumulation_steps=2, num_inner_epochs=1)
+    recipe = object.__new__(FlowRLRecipe)
+    recipe.cfg = SimpleNamespace(algo=algo)
+    logp = torch.zeros(len(ADV), requires_grad=True)  # ratio 1: inside the trust region
+
+    def train_micro_batch(ids, _cond, adv, _stats, _steps_after):  # one trained step, as upstream's loss
+        loss = grpo_loss(logp[ids], logp[ids].detach(), adv, clip_range=1e-4).loss
+        (loss / algo.gradient_accumulation_steps).backward()
+
+    steps = []
+    recipe.train_micro_batch = train_micro_batch
+    recipe.optimizer_step = lambda: steps.append(1) or 0.0
+    keep, num_batches = torch.arange(len(ADV)), None
+    if drop:
+        num_batches = len(ADV) // algo.train_batch_size
+        keep = nonzero_advantage_rows(ADV, num_batches, _gen())
+    rollouts = SimpleNamespace(indices=keep, traj=_Rows(keep), cond=_Rows(keep))
+    recipe.update(rollouts, ADV[keep], Progress(enabled=False), num_batches)
+    return logp.grad, len(steps)
+
+
+def test_kept_samples_weigh_as_upstreams_filtered_loss():
+    # by hand, at ratio 1 the policy loss of a micro-batch is mean(−A·ratio): ∂/∂logp_i = −A_i / |batch|,
+    # and each micro-batch's loss is divided by the 2 accumulated micro-batches
+    kept, steps_kept = _logp_gradient(drop=False)
+    torch.testing.assert_close(kept, -ADV / (4 * 2))  # 2 batches of 4
+    dropped, steps_dropped = _logp_gradient(drop=True)
+    torch.testing.assert_close(dropped, -ADV / (2 * 2))  # the 4 trained samples in 2 batches of 2
+    assert steps_kept == steps_dropped == 1  # the same optimizer steps: N / N' = 2× the weight each
+
+
+def test_a_run_with_equal_rewards_trains_one_sample_per_micro_batch(cli, tmp_path, monkeypatch):
+    # every group's rewards are equal → every advantage is 0 → 1 filler per micro-batch (4 samples, 1 batch)
+    def equal_rewards(self, images, prompts, metadata, sources=None, by_tag=False):
+        return {name: torch.full((len(prompts),), 0.5) for name in self.reward.rewards}, {}
+
+    monkeypatch.setattr(FlowRLRecipe, "score", equal_rewards)
+    code, out = cli(
+        "train", *TINY_RUN, "epochs=1", "eval_every=0", "save_every=0", "images_every=0",
+        "algo.drop_zero_advantage=true", f"hydra.run.dir={tmp_path}",
+    )  # fmt: skip
+    assert code == 0, out
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["trained_samples"] for row in rows if "trained_samples" in row] == [1]  # of 4 sampled
