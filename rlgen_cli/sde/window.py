@@ -280,27 +280,36 @@ def _sliding(
 ) -> WindowPlan:
     """MixGRPO: ``size`` SDE (and trained) steps starting where the schedule of ``strategy`` puts them.
 
-    The window lies before ``end = T − end_offset`` (MixGRPO: T − 2). It starts at step 0 and moves
-    ``stride`` steps towards σ = 0 (``stride`` 0: it stays) whenever it has stayed its interval
-    (``epoch`` = τ, the training iteration): ``shift_every`` for ``progressive``, a linear decay from
-    ``max_shift_every`` (default ``shift_every``) to ``min_shift_every`` (default
-    ``max(1, shift_every // 4)``) for ``decay``, ``ceil(shift_every·exp(−exp_decay_rate·max(0, p −
-    exp_decay_start)))`` at start p for ``exp_decay`` (see :func:`_shift_intervals`). After its last
-    position it stays, or restarts at 0 with ``roll_back``. With ``shrink_at_end`` (MixGRPO) the window
-    keeps moving past ``end − size`` and loses the steps at and after ``end`` (down to one step;
-    MixGRPO would next visit an empty window at start ``end``, which its trainer cannot run, so that
-    position is left out); without, its last move lands exactly on ``end − size``. ``random`` uses
-    the window at 0 in iteration 0 and then draws its start uniformly in ``[0, end − size]`` each
-    iteration (as MixGRPO, which draws after each iteration; needs ``generator``). MixGRPO's names:
-    ``iters_per_group`` = ``shift_every``, ``group_size`` = ``size``, ``prog_overlap_step`` = ``stride``
-    (``stride = size`` without ``prog_overlap``), ``max/min_iters_per_group`` = ``max/min_shift_every``,
-    ``exp_decay_k`` = ``exp_decay_rate``, ``exp_decay_thre_timestep`` = ``exp_decay_start``.
+    The window lies before ``end = T − end_offset`` (MixGRPO: T − 2; docs/maths.md §5.4). It starts at
+    step 0 and moves ``stride`` steps towards σ = 0 (0: never) each time it has stayed its interval of
+    training iterations (``epoch`` = τ), see :func:`_shift_intervals`; after its last position it stays,
+    or restarts at 0 with ``roll_back``. ``random`` uses the window at 0 in iteration 0 and then draws
+    the start uniformly in ``[0, end − size]`` (MixGRPO draws after each iteration; needs ``generator``).
+
+    ``shrink_at_end`` (MixGRPO): the window keeps moving past ``end − size`` and loses its steps at and
+    after ``end``, down to one step (a window longer than ``end`` is cut from the start). MixGRPO would
+    then visit an empty window at start ``end``, which its trainer cannot run; that position is left
+    out. Without it the last move lands exactly on ``end − size`` and every window is full.
+
+    MixGRPO's names: ``iters_per_group`` = ``shift_every``, ``group_size`` = ``size``,
+    ``prog_overlap_step`` = ``stride`` (``size`` without ``prog_overlap``), ``max_iters_per_group`` /
+    ``min_iters_per_group`` = ``max_shift_every`` / ``min_shift_every``, ``exp_decay_k`` =
+    ``exp_decay_rate``, ``exp_decay_thre_timestep`` = ``exp_decay_start``.
     """
     end_offset = _check_int(
         "sliding", "end_offset", end_offset, 0, num_steps - 1, "steps kept out at the end"
     )
     end = num_steps - end_offset
-    size = _check_int("sliding", "size", size, 1, end, "window length, at most T − end_offset")
+    if strategy not in SLIDING_STRATEGIES:
+        raise ValueError(
+            f"window 'sliding': strategy={strategy!r}; choose one of {', '.join(SLIDING_STRATEGIES)}"
+        )
+    roll_back = _check_flag("sliding", "roll_back", roll_back)
+    shrink_at_end = _check_flag("sliding", "shrink_at_end", shrink_at_end)
+    if shrink_at_end and strategy != "random":  # a longer window is cut at the end from the start on
+        size = _check_int("sliding", "size", size, 1, num_steps, "window length")
+    else:
+        size = _check_int("sliding", "size", size, 1, end, "window length, at most T − end_offset")
     stride = _check_int("sliding", "stride", stride, 0, None, "steps moved per shift; 0 = never moves")
     shift_every = _check_int("sliding", "shift_every", shift_every, 1, None, "iterations per position")
     max_every = shift_every if max_shift_every is None else max_shift_every
@@ -310,12 +319,6 @@ def _sliding(
     epoch = _check_int("sliding", "epoch", epoch, 0, None, "training iteration τ")
     onset = _check_int("sliding", "exp_decay_start", exp_decay_start, 0, None, "decay onset")
     rate = _check_rate(exp_decay_rate)
-    if strategy not in SLIDING_STRATEGIES:
-        raise ValueError(
-            f"window 'sliding': strategy={strategy!r}; choose one of {', '.join(SLIDING_STRATEGIES)}"
-        )
-    roll_back = _check_flag("sliding", "roll_back", roll_back)
-    shrink_at_end = _check_flag("sliding", "shrink_at_end", shrink_at_end)
     if strategy == "random":
         gen = _need_generator("sliding", generator)
         start = 0 if epoch == 0 else _uniform_int(0, end - size, gen)

@@ -177,6 +177,14 @@ def test_mixgrpo_without_overlap_moves_by_the_window_size():
     assert _windows(10, range(0, 8, 2), **clamp) == [(0, 1, 2), (3, 4, 5), (5, 6, 7), (0, 1, 2)]
 
 
+def test_mixgrpo_window_longer_than_its_end_is_cut():
+    # T = 4, end 2, w = 4 (a tiny model under algo=mix_grpo): range(0, min(4, 2)) = (0, 1), then (1,)
+    opts = {**MIXGRPO, "shift_every": 1, "roll_back": True}
+    assert _windows(4, range(4), **opts) == [(0, 1), (1,), (0, 1), (1,)]
+    with pytest.raises(ValueError, match=r"size=4 must be an integer in \[1, 2\]"):
+        plan_window("sliding", 4, epoch=1, generator=_gen(), **{**opts, "strategy": "random"})
+
+
 def test_mixgrpo_flash_star_window_never_moves():
     # MixGRPO-Flash*: prog_overlap_step 0 keeps the window on the first 4 steps
     assert set(_windows(25, range(0, 2000, 37), **{**MIXGRPO, "stride": 0, "roll_back": True})) == {
