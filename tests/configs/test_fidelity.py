@@ -14,13 +14,15 @@ Derived keys (no single config key holds them):
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
 from typing import Any
 
 import pytest
 from omegaconf import OmegaConf
 
-from rlgen_cli._hydra import config_groups
+from rlgen_cli._hydra import conf_dir, config_groups
 from rlgen_cli.schema.flow import WINDOW_OPTIONS
 from rlgen_cli.schema.r3 import R3_FAMILIES
 from rlgen_cli.tasks.common import validated
@@ -86,14 +88,22 @@ R3_KNOBS: Knobs = (
 EXPERIMENTS = config_groups()["experiment"]
 
 
-def _composed(experiment: str) -> Any:
+@functools.cache
+def _composed_once(experiment: str) -> Any:
     cfg = _compose("train", [f"experiment={experiment}"])
     validated(cfg)  # the record's own checks (schema/fidelity.py) and every cross-field check
     return cfg
 
 
+def _composed(experiment: str) -> Any:
+    """The composed experiment (a copy: tests may edit it)."""
+    return copy.deepcopy(_composed_once(experiment))
+
+
 def _with_fidelity() -> list[str]:
-    return [e for e in EXPERIMENTS if not e.endswith("_eval") and _compose("train", [f"experiment={e}"]).get("fidelity")]
+    """Experiments whose file carries a fidelity record (read, not composed: collection stays cheap)."""
+    folder = conf_dir() / "experiment"
+    return [e for e in EXPERIMENTS if "fidelity" in OmegaConf.load(folder / f"{e}.yaml")]
 
 
 def _geometry(cfg: Any) -> dict[str, float]:

@@ -129,6 +129,7 @@ def test_vllm_engine_groups_rows_into_n_and_passes_every_option(fake_vllm, tiny_
     assert done.truncated == [False, True, False, True]
     assert [len(i) for i in done.ids] == [4, 8, 4, 8] and int(done.ids[0][-1]) == policy.stop_ids[0]
     assert torch.allclose(done.logprobs[0], torch.tensor([-0.5, -1.5, -2.5, -3.5]))
+    assert not engine.masks_suppressed and HFEngine.masks_suppressed  # raw log-probs: whole vocabulary
     greedy = engine.sampling_params(SamplingOptions(0.0, 0.5, 3, 4), 1, 0)
     assert (greedy.temperature, greedy.top_p, greedy.top_k) == (0.0, 1.0, -1)
     assert engine.sampling_params(SamplingOptions(1.0, 0.9, 5, 4), 1, 0).top_k == 5
@@ -172,6 +173,44 @@ def test_full_fine_tuning_weights_are_sent_as_they_are(tiny_vlm_policy):
     policy.cfg.lora.enabled = False  # is_lora reads the config; the names are then the model's own
     names = [n for n, _ in merged_named_weights(policy)]
     assert names == [n for n, _ in tiny_vlm_policy.model.named_parameters()]
+
+
+# -- what check-onpolicy compares an engine's log-probs with ------------------------------------------------
+class FullVocabularyEngine(HFEngine):
+    """``generate``'s own draws with log-probs over the whole vocabulary, as vLLM's raw log-probs are."""
+
+    masks_suppressed = False
+
+    def generate(self, prompts, images, options, seed, labels):
+        from rlgen_cli.vlm.rollout import generation_config, masked_log_softmax_gather
+
+        done = super().generate(prompts, images, options, seed, labels)
+        encoded = encode_prompts(self.policy, prompts, images)
+        with torch.no_grad(), torch.random.fork_rng():
+            torch.manual_seed(seed)
+            out = self.policy.model.generate(
+                **encoded, generation_config=generation_config(self.policy, options, True)
+            )
+        ids = out.sequences[:, encoded["input_ids"].shape[1] :]
+        full = masked_log_softmax_gather(torch.stack(out.logits, dim=1), ids, ())
+        done.logprobs = [full[i, : len(row)] for i, row in enumerate(done.ids)]
+        return done
+
+
+@pytest.mark.parametrize("honoured", [True, False])
+def test_check_scores_in_the_engines_vocabulary(tmp_path: Path, honoured: bool, monkeypatch):
+    from rlgen_cli.recipes.vlm_rl import VLMRLRecipe
+    from rlgen_cli.vlm.onpolicy import check_rollout, max_error
+
+    typed, raw = compose_config("check_onpolicy", STEP_GRPO, run_dir=tmp_path)
+    recipe = VLMRLRecipe(typed, raw)
+    recipe.setup()
+    recipe.engine = FullVocabularyEngine(recipe.policy)
+    if not honoured:  # a check that ignored the engine's convention would see the vision tokens' mass
+        monkeypatch.setattr(FullVocabularyEngine, "masks_suppressed", True)
+    worst = max_error(check_rollout(recipe, typed.algo.train_batch_size, lambda params: None))
+    recipe.cleanup()
+    assert (worst <= typed.check.text_tolerance) == honoured, worst
 
 
 # -- configuration ---------------------------------------------------------------------------------------
