@@ -47,7 +47,11 @@ def _forward(verb_module: str, function: str, config_name: str, ctx: typer.Conte
 
 @app.command(context_settings=HYDRA_CONTEXT, epilog=_groups_epilog())
 def train(ctx: typer.Context) -> None:
-    """Train a policy online: rollout → reward → advantages → update (Hydra overrides follow)."""
+    """Train a policy online: rollout → reward → advantages → update (Hydra overrides follow).
+
+    With no model=/algo=/reward=/data=/sampler=/experiment= choice it runs ShapesEval
+    (experiment=shapes_grpo_fast); any choice starts from neutral defaults instead.
+    """
     _forward("train", "train_task", "train", ctx)
 
 

@@ -32,7 +32,7 @@ def source_image_paths(examples: Sequence[PromptExample], dataset_source: str) -
             raise UserError(
                 f"example {example.index} of {dataset_source} has no {SOURCE_IMAGE_KEY!r} field; an editing model "
                 f'needs a source image per prompt (jsonl lines like {{"prompt": ..., "image": "src/0001.png"}}); '
-                    "data=tiny_edit generates a small editing set for the tiny models"
+                "data=tiny_edit generates a small editing set for the tiny models"
             )
         path = Path(value)
         paths.append(path if path.is_absolute() else base / path)
@@ -45,7 +45,7 @@ def require_source_images(examples: Sequence[PromptExample], dataset_source: str
         if not path.is_file():
             raise UserError(
                 f"{key}: example {example.index} of {dataset_source} names source image {path}, which does "
-                "not exist; paths in \"image\" are relative to the dataset file"
+                'not exist; paths in "image" are relative to the dataset file'
             )
 
 

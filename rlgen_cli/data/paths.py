@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlgen_cli.data.edit_sets import SPLIT_SIZES as GENERATED, tiny_edit_set
+from rlgen_cli.data.edit_sets import SPLIT_SIZES as GENERATED
+from rlgen_cli.data.edit_sets import tiny_edit_set
 from rlgen_cli.data.prompts import PromptDataset
 from rlgen_cli.schema.errors import UserError
 

@@ -12,6 +12,7 @@ Schedule: WanPipeline ships ``UniPCMultistepScheduler(use_flow_sigmas=True, flow
 Wan2.1-T2V-1.3B at 480p). rlgen samples with its own SDE/ODE steps, on that scheduler's σ grid:
 ``linspace(1, 1/1000, T + 1)[:-1]`` shifted by ``s·σ/(1 + (s − 1)·σ)``, then 0 (:func:`wan_sigmas`). UniPC
 nudges σ₀ to 1 − 1e-6 to keep its log-SNR finite; rlgen keeps σ₀ = 1 (``flow_sde`` substitutes σ₁ there).
+The transformer gets UniPC's integer timesteps ⌊1000·σ⌋ (:func:`wan_timestep`), as in WanPipeline.
 
 CFG: two separate transformer forwards (conditional, then unconditional) at the policy's batch size, in
 the model dtype, combined inside :meth:`WanPolicy.velocity` — upstream WanPipeline and Flow-GRPO's Wan
@@ -70,6 +71,17 @@ def wan_sigmas(num_steps: int, shift: float) -> Tensor:
         raise ValueError(f"num_steps must be an integer ≥ 1, got {num_steps!r}; pass e.g. 20")
     base = torch.linspace(1.0, 1.0 / NUM_TRAIN_TIMESTEPS, num_steps + 1, dtype=torch.float64)[:-1]  # (T,)
     return torch.cat([shift_sigmas(base, shift), torch.zeros(1)])  # (T + 1,)
+
+
+def wan_timestep(sigma: Tensor) -> Tensor:
+    """The transformer's timestep at σ as WanPipeline feeds it: ⌊1000·σ⌋, at most 999 (fp32).
+
+    UniPC hands the transformer its int64 timesteps ``int(1000·σ)``, with σ₀ = 1 nudged to 1 − 1e-6, so
+    t₀ = 999; Flow-GRPO's Wan sampler feeds the same integers. σ arrives in fp32: the 1e-4 absorbs its
+    rounding (≤ 6e-5 after × 1000), so σ = 0.7 gives 700 as the float64 grid does.
+    """
+    steps = torch.floor(sigma.double() * NUM_TRAIN_TIMESTEPS + 1e-4)
+    return steps.clamp(max=NUM_TRAIN_TIMESTEPS - 1).float()
 
 
 def tiny_wan_pipeline(seed: int = 0, max_sequence_length: int = 32):  # -> diffusers.WanPipeline
@@ -233,7 +245,7 @@ class WanPolicy:
     # -- the one transformer call -------------------------------------------------------------
     def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
         """v(x, σ) with CFG folded in; x (B, C, F', H', W') fp32, sigma 0-d or (B,); returns fp32 x-shaped."""
-        timestep = (sigma.float().reshape(-1).expand(x.shape[0]) * NUM_TRAIN_TIMESTEPS).to(self.device)
+        timestep = wan_timestep(sigma.reshape(-1).expand(x.shape[0])).to(self.device)
         v_cond = self._forward(x, timestep, cond.tensors["prompt_embeds"])
         if self.guidance_scale <= 1.0:
             return v_cond

@@ -142,7 +142,9 @@ def test_a_missing_data_file_exits_2_before_any_model_loads(tmp_path: Path, monk
     code, out = _rlgen("train", "model=tiny_sd3", "reward=pickscore", f"hydra.run.dir={tmp_path / 'run'}")
     message = " ".join((out + capsys.readouterr().err).split())  # rich wraps long lines
     assert code == 2, message
-    assert f"data.train: prompt file dataset/pickscore/train.txt does not exist (looked at {tmp_path}" in message
+    assert (
+        f"data.train: prompt file dataset/pickscore/train.txt does not exist (looked at {tmp_path}" in message
+    )
     assert "github.com/yifan123/flow_grpo" in message and "one prompt per line" in message
     assert "data.train=/path/to/train.txt (data.test=… likewise)" in message
 
@@ -179,6 +181,8 @@ def test_sample_of_a_tiny_editing_model_draws_its_editing_set(tmp_path: Path):
 
 
 def test_sample_of_an_editing_model_refuses_prompts_without_sources(tmp_path: Path, capsys):
-    code, out = _rlgen("sample", "model=tiny_flux_kontext", "prompts=[make it red]", f"hydra.run.dir={tmp_path}")
+    code, out = _rlgen(
+        "sample", "model=tiny_flux_kontext", "prompts=[make it red]", f"hydra.run.dir={tmp_path}"
+    )
     message = " ".join((out + capsys.readouterr().err).split())
     assert code == 2 and "drop prompts= to draw data.test (builtin:tiny_edit_test.jsonl)" in message, message

@@ -114,7 +114,9 @@ def test_bare_train_is_exactly_the_shapes_experiment():
     assert bare["data"]["eval_num_prompts"] == 288 and bare["launcher"]["name"] == "local"
 
 
-@pytest.mark.parametrize(("args", "section", "key"), [("launcher=accelerate", "launcher", "name"), ("algo.lr=1e-4", "algo", "lr")])
+@pytest.mark.parametrize(
+    ("args", "section", "key"), [("launcher=accelerate", "launcher", "name"), ("algo.lr=1e-4", "algo", "lr")]
+)
 def test_a_launcher_or_a_key_override_keeps_shapes_eval(args, section, key):
     bare, other = OmegaConf.to_container(_train("")), OmegaConf.to_container(_train(args))
     assert other[section][key] != bare[section][key]

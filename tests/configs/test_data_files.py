@@ -25,9 +25,14 @@ def test_a_missing_upstream_file_names_the_layout_and_the_override(tmp_path: Pat
         f"data.test: prompt file dataset/geneval/test_metadata.jsonl does not exist (looked at "
         f"{tmp_path}/dataset/geneval/test_metadata.jsonl)."
     )
-    assert "Flow-GRPO's repository (github.com/yifan123/flow_grpo): put its dataset/geneval/ folder under" in message
+    assert (
+        "Flow-GRPO's repository (github.com/yifan123/flow_grpo): put its dataset/geneval/ folder under"
+        in message
+    )
     assert 'JSON lines, one object per line with a "prompt"' in message
-    assert message.endswith("To use another file: data.test=/path/to/test_metadata.jsonl (data.train=… likewise).")
+    assert message.endswith(
+        "To use another file: data.test=/path/to/test_metadata.jsonl (data.train=… likewise)."
+    )
 
 
 def test_a_missing_file_of_my_own_gets_no_upstream_story(tmp_path: Path):

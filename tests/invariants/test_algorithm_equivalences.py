@@ -12,7 +12,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from rlgen_cli._hydra import conf_dir
+from rlgen_cli._hydra import conf_dir, verb_overrides
 from rlgen_cli.recipes.flow_rl import FlowRLRecipe
 from rlgen_cli.schema.store import register_schemas
 from rlgen_cli.tasks.common import validated
@@ -24,7 +24,10 @@ register_schemas()
 
 def _recipe(tmp_path, overrides: list[str]) -> FlowRLRecipe:
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-        cfg = compose(config_name="train", overrides=[*TINY_RUN, "model.num_steps=4", *overrides])
+        cfg = compose(
+            config_name="train",
+            overrides=verb_overrides("train", [*TINY_RUN, "model.num_steps=4", *overrides]),
+        )
     OmegaConf.set_struct(cfg, False)
     cfg.run_dir = str(tmp_path)
     recipe = FlowRLRecipe(validated(cfg), cfg)

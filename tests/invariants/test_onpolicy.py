@@ -92,8 +92,8 @@ def test_perturb_weights_adds_seeded_noise_of_the_given_std():
 # -- ShapesEval: the default model ---------------------------------------------------------------------
 # `rlgen check-onpolicy model=shapes_base data=shapes reward=shapes_geneval`, one small epoch
 SHAPES = [
-    "model=shapes_base", "data=shapes", "reward=shapes_geneval", "algo.prompts_per_epoch=2", "algo.group_size=4",
-    "algo.sample_batch_size=8", "algo.train_batch_size=8", "algo.gradient_accumulation_steps=1", "progress=false",
+    "model=shapes_base", "data=shapes", "reward=shapes_geneval", "algo.prompts_per_epoch=2", "algo.group_size=2",
+    "algo.sample_batch_size=4", "algo.train_batch_size=4", "algo.gradient_accumulation_steps=1", "progress=false",
 ]  # fmt: skip
 
 

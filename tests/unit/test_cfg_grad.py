@@ -17,8 +17,8 @@ from rlgen_cli.models.wan import WanPolicy
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import LoraConfig, ModelConfig
 from rlgen_cli.tasks.common import validated
-from tests.conftest import TINY_RUN
 from tests.configs.test_compose import _compose
+from tests.conftest import TINY_RUN
 
 GUIDANCE = 4.5
 PROMPTS = ["a red circle", "two blue squares"]
@@ -110,9 +110,8 @@ def test_mode_is_scoped_and_checked():
     with cfg_gradient("conditional"):
         assert not uncond_takes_grad()
     assert uncond_takes_grad()
-    with pytest.raises(ValueError, match="unknown cfg_grad 'uncond'"):
-        with cfg_gradient("uncond"):
-            pass
+    with pytest.raises(ValueError, match="unknown cfg_grad 'uncond'"), cfg_gradient("uncond"):
+        pass
     with pytest.raises(UserError, match="algo.cfg_grad='uncond' is not valid"):
         validated(_compose("train", ["algo.cfg_grad=uncond"]))
 

@@ -21,13 +21,13 @@ def compose_config(name: str, overrides: list[str], run_dir: Path | str = "/tmp/
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from rlgen_cli._hydra import conf_dir
+    from rlgen_cli._hydra import conf_dir, verb_overrides
     from rlgen_cli.schema.store import register_schemas
     from rlgen_cli.tasks.common import validated
 
     register_schemas()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-        raw = compose(config_name=name, overrides=overrides)
+        raw = compose(config_name=name, overrides=verb_overrides(name, overrides))
     OmegaConf.set_struct(raw, False)
     raw.run_dir = str(run_dir)
     return validated(raw), raw
