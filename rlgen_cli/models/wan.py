@@ -78,7 +78,8 @@ def wan_timestep(sigma: Tensor) -> Tensor:
 
     UniPC hands the transformer its int64 timesteps ``int(1000·σ)``, with σ₀ = 1 nudged to 1 − 1e-6, so
     t₀ = 999; Flow-GRPO's Wan sampler feeds the same integers. σ arrives in fp32: the 1e-4 absorbs its
-    rounding (≤ 6e-5 after × 1000), so σ = 0.7 gives 700 as the float64 grid does.
+    rounding (≤ 6e-5 after × 1000), so σ = 0.7 gives 700 as the float64 grid does. Where 1000·σ lies
+    within that rounding of an integer the two can differ by 1 (1 step in 2·10⁴ on the shift-3 grids).
     """
     steps = torch.floor(sigma.double() * NUM_TRAIN_TIMESTEPS + 1e-4)
     return steps.clamp(max=NUM_TRAIN_TIMESTEPS - 1).float()

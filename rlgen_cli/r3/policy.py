@@ -61,7 +61,8 @@ class Thoughts:
         completions: N × (L_i,) sampled token ids, the stop token included when one was sampled.
         texts: The decoded completions (special tokens removed).
         truncated: Whether the token budget ran out before a stop token.
-        sampler_logprobs: N × (L_i,) raw-logit log-probs recorded while sampling (diagnostics only).
+        sampler_logprobs: N × (L_i,) raw-logit log-probs recorded while sampling (temperature 1, vision
+            tokens masked): what ``rlgen check-onpolicy`` holds the training forward against.
     """
 
     prompts: list[str]

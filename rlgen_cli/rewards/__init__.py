@@ -1,14 +1,15 @@
 """Rewards: the :class:`Reward` protocol, the registry, weighted mixes and local rewards.
 
-Importing this package registers the built-in local rewards (``brightness``, ``jpeg_compressibility``,
-``jpeg_incompressibility``, ``pickscore``, ``clipscore``, ``aesthetic``, ``image_similarity``,
-``imagereward``, ``qwenvl``, ``geneval``, ``ocr``, ``video_ocr``) and the clients of served rewards
+Importing this package registers the built-in local rewards (``brightness``, ``char_fraction``,
+``jpeg_compressibility``, ``jpeg_incompressibility``, ``pickscore``, ``clipscore``, ``aesthetic``,
+``image_similarity``, ``imagereward``, ``qwenvl``, ``geneval``, ``ocr``, ``video_ocr``) and the clients of served rewards
 (``remote``, ``flowgrpo_remote``, ``openai_judge``). Model-backed rewards import
 transformers (or rapidocr) lazily, on first use, so the import stays cheap. It never imports
 :mod:`rlgen_cli.models`.
 """
 
 from rlgen_cli.rewards import brightness as _brightness  # noqa: F401  (registers brightness)
+from rlgen_cli.rewards import char_fraction as _char_fraction  # noqa: F401  (registers char_fraction)
 from rlgen_cli.rewards import clip as _clip  # noqa: F401  (registers the CLIP rewards)
 from rlgen_cli.rewards import geneval as _geneval  # noqa: F401  (registers geneval)
 from rlgen_cli.rewards import jpeg as _jpeg  # noqa: F401  (registers the JPEG rewards)

@@ -386,5 +386,5 @@ def build_length(target: int = 256, unit: str = "chars") -> TextRuleReward:
     return TextRuleReward("length", lambda t, m: length_score(t, target, unit))
 
 
-TEXT_REWARDS = ("answer_accuracy", "step_rar", "step_rvr", "think_format", "length")
+TEXT_REWARDS = ("answer_accuracy", "step_rar", "step_rvr", "think_format", "length", "char_fraction")
 """Rewards that score generated texts only (the VLM recipes accept these)."""

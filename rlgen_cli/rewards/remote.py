@@ -23,7 +23,9 @@ endpoint, lazy health checks, timeouts, retries with exponential backoff and fai
 (``stats()``). A sample whose score cannot be obtained raises :class:`RemoteRewardError`
 (``on_failure="raise"``, the default) or becomes ``NaN`` (``on_failure="nan"``), counted in
 ``stats()["nan_samples"]`` — never a silent 0. A 4xx reply (bad token, unknown reward, request too
-large) is a configuration mistake and always raises :class:`RequestRefusedError`.
+large) is a configuration mistake and always raises :class:`RequestRefusedError`. An endpoint that
+refuses connections or times out (a frozen server) is left out for a cool-down, so later calls do not
+wait for it again.
 """
 
 from __future__ import annotations
@@ -207,7 +209,8 @@ class RemoteReward(_RemoteBase):
             timeout_s: Per-request timeout.
             retries: Extra attempts per request, each on another endpoint when possible.
             backoff_s: First retry delay (doubles each retry).
-            health_interval_s: Cool-down of a failed endpoint and the probe interval.
+            health_interval_s: Cool-down of an endpoint that refused, timed out or failed its probe
+                (doubling while it keeps failing, see :class:`EndpointPool`), and the probe interval.
             max_concurrency: Requests in flight per ``score`` call (default: number of endpoints).
             on_failure: ``raise`` or ``nan`` for samples whose score could not be obtained.
             binary: Legacy switch, used only when ``wire_format`` is not given: ``True`` = ``"msgpack"``,
@@ -466,7 +469,8 @@ class OpenAIJudgeReward(_RemoteBase):
             timeout_s: Per-request timeout.
             retries: Extra attempts per request (connection errors, 5xx, malformed replies).
             backoff_s: First retry delay (doubles each retry).
-            health_interval_s: Cool-down of a failed endpoint and the ``/models`` probe interval.
+            health_interval_s: Cool-down of an endpoint that refused, timed out or failed its probe
+                (doubling while it keeps failing), and the ``/models`` probe interval.
             max_concurrency: Judge calls in flight per ``score`` call.
             jpeg_quality: Quality of the JPEG sent to the judge.
             on_failure: ``raise`` or ``nan`` for a failed call or an unparsable answer (both counted).

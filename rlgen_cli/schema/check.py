@@ -15,11 +15,11 @@ from rlgen_cli.schema.flow import TrainConfig
 __all__ = ["TEXT_TOLERANCE", "CheckConfig", "CheckOnPolicyConfig"]
 
 TEXT_TOLERANCE = 1e-5
-"""Default ``check.text_tolerance``. Measured on the tiny Qwen2-VL in fp32 on CPU: ``generate``'s
-KV-cache decoding and the training layout's full forward give log-probs that differ by at most 9.5e-7
-(one or two float32 ulps of a log-prob near −12), over temperatures 0.7–1.2, completions of 12–48 tokens
-and training batches of 2 and 6. 1e-5 leaves a 10× margin; weight noise of std 1e-5 already moves the
-log-probs by ≈ 2.6e-5 and fails it."""
+"""Default ``check.text_tolerance``. Measured in fp32 on CPU, ``generate``'s KV-cache decoding against the
+training layout's full forward: ≤ 9.5e-7 on the tiny Qwen2-VL (one or two float32 ulps of a log-prob near
+−12; temperatures 0.7–1.2, completions of up to 48 tokens, 16 samples per epoch, training batches of 2–8)
+and ≤ 4.8e-7 on R3's tiny Qwen2.5-VL text policy (4 seeds, both stages). 1e-5 leaves a 10× margin, and
+LoRA noise of std 1e-5 already moves the log-probs by ≈ 2.6e-5, failing it."""
 
 
 @dataclass
@@ -37,7 +37,8 @@ class CheckConfig:
     perturb_weights: float = 0.0
     """Test switch: after the rollout and before the training-path recompute, add Gaussian noise of this
     standard deviation (seeded by ``seed``) to every trainable weight — the check must then fail (exit 1).
-    It shows the check can fail; 0 = off. 1e-3 moves the tiny models' log-probs by ≈ 3e-3."""
+    It shows the check can fail; 0 = off. 1e-3 moves the log-probs by ≈ 2e-3 (tiny VLM, R3 text), ≈ 1e-4
+    (R3 image steps, ShapesEval UNet) and ≈ 4e-6 (tiny SD3, whose LoRA starts at B = 0; 1e-2: ≈ 5e-5)."""
 
     def __post_init__(self) -> None:
         for key in ("tolerance", "text_tolerance"):

@@ -33,6 +33,14 @@ class ServerConfig:
     """Largest request body in MiB (larger → 413)."""
     max_image_pixels: int = 16777216
     """Largest H×W of one image (default 4096²; larger → 413)."""
+    max_image_side: int = 65500
+    """Largest H or W of one image (default: the largest JPEG side; larger → 413)."""
+    max_decoded_mb: float = 256.0
+    """Largest decoded size of a request's images together, Σ C·H·W bytes of uint8, in MiB (larger → 413)."""
+    max_request_items: int = 250000
+    """Most list elements + map entries + containers in one request body, counted while parsing (→ 413)."""
+    max_metadata_depth: int = 32
+    """Deepest nesting of lists/maps in one sample's metadata (deeper → 413)."""
     workers: int = 1
     """Server processes, each on its own port (port, port+1, …); clients balance across them."""
     devices: list[str] = field(default_factory=list)
@@ -53,6 +61,8 @@ class ServerConfig:
         _require(
             self.max_image_pixels >= 1, f"server.max_image_pixels must be ≥ 1, got {self.max_image_pixels}"
         )
+        for key in ("max_image_side", "max_decoded_mb", "max_request_items", "max_metadata_depth"):
+            _require(getattr(self, key) > 0, f"server.{key} must be > 0, got {getattr(self, key)}")
 
 
 @dataclass

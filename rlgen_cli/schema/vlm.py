@@ -108,7 +108,7 @@ class TokenGRPOOptions:
     old_logprobs: str = "recompute"
     """π_old: ``recompute`` = the training forward on the rollout batch right after generation (ratio
     exactly 1 on the first inner epoch); ``sampler`` = generate()'s raw logits (KV-cache numerics differ
-    by ~1e-7)."""
+    by ≤ 1e-6 in fp32; ``rlgen check-onpolicy`` measures the gap)."""
     engine: str = "hf"
     """Rollout engine: ``hf`` = transformers ``generate`` on the training model; ``vllm`` = a vLLM engine
     colocated on the same GPU (``pip install vllm``, CUDA), the training weights pushed into it before each

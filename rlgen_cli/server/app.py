@@ -3,19 +3,27 @@
 ``build_app(rewards, settings)`` returns an :class:`aiohttp.web.Application` that hosts several named
 rewards. Score requests follow :mod:`rlgen_cli.server.wire` (JSON with base64 PNG/JPEG; msgpack with PNG/JPEG
 bytes or raw uint8 pixels); concurrent requests for one reward are micro-batched
-(:mod:`rlgen_cli.server.batcher`). Raw pixels are validated and viewed in place on the event loop; only
-PNG/JPEG decoding goes to a decode thread pool (one thread per core). Every
-client mistake is a JSON ``{"error": "..."}`` with a 4xx status that names the problem; a reward failure
-is 422 (the reward rejected the input) or 500. With ``token`` set, every route except ``/healthz`` needs
-``Authorization: Bearer <token>``. Shutting down (``AppRunner.cleanup``) stops accepting connections,
-lets in-flight requests finish, then drains the batch queues.
+(:mod:`rlgen_cli.server.batcher`).
+
+The cost of a request is bounded before it is paid: the body size (``max_request_mb``), the items its
+parsing may build (``max_request_items``, counted while parsing, :mod:`rlgen_cli.server.limits`), the
+nesting of its metadata (``max_metadata_depth``), each image's pixels and sides, and the decoded size of
+all its images together (``max_decoded_mb``, summed from raw shapes and PNG/JPEG headers before anything
+is decoded); each answers 413 naming its key. Parsing and PNG/JPEG decoding run in a thread pool (one
+thread per core), so the event loop — and ``/healthz`` — keeps answering during a large request; raw
+pixels are validated and viewed in place.
+
+Every client mistake is a JSON ``{"error": "..."}`` with a 4xx status that names the problem; a reward
+failure is 422 (the reward rejected the input) or 500. A client that disconnects before sending its whole
+body is logged at INFO and counted as ``rlgen_errors_total{kind="disconnect"}``. With ``token`` set, every
+route except ``/healthz`` needs ``Authorization: Bearer <token>``. Shutting down (``AppRunner.cleanup``)
+stops accepting connections, lets in-flight requests finish, then drains the batch queues.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import os
 import time
@@ -29,7 +37,7 @@ from aiohttp import web
 
 from rlgen_cli.rewards.base import Reward
 from rlgen_cli.schema.errors import UserError
-from rlgen_cli.server import wire
+from rlgen_cli.server import limits, wire
 from rlgen_cli.server.batcher import MicroBatcher, ScoringError
 from rlgen_cli.server.metrics import ServerMetrics
 
@@ -52,6 +60,11 @@ class ServerSettings:
         max_wait_ms: How long a request waits for others to share its micro-batch.
         max_request_mb: Largest request body in MiB.
         max_image_pixels: Largest ``H × W`` of one image.
+        max_image_side: Largest ``H`` or ``W`` of one image (65 500: the largest JPEG side).
+        max_decoded_mb: Largest decoded size of a request's images together, ``Σ C·H·W`` bytes of uint8
+            pixels, in MiB (the float batch a reward gets is 4× that).
+        max_request_items: Most list elements, map entries and containers a request body may hold.
+        max_metadata_depth: Deepest nesting of lists/maps inside one sample's metadata.
         workers: Server processes; each listens on its own port (see ``server/runner.py``).
         devices: Devices given round-robin to the workers (``cuda:0``, ``1``, ``cpu``); empty = inherit.
         shutdown_timeout_s: How long a shutdown waits for in-flight requests.
@@ -64,6 +77,10 @@ class ServerSettings:
     max_wait_ms: float = 10.0
     max_request_mb: float = 64.0
     max_image_pixels: int = 4096 * 4096
+    max_image_side: int = wire.MAX_SIDE
+    max_decoded_mb: float = 256.0
+    max_request_items: int = 250_000
+    max_metadata_depth: int = 32
     workers: int = 1
     devices: list[str] = field(default_factory=list)
     shutdown_timeout_s: float = 30.0
@@ -76,6 +93,16 @@ class ServerSettings:
             (self.max_wait_ms >= 0, f"server.max_wait_ms must be ≥ 0, got {self.max_wait_ms}"),
             (self.max_request_mb > 0, f"server.max_request_mb must be > 0, got {self.max_request_mb}"),
             (self.max_image_pixels >= 1, f"server.max_image_pixels must be ≥ 1, got {self.max_image_pixels}"),
+            (self.max_image_side >= 1, f"server.max_image_side must be ≥ 1, got {self.max_image_side}"),
+            (self.max_decoded_mb > 0, f"server.max_decoded_mb must be > 0, got {self.max_decoded_mb}"),
+            (
+                self.max_request_items >= 1,
+                f"server.max_request_items must be ≥ 1, got {self.max_request_items}",
+            ),
+            (
+                self.max_metadata_depth >= 1,
+                f"server.max_metadata_depth must be ≥ 1, got {self.max_metadata_depth}",
+            ),
             (self.workers >= 1, f"server.workers must be ≥ 1, got {self.workers}"),
             (self.token != "", "server.token is empty; give a secret or null for no auth"),
         ]
@@ -88,13 +115,30 @@ class ServerSettings:
         """``max_request_mb`` in bytes."""
         return int(self.max_request_mb * 1024 * 1024)
 
+    @property
+    def max_decoded_bytes(self) -> int:
+        """``max_decoded_mb`` in bytes."""
+        return int(self.max_decoded_mb * 1024 * 1024)
+
 
 class ApiError(Exception):
-    """A request the server refuses: HTTP ``status``, a message naming the problem, a metrics ``kind``."""
+    """A request the server refuses: HTTP ``status``, a message naming the problem, a metrics ``kind``;
+    ``close`` ends the connection after the reply (its framing can no longer be trusted)."""
 
-    def __init__(self, status: int, message: str, kind: str = "validation") -> None:
+    def __init__(self, status: int, message: str, kind: str = "validation", close: bool = False) -> None:
         super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
+        self.status, self.message, self.kind, self.close = status, message, kind, close
+
+
+class ClientDisconnected(Exception):
+    """The client hung up before its whole request body arrived: nothing to answer, nothing broken."""
+
+
+_DISCONNECTED = 499  # the metrics' status label of a request whose client went away (nginx's convention)
+
+
+def _wire_error(err: wire.WireError) -> ApiError:
+    return ApiError(err.status, str(err), "too_large" if err.status == 413 else "validation")
 
 
 @dataclass
@@ -128,9 +172,17 @@ async def _observe(request: web.Request, handler: Handler) -> web.StreamResponse
     began = time.perf_counter()
     try:
         response = await handler(request)
+    except ClientDisconnected as err:
+        logger.info(
+            "client %s disconnected during %s %s: %s", request.remote, request.method, request.path, err
+        )
+        metrics.errors.inc(kind="disconnect")
+        response = web.Response(status=_DISCONNECTED)
     except ApiError as err:
         metrics.errors.inc(kind=err.kind)
         response = _error(err.status, err.message)
+        if err.close:
+            response.force_close()
     except web.HTTPException as err:  # aiohttp's own: unknown route, wrong method, body too large
         kind = "too_large" if err.status == 413 else "http"
         metrics.errors.inc(kind=kind)
@@ -155,13 +207,21 @@ async def _authorize(request: web.Request, handler: Handler) -> web.StreamRespon
     header = request.headers.get("Authorization", "")
     if not header.startswith("Bearer "):
         raise ApiError(401, "missing bearer token: send 'Authorization: Bearer <token>'", kind="auth")
-    if not hmac.compare_digest(header[len("Bearer ") :].encode(), token.encode()):
+    # aiohttp decodes header bytes as UTF-8 with surrogate escapes; encode them back the same way
+    sent = header[len("Bearer ") :].encode("utf-8", "surrogateescape")
+    if not hmac.compare_digest(sent, token.encode()):
         raise ApiError(403, "wrong bearer token: use the server's token (server.token)", kind="auth")
     return await handler(request)
 
 
-async def _read_payload(request: web.Request) -> tuple[dict[str, Any], bool]:
-    """Read and parse the body; returns the payload and whether it was msgpack."""
+async def _read_body(request: web.Request) -> bytes:
+    """The request body, after checking its declared length.
+
+    Raises:
+        ApiError: 413 above ``max_request_mb``; 400 for a body that cannot be decoded (a bad
+            ``Content-Encoding`` or chunked framing).
+        ClientDisconnected: The client hung up before the whole body arrived.
+    """
     limit = request.app[STATE].settings.max_request_bytes
     if request.content_length is not None and request.content_length > limit:
         raise ApiError(
@@ -170,29 +230,40 @@ async def _read_payload(request: web.Request) -> tuple[dict[str, Any], bool]:
             f"({limit} bytes); send fewer images per request (client batch_size)",
             kind="too_large",
         )
-    binary = request.content_type == wire.MSGPACK_TYPE
-    body = await request.read()
     try:
-        if binary:
-            import msgpack
+        return await request.read()
+    except ConnectionResetError as err:
+        raise ClientDisconnected(f"{err} after the headers, before the whole body") from err
+    except web.RequestPayloadError as err:
+        detail = getattr(err.__cause__, "message", "") or str(err)
+        encoding = request.headers.get("Content-Encoding", "identity")
+        request.content.feed_eof()  # nothing more to read: aiohttp would re-raise the error after the reply
+        raise ApiError(
+            400, f"request body could not be read (Content-Encoding: {encoding:.40}): {detail}", close=True
+        ) from err
 
-            payload = msgpack.unpackb(body, raw=False)
-        else:
-            payload = json.loads(body)
-    except Exception as err:
-        fmt = "msgpack" if binary else "JSON"
-        raise ApiError(400, f"request body is not valid {fmt}: {err}") from err
-    if not isinstance(payload, dict):
-        raise ApiError(400, f"request body must be an object, got {type(payload).__name__}")
+
+async def _read_payload(request: web.Request, state: ServerState) -> tuple[dict[str, Any], bool]:
+    """Read and parse the body in the decode pool (bounded, see :mod:`limits`); returns it and whether it
+    was msgpack."""
+    body = await _read_body(request)
+    binary = request.content_type == wire.MSGPACK_TYPE
+    loop = asyncio.get_running_loop()
+    try:
+        payload = await loop.run_in_executor(
+            state.decoder, limits.parse_body, body, binary, state.settings.max_request_items
+        )
+    except wire.WireError as err:
+        raise _wire_error(err) from err
     return payload, binary
 
 
 def _check_list(payload: dict[str, Any], key: str, item_type: type | tuple[type, ...], required: bool) -> Any:
     """Return ``payload[key]`` after checking it is a list of ``item_type`` (or absent when optional)."""
     value = payload.get(key)
-    if value is None:
-        if required:
-            raise ApiError(400, f"missing field {key!r}: a list is required")
+    if key not in payload and required:
+        raise ApiError(400, f"missing field {key!r}: a list is required")
+    if value is None and not required:
         return None
     if not isinstance(value, list):
         raise ApiError(400, f"field {key!r} must be a list, got {type(value).__name__}")
@@ -207,9 +278,13 @@ def _check_list(payload: dict[str, Any], key: str, item_type: type | tuple[type,
 
 def _validate(payload: dict[str, Any], state: ServerState, binary: bool) -> tuple[str, list, list, Any]:
     """Check the fields of a score request; returns ``(reward, raw_images, prompts, metadata)``."""
-    name = payload.get("reward")
-    if not isinstance(name, str):
+    if "reward" not in payload:
         raise ApiError(400, "missing field 'reward': give the name of a hosted reward (GET /v1/rewards)")
+    name = payload["reward"]
+    if not isinstance(name, str):
+        raise ApiError(
+            400, f"field 'reward' must be a string (a hosted reward's name), got {type(name).__name__}"
+        )
     if name not in state.batchers:
         raise ApiError(
             404,
@@ -227,32 +302,60 @@ def _validate(payload: dict[str, Any], state: ServerState, binary: bool) -> tupl
         raise ApiError(
             400, f"metadata has {len(metadata)} entries but prompts has {len(prompts)}; send one per image"
         )
+    if metadata is not None:
+        try:
+            limits.check_depth(metadata, state.settings.max_metadata_depth, "metadata")
+        except wire.WireError as err:
+            raise _wire_error(err) from err
     return name, images, prompts, metadata
 
 
-def _decode_one(data: Any, index: int, max_pixels: int) -> np.ndarray:
-    """One ``images`` entry → ``(3, H, W)`` uint8 array (a view for raw pixels, decoded for PNG/JPEG)."""
+def _checked_entry(data: Any, index: int, settings: ServerSettings) -> tuple[Any, int]:
+    """Validate one ``images`` entry without decoding it: ``(raw view | (file bytes, header), C·H·W)``."""
+    max_pixels, max_side = settings.max_image_pixels, settings.max_image_side
     if isinstance(data, dict):
-        return wire.decode_raw_image(data, index, max_pixels)
+        view = wire.decode_raw_image(data, index, max_pixels, max_side)
+        return view, view.nbytes
     if isinstance(data, str):
         data = wire.b64_to_bytes(data, index)
-    return wire.decode_image_array(data, index, max_pixels).transpose(2, 0, 1)
+    header = wire.read_image_header(data, index)
+    wire.check_image_size(index, header.height, header.width, max_pixels, max_side)
+    return (data, header), header.nbytes
 
 
-def _decode_all(raw: list[Any], max_pixels: int) -> list[np.ndarray]:
-    """Turn every entry into ``(3, H, W)`` uint8 pixels; the batcher converts to float once per batch."""
-    return [_decode_one(data, i, max_pixels) for i, data in enumerate(raw)]
+def _decode_all(raw: list[Any], settings: ServerSettings) -> list[np.ndarray]:
+    """Turn every entry into ``(C, H, W)`` uint8 pixels; the batcher converts to float once per batch.
+
+    Every entry's size is checked (raw shapes, PNG/JPEG headers) and summed against ``max_decoded_mb``
+    before the first file is decoded.
+    """
+    checked = [_checked_entry(data, i, settings) for i, data in enumerate(raw)]
+    total = sum(nbytes for _, nbytes in checked)
+    if total > settings.max_decoded_bytes:
+        raise wire.WireError(
+            f"the request's {len(raw)} images decode to {total} bytes (Σ C·H·W), above "
+            f"server.max_decoded_mb={settings.max_decoded_mb:g} ({settings.max_decoded_bytes} bytes); send "
+            "fewer or smaller images per request (client batch_size) or raise server.max_decoded_mb",
+            status=413,
+        )
+    out = []
+    for i, (entry, _) in enumerate(checked):
+        if isinstance(entry, np.ndarray):
+            out.append(entry)
+        else:
+            out.append(wire.decode_image_file(*entry, i).transpose(2, 0, 1))
+    return out
 
 
 async def _decode(raw: list[Any], state: ServerState) -> list[np.ndarray]:
     """Decode a request's images: raw pixels inline (cheap checks and views), PNG/JPEG in the decode pool."""
-    max_pixels = state.settings.max_image_pixels
     try:
         if all(isinstance(data, dict) for data in raw):
-            return _decode_all(raw, max_pixels)
-        return await asyncio.get_running_loop().run_in_executor(state.decoder, _decode_all, raw, max_pixels)
+            return _decode_all(raw, state.settings)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(state.decoder, _decode_all, raw, state.settings)
     except wire.WireError as err:
-        raise ApiError(err.status, str(err), "too_large" if err.status == 413 else "validation") from err
+        raise _wire_error(err) from err
 
 
 def _reply(body: dict[str, Any], binary: bool) -> web.Response:
@@ -268,7 +371,7 @@ async def score(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.metrics.in_flight.inc()
     try:
-        payload, binary = await _read_payload(request)
+        payload, binary = await _read_payload(request, state)
         name, raw, prompts, metadata = _validate(payload, state, binary)
         if not prompts:
             return _reply({"scores": [], "details": {}}, binary)
@@ -311,6 +414,10 @@ async def list_rewards(request: web.Request) -> web.Response:
                 "max_batch": settings.max_batch,
                 "max_request_mb": settings.max_request_mb,
                 "max_image_pixels": settings.max_image_pixels,
+                "max_image_side": settings.max_image_side,
+                "max_decoded_mb": settings.max_decoded_mb,
+                "max_request_items": settings.max_request_items,
+                "max_metadata_depth": settings.max_metadata_depth,
             },
             "wire_formats": list(wire.FORMATS),
         }
@@ -356,7 +463,7 @@ def build_app(rewards: dict[str, Reward], settings: ServerSettings | None = None
     if not rewards:
         raise UserError("the reward server needs at least one reward; set reward.weights")
     settings = settings or ServerSettings()
-    # aiohttp's own limit is a backstop for chunked bodies; _read_payload checks Content-Length first.
+    # aiohttp's own limit is a backstop for chunked bodies; _read_body checks Content-Length first.
     app = web.Application(client_max_size=settings.max_request_bytes, middlewares=[_observe, _authorize])
     app[STATE] = ServerState(rewards=dict(rewards), settings=settings)
     app.cleanup_ctx.append(_batchers)

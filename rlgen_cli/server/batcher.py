@@ -8,7 +8,7 @@ grouped by image size (only equal sizes stack) and each group is scored in chunk
 ``max_batch``. If a merged batch fails, each request is rescored alone, so one bad request cannot fail
 its neighbours.
 
-Images arrive as ``(3, H, W)`` uint8 pixels (numpy views of the request body, or decoded PNG/JPEG) and
+Images arrive as ``(C, H, W)`` uint8 pixels (numpy views of the request body, or decoded PNG/JPEG) and
 stay uint8 until a ``Reward.score`` chunk is built: each is then divided by 255 straight into the float
 batch (one pass, no intermediate copies), or, for a reward that ``accepts_uint8`` (it would quantise
 again at once), stacked as uint8. A request waits for company only while its micro-batch is not
@@ -60,7 +60,7 @@ class Scored:
 class Job:
     """One queued request: its decoded samples and the future its handler awaits."""
 
-    images: list[np.ndarray | Tensor]  # each (3, H, W): uint8 pixels, or float in [0, 1]
+    images: list[np.ndarray | Tensor]  # each (C, H, W): uint8 pixels, or float in [0, 1]
     prompts: list[str]
     metadata: list[dict] | None
     future: asyncio.Future = field(repr=False)
@@ -86,7 +86,7 @@ def _per_sample(details: dict[str, Any], n: int) -> dict[str, list[Any]]:
 def stack_images(
     images: list[np.ndarray | Tensor], pool: Executor | None = None, keep_uint8: bool = False
 ) -> Tensor:
-    """Stack equal-size ``(3, H, W)`` images into a ``(B, 3, H, W)`` float32 batch in [0, 1].
+    """Stack equal-shape ``(C, H, W)`` images into a ``(B, C, H, W)`` float32 batch in [0, 1].
 
     uint8 numpy pixels are divided by 255 straight into the batch, one image at a time (no uint8 stack,
     no batch-sized temporary); with a ``pool``, a large batch is converted in slices on its threads too
@@ -132,7 +132,7 @@ def score_samples(
 
     Args:
         reward: The reward.
-        images: ``(3, H, W)`` images, one per prompt: uint8 pixels or float in [0, 1].
+        images: ``(C, H, W)`` images, one per prompt: uint8 pixels or float in [0, 1].
         prompts: The prompts.
         metadata: Optional per-sample metadata.
         max_batch: Largest number of images per ``Reward.score`` call.

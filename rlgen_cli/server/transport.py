@@ -8,7 +8,11 @@
   ``health_interval_s`` without a successful request, and when its cool-down after a failure ends;
 * **retries with failover** — a connection error, timeout, 5xx/429 or malformed reply is retried up to
   ``retries`` times with exponential backoff, each time on an endpoint not yet tried in this call when
-  one is left; a connection failure or 503 puts the endpoint in cool-down for ``health_interval_s``;
+  one is left;
+* **cool-down** — a refused connection, a timeout (a frozen server that accepts connections but never
+  answers), a 503 or a failed health check takes the endpoint out of rotation for ``health_interval_s``,
+  doubled after each further consecutive failure (up to ``max(health_interval_s, 300 s)``) and reset by a
+  success, so a dead or frozen endpoint costs a timeout now and then, not on every call;
 * **no silent failures** — every failure is logged and counted (:meth:`EndpointPool.stats`); a 4xx
   reply (a client or configuration mistake) is raised at once with the server's message.
 
@@ -40,6 +44,7 @@ __all__ = ["EndpointPool", "RemoteRewardError", "RequestRefusedError", "parse_en
 
 T = TypeVar("T")
 _MAX_IDLE = 64  # idle keep-alive connections kept per endpoint
+_MAX_COOLDOWN_S = 300.0  # cap of the doubling cool-down (unless health_interval_s is longer)
 # Errors of a reused keep-alive connection that the server closed while it sat idle: retried once, fresh.
 _STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
 
@@ -175,6 +180,7 @@ class _Endpoint:
     healthy: bool = False
     checked_at: float | None = None  # last successful probe or request
     retry_at: float = 0.0  # end of the cool-down after a failure
+    down_streak: int = 0  # consecutive failures that took it out of rotation; 0 after a success
     connections: _Connections | None = None
 
 
@@ -187,7 +193,8 @@ class EndpointPool:
         retries: Extra attempts after the first.
         backoff_s: First backoff; doubles on each retry (capped at 30 s).
         health_path: Probe path (``/healthz``), or ``None`` to skip probes (cool-down only).
-        health_interval_s: Cool-down after a failure, and the idle time after which a probe is repeated.
+        health_interval_s: First cool-down after a failure (doubling while failures repeat), and the idle
+            time after which a probe is repeated.
     """
 
     def __init__(
@@ -299,13 +306,21 @@ class EndpointPool:
             self._release(endpoint, ok=False, down=True)
             skipped.add(endpoint.url)
 
+    def _cooldown_s(self, streak: int) -> float:
+        """Cool-down after the ``streak``-th consecutive failure: ``health_interval_s`` doubling, capped."""
+        cap = max(self.health_interval_s, _MAX_COOLDOWN_S)
+        return min(self.health_interval_s * 2.0 ** min(streak - 1, 32), cap)
+
     def _release(self, endpoint: _Endpoint, ok: bool, down: bool = False) -> None:
         with self._lock:
             endpoint.in_flight -= 1
             if ok:
                 endpoint.healthy, endpoint.checked_at = True, time.monotonic()
+                endpoint.down_streak = 0
             elif down:
-                endpoint.healthy, endpoint.retry_at = False, time.monotonic() + self.health_interval_s
+                endpoint.down_streak += 1
+                endpoint.healthy = False
+                endpoint.retry_at = time.monotonic() + self._cooldown_s(endpoint.down_streak)
 
     def _failure(self, endpoint: _Endpoint, kind: str, detail: str) -> str:
         """Count and log one failed attempt; returns the message for the final error."""
@@ -328,7 +343,7 @@ class EndpointPool:
     ) -> tuple[bool, Any]:
         """One attempt on a reserved endpoint: ``(True, result)`` or ``(False, error message)``.
 
-        The endpoint is always released; a connection failure or a 503 puts it in cool-down.
+        The endpoint is always released; a connection failure, a timeout or a 503 puts it in cool-down.
 
         Raises:
             RequestRefusedError: On a 4xx reply (retrying cannot help).
@@ -338,11 +353,12 @@ class EndpointPool:
             try:
                 status, data, ctype = self._http(method, endpoint, path, body, headers, self.timeout_s)
             except TimeoutError as err:
+                down = True  # frozen or overloaded: the next calls should not wait for it again
                 return False, self._failure(endpoint, "timeouts", str(err) or "timed out")
             except (OSError, http.client.HTTPException) as err:
+                down = True
                 if isinstance(getattr(err, "reason", None), TimeoutError):
                     return False, self._failure(endpoint, "timeouts", str(err))
-                down = True
                 return False, self._failure(endpoint, "connection_errors", f"{type(err).__name__}: {err}")
             if 200 <= status < 300:
                 try:

@@ -16,11 +16,17 @@ Binary variant (``Content-Type: application/msgpack``): the same map, and the re
 
 * the PNG/JPEG file as raw bytes (``"msgpack"`` in the clients), or
 * **raw pixels** (``"raw"``, the ``remote`` client's default): a map ``{"shape": [C, H, W], "dtype":
-  "uint8", "data": <C·H·W bytes>}`` — channels first, row-major, ``C`` in {1, 3}, ``round(x·255)`` of
-  the float image. No codec runs on either side; the server checks that ``shape × dtype`` matches the
+  "uint8", "data": <C·H·W bytes>}`` — channels first, row-major, ``C`` in {1, 2, 3, 4}, ``round(x·255)``
+  of the float image. No codec runs on either side; the server checks that ``shape × dtype`` matches the
   byte count exactly, the pixel limit and the dims, and refuses anything else with a 4xx.
 
 Entries of both kinds may be mixed in one request. ``benchmarks/wire_format.py`` compares the formats.
+
+Only PNG and JPEG files are decoded (Pillow is never asked to open another format), and each keeps the
+channels it carries: grey ``L`` → 1, grey + alpha ``LA`` → 2, ``RGB`` → 3, ``RGBA`` → 4 (a palette or
+1-bit PNG becomes RGB(A) or grey, CMYK JPEG becomes RGB, 16-bit grey keeps its high byte), so the reward
+gets the array the client encoded — the one it would get in-process. The size of every file is read from
+its header before anything is decoded (:func:`read_image_header`).
 
 This module imports only torch, numpy, PIL and the standard library, so the reward clients may use it
 without pulling in aiohttp or the server.
@@ -33,7 +39,8 @@ import binascii
 import io
 import json
 import math
-from typing import Any
+import struct
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -41,14 +48,19 @@ from PIL import Image
 from torch import Tensor
 
 __all__ = [
+    "CHANNELS",
     "FORMATS",
     "JSON_TYPE",
+    "MAX_SIDE",
     "MSGPACK_TYPE",
     "RAW_DTYPES",
+    "ImageHeader",
     "WireError",
     "b64_to_bytes",
+    "check_image_size",
     "decode_image",
     "decode_image_array",
+    "decode_image_file",
     "decode_raw_image",
     "decode_reply",
     "encode_image",
@@ -59,6 +71,7 @@ __all__ = [
     "pixels_to_float",
     "quantize",
     "raw_entries",
+    "read_image_header",
     "to_jsonable",
 ]
 
@@ -66,14 +79,18 @@ JSON_TYPE = "application/json"
 MSGPACK_TYPE = "application/msgpack"
 FORMATS = ("raw", "msgpack", "json")  # raw pixels in msgpack; PNG in msgpack; base64 PNG in JSON
 RAW_DTYPES = {"uint8": np.dtype(np.uint8)}
+CHANNELS = (1, 2, 3, 4)  # grey, grey + alpha, RGB, RGBA: what PNG stores and PIL's fromarray makes
+MAX_SIDE = 65_500  # default server.max_image_side: the largest side a JPEG (and so a JPEG reward) allows
 _RAW_KEYS = frozenset(("shape", "dtype", "data"))
+_MODES = {"L": "grey", "LA": "grey + alpha", "RGB": "RGB", "RGBA": "RGBA"}  # kept as they are
 
 
 class WireError(ValueError):
     """A payload that does not follow the wire format; the message names the offending field.
 
     Attributes:
-        status: The HTTP status the server answers with (400, or 413 for an image above the pixel limit).
+        status: The HTTP status the server answers with: 400, 413 for an image above a size limit, 415
+            for an image format other than PNG/JPEG.
     """
 
     def __init__(self, message: str, status: int = 400) -> None:
@@ -83,8 +100,10 @@ class WireError(ValueError):
 
 def _to_uint8_hwc(image: Tensor) -> np.ndarray:
     """Quantise a ``(C, H, W)`` float image in [0, 1] to ``(H, W, C)`` uint8 (``round(x·255)``)."""
-    if image.ndim != 3 or image.shape[0] not in (1, 3):
-        raise WireError(f"expected an image (C, H, W) with C in {{1, 3}}, got shape {tuple(image.shape)}")
+    if image.ndim != 3 or image.shape[0] not in CHANNELS:
+        raise WireError(
+            f"expected an image (C, H, W) with C in {{1, 2, 3, 4}}, got shape {tuple(image.shape)}"
+        )
     array = quantize(image).numpy().transpose(1, 2, 0)
     return array[:, :, 0] if array.shape[2] == 1 else array
 
@@ -93,7 +112,7 @@ def encode_image(image: Tensor, fmt: str = "png", quality: int = 95) -> bytes:
     """Encode one image tensor as PNG (lossless) or JPEG bytes.
 
     Args:
-        image: ``(C, H, W)`` float in [0, 1], ``C`` in {1, 3}.
+        image: ``(C, H, W)`` float in [0, 1], ``C`` in {1, 2, 3, 4} (JPEG: 1 or 3).
         fmt: ``"png"`` or ``"jpeg"``.
         quality: JPEG quality (ignored for PNG).
 
@@ -132,43 +151,190 @@ def b64_to_bytes(data: Any, index: int) -> bytes:
         ) from err
 
 
-def decode_image_array(data: bytes, index: int, max_pixels: int | None = None) -> np.ndarray:
-    """Decode PNG/JPEG bytes into an ``(H, W, 3)`` uint8 array (RGB).
+class ImageHeader(NamedTuple):
+    """What a PNG/JPEG header says about the image: its format and decoded size."""
 
-    The pixel count is checked from the header, before the pixels are decoded.
+    format: str  # "PNG" or "JPEG"
+    channels: int  # channels of the decoded array (an upper bound for palette PNGs: 4)
+    height: int
+    width: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the decoded uint8 array, ``C·H·W``."""
+        return self.channels * self.height * self.width
+
+
+_PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+_JPEG_MAGIC = b"\xff\xd8\xff"
+_PNG_CHANNELS = {0: 1, 2: 3, 3: 4, 4: 2, 6: 4}  # IHDR colour type → channels (palette: RGBA at most)
+_JPEG_CHANNELS = {1: 1, 3: 3, 4: 3}  # frame components → channels (CMYK is converted to RGB)
+_JPEG_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # frame headers; C4/C8/CC are not
+_JPEG_MAX_SEGMENTS = 512  # segments before the frame header: real files have a few dozen
+_OTHER_MAGIC = [
+    (b"BM", "BMP"), (b"GIF8", "GIF"), (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"), (b"RIFF", "RIFF (WebP?)"),
+    (b"\x00\x00\x01\x00", "ICO"), (b"%!PS", "EPS (PostScript)"), (b"\xc5\xd0\xd3\xc6", "EPS (PostScript)"),
+    (b"%PDF", "PDF"), (b"qoif", "QOI"), (b"DDS ", "DDS"), (b"\x00\x00\x00\x0cjP", "JPEG 2000"),
+]  # fmt: skip
+
+
+def _looks_like(data: bytes) -> str:
+    """A readable guess of what ``data`` is, for the error that refuses it."""
+    for magic, name in _OTHER_MAGIC:
+        if data.startswith(magic):
+            return f"it looks like {name}"
+    if data[:1] == b"P" and data[1:2] in b"1234567" and len(data) > 2:
+        return "it looks like PNM (PPM/PGM/PBM)"
+    return f"it starts with {data[:8]!r}"
+
+
+def _png_header(data: bytes, index: int) -> ImageHeader:
+    if len(data) < 33 or data[12:16] != b"IHDR":
+        raise WireError(f"images[{index}] is not a valid PNG: no IHDR header")
+    width, height = struct.unpack(">II", data[16:24])
+    channels = _PNG_CHANNELS.get(data[25])
+    if channels is None:
+        raise WireError(f"images[{index}] is not a valid PNG: colour type {data[25]}")
+    return ImageHeader("PNG", channels, height, width)
+
+
+def _jpeg_header(data: bytes, index: int) -> ImageHeader:
+    """Walk the JPEG segments up to the frame header (SOFn) and read its size and components."""
+    pos = 2
+    for _ in range(_JPEG_MAX_SEGMENTS):
+        if pos + 4 > len(data) or data[pos] != 0xFF:
+            break
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if marker in _JPEG_SOF and pos + 10 <= len(data):
+            height, width = struct.unpack(">HH", data[pos + 5 : pos + 9])
+            channels = _JPEG_CHANNELS.get(data[pos + 9])
+            if channels is None:
+                raise WireError(f"images[{index}] is a JPEG with {data[pos + 9]} components; send 1 or 3")
+            return ImageHeader("JPEG", channels, height, width)
+        if marker in (0xD9, 0xDA):  # end of image or start of scan before any frame header
+            break
+        pos += 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
+    raise WireError(f"images[{index}] is not a valid JPEG: no frame header")
+
+
+def read_image_header(data: bytes, index: int) -> ImageHeader:
+    """Read the format and size of a PNG/JPEG file from its header, without decoding anything.
+
+    Raises:
+        WireError: 415 for any other format (Pillow never sees it), 400 for a malformed header.
+    """
+    if data.startswith(_PNG_MAGIC):
+        header = _png_header(data, index)
+    elif data.startswith(_JPEG_MAGIC):
+        header = _jpeg_header(data, index)
+    else:
+        raise WireError(
+            f"images[{index}] is not a PNG or JPEG file ({_looks_like(data)}): this server decodes only PNG "
+            "and JPEG (and raw pixels in msgpack); convert the image to PNG",
+            status=415,
+        )
+    if header.height < 1 or header.width < 1:
+        raise WireError(f"images[{index}] has an empty size {header.width}×{header.height}")
+    return header
+
+
+def check_image_size(
+    index: int, height: int, width: int, max_pixels: int | None, max_side: int | None
+) -> None:
+    """Raise a 413 :class:`WireError` when one image is above the pixel or side limit."""
+    if max_pixels is not None and height * width > max_pixels:
+        raise WireError(
+            f"images[{index}] is {width}×{height} = {height * width} pixels, above "
+            f"server.max_image_pixels={max_pixels}; send smaller images or raise server.max_image_pixels",
+            status=413,
+        )
+    if max_side is not None and max(height, width) > max_side:
+        raise WireError(
+            f"images[{index}] is {width}×{height}, a side above server.max_image_side={max_side} px; "
+            "send smaller images or raise server.max_image_side",
+            status=413,
+        )
+
+
+def _normalised(pil: Image.Image, index: int) -> np.ndarray:
+    """The ``(H, W, C)`` uint8 array of a decoded PNG/JPEG, keeping its channels (see module doc)."""
+    mode = pil.mode
+    if mode in ("I;16", "I;16B", "I"):  # 16-bit grey: the high byte, as Pillow reads 16-bit RGB
+        array = (np.asarray(pil).astype(np.uint32) >> 8).astype(np.uint8)
+        return array[:, :, None]
+    if mode == "1":
+        pil = pil.convert("L")
+    elif mode in ("P", "PA"):
+        pil = pil.convert("RGBA" if mode == "PA" or "transparency" in pil.info else "RGB")
+    elif mode == "CMYK":
+        pil = pil.convert("RGB")
+    elif mode not in _MODES:
+        raise WireError(f"images[{index}] has pixel mode {mode}; send 8-bit grey, RGB or RGBA", status=415)
+    array = np.asarray(pil, dtype=np.uint8)
+    return array[:, :, None] if array.ndim == 2 else array
+
+
+def decode_image_file(data: bytes, header: ImageHeader, index: int) -> np.ndarray:
+    """Decode a PNG/JPEG file whose header was read (and checked) into ``(H, W, C)`` uint8 pixels.
+
+    Pillow is asked to open only ``header.format``.
+
+    Raises:
+        WireError: 400 for undecodable data or a size that disagrees with the header, 413 above Pillow's
+            own decompression-bomb limit.
+    """
+    try:
+        with Image.open(io.BytesIO(data), formats=[header.format]) as pil:
+            if pil.size != (header.width, header.height):
+                raise WireError(
+                    f"images[{index}] has two sizes: {header.width}×{header.height} in its header, "
+                    f"{pil.size[0]}×{pil.size[1]} in its frame"
+                )
+            return _normalised(pil, index)
+    except WireError:
+        raise
+    except Image.DecompressionBombError as err:
+        raise WireError(
+            f"images[{index}] is above Pillow's decompression-bomb limit ({err}); "
+            "send smaller images (server.max_image_pixels cannot raise Pillow's limit)",
+            status=413,
+        ) from err
+    except Exception as err:  # PIL raises several unrelated types for corrupt data
+        raise WireError(f"images[{index}] could not be decoded as {header.format}: {err}") from err
+
+
+def decode_image_array(
+    data: bytes, index: int, max_pixels: int | None = None, max_side: int | None = MAX_SIDE
+) -> np.ndarray:
+    """Decode PNG/JPEG bytes into an ``(H, W, C)`` uint8 array with the channels the file carries.
+
+    The size is checked from the header, before the pixels are decoded.
 
     Args:
         data: The file bytes.
         index: Position in the request, used in errors.
         max_pixels: Largest allowed ``H × W``; ``None`` = no limit.
+        max_side: Largest allowed ``H`` and ``W``; ``None`` = no limit.
 
     Returns:
-        ``(H, W, 3)`` uint8 array.
+        ``(H, W, C)`` uint8 array, ``C`` in {1, 2, 3, 4}.
 
     Raises:
-        WireError: If the bytes are not a decodable image (400) or it has too many pixels (413).
+        WireError: 415 for another format, 400 for undecodable bytes, 413 above a size limit.
     """
-    try:
-        with Image.open(io.BytesIO(data)) as pil:
-            width, height = pil.size
-            if max_pixels is not None and width * height > max_pixels:
-                raise WireError(
-                    f"images[{index}] is {width}×{height} = {width * height} pixels, above the server's "
-                    f"max_image_pixels={max_pixels}; send smaller images or raise server.max_image_pixels",
-                    status=413,
-                )
-            return np.asarray(pil.convert("RGB"), dtype=np.uint8)
-    except WireError:
-        raise
-    except Exception as err:  # PIL raises several unrelated types for corrupt data
-        raise WireError(f"images[{index}] could not be decoded as PNG/JPEG: {err}") from err
+    header = read_image_header(data, index)
+    check_image_size(index, header.height, header.width, max_pixels, max_side)
+    return decode_image_file(data, header, index)
 
 
 def decode_image(data: bytes, index: int, max_pixels: int | None = None) -> Tensor:
-    """Decode PNG/JPEG bytes into a ``(3, H, W)`` float32 tensor in [0, 1] (see :func:`decode_image_array`).
+    """Decode PNG/JPEG bytes into a ``(C, H, W)`` float32 tensor in [0, 1] (see :func:`decode_image_array`).
 
     Raises:
-        WireError: If the bytes are not a decodable image or it has too many pixels.
+        WireError: If the bytes are not a decodable image or it is too large.
     """
     return torch.from_numpy(pixels_to_float(decode_image_array(data, index, max_pixels).transpose(2, 0, 1)))
 
@@ -212,11 +378,12 @@ def raw_entries(pixels: Tensor) -> list[dict[str, Any]]:
     ``data`` is a zero-copy view of each image; msgpack copies it once into the request body.
 
     Raises:
-        WireError: If ``pixels`` is not uint8 ``(N, C, H, W)`` with ``C`` in {1, 3}.
+        WireError: If ``pixels`` is not uint8 ``(N, C, H, W)`` with ``C`` in {1, 2, 3, 4}.
     """
-    if pixels.dtype != torch.uint8 or pixels.ndim != 4 or pixels.shape[1] not in (1, 3):
+    if pixels.dtype != torch.uint8 or pixels.ndim != 4 or pixels.shape[1] not in CHANNELS:
         raise WireError(
-            f"raw images must be uint8 (N, C, H, W) with C in {{1, 3}}, got {pixels.dtype} {tuple(pixels.shape)}"
+            "raw images must be uint8 (N, C, H, W) with C in {1, 2, 3, 4}, got "
+            f"{pixels.dtype} {tuple(pixels.shape)}"
         )
     array = np.ascontiguousarray(pixels.numpy())
     shape = list(array.shape[1:])
@@ -224,7 +391,7 @@ def raw_entries(pixels: Tensor) -> list[dict[str, Any]]:
 
 
 def _raw_shape(shape: Any, index: int) -> tuple[int, int, int]:
-    """Check a raw entry's ``shape``: three positive ints ``[C, H, W]`` with ``C`` in {1, 3}."""
+    """Check a raw entry's ``shape``: three positive ints ``[C, H, W]`` with ``C`` in {1, 2, 3, 4}."""
     if not isinstance(shape, list | tuple) or len(shape) != 3:
         raise WireError(
             f"images[{index}].shape must be [C, H, W] (3 ints, channels first), got {shape!r:.80}"
@@ -232,25 +399,30 @@ def _raw_shape(shape: Any, index: int) -> tuple[int, int, int]:
     if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape):
         raise WireError(f"images[{index}].shape must hold positive ints, got {shape!r:.80}")
     channels, height, width = shape
-    if channels not in (1, 3):
-        raise WireError(f"images[{index}].shape={list(shape)} has C={channels}; send 1 or 3 channels first")
+    if channels not in CHANNELS:
+        raise WireError(
+            f"images[{index}].shape={list(shape)} has C={channels}; send 1 to 4 channels, channels first"
+        )
     return channels, height, width
 
 
-def decode_raw_image(entry: Any, index: int, max_pixels: int | None = None) -> np.ndarray:
-    """Validate one raw-pixel entry and view it as a ``(3, H, W)`` uint8 array (no copy, no codec).
+def decode_raw_image(
+    entry: Any, index: int, max_pixels: int | None = None, max_side: int | None = MAX_SIDE
+) -> np.ndarray:
+    """Validate one raw-pixel entry and view it as a ``(C, H, W)`` uint8 array (no copy, no codec).
 
     Args:
         entry: ``{"shape": [C, H, W], "dtype": "uint8", "data": bytes}``.
         index: Position in the request, used in errors.
         max_pixels: Largest allowed ``H × W``; ``None`` = no limit.
+        max_side: Largest allowed ``H`` and ``W``; ``None`` = no limit.
 
     Returns:
-        ``(3, H, W)`` uint8 array (a 1-channel image is broadcast to 3, as PNG decoding converts to RGB).
+        ``(C, H, W)`` uint8 array, ``C`` as sent (1 to 4): the reward gets the channels the client had.
 
     Raises:
         WireError: 400 for a malformed entry or a byte count other than ``C·H·W·itemsize``; 413 above
-            ``max_pixels``.
+            ``max_pixels`` or ``max_side``.
     """
     if not isinstance(entry, dict):
         raise WireError(
@@ -271,12 +443,7 @@ def decode_raw_image(entry: Any, index: int, max_pixels: int | None = None) -> n
         )
     if not isinstance(data, bytes):
         raise WireError(f"images[{index}].data must be bytes (msgpack bin), got {type(data).__name__}")
-    if max_pixels is not None and height * width > max_pixels:
-        raise WireError(
-            f"images[{index}] is {width}×{height} = {height * width} pixels, above the server's "
-            f"max_image_pixels={max_pixels}; send smaller images or raise server.max_image_pixels",
-            status=413,
-        )
+    check_image_size(index, height, width, max_pixels, max_side)
     dtype = RAW_DTYPES[dtype_name]
     expected = channels * height * width * dtype.itemsize
     if len(data) != expected:
@@ -284,8 +451,7 @@ def decode_raw_image(entry: Any, index: int, max_pixels: int | None = None) -> n
             f"images[{index}] declares shape [{channels}, {height}, {width}] × {dtype_name} = {expected} bytes "
             f"but data has {len(data)} bytes"
         )
-    array = np.frombuffer(data, dtype=dtype).reshape(channels, height, width)
-    return np.broadcast_to(array, (3, height, width)) if channels == 1 else array
+    return np.frombuffer(data, dtype=dtype).reshape(channels, height, width)
 
 
 def nan_to_none(value: float) -> float | None:

@@ -87,4 +87,6 @@ def ode_samples(policy, prompts: list[str], num_steps: int, seed: int, sources=N
     from rlgen_cli.training.progress import Progress
 
     spec = StepSpec("flow_sde", 0.0)
-    return sample_images(policy, prompts, num_steps, len(prompts), seed, Progress(False), spec, sources=sources)
+    return sample_images(
+        policy, prompts, num_steps, len(prompts), seed, Progress(False), spec, sources=sources
+    )

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from rlgen_cli.rewards import RewardBatch, build_reward
-from rlgen_cli.rewards.remote import RemoteReward
+from rlgen_cli.rewards.base import RewardResult
+from rlgen_cli.rewards.remote import RemoteReward, RequestRefusedError
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.server import wire
 from rlgen_cli.server.app import STATE
@@ -53,6 +54,38 @@ def test_every_wire_format_gives_the_same_scores_for_any_channels_and_sizes(serv
         for fmt in ("raw", "msgpack", "json"):
             got = RemoteReward("mean", endpoints=[server.url], wire_format=fmt).score(batch).scores
             assert torch.allclose(got, want, atol=1e-6), (fmt, got, want)
+
+
+class _ChannelProbe:
+    """Score = Σ_c (c + 1)·mean(channel c) + 10·C: any change to the channels handed over shows."""
+
+    name = "probe"
+
+    def score(self, batch: RewardBatch) -> RewardResult:
+        images = batch.images.to(torch.float64)
+        weights = torch.arange(1, images.shape[1] + 1, dtype=torch.float64)
+        scores = (images.mean(dim=(2, 3)) * weights).sum(dim=1) + 10 * images.shape[1]
+        return RewardResult(scores=scores.to(torch.float32))
+
+
+@pytest.mark.parametrize("channels", [1, 2, 3, 4])
+def test_every_channel_count_scores_the_same_served_as_in_process(serve, channels):
+    probe, jpeg = _ChannelProbe(), build_reward("jpeg_compressibility")
+    server = serve({"probe": probe, "jpeg_compressibility": jpeg})
+    noise = torch.rand(3, channels, 12, 10, generator=torch.Generator().manual_seed(channels))
+    batch = RewardBatch(prompts=["a", "b", "c"], images=torch.round(noise * 255) / 255)
+    local_probe = probe.score(batch).scores
+    for fmt in ("raw", "msgpack", "json"):
+        served = RemoteReward("probe", endpoints=[server.url], wire_format=fmt).score(batch).scores
+        assert torch.allclose(served, local_probe, atol=1e-5), (fmt, served, local_probe)
+        client = RemoteReward("jpeg_compressibility", endpoints=[server.url], wire_format=fmt)
+        if channels in (1, 3):  # the JPEG rewards score grey and RGB images
+            assert torch.equal(client.score(batch).scores, jpeg.score(batch).scores), fmt
+        else:  # and refuse the others, in-process and served alike
+            with pytest.raises(ValueError, match=r"C in \{1, 3\}"):
+                jpeg.score(batch)
+            with pytest.raises(RequestRefusedError, match=r"422.*C in \{1, 3\}"):
+                client.score(batch)
 
 
 class _DtypeRecorder(MeanReward):
@@ -105,7 +138,8 @@ def test_json_errors_name_the_problem(serve):
     cases = [
         ({"reward": "nope", "images": [good], "prompts": ["a"]}, 404, "hosts: mean"),
         ({"reward": "mean", "images": [good, "!!not-base64!!"], "prompts": ["a", "b"]}, 400, "images[1] is not valid base64"),
-        ({"reward": "mean", "images": [good, base64.b64encode(b"hello").decode()], "prompts": ["a", "b"]}, 400, "images[1] could not be decoded"),
+        ({"reward": "mean", "images": [good, base64.b64encode(b"hello").decode()], "prompts": ["a", "b"]}, 415, "images[1] is not a PNG or JPEG file (it starts with b'hello')"),
+        ({"reward": "mean", "images": [good, _png_b64(torch.zeros(3, 4, 4))[:-40]], "prompts": ["a", "b"]}, 400, "images[1] could not be decoded as PNG"),
         ({"reward": "mean", "images": [good, good], "prompts": ["a"]}, 400, "images has 2 entries but prompts has 1"),
         ({"reward": "mean", "images": [good], "prompts": ["a"], "metadata": [{}, {}]}, 400, "metadata has 2"),
         ({"images": [good], "prompts": ["a"]}, 400, "missing field 'reward'"),

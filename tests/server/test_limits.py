@@ -10,6 +10,7 @@ tests check each limit and its boundary on an in-process server.
 from __future__ import annotations
 
 import base64
+import functools
 import http.client as httpclient
 import io
 import json
@@ -31,13 +32,14 @@ from rlgen_cli.server.app import ServerSettings
 from tests.server.helpers import MeanReward, http
 
 REFUSE_MS = 2000  # M: every engineered request is answered 413 within this many milliseconds
-RSS_BOUND_MB = 200  # the server's peak RSS grows by less than this while refusing one
+RSS_BOUND_MB = 128  # the server's peak RSS grows by less than this while refusing one
 HEALTHZ_MS = 1000  # /healthz answers within this while an engineered request is being handled
 STARTUP_S = 90  # a fresh interpreter importing torch on a loaded 2-core machine
 MIB = 1024 * 1024
 
 
 # ------------------------------------------------------------------------------ engineered requests
+@functools.cache
 def _zero_png(side: int) -> bytes:
     buffer = io.BytesIO()
     Image.new("RGB", (side, side)).save(buffer, format="PNG")
@@ -63,6 +65,17 @@ def _map_flood_msgpack() -> tuple[bytes, str, float]:
     return body, "application/msgpack", n * 72 / 1e9
 
 
+def _map_flood_msgpack_nested() -> tuple[bytes, str, float]:
+    """The same 16 M empty maps as 64 lists of 256 Ki: no single list is above the item limit."""
+    n_lists, per_list = 64, 256 * 1024
+    head = msgpack.packb({"reward": "brightness", "images": [], "prompts": []}, use_bin_type=True)
+    one = b"\xdd" + struct.pack(">I", per_list) + b"\x80" * per_list
+    body = (
+        b"\x84" + head[1:] + msgpack.packb("metadata") + b"\xdc" + struct.pack(">H", n_lists) + one * n_lists
+    )
+    return body, "application/msgpack", n_lists * per_list * 72 / 1e9
+
+
 def _map_flood_json() -> tuple[bytes, str, float]:
     """A 15 MiB JSON body whose ``metadata`` is 5 M empty objects (3 bytes each, ≈ 72 bytes as dicts)."""
     n = 5 * MIB
@@ -74,6 +87,7 @@ ENGINEERED = {
     "png_flood_msgpack": (lambda: _png_flood(False), "server.max_decoded_mb"),
     "png_flood_json": (lambda: _png_flood(True), "server.max_decoded_mb"),
     "map_flood_msgpack": (_map_flood_msgpack, "server.max_request_items"),
+    "map_flood_msgpack_nested": (_map_flood_msgpack_nested, "server.max_request_items"),
     "map_flood_json": (_map_flood_json, "server.max_request_items"),
 }
 
@@ -195,11 +209,13 @@ def server_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[s
 
 
 @pytest.mark.parametrize("case", list(ENGINEERED))
-def test_a_request_engineered_to_decode_to_gigabytes_is_refused_fast_with_bounded_memory(server_process, case):
+def test_a_request_engineered_to_decode_to_gigabytes_is_refused_fast_with_bounded_memory(
+    server_process, case
+):
     proc, port = server_process
     build, limit_key = ENGINEERED[case]
     body, ctype, decoded_gb = build()
-    assert decoded_gb * 1e9 > 20 * len(body)  # N: 2.4 GB (PNG), 1.2 GB (msgpack maps), 0.38 GB (JSON objects)
+    assert decoded_gb * 1e9 > 20 * len(body)  # N: 2.4 GB (PNGs), 1.2 GB (msgpack maps), 0.38 GB (JSON)
     with HealthPoller(port) as health, PeakRss(proc.pid) as rss:
         began = time.perf_counter()
         status, reply = _post(port, body, ctype)
@@ -238,7 +254,9 @@ def _msgpack(server, payload: dict) -> tuple[int, dict]:
         data, ctype = response.read(), response.getheader("Content-Type", "")
     finally:
         conn.close()
-    return response.status, json.loads(data) if ctype.startswith("application/json") else msgpack.unpackb(data)
+    return response.status, json.loads(data) if ctype.startswith("application/json") else msgpack.unpackb(
+        data
+    )
 
 
 def test_decoded_size_is_summed_over_every_image_from_headers_and_shapes(serve):
@@ -253,7 +271,9 @@ def test_decoded_size_is_summed_over_every_image_from_headers_and_shapes(serve):
         status, reply = _msgpack(server, {"reward": "mean", "images": images, "prompts": ["p"] * len(images)})
         assert status == 413 and "server.max_decoded_mb" in reply["error"], reply
     b64 = [base64.b64encode(_png(16)).decode()] * 2
-    status, reply = http("POST", server.url + "/v1/score", {"reward": "mean", "images": b64, "prompts": ["a", "b"]})
+    status, reply = http(
+        "POST", server.url + "/v1/score", {"reward": "mean", "images": b64, "prompts": ["a", "b"]}
+    )
     assert status == 413 and "1536 bytes" in reply["error"], reply  # 2 × 3·16·16
 
 

@@ -6,6 +6,7 @@ import http.server
 import json
 import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -186,3 +187,35 @@ def test_a_keep_alive_connection_closed_by_the_server_is_replaced_transparently(
     stats = pool.stats()
     assert stats["ok"] == 3 and stats.get("failures", 0) == 0 and stats.get("retries", 0) == 0
     assert len(_ClosesIdle.connections) == 3
+
+
+def test_a_frozen_endpoint_cools_down_after_a_timeout(serve):
+    """An endpoint that accepts connections but never answers is skipped once it timed out, like a refused
+    one, and its cool-down doubles while it keeps failing (no health path here: nothing else notices)."""
+    frozen = socket.socket()
+    frozen.bind(("127.0.0.1", 0))
+    frozen.listen(64)  # the kernel completes the handshakes; nobody ever reads or answers
+    frozen_url = f"http://127.0.0.1:{frozen.getsockname()[1]}"
+    server = serve({"mean": MeanReward()})
+    timeout_s, cooldown_s = 1.5, 2.0
+    pool = EndpointPool([frozen_url, server.url], timeout_s=timeout_s, retries=1, backoff_s=0.0,
+                        health_path=None, health_interval_s=cooldown_s)  # fmt: skip
+    body = json.dumps({"reward": "mean", "images": [], "prompts": []}).encode()
+
+    def call() -> float:
+        began = time.monotonic()
+        assert pool.request("/v1/score", body, {"Content-Type": "application/json"}, _json)["scores"] == []
+        return time.monotonic() - began
+
+    try:
+        assert call() >= timeout_s  # the frozen endpoint comes first, times out, the retry fails over
+        assert call() < timeout_s / 2  # in cool-down: straight to the healthy endpoint
+        assert pool.stats()["timeouts"] == 1 and pool.stats()["endpoints"][frozen_url]["healthy"] is False
+        time.sleep(cooldown_s)
+        assert call() >= timeout_s  # the cool-down is over: tried once more, times out again
+        time.sleep(cooldown_s)
+        assert call() < timeout_s / 2  # the second cool-down lasts twice as long
+        assert pool.stats()["timeouts"] == 2
+    finally:
+        pool.close()
+        frozen.close()

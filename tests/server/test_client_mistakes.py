@@ -1,0 +1,184 @@
+"""Client mistakes get a 4xx that names them, never a 500 (which the client would retry), and only PNG,
+JPEG and raw pixels are decoded: every other image format Pillow knows is refused before Pillow opens it."""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import http.client as httpclient
+import io
+import json
+import logging
+import socket
+import struct
+import time
+import zlib
+
+import msgpack
+import numpy as np
+import pytest
+from PIL import EpsImagePlugin, Image
+
+from rlgen_cli.rewards import build_reward
+from tests.server.helpers import MeanReward, http, metric
+
+TOKEN = "s3cret"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def _encoded(image: Image.Image, fmt: str, **options: object) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **options)
+    return buffer.getvalue()
+
+
+def _post(port: int, body: bytes, headers: dict[str, str]) -> tuple[int, dict]:
+    conn = httpclient.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("POST", "/v1/score", body=body, headers=headers)
+        response = conn.getresponse()
+        data, ctype = response.read(), response.getheader("Content-Type", "")
+    finally:
+        conn.close()
+    return response.status, json.loads(data) if ctype.startswith("application/json") else msgpack.unpackb(
+        data
+    )
+
+
+def _score_files(port: int, files: list[bytes], reward: str = "mean") -> tuple[int, dict]:
+    payload = {"reward": reward, "images": files, "prompts": ["p"] * len(files)}
+    return _post(
+        port, msgpack.packb(payload, use_bin_type=True), {"Content-Type": "application/msgpack"} | AUTH
+    )
+
+
+# ------------------------------------------------------------------------------------- formats
+OTHER_FORMATS = ["BMP", "GIF", "TIFF", "WEBP", "ICO", "PPM", "TGA", "PCX", "SGI", "IM", "DDS", "QOI", "EPS",
+                 "JPEG2000", "MSP", "XBM", "SPIDER", "PDF", "ICNS"]  # fmt: skip
+
+
+def _other_format(fmt: str) -> bytes:
+    rgb = Image.new("RGB", (8, 8), (10, 200, 30))
+    image = rgb.convert("1") if fmt in ("MSP", "XBM") else rgb.convert("L") if fmt == "SPIDER" else rgb
+    return _encoded(image, fmt)
+
+
+def test_only_png_jpeg_and_raw_pixels_are_decoded(serve, monkeypatch):
+    ghostscript_calls: list[object] = []
+    monkeypatch.setattr(EpsImagePlugin, "Ghostscript", lambda *a, **k: ghostscript_calls.append(a))
+    opened: list[object] = []
+    real_open = Image.open
+
+    def spy_open(fp, mode="r", formats=None):
+        opened.append(formats)
+        return real_open(fp, mode, formats)
+
+    monkeypatch.setattr(Image, "open", spy_open)
+    reward = MeanReward()
+    server = serve({"mean": reward}, token=TOKEN)
+    for fmt in OTHER_FORMATS:
+        status, reply = _score_files(server.port, [_other_format(fmt)])
+        assert status == 415 and "only PNG and JPEG" in reply["error"], (fmt, status, reply)
+        payload = {
+            "reward": "mean",
+            "images": [base64.b64encode(_other_format(fmt)).decode()],
+            "prompts": ["p"],
+        }
+        status, reply = http("POST", server.url + "/v1/score", payload, AUTH)
+        assert status == 415 and "images[0]" in reply["error"], (fmt, reply)
+    assert "EPS (PostScript)" in _score_files(server.port, [_other_format("EPS")])[1]["error"]
+    assert ghostscript_calls == [] and reward.calls == []
+    assert all(formats is not None and set(formats) <= {"PNG", "JPEG"} for formats in opened), opened
+    # PNG and JPEG still decode, each to the channels it carries (palette → RGB, 1-bit → grey)
+    grey = Image.new("L", (4, 4), 51)  # 51 / 255 = 0.2
+    files = {
+        _encoded(grey, "PNG"): 0.2,
+        _encoded(grey.convert("LA"), "PNG"): 0.6,  # (0.2 + 1.0) / 2: the alpha channel is kept
+        _encoded(grey.convert("RGB"), "JPEG"): 0.2,
+        _encoded(grey.convert("RGBA"), "PNG"): 0.4,
+        _encoded(grey.convert("P"), "PNG"): 0.2,
+        _encoded(Image.new("1", (4, 4), 1), "PNG"): 1.0,
+    }
+    status, reply = _score_files(server.port, list(files))
+    assert status == 200, reply
+    assert reply["scores"] == pytest.approx(list(files.values()), abs=0.005)
+    sixteen_bit = _encoded(Image.fromarray(np.full((4, 4), 1000, dtype=np.uint16)), "PNG")
+    status, reply = _score_files(server.port, [sixteen_bit])
+    assert status == 200 and reply["scores"] == pytest.approx([(1000 >> 8) / 255]), reply  # its high byte
+
+
+# ---------------------------------------------------------------------------- client mistakes
+def _png_claiming(width: int, height: int) -> bytes:
+    """A PNG whose IHDR (with a valid CRC) claims ``width × height``; the pixel data stays 8×8."""
+    png = bytearray(_encoded(Image.new("RGB", (8, 8)), "PNG"))
+    ihdr = png[12:29]
+    ihdr[4:12] = struct.pack(">II", width, height)
+    png[12:29] = ihdr
+    png[29:33] = struct.pack(">I", zlib.crc32(bytes(ihdr)) & 0xFFFFFFFF)
+    return bytes(png)
+
+
+def _raw_socket(port: int, data: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(data)
+        return sock.recv(65536)
+
+
+def test_client_mistakes_are_4xx_naming_the_problem(serve, caplog):
+    caplog.set_level(logging.WARNING)
+    server = serve({"jpeg_compressibility": build_reward("jpeg_compressibility")}, token=TOKEN)
+    port = server.port
+    wide = Image.new("L", (70_000, 1))  # 70 000 pixels, far below the pixel limit, one side too long
+    for files in (
+        [_encoded(wide, "PNG")],
+        [{"shape": [1, 1, 70_000], "dtype": "uint8", "data": bytes(70_000)}],
+    ):
+        status, reply = _score_files(port, files, "jpeg_compressibility")
+        assert status == 413 and "server.max_image_side=65500" in reply["error"], reply
+    status, reply = _score_files(port, [_png_claiming(100_000, 100_000)], "jpeg_compressibility")
+    assert status == 413 and "server.max_image_pixels" in reply["error"], (
+        reply
+    )  # Pillow's bomb limit is above
+    body = json.dumps({"reward": 3, "images": [], "prompts": []}).encode()
+    status, reply = _post(port, body, {"Content-Type": "application/json"} | AUTH)
+    assert status == 400 and "'reward' must be a string" in reply["error"] and "missing" not in reply["error"]
+    headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"} | AUTH
+    status, reply = _post(port, b"this is not gzip" * 8, headers)
+    assert status == 400 and "gzip" in reply["error"], reply
+    good = json.dumps({"reward": "jpeg_compressibility", "images": [], "prompts": []}).encode()
+    status, reply = _post(port, gzip.compress(good), headers)
+    assert status == 200 and reply == {"scores": [], "details": {}}
+    request = b"POST /v1/score HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cr\xc3\xa9t\xff\r\nContent-Length: 2\r\n\r\n{}"
+    assert _raw_socket(port, request).startswith(b"HTTP/1.1 403 ")
+    status, text = http("GET", server.url + "/metrics", headers=AUTH)
+    assert metric(text, 'rlgen_errors_total{kind="internal"}') == 0
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+def test_a_size_above_pillows_bomb_limit_is_413_even_when_the_server_limits_allow_it(serve):
+    server = serve({"mean": MeanReward()}, token=TOKEN, max_image_pixels=10**9, max_decoded_mb=10**4)
+    status, reply = _score_files(server.port, [_png_claiming(30_000, 30_000)])  # 9·10⁸ > Pillow's 1.8·10⁸
+    assert status == 413 and "decompression-bomb limit" in reply["error"], reply
+
+
+def test_a_client_that_disconnects_mid_body_is_logged_as_a_disconnect(serve, caplog):
+    server = serve({"mean": MeanReward()})
+    caplog.set_level(logging.INFO, logger="rlgen_cli.server")
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b'Content-Length: 1000\r\n\r\n{"reward": "mean", "ima')  # fmt: skip
+            time.sleep(0.1)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        text = http("GET", server.url + "/metrics")[1]
+        if metric(text, 'rlgen_errors_total{kind="disconnect"}') == 3:
+            break
+        time.sleep(0.05)
+    assert metric(text, 'rlgen_errors_total{kind="disconnect"}') == 3
+    assert metric(text, 'rlgen_errors_total{kind="internal"}') == 0
+    server_records = [r for r in caplog.records if r.name.startswith("rlgen_cli.server")]
+    disconnects = [r for r in server_records if "disconnected" in r.getMessage()]
+    assert len(disconnects) == 3 and all(r.levelno == logging.INFO for r in disconnects)
+    assert all(r.exc_info is None and r.levelno < logging.WARNING for r in server_records)
+    assert http("GET", server.url + "/healthz")[0] == 200
