@@ -1,0 +1,85 @@
+"""The small-but-real CFG geometry the performance benchmarks measure, and the ShapesEval default.
+
+``sd3_cfg``: an SD3 pipeline with 2 joint blocks of width 64 (4 heads × 16), 64-px images (a 2×
+downsampling VAE, 2×2 patches: 256 image tokens), saved with ``save_pretrained`` and loaded back through
+``model=sd3`` (the real loader), trained by Flow-GRPO with CFG 4.5 and a rank-32 LoRA on 2 prompts × 4
+images per epoch, 8 steps, micro-batches of 4 (8 with the CFG doubling): 2 optimizer steps per epoch.
+``shapes``: what ``rlgen train`` runs with no overrides (``experiment=shapes_grpo_fast``).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+SD3_CFG_ALGO = [
+    "algo=grpo", "algo.prompts_per_epoch=2", "algo.group_size=4", "algo.sample_batch_size=4",
+    "algo.train_batch_size=4", "algo.gradient_accumulation_steps=1", "algo.beta=0",
+    "algo.window.timestep_fraction=1.0", "algo.ema.enabled=false",
+]  # fmt: skip
+GEOMETRIES = ("sd3_cfg", "shapes")
+
+
+def save_sd3_cfg_pipeline(directory: Path, seed: int = 0) -> Path:
+    """Build the ``sd3_cfg`` pipeline (random weights, offline tokenizers) and save it to ``directory``."""
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    from rlgen_cli.models.tokenizers import tiny_clip_tokenizer, tiny_t5_tokenizer, vocab_size
+
+    clip_tok, t5_tok = tiny_clip_tokenizer(77), tiny_t5_tokenizer(512)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        clip = CLIPTextConfig(
+            vocab_size=vocab_size(clip_tok), hidden_size=32, intermediate_size=64, num_attention_heads=4,
+            num_hidden_layers=2, projection_dim=32, max_position_embeddings=77,
+            bos_token_id=0, eos_token_id=1, pad_token_id=1, hidden_act="gelu",
+        )  # fmt: skip
+        t5 = T5Config(
+            vocab_size=vocab_size(t5_tok), d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+            relative_attention_num_buckets=8, decoder_start_token_id=0,
+        )  # fmt: skip
+        pipeline = StableDiffusion3Pipeline(
+            transformer=SD3Transformer2DModel(
+                sample_size=32, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16,
+                num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=64,
+                pooled_projection_dim=64, out_channels=4,
+            ),  # fmt: skip
+            vae=AutoencoderKL(
+                sample_size=64, in_channels=3, out_channels=3, block_out_channels=(8, 16),
+                down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                layers_per_block=1, latent_channels=4, norm_num_groups=4, use_quant_conv=False,
+                use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035,
+            ),  # fmt: skip
+            text_encoder=CLIPTextModelWithProjection(clip),
+            text_encoder_2=CLIPTextModelWithProjection(clip),
+            text_encoder_3=T5EncoderModel(t5),
+            tokenizer=clip_tok,
+            tokenizer_2=tiny_clip_tokenizer(77),
+            tokenizer_3=t5_tok,
+            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        )
+    pipeline.save_pretrained(directory)
+    return directory
+
+
+def overrides_for(geometry: str, workdir: Path | None = None) -> list[str]:
+    """Hydra overrides of ``geometry`` (``sd3_cfg`` saves its pipeline under ``workdir`` first)."""
+    if geometry == "shapes":
+        return ["experiment=shapes_grpo_fast"]
+    if geometry != "sd3_cfg":
+        raise ValueError(f"unknown geometry {geometry!r}; choose one of {', '.join(GEOMETRIES)}")
+    path = save_sd3_cfg_pipeline(Path(workdir or tempfile.mkdtemp(prefix="rlgen-sd3cfg-")) / "pipeline")
+    return [
+        "experiment=null", "model=sd3", "reward=jpeg_compressibility", "sampler=flow_sde", f"model.path={path}", "model.local_files_only=true",
+        "model.dtype=float32", "model.resolution=64", "model.num_steps=8", "model.eval_num_steps=8",
+        "model.max_sequence_length=32", "model.guidance_scale=4.5", "model.lora.rank=32",
+        "model.lora.alpha=64", *SD3_CFG_ALGO,
+    ]  # fmt: skip
