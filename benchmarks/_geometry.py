@@ -13,6 +13,13 @@ import tempfile
 from pathlib import Path
 
 import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from rlgen_cli._hydra import conf_dir
+from rlgen_cli.recipes.flow_rl import FlowRLRecipe
+from rlgen_cli.schema.store import register_schemas
+from rlgen_cli.tasks.common import validated
 
 SD3_CFG_ALGO = [
     "algo=grpo", "algo.prompts_per_epoch=2", "algo.group_size=4", "algo.sample_batch_size=4",
@@ -70,6 +77,18 @@ def save_sd3_cfg_pipeline(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
+def build_recipe(overrides: list[str]) -> FlowRLRecipe:
+    """A set-up training recipe composed from ``overrides`` alone (run dir in /tmp)."""
+    register_schemas()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        cfg = compose(config_name="train", overrides=["progress=false", *overrides])
+    OmegaConf.set_struct(cfg, False)
+    cfg.run_dir = tempfile.mkdtemp(prefix="rlgen-bench-")
+    recipe = FlowRLRecipe(validated(cfg), cfg)
+    recipe.setup()
+    return recipe
+
+
 def overrides_for(geometry: str, workdir: Path | None = None) -> list[str]:
     """Hydra overrides of ``geometry`` (``sd3_cfg`` saves its pipeline under ``workdir`` first)."""
     if geometry == "shapes":
@@ -78,7 +97,7 @@ def overrides_for(geometry: str, workdir: Path | None = None) -> list[str]:
         raise ValueError(f"unknown geometry {geometry!r}; choose one of {', '.join(GEOMETRIES)}")
     path = save_sd3_cfg_pipeline(Path(workdir or tempfile.mkdtemp(prefix="rlgen-sd3cfg-")) / "pipeline")
     return [
-        "experiment=null", "model=sd3", "reward=jpeg_compressibility", "sampler=flow_sde", f"model.path={path}", "model.local_files_only=true",
+        "model=sd3", "reward=jpeg_compressibility", "sampler=flow_sde", f"model.path={path}", "model.local_files_only=true",
         "model.dtype=float32", "model.resolution=64", "model.num_steps=8", "model.eval_num_steps=8",
         "model.max_sequence_length=32", "model.guidance_scale=4.5", "model.lora.rank=32",
         "model.lora.alpha=64", *SD3_CFG_ALGO,

@@ -25,7 +25,7 @@ from rlgen_cli.models._flux_common import (
     FluxFamilyPolicy,
     tiny_flux_components,
 )
-from rlgen_cli.models.loading import load_pipeline
+from rlgen_cli.models.loading import in_model_dtype, load_pipeline
 from rlgen_cli.schema.flow import ModelConfig
 
 __all__ = [
@@ -62,5 +62,5 @@ class FluxPolicy(FluxFamilyPolicy):
 
 def build(cfg: ModelConfig, device: torch.device) -> FluxPolicy:
     """The registry's entry point: the tiny pipeline when ``cfg.tiny``, else the loaded one."""
-    pipeline = tiny_flux_pipeline(cfg.tiny_seed) if cfg.tiny else load_flux_pipeline(cfg)
+    pipeline = in_model_dtype(tiny_flux_pipeline(cfg.tiny_seed), cfg) if cfg.tiny else load_flux_pipeline(cfg)
     return FluxPolicy(pipeline, cfg, device)

@@ -33,7 +33,7 @@ from rlgen_cli.models._flux_common import (
     tiny_flux_components,
 )
 from rlgen_cli.models.base import Cond
-from rlgen_cli.models.loading import load_pipeline
+from rlgen_cli.models.loading import in_model_dtype, load_pipeline
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
 
@@ -117,5 +117,9 @@ class FluxKontextPolicy(FluxFamilyPolicy):
 
 def build(cfg: ModelConfig, device: torch.device) -> FluxKontextPolicy:
     """The registry's entry point: the tiny pipeline when ``cfg.tiny``, else the loaded one."""
-    pipeline = tiny_flux_kontext_pipeline(cfg.tiny_seed) if cfg.tiny else load_flux_kontext_pipeline(cfg)
+    pipeline = (
+        in_model_dtype(tiny_flux_kontext_pipeline(cfg.tiny_seed), cfg)
+        if cfg.tiny
+        else load_flux_kontext_pipeline(cfg)
+    )
     return FluxKontextPolicy(pipeline, cfg, device)

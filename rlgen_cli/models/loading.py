@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from rlgen_cli.models.base import TORCH_DTYPES
@@ -24,6 +25,16 @@ def load_pipeline(pipeline_cls: type, cfg: ModelConfig, what: str) -> Any:
             f"could not load a {what} pipeline from model.path={cfg.path!r}: {err}. Pass a local directory "
             "saved with save_pretrained, or a hub id with network access (model.local_files_only=false)"
         ) from err
+
+
+def in_model_dtype(pipeline: Any, cfg: ModelConfig, keep_fp32: tuple[str, ...] = ()) -> Any:
+    """A tiny pipeline (built in fp32) as :func:`load_pipeline` gives a real one: every module in
+    ``model.dtype``, except the components ``keep_fp32`` the family's loader keeps in fp32. So the tiny
+    models run the low-precision paths of real runs (docs/precision.md)."""
+    pipeline.to(dtype=TORCH_DTYPES[cfg.dtype])
+    for name in keep_fp32:
+        getattr(pipeline, name).to(torch.float32)
+    return pipeline
 
 
 def pack(latents: Tensor) -> Tensor:

@@ -24,7 +24,7 @@ from rlgen_cli.models._qwen_common import (
     tiny_qwen_pipeline,
 )
 from rlgen_cli.models.base import Cond
-from rlgen_cli.models.loading import load_pipeline
+from rlgen_cli.models.loading import in_model_dtype, load_pipeline
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
 
@@ -81,5 +81,9 @@ class QwenImagePolicy(QwenFamilyPolicy):
 
 def build(cfg: ModelConfig, device: torch.device) -> QwenImagePolicy:
     """The registry's entry point: the tiny pipeline when ``cfg.tiny``, else the loaded one."""
-    pipeline = tiny_qwen_image_pipeline(cfg.tiny_seed) if cfg.tiny else load_qwen_image_pipeline(cfg)
+    pipeline = (
+        in_model_dtype(tiny_qwen_image_pipeline(cfg.tiny_seed), cfg)
+        if cfg.tiny
+        else load_qwen_image_pipeline(cfg)
+    )
     return QwenImagePolicy(pipeline, cfg, device)

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from rlgen_cli.models.base import TORCH_DTYPES, Cond, cfg_combine
-from rlgen_cli.models.loading import load_pipeline
+from rlgen_cli.models.loading import in_model_dtype, load_pipeline
 from rlgen_cli.models.tokenizers import tiny_clip_tokenizer, tiny_t5_tokenizer, vocab_size
 from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME as LORA_WEIGHTS_NAME  # re-exported
 from rlgen_cli.models.trainable import TRANSFORMER_DIR as TRANSFORMER_DIR  # re-exported
@@ -230,6 +230,8 @@ class SD3Policy:
 def build(cfg: ModelConfig, device: torch.device) -> SD3Policy:
     """The registry's entry point: the tiny pipeline when ``cfg.tiny``, else the loaded one."""
     pipeline = (
-        tiny_sd3_pipeline(cfg.tiny_seed, cfg.max_sequence_length) if cfg.tiny else load_sd3_pipeline(cfg)
+        in_model_dtype(tiny_sd3_pipeline(cfg.tiny_seed, cfg.max_sequence_length), cfg)
+        if cfg.tiny
+        else load_sd3_pipeline(cfg)
     )
     return SD3Policy(pipeline, cfg, device)

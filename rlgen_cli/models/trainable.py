@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlgen_cli.models.base import ReferenceSwitch, add_lora, lora_parameters
+from rlgen_cli.models.base import TORCH_DTYPES, ReferenceSwitch, add_lora, lora_parameters
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
 
@@ -34,14 +34,35 @@ def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractCon
     return torch.autocast(device.type, dtype=dtype)
 
 
+def _contiguous_input(module: nn.Module, args: tuple) -> tuple:
+    return (args[0].contiguous(), *args[1:])
+
+
+def batch_invariant_linears(module: nn.Module) -> None:
+    """Give every biased ``nn.Linear`` of ``module`` a contiguous input, so its output rows do not depend
+    on the batch size.
+
+    A strided 3-D input (e.g. the image half that joint attention slices off its output) is contiguous
+    at batch 1 and takes the fused ``addmm`` (bias added before the one rounding to the low dtype); at
+    batch > 1 it takes ``matmul`` then ``add`` (rounded twice). In bf16 the two differ by an ulp of the
+    output (2⁻⁸), enough to move a log-prob recomputed in another micro-batch composition by ~3e-5
+    (tiny SD3; docs/precision.md). In fp32 the gap is one fp32 rounding, so fp32 runs are left as they are.
+    """
+    for layer in module.modules():
+        if isinstance(layer, nn.Linear) and layer.bias is not None:
+            layer.register_forward_pre_hook(_contiguous_input)
+
+
 class TrainableTransformer:
     """The trainable transformer ``pipeline.transformer`` of a flow adapter.
 
     On construction the transformer is put in eval mode (dropout would break ratio == 1) and either
-    frozen with a LoRA adapter attached (``exclude``: modules that can never get a gradient) or fully
-    unfrozen in fp32; trainable weights are fp32 either way. ``gradient_checkpointing`` is enabled before
-    the full-FT reference copy is taken. ``pipeline_class`` / ``transformer_class`` name the diffusers
-    classes whose ``save_lora_weights`` / ``from_pretrained`` define the checkpoint format.
+    frozen in ``model.dtype`` with a LoRA adapter attached (``exclude``: modules that can never get a
+    gradient) or fully unfrozen in fp32; trainable weights are fp32 either way (docs/precision.md). In
+    a low ``model.dtype`` every biased Linear gets contiguous inputs (:func:`batch_invariant_linears`).
+    ``gradient_checkpointing`` is enabled before the full-FT reference copy is taken. ``pipeline_class``
+    / ``transformer_class`` name the diffusers classes whose ``save_lora_weights`` / ``from_pretrained``
+    define the checkpoint format.
     """
 
     def __init__(
@@ -59,8 +80,9 @@ class TrainableTransformer:
         self.pipeline_class = pipeline_class
         self.transformer_class = transformer_class
         transformer = pipeline.transformer.eval()
+        dtype = TORCH_DTYPES[cfg.dtype]
         if self.lora:
-            transformer.requires_grad_(False)
+            transformer.to(dtype).requires_grad_(False)  # as loaded: frozen weights in model.dtype
             lora = cfg.lora
             add_lora(transformer, lora.rank, lora.alpha, lora.target_modules, lora.init, exclude=exclude)
             params = lora_parameters(transformer)
@@ -70,6 +92,8 @@ class TrainableTransformer:
         for param in params:
             param.data = param.data.float()
         self.parameters = params
+        if dtype != torch.float32:
+            batch_invariant_linears(transformer)
         if gradient_checkpointing:
             # Active only with grad enabled; it recomputes the same ops, so values match the no-grad
             # rollout bit for bit.

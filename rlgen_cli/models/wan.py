@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from rlgen_cli.models.base import TORCH_DTYPES, Cond, cfg_combine, uncond_takes_grad
+from rlgen_cli.models.loading import in_model_dtype
 from rlgen_cli.models.tokenizers import tiny_t5_tokenizer, vocab_size
 from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME as LORA_WEIGHTS_NAME  # re-exported
 from rlgen_cli.models.trainable import TRANSFORMER_DIR as TRANSFORMER_DIR  # re-exported
@@ -311,6 +312,8 @@ def _check_targets(transformer: nn.Module, targets: Sequence[str]) -> None:
 def build(cfg: ModelConfig, device: torch.device) -> WanPolicy:
     """The registry's entry point: the tiny pipeline when ``cfg.tiny``, else the loaded one."""
     pipeline = (
-        tiny_wan_pipeline(cfg.tiny_seed, cfg.max_sequence_length) if cfg.tiny else load_wan_pipeline(cfg)
+        in_model_dtype(tiny_wan_pipeline(cfg.tiny_seed, cfg.max_sequence_length), cfg, keep_fp32=("vae",))
+        if cfg.tiny
+        else load_wan_pipeline(cfg)
     )
     return WanPolicy(pipeline, cfg, device)

@@ -135,6 +135,7 @@ class ClientDisconnected(Exception):
 
 
 _DISCONNECTED = 499  # the metrics' status label of a request whose client went away (nginx's convention)
+_INLINE_PARSE_BYTES = 4096  # smaller bodies parse on the event loop (≤ ~2 ms, no thread hand-off)
 
 
 def _wire_error(err: wire.WireError) -> ApiError:
@@ -244,15 +245,19 @@ async def _read_body(request: web.Request) -> bytes:
 
 
 async def _read_payload(request: web.Request, state: ServerState) -> tuple[dict[str, Any], bool]:
-    """Read and parse the body in the decode pool (bounded, see :mod:`limits`); returns it and whether it
-    was msgpack."""
+    """Read and parse the body (bounded, see :mod:`limits`); returns it and whether it was msgpack.
+
+    A body above ``_INLINE_PARSE_BYTES`` is parsed in the decode pool, so the event loop keeps serving.
+    """
     body = await _read_body(request)
     binary = request.content_type == wire.MSGPACK_TYPE
-    loop = asyncio.get_running_loop()
+    max_items = state.settings.max_request_items
     try:
-        payload = await loop.run_in_executor(
-            state.decoder, limits.parse_body, body, binary, state.settings.max_request_items
-        )
+        if len(body) <= _INLINE_PARSE_BYTES:
+            payload = limits.parse_body(body, binary, max_items)
+        else:
+            loop = asyncio.get_running_loop()
+            payload = await loop.run_in_executor(state.decoder, limits.parse_body, body, binary, max_items)
     except wire.WireError as err:
         raise _wire_error(err) from err
     return payload, binary

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -51,6 +52,20 @@ def test_config_defaults_and_overrides():
         _compose("server.workers=0")
     code, _ = run_cli("serve-reward", "server.prot=1")
     assert code == 2
+
+
+def test_every_server_setting_is_a_config_key_with_the_same_default():
+    assert asdict(_compose().server) == asdict(ServerSettings())
+    cfg = _compose("server.max_decoded_mb=8", "server.max_request_items=1000", "server.max_image_side=4096")
+    settings = ServerSettings(**asdict(cfg.server))
+    assert (settings.max_decoded_bytes, settings.max_request_items, settings.max_image_side) == (
+        8 * 2**20,
+        1000,
+        4096,
+    )
+    for key in ("max_decoded_mb", "max_request_items", "max_metadata_depth", "max_image_side"):
+        with pytest.raises(UserError, match=f"server.{key}"):
+            _compose(f"server.{key}=0")
 
 
 def test_worker_plan_and_devices():
