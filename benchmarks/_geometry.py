@@ -55,15 +55,31 @@ def save_sd3_cfg_pipeline(directory: Path, seed: int = 0) -> Path:
         )  # fmt: skip
         pipeline = StableDiffusion3Pipeline(
             transformer=SD3Transformer2DModel(
-                sample_size=32, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16,
-                num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=64,
-                pooled_projection_dim=64, out_channels=4,
+                sample_size=32,
+                patch_size=2,
+                in_channels=4,
+                num_layers=2,
+                attention_head_dim=16,
+                num_attention_heads=4,
+                joint_attention_dim=64,
+                caption_projection_dim=64,
+                pooled_projection_dim=64,
+                out_channels=4,
             ),  # fmt: skip
             vae=AutoencoderKL(
-                sample_size=64, in_channels=3, out_channels=3, block_out_channels=(8, 16),
-                down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-                layers_per_block=1, latent_channels=4, norm_num_groups=4, use_quant_conv=False,
-                use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035,
+                sample_size=64,
+                in_channels=3,
+                out_channels=3,
+                block_out_channels=(8, 16),
+                down_block_types=("DownEncoderBlock2D",) * 2,
+                up_block_types=("UpDecoderBlock2D",) * 2,
+                layers_per_block=1,
+                latent_channels=4,
+                norm_num_groups=4,
+                use_quant_conv=False,
+                use_post_quant_conv=False,
+                shift_factor=0.0609,
+                scaling_factor=1.5035,
             ),  # fmt: skip
             text_encoder=CLIPTextModelWithProjection(clip),
             text_encoder_2=CLIPTextModelWithProjection(clip),

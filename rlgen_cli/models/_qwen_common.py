@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rlgen_cli.models.base import TORCH_DTYPES, Cond, cfg_combine
+from rlgen_cli.models.base import TORCH_DTYPES, Cond, cfg_combine, uncond_takes_grad
 from rlgen_cli.models.loading import pack, unpack
 from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME as LORA_WEIGHTS_NAME  # re-exported
 from rlgen_cli.models.trainable import TRANSFORMER_DIR as TRANSFORMER_DIR  # re-exported
@@ -274,23 +274,34 @@ class QwenFamilyPolicy:
         if extra is not None:
             hidden, shapes = torch.cat([x, extra[0].to(x.dtype)], dim=1), [*shapes, extra[1]]
         embeds, mask = cond.tensors["prompt_embeds"], cond.tensors["prompt_mask"]
-        use_cfg = self.guidance_scale > 1.0
-        if use_cfg:
-            hidden, timestep = torch.cat([hidden, hidden]), torch.cat([timestep, timestep])
-            embeds = torch.cat([embeds, cond.tensors["neg_prompt_embeds"]])
-            mask = torch.cat([mask, cond.tensors["neg_prompt_mask"]])
-        keep = max(int(mask.sum(dim=1).max()), 1)  # drop the padding every prompt of the batch shares
+        if self.guidance_scale <= 1.0:
+            return self._forward(hidden, timestep, embeds, mask, shapes)[:, :length]
+        neg_embeds, neg_mask = cond.tensors["neg_prompt_embeds"], cond.tensors["neg_prompt_mask"]
+        if not uncond_takes_grad():  # a separate no-grad unconditional pass (see SD3Policy.velocity)
+            with torch.no_grad():
+                uncond_v = self._forward(hidden, timestep, neg_embeds, neg_mask, shapes)[:, :length]
+            cond_v = self._forward(hidden, timestep, embeds, mask, shapes)[:, :length]
+            return true_cfg(cond_v, uncond_v, self.guidance_scale)
+        out = self._forward(
+            torch.cat([hidden, hidden]), torch.cat([timestep, timestep]), torch.cat([embeds, neg_embeds]),
+            torch.cat([mask, neg_mask]), shapes,
+        )[:, :length]  # fmt: skip
+        cond_v, uncond_v = out.chunk(2)
+        return true_cfg(cond_v, uncond_v, self.guidance_scale)
+
+    def _forward(
+        self, hidden: Tensor, timestep: Tensor, embeds: Tensor, mask: Tensor, shapes: list
+    ) -> Tensor:
+        """One transformer pass in the model dtype, fp32 out, over the text tokens some prompt of the
+        batch uses (the padding every prompt shares is dropped)."""
+        keep = max(int(mask.sum(dim=1).max()), 1)
         with autocast(self.device, self.dtype):
             out = self._train.forward_module()(
                 hidden_states=hidden.to(self.dtype), timestep=timestep, encoder_hidden_states=embeds[:, :keep],
                 encoder_hidden_states_mask=mask[:, :keep], img_shapes=[shapes] * hidden.shape[0],
                 return_dict=False,
             )[0]  # fmt: skip
-        out = out[:, :length].float()
-        if use_cfg:
-            cond_v, uncond_v = out.chunk(2)
-            return true_cfg(cond_v, uncond_v, self.guidance_scale)
-        return out
+        return out.float()
 
     def _latent_stats(self) -> tuple[Tensor, Tensor]:
         """The VAE's per-channel latent mean and std, shaped (1, C, 1, 1, 1)."""

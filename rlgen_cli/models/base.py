@@ -96,9 +96,10 @@ _CFG_GRAD: contextvars.ContextVar[str] = contextvars.ContextVar("cfg_grad", defa
 def cfg_gradient(mode: str) -> Iterator[None]:
     """Inside, CFG velocities back-propagate through ``both`` branches or only the ``conditional`` one.
 
-    ``conditional`` detaches the unconditional prediction (docs/maths.md §4.6): the forward values are
-    unchanged, so the on-policy ratio stays exactly 1, but ∂v/∂θ = g·∂c/∂θ. Sampling runs without
-    gradients, so only the training forward is affected.
+    ``conditional`` detaches the unconditional prediction (docs/maths.md §4.6): ∂v/∂θ = g·∂c/∂θ. The
+    families then run that branch as a pass of its own under ``no_grad`` (no activations kept, no backward
+    through it) instead of one batch with the conditional branch; the recipe samples under the same mode,
+    so the rollout takes the same two passes and the on-policy ratio stays exactly 1.
     """
     if mode not in CFG_GRADS:
         raise ValueError(f"unknown cfg_grad {mode!r}; choose one of {', '.join(CFG_GRADS)}")

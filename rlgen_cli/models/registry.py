@@ -12,6 +12,7 @@ import importlib
 import torch
 
 from rlgen_cli.models.base import FlowPolicy
+from rlgen_cli.models.prompt_cache import cache_prompt_embeddings
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
 
@@ -36,4 +37,6 @@ def build_policy(cfg: ModelConfig, device: torch.device) -> FlowPolicy:
         if err.name != FAMILIES[cfg.family]:
             raise
         raise UserError(f"model.family={cfg.family!r} is not available in this version of rlgen") from err
-    return module.build(cfg, device)
+    policy = module.build(cfg, device)
+    cache_prompt_embeddings(policy, cfg.prompt_cache_mb)  # frozen encoders: a batch seen before is reused
+    return policy

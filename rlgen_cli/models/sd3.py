@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from rlgen_cli.models.base import TORCH_DTYPES, Cond, cfg_combine
+from rlgen_cli.models.base import TORCH_DTYPES, Cond, cfg_combine, uncond_takes_grad
 from rlgen_cli.models.loading import in_model_dtype, load_pipeline
 from rlgen_cli.models.tokenizers import tiny_clip_tokenizer, tiny_t5_tokenizer, vocab_size
 from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME as LORA_WEIGHTS_NAME  # re-exported
@@ -181,23 +181,30 @@ class SD3Policy:
         batch = x.shape[0]
         timestep = (sigma.float().reshape(-1).expand(batch) * 1000.0).to(self.device)
         embeds, pooled = cond.tensors["prompt_embeds"], cond.tensors["pooled"]
-        use_cfg = self.guidance_scale > 1.0
-        if use_cfg:
-            x_in = torch.cat([x, x])
-            embeds = torch.cat([cond.tensors["neg_prompt_embeds"], embeds])
-            pooled = torch.cat([cond.tensors["neg_pooled"], pooled])
-            timestep = torch.cat([timestep, timestep])
-        else:
-            x_in = x
+        if self.guidance_scale <= 1.0:
+            return self._forward(x, timestep, embeds, pooled)
+        neg_embeds, neg_pooled = cond.tensors["neg_prompt_embeds"], cond.tensors["neg_pooled"]
+        if not uncond_takes_grad():
+            # the unconditional branch as a pass of its own without autograd: no activations kept, no
+            # backward through it; sampling under the same cfg_gradient mode takes the same two passes,
+            # so the rollout's and the training forward's values stay identical
+            with torch.no_grad():
+                uncond = self._forward(x, timestep, neg_embeds, neg_pooled)
+            return cfg_combine(uncond, self._forward(x, timestep, embeds, pooled), self.guidance_scale)
+        out = self._forward(
+            torch.cat([x, x]), torch.cat([timestep, timestep]), torch.cat([neg_embeds, embeds]),
+            torch.cat([neg_pooled, pooled]),
+        )  # fmt: skip
+        uncond, cond_v = out.chunk(2)
+        return cfg_combine(uncond, cond_v, self.guidance_scale)
+
+    def _forward(self, x: Tensor, timestep: Tensor, embeds: Tensor, pooled: Tensor) -> Tensor:
+        """One transformer pass in the model dtype; latents in and velocity out stay fp32 outside."""
         with autocast(self.device, self.dtype):
-            out = self._train.forward_module()(
-                hidden_states=x_in.to(self.dtype), timestep=timestep, encoder_hidden_states=embeds,
+            return self._train.forward_module()(
+                hidden_states=x.to(self.dtype), timestep=timestep, encoder_hidden_states=embeds,
                 pooled_projections=pooled, return_dict=False,
             )[0].float()  # fmt: skip
-        if use_cfg:
-            uncond, cond_v = out.chunk(2)
-            return cfg_combine(uncond, cond_v, self.guidance_scale)
-        return out
 
     @torch.no_grad()
     def decode(self, x0: Tensor) -> Tensor:

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor, nn
 
-from rlgen_cli.models.base import TORCH_DTYPES, Cond, cfg_combine
+from rlgen_cli.models.base import TORCH_DTYPES, Cond, cfg_combine, uncond_takes_grad
 from rlgen_cli.models.shapes_unet import ShapesUNet
 from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME, TRANSFORMER_DIR, TrainableTransformer, autocast
 from rlgen_cli.schema.errors import UserError
@@ -144,18 +144,23 @@ class ShapesPolicy:
         batch = x.shape[0]
         timestep = (sigma.float().reshape(-1).expand(batch) * 1000.0).to(self.device)
         ids, mask = cond.tensors["input_ids"], cond.tensors["attention_mask"]
-        use_cfg = self.guidance_scale > 1.0
-        if use_cfg:
-            x = torch.cat([x, x])
-            timestep = torch.cat([timestep, timestep])
-            ids = torch.cat([cond.tensors["neg_input_ids"], ids])
-            mask = torch.cat([cond.tensors["neg_attention_mask"], mask])
+        if self.guidance_scale <= 1.0:
+            return self._forward(x, timestep, ids, mask)
+        neg_ids, neg_mask = cond.tensors["neg_input_ids"], cond.tensors["neg_attention_mask"]
+        if not uncond_takes_grad():  # a separate no-grad unconditional pass (see SD3Policy.velocity)
+            with torch.no_grad():
+                uncond = self._forward(x, timestep, neg_ids, neg_mask)
+            return cfg_combine(uncond, self._forward(x, timestep, ids, mask), self.guidance_scale)
+        out = self._forward(
+            torch.cat([x, x]), torch.cat([timestep, timestep]), torch.cat([neg_ids, ids]),
+            torch.cat([neg_mask, mask]),
+        )  # fmt: skip
+        uncond, cond_v = out.chunk(2)
+        return cfg_combine(uncond, cond_v, self.guidance_scale)
+
+    def _forward(self, x: Tensor, timestep: Tensor, ids: Tensor, mask: Tensor) -> Tensor:
         with autocast(self.device, self.dtype):
-            out = self._train.forward_module()(x, timestep, ids, mask).float()
-        if use_cfg:
-            uncond, cond_v = out.chunk(2)
-            return cfg_combine(uncond, cond_v, self.guidance_scale)
-        return out
+            return self._train.forward_module()(x, timestep, ids, mask).float()
 
     @torch.no_grad()
     def decode(self, x0: Tensor) -> Tensor:

@@ -227,8 +227,9 @@ class FlowRLRecipe:
         metrics: dict[str, float] = {}
         main = self.dist.is_main
         with Progress(enabled=cfg.progress and main) as progress:
-            epochs = progress.task("epochs", total=cfg.epochs, completed=self.start_epoch)
             before = self.evaluate_before(progress)
+            # after the baseline evaluation, so the bar's pace (its time left) counts epochs only
+            epochs = progress.task("epochs", total=cfg.epochs, completed=self.start_epoch)
             deadline = time.monotonic() + 60 * cfg.time_limit_minutes if cfg.time_limit_minutes else math.inf
             for epoch in range(self.start_epoch, cfg.epochs):
                 start = time.perf_counter()
@@ -367,8 +368,11 @@ class FlowRLRecipe:
             cond = self.policy.encode(
                 prompts[part], None if sources is None else sources[part].to(self.device)
             )
-            x = self.initial_latents(cond, initial[part], start, plan.num_steps)
-            trajs.append(self.rollout_batch(cond, x, plan, steps[part], start))
+            # the CFG branches run as training will run them (cfg_grad=conditional: two passes), so the
+            # recorded log-probs are exactly what the training forward recomputes
+            with cfg_gradient(algo.cfg_grad):
+                x = self.initial_latents(cond, initial[part], start, plan.num_steps)
+                trajs.append(self.rollout_batch(cond, x, plan, steps[part], start))
             conds.append(cond)
             images.append(self.policy.decode(trajs[-1].final).cpu())
             # score this batch while the next one samples: reward time hides behind generation

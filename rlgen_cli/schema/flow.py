@@ -113,6 +113,10 @@ class ModelConfig:
     """The family's default SDE noise level a (``sampler.noise_level`` overrides it)."""
     max_sequence_length: int = 256
     """T5 tokens of the prompt."""
+    prompt_cache_mb: float = 256.0
+    """Keep the text conditioning of batches of prompts already encoded, up to this many MiB on the
+    model's device (least recently used evicted first); 0 re-encodes every batch. Cached conditioning is
+    bit-identical to a fresh encode (``models/prompt_cache.py``)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     vlm: VLMOptions = field(default_factory=VLMOptions)
     """Multimodal-LLM families only (processor pixel bounds, context)."""
@@ -124,6 +128,10 @@ class ModelConfig:
             "model.path is empty: set model.path=HUB_ID_OR_DIR or model.tiny=true",
         )
         _require(self.resolution > 0, f"model.resolution must be positive, got {self.resolution}")
+        _require(
+            self.prompt_cache_mb >= 0,
+            f"model.prompt_cache_mb must be ≥ 0 (0 = off), got {self.prompt_cache_mb}",
+        )
         _require(
             self.guidance_scale >= 1.0,
             f"model.guidance_scale must be ≥ 1 (1 = no CFG), got {self.guidance_scale}",

@@ -19,8 +19,12 @@ T = TypeVar("T")
 
 
 def validated(cfg: DictConfig) -> Any:
-    """``OmegaConf.to_object``: the typed config with every ``__post_init__`` cross-field check run."""
+    """The typed config (``OmegaConf.to_object``): every key declared and every value in its range
+    (``schema/ranges.py``) first, then every ``__post_init__`` cross-field check."""
+    from rlgen_cli.schema.ranges import check_settings
+
     try:
+        check_settings(cfg)
         return OmegaConf.to_object(cfg)
     except OmegaConfBaseException as err:
         raise UserError(str(err).replace("\n", "; ")) from err

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TextIO
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -21,20 +22,52 @@ class MetricLogger(Protocol):
 
 
 class JsonlLogger:
-    """Appends one JSON line per call to ``run_dir/metrics.jsonl`` (flushed, so a crash loses nothing)."""
+    """Appends one JSON line per call to ``run_dir/metrics.jsonl`` (flushed, so a crash loses nothing).
+
+    A run logs its steps in increasing order, so the first step it logs is where it starts: rows already in
+    the file at that step or later were logged by an earlier attempt past the checkpoint this one resumed
+    from, and are dropped (the file is rewritten atomically) before the first row is appended. A resumed
+    run's file therefore holds every step once.
+    """
 
     def __init__(self, run_dir: Path) -> None:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         self.path = Path(run_dir) / METRICS_FILE
-        self._file = self.path.open("a", encoding="utf-8")
+        self._file: TextIO | None = None
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
+        if self._file is None:
+            drop_rows_from(self.path, step)
+            self._file = self.path.open("a", encoding="utf-8")
         row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
+
+
+def drop_rows_from(path: Path, step: int) -> int:
+    """Remove the rows of the metrics file ``path`` whose step is ``step`` or later, and any line a crash
+    left half-written; returns how many were removed. The rewrite is atomic (temporary file + rename)."""
+    if not path.is_file():
+        return 0
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept = [line for line in lines if (row_step := _step_of(line)) is not None and row_step < step]
+    removed = len([line for line in lines if line.strip()]) - len(kept)
+    if removed:
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, path)
+    return removed
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 class NullLogger:

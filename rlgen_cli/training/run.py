@@ -107,18 +107,18 @@ def prepare_run_dir(run_dir: Path, cfg: DictConfig) -> Path:
 
 
 def setup_logging(run_dir: Path | None = None, level: int = logging.INFO) -> None:
-    """Rich console handler (+ ``run_dir/run.log``) on the ``rlgen_cli`` logger; idempotent."""
-    from rich.console import Console
+    """Rich handler on the shared console (+ ``run_dir/run.log``) on the ``rlgen_cli`` logger; idempotent."""
     from rich.logging import RichHandler
+
+    from rlgen_cli.training.console import new_console
 
     logger = logging.getLogger("rlgen_cli")
     logger.setLevel(level)
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
         handler.close()
-    # piped or redirected output has no width: 120 columns keep tables (the before/after one) unwrapped
-    console = Console(width=None if sys.stdout.isatty() else 120)
-    logger.addHandler(RichHandler(console=console, show_path=False, rich_tracebacks=False, markup=False))
+    # the progress bars draw on this same console, so log lines land above them (training/console.py)
+    logger.addHandler(RichHandler(console=new_console(), show_path=False, rich_tracebacks=False, markup=False))
     if run_dir is not None:
         file_handler = logging.FileHandler(run_dir / "run.log", encoding="utf-8")
         file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from rlgen_cli.launch.dist import ENGINE_TAG, AccelerateDist, LocalDist
 from rlgen_cli.models.sd3 import LORA_WEIGHTS_NAME
 from rlgen_cli.schema.errors import UserError
-from rlgen_cli.training.checkpoint import ENGINE_FILES_KEY, OPTIMIZER_KEY, open_checkpoint
+from rlgen_cli.training.checkpoint import ENGINE_DIR, OPTIMIZER_KEY, open_checkpoint
 from tests.conftest import run_cli
 
 pytest.importorskip("deepspeed")
@@ -73,8 +73,10 @@ def _engine_files(run: Path, epoch: int) -> list[str]:
     state = ckpt.state()
     assert state[OPTIMIZER_KEY] == {"engine": "deepspeed", "zero_stage": state[OPTIMIZER_KEY]["zero_stage"],
                                     "world_size": 2}  # fmt: skip
-    assert all((ckpt.engine / name).is_file() for name in state[ENGINE_FILES_KEY])
-    return sorted(state[ENGINE_FILES_KEY])
+    prefix = f"{ENGINE_DIR}/"
+    names = sorted(name.removeprefix(prefix) for name in ckpt.manifest() if name.startswith(prefix))
+    assert names and all((ckpt.engine / name).is_file() for name in names)
+    return names
 
 
 def test_zero2_resume_equals_uninterrupted(tmp_path: Path):

@@ -1,0 +1,204 @@
+"""Where one Flow-GRPO epoch spends its time, phase by phase, under ``torch.profiler``.
+
+Profiles one post-warm-up epoch of each geometry (``_geometry.py``: the tiny-SD3 CFG geometry loaded
+through the real loader, and the ShapesEval default) and prints JSON per geometry: seconds and share of
+the epoch in each phase — transformer forward, backward, optimizer, text encoders, VAE, SDE step maths,
+objective, advantages, reward, data, logging — and ``rest`` (whatever no phase covers), plus the
+operators that make up the rest. Phases are ``record_function`` labels the script wraps around the
+recipe's own calls; each phase counts its own time only (a transformer call inside a rollout is
+transformer time, not SDE time). Scoring runs in a background thread while the next batch samples: the
+main thread's wait for it is ``reward``, the thread's own busy time ``reward_thread_s``.
+
+    python benchmarks/profile_epoch.py [--geometry sd3_cfg|shapes|all] [--warmup 2] [key=value …]
+
+Absolute times need an idle machine; the shares are what this script is for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from _geometry import GEOMETRIES, build_recipe, overrides_for
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from rlgen_cli.recipes import flow_rl
+from rlgen_cli.recipes.flow_rl import FlowRLRecipe
+from rlgen_cli.training.progress import Progress
+from rlgen_cli.training.schedule import apply_lr_schedule
+
+PREFIX = "phase:"
+EPOCH = "epoch"
+PHASES = (
+    "transformer_forward", "backward", "optimizer", "text_encoders", "vae", "sde_step", "objective",
+    "advantages", "reward", "data", "logging",
+)  # fmt: skip
+
+
+def labelled(label: str, fn: Callable) -> Callable:
+    """``fn`` inside a ``record_function`` range named ``phase:<label>``."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with record_function(PREFIX + label):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@contextmanager
+def phase_labels(recipe: FlowRLRecipe) -> Iterator[None]:
+    """Wrap the recipe's calls in phase labels for the duration of the block (this process only)."""
+    instance = {
+        recipe.policy: {"encode": "text_encoders", "velocity": "transformer_forward", "decode": "vae",
+                        "noise": "data"},
+        recipe.dist: {"backward": "backward"},
+        recipe: {"optimizer_step": "optimizer", "objective": "objective", "score": "reward",
+                 "source_images": "data", "plan_for": "data", "_log_console": "logging"},
+        recipe.sampler: {"indices_for_epoch": "data"},
+        recipe.logger: {"log": "logging", "log_images": "logging"},
+    }  # fmt: skip
+    module = {
+        flow_rl: {"rollout": "sde_step", "recompute_step": "sde_step", "euler": "sde_step",
+                  "sample_generators": "data", "combine_rewards": "advantages", "best_and_worst": "advantages",
+                  "nonzero_advantage_rows": "advantages", "save_grid": "logging",
+                  "reduce_over_ranks": "logging", "summarise": "logging"},
+    }  # fmt: skip
+    classes = {
+        flow_rl.Rollouts: {"rewards": "reward", "select": "data"},
+        type(recipe.train_set): {"__getitem__": "data"},
+    }
+    saved: list[tuple[Any, str, Any, bool]] = []
+    for owner, names in [*instance.items(), *module.items(), *classes.items()]:
+        for name, label in names.items():
+            had_own = name in vars(owner)
+            original = getattr(owner, name)
+            saved.append((owner, name, vars(owner).get(name) if had_own else None, had_own))
+            setattr(owner, name, labelled(label, original))
+    try:
+        yield
+    finally:
+        for owner, name, original, had_own in reversed(saved):
+            if had_own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
+
+
+def run_epoch(recipe: FlowRLRecipe, epoch: int, progress: Progress) -> dict[str, float]:
+    """What ``FlowRLRecipe.train`` does per epoch without evaluation or checkpoints: the lr schedule, the
+    epoch, and its logging."""
+    cfg = recipe.cfg
+    lr = apply_lr_schedule(recipe.optimizer, cfg.algo, epoch, cfg.epochs)
+    metrics = {"lr": lr} | recipe.epoch_fn(recipe, epoch, progress)
+    recipe.logger.log(metrics, step=epoch)
+    recipe._log_console(epoch, metrics)
+    return metrics
+
+
+def exclusive_times(events: Any) -> tuple[dict[int, dict[str, float]], dict[str, int], Counter]:
+    """Per thread and phase label, the label's own microseconds (minus the phase ranges nested in it);
+    call counts per label; the self time of the operators directly under ``epoch`` (no phase covers them)."""
+    spans = defaultdict(list)  # thread -> [(start, end, name, self_us)]
+    for e in events:
+        spans[e.thread].append((e.time_range.start, e.time_range.end, e.name, e.self_cpu_time_total))
+    own: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    calls: dict[str, int] = defaultdict(int)
+    rest_ops: Counter = Counter()
+    for thread, items in spans.items():
+        items.sort(key=lambda s: (s[0], -s[1]))
+        stack: list[list] = []  # open labels: [end, label, own_us]
+        for start, end, name, self_us in items:
+            while stack and stack[-1][0] <= start:
+                _, label, us = stack.pop()
+                own[thread][label] += us
+            if name.startswith(PREFIX):
+                if stack:
+                    stack[-1][2] -= end - start
+                stack.append([end, name[len(PREFIX) :], end - start])
+                calls[name[len(PREFIX) :]] += 1
+            elif stack and stack[-1][1] == EPOCH:
+                rest_ops[name] += self_us
+        while stack:
+            _, label, us = stack.pop()
+            own[thread][label] += us
+    return own, calls, rest_ops
+
+
+def profile_geometry(geometry: str, overrides: list[str], warmup: int, repeats: int) -> dict[str, Any]:
+    """Warm up, time ``repeats`` plain epochs, then profile one more."""
+    with tempfile.TemporaryDirectory(prefix="rlgen-profile-") as workdir:
+        recipe = build_recipe([*overrides_for(geometry, Path(workdir)), *overrides])
+        try:
+            return _measure(recipe, geometry, warmup, repeats)
+        finally:
+            recipe.cleanup()
+
+
+def _measure(recipe: FlowRLRecipe, geometry: str, warmup: int, repeats: int) -> dict[str, Any]:
+    epoch = 0
+    plain = []
+    with Progress(enabled=False) as progress:
+        for _ in range(warmup):
+            run_epoch(recipe, epoch, progress)
+            epoch += 1
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run_epoch(recipe, epoch, progress)
+            plain.append(time.perf_counter() - start)
+            epoch += 1
+        activities = [ProfilerActivity.CPU] + (
+            [ProfilerActivity.CUDA] if recipe.device.type == "cuda" else []
+        )
+        with phase_labels(recipe), profile(activities=activities) as prof:
+            start = time.perf_counter()
+            with record_function(PREFIX + EPOCH):
+                run_epoch(recipe, epoch, progress)
+            if recipe.device.type == "cuda":
+                torch.cuda.synchronize(recipe.device)
+            profiled_s = time.perf_counter() - start
+    own, calls, rest_ops = exclusive_times(prof.events())
+    main_thread = next(thread for thread, labels in own.items() if EPOCH in labels)
+    main = own.pop(main_thread)
+    total_s = sum(main.values()) / 1e6  # the epoch's range: its own time plus every phase's
+    seconds = {phase: main.get(phase, 0.0) / 1e6 for phase in PHASES}  # reward: the wait for the scorer
+    seconds["rest"] = main[EPOCH] / 1e6
+    reward_thread_s = sum(labels.get("reward", 0.0) for labels in own.values()) / 1e6
+    return {
+        "geometry": geometry,
+        "epoch_s_median": round(statistics.median(plain), 4) if plain else None,
+        "profiled_epoch_s": round(profiled_s, 4),
+        "share": {k: round(v / total_s, 4) for k, v in seconds.items()},
+        "seconds": {k: round(v, 4) for k, v in seconds.items()},
+        "calls": {k: v for k, v in sorted(calls.items()) if k != EPOCH},
+        "reward_thread_s": round(reward_thread_s, 4),
+        "rest_top_ops_s": {k: round(v / 1e6, 4) for k, v in rest_ops.most_common(8)},
+    }
+
+
+def main(argv: list[str]) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--geometry", choices=[*GEOMETRIES, "all"], default="all")
+    parser.add_argument("--warmup", type=int, default=2, help="unmeasured epochs first")
+    parser.add_argument("--repeats", type=int, default=3, help="plain (unprofiled) epochs timed")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides applied after the geometry's")
+    args = parser.parse_args(argv)
+    geometries = GEOMETRIES if args.geometry == "all" else (args.geometry,)
+    torch.manual_seed(0)
+    return [profile_geometry(g, args.overrides, args.warmup, args.repeats) for g in geometries]
+
+
+if __name__ == "__main__":
+    for result in main(sys.argv[1:]):
+        print(json.dumps(result))
