@@ -1,67 +1,265 @@
-"""How much of a Flow-GRPO epoch is spent outside the transformer.
+"""How much of a Flow-GRPO epoch is spent outside the model calls it has to make.
 
-Runs one tiny-SD3 GRPO epoch through the recipe (rollout → reward → advantages → update), then, in the
-same process, replays only the transformer forward/backward calls that epoch had to make (same shapes,
-same batch sizes, same CFG and reference passes) and times them. Prints JSON whose last field is
-``overhead_ratio`` = epoch time / model-call time (1.0 = no overhead at all).
+Runs epochs of a geometry (``_geometry.py``; default the tiny-SD3 CFG geometry loaded through the real
+loader) and, right after each, replays exactly the transformer calls that epoch made, recorded from the
+epoch itself: the same inputs (latents, σ, conditioning — so the same shapes and CFG doubling), grad
+mode, CFG-gradient mode, LoRA state (reference passes with the adapter off) and a backward wherever the
+epoch ran one — with nothing around them. After a warm-up (by default one pass over the training
+prompts, so the prompt cache is warm as in a long run) epochs and replays alternate; the JSON holds
+medians and ends with ``overhead_ratio`` = epoch ÷ replay. The epoch contains every replayed call, so a
+ratio below 1 is a measurement error: it is flagged (``valid: false``) and the script exits 1.
 
-    python benchmarks/overhead.py [key=value overrides…]
+``--baseline KEY=VALUE`` (repeatable) runs a second recipe with those overrides side by side, epochs
+interleaved A/B/A/B, and reports ``epoch_vs_baseline`` (median of the per-repeat ratios). The old path
+of the prompt conditioning is ``model.prompt_cache_mb=0``; the old cost of ``algo.cfg_grad=conditional``
+(one CFG batch differentiated through both halves, the unconditional one detached afterwards) is what
+``algo.cfg_grad=both`` computes.
+
+    python benchmarks/overhead.py [--geometry sd3_cfg|shapes] [--repeats 5] [--baseline K=V …] [K=V …]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
+import statistics
 import sys
+import tempfile
 import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
-from _common import build_recipe
+from _geometry import GEOMETRIES, build_recipe, overrides_for
+from profile_epoch import run_epoch
+from torch import Tensor
 
+from rlgen_cli.models import Cond, cfg_gradient
+from rlgen_cli.models.base import uncond_takes_grad
 from rlgen_cli.recipes.flow_rl import FlowRLRecipe
 from rlgen_cli.training.progress import Progress
 
+BACKWARD = "backward"
 
-def model_calls_only(recipe: FlowRLRecipe, cond, x: torch.Tensor) -> float:
-    """Seconds for exactly the transformer calls of one epoch, with nothing else around them."""
-    algo, policy = recipe.cfg.algo, recipe.policy
-    n = algo.prompts_per_epoch * algo.group_size
-    plan = recipe.plan_for(0, n)
-    steps, trained = plan.num_steps, len(plan.train_steps)
-    sigma = torch.tensor(0.5)
-    start = time.perf_counter()
-    with torch.no_grad():
-        for _ in range(n // algo.sample_batch_size):
-            for _ in range(steps):
-                policy.velocity(
-                    x[: algo.sample_batch_size], sigma, cond.index(slice(0, algo.sample_batch_size))
-                )
-    for _ in range(algo.num_inner_epochs * (n // algo.train_batch_size)):
-        for _ in range(trained):
-            batch = cond.index(slice(0, algo.train_batch_size))
-            policy.velocity(x[: algo.train_batch_size], sigma, batch).square().mean().backward()
-            if algo.beta > 0:
-                with torch.no_grad(), policy.reference():
-                    policy.velocity(x[: algo.train_batch_size], sigma, batch)
+
+@dataclass
+class Call:
+    """One ``policy.velocity`` call of an epoch, with the state it ran in."""
+
+    x: Tensor
+    sigma: Tensor
+    cond: Cond
+    grad: bool
+    cfg_grad: str
+    reference: bool
+
+
+Calls = list[Call | str]  # velocity calls and BACKWARD markers, in the epoch's order
+
+
+@contextmanager
+def recording(recipe: FlowRLRecipe, calls: Calls, passes: Counter) -> Iterator[None]:
+    """Append every velocity call and backward of the block to ``calls``; count the transformer's passes
+    by batch size and grad mode in ``passes``."""
+    policy, dist = recipe.policy, recipe.dist
+    velocity, reference, backward = policy.velocity, policy.reference, dist.backward
+    depth = [0]
+
+    def recorded_velocity(x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
+        mode = "both" if uncond_takes_grad() else "conditional"
+        calls.append(Call(x.detach().clone(), sigma.detach().clone(), cond, torch.is_grad_enabled(), mode,
+                          depth[0] > 0))  # fmt: skip
+        return velocity(x, sigma, cond)
+
+    @contextmanager
+    def recorded_reference() -> Iterator[None]:
+        depth[0] += 1
+        try:
+            with reference():
+                yield
+        finally:
+            depth[0] -= 1
+
+    def recorded_backward(loss: Tensor, sync: bool = True) -> None:
+        calls.append(BACKWARD)
+        backward(loss, sync)
+
+    def recorded_pass(_: Any, args: tuple, kwargs: dict) -> None:
+        first = kwargs.get("hidden_states", args[0] if args else None)
+        passes[f"batch {first.shape[0]}, {'grad' if torch.is_grad_enabled() else 'no grad'}"] += 1
+
+    policy.velocity, policy.reference, dist.backward = (
+        recorded_velocity,
+        recorded_reference,
+        recorded_backward,
+    )
+    hook = policy._train.module.register_forward_pre_hook(recorded_pass, with_kwargs=True)
+    try:
+        yield
+    finally:
+        hook.remove()
+        del policy.velocity, policy.reference, dist.backward
+
+
+def replay(recipe: FlowRLRecipe, calls: Calls, lora: bool = True) -> None:
+    """Make ``calls`` again, bare: each velocity in its recorded state, a backward where the epoch had one
+    (through every differentiated output since the last). ``lora=False``: no-grad calls only, adapter off."""
+    policy = recipe.policy
+    pending: list[Tensor] = []
+    for call in calls:
+        if isinstance(call, str):
+            if lora and pending:
+                torch.stack([v.square().mean() for v in pending]).sum().backward()
+            pending.clear()
+            continue
+        if not lora and call.grad:
+            continue
+        off = call.reference or not lora
+        with (
+            torch.set_grad_enabled(call.grad),
+            cfg_gradient(call.cfg_grad),
+            policy.reference() if off else nullcontext(),
+        ):
+            v = policy.velocity(call.x, call.sigma, call.cond)
+        if v.requires_grad:
+            pending.append(v)
     recipe.optimizer.zero_grad(set_to_none=True)
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> float:
+    """Seconds ``fn`` takes (the device synchronised on both sides)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return time.perf_counter() - start
 
 
-def main(overrides: list[str]) -> dict[str, float]:
+class Arm:
+    """One recipe under measurement: its epochs, each followed later by the replay of its calls."""
+
+    def __init__(self, name: str, overrides: list[str]) -> None:
+        self.name, self.overrides = name, overrides
+        self.recipe = build_recipe(overrides)
+        self.epoch = 0
+        self.calls: Calls = []
+        self.passes: Counter = Counter()
+        self.epoch_s: list[float] = []
+        self.calls_s: list[float] = []
+
+    def run_epoch(self, progress: Progress, measured: bool) -> None:
+        self.calls, self.passes = [], Counter()
+        with recording(self.recipe, self.calls, self.passes):
+            seconds = timed(lambda: run_epoch(self.recipe, self.epoch, progress), self.recipe.device)
+        self.epoch += 1
+        if measured:
+            self.epoch_s.append(seconds)
+
+    def replay(self, measured: bool) -> None:
+        seconds = timed(lambda: replay(self.recipe, self.calls), self.recipe.device)
+        if measured:
+            self.calls_s.append(seconds)
+
+    def lora_share(self, repeats: int = 3) -> float | None:
+        """Share of the epoch's no-grad forwards (rollout, reference) that the LoRA adapter costs."""
+        if not self.recipe.cfg.model.lora.enabled:
+            return None
+        nograd = [c for c in self.calls if isinstance(c, Call) and not c.grad]
+        device = self.recipe.device
+        with_lora, without = [], []
+        for _ in range(repeats):
+            with_lora.append(timed(lambda: replay(self.recipe, nograd), device))
+            without.append(timed(lambda: replay(self.recipe, nograd, lora=False), device))
+        return round(1 - statistics.median(without) / statistics.median(with_lora), 4)
+
+    def summary(self) -> dict[str, Any]:
+        velocity = [c for c in self.calls if isinstance(c, Call)]
+        cache = getattr(self.recipe.policy.encode, "cache", None)
+        epoch_s, calls_s = statistics.median(self.epoch_s), statistics.median(self.calls_s)
+        return {
+            "overrides": self.overrides,
+            "epoch_s": round(epoch_s, 4),
+            "model_calls_s": round(calls_s, 4),
+            "overhead_ratio": round(epoch_s / calls_s, 4),
+            "epoch_s_all": [round(s, 4) for s in self.epoch_s],
+            "model_calls_s_all": [round(s, 4) for s in self.calls_s],
+            "calls_per_epoch": {
+                "no_grad_forwards": sum(not c.grad for c in velocity),
+                "grad_forwards": sum(c.grad for c in velocity),
+                "reference_forwards": sum(c.reference for c in velocity),
+                "backwards": self.calls.count(BACKWARD),
+                "transformer_passes": dict(self.passes),
+            },
+            "lora_share_of_no_grad_forwards": self.lora_share(),
+            "prompt_cache": None if cache is None else {"hits": cache.hits, "misses": cache.misses},
+        }
+
+
+def default_warmup(recipe: FlowRLRecipe) -> int:
+    """Epochs that show every training prompt once (the cache then holds them, as in a long run); 2 when
+    that is more than 10 epochs."""
+    passes = math.ceil(len(recipe.train_set) / recipe.cfg.algo.prompts_per_epoch)
+    return passes if passes <= 10 else 2
+
+
+def measure(geometry: str, overrides: list[str], baseline: list[str] | None, repeats: int,
+            warmup: int | None) -> dict[str, Any]:  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="rlgen-overhead-") as workdir:
+        common = [*overrides_for(geometry, Path(workdir)), *overrides]
+        arms = [Arm("recipe", common)]
+        if baseline is not None:
+            arms.append(Arm("baseline", [*common, *baseline]))
+        warmup = default_warmup(arms[0].recipe) if warmup is None else warmup
+        with Progress(enabled=False) as progress:
+            for arm in arms:  # first calls allocate and pick kernels; the prompt cache fills
+                for _ in range(max(warmup, 1)):
+                    arm.run_epoch(progress, measured=False)
+                arm.replay(measured=False)
+            for _ in range(repeats):  # A/B/A/B: drifts in machine load hit both alike
+                for arm in arms:
+                    arm.run_epoch(progress, measured=True)
+                for arm in arms:
+                    arm.replay(measured=True)
+        result: dict[str, Any] = {"geometry": geometry, "repeats": repeats, "warmup_epochs": warmup}
+        result |= {arm.name: arm.summary() for arm in arms}
+        for arm in arms:
+            arm.recipe.cleanup()
+    problems = [
+        f"{arm.name}: overhead_ratio {result[arm.name]['overhead_ratio']} < 1 — the epoch contains every "
+        "replayed call, so the machine's load changed between them; re-run on an idle machine"
+        for arm in arms
+        if result[arm.name]["overhead_ratio"] < 1
+    ]
+    if baseline is not None:
+        a, b = arms
+        result["epoch_vs_baseline"] = round(statistics.median(x / y for x, y in zip(a.epoch_s, b.epoch_s)), 4)
+    result["valid"] = not problems
+    result["problems"] = problems
+    result["overhead_ratio"] = result["recipe"]["overhead_ratio"]
+    return result
+
+
+def main(argv: list[str]) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--geometry", choices=GEOMETRIES, default="sd3_cfg")
+    parser.add_argument("--repeats", type=int, default=5, help="measured epoch/replay pairs per recipe")
+    parser.add_argument("--warmup", type=int, default=None, help="unmeasured epochs first (default: a pass)")
+    parser.add_argument("--baseline", action="append", default=None, metavar="KEY=VALUE",
+                        help="overrides of a baseline recipe measured side by side (repeatable)")  # fmt: skip
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides of both recipes")
+    args = parser.parse_args(argv)
     torch.manual_seed(0)
-    recipe = build_recipe(overrides)
-    with Progress(enabled=False) as progress:
-        recipe.train_epoch(0, progress)  # warm-up: first calls allocate and pick kernels
-        start = time.perf_counter()
-        recipe.train_epoch(1, progress)
-        epoch_s = time.perf_counter() - start
-    algo = recipe.cfg.algo
-    size = max(algo.sample_batch_size, algo.train_batch_size)
-    cond = recipe.policy.encode(["a benchmark prompt"] * size)
-    x = recipe.policy.noise(size, torch.Generator(device=recipe.device).manual_seed(0))
-    model_s = model_calls_only(recipe, cond, x)
-    return {"epoch_s": round(epoch_s, 3), "model_calls_s": round(model_s, 3),
-            "overhead_ratio": round(epoch_s / model_s, 3)}  # fmt: skip
+    return measure(args.geometry, args.overrides, args.baseline, args.repeats, args.warmup)
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1:])))
+    result = main(sys.argv[1:])
+    print(json.dumps(result))
+    sys.exit(0 if result["valid"] else 1)

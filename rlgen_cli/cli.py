@@ -13,7 +13,8 @@ from pathlib import Path
 import typer
 
 from rlgen_cli import __version__
-from rlgen_cli._hydra import config_groups, run_hydra
+from rlgen_cli._hydra import EXIT_USER_ERROR, config_groups, run_hydra
+from rlgen_cli.completion import HydraVerb, complete_group_name
 
 HYDRA_CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
 
@@ -35,17 +36,29 @@ app = typer.Typer(
     name="rlgen",
     help="Online reinforcement learning for generative models.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # rlgen --install-completion [bash|zsh|fish]
     rich_markup_mode=None,
 )
 
 
+HYDRA_COMPLETION_FLAGS = ("-sc", "--shell-completion", "--shell_completion")
+
+
 def _forward(verb_module: str, function: str, config_name: str, ctx: typer.Context) -> None:
+    if any(arg.split("=", 1)[0] in HYDRA_COMPLETION_FLAGS for arg in ctx.args):
+        # Hydra's script would call `rlgen -sc query=…`, which the verbs cannot answer
+        typer.secho(
+            "rlgen completes its verbs, config groups and options itself: run `rlgen --install-completion` "
+            "(bash, zsh or fish; `rlgen --show-completion SHELL` prints the script) instead of Hydra's -sc",
+            fg="red",
+            err=True,
+        )
+        raise typer.Exit(EXIT_USER_ERROR)
     task = getattr(importlib.import_module(f"rlgen_cli.tasks.{verb_module}"), function)
     run_hydra(task, config_name, ctx.args)
 
 
-@app.command(context_settings=HYDRA_CONTEXT, epilog=_groups_epilog())
+@app.command(cls=HydraVerb, context_settings=HYDRA_CONTEXT, epilog=_groups_epilog())
 def train(ctx: typer.Context) -> None:
     """Train a policy online: rollout → reward → advantages → update (Hydra overrides follow).
 
@@ -55,19 +68,19 @@ def train(ctx: typer.Context) -> None:
     _forward("train", "train_task", "train", ctx)
 
 
-@app.command(context_settings=HYDRA_CONTEXT, epilog=_groups_epilog())
+@app.command(cls=HydraVerb, context_settings=HYDRA_CONTEXT, epilog=_groups_epilog())
 def sample(ctx: typer.Context) -> None:
     """Draw images for prompts (optionally from a checkpoint): PNGs + manifest.jsonl."""
     _forward("sample", "sample_task", "sample", ctx)
 
 
-@app.command(name="eval", context_settings=HYDRA_CONTEXT, epilog=_groups_epilog())
+@app.command(name="eval", cls=HydraVerb, context_settings=HYDRA_CONTEXT, epilog=_groups_epilog())
 def evaluate(ctx: typer.Context) -> None:
     """Score a checkpoint (or the base model) on a test set with the configured rewards."""
     _forward("evaluate", "eval_task", "eval", ctx)
 
 
-@app.command(name="check-onpolicy", context_settings=HYDRA_CONTEXT, epilog=_groups_epilog())
+@app.command(name="check-onpolicy", cls=HydraVerb, context_settings=HYDRA_CONTEXT, epilog=_groups_epilog())
 def check_onpolicy(ctx: typer.Context) -> None:
     """Roll out, recompute log-probs on the training path, and fail if |ratio − 1| exceeds the tolerance."""
     _forward("check_onpolicy", "check_onpolicy_task", "check_onpolicy", ctx)
@@ -92,14 +105,16 @@ def plot(
     typer.echo(plot_runs(run_dirs, out))
 
 
-@app.command(name="serve-reward", context_settings=HYDRA_CONTEXT, epilog=_groups_epilog())
+@app.command(name="serve-reward", cls=HydraVerb, context_settings=HYDRA_CONTEXT, epilog=_groups_epilog())
 def serve_reward(ctx: typer.Context) -> None:
     """Serve the rewards of reward.weights over HTTP (server.port, server.workers, server.token, …)."""
     _forward("serve_reward", "serve_reward_task", "serve_reward", ctx)
 
 
 @app.command(name="ls")
-def list_configs(group: str = typer.Argument(None, help="Only this group.")) -> None:
+def list_configs(
+    group: str = typer.Argument(None, help="Only this group.", autocompletion=complete_group_name),
+) -> None:
     """List the config groups and their options."""
     groups = config_groups()
     if group is not None and group not in groups:

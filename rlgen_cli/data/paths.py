@@ -74,10 +74,21 @@ def resolve_data_path(spec: str, key: str | None = None, workdir: Path | None = 
     return path
 
 
+def not_utf8(path: Path, err: UnicodeDecodeError, key: str | None = None) -> UserError:
+    """The error for a data file that is not UTF-8 text: which file, where, and how to convert it."""
+    what = f"{key}: {path}" if key else str(path)
+    return UserError(
+        f"{what} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start}); convert it, e.g. "
+        f"iconv -f latin1 -t utf-8 {path} > {path.with_stem(path.stem + '_utf8')}"
+    )
+
+
 def load_prompts(spec: str, workdir: Path | None = None, key: str | None = None) -> PromptDataset:
-    """Load a prompt dataset; malformed files raise :class:`UserError` naming file and line."""
+    """Load a prompt dataset; malformed or non-UTF-8 files raise :class:`UserError` naming the file."""
     path = resolve_data_path(spec, key, workdir)
     try:
         return PromptDataset.from_file(path)
+    except UnicodeDecodeError as err:
+        raise not_utf8(path, err, key) from err
     except ValueError as err:
         raise UserError(str(err)) from err

@@ -4,17 +4,38 @@ The controller composes the config once, writes ``resolved.yaml`` into the run d
 ``accelerate launch … -m rlgen_cli.launch.worker RUN_DIR/resolved.yaml``; the workers read that file
 and never call Hydra. Engine settings (DeepSpeed ZeRO stages, FSDP) come from packaged accelerate
 config files in ``launch/configs/``.
+
+Your own file, ``launcher.config_file=PATH`` (with launcher=accelerate or multinode), goes to
+``accelerate launch`` as it would by hand: an accelerate config (YAML, or JSON with ``distributed_type``)
+as ``--config_file``, a DeepSpeed config (any other JSON) as ``--use_deepspeed --deepspeed_config_file``.
+rlgen's launcher settings stay in charge and are passed as flags; where the file sets the same thing
+differently the run stops before any worker starts, exit code 2, naming both values (nothing is
+overridden silently):
+
+* process count: the file's ``num_processes`` (accelerate counts all machines) against
+  ``launcher.num_processes × launcher.num_machines``; also ``num_machines`` and ``mixed_precision``;
+* ``machine_rank``, ``main_process_ip``, ``main_process_port``: compared only when launcher.* sets them;
+  otherwise the file's values are used (before MASTER_ADDR / MASTER_PORT / the machine-rank variables);
+* DeepSpeed settings rlgen owns: ``gradient_accumulation_steps`` must be 1 or ``auto`` (rlgen accumulates
+  itself), ``train_micro_batch_size_per_gpu`` must equal ``algo.train_batch_size``,
+  ``gradient_clipping`` ``algo.max_grad_norm``, ``fp16``/``bf16`` ``launcher.mixed_precision``; the
+  optimizer and its schedule are rlgen's (no ``optimizer`` / ``scheduler`` sections).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import math
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+import yaml
 
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import LauncherConfig
@@ -34,26 +55,176 @@ def engine_config(name: str) -> Path | None:
     return path if path.is_file() else None
 
 
+@dataclass(frozen=True)
+class LaunchFile:
+    """A user's ``launcher.config_file``: an accelerate config or a DeepSpeed config, as read."""
+
+    path: Path
+    kind: str  # "accelerate" | "deepspeed"
+    settings: dict[str, Any]
+
+    @property
+    def deepspeed(self) -> dict[str, Any] | None:
+        """The DeepSpeed settings it carries: the whole DeepSpeed JSON, the JSON an accelerate config names
+        (``deepspeed_config.deepspeed_config_file``), or None."""
+        if self.kind == "deepspeed":
+            return self.settings
+        nested = (self.settings.get("deepspeed_config") or {}).get("deepspeed_config_file")
+        return None if nested is None else read_launch_file(str(nested)).settings
+
+    @property
+    def uses_deepspeed(self) -> bool:
+        return (
+            self.kind == "deepspeed" or str(self.settings.get("distributed_type", "")).upper() == "DEEPSPEED"
+        )
+
+
+def read_launch_file(spec: str) -> LaunchFile:
+    """Read ``launcher.config_file``: JSON with ``distributed_type`` / ``compute_environment`` or YAML is an
+    accelerate config, any other JSON a DeepSpeed config.
+
+    Raises:
+        UserError: The file is missing, unparsable or not a mapping.
+    """
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise UserError(f"launcher.config_file={spec}: no such file")
+    is_json = path.suffix.lower() == ".json"
+    try:
+        text = path.read_text(encoding="utf-8")
+        settings = json.loads(text) if is_json else yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError) as err:
+        raise UserError(
+            f"launcher.config_file={spec} is not readable {'JSON' if is_json else 'YAML'}: {err}"
+        ) from err
+    if not isinstance(settings, dict):
+        raise UserError(
+            f"launcher.config_file={spec} must hold a mapping of settings, not {type(settings).__name__}"
+        )
+    accelerate = not is_json or {"distributed_type", "compute_environment"} & settings.keys()
+    return LaunchFile(path.resolve(), "accelerate" if accelerate else "deepspeed", settings)
+
+
+def launch_file_conflicts(
+    launcher: LauncherConfig, file: LaunchFile, algo: dict[str, Any] | None = None
+) -> list[str]:
+    """Every setting ``file`` gives a value that differs from rlgen's, one sentence each naming both values
+    and the fix (empty when they agree). ``algo``: the run's ``algo`` section, for the DeepSpeed checks."""
+    name = f"launcher.config_file ({file.path.name})"
+    found: list[str] = []
+    if file.kind == "accelerate":
+        wanted = {
+            "num_processes": (launcher.world_size, "launcher.num_processes × launcher.num_machines"),
+            "num_machines": (launcher.num_machines, "launcher.num_machines"),
+            "mixed_precision": (launcher.mixed_precision, "launcher.mixed_precision"),
+            "machine_rank": (launcher.machine_rank, "launcher.machine_rank"),
+            "main_process_ip": (launcher.main_process_ip, "launcher.main_process_ip"),
+            "main_process_port": (launcher.main_process_port, "launcher.main_process_port"),
+        }
+        for key, (ours, our_key) in wanted.items():
+            theirs = file.settings.get(key)
+            if theirs is not None and ours is not None and str(theirs) != str(ours):
+                found.append(
+                    f"{name} sets {key}: {theirs} but {our_key} is {ours}: {_agree(key, theirs, launcher)}"
+                )
+    if file.deepspeed is not None:
+        found += _deepspeed_conflicts(name, file.deepspeed, launcher, algo or {})
+    return found
+
+
+def _agree(key: str, theirs: Any, launcher: LauncherConfig) -> str:
+    """How to make launcher.* agree with the file's ``key``, or drop it from the file."""
+    if key == "num_processes":
+        per_machine = int(theirs) / launcher.num_machines
+        fix = (
+            f"pass launcher.num_processes={int(per_machine)}"
+            if per_machine.is_integer()
+            else f"make launcher.num_processes × launcher.num_machines = {theirs}"
+        )
+        return (
+            f"{fix} (accelerate counts the processes of all machines) or remove num_processes from the file"
+        )
+    return f"pass launcher.{key}={theirs} or remove {key} from the file"
+
+
+def _deepspeed_conflicts(
+    name: str, ds: dict[str, Any], launcher: LauncherConfig, algo: dict[str, Any]
+) -> list[str]:
+    """The DeepSpeed settings rlgen sets itself, where ``ds`` gives them another value."""
+    found = [
+        f'{name} has a DeepSpeed "{section}" section: rlgen builds the optimizer (AdamW from algo.lr, '
+        f"algo.weight_decay, …) and its learning-rate schedule; remove the section"
+        for section in ("optimizer", "scheduler")
+        if section in ds
+    ]
+    accumulation = ds.get("gradient_accumulation_steps")
+    if accumulation not in (None, "auto", 1):
+        found.append(
+            f"{name} sets gradient_accumulation_steps: {accumulation}; rlgen accumulates micro-batches itself "
+            '(algo.gradient_accumulation_steps): set it to 1 or "auto" in the file'
+        )
+    micro = algo.get("train_batch_size")
+    numeric = {  # DeepSpeed key → (rlgen's value, rlgen's key)
+        "train_micro_batch_size_per_gpu": (micro, "algo.train_batch_size"),
+        "train_batch_size": (
+            None if micro is None else micro * launcher.world_size,
+            "algo.train_batch_size × processes",
+        ),
+        "gradient_clipping": (
+            None if algo.get("max_grad_norm") is None else max(float(algo["max_grad_norm"]), 0.0),
+            "algo.max_grad_norm",
+        ),
+    }
+    for key, (ours, our_key) in numeric.items():
+        theirs = ds.get(key)
+        if theirs in (None, "auto") or ours is None:
+            continue
+        if not math.isclose(float(theirs), float(ours)):
+            found.append(
+                f'{name} sets {key}: {theirs} but {our_key} is {ours}: set it to "auto" (rlgen fills it) '
+                f"or pass {our_key.split(' ')[0]}=…"
+            )
+    for precision in ("fp16", "bf16"):
+        enabled = (ds.get(precision) or {}).get("enabled")
+        chosen = launcher.mixed_precision == precision
+        if enabled in (True, False) and enabled != chosen:
+            found.append(
+                f"{name} sets {precision}.enabled: {str(enabled).lower()} but launcher.mixed_precision is "
+                f'{launcher.mixed_precision}: set it to "auto" or pass launcher.mixed_precision='
+                f"{precision if enabled else 'no'}"
+            )
+    return found
+
+
 def launch_command(launcher: LauncherConfig, resolved: Path) -> list[str]:
     """``accelerate launch`` argv for ``launcher`` running the worker on ``resolved``."""
-    main_ip = launcher.main_process_ip or os.environ.get("MASTER_ADDR", "127.0.0.1")
-    main_port = launcher.main_process_port or int(os.environ.get("MASTER_PORT", "29500"))
-    machine_rank = launcher.machine_rank if launcher.machine_rank is not None else _env_machine_rank()
+    user = read_launch_file(launcher.config_file) if launcher.config_file else None
+    from_file = set() if user is None or user.kind != "accelerate" else set(user.settings)
     argv = [sys.executable, "-m", "accelerate.commands.launch"]
     config = engine_config(launcher.name)
-    if config is not None:
+    if user is not None and user.kind == "deepspeed":
+        argv += ["--use_deepspeed", "--deepspeed_config_file", str(user.path)]
+    elif user is not None:
+        argv += ["--config_file", str(user.path)]
+    elif config is not None:
         argv += ["--config_file", str(config)]
-    total = launcher.num_processes * launcher.num_machines
-    if total > 1 and config is None:
+    total = launcher.world_size
+    if total > 1 and config is None and user is None:
         # --multi_gpu also gives N gloo ranks on CPU (--cpu would silently run ONE process)
         argv.append("--multi_gpu")
-    elif total == 1 and config is None and not torch.cuda.is_available():
+    elif total == 1 and config is None and user is None and not torch.cuda.is_available():
         argv.append("--cpu")
-    argv += [
-        "--num_processes", str(total), "--num_machines", str(launcher.num_machines),
-        "--machine_rank", str(machine_rank), "--main_process_ip", main_ip, "--main_process_port", str(main_port),
-        "--mixed_precision", launcher.mixed_precision, "-m", WORKER_MODULE, str(resolved),
-    ]  # fmt: skip
+    argv += ["--num_processes", str(total), "--num_machines", str(launcher.num_machines)]
+    # launcher.* when set, else the file's value, else the environment's
+    if launcher.machine_rank is not None or "machine_rank" not in from_file:
+        rank = launcher.machine_rank if launcher.machine_rank is not None else _env_machine_rank()
+        argv += ["--machine_rank", str(rank)]
+    if launcher.main_process_ip is not None or "main_process_ip" not in from_file:
+        argv += ["--main_process_ip", launcher.main_process_ip or os.environ.get("MASTER_ADDR", "127.0.0.1")]
+    if launcher.main_process_port is not None or "main_process_port" not in from_file:
+        port = launcher.main_process_port or int(os.environ.get("MASTER_PORT", "29500"))
+        argv += ["--main_process_port", str(port)]
+    argv += ["--mixed_precision", launcher.mixed_precision, "-m", WORKER_MODULE, str(resolved)]
     return argv
 
 
@@ -65,16 +236,42 @@ def _env_machine_rank() -> int:
     return 0
 
 
-def require_engine(launcher: LauncherConfig) -> None:
-    """A clear error, before any worker starts, when the launcher's engine is not installed."""
+def require_engine(launcher: LauncherConfig, user: LaunchFile | None = None) -> None:
+    """A clear error, before any worker starts, when the launcher's engine (or that of the user's launch
+    file) is not installed."""
     package, install = ENGINE_PACKAGES.get(launcher.name, (None, ""))
+    if user is not None and user.uses_deepspeed:
+        package, install = ENGINE_PACKAGES["deepspeed_zero2"]
     if package is not None and importlib.util.find_spec(package) is None:
-        raise UserError(f"launcher={launcher.name} needs {package}, which is not installed: {install}")
+        via = (
+            f"launcher.config_file={launcher.config_file}"
+            if user is not None
+            else f"launcher={launcher.name}"
+        )
+        raise UserError(f"{via} needs {package}, which is not installed: {install}")
+
+
+def check_launch_file(launcher: LauncherConfig, resolved: Path) -> LaunchFile | None:
+    """The user's launch file, read and reconciled with the run's config (``resolved``); None without one.
+
+    Raises:
+        UserError: Listing every setting the file gives another value than rlgen's (exit code 2).
+    """
+    if not launcher.config_file:
+        return None
+    from omegaconf import OmegaConf
+
+    user = read_launch_file(launcher.config_file)
+    algo = OmegaConf.to_container(OmegaConf.load(resolved).get("algo") or {}, resolve=True)
+    conflicts = launch_file_conflicts(launcher, user, algo)
+    if conflicts:
+        raise UserError("the launch file disagrees with rlgen's settings:\n  " + "\n  ".join(conflicts))
+    return user
 
 
 def run_launch(launcher: LauncherConfig, resolved: Path) -> int:
     """Run the workers and return their exit code (the controller's own exit code follows it)."""
-    require_engine(launcher)
+    require_engine(launcher, check_launch_file(launcher, resolved))
     argv = launch_command(launcher, resolved)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     try:

@@ -3,10 +3,11 @@ latent packing that FLUX and Qwen-Image feed their transformers."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from rlgen_cli.models.base import TORCH_DTYPES
 from rlgen_cli.schema.errors import UserError
@@ -27,13 +28,38 @@ def load_pipeline(pipeline_cls: type, cfg: ModelConfig, what: str) -> Any:
         ) from err
 
 
+def kept_in_fp32(module: nn.Module, dtype: torch.dtype) -> frozenset[str]:
+    """Module names whose weights ``from_pretrained(torch_dtype=dtype)`` keeps in fp32: a diffusers model's
+    ``_keep_in_fp32_modules`` in any low dtype (Wan's norms and time embedding), a transformers model's
+    in fp16 only (T5's ``wo``), plus its ``_keep_in_fp32_modules_strict`` in fp16 and bf16."""
+    if dtype == torch.float32:
+        return frozenset()
+    keep = set(getattr(module, "_keep_in_fp32_modules", None) or ())
+    if type(module).__module__.startswith("transformers."):
+        keep = keep if dtype == torch.float16 else set()
+        keep |= set(getattr(module, "_keep_in_fp32_modules_strict", None) or ())
+    return frozenset(keep)
+
+
+def cast_as_loaded(module: nn.Module, dtype: torch.dtype) -> None:
+    """Cast ``module`` in place as ``from_pretrained(torch_dtype=dtype)`` would have loaded it: floating
+    weights and buffers in ``dtype`` except those under :func:`kept_in_fp32` names."""
+    keep = kept_in_fp32(module, dtype)
+    nn.Module.to(module, dtype)  # not diffusers' override, which warns about the modules restored below
+    for name, tensor in itertools.chain(module.named_parameters(), module.named_buffers()):
+        if keep & set(name.split(".")):
+            tensor.data = tensor.data.float()
+
+
 def in_model_dtype(pipeline: Any, cfg: ModelConfig, keep_fp32: tuple[str, ...] = ()) -> Any:
-    """A tiny pipeline (built in fp32) as :func:`load_pipeline` gives a real one: every module in
-    ``model.dtype``, except the components ``keep_fp32`` the family's loader keeps in fp32. So the tiny
-    models run the low-precision paths of real runs (docs/precision.md)."""
-    pipeline.to(dtype=TORCH_DTYPES[cfg.dtype])
-    for name in keep_fp32:
-        getattr(pipeline, name).to(torch.float32)
+    """A tiny pipeline (built in fp32) as :func:`load_pipeline` gives a real one: every module cast by
+    :func:`cast_as_loaded` to ``model.dtype``, except the components ``keep_fp32`` that the family's loader
+    moves back to fp32 (Wan's VAE). So the tiny models run the low-precision paths of real runs
+    (docs/precision.md)."""
+    dtype = TORCH_DTYPES[cfg.dtype]
+    for name, component in pipeline.components.items():
+        if isinstance(component, nn.Module):
+            cast_as_loaded(component, torch.float32 if name in keep_fp32 else dtype)
     return pipeline
 
 

@@ -8,6 +8,7 @@ used, so a family's heavy imports never slow down another's.
 from __future__ import annotations
 
 import importlib
+import logging
 
 import torch
 
@@ -15,6 +16,8 @@ from rlgen_cli.models.base import FlowPolicy
 from rlgen_cli.models.prompt_cache import cache_prompt_embeddings
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
+
+log = logging.getLogger(__name__)
 
 FAMILIES: dict[str, str] = {
     "sd3": "rlgen_cli.models.sd3",
@@ -37,6 +40,32 @@ def build_policy(cfg: ModelConfig, device: torch.device) -> FlowPolicy:
         if err.name != FAMILIES[cfg.family]:
             raise
         raise UserError(f"model.family={cfg.family!r} is not available in this version of rlgen") from err
+    warn_slow_dtype(cfg.dtype, device)
     policy = module.build(cfg, device)
     cache_prompt_embeddings(policy, cfg.prompt_cache_mb)  # frozen encoders: a batch seen before is reused
     return policy
+
+
+def slow_dtype_advice(dtype: str, device: torch.device) -> str | None:
+    """Why ``model.dtype`` cannot run well on ``device`` and what to set instead; None when it can.
+
+    CPUs have no fast float16 matrix products (torch emulates them: several times slower than float32);
+    GPUs before Ampere have no bfloat16 units."""
+    if device.type == "cpu" and dtype == "float16":
+        return (
+            "model.dtype=float16 on the CPU runs several times slower than float32 (no fast fp16 matrix "
+            "products on CPUs): set model.dtype=float32, or model.dtype=bfloat16 on a CPU with bf16 units"
+        )
+    if device.type == "cuda" and dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
+        return (
+            f"model.dtype=bfloat16 on {torch.cuda.get_device_name(device)}, which has no bf16 units: set "
+            "model.dtype=float16 (FLUX families overflow in fp16: use float32 there)"
+        )
+    return None
+
+
+def warn_slow_dtype(dtype: str, device: torch.device) -> None:
+    """Log :func:`slow_dtype_advice` once per model build."""
+    advice = slow_dtype_advice(dtype, device)
+    if advice:
+        log.warning(advice)

@@ -9,6 +9,7 @@ gaussian init) and is saved in the format ``StableDiffusion3Pipeline.load_lora_w
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -18,6 +19,7 @@ from torch import Tensor, nn
 
 from rlgen_cli.models.base import TORCH_DTYPES, Cond, cfg_combine, uncond_takes_grad
 from rlgen_cli.models.loading import in_model_dtype, load_pipeline
+from rlgen_cli.models.prompt_cache import PromptCache
 from rlgen_cli.models.tokenizers import tiny_clip_tokenizer, tiny_t5_tokenizer, vocab_size
 from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME as LORA_WEIGHTS_NAME  # re-exported
 from rlgen_cli.models.trainable import TRANSFORMER_DIR as TRANSFORMER_DIR  # re-exported
@@ -122,6 +124,7 @@ class SD3Policy:
         self.device = device
         self.dtype = TORCH_DTYPES[cfg.dtype]
         self.guidance_scale = cfg.guidance_scale
+        self._negatives = PromptCache(int(cfg.prompt_cache_mb * 2**20)) if cfg.prompt_cache_mb > 0 else None
         pipeline.to(device)
         pipeline.set_progress_bar_config(disable=True)
         for part in (pipeline.vae, pipeline.text_encoder, pipeline.text_encoder_2, pipeline.text_encoder_3):
@@ -147,17 +150,28 @@ class SD3Policy:
         """Text conditioning (+ the negative branch when guidance > 1); ``images`` are not used by SD3."""
         if images is not None:
             raise UserError("SD3 is a text-to-image model: it takes no reference images")
-        use_cfg = self.guidance_scale > 1.0
-        embeds, neg_embeds, pooled, neg_pooled = self.pipeline.encode_prompt(
-            prompt=list(prompts), prompt_2=None, prompt_3=None, device=self.device,
-            do_classifier_free_guidance=use_cfg,
-            negative_prompt=[self.cfg.negative_prompt] * len(prompts) if use_cfg else None,
-            max_sequence_length=self.cfg.max_sequence_length,
-        )  # fmt: skip
-        tensors = {"prompt_embeds": embeds, "pooled": pooled}
-        if use_cfg:
-            tensors |= {"neg_prompt_embeds": neg_embeds, "neg_pooled": neg_pooled}
+        tensors = self._encode_text(prompts).tensors
+        if self.guidance_scale > 1.0:
+            negative = self._negative(len(prompts)).tensors
+            tensors |= {"neg_prompt_embeds": negative["prompt_embeds"], "neg_pooled": negative["pooled"]}
         return Cond(tensors)
+
+    def _encode_text(self, prompts: Sequence[str]) -> Cond:
+        """The pipeline's prompt embeddings (B, L, D) and pooled embeddings (B, D') of ``prompts``; the
+        pipeline encodes a negative prompt with these same calls."""
+        embeds, _, pooled, _ = self.pipeline.encode_prompt(
+            prompt=list(prompts), prompt_2=None, prompt_3=None, device=self.device,
+            do_classifier_free_guidance=False, max_sequence_length=self.cfg.max_sequence_length,
+        )  # fmt: skip
+        return Cond({"prompt_embeds": embeds, "pooled": pooled})
+
+    def _negative(self, n: int) -> Cond:
+        """The negative prompt encoded as a batch of ``n``, once per batch size (the encoders are frozen)
+        unless ``model.prompt_cache_mb=0``."""
+        encode = functools.partial(self._encode_text, [self.cfg.negative_prompt] * n)
+        if self._negatives is None:
+            return encode()
+        return self._negatives.get((n, self.cfg.negative_prompt, self.cfg.max_sequence_length), encode)
 
     # -- sampling geometry --------------------------------------------------------------------
     def latent_shape(self) -> tuple[int, int, int]:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from rlgen_cli.models.base import TORCH_DTYPES, ReferenceSwitch, add_lora, lora_parameters
+from rlgen_cli.models.loading import cast_as_loaded
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
 
@@ -82,7 +83,8 @@ class TrainableTransformer:
         transformer = pipeline.transformer.eval()
         dtype = TORCH_DTYPES[cfg.dtype]
         if self.lora:
-            transformer.to(dtype).requires_grad_(False)  # as loaded: frozen weights in model.dtype
+            cast_as_loaded(transformer, dtype)  # frozen weights in model.dtype, as a real load has them
+            transformer.requires_grad_(False)
             lora = cfg.lora
             add_lora(transformer, lora.rank, lora.alpha, lora.target_modules, lora.init, exclude=exclude)
             params = lora_parameters(transformer)
@@ -145,11 +147,17 @@ class TrainableTransformer:
         from peft.utils import get_peft_model_state_dict
 
         # The adapter config (rank, alpha, targets) travels in the safetensors metadata, so
-        # load_lora_weights restores the α/r scaling instead of assuming α = r.
+        # load_lora_weights restores the α/r scaling instead of assuming α = r. Its targets are the
+        # adapted modules by name, without exclude_modules: diffusers adapts the modules the file has
+        # weights for, and peft warns about patterns that match more (an excluded module) or exclusions
+        # that exclude nothing.
+        state = get_peft_model_state_dict(self.module)
+        metadata = self.module.peft_config["default"].to_dict()
+        metadata["target_modules"] = sorted({key.split(".lora_")[0] for key in state})
+        metadata.pop("exclude_modules", None)
         getattr(diffusers, self.pipeline_class).save_lora_weights(
-            directory, transformer_lora_layers=get_peft_model_state_dict(self.module),
-            weight_name=LORA_WEIGHTS_NAME,
-            transformer_lora_adapter_metadata=self.module.peft_config["default"].to_dict(),
+            directory, transformer_lora_layers=state, weight_name=LORA_WEIGHTS_NAME,
+            transformer_lora_adapter_metadata=metadata,
         )  # fmt: skip
 
     def load(self, directory: Path) -> None:

@@ -30,6 +30,7 @@ R1-VL's reward is ``answer_accuracy + step_rar + step_rvr`` ∈ [0, 2.1] (``rewa
 from __future__ import annotations
 
 import functools
+import json
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -107,9 +108,14 @@ def extract_answer(text: str) -> str | None:
 def normalize_key_steps(value: Any) -> list[list[str]]:
     """R1-VL-10K ``key_steps`` (``{"Steps": [group, …]}`` or the list itself) as lists of variants.
 
+    ``value`` may also be that object or list serialised as a JSON string: dataset libraries that need one
+    type per column (R1-VL-10K mixes strings and lists inside ``Steps``) store it that way.
+
     Raises:
-        ValueError: If a group is neither a string nor a list of strings.
+        ValueError: If a string is not such JSON, or a group is neither a string nor a list of strings.
     """
+    if isinstance(value, str):
+        value = _decoded_key_steps(value)
     groups = value.get("Steps", []) if isinstance(value, Mapping) else (value or [])
     out: list[list[str]] = []
     for group in groups:
@@ -121,6 +127,22 @@ def normalize_key_steps(value: Any) -> list[list[str]]:
             )
         out.append(variants)
     return out
+
+
+def _decoded_key_steps(text: str) -> Any:
+    """A JSON-encoded ``key_steps`` decoded; never iterated as characters."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        value, reason = None, f"not JSON ({err.msg} at character {err.pos})"
+    else:
+        reason = f"JSON of a {type(value).__name__}"
+    if not isinstance(value, Mapping | list):
+        raise ValueError(
+            f"key_steps is a string, {reason}: {text[:80]!r}; give {{\"Steps\": [group, …]}} or the list of "
+            "groups, as an object or as its JSON encoding"
+        )
+    return value
 
 
 # -- answer normalisation -------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import TrainConfig
 
-__all__ = ["TEXT_TOLERANCE", "CheckConfig", "CheckOnPolicyConfig"]
+__all__ = ["TEXT_TOLERANCE", "TEXT_TOLERANCES", "CheckConfig", "CheckOnPolicyConfig"]
 
 TEXT_TOLERANCE = 1e-5
 """Default ``check.text_tolerance``. Measured in fp32 on CPU, ``generate``'s KV-cache decoding against the
@@ -21,15 +21,23 @@ training layout's full forward: ≤ 9.5e-7 on the tiny Qwen2-VL (one or two floa
 and ≤ 4.8e-7 on R3's tiny Qwen2.5-VL text policy (4 seeds, both stages). 1e-5 leaves a 10× margin, and
 LoRA noise of std 1e-5 already moves the log-probs by ≈ 2.6e-5, failing it."""
 
+TEXT_TOLERANCES = {"float32": TEXT_TOLERANCE, "float16": 2e-3, "bfloat16": 1e-2}
+"""Default ``check.text_tolerance`` per dtype of the text policy (docs/precision.md). In a low precision
+every layer's output is rounded, so the KV-cache decoding and the full forward part by whole ulps: on
+the tiny Qwen2-VL (32 completions of up to 32 tokens, 3 seeds, temperatures 0.7 and 1.2) the gap is
+≤ 1.9e-3 in bf16 (2⁻⁹: one ulp of a logit below 1) and ≤ 2.4e-4 in fp16 (2⁻¹²); the defaults leave ≥ 5×.
+Larger logits have larger ulps, so a real model's gap is larger: measure it and set the tolerance."""
+
 
 @dataclass
 class CheckConfig:
     tolerance: float = 1e-6
     """Largest allowed |ratio − 1| (and |Δ log-prob|) of the image / flow tracks: the rollout stores the
     fp32 transition it sampled, so the training path reproduces it to rounding."""
-    text_tolerance: float = TEXT_TOLERANCE
+    text_tolerance: float | None = None
     """Largest allowed |ratio − 1| (and |Δ log-prob|) of the text tracks (VLM, R3's think / reflect):
-    the sampler's KV-cache decoding vs the training forward (see ``TEXT_TOLERANCE``; raise it for bf16)."""
+    the sampler's KV-cache decoding vs the training forward; null = ``TEXT_TOLERANCES`` of the text
+    policy's dtype (1e-5 in fp32, 1e-2 in bf16)."""
     train_noise_level: float | None = None
     """Noise level of the training-side recompute; null = the sampling one (set it to see the check fail)."""
     train_batch_size: int | None = None
@@ -42,7 +50,7 @@ class CheckConfig:
 
     def __post_init__(self) -> None:
         for key in ("tolerance", "text_tolerance"):
-            if not getattr(self, key) > 0:
+            if getattr(self, key) is not None and not getattr(self, key) > 0:
                 raise UserError(f"check.{key} must be > 0, got {getattr(self, key)}")
         if not self.perturb_weights >= 0:
             raise UserError(f"check.perturb_weights must be ≥ 0 (0 = off), got {self.perturb_weights}")
@@ -53,3 +61,12 @@ class CheckConfig:
 @dataclass
 class CheckOnPolicyConfig(TrainConfig):
     check: CheckConfig = field(default_factory=CheckConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.check.text_tolerance is None:
+            self.check.text_tolerance = TEXT_TOLERANCES[self.text_policy_dtype()]
+
+    def text_policy_dtype(self) -> str:
+        """``model.dtype`` of the policy whose tokens ``check.text_tolerance`` bounds."""
+        return self.model.dtype

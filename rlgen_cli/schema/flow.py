@@ -490,9 +490,19 @@ class LauncherConfig:
     """Rank-0 port; null reads MASTER_PORT (else 29500)."""
     mixed_precision: str = "no"
     """accelerate's mixed precision for the launched workers."""
+    config_file: str | None = None
+    """Your own accelerate config (YAML) or DeepSpeed config (JSON), passed to ``accelerate launch`` as
+    with ``accelerate launch --config_file``; with launcher=accelerate or multinode. The launcher.* values
+    stay in charge: a process count (or machine, address, port, precision) the file sets differently
+    stops the run with exit code 2, naming both."""
 
     def __post_init__(self) -> None:
         _one_of(self.name, LAUNCHERS, "launcher.name")
+        _require(
+            self.config_file is None or self.name in ("accelerate", "multinode"),
+            f"launcher.config_file is passed to accelerate launch by launcher=accelerate or multinode, not "
+            f"launcher={self.name}: add launcher=accelerate (and launcher.num_processes=N)",
+        )
         _one_of(self.mixed_precision, MIXED_PRECISION, "launcher.mixed_precision")
         _require(
             self.num_processes >= 1 and self.num_machines >= 1,
@@ -531,8 +541,9 @@ class TrainConfig:
     """``auto`` (latest checkpoint of run_dir) or a checkpoint directory."""
     device: str = "auto"
     """``auto`` (cuda if available), ``cpu``, ``cuda``, ``cuda:N``."""
-    run_dir: str = "${hydra:runtime.output_dir}"
-    """Where resolved.yaml, metrics.jsonl, images, plots and checkpoints go."""
+    run_dir: str | None = "${hydra:runtime.output_dir}"
+    """Where resolved.yaml, metrics.jsonl, images, plots and checkpoints go (Hydra's output directory; it
+    is null only in ``--cfg job --resolve`` output, which prints the config without starting a run)."""
     progress: bool = True
     """Show rich progress bars."""
     model: ModelConfig = field(default_factory=lambda: ModelConfig(tiny=True))
@@ -575,7 +586,7 @@ class TrainConfig:
 class SampleConfig:
     seed: int = 0
     device: str = "auto"
-    run_dir: str = "${hydra:runtime.output_dir}"
+    run_dir: str | None = "${hydra:runtime.output_dir}"
     prompts: list[str] = field(default_factory=list)
     """Prompts to draw (alternatively ``prompts_file``; with neither, ``data.test``)."""
     prompts_file: str | None = None
@@ -606,7 +617,7 @@ class SampleConfig:
 class EvalConfig:
     seed: int = 0
     device: str = "auto"
-    run_dir: str = "${hydra:runtime.output_dir}"
+    run_dir: str | None = "${hydra:runtime.output_dir}"
     checkpoint: str | None = None
     """Checkpoint to evaluate; null evaluates the base model."""
     ckpt: str | None = None

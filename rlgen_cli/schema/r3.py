@@ -278,6 +278,9 @@ class R3CheckOnPolicyConfig(CheckOnPolicyConfig):
         super().__post_init__()
         _check_run(self)
 
+    def text_policy_dtype(self) -> str:
+        return self.r3.policy.text.dtype if is_r3(self.model) else self.model.dtype
+
 
 @dataclass
 class R3EvalConfig(EvalConfig):

@@ -131,7 +131,7 @@ RANGES: dict[type, dict[str, Range | Pattern]] = {
         "train_batch_size": COUNT, "gradient_accumulation_steps": COUNT, "num_inner_epochs": COUNT,
         "lr": POSITIVE, "lr_decay_start": BELOW_ONE, "lr_min_ratio": PROBABILITY, "adam_beta1": BELOW_ONE,
         "adam_beta2": BELOW_ONE, "adam_eps": POSITIVE, "weight_decay": NON_NEGATIVE, "max_grad_norm": ANY,
-        "clip_range": POSITIVE, "adv_clip_max": POSITIVE, "adv_eps": NON_NEGATIVE, "beta": NON_NEGATIVE,
+        "clip_range": POSITIVE, "adv_clip_max": NON_NEGATIVE, "adv_eps": NON_NEGATIVE, "beta": NON_NEGATIVE,
         "best_of_n": NON_NEGATIVE,
     },
     WindowConfig: {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from rlgen_cli._hydra import EXIT_USER_ERROR
 from rlgen_cli.schema.errors import UserError
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def validated(cfg: DictConfig) -> Any:
@@ -25,9 +27,84 @@ def validated(cfg: DictConfig) -> Any:
 
     try:
         check_settings(cfg)
-        return OmegaConf.to_object(cfg)
+        typed = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as err:
         raise UserError(str(err).replace("\n", "; ")) from err
+    if hasattr(typed, "reward"):
+        require_known_rewards(typed)
+    return typed
+
+
+def rewards_of(cfg: Any) -> tuple[dict[str, float], dict[str, dict[str, Any]], str]:
+    """``({name: weight}, {name: kwargs}, the key that chose them)`` of the rewards a run builds: R3 picks
+    them from ``r3.reward_fn``, every other config from ``reward.weights``."""
+    model = getattr(cfg, "model", None)
+    if hasattr(cfg, "r3") and model is not None:
+        from rlgen_cli.schema.r3 import is_r3
+
+        if is_r3(model):
+            from rlgen_cli.r3.scoring import reward_spec
+
+            weights, kwargs = reward_spec(cfg.r3, cfg.reward)
+            return weights, kwargs, "r3.reward_fn"
+    return dict(cfg.reward.weights), {k: dict(v) for k, v in cfg.reward.kwargs.items()}, "reward.weights"
+
+
+def require_known_rewards(cfg: Any) -> None:
+    """Every reward the run builds is registered, checked before any model loads."""
+    from rlgen_cli.rewards import available
+
+    weights, _, key = rewards_of(cfg)
+    unknown = sorted(set(weights) - set(available()))
+    if unknown:
+        raise UserError(
+            f"{key} names unknown reward{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+            f"known rewards: {', '.join(available())}"
+        )
+
+
+def require_reward_servers(cfg: Any, timeout_s: float = 5.0) -> None:
+    """Each served reward of the run (the clients in ``rewards/remote.py``: an rlgen reward server, a
+    Flow-GRPO-style server, an OpenAI-compatible judge) has at least one endpoint that accepts a connection,
+    so a server that is down or a mistyped address stops the run before any model loads instead of after
+    the first epoch's rollouts. An endpoint that does not answer while another does is only reported: the
+    client fails over to the others."""
+    from rlgen_cli.rewards import remote
+    from rlgen_cli.rewards.registry import REWARDS, build_reward
+
+    weights, kwargs, key = rewards_of(cfg)
+    for name in weights:
+        if getattr(REWARDS.get(name), "__module__", None) != remote.__name__:
+            continue  # computed in this process
+        client = build_reward(name, **kwargs.get(name, {}))
+        failures = {url: err for url in client.pool.urls if (err := _unreachable(url, timeout_s))}
+        if len(failures) == len(client.pool.urls):
+            where = (
+                "r3.reward_server_urls / r3.reward_server_port"
+                if key.startswith("r3.")
+                else f"reward.kwargs.{name}.endpoints (or .hosts and .ports)"
+            )
+            reasons = "; ".join(f"{url}: {err}" for url, err in failures.items())
+            raise UserError(
+                f"reward {name!r}: no server answers ({reasons}). Start it first (rlgen serve-reward … for "
+                f"rlgen's own), or point {where} at a running one"
+            )
+        for url, err in failures.items():
+            log.warning("reward %r: %s does not answer (%s); scoring with the other endpoints", name, url, err)
+
+
+def _unreachable(url: str, timeout_s: float) -> str | None:
+    """Why a TCP connection to ``url``'s host and port fails, or None when it opens."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        with socket.create_connection((parts.hostname or "", port), timeout=timeout_s):
+            return None
+    except (OSError, ValueError) as err:
+        return str(err) or type(err).__name__
 
 
 def user_errors(task: Callable[[DictConfig], T]) -> Callable[[DictConfig], T]:
@@ -52,13 +129,15 @@ def user_errors(task: Callable[[DictConfig], T]) -> Callable[[DictConfig], T]:
 
 
 def run_dir_of(cfg: Any) -> Path:
+    if not cfg.run_dir:
+        raise UserError("run_dir is empty; leave it to Hydra (hydra.run.dir=DIR) or give run_dir=DIR")
     return Path(cfg.run_dir)
 
 
 def require_data(cfg: Any, run_dir: Path, splits: tuple[str, ...] = ("train", "test")) -> None:
-    """Every prompt file the run reads exists (builtin sets generated into ``run_dir``) and, for an editing
-    model, names an existing source image per row: checked before any model is loaded, so a missing file
-    costs seconds, not a model load."""
+    """Every prompt file the run reads exists (builtin sets generated into ``run_dir``) and parses, and,
+    for an editing model, names an existing source image per row: checked before any model is loaded, so a
+    missing or malformed file costs seconds, not a model load."""
     from rlgen_cli.data.images import EDITING_FAMILIES, require_source_images
     from rlgen_cli.data.paths import BUILTIN_PREFIX, load_prompts, resolve_data_path
     from rlgen_cli.schema.r3 import is_r3
@@ -74,5 +153,5 @@ def require_data(cfg: Any, run_dir: Path, splits: tuple[str, ...] = ("train", "t
         elif cfg.model.family in EDITING_FAMILIES:
             dataset = load_prompts(spec, run_dir, key)
             require_source_images(list(dataset), dataset.source, key)
-        else:
-            resolve_data_path(spec, key, run_dir)
+        else:  # parsed now too: a malformed or non-UTF-8 file costs seconds, not a model load
+            load_prompts(spec, run_dir, key)

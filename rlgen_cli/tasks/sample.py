@@ -1,5 +1,13 @@
 """``rlgen sample``: prompts (or a prompt file, else ``data.test``) [+ checkpoint] → PNGs and ``manifest.jsonl``.
 
+Each image draws its noise from its own stream (``sde/noise.py``), not from ``seed`` directly, so a
+manifest row records what reproduces it: ``noise_seed``, the seed of the ``torch.Generator`` (on
+``noise_device``) whose first ``randn`` is the image's initial noise — a diffusers pipeline given
+``generator=noise_generator(row)`` for that one prompt draws the same noise (in float32), and
+:func:`initial_noise` returns it in the shape rlgen samples from — and, for a stochastic sampler,
+``step_noise_seed``, the generator of its per-step noise. ``run_seed`` is the ``seed`` setting the
+streams derive from (with the image's position ``index``).
+
 An editing model draws each row's edit of its source image (``"image"`` in the prompt file; the tiny
 editing models pick the generated ``data=tiny_edit``). With ``edit_set=true`` and a GenEval-style ``prompts_file`` it builds an editing set instead: each row's
 source image is generated from its ``source_prompt`` (or its ``prompt``) and ``edit_set.jsonl`` repeats
@@ -10,6 +18,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -52,6 +61,7 @@ def sample_task(cfg: DictConfig) -> str:
         )
     out_dir = run_dir / "images"
     out_dir.mkdir(exist_ok=True)
+    stochastic = spec.kind != "ode" and spec.eta > 0  # draws step noise too
     with (run_dir / MANIFEST).open("w", encoding="utf-8") as manifest:
         for i, (prompt, image) in enumerate(zip(expanded, images)):
             if image.ndim == 4:  # (3, F, H, W): a video
@@ -60,16 +70,42 @@ def sample_task(cfg: DictConfig) -> str:
                 path = out_dir / f"{i:05d}.png"
                 to_pil(image).save(path)
             row = {"file": str(Path("images") / path.name), "prompt": prompt, "sample": i % typed.images_per_prompt,
-                   "seed": typed.seed, "num_steps": num_steps, "checkpoint": typed.checkpoint}  # fmt: skip
+                   "num_steps": num_steps, "checkpoint": typed.checkpoint,
+                   **noise_record(typed.seed, i, policy.device, stochastic)}  # fmt: skip
             manifest.write(json.dumps(row) + "\n")
     if typed.edit_set:
         write_edit_set(run_dir, examples, typed.images_per_prompt)
-    from rich.console import Console
+    from rlgen_cli.training.console import shared_console
 
-    Console().print(
+    shared_console().print(
         f"wrote {len(expanded)} samples and {EDIT_SET if typed.edit_set else MANIFEST} to {run_dir}"
     )
     return str(run_dir)
+
+
+def noise_record(seed: int, index: int, device: Any, stochastic: bool) -> dict[str, Any]:
+    """What reproduces the noise of the ``index``-th image drawn with ``seed`` (see the module doc)."""
+    from rlgen_cli.recipes.sampling import INITIAL_NOISE, STEP_NOISE
+    from rlgen_cli.sde.noise import stream_seed
+
+    record = {"noise_seed": stream_seed(seed, 0, index, INITIAL_NOISE), "noise_device": str(device)}
+    if stochastic:
+        record["step_noise_seed"] = stream_seed(seed, 0, index, STEP_NOISE)
+    return record | {"run_seed": seed, "index": index}
+
+
+def noise_generator(row: dict[str, Any]) -> Any:
+    """A fresh ``torch.Generator`` whose first ``randn`` is a manifest row's initial noise (what a diffusers
+    pipeline takes as ``generator=`` for that one image)."""
+    import torch
+
+    return torch.Generator(device=row["noise_device"]).manual_seed(row["noise_seed"])
+
+
+def initial_noise(policy: Any, row: dict[str, Any]) -> Any:
+    """The initial noise x_1 rlgen sampled a manifest row's image from: (1, …) float32 on the policy's
+    device, in the policy's latent layout (packed for FLUX and Qwen-Image)."""
+    return policy.noise(1, [noise_generator(row)])
 
 
 def _prompt_set(cfg, run_dir: Path):

@@ -13,13 +13,17 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from rlgen_cli.tasks.common import require_data, run_dir_of, user_errors, validated
+from rlgen_cli.tasks.common import require_data, require_reward_servers, run_dir_of, user_errors, validated
 
 
 @user_errors
 def train_task(cfg: DictConfig) -> Any:
     """Returns the last epoch's headline metric (eval reward when evaluated), for Hydra sweepers."""
+    from rlgen_cli.training.console import print_job_header
+
+    print_job_header()  # a sweep job says which overrides it runs before anything can fail
     typed = validated(cfg)
+    require_reward_servers(typed)
     from rlgen_cli.training.run import RESOLVED_FILE, prepare_run_dir, setup_logging
 
     run_dir = prepare_run_dir(run_dir_of(typed), cfg)

@@ -7,6 +7,7 @@ Layout of ``run_dir/checkpoints/epoch_000012/``::
     config.yaml         the resolved config that made the run (``rlgen sample checkpoint=…`` rebuilds from it)
     engine/             DeepSpeed ZeRO only: the engine's own ``save_checkpoint`` output (one optimizer-state
                         shard per rank), restored by its ``load_checkpoint``
+    README.txt          which folder holds the weights (weights/) and how to load it outside rlgen
     manifest.json       every other file's size and SHA-256, written last
 
 Writes are atomic: everything goes to a temporary sibling directory that is renamed into place, so a
@@ -28,6 +29,7 @@ import os
 import pickle
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlgen_cli.schema.errors import UserError
+from rlgen_cli.training.checkpoint_readme import write_checkpoint_readme
 
 log = logging.getLogger(__name__)
 
@@ -94,14 +97,20 @@ class Checkpoint:
         if not (self.path / MANIFEST_FILE).exists():
             log.warning("%s has no %s: its files are not verified", self.path, MANIFEST_FILE)
             return
-        for name, saved in self.manifest().items():
+        saved = self.manifest()
+        for name, entry in saved.items():  # sizes first: a truncated file is named without hashing anything
             path = self.path / name
             size = path.stat().st_size if path.is_file() else None
-            if size != saved["bytes"]:
-                damage = "missing" if size is None else f"truncated ({size} of {saved['bytes']} bytes)"
+            if size != entry["bytes"]:
+                damage = "missing" if size is None else f"truncated ({size} of {entry['bytes']} bytes)"
                 raise UserError(f"{path} is {damage}; {_OLDER}")
-            if hashes and file_sha256(path) != saved["sha256"]:
-                raise UserError(f"{path} is corrupted (its SHA-256 differs from the saved one); {_OLDER}")
+        if not hashes:
+            return
+        for name, digest in zip(saved, sha256_all([self.path / name for name in saved]), strict=True):
+            if digest != saved[name]["sha256"]:
+                raise UserError(
+                    f"{self.path / name} is corrupted (its SHA-256 differs from the saved one); {_OLDER}"
+                )
 
     def state(self) -> dict[str, Any]:
         try:  # weights_only: a checkpoint from elsewhere cannot run code when loaded
@@ -163,6 +172,7 @@ def save_checkpoint(
         os.replace(engine_state, tmp / ENGINE_DIR)
     torch.save({**trainer_state, RNG_KEY: rng_state()}, tmp / STATE_FILE)
     OmegaConf.save(config, tmp / CONFIG_FILE, resolve=True)
+    write_checkpoint_readme(tmp, final.name, OmegaConf.select(config, "model.family"))
     write_manifest(tmp)
     if final.exists():
         shutil.rmtree(final)
@@ -182,12 +192,21 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def sha256_all(paths: list[Path]) -> list[str]:
+    """:func:`file_sha256` of each path, several files at once (hashlib releases the GIL while hashing),
+    so a checkpoint's weights, trainer state and engine shards take as long as the largest of them."""
+    if len(paths) <= 1:
+        return [file_sha256(p) for p in paths]
+    with ThreadPoolExecutor(max_workers=min(len(paths), os.cpu_count() or 1, 8)) as pool:
+        return list(pool.map(file_sha256, paths))
+
+
 def write_manifest(directory: Path) -> None:
     """Record the size and SHA-256 of every file under ``directory`` in its ``manifest.json``."""
+    paths = [f for f in sorted(directory.rglob("*")) if f.is_file() and f.name != MANIFEST_FILE]
     files = {
-        f.relative_to(directory).as_posix(): {"bytes": f.stat().st_size, "sha256": file_sha256(f)}
-        for f in sorted(directory.rglob("*"))
-        if f.is_file() and f.name != MANIFEST_FILE
+        path.relative_to(directory).as_posix(): {"bytes": path.stat().st_size, "sha256": digest}
+        for path, digest in zip(paths, sha256_all(paths), strict=True)
     }
     (directory / MANIFEST_FILE).write_text(json.dumps({"files": files}, indent=1), encoding="utf-8")
 
@@ -220,9 +239,11 @@ def open_checkpoint(path: str | Path, hashes: bool = False) -> Checkpoint:
 
 
 def _intact(path: Path) -> Checkpoint:
-    """The checkpoint at ``path`` after checking every file against its manifest and loading its state."""
+    """The checkpoint at ``path`` after checking every file against its manifest (one without a manifest:
+    after loading its trainer state, the one file whose damage shows when read)."""
     ckpt = open_checkpoint(path, hashes=True)
-    ckpt.state()  # hashes match, so this only fails for a state this torch cannot read
+    if not (ckpt.path / MANIFEST_FILE).exists():
+        ckpt.state()
     return ckpt
 
 
@@ -251,7 +272,7 @@ def resolve_resume(resume: str | None, run_dir: Path) -> Checkpoint | None:
             damaged.append(str(err))
     if checkpoints:
         raise UserError(
-            f"resume=auto found no intact checkpoint in {Path(run_dir) / CHECKPOINTS_DIR}: {'; '.join(damaged)}. "
-            "Delete the damaged ones to start afresh, or resume=PATH from a copy"
+            f"resume=auto found no intact checkpoint in {Path(run_dir) / CHECKPOINTS_DIR}: "
+            f"{'; '.join(damaged)}. Delete the damaged ones to start afresh, or resume=PATH from a copy"
         )
     return None

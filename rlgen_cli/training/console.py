@@ -9,6 +9,7 @@ the log handler on :func:`shared_console` and :class:`~rlgen_cli.training.progre
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
 from rich.console import Console
 
@@ -28,3 +29,26 @@ def new_console() -> Console:
 def shared_console() -> Console:
     """The console logs and bars share (made on first use)."""
     return _console if _console is not None else new_console()
+
+
+def job_header(number: int, run_dir: str, overrides: Sequence[str]) -> str:
+    """The line that opens a sweep job's output: its number, run directory and overrides."""
+    return f"sweep job {number} → {run_dir}: {' '.join(overrides) or '(no overrides)'}"
+
+
+def print_job_header() -> None:
+    """In a ``-m`` sweep, a rule and :func:`job_header` (whole, however long) before the job's own output;
+    nothing for a single run or outside Hydra."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return
+    from rlgen_cli.training.labels import override_key
+
+    hydra = HydraConfig.get()
+    overrides = [o for o in hydra.overrides.task if not override_key(o).startswith(("hydra.", "hydra/"))]
+    console = shared_console()
+    console.rule()
+    header = job_header(hydra.job.num, hydra.runtime.output_dir, overrides)
+    console.print(header, style="bold", soft_wrap=True, markup=False, highlight=False)

@@ -75,7 +75,9 @@ class Progress:
     def task(self, description: str, total: int, completed: int = 0) -> int:
         if self._bars is None:
             return 0
-        task = self._bars.add_task(description, total=total, completed=completed, **{INITIAL_FIELD: completed})
+        task = self._bars.add_task(
+            description, total=total, completed=completed, **{INITIAL_FIELD: completed}
+        )
         self._started[task] = self._bars.get_time()
         return task
 

@@ -70,7 +70,11 @@ def test_log_lines_and_bars_share_one_console_in_a_terminal():
 
 def test_piped_output_has_one_plain_line_per_log_and_no_escape_codes():
     out = subprocess.run(
-        [sys.executable, "-c", LOOP], capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[2]
+        [sys.executable, "-c", LOOP],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).parents[2],
     )
     assert out.returncode == 0, out.stderr
     assert "\x1b" not in out.stdout
@@ -92,7 +96,26 @@ def test_a_tiny_training_in_a_terminal_keeps_log_lines_and_bars_apart(tmp_path: 
     transcript = "\n".join(lines)
     epoch_lines = [line for line in lines if re.search(r"INFO +epoch \d  reward", line)]
     assert len(epoch_lines) == 3, transcript
-    assert all(re.match(r"^(\[[^\]]+\]|\s+) INFO +epoch \d  reward \S+ eval", line) for line in epoch_lines), transcript
+    assert all(
+        re.match(r"^(\[[^\]]+\]|\s+) INFO +epoch \d  reward \S+ eval", line) for line in epoch_lines
+    ), transcript
     assert [line for line in lines if "━" in line] == [lines[-1]], transcript  # only the final epoch bar
     after_first = _rendered(raw, r"epoch 1: reward \S+ [━╸╺ ]+ 1/3 \S+ (\S+)")
     assert after_first and all(left != UNKNOWN for left in after_first), after_first
+
+
+def test_a_sweep_job_opens_with_a_header_naming_its_overrides(cli, tmp_path: Path):
+    from rlgen_cli.training.console import job_header
+
+    assert job_header(1, "multirun/x/1", ["algo.lr=3e-4"]) == "sweep job 1 → multirun/x/1: algo.lr=3e-4"
+    # the job fails its data check at once: the header has already said which overrides it ran
+    code, out = cli(
+        "train", "-m", "algo.lr=1e-3,3e-3", "experiment=tiny_cpu", "data.train=/nonexistent.txt",
+        f"hydra.sweep.dir={tmp_path}",
+    )  # fmt: skip
+    assert code == 2, out
+    header = next(line for line in out.splitlines() if "sweep job" in line)
+    assert (
+        f"sweep job 0 → {tmp_path / '0'}: algo.lr=0.001 experiment=tiny_cpu data.train=/nonexistent.txt"
+        in header
+    )

@@ -19,7 +19,8 @@ GROUPS = config_groups()
 def _compose(name: str, overrides: list[str]):
     cfg = compose_verb(name, overrides)  # what `rlgen <verb> OVERRIDES` composes
     OmegaConf.set_struct(cfg, False)
-    cfg.run_dir = "/tmp/unused"
+    if "run_dir" in cfg:  # serve-reward has none
+        cfg.run_dir = "/tmp/unused"
     return cfg
 
 
@@ -64,7 +65,7 @@ def test_window_longer_than_steps_is_rejected():
     [
         ("algo.lr_schedule=step", "algo.lr_schedule"),
         ("algo.lr_decay_start=1.0", "lr_decay_start must be in"),
-        ("algo.lr_min_ratio=-0.1", "lr_min_ratio in"),
+        ("algo.lr_min_ratio=-0.1", r"algo.lr_min_ratio must be in \[0, 1\], got -0.1"),
     ],
 )
 def test_bad_lr_schedules_are_rejected(override, match):

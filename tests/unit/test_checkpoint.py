@@ -135,7 +135,8 @@ def test_the_manifest_records_every_file_with_its_size_and_sha256(tmp_path: Path
     ckpt = _save(tmp_path, 1)
     recorded = json.loads((ckpt.path / MANIFEST_FILE).read_text())["files"]
     on_disk = sorted(p.relative_to(ckpt.path).as_posix() for p in ckpt.path.rglob("*") if p.is_file())
-    assert sorted(recorded) == sorted(set(on_disk) - {MANIFEST_FILE}) == ["config.yaml", "trainer_state.pt", WEIGHTS]
+    expected = ["README.txt", "config.yaml", "trainer_state.pt", WEIGHTS]
+    assert sorted(recorded) == sorted(set(on_disk) - {MANIFEST_FILE}) == expected
     for name, entry in recorded.items():
         data = (ckpt.path / name).read_bytes()
         assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}

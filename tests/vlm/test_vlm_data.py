@@ -60,3 +60,21 @@ def test_mulberry_prompt_format():
     assert mulberry[0] == {"role": "system", "content": "sys"}
     assert "### The final answer is:" in mulberry[1]["content"][0]["text"]
     assert mulberry[1]["content"][0]["text"].endswith("Q?")
+
+
+def test_key_steps_stored_as_json_text_load_as_groups_and_bad_text_names_the_row(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    steps = {"Steps": ["red squares", ["one square", "1 square"]]}
+    path.write_text(json.dumps({"problem": "q", "solution": "1", "key_steps": json.dumps(steps)}) + "\n")
+    (example,) = load_vlm_examples(str(path))
+    assert example.metadata["key_steps"] == [["red squares"], ["one square", "1 square"]]
+    path.write_text(json.dumps({"problem": "q", "solution": "1", "key_steps": "red squares"}) + "\n")
+    with pytest.raises(UserError, match=r"rows.jsonl, row 0: key_steps is a string, not JSON"):
+        load_vlm_examples(str(path))
+
+
+def test_a_non_utf8_file_is_named(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(json.dumps({"problem": "caf\u00e9", "solution": "1"}, ensure_ascii=False).encode("latin-1") + b"\n")
+    with pytest.raises(UserError, match=r"latin1.jsonl is not UTF-8 text \(byte 0xe9"):
+        load_vlm_examples(str(path))

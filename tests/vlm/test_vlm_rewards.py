@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -179,3 +181,17 @@ def test_registered_reward_errors_name_the_fix():
         ImportError if not r1vl._has_math_verify() else ValueError, match="math-verify|backend"
     ):
         r1vl.build_answer_accuracy(backend="math_verify" if not r1vl._has_math_verify() else "nope")
+
+
+def test_key_steps_stored_as_a_json_string_are_decoded_not_read_as_characters():
+    """A dataset library that needs one type per column stores R1-VL-10K's ``key_steps`` as JSON text."""
+    steps = {"Steps": ["red squares", ["two squares", "2 squares"]]}
+    assert normalize_key_steps(json.dumps(steps)) == [["red squares"], ["two squares", "2 squares"]]
+    assert normalize_key_steps(json.dumps(steps["Steps"])) == [["red squares"], ["two squares", "2 squares"]]
+    completion = "### Step 1: I see red squares.\n### Step 2: one circle.\n### The final answer is: 2"
+    assert step_rar(completion, json.dumps(steps)) == pytest.approx(0.1 * 1 / 2)  # one of two groups matched
+    for text, why in (("red squares", "not JSON"), ('"red squares"', "JSON of a str"), ("3", "JSON of a int")):
+        with pytest.raises(ValueError, match=f"key_steps is a string, {why}"):
+            normalize_key_steps(text)
+    with pytest.raises(ValueError, match="key_steps is a string"):  # the reward reports it, never scores chars
+        step_rar_reward([completion], ["not json"])
