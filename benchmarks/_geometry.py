@@ -9,6 +9,7 @@ images per epoch, 8 steps, micro-batches of 4 (8 with the CFG doubling): 2 optim
 
 from __future__ import annotations
 
+import math
 import tempfile
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from rlgen_cli._hydra import conf_dir
 from rlgen_cli.recipes.flow_rl import FlowRLRecipe
 from rlgen_cli.schema.store import register_schemas
 from rlgen_cli.tasks.common import validated
+from rlgen_cli.training.progress import Progress
+from rlgen_cli.training.schedule import apply_lr_schedule
 
 SD3_CFG_ALGO = [
     "algo=grpo", "algo.prompts_per_epoch=2", "algo.group_size=4", "algo.sample_batch_size=4",
@@ -113,8 +116,26 @@ def overrides_for(geometry: str, workdir: Path | None = None) -> list[str]:
         raise ValueError(f"unknown geometry {geometry!r}; choose one of {', '.join(GEOMETRIES)}")
     path = save_sd3_cfg_pipeline(Path(workdir or tempfile.mkdtemp(prefix="rlgen-sd3cfg-")) / "pipeline")
     return [
-        "model=sd3", "reward=jpeg_compressibility", "sampler=flow_sde", f"model.path={path}", "model.local_files_only=true",
-        "model.dtype=float32", "model.resolution=64", "model.num_steps=8", "model.eval_num_steps=8",
+        "model=sd3", "reward=jpeg_compressibility", "sampler=flow_sde", f"model.path={path}",
+        "model.local_files_only=true", "model.dtype=float32", "model.resolution=64", "model.num_steps=8", "model.eval_num_steps=8",
         "model.max_sequence_length=32", "model.guidance_scale=4.5", "model.lora.rank=32",
         "model.lora.alpha=64", *SD3_CFG_ALGO,
     ]  # fmt: skip
+
+
+def run_epoch(recipe: FlowRLRecipe, epoch: int, progress: Progress) -> dict[str, float]:
+    """What ``FlowRLRecipe.train`` does per epoch without evaluation or checkpoints: the lr schedule, the
+    epoch, and its logging."""
+    cfg = recipe.cfg
+    lr = apply_lr_schedule(recipe.optimizer, cfg.algo, epoch, cfg.epochs)
+    metrics = {"lr": lr} | recipe.epoch_fn(recipe, epoch, progress)
+    recipe.logger.log(metrics, step=epoch)
+    recipe._log_console(epoch, metrics)
+    return metrics
+
+
+def default_warmup(recipe: FlowRLRecipe) -> int:
+    """Epochs that show every training prompt once (the cache then holds them, as in a long run); 2 when
+    that is more than 10 epochs."""
+    passes = math.ceil(len(recipe.train_set) / recipe.cfg.algo.prompts_per_epoch)
+    return passes if passes <= 10 else 2

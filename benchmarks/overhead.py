@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import tempfile
@@ -35,8 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _geometry import GEOMETRIES, build_recipe, overrides_for
-from profile_epoch import run_epoch
+from _geometry import GEOMETRIES, build_recipe, default_warmup, overrides_for, run_epoch
 from torch import Tensor
 
 from rlgen_cli.models import Cond, cfg_gradient
@@ -200,13 +198,6 @@ class Arm:
             "lora_share_of_no_grad_forwards": self.lora_share(),
             "prompt_cache": None if cache is None else {"hits": cache.hits, "misses": cache.misses},
         }
-
-
-def default_warmup(recipe: FlowRLRecipe) -> int:
-    """Epochs that show every training prompt once (the cache then holds them, as in a long run); 2 when
-    that is more than 10 epochs."""
-    passes = math.ceil(len(recipe.train_set) / recipe.cfg.algo.prompts_per_epoch)
-    return passes if passes <= 10 else 2
 
 
 def measure(geometry: str, overrides: list[str], baseline: list[str] | None, repeats: int,

@@ -30,13 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _geometry import GEOMETRIES, build_recipe, overrides_for
+from _geometry import GEOMETRIES, build_recipe, default_warmup, overrides_for, run_epoch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from rlgen_cli.recipes import flow_rl
 from rlgen_cli.recipes.flow_rl import FlowRLRecipe
 from rlgen_cli.training.progress import Progress
-from rlgen_cli.training.schedule import apply_lr_schedule
 
 PREFIX = "phase:"
 EPOCH = "epoch"
@@ -114,17 +113,6 @@ def phase_labels(recipe: FlowRLRecipe) -> Iterator[dict[str, float]]:
                 delattr(owner, name)
 
 
-def run_epoch(recipe: FlowRLRecipe, epoch: int, progress: Progress) -> dict[str, float]:
-    """What ``FlowRLRecipe.train`` does per epoch without evaluation or checkpoints: the lr schedule, the
-    epoch, and its logging."""
-    cfg = recipe.cfg
-    lr = apply_lr_schedule(recipe.optimizer, cfg.algo, epoch, cfg.epochs)
-    metrics = {"lr": lr} | recipe.epoch_fn(recipe, epoch, progress)
-    recipe.logger.log(metrics, step=epoch)
-    recipe._log_console(epoch, metrics)
-    return metrics
-
-
 def exclusive_times(events: Any) -> tuple[dict[int, dict[str, float]], dict[str, int], Counter]:
     """Per thread and phase label, the label's own microseconds (minus the phase ranges nested in it);
     call counts per label; the self time of the operators directly under ``epoch`` (no phase covers them)."""
@@ -154,7 +142,7 @@ def exclusive_times(events: Any) -> tuple[dict[int, dict[str, float]], dict[str,
     return own, calls, rest_ops
 
 
-def profile_geometry(geometry: str, overrides: list[str], warmup: int, repeats: int) -> dict[str, Any]:
+def profile_geometry(geometry: str, overrides: list[str], warmup: int | None, repeats: int) -> dict[str, Any]:
     """Warm up, time ``repeats`` plain epochs, then profile one more."""
     with tempfile.TemporaryDirectory(prefix="rlgen-profile-") as workdir:
         recipe = build_recipe([*overrides_for(geometry, Path(workdir)), *overrides])
@@ -164,7 +152,8 @@ def profile_geometry(geometry: str, overrides: list[str], warmup: int, repeats: 
             recipe.cleanup()
 
 
-def _measure(recipe: FlowRLRecipe, geometry: str, warmup: int, repeats: int) -> dict[str, Any]:
+def _measure(recipe: FlowRLRecipe, geometry: str, warmup: int | None, repeats: int) -> dict[str, Any]:
+    warmup = default_warmup(recipe) if warmup is None else warmup
     epoch = 0
     plain = []
     with Progress(enabled=False) as progress:
@@ -179,6 +168,8 @@ def _measure(recipe: FlowRLRecipe, geometry: str, warmup: int, repeats: int) -> 
         activities = [ProfilerActivity.CPU] + (
             [ProfilerActivity.CUDA] if recipe.device.type == "cuda" else []
         )
+        cache = getattr(recipe.policy.encode, "cache", None)
+        hits, misses = (cache.hits, cache.misses) if cache is not None else (0, 0)
         with phase_labels(recipe) as clock, profile(activities=activities) as prof:
             start = time.perf_counter()
             with record_function(PREFIX + EPOCH):
@@ -201,6 +192,10 @@ def _measure(recipe: FlowRLRecipe, geometry: str, warmup: int, repeats: int) -> 
         "seconds": {k: round(v, 4) for k, v in seconds.items()},
         "calls": {k: v for k, v in sorted(calls.items()) if k != EPOCH},
         "reward_thread_s": round(reward_thread_s, 4),
+        "prompt_cache": None
+        if cache is None
+        else {"hits": cache.hits - hits, "misses": cache.misses - misses},
+        "warmup_epochs": warmup,
         "rest_top_ops_s": {k: round(v / 1e6, 4) for k, v in rest_ops.most_common(8)},
     }
 
@@ -208,7 +203,7 @@ def _measure(recipe: FlowRLRecipe, geometry: str, warmup: int, repeats: int) -> 
 def main(argv: list[str]) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--geometry", choices=[*GEOMETRIES, "all"], default="all")
-    parser.add_argument("--warmup", type=int, default=2, help="unmeasured epochs first")
+    parser.add_argument("--warmup", type=int, default=None, help="unmeasured epochs first (default: a pass)")
     parser.add_argument("--repeats", type=int, default=3, help="plain (unprofiled) epochs timed")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides applied after the geometry's")
     args = parser.parse_args(argv)

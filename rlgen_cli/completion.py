@@ -10,6 +10,7 @@ completion never imports torch.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 from typer.core import CompletionItem, TyperCommand
@@ -30,17 +31,18 @@ def complete_overrides(before: Sequence[str], incomplete: str) -> list[str]:
     """Completions of ``incomplete`` after the verb's earlier arguments ``before``.
 
     ``mod`` → ``model=flux``, ``model=sd3``, …; ``model=ti`` → ``model=tiny_sd3`` (zsh, fish); after
-    bash's split (``before`` ending in ``model`` or ``model``, ``=``) → the bare options; ``--c`` →
-    ``--cfg``, ``--config-dir``; after ``--cfg`` → ``job``, ``hydra``, ``all``.
+    bash's split (``before`` ending in ``model``, ``=``) → the bare options, and nothing after another
+    key's ``=`` (bash then completes file names); ``--c`` → ``--cfg``, ``--config-dir``; after ``--cfg``
+    → ``job``, ``hydra``, ``all``.
     """
     groups = _groups()
     if before and before[-1] in FLAG_VALUES:
         return [v for v in FLAG_VALUES[before[-1]] if v.startswith(incomplete)]
     if incomplete.startswith("-"):
         return [flag for flag in HYDRA_FLAGS if flag.startswith(incomplete)]
-    split_group = _bash_split_group(before, groups)
-    if split_group is not None:  # bash: the word after "=" is being completed
-        return [option for option in groups[split_group] if option.startswith(incomplete)]
+    if before and before[-1] == "=":  # bash: the value after "key=" is being completed
+        key = before[-2].lstrip("+~") if len(before) > 1 else ""
+        return [option for option in groups.get(key, []) if option.startswith(incomplete)]
     prefix = next((p for p in sorted(_PREFIXES, key=len, reverse=True) if incomplete.startswith(p)), "")
     body = incomplete[len(prefix) :]
     if "=" in body:
@@ -53,14 +55,14 @@ def complete_overrides(before: Sequence[str], incomplete: str) -> list[str]:
     return [f"{prefix}{group}={option}" for group in matching for option in groups[group]]
 
 
-def _bash_split_group(before: Sequence[str], groups: dict[str, list[str]]) -> str | None:
-    """The group whose option bash asks for after splitting ``group=…`` at ``=``: ``before`` ends in
-    ``group`` (the cursor right after ``=``) or in ``group``, ``=`` (part of the option typed)."""
-    words = list(before[:-1] if before and before[-1] == "=" else before)
-    if not words:
-        return None
-    group = words[-1].lstrip("+~")
-    return group if group in groups else None
+def bash_completes_after_equals() -> bool:
+    """Whether bash asks for the word right after a ``=`` (its ``COMP_WORDS`` split ``key=`` into
+    ``key``, ``=`` and the cursor is on the ``=``, which click hands over as an empty word)."""
+    words, current = os.environ.get("COMP_WORDS"), os.environ.get("COMP_CWORD", "")
+    if words is None or not current.isdigit():
+        return False
+    split = words.split("\n") if "\n" in words else words.split()  # rlgen's script joins them with newlines
+    return int(current) < len(split) and split[int(current)] == "="
 
 
 def _groups() -> dict[str, list[str]]:
@@ -74,7 +76,8 @@ class HydraVerb(TyperCommand):
     """A verb whose arguments Hydra parses: completes them with :func:`complete_overrides`."""
 
     def shell_complete(self, ctx, incomplete: str) -> list[CompletionItem]:  # type: ignore[no-untyped-def]
-        return [CompletionItem(value) for value in complete_overrides(ctx.args, incomplete)]
+        before = [*ctx.args, "="] if bash_completes_after_equals() else ctx.args
+        return [CompletionItem(value) for value in complete_overrides(before, incomplete)]
 
 
 def complete_group_name(incomplete: str) -> list[str]:

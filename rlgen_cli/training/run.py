@@ -118,7 +118,8 @@ def setup_logging(run_dir: Path | None = None, level: int = logging.INFO) -> Non
         logger.removeHandler(handler)
         handler.close()
     # the progress bars draw on this same console, so log lines land above them (training/console.py)
-    logger.addHandler(RichHandler(console=new_console(), show_path=False, rich_tracebacks=False, markup=False))
+    handler = RichHandler(console=new_console(), show_path=False, rich_tracebacks=False, markup=False)
+    logger.addHandler(handler)
     if run_dir is not None:
         file_handler = logging.FileHandler(run_dir / "run.log", encoding="utf-8")
         file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))

@@ -56,6 +56,12 @@ def test_bash_lists_a_groups_options_right_after_the_equals_sign():
     assert {"grpo", "grpo_fast", "dpo", "grpo_tiny"} <= set(found)
 
 
+def test_bash_leaves_other_keys_values_to_its_file_completion():
+    assert _bash("rlgen sample checkpoint=") == []  # bash's `-o default` then completes file names
+    assert _bash("rlgen sample checkpoint=outputs/tr") == []
+    assert "model=" in _bash("rlgen train algo.lr=1e-4 ")  # after a whole key=value: the groups again
+
+
 def test_zsh_and_fish_keep_the_override_whole():
     zsh = _complete_raw("zsh", _TYPER_COMPLETE_ARGS="rlgen train model=tiny_s")
     assert zsh.strip() == """_arguments '*: :(("model=tiny_sd3"))'""", zsh

@@ -138,8 +138,9 @@ def test_one_step_then_check_onpolicy_in_low_precision(tmp_path: Path, model: st
 
 
 def test_bf16_check_fails_when_the_weights_move_after_the_rollout(tmp_path: Path):
-    # bf16 rounding does not hide a change of the weights: LoRA noise of std 1e-3 fails the 1e-6 tolerance
+    # bf16 rounding does not hide a change of the weights: LoRA noise of std 1e-3 (B starts at 0, so the
+    # adapter moves by ~1e-6) fails the 1e-6 tolerance
     overrides = [*CASES["tiny_sd3", "bfloat16"], "model.dtype=bfloat16", "check.perturb_weights=1e-3"]
     code, out = run_cli("check-onpolicy", *overrides, f"hydra.run.dir={tmp_path}")
     assert code == 1, out
-    assert _max_error(out) > 100 * FLOW_TOLERANCE, out
+    assert _max_error(out) > 10 * FLOW_TOLERANCE, out  # measured 3.6e-5
