@@ -2,8 +2,10 @@
 
 ``sd3_cfg``: an SD3 pipeline with 2 joint blocks of width 64 (4 heads × 16), 64-px images (a 2×
 downsampling VAE, 2×2 patches: 256 image tokens), saved with ``save_pretrained`` and loaded back through
-``model=sd3`` (the real loader), trained by Flow-GRPO with CFG 4.5 and a rank-32 LoRA on 2 prompts × 4
-images per epoch, 8 steps, micro-batches of 4 (8 with the CFG doubling): 2 optimizer steps per epoch.
+``model=sd3`` (the real loader), trained by Flow-GRPO (``algo=grpo``, β 0, every step trained) with CFG
+4.5 and a rank-32 LoRA on 2 prompts × 4 images per epoch from the 16 tiny prompts (JPEG
+compressibility), 8 steps, sampling and training batches of 4 (one transformer batch of 8 with
+``algo.cfg_grad=both``, two of 4 with ``conditional``): 2 optimizer steps per epoch.
 ``shapes``: what ``rlgen train`` runs with no overrides (``experiment=shapes_grpo_fast``).
 """
 

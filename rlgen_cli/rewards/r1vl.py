@@ -139,7 +139,7 @@ def _decoded_key_steps(text: str) -> Any:
         reason = f"JSON of a {type(value).__name__}"
     if not isinstance(value, Mapping | list):
         raise ValueError(
-            f"key_steps is a string, {reason}: {text[:80]!r}; give {{\"Steps\": [group, …]}} or the list of "
+            f'key_steps is a string, {reason}: {text[:80]!r}; give {{"Steps": [group, …]}} or the list of '
             "groups, as an object or as its JSON encoding"
         )
     return value

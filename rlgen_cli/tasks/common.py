@@ -37,7 +37,7 @@ def validated(cfg: DictConfig) -> Any:
 
 def rewards_of(cfg: Any) -> tuple[dict[str, float], dict[str, dict[str, Any]], str]:
     """``({name: weight}, {name: kwargs}, the key that chose them)`` of the rewards a run builds: R3 picks
-    them from ``r3.reward_fn``, every other config from ``reward.weights``."""
+    them from ``r3.reward_fn`` (or its offline stand-in), every other config from ``reward.weights``."""
     model = getattr(cfg, "model", None)
     if hasattr(cfg, "r3") and model is not None:
         from rlgen_cli.schema.r3 import is_r3
@@ -46,7 +46,10 @@ def rewards_of(cfg: Any) -> tuple[dict[str, float], dict[str, dict[str, Any]], s
             from rlgen_cli.r3.scoring import reward_spec
 
             weights, kwargs = reward_spec(cfg.r3, cfg.reward)
-            return weights, kwargs, "r3.reward_fn"
+            key = "r3.offline.reward" if cfg.r3.offline.enabled else "r3.reward_fn"
+            if not cfg.r3.offline.enabled and cfg.r3.reward_fn == "mix":
+                key = "reward.weights"
+            return weights, kwargs, key
     return dict(cfg.reward.weights), {k: dict(v) for k, v in cfg.reward.kwargs.items()}, "reward.weights"
 
 
@@ -56,11 +59,13 @@ def require_known_rewards(cfg: Any) -> None:
 
     weights, _, key = rewards_of(cfg)
     unknown = sorted(set(weights) - set(available()))
-    if unknown:
-        raise UserError(
-            f"{key} names unknown reward{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
-            f"known rewards: {', '.join(available())}"
-        )
+    if not unknown:
+        return
+    if key == "reward.weights":
+        what = f"{key} names unknown reward{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}"
+    else:
+        what = f"{key}={unknown[0]!r} is not a known reward"
+    raise UserError(f"{what}; known rewards: {', '.join(available())}")
 
 
 def require_reward_servers(cfg: Any, timeout_s: float = 5.0) -> None:
@@ -76,9 +81,10 @@ def require_reward_servers(cfg: Any, timeout_s: float = 5.0) -> None:
     for name in weights:
         if getattr(REWARDS.get(name), "__module__", None) != remote.__name__:
             continue  # computed in this process
-        client = build_reward(name, **kwargs.get(name, {}))
-        failures = {url: err for url in client.pool.urls if (err := _unreachable(url, timeout_s))}
-        if len(failures) == len(client.pool.urls):
+        client = build_reward(name, **kwargs.get(name, {}))  # opens no connection until it scores
+        urls = client.pool.urls
+        failures = {url: err for url in urls if (err := _unreachable(url, timeout_s))}
+        if len(failures) == len(urls):
             where = (
                 "r3.reward_server_urls / r3.reward_server_port"
                 if key.startswith("r3.")
@@ -90,7 +96,9 @@ def require_reward_servers(cfg: Any, timeout_s: float = 5.0) -> None:
                 f"rlgen's own), or point {where} at a running one"
             )
         for url, err in failures.items():
-            log.warning("reward %r: %s does not answer (%s); scoring with the other endpoints", name, url, err)
+            log.warning(
+                "reward %r: %s does not answer (%s); scoring with the other endpoints", name, url, err
+            )
 
 
 def _unreachable(url: str, timeout_s: float) -> str | None:

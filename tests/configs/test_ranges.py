@@ -131,7 +131,9 @@ def _train_cli(tmp_path: Path, *overrides: str) -> tuple[int, str]:
 
 def test_bad_settings_exit_2_through_the_cli_before_any_model_loads(tmp_path: Path, capsys):
     code, out = _train_cli(tmp_path, "algo.gradient_accumulation_steps=0")
-    assert code == 2 and "algo.gradient_accumulation_steps must be ≥ 1, got 0" in out + capsys.readouterr().err
+    assert (
+        code == 2 and "algo.gradient_accumulation_steps must be ≥ 1, got 0" in out + capsys.readouterr().err
+    )
     code, out = _train_cli(tmp_path, "+algo.lrr=1e-3")
     assert code == 2 and "did you mean algo.lr?" in out + capsys.readouterr().err
     assert not (tmp_path / "run" / "resolved.yaml").exists()  # the typo never reaches a run directory
@@ -149,6 +151,23 @@ def test_an_unreachable_reward_server_is_named_before_any_model_loads(tmp_path: 
     assert code == 2, message
     assert f"reward 'remote': no server answers ({url}:" in message
     assert "point reward.kwargs.remote.endpoints (or .hosts and .ports) at a running one" in message
+
+
+def test_one_answering_endpoint_is_enough_and_the_silent_one_is_reported(caplog):
+    from rlgen_cli.tasks.common import require_reward_servers
+
+    with socket.socket() as up, socket.socket() as down:
+        up.bind(("127.0.0.1", 0))
+        up.listen()
+        down.bind(("127.0.0.1", 0))  # bound, not listening: refuses connections
+        live, dead = (f"http://127.0.0.1:{s.getsockname()[1]}" for s in (up, down))
+        typed = _validate(
+            "reward=geneval_remote",
+            f"reward.kwargs.remote.endpoints=[{live},{dead}]",
+            "reward.kwargs.remote.ports=null",
+        )
+        require_reward_servers(typed)
+    assert f"reward 'remote': {dead} does not answer" in caplog.text and live not in caplog.text
 
 
 def test_a_non_utf8_prompt_file_is_named(tmp_path: Path, capsys):

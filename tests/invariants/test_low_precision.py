@@ -2,10 +2,11 @@
 its real config uses) and the tiny VLM in bf16, with frozen weights in ``model.dtype``, trained weights
 and latents in fp32 (docs/precision.md).
 
-Each case trains one step (finite loss, a gradient, every trained tensor still fp32 and moved), then runs
-``rlgen check-onpolicy`` on the trained weights — a non-zero adapter, unlike a fresh one — and asserts the
-error it reports against the stated tolerance: ``check.tolerance`` (1e-6) for the flow families,
-``TEXT_TOLERANCES[dtype]`` for the VLM. Measured values are in docs/precision.md.
+Each case trains one step (finite loss, a gradient, frozen weights in ``model.dtype``, saved trained
+weights in fp32, every tensor the first step must move moved), then runs ``rlgen check-onpolicy`` on the
+trained weights — a non-zero adapter, unlike a fresh one — against the stated tolerance:
+``check.tolerance`` (1e-6) for the flow families, ``TEXT_TOLERANCES[dtype]`` for the VLM. The
+batch-invariant families recompute in micro-batches of 1, unlike the rollout's 4.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ DEFAULT_SUITE = {("tiny_sd3", "bfloat16")}
 # Families whose forward is batch-invariant in low precision: the check recomputes in micro-batches of 1
 # (the rollout's are 4), as training does once zero-advantage filtering or a window mask re-batches the
 # samples. Qwen-Image trims the text padding to each batch's longest prompt, and the ShapesEval text
-# encoder's attention projects a transposed batch, so their outputs depend on the batch (docs/precision.md).
+# encoder (PyTorch's TransformerEncoder) is batch-dependent in bf16 (docs/precision.md).
 REBATCHED = {"tiny_sd3", "tiny_flux", "tiny_flux_kontext", "tiny_wan2_1"}
 
 

@@ -75,6 +75,8 @@ def test_key_steps_stored_as_json_text_load_as_groups_and_bad_text_names_the_row
 
 def test_a_non_utf8_file_is_named(tmp_path):
     path = tmp_path / "latin1.jsonl"
-    path.write_bytes(json.dumps({"problem": "caf\u00e9", "solution": "1"}, ensure_ascii=False).encode("latin-1") + b"\n")
+    path.write_bytes(
+        json.dumps({"problem": "caf\u00e9", "solution": "1"}, ensure_ascii=False).encode("latin-1") + b"\n"
+    )
     with pytest.raises(UserError, match=r"latin1.jsonl is not UTF-8 text \(byte 0xe9"):
         load_vlm_examples(str(path))

@@ -190,8 +190,12 @@ def test_key_steps_stored_as_a_json_string_are_decoded_not_read_as_characters():
     assert normalize_key_steps(json.dumps(steps["Steps"])) == [["red squares"], ["two squares", "2 squares"]]
     completion = "### Step 1: I see red squares.\n### Step 2: one circle.\n### The final answer is: 2"
     assert step_rar(completion, json.dumps(steps)) == pytest.approx(0.1 * 1 / 2)  # one of two groups matched
-    for text, why in (("red squares", "not JSON"), ('"red squares"', "JSON of a str"), ("3", "JSON of a int")):
+    for text, why in [
+        ("red squares", "not JSON"),
+        ('"red squares"', "JSON of a str"),
+        ("3", "JSON of a int"),
+    ]:
         with pytest.raises(ValueError, match=f"key_steps is a string, {why}"):
             normalize_key_steps(text)
-    with pytest.raises(ValueError, match="key_steps is a string"):  # the reward reports it, never scores chars
+    with pytest.raises(ValueError, match="key_steps is a string"):  # reported, never scored as characters
         step_rar_reward([completion], ["not json"])
