@@ -24,7 +24,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from rlgen_cli.schema.check import CheckConfig, CheckOnPolicyConfig
+from rlgen_cli.schema.check import CheckConfig
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import (
     AlgoConfig,
@@ -172,7 +172,6 @@ RANGES: dict[type, dict[str, Range | Pattern]] = {
         "tolerance": POSITIVE, "text_tolerance": POSITIVE, "train_noise_level": NON_NEGATIVE,
         "train_batch_size": COUNT, "perturb_weights": NON_NEGATIVE,
     },
-    CheckOnPolicyConfig: {},
     SampleConfig: {
         "seed": NON_NEGATIVE, "images_per_prompt": COUNT, "batch_size": COUNT, "num_steps": COUNT,
         "device": DEVICE,
