@@ -46,8 +46,9 @@ def batch_invariant_linears(module: nn.Module) -> None:
     A strided 3-D input (e.g. the image half that joint attention slices off its output) is contiguous
     at batch 1 and takes the fused ``addmm`` (bias added before the one rounding to the low dtype); at
     batch > 1 it takes ``matmul`` then ``add`` (rounded twice). In bf16 the two differ by an ulp of the
-    output (2⁻⁸), enough to move a log-prob recomputed in another micro-batch composition by ~3e-5
-    (tiny SD3; docs/precision.md). In fp32 the gap is one fp32 rounding, so fp32 runs are left as they are.
+    output (2⁻⁸), enough to move a log-prob recomputed in another micro-batch composition by 1.5e-5
+    (tiny SD3; docs/precision.md). In fp32 the gap is at most one fp32 rounding: fp32 runs are left as
+    they are.
     """
     for layer in module.modules():
         if isinstance(layer, nn.Linear) and layer.bias is not None:

@@ -33,7 +33,8 @@ Larger logits have larger ulps, so a real model's gap is larger: measure it and 
 class CheckConfig:
     tolerance: float = 1e-6
     """Largest allowed |ratio − 1| (and |Δ log-prob|) of the image / flow tracks: the rollout stores the
-    fp32 transition it sampled, so the training path reproduces it to rounding."""
+    fp32 transition it sampled, so the training path reproduces it to rounding — exactly, in every
+    ``model.dtype``, on the tiny models (docs/precision.md)."""
     text_tolerance: float | None = None
     """Largest allowed |ratio − 1| (and |Δ log-prob|) of the text tracks (VLM, R3's think / reflect):
     the sampler's KV-cache decoding vs the training forward; null = ``TEXT_TOLERANCES`` of the text

@@ -145,3 +145,29 @@ def test_bf16_check_fails_when_the_weights_move_after_the_rollout(tmp_path: Path
     code, out = run_cli("check-onpolicy", *overrides, f"hydra.run.dir={tmp_path}")
     assert code == 1, out
     assert _max_error(out) > 10 * FLOW_TOLERANCE, out  # measured 3.6e-5
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_tiny_pipeline_holds_the_dtypes_a_loaded_one_would(dtype):
+    # as from_pretrained(torch_dtype=...): Wan's transformer keeps its norms, time embedder and modulation
+    # table in fp32; transformers keeps T5's ``wo`` in fp32 in fp16 only; Wan's loader moves the VAE to fp32
+    from dataclasses import replace
+
+    from rlgen_cli.models.loading import in_model_dtype
+    from rlgen_cli.models.wan import tiny_wan_pipeline
+    from tests.models.helpers import model_cfg
+
+    low = getattr(torch, dtype)
+    pipe = in_model_dtype(tiny_wan_pipeline(0, 32), replace(model_cfg("tiny_wan2_1"), dtype=dtype), ("vae",))
+    params = dict(pipe.transformer.named_parameters())
+    assert params["blocks.0.attn1.to_q.weight"].dtype == low and params["proj_out.weight"].dtype == low
+    for name in (
+        "scale_shift_table",
+        "blocks.0.norm2.weight",
+        "condition_embedder.time_embedder.linear_1.weight",
+    ):
+        assert params[name].dtype == torch.float32, name
+    wo = pipe.text_encoder.encoder.block[0].layer[1].DenseReluDense.wo.weight
+    assert wo.dtype == (torch.float32 if dtype == "float16" else low)
+    assert pipe.text_encoder.shared.weight.dtype == low
+    assert {p.dtype for p in pipe.vae.parameters()} == {torch.float32}

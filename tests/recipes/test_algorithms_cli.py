@@ -1,4 +1,9 @@
-"""Each algorithm of the family trains two epochs on tiny SD3 through the CLI and changes the weights."""
+"""Each algorithm of the family trains two epochs on tiny SD3 through the CLI and changes every LoRA tensor.
+
+Weight decay is off: AdamW's decay alone would move every non-zero tensor, so a tensor that never gets a
+gradient (a dead adapter) could not be told from a trained one. The tiny SD3 runs at 16 px: the same
+code paths as 32 px at a third of the cost.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ GEOMETRY = [
     "algo.prompts_per_epoch=2",
     "algo.sample_batch_size=4",
     "algo.train_batch_size=4",
+    "algo.weight_decay=0.0",
+    "model.resolution=16",
 ]
 
 
@@ -39,5 +46,7 @@ def test_algorithm_trains_two_epochs(cli, tmp_path, algo, extra):
     assert code == 0, out
     first = load_file(run / "checkpoints" / "epoch_000001" / "weights" / LORA_WEIGHTS_NAME)
     second = load_file(run / "checkpoints" / "epoch_000002" / "weights" / LORA_WEIGHTS_NAME)
-    changed = [k for k in first if not torch.equal(first[k], second[k])]
-    assert changed, "no LoRA tensor changed between epoch 1 and 2"
+    assert first.keys() == second.keys() and len(first) > 0
+    # LoRA B starts at 0, so the first step moves only B; from the second on, A and B both get gradients
+    unchanged = [k for k in first if torch.equal(first[k], second[k])]
+    assert unchanged == [], f"{algo}: {len(unchanged)} of {len(first)} LoRA tensors did not change: {unchanged[:3]}"
