@@ -43,6 +43,10 @@ from rlgen_cli.recipes.flow_rl import FlowRLRecipe
 from rlgen_cli.training.progress import Progress
 
 BACKWARD = "backward"
+RATIOS = {
+    True: ("overhead_ratio", "overhead_ratio_cpu"),
+    False: ("overhead_ratio",),
+}  # checked, by "on a CPU"
 
 
 @dataclass
@@ -130,8 +134,9 @@ def replay(recipe: FlowRLRecipe, calls: Calls, lora: bool = True) -> None:
 
 
 def timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, float]:
-    """Wall-clock and process CPU seconds ``fn`` takes (the device synchronised on both sides). CPU time
-    is what other processes' load inflates least: on a shared machine compare the ``*_cpu`` figures."""
+    """Wall-clock and process CPU seconds ``fn`` takes (the device synchronised on both sides). On a CPU,
+    CPU time is what other processes' load inflates least: on a shared machine compare the ``*_cpu``
+    figures (on a GPU they only count the host's work)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start, cpu = time.perf_counter(), time.process_time()
@@ -167,15 +172,17 @@ class Arm:
             self.calls_s.append(seconds)
 
     def lora_share(self, repeats: int = 3) -> float | None:
-        """Share of the epoch's no-grad forwards (rollout, reference) that the LoRA adapter costs."""
+        """Share of the epoch's no-grad forwards (rollout, reference) that the LoRA adapter costs (CPU time
+        on a CPU, wall clock on a GPU)."""
         if not self.recipe.cfg.model.lora.enabled:
             return None
         nograd = [c for c in self.calls if isinstance(c, Call) and not c.grad]
         device = self.recipe.device
+        clock = 1 if device.type == "cpu" else 0
         with_lora, without = [], []
         for _ in range(repeats):
-            with_lora.append(timed(lambda: replay(self.recipe, nograd), device)[0])
-            without.append(timed(lambda: replay(self.recipe, nograd, lora=False), device)[0])
+            with_lora.append(timed(lambda: replay(self.recipe, nograd), device)[clock])
+            without.append(timed(lambda: replay(self.recipe, nograd, lora=False), device)[clock])
         return round(1 - statistics.median(without) / statistics.median(with_lora), 4)
 
     def summary(self) -> dict[str, Any]:
@@ -231,7 +238,7 @@ def measure(geometry: str, overrides: list[str], baseline: list[str] | None, rep
         f"{arm.name}: {key} {result[arm.name][key]} < 1 — the epoch contains every replayed call, so the "
         "machine's load changed between them; re-run on an idle machine"
         for arm in arms
-        for key in ("overhead_ratio", "overhead_ratio_cpu")
+        for key in RATIOS[arm.recipe.device.type == "cpu"]
         if result[arm.name][key] < 1
     ]
     if baseline is not None:
