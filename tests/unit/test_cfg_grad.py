@@ -63,7 +63,9 @@ def test_conditional_gradient_is_g_times_the_conditional_branch(policies):
     grad_c = _grad(plain, plain.velocity(x, sigma, plain.encode(PROMPTS)), w)
     grad_u = _grad(plain, plain.velocity(x, sigma, plain.encode([""] * len(PROMPTS))), w)
 
-    assert torch.equal(v_conditional, v_both)  # same forward values: the on-policy ratio stays 1
+    # same forward values up to GEMM rounding (conditional runs the branches as two passes); the ratio
+    # stays exactly 1 because rollout and training use the same mode (check-onpolicy test below)
+    torch.testing.assert_close(v_conditional, v_both, rtol=1e-6, atol=1e-6)
     # the CFG forward runs both branches as one batch of 4, the hand one as batches of 2: GEMM rounding,
     # so errors are measured against the gradient's scale
     scale = float(grad_both.abs().max())
