@@ -10,7 +10,7 @@ neither way consistently (±0.008, sign changing with lr), so CFG is off here. M
 multi-round evaluation (greedy plan, ODE image, fixed noise) on 4 prompts after the last step, minus the
 same evaluation of the untrained composite.
 
-Measured (same on every rerun on CPU): trained +0.0121, negated −0.0075; margin 0.005.
+Measured (same on every rerun on CPU): trained +0.0123, negated −0.0073; margin 0.005.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Each algorithm of the family trains two epochs on tiny SD3 through the CLI and changes every LoRA tensor.
 
 Weight decay is off: AdamW's decay alone would move every non-zero tensor, so a tensor that never gets a
-gradient (a dead adapter) could not be told from a trained one. The tiny SD3 runs at 16 px: the same
-code paths as 32 px at a third of the cost.
+gradient (a dead adapter) could not be told from a trained one.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ GEOMETRY = [
     "algo.sample_batch_size=4",
     "algo.train_batch_size=4",
     "algo.weight_decay=0.0",
-    "model.resolution=16",
 ]
 
 
