@@ -13,12 +13,9 @@ from rlgen_cli.schema.store import register_schemas
 from rlgen_cli.tasks.common import validated
 
 
-def build_recipe(overrides: list[str]) -> FlowRLRecipe:
-    """A set-up training recipe for the tiny CPU demo (``experiment=tiny_cpu`` unless ``overrides`` name
-    another experiment) plus ``overrides`` (run dir in /tmp)."""
+def compose_recipe(overrides: list[str]) -> FlowRLRecipe:
+    """A set-up training recipe composed from ``overrides`` alone (run dir in /tmp)."""
     register_schemas()
-    if not any(o.startswith("experiment=") for o in overrides):
-        overrides = ["experiment=tiny_cpu", *overrides]
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         cfg = compose(config_name="train", overrides=["progress=false", *overrides])
     OmegaConf.set_struct(cfg, False)
@@ -26,3 +23,11 @@ def build_recipe(overrides: list[str]) -> FlowRLRecipe:
     recipe = FlowRLRecipe(validated(cfg), cfg)
     recipe.setup()
     return recipe
+
+
+def build_recipe(overrides: list[str]) -> FlowRLRecipe:
+    """A set-up training recipe for the tiny CPU demo (``experiment=tiny_cpu`` unless ``overrides`` name
+    another experiment) plus ``overrides`` (run dir in /tmp)."""
+    if not any(o.startswith("experiment=") for o in overrides):
+        overrides = ["experiment=tiny_cpu", *overrides]
+    return compose_recipe(overrides)

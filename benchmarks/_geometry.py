@@ -16,13 +16,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from rlgen_cli._hydra import conf_dir
 from rlgen_cli.recipes.flow_rl import FlowRLRecipe
-from rlgen_cli.schema.store import register_schemas
-from rlgen_cli.tasks.common import validated
 from rlgen_cli.training.progress import Progress
 from rlgen_cli.training.schedule import apply_lr_schedule
 
@@ -96,18 +91,6 @@ def save_sd3_cfg_pipeline(directory: Path, seed: int = 0) -> Path:
         )
     pipeline.save_pretrained(directory)
     return directory
-
-
-def build_recipe(overrides: list[str]) -> FlowRLRecipe:
-    """A set-up training recipe composed from ``overrides`` alone (run dir in /tmp)."""
-    register_schemas()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-        cfg = compose(config_name="train", overrides=["progress=false", *overrides])
-    OmegaConf.set_struct(cfg, False)
-    cfg.run_dir = tempfile.mkdtemp(prefix="rlgen-bench-")
-    recipe = FlowRLRecipe(validated(cfg), cfg)
-    recipe.setup()
-    return recipe
 
 
 def overrides_for(geometry: str, workdir: Path | None = None) -> list[str]:

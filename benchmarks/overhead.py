@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _geometry import GEOMETRIES, build_recipe, default_warmup, overrides_for, run_epoch
+from _common import compose_recipe
+from _geometry import GEOMETRIES, default_warmup, overrides_for, run_epoch
 from torch import Tensor
 
 from rlgen_cli.models import Cond, cfg_gradient
@@ -151,7 +152,7 @@ class Arm:
 
     def __init__(self, name: str, overrides: list[str]) -> None:
         self.name, self.overrides = name, overrides
-        self.recipe = build_recipe(overrides)
+        self.recipe = compose_recipe(overrides)
         self.epoch = 0
         self.calls: Calls = []
         self.passes: Counter = Counter()

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _geometry import GEOMETRIES, build_recipe, default_warmup, overrides_for, run_epoch
+from _common import compose_recipe
+from _geometry import GEOMETRIES, default_warmup, overrides_for, run_epoch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from rlgen_cli.recipes import flow_rl
@@ -145,7 +146,7 @@ def exclusive_times(events: Any) -> tuple[dict[int, dict[str, float]], dict[str,
 def profile_geometry(geometry: str, overrides: list[str], warmup: int | None, repeats: int) -> dict[str, Any]:
     """Warm up, time ``repeats`` plain epochs, then profile one more."""
     with tempfile.TemporaryDirectory(prefix="rlgen-profile-") as workdir:
-        recipe = build_recipe([*overrides_for(geometry, Path(workdir)), *overrides])
+        recipe = compose_recipe([*overrides_for(geometry, Path(workdir)), *overrides])
         try:
             return _measure(recipe, geometry, warmup, repeats)
         finally:
