@@ -10,11 +10,9 @@ per family with ``epoch_s``, ``model_calls_s`` and ``overhead_ratio``.
 from __future__ import annotations
 
 import json
-import time
 
 import torch
-from _common import build_recipe
-from overhead import model_calls_only
+from overhead import Arm
 
 from rlgen_cli.training.progress import Progress
 
@@ -33,23 +31,16 @@ GEOMETRY = [
 
 
 def measure(overrides: list[str]) -> dict[str, float]:
+    """One warm-up epoch and replay, then one measured epoch and the bare replay of its model calls."""
     torch.manual_seed(0)
-    recipe = build_recipe([*GEOMETRY, *overrides])
+    arm = Arm("family", ["experiment=tiny_cpu", *GEOMETRY, *overrides])
     with Progress(enabled=False) as progress:
-        recipe.train_epoch(0, progress)
-        start = time.perf_counter()
-        recipe.train_epoch(1, progress)
-        epoch_s = time.perf_counter() - start
-    size = recipe.cfg.algo.sample_batch_size
-    cond = recipe.policy.encode(["a benchmark prompt"] * size)
-    x = recipe.policy.noise(size, torch.Generator(device=recipe.device).manual_seed(0))
-    model_s = model_calls_only(recipe, cond, x)
-    recipe.cleanup()
-    return {
-        "epoch_s": round(epoch_s, 3),
-        "model_calls_s": round(model_s, 3),
-        "overhead_ratio": round(epoch_s / model_s, 3),
-    }
+        for measured in (False, True):
+            arm.run_epoch(progress, measured)
+            arm.replay(measured)
+    summary = arm.summary()
+    arm.recipe.cleanup()
+    return {key: summary[key] for key in ("epoch_s", "model_calls_s", "overhead_ratio")}
 
 
 if __name__ == "__main__":
