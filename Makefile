@@ -42,9 +42,10 @@ test-all: install-dev  ## run every test, the slow ones included
 bench: install  ## run every benchmark script; each prints JSON
 	@for f in benchmarks/*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
 
-lint: install-dev  ## ruff over the package, tests and benchmarks
+lint: install-dev  ## ruff over the package, tests and benchmarks; import-linter's layer contracts (pyproject.toml)
 	$(VENV)/bin/ruff check rlgen_cli tests benchmarks
 	$(VENV)/bin/ruff format --check rlgen_cli tests benchmarks
+	$(VENV)/bin/lint-imports --no-cache
 
 clean:  ## remove runs, caches and the venv
 	rm -rf $(VENV) outputs multirun .pytest_cache .ruff_cache

@@ -17,13 +17,12 @@ from pathlib import Path
 
 import torch
 
-from rlgen_cli.recipes.flow_rl import FlowRLRecipe
+from rlgen_cli.recipes import flow_grpo, loop
 from rlgen_cli.training.progress import Progress
-from rlgen_cli.training.schedule import apply_lr_schedule
 
 SD3_CFG_ALGO = [
     "algo=grpo", "algo.prompts_per_epoch=2", "algo.group_size=4", "algo.sample_batch_size=4",
-    "algo.train_batch_size=4", "algo.gradient_accumulation_steps=1", "algo.beta=0",
+    "algo.train_batch_size=4", "algo.gradient_accumulation_steps=1", "algo.kl_weight=0",
     "algo.window.timestep_fraction=1.0", "algo.ema.enabled=false",
 ]  # fmt: skip
 GEOMETRIES = ("sd3_cfg", "shapes")
@@ -108,18 +107,14 @@ def overrides_for(geometry: str, workdir: Path | None = None) -> list[str]:
     ]  # fmt: skip
 
 
-def run_epoch(recipe: FlowRLRecipe, epoch: int, progress: Progress) -> dict[str, float]:
-    """What ``FlowRLRecipe.train`` does per epoch without evaluation or checkpoints: the lr schedule, the
-    epoch, and its logging."""
-    cfg = recipe.cfg
-    lr = apply_lr_schedule(recipe.optimizer, cfg.algo, epoch, cfg.epochs)
-    metrics = {"lr": lr} | recipe.epoch_fn(recipe, epoch, progress)
-    recipe.logger.log(metrics, step=epoch)
-    recipe._log_console(epoch, metrics)
+def run_epoch(run: loop.FlowRun, epoch: int, progress: Progress) -> dict[str, float]:
+    """What ``flow_grpo.run`` does per epoch without evaluation or checkpoints: the epoch and its logging."""
+    metrics = flow_grpo.grpo_epoch(run, epoch, progress)
+    loop.log_epoch(run, epoch, metrics, flow_grpo.console_line(metrics))
     return metrics
 
 
-def default_warmup(recipe: FlowRLRecipe) -> int:
+def default_warmup(recipe: loop.FlowRun) -> int:
     """Epochs that show every training prompt once (the cache then holds them, as in a long run); 2 when
     that is more than 10 epochs."""
     passes = math.ceil(len(recipe.train_set) / recipe.cfg.algo.prompts_per_epoch)

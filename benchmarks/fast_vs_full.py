@@ -16,39 +16,40 @@ import time
 
 from _common import build_recipe
 
-from rlgen_cli.recipes.flow_rl import FlowRLRecipe
+from rlgen_cli.recipes import flow_grpo
+from rlgen_cli.recipes.loop import FlowRun
 from rlgen_cli.training.progress import Progress
 
 GEOMETRY = ["algo.group_size=8", "algo.prompts_per_epoch=2", "model.num_steps=8"]
 BACKWARD_COST = 2.0  # a backward pass ≈ two forwards
 
 
-def epoch_seconds(recipe: FlowRLRecipe, repeats: int = 2) -> float:
+def epoch_seconds(run: FlowRun, repeats: int = 2) -> float:
     with Progress(enabled=False) as progress:
-        recipe.train_epoch(0, progress)  # warm-up
+        flow_grpo.grpo_epoch(run, 0, progress)  # warm-up
         start = time.perf_counter()
         for epoch in range(1, repeats + 1):
-            recipe.train_epoch(epoch, progress)
+            flow_grpo.grpo_epoch(run, epoch, progress)
     return (time.perf_counter() - start) / repeats
 
 
-def sampling_seconds(recipe: FlowRLRecipe, repeats: int = 2) -> float:
+def sampling_seconds(run: FlowRun, repeats: int = 2) -> float:
     with Progress(enabled=False) as progress:
-        recipe.sample_epoch(0, progress)
+        flow_grpo.sample_rollouts(run, 0, progress)
         start = time.perf_counter()
         for epoch in range(1, repeats + 1):
-            recipe.sample_epoch(epoch, progress)
+            flow_grpo.sample_rollouts(run, epoch, progress)
     return (time.perf_counter() - start) / repeats
 
 
-def model_cost(recipe: FlowRLRecipe) -> float:
+def model_cost(run: FlowRun) -> float:
     """Forward-equivalents of one epoch per sample: T rollout forwards + 3 per trained step."""
-    plan = recipe.plan_for(0, recipe.cfg.algo.group_size * recipe.cfg.algo.prompts_per_epoch)
+    plan = flow_grpo.plan_for(run, 0, run.cfg.algo.group_size * run.cfg.algo.prompts_per_epoch)
     return plan.num_steps + (1 + BACKWARD_COST) * len(plan.train_steps)
 
 
 def main() -> dict[str, float]:
-    full = build_recipe([*GEOMETRY, "algo=grpo", "algo.beta=0"])
+    full = build_recipe([*GEOMETRY, "algo=grpo", "algo.kl_weight=0"])
     fast = build_recipe([*GEOMETRY, "algo=grpo_fast", "algo.window.size=2", "algo.window.range=[1,5]"])
     prefix = build_recipe([*GEOMETRY, "algo=grpo_fast", "algo.window.size=2", "algo.window.range=[3,7]",
                            "algo.branch=shared_prefix"])  # fmt: skip

@@ -40,7 +40,7 @@ from torch import Tensor
 
 from rlgen_cli.models import Cond, cfg_gradient
 from rlgen_cli.models.base import uncond_takes_grad
-from rlgen_cli.recipes.flow_rl import FlowRLRecipe
+from rlgen_cli.recipes.loop import FlowRun
 from rlgen_cli.training.progress import Progress
 
 BACKWARD = "backward"
@@ -66,11 +66,11 @@ Calls = list[Call | str]  # velocity calls and BACKWARD markers, in the epoch's 
 
 
 @contextmanager
-def recording(recipe: FlowRLRecipe, calls: Calls, passes: Counter) -> Iterator[None]:
+def recording(recipe: FlowRun, calls: Calls, passes: Counter) -> Iterator[None]:
     """Append every velocity call and backward of the block to ``calls``; count the transformer's passes
     by batch size and grad mode in ``passes``."""
     policy, dist = recipe.policy, recipe.dist
-    velocity, reference, backward = policy.velocity, policy.reference, dist.backward
+    velocity, reference, backward = policy.velocity, policy.trainable.reference, dist.backward
     depth = [0]
 
     def recorded_velocity(x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
@@ -96,20 +96,20 @@ def recording(recipe: FlowRLRecipe, calls: Calls, passes: Counter) -> Iterator[N
         first = kwargs.get("hidden_states", args[0] if args else None)
         passes[f"batch {first.shape[0]}, {'grad' if torch.is_grad_enabled() else 'no grad'}"] += 1
 
-    policy.velocity, policy.reference, dist.backward = (
+    policy.velocity, policy.trainable.reference, dist.backward = (
         recorded_velocity,
         recorded_reference,
         recorded_backward,
     )
-    hook = policy._train.module.register_forward_pre_hook(recorded_pass, with_kwargs=True)
+    hook = policy.trainable.module.register_forward_pre_hook(recorded_pass, with_kwargs=True)
     try:
         yield
     finally:
         hook.remove()
-        del policy.velocity, policy.reference, dist.backward
+        del policy.velocity, policy.trainable.reference, dist.backward
 
 
-def replay(recipe: FlowRLRecipe, calls: Calls, lora: bool = True) -> None:
+def replay(recipe: FlowRun, calls: Calls, lora: bool = True) -> None:
     """Make ``calls`` again, bare: each velocity in its recorded state, a backward where the epoch had one
     (through every differentiated output since the last). ``lora=False``: no-grad calls only, adapter off."""
     policy = recipe.policy
@@ -126,7 +126,7 @@ def replay(recipe: FlowRLRecipe, calls: Calls, lora: bool = True) -> None:
         with (
             torch.set_grad_enabled(call.grad),
             cfg_gradient(call.cfg_grad),
-            policy.reference() if off else nullcontext(),
+            policy.trainable.reference() if off else nullcontext(),
         ):
             v = policy.velocity(call.x, call.sigma, call.cond)
         if v.requires_grad:

@@ -34,8 +34,8 @@ from _common import compose_recipe
 from _geometry import GEOMETRIES, default_warmup, overrides_for, run_epoch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from rlgen_cli.recipes import flow_rl
-from rlgen_cli.recipes.flow_rl import FlowRLRecipe
+from rlgen_cli.recipes import flow_grpo, loop
+from rlgen_cli.recipes.loop import FlowRun
 from rlgen_cli.training.progress import Progress
 
 PREFIX = "phase:"
@@ -72,27 +72,29 @@ def clocked(clock: dict[str, float], key: str, fn: Callable) -> Callable:
 
 
 @contextmanager
-def phase_labels(recipe: FlowRLRecipe) -> Iterator[dict[str, float]]:
+def phase_labels(run: FlowRun) -> Iterator[dict[str, float]]:
     """Wrap the recipe's calls in phase labels for the duration of the block (this process only); yields
     the seconds the scorer thread spent scoring (``reward_thread``)."""
     instance = {
-        recipe.policy: {"encode": "text_encoders", "velocity": "transformer_forward", "decode": "vae",
-                        "noise": "data"},
-        recipe.dist: {"backward": "backward"},
-        recipe: {"optimizer_step": "optimizer", "objective": "objective", "source_images": "data",
-                 "plan_for": "data", "_log_console": "logging"},
-        recipe.sampler: {"indices_for_epoch": "data"},
-        recipe.logger: {"log": "logging", "log_images": "logging"},
+        run.policy: {"encode": "text_encoders", "velocity": "transformer_forward", "decode": "vae",
+                     "noise": "data"},
+        run.dist: {"backward": "backward"},
+        run.sampler: {"indices_for_epoch": "data"},
+        run.logger: {"log": "logging", "log_images": "logging"},
     }  # fmt: skip
     module = {
-        flow_rl: {"rollout": "sde_step", "recompute_step": "sde_step", "euler": "sde_step",
-                  "sample_generators": "data", "combine_rewards": "advantages", "best_and_worst": "advantages",
-                  "nonzero_advantage_rows": "advantages", "save_grid": "logging",
-                  "reduce_over_ranks": "logging", "summarise": "logging"},
+        flow_grpo: {"rollout": "sde_step", "recompute_step": "sde_step", "euler": "sde_step",
+                    "sample_generators": "data", "plan_for": "data", "combine_rewards": "advantages",
+                    "best_and_worst": "advantages", "nonzero_advantage_rows": "advantages",
+                    "grpo_loss": "objective", "guard_loss": "objective", "save_grid": "logging",
+                    "summarise": "logging", "console_line": "logging"},
+        loop: {"optimizer_step": "optimizer", "sources_of": "data", "reduce_over_ranks": "logging",
+               "log_epoch": "logging"},
     }  # fmt: skip
     classes = {
-        flow_rl.Rollouts: {"rewards": "reward", "select": "data"},
-        type(recipe.train_set): {"__getitem__": "data"},
+        flow_grpo.RewardScoring: {"results": "reward"},
+        flow_grpo.Rollouts: {"select": "data"},
+        type(run.train_set): {"__getitem__": "data"},
     }
     saved: list[tuple[Any, str, Any, bool]] = []
     for owner, names in [*instance.items(), *module.items(), *classes.items()]:
@@ -102,11 +104,12 @@ def phase_labels(recipe: FlowRLRecipe) -> Iterator[dict[str, float]]:
             saved.append((owner, name, vars(owner).get(name) if had_own else None, had_own))
             setattr(owner, name, labelled(label, original))
     clock: dict[str, float] = {}
-    recipe.score = clocked(clock, "reward_thread", recipe.score)
+    score = loop.score  # called on the scorer thread, which the profiler does not follow
+    loop.score = clocked(clock, "reward_thread", score)
     try:
         yield clock
     finally:
-        del recipe.score
+        loop.score = score
         for owner, name, original, had_own in reversed(saved):
             if had_own:
                 setattr(owner, name, original)
@@ -153,7 +156,7 @@ def profile_geometry(geometry: str, overrides: list[str], warmup: int | None, re
             recipe.cleanup()
 
 
-def _measure(recipe: FlowRLRecipe, geometry: str, warmup: int | None, repeats: int) -> dict[str, Any]:
+def _measure(recipe: FlowRun, geometry: str, warmup: int | None, repeats: int) -> dict[str, Any]:
     warmup = default_warmup(recipe) if warmup is None else warmup
     epoch = 0
     plain = []

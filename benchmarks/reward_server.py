@@ -108,7 +108,7 @@ def codec_costs(batch: RewardBatch, local: object) -> dict[str, float]:
     """Single-threaded ms per image of the reward itself and of each wire's encode/decode."""
     import msgpack
 
-    from rlgen_cli.server import wire
+    from rlgen_cli.rewards.remote import wire
     from rlgen_cli.server.batcher import stack_images
 
     n = len(batch)

@@ -10,6 +10,9 @@ the default run's decay is sized to its own epochs —, evaluated through an EMA
 * ``mix_grpo``   MixGRPO: a sliding 4-step SDE window;
 * ``dance``      DanceGRPO-style: shared initial noise per group, a random 60 % subset of steps;
 * ``dpo``        Flow-DPO on the best-vs-worst sample of each group;
+* ``nft``        DiffusionNFT: ODE rollouts (DPM-Solver++ 2M) from the old policy, positive / negative
+  implicit policies on forward-noised samples (no log-probabilities);
+* ``awm``        Advantage Weighted Matching: the flow-matching loss weighted by the advantage;
 * ``grpo_partial``  Flow-GRPO on plain GenEval partial credit (no clutter penalty): reward hacking —
   lenient accuracy may rise while strict accuracy falls and extra objects multiply.
 
@@ -44,6 +47,8 @@ RUNS: dict[str, list[str]] = {
     "mix_grpo": ["algo=mix_grpo", *GEOMETRY, "algo.clip_range=1e-3", "algo.window.shift_every=5"],
     "dance": ["algo=dance", *GEOMETRY, "algo.clip_range=1e-3", "sampler=dance"],
     "dpo": ["algo=dpo", *GEOMETRY],
+    "nft": ["algo=nft", *GEOMETRY],
+    "awm": ["algo=awm", *GEOMETRY],
     "grpo_partial": [
         "algo=grpo",
         *GEOMETRY,

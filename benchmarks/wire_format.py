@@ -24,8 +24,7 @@ import msgpack
 import torch
 
 from rlgen_cli.rewards.base import RewardBatch, RewardResult
-from rlgen_cli.rewards.remote import RemoteReward
-from rlgen_cli.server import wire
+from rlgen_cli.rewards.remote import RemoteReward, wire
 from rlgen_cli.server.app import ServerSettings, build_app
 from rlgen_cli.server.batcher import stack_images
 from rlgen_cli.server.runner import BackgroundServer

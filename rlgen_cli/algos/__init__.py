@@ -1,8 +1,6 @@
 """Pure objectives (torch only): group advantages, Flow-GRPO / GRPO-Guard losses, Flow-DPO and SFT."""
 
 from rlgen_cli.algos.advantages import (
-    COMBINE_MODES,
-    SCALES,
     AdvantageStats,
     best_and_worst,
     combine_rewards,
@@ -23,8 +21,6 @@ from rlgen_cli.algos.guard import guard_loss
 from rlgen_cli.algos.sft import SFTLossOut, select_best, sft_loss
 
 __all__ = [
-    "COMBINE_MODES",
-    "SCALES",
     "AdvantageStats",
     "best_and_worst",
     "GRPOLossOut",

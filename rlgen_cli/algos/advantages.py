@@ -17,22 +17,23 @@ Multi-reward aggregation (``combine_rewards``) offers Flow-GRPO's ``sum_then_nor
 weighted advantages).
 
 All group statistics come from :func:`group_moments`, the single place a distributed version (group
-statistics all-reduced over a policy group of ranks) will replace.
+statistics all-reduced over a policy group of ranks) will replace. Options arrive checked from the config
+(``schema/choices.py``); a bad one here is a programming error and fails an assert. Rewards are data:
+a NaN or a bad shape raises ``ValueError``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from torch import Tensor
 
+from rlgen_cli.schema.choices import StdEstimator
+
 __all__ = [
-    "COMBINE_MODES",
-    "SCALES",
-    "STD_ESTIMATORS",
     "AdvantageStats",
     "best_and_worst",
     "combine_rewards",
@@ -40,9 +41,6 @@ __all__ = [
     "group_moments",
 ]
 
-SCALES: tuple[str, ...] = ("std", "none")
-COMBINE_MODES: tuple[str, ...] = ("sum_then_normalize", "normalize_then_sum")
-STD_ESTIMATORS: tuple[str, ...] = ("population", "unbiased")
 _MAX_LISTED = 10  # how many offending indices an error message names
 
 
@@ -156,7 +154,7 @@ def group_moments(
         is int64.
     """
     _check_inputs(values, group_ids)
-    _check_estimator(std_estimator)
+    assert std_estimator in get_args(StdEstimator), std_estimator
     inverse, num_groups = _group_index(group_ids)  # (N,), G
     x = values.double()  # (N,)
     count = _scatter_sum(torch.ones_like(x), inverse, num_groups)  # (G,)
@@ -201,28 +199,6 @@ def _advantage_stats(rewards: Tensor, group_ids: Tensor, zero_var: Tensor) -> Ad
 # --------------------------------------------------------------------------------------------------
 
 
-def _check_estimator(std_estimator: str) -> None:
-    if std_estimator not in STD_ESTIMATORS:
-        raise ValueError(
-            f"unknown std estimator {std_estimator!r}; valid estimators: {', '.join(STD_ESTIMATORS)}."
-        )
-
-
-def _check_options(global_std: bool, eps: float, scale: str, std_estimator: str) -> None:
-    """Raise ``ValueError`` for an unknown ``scale`` or estimator, a negative ``eps`` or a contradictory
-    combination."""
-    _check_estimator(std_estimator)
-    if scale not in SCALES:
-        raise ValueError(f"unknown advantage scale {scale!r}; valid scales: {', '.join(SCALES)}.")
-    if eps < 0:
-        raise ValueError(f"eps must be >= 0 (it guards the division by std), got {eps}.")
-    if global_std and scale == "none":
-        raise ValueError(
-            "global_std=True has no effect with scale='none' (no division by any std); "
-            "set global_std=False or scale='std'."
-        )
-
-
 def _clip(advantages: Tensor, clip_max: float | None) -> Tensor:
     """Clamp to ±clip_max; ``clip_max`` None or <= 0 disables clipping."""
     if clip_max is None or clip_max <= 0:
@@ -244,6 +220,7 @@ def _normalize(
     mean, std, _ = group_moments(rewards, group_ids, std_estimator=std_estimator)  # (N,) each
     zero_var = std == 0  # (N,) singletons and constant groups
     centered = rewards - mean  # (N,)
+    assert scale in ("std", "none") and eps >= 0 and not (global_std and scale == "none"), (scale, eps)
     if scale == "std":
         denom = _batch_std(rewards, std_estimator) if global_std else std
         centered = centered / (denom + eps)
@@ -284,10 +261,8 @@ def group_advantages(
         :class:`AdvantageStats` of the rewards.
 
     Raises:
-        ValueError: On bad shapes/dtypes, non-finite rewards, an unknown ``scale`` or ``std_estimator``,
-            or a negative ``eps``.
+        ValueError: On bad shapes/dtypes or non-finite rewards.
     """
-    _check_options(global_std, eps, scale, std_estimator)
     adv, zero_var = _normalize(
         rewards, group_ids, global_std=global_std, eps=eps, scale=scale, std_estimator=std_estimator
     )
@@ -346,19 +321,17 @@ def combine_rewards(
         ``(advantages, stats)``, advantages (N,).
 
     Raises:
-        ValueError: On a key mismatch, an unknown mode, or anything :func:`group_advantages` rejects.
+        ValueError: On a key mismatch, or anything :func:`group_advantages` rejects.
     """
-    if mode not in COMBINE_MODES:
-        raise ValueError(f"unknown reward combine mode {mode!r}; valid modes: {', '.join(COMBINE_MODES)}.")
     _check_keys(components, weights)
     _check_components(components, group_ids)
     names = sorted(components)
     total = sum(float(weights[k]) * components[k] for k in names)  # (N,)
     if mode == "sum_then_normalize":
         return group_advantages(total, group_ids, **adv_kwargs)
+    assert mode == "normalize_then_sum", mode
     clip_max = adv_kwargs.pop("clip_max", 5.0)
     opts = {"global_std": False, "eps": 1e-4, "scale": "std", "std_estimator": "population", **adv_kwargs}
-    _check_options(**opts)
     adv = torch.zeros_like(total)  # (N,)
     zero_var = torch.ones_like(total, dtype=torch.bool)  # (N,)
     for k in names:

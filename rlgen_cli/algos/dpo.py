@@ -183,7 +183,7 @@ def preference_pairs(rewards: Tensor, group_ids: Tensor) -> PreferencePairs:
 
 
 def _check_errors(errors: dict[str, Tensor], beta: float) -> None:
-    """Raise ``ValueError`` unless the four error vectors share one non-empty (P,) shape and β > 0."""
+    """Raise ``ValueError`` unless the four error vectors share one non-empty (P,) shape."""
     shapes = {t.shape for t in errors.values()}
     first = next(iter(errors.values()))
     if len(shapes) != 1 or first.ndim != 1 or first.numel() == 0:
@@ -192,8 +192,7 @@ def _check_errors(errors: dict[str, Tensor], beta: float) -> None:
             f"dpo_loss errors must share one non-empty 1-D shape (P,), got {listed}; pass one "
             "flow_matching_error per pair for policy/reference × chosen/rejected."
         )
-    if not beta > 0:
-        raise ValueError(f"beta must be > 0 (the DPO temperature), got {beta}; Flow-DPO uses 100.")
+    assert beta > 0, f"beta must be > 0 (the DPO temperature), got {beta}"
 
 
 @torch.no_grad()
@@ -252,7 +251,7 @@ def dpo_loss(
         :class:`DPOLossOut`.
 
     Raises:
-        ValueError: On mismatched or empty shapes, or ``beta <= 0``.
+        ValueError: On mismatched or empty shapes.
     """
     errors = {
         "err_policy_w": err_policy_w,

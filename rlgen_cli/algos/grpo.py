@@ -40,9 +40,14 @@ class GRPOLossOut:
 
 
 def _check_args(
-    new_logp: Tensor, old_logp: Tensor, advantages: Tensor, clip_range: float, kl: Tensor | None, beta: float
+    new_logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    clip_range: float,
+    kl: Tensor | None,
+    kl_weight: float,
 ) -> None:
-    """Raise ``ValueError`` on mismatched shapes, an empty batch or a bad ``clip_range`` / ``beta``."""
+    """Raise ``ValueError`` on mismatched shapes, an empty batch or a bad ``clip_range`` / ``kl_weight`` (asserted)."""
     shapes = {"new_logp": new_logp.shape, "old_logp": old_logp.shape, "advantages": advantages.shape}
     if kl is not None:
         shapes["kl"] = kl.shape
@@ -54,14 +59,8 @@ def _check_args(
         )
     if new_logp.numel() == 0:
         raise ValueError("grpo_loss got an empty batch; there must be at least one trained sample.")
-    if not clip_range > 0:
-        raise ValueError(
-            f"clip_range must be > 0 (the trust region 1±ε), got {clip_range}; Flow-GRPO uses 1e-4."
-        )
-    if beta < 0:
-        raise ValueError(f"beta (KL weight) must be >= 0, got {beta}.")
-    if beta > 0 and kl is None:
-        raise ValueError(f"beta={beta} > 0 but no kl was passed; pass the per-sample KL or set beta=0.")
+    assert clip_range > 0 and kl_weight >= 0, (clip_range, kl_weight)
+    assert kl_weight == 0 or kl is not None, "kl_weight > 0 needs the per-sample kl"
 
 
 @torch.no_grad()
@@ -90,7 +89,7 @@ def grpo_loss(
     *,
     clip_range: float,
     kl: Tensor | None = None,
-    beta: float = 0.0,
+    kl_weight: float = 0.0,
 ) -> GRPOLossOut:
     """Flow-GRPO clipped surrogate (+ optional KL penalty) for one trained step.
 
@@ -104,17 +103,16 @@ def grpo_loss(
         advantages: (B,) advantages.
         clip_range: ε of the trust region ``[1-ε, 1+ε]``; must be > 0.
         kl: (B,) per-sample KL to the reference, or None. Always logged as ``kl_loss``; weighted by
-            ``beta`` into ``loss`` (so ``beta=0`` logs it without training on it).
-        beta: KL weight, >= 0; > 0 requires ``kl``.
+            ``kl_weight`` into ``loss`` (so ``kl_weight=0`` logs it without training on it).
+        kl_weight: KL weight β (``algo.kl_weight``), >= 0; > 0 requires ``kl``.
 
     Returns:
         :class:`GRPOLossOut`.
 
     Raises:
-        ValueError: On shape mismatch, an empty batch, ``clip_range <= 0``, ``beta < 0`` or
-            ``beta > 0`` without ``kl``.
+        ValueError: On shape mismatch or an empty batch.
     """
-    _check_args(new_logp, old_logp, advantages, clip_range, kl, beta)
+    _check_args(new_logp, old_logp, advantages, clip_range, kl, kl_weight)
     adv = advantages.detach()  # (B,)
     log_ratio = new_logp - old_logp.detach()  # (B,)
     ratio = torch.exp(log_ratio)  # (B,)
@@ -126,7 +124,7 @@ def grpo_loss(
         loss = policy_loss
     else:
         kl_loss = kl.mean()  # ()
-        loss = policy_loss + beta * kl_loss
+        loss = policy_loss + kl_weight * kl_loss
     return GRPOLossOut(
         loss=loss,
         policy_loss=policy_loss.detach(),

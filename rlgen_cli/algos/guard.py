@@ -99,9 +99,9 @@ def _check_args(
     advantages: Tensor,
     clip_range: float,
     kl: Tensor | None,
-    beta: float,
+    kl_weight: float,
 ) -> None:
-    """Raise ``ValueError`` on bad shapes, non-positive scales or a bad ``clip_range`` / ``beta``."""
+    """Raise ``ValueError`` on bad shapes, non-positive scales or a bad ``clip_range`` / ``kl_weight`` (asserted)."""
     per_sample = {
         "new_logp": new_logp,
         "old_logp": old_logp,
@@ -112,14 +112,8 @@ def _check_args(
     _check_shapes(per_sample, mean_new, mean_old, kl)
     _check_positive("sigma_t", sigma_t)
     _check_positive("sqrt_neg_dt", sqrt_neg_dt)
-    if not clip_range > 0:
-        raise ValueError(
-            f"clip_range must be > 0 (the trust region 1±ε), got {clip_range}; GRPO-Guard uses 2e-6…4e-6."
-        )
-    if beta < 0:
-        raise ValueError(f"beta (KL weight) must be >= 0, got {beta}.")
-    if beta > 0 and kl is None:
-        raise ValueError(f"beta={beta} > 0 but no kl was passed; pass the per-sample KL or set beta=0.")
+    assert clip_range > 0 and kl_weight >= 0, (clip_range, kl_weight)
+    assert kl_weight == 0 or kl is not None, "kl_weight > 0 needs the per-sample kl"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -162,7 +156,7 @@ def guard_loss(
     *,
     clip_range: float,
     kl: Tensor | None = None,
-    beta: float = 0.0,
+    kl_weight: float = 0.0,
 ) -> GRPOLossOut:
     """GRPO-Guard clipped surrogate (+ optional KL penalty) for one trained step.
 
@@ -181,8 +175,8 @@ def guard_loss(
         advantages: (B,) advantages.
         clip_range: ε of the trust region ``[1-ε, 1+ε]`` on the normalised ratio; must be > 0.
         kl: (B,) per-sample KL to the reference, or None. Always logged as ``kl_loss``; weighted by
-            ``beta`` (not by ``1/s̄²``) into ``loss``.
-        beta: KL weight, >= 0; > 0 requires ``kl``.
+            ``kl_weight`` (not by ``1/s̄²``) into ``loss``.
+        kl_weight: KL weight β (``algo.kl_weight``), >= 0; > 0 requires ``kl``.
 
     Returns:
         :class:`~rlgen_cli.algos.grpo.GRPOLossOut`; ``stats`` holds :func:`grpo_loss`'s keys plus
@@ -190,11 +184,10 @@ def guard_loss(
         (1/s̄²).
 
     Raises:
-        ValueError: On shape mismatch, an empty batch, σ̄ or s̄ not finite and > 0, ``clip_range <= 0``,
-            ``beta < 0`` or ``beta > 0`` without ``kl``.
+        ValueError: On shape mismatch, an empty batch, or σ̄ or s̄ not finite and > 0.
     """
     _check_args(
-        new_logp, old_logp, mean_new, mean_old, sigma_t, sqrt_neg_dt, advantages, clip_range, kl, beta
+        new_logp, old_logp, mean_new, mean_old, sigma_t, sqrt_neg_dt, advantages, clip_range, kl, kl_weight
     )
     adv = advantages.detach()  # (B,)
     s_bar = sqrt_neg_dt.detach()  # (B,)
@@ -211,7 +204,7 @@ def guard_loss(
         loss = policy_loss
     else:
         kl_loss = kl.mean()  # ()
-        loss = policy_loss + beta * kl_loss
+        loss = policy_loss + kl_weight * kl_loss
     stats = _ratio_stats(plain_log_ratio.detach(), ratio.detach(), clip_range)
     stats.update(_guard_stats(bias.detach(), scale, weight))
     return GRPOLossOut(

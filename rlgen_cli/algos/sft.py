@@ -7,7 +7,8 @@ top-k samples of each prompt group (:func:`select_best`), re-noise them and regr
     e_i = mean((v_θ(x_σ) − (ε − x₀))²)                      (per sample, over non-batch dims)
     L   = mean_i(w_i · e_i) + β · mean_i(mean((v_θ − v_base)²))
 
-``w`` are optional non-negative per-sample weights, e.g. the positive part of the advantages. Upstream
+with β = ``anchor_weight`` (``algo.pref.anchor_weight``). ``w`` are optional non-negative per-sample
+weights, e.g. the positive part of the advantages. Upstream
 applies the advantage only in its ``β > 0`` branch and silently drops it when ``β = 0``, a bug: here
 ``weights`` scale the flow-matching term whatever β is. The anchor term is unweighted.
 """
@@ -73,17 +74,16 @@ def select_best(rewards: Tensor, group_ids: Tensor, top_k: int = 1) -> Tensor:
     return order[rank < top_k]
 
 
-def _check_sft_args(v_pred: Tensor, v_base: Tensor | None, beta: float, weights: Tensor | None) -> None:
-    """Raise ``ValueError`` on a bad ``v_base`` / ``weights`` shape, negative weights or a bad β."""
+def _check_sft_args(
+    v_pred: Tensor, v_base: Tensor | None, anchor_weight: float, weights: Tensor | None
+) -> None:
+    """Raise ``ValueError`` on a bad ``v_base`` / ``weights`` shape or negative weights."""
     if v_base is not None and v_base.shape != v_pred.shape:
         raise ValueError(
             f"v_base {tuple(v_base.shape)} must match v_pred {tuple(v_pred.shape)}; pass the base model's "
             "velocity on the same inputs."
         )
-    if beta < 0:
-        raise ValueError(f"beta (anchor weight) must be >= 0, got {beta}.")
-    if beta > 0 and v_base is None:
-        raise ValueError(f"beta={beta} > 0 but no v_base was passed; pass the base velocity or set beta=0.")
+    assert anchor_weight >= 0 and (anchor_weight == 0 or v_base is not None), anchor_weight
     if weights is None:
         return
     if weights.ndim != 1 or weights.shape[0] != v_pred.shape[0]:
@@ -103,10 +103,10 @@ def sft_loss(
     noise: Tensor,
     *,
     v_base: Tensor | None = None,
-    beta: float = 0.0,
+    anchor_weight: float = 0.0,
     weights: Tensor | None = None,
 ) -> SFTLossOut:
-    """Weighted flow-matching loss on the selected samples, plus ``β·mean((v_θ − v_base)²)``.
+    """Weighted flow-matching loss on the selected samples, plus ``anchor_weight·mean((v_θ − v_base)²)``.
 
     Gradients flow into ``v_pred`` only; ``x0``, ``noise``, ``v_base`` and ``weights`` are constants.
 
@@ -115,20 +115,20 @@ def sft_loss(
         x0: (B, ...) clean latents of the selected samples.
         noise: (B, ...) the noise ε used to build ``x_σ``.
         v_base: (B, ...) base-model velocity on the same inputs, or None. Always logged as
-            ``anchor_loss``; weighted by ``beta`` into ``loss``.
-        beta: Anchor weight, >= 0; > 0 requires ``v_base``.
+            ``anchor_loss``; weighted by ``anchor_weight`` into ``loss``.
+        anchor_weight: Weight of the anchor term (``algo.pref.anchor_weight``), >= 0; > 0 requires
+            ``v_base``.
         weights: (B,) non-negative per-sample weights of the flow-matching term (e.g. positive
-            advantages), or None for 1. Honoured for every β.
+            advantages), or None for 1. Honoured for every anchor weight.
 
     Returns:
         :class:`SFTLossOut`.
 
     Raises:
-        ValueError: On mismatched shapes, negative or non-finite weights, ``beta < 0`` or ``beta > 0``
-            without ``v_base``.
+        ValueError: On mismatched shapes, negative or non-finite weights.
     """
     errors = flow_matching_error(v_pred, x0, noise)  # (B,), validates shapes
-    _check_sft_args(v_pred, v_base, beta, weights)
+    _check_sft_args(v_pred, v_base, anchor_weight, weights)
     w = errors.new_ones(errors.shape) if weights is None else weights.detach().to(errors.dtype)  # (B,)
     fm_loss = (w * errors).mean()  # ()
     if v_base is None:
@@ -137,7 +137,7 @@ def sft_loss(
     else:
         diff = v_pred.to(errors.dtype) - v_base.detach().to(errors.dtype)  # (B, ...)
         anchor_loss = diff.pow(2).mean()  # ()
-        loss = fm_loss + beta * anchor_loss
+        loss = fm_loss + anchor_weight * anchor_loss
     stats = torch.stack([errors.detach().mean(), w.mean()]).tolist()
     return SFTLossOut(
         loss=loss,

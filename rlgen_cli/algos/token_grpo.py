@@ -27,19 +27,18 @@ Everything is pure torch on log-probabilities the caller computed at temperature
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 from torch import Tensor
 
+from rlgen_cli.schema.choices import TokenRewardScaling
+
 __all__ = [
-    "ADV_EPS", "LOSS_TYPES", "TokenLossOut", "advantage_options", "aggregate", "k3_kl",
-    "log_importance_weights", "token_grpo_loss",
+    "ADV_EPS", "TokenLossOut", "advantage_options", "aggregate", "k3_kl", "log_importance_weights",
+    "token_grpo_loss",
 ]  # fmt: skip
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-IMPORTANCE_LEVELS = ("token", "sequence")
-REWARD_SCALINGS = ("group", "batch", "none")
-STD_ESTIMATORS = ("population", "unbiased")
 ADV_EPS = 1e-4
 """Added to the std before dividing (R1-VL's trainer and TRL alike)."""
 
@@ -49,14 +48,8 @@ def advantage_options(scale_rewards: str, std_estimator: str) -> dict[str, objec
 
     ``group`` divides by each prompt's std, ``batch`` by the std of the whole batch, ``none`` only
     centres on the group mean (Dr. GRPO); the std is ``unbiased`` (n − 1) or ``population`` (n).
-
-    Raises:
-        ValueError: On an unknown scaling or estimator.
     """
-    if scale_rewards not in REWARD_SCALINGS:
-        raise ValueError(f"scale_rewards={scale_rewards!r}; choose one of {', '.join(REWARD_SCALINGS)}")
-    if std_estimator not in STD_ESTIMATORS:
-        raise ValueError(f"std_estimator={std_estimator!r}; choose one of {', '.join(STD_ESTIMATORS)}")
+    assert scale_rewards in get_args(TokenRewardScaling), scale_rewards
     return {
         "global_std": scale_rewards == "batch",
         "scale": "none" if scale_rewards == "none" else "std",
@@ -94,11 +87,10 @@ def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
 
 def log_importance_weights(logp: Tensor, old_logp: Tensor, mask: Tensor, level: str = "token") -> Tensor:
     """log r per token (B, T), or per sequence (B, 1) as the masked mean of the token log-ratios."""
-    if level not in IMPORTANCE_LEVELS:
-        raise ValueError(f"importance level {level!r}; choose one of {', '.join(IMPORTANCE_LEVELS)}")
     log_ratio = logp - old_logp  # (B, T)
     if level == "token":
         return log_ratio
+    assert level == "sequence", level
     return ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # (B, 1)
 
 
@@ -118,9 +110,6 @@ def aggregate(
         loss_type: grpo | bnpo | dr_grpo | dapo.
         max_completion_length: ``dr_grpo``'s constant (default: T).
         num_items: ``dapo``'s token count of the whole accumulated batch (default: this micro-batch's).
-
-    Raises:
-        ValueError: On an unknown ``loss_type``.
     """
     mask = mask.to(per_token.dtype)
     masked = per_token * mask
@@ -130,9 +119,8 @@ def aggregate(
         return masked.sum() / mask.sum().clamp(min=1.0)
     if loss_type == "dr_grpo":
         return masked.sum() / (per_token.shape[0] * (max_completion_length or per_token.shape[1]))
-    if loss_type == "dapo":
-        return masked.sum() / max(float(num_items if num_items is not None else mask.sum()), 1.0)
-    raise ValueError(f"loss_type={loss_type!r}; choose one of {', '.join(LOSS_TYPES)}")
+    assert loss_type == "dapo", loss_type
+    return masked.sum() / max(float(num_items if num_items is not None else mask.sum()), 1.0)
 
 
 def _clip_stats(coef: Tensor, adv: Tensor, mask: Tensor, eps_low: float, eps_high: float) -> dict[str, float]:
@@ -160,7 +148,7 @@ def token_grpo_loss(
     importance_level: str = "token",
     epsilon: float = 0.2,
     epsilon_high: float | None = None,
-    beta: float = 0.0,
+    kl_weight: float = 0.0,
     ref_logp: Tensor | None = None,
     max_completion_length: int | None = None,
     num_items: float | None = None,
@@ -176,7 +164,7 @@ def token_grpo_loss(
         importance_level: ``token`` or ``sequence``.
         epsilon: Lower clip ε (and upper, unless ``epsilon_high``).
         epsilon_high: Upper clip ε (DAPO's clip-higher); None = ``epsilon``.
-        beta: KL weight; with β > 0, ``ref_logp`` is required.
+        kl_weight: KL weight β; with β > 0, ``ref_logp`` is required.
         ref_logp: (B, T) log π_ref (no gradients).
         max_completion_length: For ``dr_grpo``.
         num_items: For ``dapo``.
@@ -185,15 +173,14 @@ def token_grpo_loss(
         :class:`TokenLossOut`.
 
     Raises:
-        ValueError: On mismatched shapes, β > 0 without ``ref_logp``, or unknown options.
+        ValueError: On mismatched shapes.
     """
     if logp.shape != old_logp.shape or logp.shape != mask.shape or advantages.shape != logp.shape[:1]:
         raise ValueError(
             f"shapes disagree: logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)}, mask "
             f"{tuple(mask.shape)}, advantages {tuple(advantages.shape)}; expected (B, T) ×3 and (B,)"
         )
-    if beta > 0 and ref_logp is None:
-        raise ValueError("beta > 0 needs ref_logp (log-probs of the frozen reference); pass it or set beta=0")
+    assert kl_weight == 0 or ref_logp is not None, "kl_weight > 0 needs ref_logp (the frozen reference's)"
     mask = mask.to(logp.dtype)
     valid = mask > 0  # padded positions may hold anything (even ±inf): they must not reach exp or grads
     old_logp = torch.where(valid, old_logp.detach(), 0.0)
@@ -204,7 +191,7 @@ def token_grpo_loss(
     adv = advantages.to(logp.dtype).unsqueeze(-1)  # (B, 1)
     surrogate = -torch.min(coef * adv, torch.clamp(coef, 1 - epsilon, 1 + eps_high) * adv).expand_as(logp)
     kl = k3_kl(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)
-    per_token = surrogate + beta * kl if beta > 0 else surrogate
+    per_token = surrogate + kl_weight * kl if kl_weight > 0 else surrogate
     options = {"max_completion_length": max_completion_length, "num_items": num_items}
     loss = aggregate(per_token, mask, loss_type, **options)
     stats = _clip_stats(coef.detach(), adv, mask, epsilon, eps_high)

@@ -14,12 +14,12 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 
-from rlgen_cli.data.prompts import PromptExample
+from rlgen_cli.data.prompts import PromptDataset, PromptExample
 from rlgen_cli.schema.errors import UserError
 
 SOURCE_IMAGE_KEY = "image"
 EDITING_FAMILIES = ("flux_kontext", "qwen_image_edit")
-"""Model families that edit a source image (their policies have ``takes_source_images``)."""
+"""Model families that edit a source image (their policies declare ``capabilities.takes_source_images``)."""
 
 
 def source_image_paths(examples: Sequence[PromptExample], dataset_source: str) -> list[Path]:
@@ -60,3 +60,10 @@ def load_images(paths: Sequence[Path], height: int, width: int) -> Tensor:
             raise UserError(f"cannot read source image {path}: {err}") from err
         arrays.append(np.asarray(rgb, dtype=np.float32) / 255.0)
     return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()
+
+
+def source_images(
+    examples: Sequence[PromptExample], dataset: PromptDataset, height: int, width: int
+) -> Tensor:
+    """Each example's source image in editing set ``dataset``, resized: (B, 3, height, width) in [0, 1]."""
+    return load_images(source_image_paths(examples, dataset.source), height, width)

@@ -123,6 +123,8 @@ def launch_file_conflicts(
         }
         for key, (ours, our_key) in wanted.items():
             theirs = file.settings.get(key)
+            if key == "mixed_precision" and theirs == "no":
+                theirs = "fp32"  # accelerate's word for it (a YAML boolean when unquoted)
             if theirs is not None and ours is not None and str(theirs) != str(ours):
                 found.append(
                     f"{name} sets {key}: {theirs} but {our_key} is {ours}: {_agree(key, theirs, launcher)}"
@@ -191,7 +193,7 @@ def _deepspeed_conflicts(
             found.append(
                 f"{name} sets {precision}.enabled: {str(enabled).lower()} but launcher.mixed_precision is "
                 f'{launcher.mixed_precision}: set it to "auto" or pass launcher.mixed_precision='
-                f"{precision if enabled else 'no'}"
+                f"{precision if enabled else 'fp32'}"
             )
     return found
 
@@ -224,7 +226,7 @@ def launch_command(launcher: LauncherConfig, resolved: Path) -> list[str]:
     if launcher.main_process_port is not None or "main_process_port" not in from_file:
         port = launcher.main_process_port or int(os.environ.get("MASTER_PORT", "29500"))
         argv += ["--main_process_port", str(port)]
-    argv += ["--mixed_precision", launcher.mixed_precision, "-m", WORKER_MODULE, str(resolved)]
+    argv += ["--mixed_precision", launcher.accelerate_mixed_precision, "-m", WORKER_MODULE, str(resolved)]
     return argv
 
 

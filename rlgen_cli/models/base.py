@@ -7,8 +7,10 @@ One recipe serves every family because each adapter exposes the same small surfa
 * ``velocity(x, sigma, cond) -> v`` — the ONLY function that calls the transformer: CFG, guidance
   embeddings and packing live inside it, so sampling and training run identical code;
 * ``decode(x0) -> images`` in [0, 1];
-* ``trainable_parameters()``, ``reference()`` (frozen reference for KL), ``save_trainable`` /
-  ``load_trainable``.
+* ``capabilities``: what the family declares it does (:class:`Capabilities`), so callers read a field
+  instead of probing for methods;
+* ``trainable``: the training surface (:class:`Trainable`): parameters, frozen reference for KL,
+  checkpoint format, distributed forwards.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ import copy
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, get_args, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
+from rlgen_cli.schema.choices import CfgGrad
 from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import CFG_GRADS, ModelConfig
+from rlgen_cli.schema.flow import ModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -55,6 +58,37 @@ class Cond:
         return Cond({k: torch.cat([c.tensors[k] for c in conds]) for k in keys}, dict(conds[0].extras))
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a flow policy declares about itself; every field is a fact the caller branches on."""
+
+    takes_source_images: bool = False
+    """Editing families: ``encode`` needs the (B, 3, H, W) source images in [0, 1]."""
+    has_cfg: bool = False
+    """``encode`` returns a negative branch and ``velocity`` combines two predictions (guidance > 1)."""
+    is_video: bool = False
+    """``decode`` returns videos (B, 3, F, H, W) instead of images (B, 3, H, W)."""
+    encodes_images: bool = False
+    """``encode_images(images) -> x0`` exists (pixel-space families: flow-matching pretraining)."""
+
+
+@runtime_checkable
+class Trainable(Protocol):
+    """The trained part of a policy: what optimizers, checkpoints, KL and DDP need."""
+
+    @property
+    def module(self) -> nn.Module:
+        """The trained ``nn.Module`` (the frozen copy while a full-FT ``reference()`` is active)."""
+        ...
+
+    def parameters(self) -> list[nn.Parameter]: ...
+    def named(self) -> Iterator[tuple[str, nn.Parameter]]: ...
+    def reference(self) -> contextlib.AbstractContextManager[None]: ...
+    def save(self, directory: Path) -> None: ...
+    def load(self, directory: Path) -> None: ...
+    def distribute(self, wrap: Callable[[nn.Module], nn.Module]) -> None: ...
+
+
 @runtime_checkable
 class FlowPolicy(Protocol):
     """What a recipe needs from a flow-matching model family (see the module docstring)."""
@@ -62,8 +96,11 @@ class FlowPolicy(Protocol):
     family: str
     device: torch.device
     cfg: ModelConfig
-    takes_source_images: bool
-    """Editing families: ``encode`` needs the (B, 3, H, W) source images in [0, 1]."""
+    capabilities: Capabilities
+    trainable: Trainable
+    guidance_scale: float
+    """The scale ``velocity`` applies (CFG, or the embedding of guidance-distilled families); flow
+    pretraining sets it to 1 while it trains the conditional velocity."""
 
     def encode(self, prompts: Sequence[str], images: Tensor | None = None) -> Cond: ...
     def noise(
@@ -72,11 +109,6 @@ class FlowPolicy(Protocol):
     def schedule(self, num_steps: int, x: Tensor) -> Tensor: ...
     def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor: ...
     def decode(self, x0: Tensor) -> Tensor: ...
-    def trainable_parameters(self) -> list[nn.Parameter]: ...
-    def reference(self) -> contextlib.AbstractContextManager[None]: ...
-    def save_trainable(self, directory: Path) -> None: ...
-    def distribute(self, wrap: Callable[[nn.Module], nn.Module]) -> None: ...
-    def load_trainable(self, directory: Path) -> None: ...
 
 
 def resolve_device(name: str) -> torch.device:
@@ -101,8 +133,7 @@ def cfg_gradient(mode: str) -> Iterator[None]:
     through it) instead of one batch with the conditional branch; the recipe samples under the same mode,
     so the rollout takes the same two passes and the on-policy ratio stays exactly 1.
     """
-    if mode not in CFG_GRADS:
-        raise ValueError(f"unknown cfg_grad {mode!r}; choose one of {', '.join(CFG_GRADS)}")
+    assert mode in get_args(CfgGrad), mode
     token = _CFG_GRAD.set(mode)
     try:
         yield
@@ -128,7 +159,7 @@ def add_lora(
     """Attach a peft LoRA adapter through diffusers' PEFT integration (adapter name ``default``)."""
     from peft import LoraConfig
 
-    init_weights: bool | str = True if init == "true" else init
+    init_weights: bool | str = True if init == "kaiming" else init  # peft's True: Kaiming A, zero B
     config = LoraConfig(
         r=rank, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=init_weights,
         exclude_modules=list(exclude) or None,
@@ -177,3 +208,35 @@ class ReferenceSwitch:
                 yield
             finally:
                 setattr(self._owner, self._attribute, module)
+
+
+class LegacyPolicyNames:
+    """The flow-policy method names from before ``trainable`` / ``capabilities``, kept while callers move.
+
+    Each is a hand-off; new code writes ``policy.trainable.*`` and ``policy.capabilities.*``.
+    """
+
+    trainable: Trainable
+    capabilities: Capabilities
+
+    @property
+    def takes_source_images(self) -> bool:
+        return self.capabilities.takes_source_images
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return self.trainable.parameters()
+
+    def named_trainable(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.trainable.named()
+
+    def reference(self) -> contextlib.AbstractContextManager[None]:
+        return self.trainable.reference()
+
+    def save_trainable(self, directory: Path) -> None:
+        self.trainable.save(directory)
+
+    def load_trainable(self, directory: Path) -> None:
+        self.trainable.load(directory)
+
+    def distribute(self, wrap: Callable[[nn.Module], nn.Module]) -> None:
+        self.trainable.distribute(wrap)

@@ -22,18 +22,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from rlgen_cli.models._flux_common import (
-    FLUX_LORA_TARGETS,
-    LORA_WEIGHTS_NAME,
-    FluxFamilyPolicy,
-    image_ids,
-    pack,
-    tiny_flux_components,
-)
-from rlgen_cli.models.base import Cond
+from rlgen_cli.models._flux_common import FLUX_LORA_TARGETS, LORA_WEIGHTS_NAME, FluxModel
+from rlgen_cli.models.base import Capabilities, Cond, LegacyPolicyNames
 from rlgen_cli.models.loading import in_model_dtype, load_pipeline
+from rlgen_cli.models.prompt_cache import cache_prompt_embeddings
+from rlgen_cli.models.tiny import tiny_flux_kontext_pipeline
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
 
@@ -43,7 +38,6 @@ __all__ = [
     "FluxKontextPolicy",
     "build",
     "load_flux_kontext_pipeline",
-    "tiny_flux_kontext_pipeline",
 ]
 
 KONTEXT_LORA_TARGETS = [*FLUX_LORA_TARGETS, "proj_mlp"]
@@ -53,13 +47,6 @@ SOURCE_INDEX = 1
 """First RoPE id axis of source-image tokens (target tokens use 0)."""
 
 
-def tiny_flux_kontext_pipeline(seed: int = 0) -> Any:
-    """A tiny ``FluxKontextPipeline`` (the tiny FLUX modules), deterministic in ``seed``."""
-    from diffusers import FluxKontextPipeline
-
-    return FluxKontextPipeline(**tiny_flux_components(seed))
-
-
 def load_flux_kontext_pipeline(cfg: ModelConfig) -> Any:
     """Load a real FLUX.1-Kontext pipeline from ``cfg.path`` (hub id or local directory) in ``cfg.dtype``."""
     from diffusers import FluxKontextPipeline
@@ -67,12 +54,23 @@ def load_flux_kontext_pipeline(cfg: ModelConfig) -> Any:
     return load_pipeline(FluxKontextPipeline, cfg, "FLUX.1-Kontext")
 
 
-class FluxKontextPolicy(FluxFamilyPolicy):
+class FluxKontextPolicy(LegacyPolicyNames):
     """FLUX.1-Kontext (see the module docstring); ``encode`` needs the source images."""
 
     family = "flux_kontext"
-    takes_source_images = True
-    pipeline_class = "FluxKontextPipeline"
+
+    def __init__(self, pipeline: Any, cfg: ModelConfig, device: torch.device) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.guidance_scale = cfg.guidance_scale
+        self.flux = FluxModel(pipeline, cfg, device, pipeline_class="FluxKontextPipeline")
+        self.pipeline = pipeline
+        self.trainable = self.flux.trainable
+        self.capabilities = Capabilities(takes_source_images=True)
+
+    @property
+    def transformer(self) -> nn.Module:
+        return self.pipeline.transformer
 
     def encode(self, prompts: Sequence[str], images: Tensor | None = None) -> Cond:
         """Text conditioning plus the packed source latents (B, L', D) and their ids (B, L', 3).
@@ -93,26 +91,26 @@ class FluxKontextPolicy(FluxFamilyPolicy):
             raise UserError(
                 f"source images must be (B, 3, H, W) with B = {len(prompts)} prompts, got {tuple(images.shape)}"
             )
-        tensors = self.encode_text(prompts)
-        tokens, ids = self.encode_source(images)
+        tensors = self.flux.encode_text(prompts)
+        tokens, ids = self.flux.encode_image(images, index=SOURCE_INDEX)
         tensors["source_latents"] = tokens
         tensors["source_ids"] = ids.expand(len(prompts), -1, -1)
         return Cond(tensors)
 
-    @torch.no_grad()
-    def encode_source(self, images: Tensor) -> tuple[Tensor, Tensor]:
-        """Source images (B, 3, H, W) in [0, 1] → packed fp32 latents (B, L', D) and ids (L', 3)."""
-        vae = self.pipeline.vae
-        h = self._latent_side(images.shape[2], "height")
-        w = self._latent_side(images.shape[3], "width")
-        pixels = (images.to(self.device, vae.dtype) * 2 - 1).clamp(-1, 1)
-        latents = vae.encode(pixels).latent_dist.mode()  # sample_mode="argmax", as the pipeline
-        latents = (latents.float() - vae.config.shift_factor) * vae.config.scaling_factor
-        return pack(latents), image_ids(h, w, index=SOURCE_INDEX, device=self.device)
+    def noise(self, n: int, generator: torch.Generator | Sequence[torch.Generator] | None = None) -> Tensor:
+        return self.flux.noise(n, generator)
 
-    def context_tokens(self, cond: Cond) -> tuple[Tensor, Tensor]:
-        """The source tokens and their ids, appended after the target tokens in ``velocity``."""
-        return cond.tensors["source_latents"], cond.tensors["source_ids"][0]
+    def schedule(self, num_steps: int, x: Tensor) -> Tensor:
+        """The target tokens' schedule: μ counts target tokens only, as the pipeline does."""
+        return self.flux.schedule(num_steps, x)
+
+    def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
+        """The target tokens' velocity, with the source tokens appended to the transformer's sequence."""
+        source = (cond.tensors["source_latents"], cond.tensors["source_ids"][0])
+        return self.flux.velocity(x, sigma, cond, self.guidance_scale, context=source)
+
+    def decode(self, x0: Tensor) -> Tensor:
+        return self.flux.decode(x0)
 
 
 def build(cfg: ModelConfig, device: torch.device) -> FluxKontextPolicy:
@@ -122,4 +120,8 @@ def build(cfg: ModelConfig, device: torch.device) -> FluxKontextPolicy:
         if cfg.tiny
         else load_flux_kontext_pipeline(cfg)
     )
-    return FluxKontextPolicy(pipeline, cfg, device)
+    policy = FluxKontextPolicy(pipeline, cfg, device)
+    cache_prompt_embeddings(
+        policy, cfg.prompt_cache_mb, (pipeline.text_encoder, pipeline.text_encoder_2)
+    )  # a batch seen before is reused
+    return policy

@@ -11,7 +11,8 @@ An entry is keyed by the whole batch of prompts, in order, with every setting th
 its last bits with the other prompts of its batch (batched matrix products pick kernels by shape), so
 only the same batch guarantees embeddings bit-identical to a fresh encode — and a training run with the
 cache bit-identical to one without. Encodes with source images (editing families) and encoders with
-trainable weights bypass the cache.
+trainable weights (R3 trains a LoRA on Qwen-Image's shared encoder) bypass the cache. Each family's
+``build`` installs the cache with the encoder modules its ``encode`` runs.
 """
 
 from __future__ import annotations
@@ -21,11 +22,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from rlgen_cli.models.base import Cond, FlowPolicy
-
-TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")  # diffusers pipelines' names
 
 
 class PromptCache:
@@ -86,20 +85,23 @@ def encoder_settings(policy: FlowPolicy) -> tuple[Any, ...]:
     cfg = policy.cfg
     return (
         cfg.family, cfg.path, cfg.tiny, cfg.tiny_seed, cfg.revision, cfg.dtype, cfg.max_sequence_length,
-        cfg.negative_prompt, float(getattr(policy, "guidance_scale", cfg.guidance_scale)), str(policy.device),
+        cfg.negative_prompt, float(policy.guidance_scale), str(policy.device),
     )  # fmt: skip
 
 
-def trainable_text_encoder(policy: FlowPolicy) -> bool:
-    """Whether any text-encoder weight of the policy's pipeline is trainable (its output would go stale)."""
-    pipeline = getattr(policy, "pipeline", None)
-    encoders = [getattr(pipeline, name, None) for name in TEXT_ENCODERS]
-    return any(p.requires_grad for enc in encoders if enc is not None for p in enc.parameters())
+def trainable(encoders: Sequence[nn.Module]) -> bool:
+    """Whether any weight of ``encoders`` is trainable (their output would go stale)."""
+    return any(p.requires_grad for encoder in encoders for p in encoder.parameters())
 
 
-def cache_prompt_embeddings(policy: FlowPolicy, max_mb: float) -> PromptCache | None:
+def cache_prompt_embeddings(
+    policy: FlowPolicy, max_mb: float, encoders: Sequence[nn.Module]
+) -> PromptCache | None:
     """Route ``policy.encode`` through a new :class:`PromptCache` of ``max_mb`` MiB and return the cache,
-    also reachable as ``policy.encode.cache`` (``max_mb`` ≤ 0: ``encode`` is left as it is, None)."""
+    also reachable as ``policy.encode.cache`` (``max_mb`` ≤ 0: ``encode`` is left as it is, None).
+
+    ``encoders``: the modules ``encode`` runs (none for a tokenizer-only encode); while any of their
+    weights is trainable the cache is bypassed."""
     if max_mb <= 0:
         return None
     cache = PromptCache(int(max_mb * 2**20))
@@ -107,7 +109,7 @@ def cache_prompt_embeddings(policy: FlowPolicy, max_mb: float) -> PromptCache | 
 
     @functools.wraps(encode)
     def cached_encode(prompts: Sequence[str], images: Tensor | None = None) -> Cond:
-        if images is not None or trainable_text_encoder(policy):
+        if images is not None or trainable(encoders):
             return encode(prompts, images)
         key = (tuple(prompts), encoder_settings(policy))
         return cache.get(key, lambda: encode(prompts))

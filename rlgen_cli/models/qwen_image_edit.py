@@ -14,24 +14,20 @@ pipeline's processor gets from PIL inputs; the VAE encodes them deterministicall
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
-from torch import Tensor
+from torch import Tensor, nn
 
-from rlgen_cli.models._qwen_common import (
-    LORA_WEIGHTS_NAME,
-    QWEN_LORA_TARGETS,
-    TRANSFORMER_DIR,
-    QwenFamilyPolicy,
-    pack,
-    tiny_qwen_pipeline,
-)
-from rlgen_cli.models.base import Cond
+from rlgen_cli.models._qwen_common import LORA_WEIGHTS_NAME, QWEN_LORA_TARGETS, TRANSFORMER_DIR, QwenModel
+from rlgen_cli.models.base import Capabilities, Cond, LegacyPolicyNames
 from rlgen_cli.models.loading import in_model_dtype, load_pipeline
+from rlgen_cli.models.prompt_cache import cache_prompt_embeddings
+from rlgen_cli.models.tiny import tiny_qwen_image_edit_pipeline
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
 
@@ -42,15 +38,7 @@ __all__ = [
     "QwenImageEditPolicy",
     "build",
     "load_qwen_image_edit_pipeline",
-    "tiny_qwen_image_edit_pipeline",
 ]
-
-
-def tiny_qwen_image_edit_pipeline(seed: int = 0) -> Any:
-    """A tiny ``QwenImageEditPipeline`` (32 px images; the VL processor sees ≤ 32×32 px), from ``seed``."""
-    from diffusers import QwenImageEditPipeline
-
-    return tiny_qwen_pipeline(QwenImageEditPipeline, seed)
 
 
 def load_qwen_image_edit_pipeline(cfg: ModelConfig) -> Any:
@@ -66,12 +54,27 @@ def to_pil(images: Tensor) -> list[Image.Image]:
     return [Image.fromarray(np.ascontiguousarray(p)) for p in pixels.permute(0, 2, 3, 1).cpu().numpy()]
 
 
-class QwenImageEditPolicy(QwenFamilyPolicy):
+class QwenImageEditPolicy(LegacyPolicyNames):
     """Qwen-Image-Edit: prompt + source image through the VL encoder, source latents as extra tokens."""
 
     family = "qwen_image_edit"
-    takes_source_images = True
-    pipeline_class = "QwenImageEditPipeline"
+
+    def __init__(self, pipeline: Any, cfg: ModelConfig, device: torch.device) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.guidance_scale = cfg.guidance_scale
+        self.qwen = QwenModel(pipeline, cfg, device, pipeline_class="QwenImageEditPipeline")
+        self.pipeline = pipeline
+        self.trainable = self.qwen.trainable
+        self.capabilities = Capabilities(takes_source_images=True, has_cfg=cfg.guidance_scale > 1.0)
+
+    @property
+    def transformer(self) -> nn.Module:
+        return self.pipeline.transformer
+
+    @property
+    def latent_hw(self) -> tuple[int, int]:
+        return self.qwen.latent_hw
 
     @torch.no_grad()
     def encode(self, prompts: Sequence[str], images: Tensor | None = None) -> Cond:
@@ -92,32 +95,35 @@ class QwenImageEditPolicy(QwenFamilyPolicy):
                 f"source images must be (B, 3, H, W) with B = {len(prompts)} prompts, got {tuple(images.shape)}"
             )
         pil = to_pil(images)
-        tensors = self.text_branches(lambda p: self._encode_prompts(p, pil), prompts)
-        latents, shape = self.source_latents(images)
+        encode_one = functools.partial(self._encode_prompts, images=pil)
+        tensors = self.qwen.text_branches(encode_one, prompts, self.guidance_scale > 1.0)
+        latents, shape = self.qwen.encode_image(images, "source image")
         tensors |= {"source_latents": latents, "source_shape": shape.expand(len(prompts), 3).clone()}
         return Cond(tensors)
 
     def _encode_prompts(self, prompts: list[str], images: list[Image.Image]) -> tuple[Tensor, Tensor | None]:
         return self.pipeline.encode_prompt(prompt=prompts, image=images, device=self.device)
 
-    def source_latents(self, images: Tensor) -> tuple[Tensor, Tensor]:
-        """Packed, normalised VAE latents (B, L', 4C) fp32 of the sources and their (1, 3) RoPE shape."""
-        h = self.latent_side(images.shape[2], "height (source image)")
-        w = self.latent_side(images.shape[3], "width (source image)")
-        vae = self.pipeline.vae
-        pixels = (images.to(self.device, vae.dtype) * 2 - 1).unsqueeze(2)  # (B, 3, 1, H, W) in [-1, 1]
-        mean, std = self._latent_stats()
-        latents = (vae.encode(pixels).latent_dist.mode().float() - mean) / std  # (B, C, 1, h, w)
-        shape = torch.tensor([[1, h // 2, w // 2]], device=self.device)
-        return pack(latents[:, :, 0]), shape
+    def noise(self, n: int, generator: torch.Generator | Sequence[torch.Generator] | None = None) -> Tensor:
+        return self.qwen.noise(n, generator)
 
-    def context(self, cond: Cond) -> tuple[Tensor, tuple[int, int, int]]:
+    def schedule(self, num_steps: int, x: Tensor) -> Tensor:
+        return self.qwen.schedule(num_steps, x)
+
+    def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
+        """The target tokens' velocity, with the source latent tokens appended to the sequence."""
+        return self.qwen.velocity(x, sigma, cond, self.guidance_scale, context=self._source(cond))
+
+    def _source(self, cond: Cond) -> tuple[Tensor, tuple[int, int, int]]:
         """The source latent tokens and their (frame, h/2, w/2) shape (one size per batch)."""
         shapes = cond.tensors["source_shape"]
         if not bool((shapes == shapes[0]).all()):
             raise UserError("a batch mixes source images of different sizes; resize them to one size")
         frame, h, w = (int(v) for v in shapes[0])
         return cond.tensors["source_latents"], (frame, h, w)
+
+    def decode(self, x0: Tensor) -> Tensor:
+        return self.qwen.decode(x0)
 
 
 def build(cfg: ModelConfig, device: torch.device) -> QwenImageEditPolicy:
@@ -127,4 +133,8 @@ def build(cfg: ModelConfig, device: torch.device) -> QwenImageEditPolicy:
         if cfg.tiny
         else load_qwen_image_edit_pipeline(cfg)
     )
-    return QwenImageEditPolicy(pipeline, cfg, device)
+    policy = QwenImageEditPolicy(pipeline, cfg, device)
+    cache_prompt_embeddings(
+        policy, cfg.prompt_cache_mb, (pipeline.text_encoder,)
+    )  # a batch seen before is reused
+    return policy

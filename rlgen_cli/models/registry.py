@@ -1,7 +1,8 @@
 """Model-family registry: ``model.family`` → the module whose ``build(cfg, device)`` returns the policy.
 
 Each family lives in its own module under ``models/`` and exposes ``build(cfg: ModelConfig, device)``
-(tiny variant when ``cfg.tiny``, else real loading). Modules are imported only when their family is
+(tiny variant when ``cfg.tiny``, else real loading; the prompt cache of ``models/prompt_cache.py``
+installed around ``encode``). Modules are imported only when their family is
 used, so a family's heavy imports never slow down another's.
 """
 
@@ -13,7 +14,6 @@ import logging
 import torch
 
 from rlgen_cli.models.base import FlowPolicy
-from rlgen_cli.models.prompt_cache import cache_prompt_embeddings
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
 
@@ -41,9 +41,7 @@ def build_policy(cfg: ModelConfig, device: torch.device) -> FlowPolicy:
             raise
         raise UserError(f"model.family={cfg.family!r} is not available in this version of rlgen") from err
     warn_slow_dtype(cfg.dtype, device)
-    policy = module.build(cfg, device)
-    cache_prompt_embeddings(policy, cfg.prompt_cache_mb)  # frozen encoders: a batch seen before is reused
-    return policy
+    return module.build(cfg, device)
 
 
 def slow_dtype_advice(dtype: str, device: torch.device) -> str | None:

@@ -1,99 +1,40 @@
 """Stable Diffusion 3 / 3.5 behind the flow-policy protocol.
 
 Real weights load through ``StableDiffusion3Pipeline.from_pretrained`` (hub id or local directory,
-``local_files_only`` honoured); ``tiny_sd3_pipeline`` builds the same classes from tiny configs with
+``local_files_only`` honoured); ``models/tiny.py`` builds the same classes from tiny configs with
 random weights and offline tokenizers. LoRA follows Flow-GRPO (r 32, α 64, attention projections,
 gaussian init) and is saved in the format ``StableDiffusion3Pipeline.load_lora_weights`` reads.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
-from rlgen_cli.models.base import TORCH_DTYPES, Cond, cfg_combine, uncond_takes_grad
+from rlgen_cli.models.base import (
+    TORCH_DTYPES,
+    Capabilities,
+    Cond,
+    LegacyPolicyNames,
+    cfg_combine,
+    uncond_takes_grad,
+)
 from rlgen_cli.models.loading import in_model_dtype, load_pipeline
-from rlgen_cli.models.prompt_cache import PromptCache
-from rlgen_cli.models.tokenizers import tiny_clip_tokenizer, tiny_t5_tokenizer, vocab_size
+from rlgen_cli.models.prompt_cache import PromptCache, cache_prompt_embeddings
+from rlgen_cli.models.tiny import tiny_sd3_pipeline
 from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME as LORA_WEIGHTS_NAME  # re-exported
 from rlgen_cli.models.trainable import TRANSFORMER_DIR as TRANSFORMER_DIR  # re-exported
-from rlgen_cli.models.trainable import TrainableTransformer, autocast
+from rlgen_cli.models.trainable import DiffusersCheckpoint, TrainableTransformer, autocast
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
 from rlgen_cli.sde.noise import randn_per_sample
 from rlgen_cli.sde.schedule import sd3_sigmas
 
 log = logging.getLogger(__name__)
-
-
-def tiny_sd3_pipeline(seed: int = 0, max_sequence_length: int = 32):
-    """A tiny SD3 pipeline (diffusers' own test sizes), deterministic in ``seed``.
-
-    Latents are 4×32×32 and the VAE does not downsample, so images are 32×32.
-    """
-    from diffusers import (
-        AutoencoderKL,
-        FlowMatchEulerDiscreteScheduler,
-        SD3Transformer2DModel,
-        StableDiffusion3Pipeline,
-    )
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
-
-    clip_tok, t5_tok = tiny_clip_tokenizer(77), tiny_t5_tokenizer(512)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        clip_config = CLIPTextConfig(
-            vocab_size=vocab_size(clip_tok), hidden_size=32, intermediate_size=37, num_attention_heads=4,
-            num_hidden_layers=2, projection_dim=32, max_position_embeddings=77,
-            bos_token_id=0, eos_token_id=1, pad_token_id=1, hidden_act="gelu",
-        )  # fmt: skip
-        t5_config = T5Config(
-            vocab_size=vocab_size(t5_tok), d_model=64, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
-            relative_attention_num_buckets=8, decoder_start_token_id=0,
-        )  # fmt: skip
-        components = {
-            "transformer": SD3Transformer2DModel(
-                sample_size=32,
-                patch_size=1,
-                in_channels=4,
-                num_layers=1,
-                attention_head_dim=8,
-                num_attention_heads=4,
-                joint_attention_dim=64,
-                caption_projection_dim=32,
-                pooled_projection_dim=64,
-                out_channels=4,
-            ),  # fmt: skip
-            "vae": AutoencoderKL(
-                sample_size=32,
-                in_channels=3,
-                out_channels=3,
-                block_out_channels=(4,),
-                layers_per_block=1,
-                latent_channels=4,
-                norm_num_groups=1,
-                use_quant_conv=False,
-                use_post_quant_conv=False,
-                shift_factor=0.0609,
-                scaling_factor=1.5035,
-            ),  # fmt: skip
-            "text_encoder": CLIPTextModelWithProjection(clip_config),
-            "text_encoder_2": CLIPTextModelWithProjection(clip_config),
-            "text_encoder_3": T5EncoderModel(t5_config),
-        }
-    return StableDiffusion3Pipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        tokenizer=clip_tok,
-        tokenizer_2=tiny_clip_tokenizer(77),
-        tokenizer_3=t5_tok,
-        **components,
-    )
 
 
 def load_sd3_pipeline(cfg: ModelConfig):
@@ -113,17 +54,17 @@ def dead_context_queries(transformer: nn.Module) -> list[str]:
     return names
 
 
-class SD3Policy:
+class SD3Policy(LegacyPolicyNames):
     """SD3 behind the flow-policy protocol (see ``models/base.py``)."""
 
     family = "sd3"
-    takes_source_images = False
 
     def __init__(self, pipeline, cfg: ModelConfig, device: torch.device) -> None:
         self.cfg = cfg
         self.device = device
         self.dtype = TORCH_DTYPES[cfg.dtype]
         self.guidance_scale = cfg.guidance_scale
+        self.capabilities = Capabilities(has_cfg=cfg.guidance_scale > 1.0)
         self._negatives = PromptCache(int(cfg.prompt_cache_mb * 2**20)) if cfg.prompt_cache_mb > 0 else None
         pipeline.to(device)
         pipeline.set_progress_bar_config(disable=True)
@@ -131,18 +72,14 @@ class SD3Policy:
             if part is not None:
                 part.requires_grad_(False).eval()
         self.pipeline = pipeline
-        self._train = TrainableTransformer(
-            pipeline, cfg, pipeline_class="StableDiffusion3Pipeline", transformer_class="SD3Transformer2DModel",
+        self.trainable = TrainableTransformer(
+            pipeline, cfg, checkpoint=DiffusersCheckpoint("StableDiffusion3Pipeline", "SD3Transformer2DModel"),
             exclude=dead_context_queries(pipeline.transformer) if cfg.lora.enabled else (),
         )  # fmt: skip
 
     @property
     def transformer(self) -> nn.Module:
         return self.pipeline.transformer
-
-    def distribute(self, wrap: Callable[[nn.Module], nn.Module]) -> None:
-        """Route gradient-carrying forwards through ``wrap(transformer)`` (DDP: averaged gradients)."""
-        self._train.distribute(wrap)
 
     # -- conditioning -------------------------------------------------------------------------
     @torch.no_grad()
@@ -215,7 +152,7 @@ class SD3Policy:
     def _forward(self, x: Tensor, timestep: Tensor, embeds: Tensor, pooled: Tensor) -> Tensor:
         """One transformer pass in the model dtype; latents in and velocity out stay fp32 outside."""
         with autocast(self.device, self.dtype):
-            return self._train.forward_module()(
+            return self.trainable.forward_module()(
                 hidden_states=x.to(self.dtype), timestep=timestep, encoder_hidden_states=embeds,
                 pooled_projections=pooled, return_dict=False,
             )[0].float()  # fmt: skip
@@ -228,31 +165,11 @@ class SD3Policy:
         images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
         return (images.float() / 2 + 0.5).clamp(0, 1)
 
-    # -- training surface (delegated to the shared component) ---------------------------------
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return self._train.parameters
-
-    def reference(self) -> contextlib.AbstractContextManager[None]:
-        """Within this context ``velocity`` runs the frozen reference (LoRA disabled or a frozen copy)."""
-        return self._train.reference()
-
-    def save_trainable(self, directory: Path) -> None:
-        """LoRA → ``pytorch_lora_weights.safetensors`` (diffusers format); full FT → ``transformer/``."""
-        self._train.save(directory)
-
-    def load_trainable(self, directory: Path) -> None:
-        """Load what ``save_trainable`` wrote into the live modules (shapes must match)."""
-        self._train.load(directory)
-
-    def named_trainable(self) -> Iterator[tuple[str, nn.Parameter]]:
-        return self._train.named_trainable()
-
 
 def build(cfg: ModelConfig, device: torch.device) -> SD3Policy:
     """The registry's entry point: the tiny pipeline when ``cfg.tiny``, else the loaded one."""
-    pipeline = (
-        in_model_dtype(tiny_sd3_pipeline(cfg.tiny_seed, cfg.max_sequence_length), cfg)
-        if cfg.tiny
-        else load_sd3_pipeline(cfg)
-    )
-    return SD3Policy(pipeline, cfg, device)
+    pipeline = in_model_dtype(tiny_sd3_pipeline(cfg.tiny_seed), cfg) if cfg.tiny else load_sd3_pipeline(cfg)
+    policy = SD3Policy(pipeline, cfg, device)
+    encoders = (pipeline.text_encoder, pipeline.text_encoder_2, pipeline.text_encoder_3)
+    cache_prompt_embeddings(policy, cfg.prompt_cache_mb, encoders)  # a batch seen before is reused
+    return policy

@@ -16,18 +16,32 @@ autocast with fp32 trained weights, as every family does (docs/precision.md); th
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 from torch import Tensor, nn
 
-from rlgen_cli.models.base import TORCH_DTYPES, Cond, cfg_combine, uncond_takes_grad
+from rlgen_cli.models.base import (
+    TORCH_DTYPES,
+    Capabilities,
+    Cond,
+    LegacyPolicyNames,
+    cfg_combine,
+    uncond_takes_grad,
+)
+from rlgen_cli.models.prompt_cache import cache_prompt_embeddings
 from rlgen_cli.models.shapes_unet import ShapesUNet
-from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME, TRANSFORMER_DIR, TrainableTransformer, autocast
+from rlgen_cli.models.tiny import tiny_shapes_unet
+from rlgen_cli.models.trainable import (
+    LORA_WEIGHTS_NAME,
+    TRANSFORMER_DIR,
+    TrainableTransformer,
+    autocast,
+    load_lora_state,
+)
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
 from rlgen_cli.sde.noise import randn_per_sample
@@ -84,29 +98,26 @@ def resolve_model_dir(spec: str) -> Path:
     return path
 
 
-class ShapesPolicy:
+class ShapesPolicy(LegacyPolicyNames):
     """The ShapesEval UNet behind the flow-policy protocol (see ``models/base.py``)."""
 
     family = "shapes"
-    takes_source_images = False
 
     def __init__(self, unet: ShapesUNet, cfg: ModelConfig, device: torch.device) -> None:
         self.cfg = cfg
         self.device = device
         self.dtype = TORCH_DTYPES[cfg.dtype]  # the forward's autocast dtype; trained weights stay fp32
         self.guidance_scale = cfg.guidance_scale
+        self.capabilities = Capabilities(has_cfg=cfg.guidance_scale > 1.0, encodes_images=True)
         self.tokenizer = WordTokenizer(unet.config.max_tokens)
         # TrainableTransformer only needs an owner with a ``transformer`` attribute; the checkpoint
-        # format is this module's (save/load below), not a diffusers pipeline's.
+        # format is this module's, not a diffusers pipeline's.
         self._holder = SimpleNamespace(transformer=unet.to(device))
-        self._train = TrainableTransformer(self._holder, cfg, pipeline_class="", transformer_class="")
+        self.trainable = TrainableTransformer(self._holder, cfg, checkpoint=ShapesCheckpoint())
 
     @property
     def unet(self) -> nn.Module:
         return self._holder.transformer
-
-    def distribute(self, wrap: Callable[[nn.Module], nn.Module]) -> None:
-        self._train.distribute(wrap)
 
     # -- conditioning -------------------------------------------------------------------------
     @torch.no_grad()
@@ -160,7 +171,7 @@ class ShapesPolicy:
 
     def _forward(self, x: Tensor, timestep: Tensor, ids: Tensor, mask: Tensor) -> Tensor:
         with autocast(self.device, self.dtype):
-            return self._train.forward_module()(x, timestep, ids, mask).float()
+            return self.trainable.forward_module()(x, timestep, ids, mask).float()
 
     @torch.no_grad()
     def decode(self, x0: Tensor) -> Tensor:
@@ -171,60 +182,46 @@ class ShapesPolicy:
         """Images in [0, 1] → the model's x_0 (the inverse of :meth:`decode`)."""
         return images.to(self.device, torch.float32) * 2 - 1
 
-    # -- training surface ---------------------------------------------------------------------
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return self._train.parameters
 
-    def reference(self) -> contextlib.AbstractContextManager[None]:
-        return self._train.reference()
+class ShapesCheckpoint:
+    """The shapes model's checkpoint format: full weights → ``transformer/`` (``save_pretrained``), LoRA →
+    ``pytorch_lora_weights.safetensors`` (the bare peft state; no diffusers pipeline reads it)."""
 
-    def named_trainable(self) -> Iterator[tuple[str, nn.Parameter]]:
-        return self._train.named_trainable()
-
-    def save_trainable(self, directory: Path) -> None:
-        """Full weights → ``transformer/`` (``save_pretrained``); LoRA → ``pytorch_lora_weights.safetensors``."""
+    def save(self, module: nn.Module, directory: Path, lora: bool) -> None:
         directory.mkdir(parents=True, exist_ok=True)
-        if not self._train.lora:
-            self.unet.save_pretrained(directory / TRANSFORMER_DIR)
+        if not lora:
+            module.save_pretrained(directory / TRANSFORMER_DIR)
             return
         from peft.utils import get_peft_model_state_dict
         from safetensors.torch import save_file
 
-        state = {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(self.unet).items()}
+        state = {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(module).items()}
         save_file(state, directory / LORA_WEIGHTS_NAME)
 
-    def load_trainable(self, directory: Path) -> None:
-        """Load what :meth:`save_trainable` wrote (the architecture must match)."""
-        if self._train.lora:
-            self._load_lora(directory / LORA_WEIGHTS_NAME)
+    def load(self, module: nn.Module, directory: Path, lora: bool) -> None:
+        """Load what :meth:`save` wrote (the architecture must match)."""
+        if lora:
+            from safetensors.torch import load_file
+
+            path = directory / LORA_WEIGHTS_NAME
+            if not path.is_file():
+                raise UserError(f"{path} is missing: the checkpoint holds no LoRA weights")
+            load_lora_state(module, load_file(path), path)
             return
         source = directory / TRANSFORMER_DIR
         if not (source / "config.json").is_file():
             raise UserError(f"{source} is missing: the checkpoint holds no full shapes-model weights")
         loaded = ShapesUNet.from_pretrained(source)
         try:
-            self.unet.load_state_dict(loaded.state_dict())
+            module.load_state_dict(loaded.state_dict())
         except RuntimeError as err:
             raise UserError(f"{source} holds a ShapesUNet of another architecture than model.path's") from err
-
-    def _load_lora(self, path: Path) -> None:
-        from peft.utils import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        if not path.is_file():
-            raise UserError(f"{path} is missing: the checkpoint holds no LoRA weights")
-        result = set_peft_model_state_dict(self.unet, load_file(path))
-        missing = [k for k in result.missing_keys if "lora_" in k]
-        if missing or result.unexpected_keys:
-            raise UserError(f"LoRA weights in {path} do not fit this model; other model.lora settings?")
 
 
 def build_unet(cfg: ModelConfig) -> ShapesUNet:
     """Random weights seeded by ``model.tiny_seed`` when ``model.tiny``, else the saved model at ``path``."""
     if cfg.tiny:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.tiny_seed)
-            return ShapesUNet()
+        return tiny_shapes_unet(cfg.tiny_seed)
     source = resolve_model_dir(str(cfg.path))
     try:
         return ShapesUNet.from_pretrained(source)
@@ -234,4 +231,6 @@ def build_unet(cfg: ModelConfig) -> ShapesUNet:
 
 def build(cfg: ModelConfig, device: torch.device) -> ShapesPolicy:
     """The registry's entry point."""
-    return ShapesPolicy(build_unet(cfg), cfg, device)
+    policy = ShapesPolicy(build_unet(cfg), cfg, device)
+    cache_prompt_embeddings(policy, cfg.prompt_cache_mb, encoders=())  # encode only tokenizes
+    return policy

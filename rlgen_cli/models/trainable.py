@@ -5,8 +5,9 @@ LoRA (or full fine-tuning) set-up of the pipeline's transformer, the trainable p
 reference for KL, the distributed (DDP) forward wrapper and the checkpoint format — diffusers-format
 LoRA (``pytorch_lora_weights.safetensors`` with the adapter config in its metadata, what the family
 pipeline's ``load_lora_weights`` reads) or the full transformer under ``transformer/``. Each adapter keeps
-its family-specific code (encode, noise, schedule, velocity, decode, builders, loaders) and delegates
-the protocol's training methods here.
+its family-specific code (encode, noise, schedule, velocity, decode, builders, loaders) and exposes this
+component as its ``trainable`` (the :class:`~rlgen_cli.models.base.Trainable` protocol). A model whose
+checkpoints follow another format (the ShapesEval UNet) passes its own :class:`CheckpointFormat`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -55,33 +56,102 @@ def batch_invariant_linears(module: nn.Module) -> None:
             layer.register_forward_pre_hook(_contiguous_input)
 
 
+class CheckpointFormat(Protocol):
+    """How a trained module is written to and read from a checkpoint's ``weights/`` directory."""
+
+    def save(self, module: nn.Module, directory: Path, lora: bool) -> None: ...
+    def load(self, module: nn.Module, directory: Path, lora: bool) -> None: ...
+
+
+def load_lora_state(module: nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
+    """Set the peft LoRA weights of ``module`` from ``state`` (read from ``path``); every LoRA tensor of
+    the module must be there and nothing else."""
+    from peft.utils import set_peft_model_state_dict
+
+    result = set_peft_model_state_dict(module, state)
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if missing or result.unexpected_keys:
+        raise UserError(
+            f"LoRA weights in {path} do not fit this model (missing {len(missing)}, unexpected "
+            f"{len(result.unexpected_keys)}); was the checkpoint made with other model.lora settings?"
+        )
+
+
+class DiffusersCheckpoint:
+    """The diffusers format: LoRA → ``pytorch_lora_weights.safetensors`` with the adapter config in its
+    metadata (what ``pipeline_class.load_lora_weights`` reads); full FT → ``transformer/``
+    (``transformer_class.from_pretrained``)."""
+
+    def __init__(self, pipeline_class: str, transformer_class: str) -> None:
+        self.pipeline_class = pipeline_class
+        self.transformer_class = transformer_class
+
+    def save(self, module: nn.Module, directory: Path, lora: bool) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        if not lora:
+            module.save_pretrained(directory / TRANSFORMER_DIR)
+            return
+        import diffusers
+        from peft.utils import get_peft_model_state_dict
+
+        # The adapter config (rank, alpha, targets) travels in the safetensors metadata, so
+        # load_lora_weights restores the α/r scaling instead of assuming α = r. Its targets are the
+        # adapted modules by name, without exclude_modules: diffusers adapts the modules the file has
+        # weights for, and peft warns about patterns that match more (an excluded module) or exclusions
+        # that exclude nothing.
+        state = get_peft_model_state_dict(module)
+        metadata = module.peft_config["default"].to_dict()
+        metadata["target_modules"] = sorted({key.split(".lora_")[0] for key in state})
+        metadata.pop("exclude_modules", None)
+        getattr(diffusers, self.pipeline_class).save_lora_weights(
+            directory, transformer_lora_layers=state, weight_name=LORA_WEIGHTS_NAME,
+            transformer_lora_adapter_metadata=metadata,
+        )  # fmt: skip
+
+    def load(self, module: nn.Module, directory: Path, lora: bool) -> None:
+        if lora:
+            from safetensors.torch import load_file
+
+            path = directory / LORA_WEIGHTS_NAME
+            if not path.is_file():
+                raise UserError(f"{path} is missing: the checkpoint holds no LoRA weights")
+            load_lora_state(
+                module, {k.removeprefix("transformer."): v for k, v in load_file(path).items()}, path
+            )
+            return
+        import diffusers
+
+        source = directory / TRANSFORMER_DIR
+        if not source.is_dir():
+            raise UserError(f"{source} is missing: the checkpoint holds no full transformer weights")
+        loaded = getattr(diffusers, self.transformer_class).from_pretrained(source)
+        module.load_state_dict(loaded.state_dict())
+
+
 class TrainableTransformer:
-    """The trainable transformer ``pipeline.transformer`` of a flow adapter.
+    """The trainable transformer ``owner.transformer`` of a flow adapter (``owner``: the pipeline).
 
     On construction the transformer is put in eval mode (dropout would break ratio == 1) and either
     frozen in ``model.dtype`` with a LoRA adapter attached (``exclude``: modules that can never get a
     gradient) or fully unfrozen in fp32; trainable weights are fp32 either way (docs/precision.md). In
     a low ``model.dtype`` every biased Linear gets contiguous inputs (:func:`batch_invariant_linears`).
-    ``gradient_checkpointing`` is enabled before the full-FT reference copy is taken. ``pipeline_class``
-    / ``transformer_class`` name the diffusers classes whose ``save_lora_weights`` / ``from_pretrained``
-    define the checkpoint format.
+    ``gradient_checkpointing`` is enabled before the full-FT reference copy is taken. ``checkpoint``
+    defines the files :meth:`save` writes and :meth:`load` reads.
     """
 
     def __init__(
         self,
-        pipeline: Any,
+        owner: Any,
         cfg: ModelConfig,
         *,
-        pipeline_class: str,
-        transformer_class: str,
+        checkpoint: CheckpointFormat,
         exclude: Sequence[str] = (),
         gradient_checkpointing: bool = False,
     ) -> None:
-        self._pipeline = pipeline
+        self._owner = owner
         self.lora = cfg.lora.enabled
-        self.pipeline_class = pipeline_class
-        self.transformer_class = transformer_class
-        transformer = pipeline.transformer.eval()
+        self.checkpoint = checkpoint
+        transformer = owner.transformer.eval()
         dtype = TORCH_DTYPES[cfg.dtype]
         if self.lora:
             cast_as_loaded(transformer, dtype)  # frozen weights in model.dtype, as a real load has them
@@ -94,33 +164,42 @@ class TrainableTransformer:
             params = list(transformer.parameters())
         for param in params:
             param.data = param.data.float()
-        self.parameters = params
+        self._parameters = params
         if dtype != torch.float32:
             batch_invariant_linears(transformer)
         if gradient_checkpointing:
             # Active only with grad enabled; it recomputes the same ops, so values match the no-grad
             # rollout bit for bit.
             transformer.enable_gradient_checkpointing()
-        self._reference = ReferenceSwitch(pipeline, "transformer", lora=self.lora)
+        self._reference = ReferenceSwitch(owner, "transformer", lora=self.lora)
         self._distributed: nn.Module | None = None
 
     @property
     def module(self) -> nn.Module:
         """The live transformer (the frozen copy while a full-FT ``reference()`` is active)."""
-        return self._pipeline.transformer
+        return self._owner.transformer
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The trained parameters (LoRA tensors, or every transformer weight), fp32."""
+        return self._parameters
+
+    def named(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """``(name, parameter)`` of every parameter that takes a gradient, in module order."""
+        for name, param in self.module.named_parameters():
+            if param.requires_grad:
+                yield name, param
 
     def reference(self) -> contextlib.AbstractContextManager[None]:
         """Within this context the transformer is the frozen reference (LoRA disabled or a frozen copy)."""
         return self._reference()
 
-    def named_trainable(self) -> Iterator[tuple[str, nn.Parameter]]:
-        for name, param in self.module.named_parameters():
-            if param.requires_grad:
-                yield name, param
-
     # -- distributed forwards -----------------------------------------------------------------
     def distribute(self, wrap: Callable[[nn.Module], nn.Module]) -> None:
-        """Route gradient-carrying forwards through ``wrap(transformer)`` (DDP: averaged gradients)."""
+        """Route gradient-carrying forwards through ``wrap(transformer)`` (DDP: averaged gradients).
+
+        With CFG both branches go through the wrapper before one backward; autograd sums each parameter's
+        two contributions before its gradient hook fires, so DDP reduces it once.
+        """
         self._distributed = wrap(self.module)
 
     def forward_module(self) -> nn.Module:
@@ -138,53 +217,9 @@ class TrainableTransformer:
 
     # -- checkpoint format --------------------------------------------------------------------
     def save(self, directory: Path) -> None:
-        """LoRA → ``pytorch_lora_weights.safetensors`` (what ``load_lora_weights`` reads); full FT →
-        ``transformer/``."""
-        directory.mkdir(parents=True, exist_ok=True)
-        if not self.lora:
-            self.module.save_pretrained(directory / TRANSFORMER_DIR)
-            return
-        import diffusers
-        from peft.utils import get_peft_model_state_dict
-
-        # The adapter config (rank, alpha, targets) travels in the safetensors metadata, so
-        # load_lora_weights restores the α/r scaling instead of assuming α = r. Its targets are the
-        # adapted modules by name, without exclude_modules: diffusers adapts the modules the file has
-        # weights for, and peft warns about patterns that match more (an excluded module) or exclusions
-        # that exclude nothing.
-        state = get_peft_model_state_dict(self.module)
-        metadata = self.module.peft_config["default"].to_dict()
-        metadata["target_modules"] = sorted({key.split(".lora_")[0] for key in state})
-        metadata.pop("exclude_modules", None)
-        getattr(diffusers, self.pipeline_class).save_lora_weights(
-            directory, transformer_lora_layers=state, weight_name=LORA_WEIGHTS_NAME,
-            transformer_lora_adapter_metadata=metadata,
-        )  # fmt: skip
+        """Write the trained weights under ``directory`` in the :attr:`checkpoint` format."""
+        self.checkpoint.save(self.module, Path(directory), self.lora)
 
     def load(self, directory: Path) -> None:
         """Load what :meth:`save` wrote into the live modules (shapes must match)."""
-        if self.lora:
-            self._load_lora(directory / LORA_WEIGHTS_NAME)
-            return
-        import diffusers
-
-        source = directory / TRANSFORMER_DIR
-        if not source.is_dir():
-            raise UserError(f"{source} is missing: the checkpoint holds no full transformer weights")
-        loaded = getattr(diffusers, self.transformer_class).from_pretrained(source)
-        self.module.load_state_dict(loaded.state_dict())
-
-    def _load_lora(self, path: Path) -> None:
-        from peft.utils import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        if not path.is_file():
-            raise UserError(f"{path} is missing: the checkpoint holds no LoRA weights")
-        state = {k.removeprefix("transformer."): v for k, v in load_file(path).items()}
-        result = set_peft_model_state_dict(self.module, state)
-        missing = [k for k in result.missing_keys if "lora_" in k]
-        if missing or result.unexpected_keys:
-            raise UserError(
-                f"LoRA weights in {path} do not fit this model (missing {len(missing)}, unexpected "
-                f"{len(result.unexpected_keys)}); was the checkpoint made with other model.lora settings?"
-            )
+        self.checkpoint.load(self.module, Path(directory), self.lora)

@@ -2,7 +2,7 @@
 
 Real weights load through ``WanPipeline.from_pretrained`` (hub id ``Wan-AI/Wan2.1-T2V-1.3B-Diffusers`` or a
 local directory, ``local_files_only`` and dtype honoured; the VAE is kept in fp32 like upstream Flow-GRPO);
-``tiny_wan_pipeline`` builds the same classes (``WanTransformer3DModel``, ``AutoencoderKLWan``, UMT5) from
+``models/tiny.py`` builds the same classes (``WanTransformer3DModel``, ``AutoencoderKLWan``, UMT5) from
 tiny configs with random weights and the offline T5 tokenizer.
 
 Geometry: ``x`` is the video latent (B, C, F', H', W') with F' = (F − 1)/4 + 1 and H', W' = H/8, W/8
@@ -31,18 +31,25 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
-from rlgen_cli.models.base import TORCH_DTYPES, Cond, cfg_combine, uncond_takes_grad
+from rlgen_cli.models.base import (
+    TORCH_DTYPES,
+    Capabilities,
+    Cond,
+    LegacyPolicyNames,
+    cfg_combine,
+    uncond_takes_grad,
+)
 from rlgen_cli.models.loading import in_model_dtype
-from rlgen_cli.models.tokenizers import tiny_t5_tokenizer, vocab_size
+from rlgen_cli.models.prompt_cache import cache_prompt_embeddings
+from rlgen_cli.models.tiny import tiny_wan_pipeline
 from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME as LORA_WEIGHTS_NAME  # re-exported
 from rlgen_cli.models.trainable import TRANSFORMER_DIR as TRANSFORMER_DIR  # re-exported
-from rlgen_cli.models.trainable import TrainableTransformer, autocast
+from rlgen_cli.models.trainable import DiffusersCheckpoint, TrainableTransformer, autocast
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
 from rlgen_cli.sde.noise import randn_per_sample
@@ -84,41 +91,6 @@ def wan_timestep(sigma: Tensor) -> Tensor:
     """
     steps = torch.floor(sigma.double() * NUM_TRAIN_TIMESTEPS + 1e-4)
     return steps.clamp(max=NUM_TRAIN_TIMESTEPS - 1).float()
-
-
-def tiny_wan_pipeline(seed: int = 0, max_sequence_length: int = 32):  # -> diffusers.WanPipeline
-    """A tiny Wan2.1 pipeline (diffusers' own test sizes), deterministic in ``seed``.
-
-    The VAE keeps Wan's compression (×4 in time, ×8 in space, 16 latent channels), so 5 frames of 32×48
-    pixels are a (16, 2, 4, 6) latent; the transformer has 2 blocks of width 24.
-    """
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    tokenizer = tiny_t5_tokenizer(max_sequence_length)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        text_config = UMT5Config(
-            vocab_size=vocab_size(tokenizer), d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
-            relative_attention_num_buckets=8, decoder_start_token_id=0,
-        )  # fmt: skip
-        text_encoder = UMT5EncoderModel(text_config)
-        transformer = WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
-            text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
-        )  # fmt: skip
-        vae = AutoencoderKLWan(
-            base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-            temperal_downsample=[False, True, True], scale_factor_temporal=4, scale_factor_spatial=8,
-        )  # fmt: skip
-    scheduler = UniPCMultistepScheduler(
-        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
-        num_train_timesteps=NUM_TRAIN_TIMESTEPS,
-    )  # fmt: skip
-    return WanPipeline(
-        tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer, vae=vae, scheduler=scheduler
-    )
 
 
 def load_wan_pipeline(cfg: ModelConfig):  # -> diffusers.WanPipeline
@@ -168,11 +140,10 @@ def check_geometry(cfg: ModelConfig, pipeline) -> None:
         )
 
 
-class WanPolicy:
+class WanPolicy(LegacyPolicyNames):
     """Wan2.1 T2V behind the flow-policy protocol (see ``models/base.py`` and the module docstring)."""
 
     family = "wan2_1"
-    takes_source_images = False
 
     def __init__(self, pipeline, cfg: ModelConfig, device: torch.device) -> None:
         check_geometry(cfg, pipeline)
@@ -180,6 +151,7 @@ class WanPolicy:
         self.device = device
         self.dtype = TORCH_DTYPES[cfg.dtype]
         self.guidance_scale = cfg.guidance_scale
+        self.capabilities = Capabilities(has_cfg=cfg.guidance_scale > 1.0, is_video=True)
         pipeline.to(device)
         pipeline.set_progress_bar_config(disable=True)
         for part in (pipeline.vae, pipeline.text_encoder):
@@ -188,25 +160,16 @@ class WanPolicy:
         if cfg.lora.enabled:
             _check_targets(pipeline.transformer, cfg.lora.target_modules)
         # Checkpointing keeps 33-frame activations affordable during updates.
-        self._train = TrainableTransformer(
+        self.trainable = TrainableTransformer(
             pipeline,
             cfg,
-            pipeline_class="WanPipeline",
-            transformer_class="WanTransformer3DModel",
+            checkpoint=DiffusersCheckpoint("WanPipeline", "WanTransformer3DModel"),
             gradient_checkpointing=True,
         )
 
     @property
     def transformer(self) -> nn.Module:
         return self.pipeline.transformer
-
-    def distribute(self, wrap: Callable[[nn.Module], nn.Module]) -> None:
-        """Route gradient-carrying forwards through ``wrap(transformer)`` (DDP: averaged gradients).
-
-        Both CFG branches go through the wrapper before one backward; autograd sums each parameter's
-        two contributions before its gradient hook fires, so DDP reduces it once.
-        """
-        self._train.distribute(wrap)
 
     # -- conditioning -------------------------------------------------------------------------
     @torch.no_grad()
@@ -259,7 +222,7 @@ class WanPolicy:
     def _forward(self, x: Tensor, timestep: Tensor, embeds: Tensor) -> Tensor:
         """One transformer pass in the model dtype; latents in and velocity out stay fp32 outside."""
         with autocast(self.device, self.dtype):
-            out = self._train.forward_module()(
+            out = self.trainable.forward_module()(
                 hidden_states=x.to(self.dtype), timestep=timestep, encoder_hidden_states=embeds.to(self.dtype),
                 return_dict=False,
             )[0]  # fmt: skip
@@ -279,25 +242,6 @@ class WanPolicy:
         videos = vae.decode(latents.to(vae.dtype), return_dict=False)[0]  # (B, 3, F, H, W) in [-1, 1]
         return (videos.float() / 2 + 0.5).clamp(0, 1)
 
-    # -- training surface (delegated to the shared component) ---------------------------------
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return self._train.parameters
-
-    def reference(self) -> contextlib.AbstractContextManager[None]:
-        """Within this context ``velocity`` runs the frozen reference (LoRA disabled or a frozen copy)."""
-        return self._train.reference()
-
-    def save_trainable(self, directory: Path) -> None:
-        """LoRA → ``pytorch_lora_weights.safetensors`` (WanPipeline format); full FT → ``transformer/``."""
-        self._train.save(directory)
-
-    def load_trainable(self, directory: Path) -> None:
-        """Load what ``save_trainable`` wrote into the live modules (shapes must match)."""
-        self._train.load(directory)
-
-    def named_trainable(self) -> Iterator[tuple[str, nn.Parameter]]:
-        return self._train.named_trainable()
-
 
 def _check_targets(transformer: nn.Module, targets: Sequence[str]) -> None:
     """Fail early, with Wan's own target names, when no LoRA target names a Linear of the transformer."""
@@ -316,4 +260,8 @@ def build(cfg: ModelConfig, device: torch.device) -> WanPolicy:
         if cfg.tiny
         else load_wan_pipeline(cfg)
     )
-    return WanPolicy(pipeline, cfg, device)
+    policy = WanPolicy(pipeline, cfg, device)
+    cache_prompt_embeddings(
+        policy, cfg.prompt_cache_mb, (pipeline.text_encoder,)
+    )  # a batch seen before is reused
+    return policy

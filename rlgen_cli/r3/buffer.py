@@ -15,11 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rlgen_cli.sde.noise import stream_seed
+from rlgen_cli.sde.noise import Stream, stream_seed
 
-__all__ = ["BUFFER_SALT", "Draw", "StageOneBuffer"]
-
-BUFFER_SALT = 5  # the draw's random stream, apart from the noise streams (sampling.py salts 0–2)
+__all__ = ["Draw", "StageOneBuffer"]
 
 
 @dataclass(frozen=True)
@@ -68,7 +66,7 @@ class StageOneBuffer:
         """
         if not len(self):
             raise RuntimeError("the stage-1 buffer is empty: a refine step needs a reason step before it")
-        generator = torch.Generator().manual_seed(stream_seed(seed, step, group, salt=BUFFER_SALT))
+        generator = torch.Generator().manual_seed(stream_seed(seed, step, group, salt=Stream.R3_BUFFER))
         wanted = bool(torch.rand((), generator=generator) < perfect_ratio)
         pool = (self.perfect == wanted).nonzero().squeeze(1)
         if not pool.numel():

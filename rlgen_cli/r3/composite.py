@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rlgen_cli.models import Cond, FlowPolicy, build_policy
+from rlgen_cli.models.qwen_image import QwenImagePolicy
 from rlgen_cli.r3.policy import EDIT, GENERATE, IMAGE, STAGE_KEY, TEXT, Thoughts, stage_of
 from rlgen_cli.r3.prompts import REASON_SYSTEM, REFLECT_SYSTEM, generation_prompt, reason_user, reflect_user
 from rlgen_cli.schema.errors import UserError
@@ -156,40 +157,40 @@ class CompositePolicy:
         if track == TEXT:
             return self.text.trainable_parameters()
         if track == IMAGE:
-            return [p for part in self.parts.values() for p in part.trainable_parameters()]
+            return [p for part in self.parts.values() for p in part.trainable.parameters()]
         raise ValueError(f"unknown track {track!r}; tracks: {TEXT}, {IMAGE}")
 
     @contextlib.contextmanager
     def image_reference(self) -> Iterator[None]:
         """Within: the generator and the editor are their frozen references (adapters off)."""
-        with self.parts[GENERATE].reference(), self.parts[EDIT].reference():
+        with self.parts[GENERATE].trainable.reference(), self.parts[EDIT].trainable.reference():
             yield
 
     def distribute(self, wrap: Callable[[nn.Module], nn.Module]) -> None:
         """Route every part's gradient-carrying forwards through ``wrap`` (DDP: averaged gradients)."""
         self.text.distribute(wrap)
         for part in self.parts.values():
-            part.distribute(wrap)
+            part.trainable.distribute(wrap)
 
     def save_trainable(self, directory: Path) -> None:
         """Each part in its own format under ``text/``, ``generator/``, ``editor/``."""
         self.text.save_trainable(Path(directory) / PART_DIRS[TEXT])
         for stage, part in self.parts.items():
-            part.save_trainable(Path(directory) / PART_DIRS[stage])
+            part.trainable.save(Path(directory) / PART_DIRS[stage])
 
     def load_trainable(self, directory: Path) -> None:
         self.text.load_trainable(Path(directory) / PART_DIRS[TEXT])
         for stage, part in self.parts.items():
-            part.load_trainable(Path(directory) / PART_DIRS[stage])
+            part.trainable.load(Path(directory) / PART_DIRS[stage])
 
 
 def _check_roles(generator: FlowPolicy, editor: FlowPolicy) -> None:
-    if generator.takes_source_images:
+    if generator.capabilities.takes_source_images:
         raise UserError(
             f"r3.policy.generator.family={generator.family} edits images; the generator draws from text "
             "(e.g. qwen_image, sd3, flux)"
         )
-    if not editor.takes_source_images:
+    if not editor.capabilities.takes_source_images:
         raise UserError(
             f"r3.policy.editor.family={editor.family} takes no source image; the editor must edit "
             "(e.g. qwen_image_edit, flux_kontext)"
@@ -205,12 +206,12 @@ def shared_text_policy(generator: FlowPolicy, cfg: ModelConfig, device: torch.de
     Raises:
         UserError: When the encoder is not a Qwen2.5-VL, the text policy is not LoRA, or dtypes differ.
     """
-    encoder = getattr(getattr(generator, "pipeline", None), "text_encoder", None)
-    if type(encoder).__name__ != "Qwen2_5_VLForConditionalGeneration" or cfg.family != "qwen2_5_vl":
+    if not isinstance(generator, QwenImagePolicy) or cfg.family != "qwen2_5_vl":
         raise UserError(
             f"r3.policy.share_text_encoder needs a Qwen2.5-VL text policy and a generator whose text encoder is "
-            f"a Qwen2.5-VL (qwen_image); got text family {cfg.family} and encoder {type(encoder).__name__}"
+            f"a Qwen2.5-VL (qwen_image); got text family {cfg.family} and generator {generator.family}"
         )
+    encoder = generator.pipeline.text_encoder
     if not cfg.lora.enabled:
         raise UserError(
             "r3.policy.share_text_encoder needs r3.policy.text.lora.enabled=true: full fine-tuning would change "
@@ -232,7 +233,7 @@ def shared_text_policy(generator: FlowPolicy, cfg: ModelConfig, device: torch.de
 def _shared_processor(cfg: ModelConfig, tokenizer: Any) -> Any:
     vlm = cfg.vlm
     if cfg.tiny:
-        from rlgen_cli.rewards.tiny_vlm import tiny_vlm_processor
+        from rlgen_cli.models.tiny import tiny_vlm_processor
 
         processor = tiny_vlm_processor(max_pixels=vlm.max_pixels)
     else:

@@ -61,7 +61,7 @@ def text_track_loss(
         kl_weight: β of the k3 KL.
     """
     out = token_grpo_loss(
-        logp, old_logp, advantages, mask, loss_type="grpo", epsilon=clip_range, beta=kl_weight,
+        logp, old_logp, advantages, mask, loss_type="grpo", epsilon=clip_range, kl_weight=kl_weight,
         ref_logp=ref_logp,
     )  # fmt: skip
     stats = {f"text/{k}": v for k, v in out.stats.items()}

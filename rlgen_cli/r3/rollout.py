@@ -24,14 +24,12 @@ from torch import Tensor
 
 from rlgen_cli.models import Cond
 from rlgen_cli.r3.policy import Thoughts, UnifiedPolicy
-from rlgen_cli.recipes.sampling import INITIAL_NOISE, STEP_NOISE, WINDOW, conditioned
-from rlgen_cli.sde.noise import sample_generators, stream_seed
+from rlgen_cli.sde.noise import Stream, sample_generators, stream_seed
 from rlgen_cli.sde.rollout import StepSpec, Trajectory, rollout
+from rlgen_cli.sde.sampling import conditioned
 from rlgen_cli.sde.window import WindowPlan, plan_window
 
-__all__ = ["TEXT_SALT", "ImageRollout", "image_rollout", "micro_batches", "stage_plan", "text_rollout"]
-
-TEXT_SALT = 4  # the text sampling stream (sampling.py uses 0–2 for the image streams)
+__all__ = ["ImageRollout", "image_rollout", "micro_batches", "stage_plan", "text_rollout"]
 
 
 def micro_batches(n: int, size: int | None) -> Iterator[slice]:
@@ -47,7 +45,7 @@ def stage_plan(
     """The stage's plan for ``group``: one SDE (and trained) step, or none with ``sde`` off."""
     if not sde:
         return WindowPlan(num_steps, (), ())
-    generator = torch.Generator().manual_seed(stream_seed(seed, step, group, salt=WINDOW))
+    generator = torch.Generator().manual_seed(stream_seed(seed, step, group, salt=Stream.WINDOW))
     return plan_window("single", num_steps, max_index=max_index, generator=generator)
 
 
@@ -57,7 +55,7 @@ def text_rollout(
     """Sample ``n`` rows in micro-batches; ``sample(rows, seed)`` runs one, seeded by its first row's
     global position (``first`` + row)."""
     parts = [
-        sample(rows, stream_seed(seed, step, first + rows.start, salt=TEXT_SALT))
+        sample(rows, stream_seed(seed, step, first + rows.start, salt=Stream.R3_TEXT))
         for rows in micro_batches(n, micro)
     ]
     return Thoughts.cat(parts)
@@ -105,8 +103,8 @@ def image_rollout(
     """Denoise one image per row: ``encode(rows)`` conditions a micro-batch; row i draws its initial noise
     from stream ``noise_keys[i]`` (a group's id: shared) and its step noise from its global ``positions[i]``."""
     n = len(positions)
-    initial = sample_generators(seed, step, list(noise_keys), policy.device, salt=INITIAL_NOISE)
-    noise = sample_generators(seed, step, list(positions), policy.device, salt=STEP_NOISE)
+    initial = sample_generators(seed, step, list(noise_keys), policy.device, salt=Stream.INITIAL_NOISE)
+    noise = sample_generators(seed, step, list(positions), policy.device, salt=Stream.STEP_NOISE)
     conds, trajs, images = [], [], []
     noise_sum = 0.0
     for rows in micro_batches(n, micro):

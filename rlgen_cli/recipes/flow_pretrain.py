@@ -7,9 +7,9 @@ every family here). A share of prompts is replaced by the empty prompt so classi
 unconditional branch. The learning rate warms up linearly, then decays on a cosine to
 ``min_lr_ratio``·lr at the run's last step — a function of the global step alone, so resume is exact.
 
-The loop around the epoch (ODE eval scored by the reward, EMA, logs, checkpoints, resume) is
-:class:`~rlgen_cli.recipes.flow_rl.FlowRLRecipe`'s, so ``weights/`` of the last checkpoint (the EMA
-weights when ``algo.ema`` is on) is the pretrained model:
+:func:`pretrain_epoch` runs ``algo.pretrain.steps_per_epoch`` such steps; :func:`run` wraps the epochs in
+the shared loop (``recipes/loop.py``: ODE eval scored by the reward, EMA, logs, checkpoints, resume), so
+``weights/`` of the last checkpoint (the EMA weights when ``algo.ema`` is on) is the pretrained model:
 
     rlgen train experiment=shapes_pretrain
 """
@@ -24,14 +24,13 @@ import torch
 from omegaconf import DictConfig
 from torch import Tensor
 
-from rlgen_cli.recipes.flow_rl import FlowRLRecipe
+from rlgen_cli.recipes import loop
+from rlgen_cli.recipes.loop import FlowRun, timed
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import TrainConfig
-from rlgen_cli.sde.noise import stream_seed
+from rlgen_cli.sde.noise import Stream, stream_seed
 from rlgen_cli.training.progress import Progress
 from rlgen_cli.training.schedule import decay_factor
-
-PRETRAIN_STREAM = 5  # salt of the pretraining draws (rows, scenes, dropout, σ, ε)
 
 
 def learning_rate(step: int, base_lr: float, warmup: int, total: int, min_ratio: float) -> float:
@@ -60,85 +59,103 @@ def unguided(policy: Any) -> Iterator[None]:
         policy.guidance_scale = scale
 
 
-class PretrainEpoch:
-    """``algo.pretrain.steps_per_epoch`` flow-matching steps, plugged into :class:`FlowRLRecipe`."""
+def pretrain_epoch(run: FlowRun, epoch: int, progress: Progress) -> dict[str, float]:
+    """``algo.pretrain.steps_per_epoch`` optimizer steps; the epoch's mean loss and last learning rate."""
+    pre = run.cfg.algo.pretrain
+    losses: list[float] = []
+    task = progress.task("pretrain", total=pre.steps_per_epoch)
+    for step in range(pre.steps_per_epoch):
+        losses.append(pretrain_step(run, epoch, step))
+        progress.advance(task, description=f"pretrain loss {losses[-1]:.4f}")
+    progress.remove(task)
+    return {
+        "lr": run.optimizer.param_groups[0]["lr"], "loss": sum(losses) / len(losses),
+        "global_step": run.global_step, **run.dist.loss_scale_metrics(),
+    }  # fmt: skip
 
-    def __call__(self, recipe: FlowRLRecipe, epoch: int, progress: Progress) -> dict[str, float]:
-        pre = recipe.cfg.algo.pretrain
-        if not hasattr(recipe.policy, "encode_images"):
-            raise UserError(
-                f"model.family={recipe.cfg.model.family} cannot be pretrained here: flow_pretrain needs a "
-                "pixel-space family with encode_images (model=shapes_unet)"
-            )
-        losses: list[float] = []
-        task = progress.task("pretrain", total=pre.steps_per_epoch)
-        for step in range(pre.steps_per_epoch):
-            losses.append(self.step(recipe, epoch, step))
-            progress.advance(task, description=f"pretrain loss {losses[-1]:.4f}")
-        progress.remove(task)
-        loss = sum(losses) / len(losses)
-        return {
-            "loss": loss, "lr": recipe.optimizer.param_groups[0]["lr"], "global_step": recipe.global_step,
-            "time/rollout": 0.0, "time/reward": 0.0, "time/update": 0.0,
-        }  # fmt: skip
 
-    def step(self, recipe: FlowRLRecipe, epoch: int, step: int) -> float:
-        """One optimizer step on this rank's share of a fresh batch; returns its loss."""
-        cfg, pre, policy = recipe.cfg, recipe.cfg.algo.pretrain, recipe.policy
-        total_steps = cfg.epochs * pre.steps_per_epoch
-        lr = learning_rate(recipe.global_step, cfg.algo.lr, pre.warmup_steps, total_steps, pre.min_lr_ratio)
-        for group in recipe.optimizer.param_groups:
-            group["lr"] = lr
-        prompts, images = self.batch(recipe, epoch, step)
-        generator = torch.Generator().manual_seed(
-            stream_seed(
-                cfg.seed, epoch, step * recipe.dist.world_size + recipe.dist.rank, PRETRAIN_STREAM + 1
-            )
+def pretrain_step(run: FlowRun, epoch: int, step: int) -> float:
+    """One optimizer step on this process's share of a fresh batch; returns its loss."""
+    cfg, pre, policy, dist = run.cfg, run.cfg.algo.pretrain, run.policy, run.dist
+    lr = learning_rate(run.global_step, cfg.algo.lr, pre.warmup_steps, cfg.epochs * pre.steps_per_epoch,
+                       pre.min_lr_ratio)  # fmt: skip
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    prompts, images = pretrain_batch(run, epoch, step)
+    generator = torch.Generator().manual_seed(
+        stream_seed(cfg.seed, epoch, step * dist.world_size + dist.rank, Stream.PRETRAIN_NOISE)
+    )
+    x0 = policy.encode_images(images)
+    sigma = sample_sigmas(len(x0), pre.sigma_sampling, generator).to(run.device)
+    noise = torch.randn(x0.shape, generator=generator).to(run.device)
+    s = sigma.view(-1, *([1] * (x0.dim() - 1)))
+    with unguided(policy):
+        v = policy.velocity((1 - s) * x0 + s * noise, sigma, policy.encode(prompts))
+    loss = torch.nn.functional.mse_loss(v, noise - x0)
+    dist.backward(loss, sync=True)
+    loop.optimizer_step(run)
+    return loss.item()
+
+
+def pretrain_batch(run: FlowRun, epoch: int, step: int) -> tuple[list[str], Tensor]:
+    """This process's rows of the step's global batch: prompts (some emptied) and rendered images."""
+    from rlgen_cli.shapes.render import RenderConfig, render_batch
+
+    cfg, pre, dist = run.cfg, run.cfg.algo.pretrain, run.dist
+    generator = torch.Generator().manual_seed(stream_seed(cfg.seed, epoch, step, Stream.PRETRAIN_BATCH))
+    rows = torch.randint(len(run.train_set), (pre.batch_size,), generator=generator).tolist()
+    scenes = torch.randint(2**62, (pre.batch_size,), generator=generator).tolist()
+    dropped = (torch.rand(pre.batch_size, generator=generator) < pre.cond_dropout).tolist()
+    share = pre.batch_size // dist.world_size
+    mine = slice(dist.rank * share, (dist.rank + 1) * share)
+    examples, prompts, metadata = loop.examples_of(run.train_set, rows[mine])
+    if any(not meta.get("include") for meta in metadata):
+        raise UserError(
+            f"{cfg.data.train}: algo.pretrain.source=shapes needs ShapesEval metadata (data=shapes)"
         )
-        x0 = policy.encode_images(images)
-        sigma = sample_sigmas(len(x0), pre.sigma_sampling, generator).to(recipe.device)
-        noise = torch.randn(x0.shape, generator=generator).to(recipe.device)
-        s = sigma.view(-1, *([1] * (x0.dim() - 1)))
-        with unguided(policy):
-            cond = policy.encode(prompts)
-            v = policy.velocity((1 - s) * x0 + s * noise, sigma, cond)
-        loss = torch.nn.functional.mse_loss(v, noise - x0)
-        recipe.dist.backward(loss, sync=True)
-        recipe.optimizer_step()
-        return loss.item()
+    images = render_batch(metadata, scenes[mine], RenderConfig(size=cfg.model.resolution))
+    return ["" if drop else prompt for prompt, drop in zip(prompts, dropped[mine])], images
 
-    @staticmethod
-    def batch(recipe: FlowRLRecipe, epoch: int, step: int) -> tuple[list[str], Tensor]:
-        """This rank's rows of the step's global batch: prompts (some emptied) and rendered images."""
-        from rlgen_cli.shapes.render import RenderConfig, render_batch
 
-        cfg, pre, dist = recipe.cfg, recipe.cfg.algo.pretrain, recipe.dist
-        if pre.batch_size % dist.world_size:
-            raise UserError(
-                f"algo.pretrain.batch_size={pre.batch_size} must be divisible by the {dist.world_size} processes"
-            )
-        generator = torch.Generator().manual_seed(stream_seed(cfg.seed, epoch, step, PRETRAIN_STREAM))
-        rows = torch.randint(len(recipe.train_set), (pre.batch_size,), generator=generator).tolist()
-        scenes = torch.randint(2**62, (pre.batch_size,), generator=generator).tolist()
-        dropped = (torch.rand(pre.batch_size, generator=generator) < pre.cond_dropout).tolist()
-        share = pre.batch_size // dist.world_size
-        mine = slice(dist.rank * share, (dist.rank + 1) * share)
-        examples = [recipe.train_set[i] for i in rows[mine]]
-        metadata = [dict(ex.metadata) for ex in examples]
-        if any(not meta.get("include") for meta in metadata):
-            raise UserError(
-                f"{cfg.data.train}: algo.pretrain.source=shapes needs ShapesEval metadata (data=shapes)"
-            )
-        images = render_batch(metadata, scenes[mine], RenderConfig(size=cfg.model.resolution))
-        prompts = ["" if drop else ex.prompt for ex, drop in zip(examples, dropped[mine])]
-        return prompts, images
+def require_pretrainable(run: FlowRun) -> None:
+    """A pixel-space family (``capabilities.encodes_images``) and a batch that splits over the processes."""
+    cfg = run.cfg
+    if not run.policy.capabilities.encodes_images:
+        raise UserError(
+            f"model.family={cfg.model.family} cannot be pretrained here: flow_pretrain needs a pixel-space "
+            "family with encode_images (model=shapes_unet)"
+        )
+    if cfg.algo.pretrain.batch_size % run.dist.world_size:
+        raise UserError(
+            f"algo.pretrain.batch_size={cfg.algo.pretrain.batch_size} must be divisible by the "
+            f"{run.dist.world_size} processes"
+        )
 
 
 def run(cfg: TrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
-    """Entry point: the shared flow loop with the pretraining epoch plugged in."""
-    recipe = FlowRLRecipe(cfg, raw_cfg, epoch_fn=PretrainEpoch())
-    recipe.setup()
+    """Entry point: setup, then evaluate / train / log / save epoch by epoch; the last epoch's metrics."""
+    flow_run = loop.setup(cfg, raw_cfg)
+    metrics: dict[str, float] = {}
     try:
-        return recipe.train()
+        require_pretrainable(flow_run)
+        with Progress(enabled=cfg.progress and flow_run.dist.is_main) as progress:
+            before = loop.evaluate_before(flow_run, progress)
+            clock = loop.EpochClock.start(flow_run, progress)
+            for epoch in range(flow_run.start_epoch, cfg.epochs):
+                timings: dict[str, float] = {}
+                with timed(timings, "time/epoch"):
+                    metrics = pretrain_epoch(flow_run, epoch, progress)
+                metrics |= timings
+                last = clock.is_last(epoch)
+                metrics |= loop.evaluate_if_due(flow_run, epoch, last, progress)
+                loop.log_epoch(
+                    flow_run, epoch, metrics, f"loss {metrics['loss']:.4g}{loop.eval_suffix(metrics)}"
+                )
+                loop.save_if_due(flow_run, epoch, last)
+                clock.advance(epoch, last, f"loss {metrics['loss']:.4g}")
+                if last:
+                    break
+        loop.finish(flow_run, before, metrics)
     finally:
-        recipe.cleanup()
+        flow_run.logger.close()
+    return metrics

@@ -1,19 +1,84 @@
-"""Small pieces every training loop shares: when periodic work is due, timing, and how per-micro-batch
-and per-rank statistics become one number per epoch."""
+"""What the training recipes share, as plain functions over one small record — no base class, no hooks.
+
+Every recipe: when periodic work is due (:func:`due`), timing (:func:`timed`), and how per-micro-batch
+and per-rank statistics become one number per epoch (:func:`summarise`, :func:`reduce_over_ranks`).
+
+The flow recipes (``flow_grpo``, ``flow_pref``, ``flow_pretrain``, ``flow_forward``) also share what a run
+holds (:class:`FlowRun`, built by :func:`setup`: seed, processes, policy, reward, prompts, optimizer, EMA,
+resume, loggers), reward scoring (:func:`score`), the ODE evaluation (:func:`evaluate`), full-state
+checkpoints (:func:`save`) and the end of an epoch. Each recipe writes its own loop from them::
+
+    flow_run = setup(cfg, raw_cfg)
+    try:
+        with Progress(enabled=cfg.progress and flow_run.dist.is_main) as progress:
+            before = evaluate_before(flow_run, progress)
+            clock = EpochClock.start(flow_run, progress)  # the epochs bar and the time limit
+            for epoch in range(flow_run.start_epoch, cfg.epochs):
+                metrics = my_epoch(flow_run, epoch, progress)  # e.g. rollout → reward → advantages → update
+                last = clock.is_last(epoch)
+                metrics |= evaluate_if_due(flow_run, epoch, last, progress)
+                log_epoch(flow_run, epoch, metrics, console_line(metrics))
+                save_if_due(flow_run, epoch, last)
+                clock.advance(epoch, last, headline)
+                if last:
+                    break
+        finish(flow_run, before, metrics)
+    finally:
+        flow_run.logger.close()
+
+An epoch function returns its metrics (``lr``, losses, ``reward/*``, ``time/*``, ``global_step``, and
+``dist.loss_scale_metrics()``); it steps the optimizer through :func:`optimizer_step` (EMA and step
+count included) and scores through :func:`score`. Recipe-specific state (a reference copy, a σ table,
+an old policy) lives in the recipe's own small dataclass, built after :func:`setup`.
+
+``run.report`` is the evaluation report the experiment chose (``eval_report``, ``training/report.py``):
+it sees every evaluation and writes its files at :func:`finish`.
+"""
 
 from __future__ import annotations
 
 import logging
+import math
 import resource
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import DictConfig
+from torch import Tensor
 
-from rlgen_cli.training.checkpoint import Checkpoint, resolve_resume
+from rlgen_cli.data import GroupSampler, PromptDataset
+from rlgen_cli.data.images import source_images
+from rlgen_cli.data.paths import load_prompts
+from rlgen_cli.models import FlowPolicy, build_policy
+from rlgen_cli.rewards import RewardBatch, build_mix
+from rlgen_cli.rewards.mix import WeightedMix
+from rlgen_cli.schema.errors import UserError
+from rlgen_cli.schema.flow import TrainConfig
+from rlgen_cli.sde.rollout import StepSpec
+from rlgen_cli.sde.sampling import sample_images
+from rlgen_cli.training.checkpoint import (
+    COUNTERS_KEY,
+    OPTIMIZER_KEY,
+    RNG_KEY,
+    SAMPLER_KEY,
+    Checkpoint,
+    engine_staging,
+    resolve_resume,
+    save_checkpoint,
+    set_rng_state,
+)
+from rlgen_cli.training.dist import Dist, make_dist
+from rlgen_cli.training.ema import EMA
+from rlgen_cli.training.images import save_grid
+from rlgen_cli.training.metrics import NullLogger, build_loggers
+from rlgen_cli.training.plots import plot_runs
+from rlgen_cli.training.progress import Progress
+from rlgen_cli.training.report import EvalReport, detail_summaries, eval_report
 
 log = logging.getLogger(__name__)
 
@@ -22,8 +87,13 @@ EXTREMES: dict[str, Callable[[Sequence[float]], float]] = {
     "ratio_min": min, "ratio_max": max, "logp_gap_max": max,
 }  # fmt: skip
 COUNTS = ("trained_samples", "tokens")
+REWARD_CURVE = "reward_curve.png"
+EMA_KEY, RAW_KEY = "ema", "raw_trainable"
+LOOP_STATE_KEYS = (OPTIMIZER_KEY, SAMPLER_KEY, COUNTERS_KEY, RNG_KEY, EMA_KEY, RAW_KEY)
+"""Trainer-state entries :func:`save` writes and :func:`setup` restores; the rest are the recipe's."""
 
 
+# -- every recipe --------------------------------------------------------------------------------------
 def due(epoch: int, every: int, total: int) -> bool:
     """Periodic work after ``epoch`` (0-based): every ``every`` epochs and always after the last."""
     return epoch + 1 == total or (every > 0 and (epoch + 1) % every == 0)
@@ -81,8 +151,350 @@ def load_resume(resume: str | None, run_dir: Path, policy: Any) -> tuple[Checkpo
     return ckpt, state
 
 
-def headline(metrics: dict[str, float]) -> str:
-    """The epoch's one-number summary: the reward, or the loss of an epoch without rollouts."""
-    if "reward/mean" in metrics:
-        return f"reward {metrics['reward/mean']:+.4g}"
-    return f"loss {metrics.get('loss', float('nan')):.4g}"
+@contextmanager
+def progress_task(progress: Progress, name: str, total: int) -> Iterator[Callable[[int], None]]:
+    """A progress bar for the block; yields ``advance(n)`` (what ``sde.sampling``'s ``on_batch`` takes)."""
+    task = progress.task(name, total=total)
+    try:
+        yield lambda n: progress.advance(task, n)
+    finally:
+        progress.remove(task)
+
+
+# -- the flow recipes ----------------------------------------------------------------------------------
+@dataclass
+class FlowRun:
+    """What a flow recipe trains with; :func:`setup` builds it, the recipe's functions read it."""
+
+    cfg: TrainConfig
+    raw_cfg: DictConfig
+    run_dir: Path
+    dist: Dist
+    policy: FlowPolicy
+    reward: WeightedMix
+    train_set: PromptDataset
+    test_set: PromptDataset
+    sampler: GroupSampler
+    """Which prompts each epoch draws (its position travels in checkpoints)."""
+    optimizer: torch.optim.Optimizer
+    ema: EMA | None
+    logger: Any
+    report: EvalReport
+    start_epoch: int = 0
+    global_step: int = 0
+    """Optimizer steps so far (EMA warm-up and per-step schedules read it)."""
+    resumed_extra: dict[str, Any] = field(default_factory=dict)
+    """The resumed checkpoint's recipe entries (what the recipe saved as ``extra_state``); empty when fresh."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.dist.device
+
+
+def setup(cfg: TrainConfig, raw_cfg: DictConfig) -> FlowRun:
+    """Seed, processes, policy, reward, prompts, sampler, optimizer and EMA; resume from ``cfg.resume``;
+    the distributed engine takes the model; loggers on rank 0. The order is part of reproducibility: the
+    seeded draws (adapter init) happen in the same order in every run, resumed or not."""
+    torch.manual_seed(cfg.seed)
+    dist = make_dist(cfg.device)
+    policy = build_policy(cfg.model, dist.device)
+    require_ema_engine(cfg.algo.ema.enabled, fsdp=dist.engine == "fsdp")
+    reward = build_mix(dict(cfg.reward.weights), **{k: dict(v) for k, v in cfg.reward.kwargs.items()})
+    run_dir = Path(cfg.run_dir)
+    train_set = load_prompts(cfg.data.train, run_dir, "data.train")
+    test_set = load_prompts(cfg.data.test, run_dir, "data.test")
+    sampler = GroupSampler(
+        len(train_set), cfg.algo.prompts_per_epoch, cfg.algo.group_size, seed=cfg.seed,
+        num_replicas=dist.world_size, rank=dist.rank,
+    )  # fmt: skip
+    params = policy.trainable.parameters()
+    num_trainable = sum(p.numel() for p in params)  # counted before an engine shards them
+    algo = cfg.algo
+    optimizer = torch.optim.AdamW(
+        params, lr=algo.lr, betas=(algo.adam_beta1, algo.adam_beta2), eps=algo.adam_eps,
+        weight_decay=algo.weight_decay,
+    )  # fmt: skip
+    ema = (  # ZeRO-3: updates and swaps gather the shards in the engine's own context
+        EMA(
+            params,
+            decay=algo.ema.decay,
+            update_every=algo.ema.update_every,
+            warmup=algo.ema.warmup,
+            gather=dist.gathered,
+        )  # fmt: skip
+        if algo.ema.enabled
+        else None
+    )
+    run = FlowRun(
+        cfg, raw_cfg, run_dir, dist, policy, reward, train_set, test_set, sampler, optimizer, ema,
+        logger=NullLogger(), report=eval_report(cfg.eval_report, run_dir),
+    )  # fmt: skip
+    resumed = _resume_weights(run)  # into the whole modules, before an engine shards them
+    # DDP wraps the transformer; DeepSpeed / FSDP also take the optimizer (training/dist.py)
+    run.optimizer = dist.prepare(
+        policy.trainable, optimizer, max_grad_norm=algo.max_grad_norm, micro_batch_size=algo.train_batch_size,
+        compute_dtype=cfg.model.dtype,  # fp16 compute: the engine scales the loss
+    )  # fmt: skip
+    if resumed is not None:
+        ckpt, state = resumed
+        dist.load_optimizer_state(run.optimizer, state[OPTIMIZER_KEY], ckpt.engine)
+        set_rng_state(state[RNG_KEY])
+        run.resumed_extra = {k: v for k, v in state.items() if k not in LOOP_STATE_KEYS}
+    if dist.is_main:
+        run.logger = build_loggers(run_dir, cfg.logging, raw_cfg)
+    log.info(
+        "%s on %s: %d trainable parameters, %d prompts × %d samples per epoch",
+        cfg.model.family, dist.device, num_trainable, algo.prompts_per_epoch, algo.group_size,
+    )  # fmt: skip
+    return run
+
+
+def require_ema_engine(ema: bool, fsdp: bool) -> None:
+    """FSDP2 swaps in new (DTensor) parameters when it shards the model and never writes gathered values
+    back to the shards, so an EMA can neither follow the live weights nor be swapped in for evaluation
+    (ZeRO-3 can: ``Dist.gathered``)."""
+    if fsdp and ema:
+        raise UserError(
+            "algo.ema is not supported with launcher=fsdp (FSDP2 cannot write gathered weights back to its "
+            "shards for an EMA swap): use launcher=deepspeed_zero3, deepspeed_zero2 or accelerate, or "
+            "algo.ema.enabled=false"
+        )
+
+
+def _resume_weights(run: FlowRun) -> tuple[Checkpoint, dict[str, Any]] | None:
+    """Weights, EMA, sampler and counters of the checkpoint to resume (if any); returns it and its state,
+    whose optimizer and RNG entries :func:`setup` restores once the engine has the optimizer."""
+    ckpt = resolve_resume(run.cfg.resume, run.run_dir)
+    if ckpt is None:
+        return None
+    state = ckpt.state()
+    run.policy.trainable.load(ckpt.weights)
+    run.sampler.load_state_dict(state[SAMPLER_KEY])
+    if run.ema is not None and EMA_KEY in state:
+        run.ema.load_state_dict(state[EMA_KEY])
+        with torch.no_grad():  # weights/ holds the EMA weights; training resumes from the raw ones
+            for param, raw in zip(run.policy.trainable.parameters(), state[RAW_KEY], strict=True):
+                param.copy_(raw)
+    run.start_epoch = state[COUNTERS_KEY]["epoch"]
+    run.global_step = state[COUNTERS_KEY]["global_step"]
+    log.info("resumed from %s at epoch %d", ckpt.path, run.start_epoch)
+    return ckpt, state
+
+
+def step_spec(cfg: TrainConfig) -> StepSpec:
+    """The SDE step of rollouts (``sampler.*``; the noise level defaults to the model family's)."""
+    noise_level = cfg.sampler.noise_level if cfg.sampler.noise_level is not None else cfg.model.noise_level
+    return StepSpec(cfg.sampler.kind, noise_level, cfg.sampler.logprob_reduce, cfg.sampler.logprob_form)
+
+
+def optimizer_step(run: FlowRun) -> float:
+    """Clip, step and zero the gradients (the engine's way), count the step, update the EMA; returns the
+    pre-clip gradient norm."""
+    max_norm = run.cfg.algo.max_grad_norm if run.cfg.algo.max_grad_norm > 0 else math.inf
+    grad_norm = run.dist.clip_and_step(run.optimizer, run.policy.trainable.parameters(), max_norm)
+    run.global_step += 1
+    if run.ema is not None:
+        run.ema.step(run.global_step)
+    return grad_norm
+
+
+def ema_weights(run: FlowRun) -> AbstractContextManager[Any]:
+    """Context in which the policy holds its EMA weights (a no-op without EMA)."""
+    return run.ema.swap() if run.ema is not None else nullcontext()
+
+
+def examples_of(dataset: PromptDataset, indices: Sequence[int]) -> tuple[list, list[str], list[dict]]:
+    """The examples at ``indices``, their prompts and (copied) metadata."""
+    examples = [dataset[i] for i in indices]
+    return examples, [ex.prompt for ex in examples], [dict(ex.metadata) for ex in examples]
+
+
+def sources_of(run: FlowRun, examples: list, dataset: PromptDataset) -> Tensor | None:
+    """(N, 3, H, W) source images for editing families (``capabilities.takes_source_images``), else None."""
+    if not run.policy.capabilities.takes_source_images:
+        return None
+    model = run.policy.cfg
+    return source_images(examples, dataset, model.height or model.resolution, model.width or model.resolution)
+
+
+@torch.no_grad()
+def score(
+    run: FlowRun,
+    images: Tensor,
+    prompts: list[str],
+    metadata: list[dict],
+    sources: Tensor | None = None,
+    by_tag: bool = False,
+) -> tuple[dict[str, Tensor], dict[str, float]]:
+    """Per-component rewards (N,) and scalar summaries of the mix's details (``detail_summaries``). A
+    non-finite reward stops the run: a failed score is never replaced by a number."""
+    batch = RewardBatch(prompts=prompts, images=images, metadata=metadata, ref_images=sources)
+    result = run.reward.score(batch)
+    components = {
+        name: torch.as_tensor(result.details[name], dtype=torch.float32) for name in run.reward.rewards
+    }
+    bad = {
+        k: f"{int(v.isnan().sum())} NaN, {int(v.isinf().sum())} inf"
+        for k, v in components.items()
+        if not torch.isfinite(v).all()
+    }
+    if bad:
+        raise RuntimeError(
+            f"non-finite rewards {bad} out of {len(prompts)} samples: the run stops rather than train on "
+            "them (a failed score is never replaced by 0); fix the reward, then resume=auto continues "
+            "from the last checkpoint"
+        )
+    return components, detail_summaries(result.details, by_tag=by_tag)
+
+
+def weighted_total(run: FlowRun, components: dict[str, Tensor]) -> Tensor:
+    """The mix's reward per sample: Σ weight·component."""
+    return sum(run.cfg.reward.weights[k] * v for k, v in components.items())
+
+
+def reward_metrics(run: FlowRun, components: dict[str, Tensor], prefix: str = "") -> dict[str, float]:
+    """``reward/mean``, ``reward/std`` and each component's mean (``prefix`` e.g. ``eval/``)."""
+    total = weighted_total(run, components)
+    return {
+        f"{prefix}reward/mean": total.mean().item(),
+        f"{prefix}reward/std": total.std().item(),
+        **{f"{prefix}reward/{k}/mean": v.mean().item() for k, v in components.items()},
+    }
+
+
+@torch.no_grad()
+def evaluate(run: FlowRun, epoch: int, progress: Progress) -> dict[str, float]:
+    """ODE sampling on the first test prompts with fixed noise (EMA weights if kept), scored per tag; the
+    grid goes to ``images/`` and the samples to ``run.report``. ``epoch`` −1: before training."""
+    cfg = run.cfg
+    n_prompts = min(cfg.data.eval_num_prompts or len(run.test_set), len(run.test_set))
+    rows = [i for i in range(n_prompts) for _ in range(cfg.data.eval_images_per_prompt)]
+    examples, prompts, metadata = examples_of(run.test_set, rows)
+    sources = sources_of(run, examples, run.test_set)
+    with ema_weights(run), progress_task(progress, "sampling", len(prompts)) as advance:
+        images = sample_images(
+            run.policy, prompts, cfg.model.eval_num_steps, cfg.algo.sample_batch_size, cfg.seed,
+            sources=sources, on_batch=advance,
+        )  # fmt: skip
+    components, details = score(run, images, prompts, metadata, sources, by_tag=True)
+    run.report.evaluated(epoch, images)
+    if run.dist.is_main:
+        name = "eval_before.png" if epoch < 0 else f"eval_epoch_{epoch:05d}.png"
+        save_grid(images, run.run_dir / "images" / name, upscale=2)
+    total = weighted_total(run, components)
+    return {
+        "eval/reward/mean": total.mean().item(),
+        **{f"eval/reward/{k}/mean": v.mean().item() for k, v in components.items()},
+        **{f"eval/{k}": v for k, v in details.items()},
+    }
+
+
+def evaluate_before(run: FlowRun, progress: Progress) -> dict[str, float] | None:
+    """With ``eval_before``, evaluate the starting weights of a fresh run (logged at step −1)."""
+    cfg = run.cfg
+    if not (cfg.eval_before and cfg.eval_every and run.start_epoch == 0):
+        return None
+    metrics: dict[str, float] = {}
+    if run.dist.is_main or run.dist.sharded:  # sharded weights: every rank takes part in the forwards
+        metrics = evaluate(run, -1, progress)
+        run.logger.log(metrics, step=-1)
+        log.info("before training: eval %+.4g", metrics["eval/reward/mean"])
+    run.dist.barrier()
+    return metrics
+
+
+def evaluate_if_due(run: FlowRun, epoch: int, last: bool, progress: Progress) -> dict[str, float]:
+    """The evaluation after ``epoch`` when one is due (the first, the last, every ``eval_every``)."""
+    cfg = run.cfg
+    evaluates = run.dist.is_main or run.dist.sharded  # sharded weights: every rank runs the forwards
+    if evaluates and cfg.eval_every and (epoch == 0 or last or due(epoch, cfg.eval_every, cfg.epochs)):
+        return evaluate(run, epoch, progress)
+    return {}
+
+
+def log_epoch(run: FlowRun, epoch: int, metrics: dict[str, float], console: str) -> None:
+    """``metrics`` to every logger (rank 0), and ``epoch N  <console>`` to the console and run.log."""
+    run.logger.log(metrics, step=epoch)
+    if run.dist.is_main:
+        log.info("epoch %d  %s", epoch, console)
+
+
+def eval_suffix(metrics: dict[str, float]) -> str:
+    """`` eval +0.123`` when the epoch evaluated, else empty (for console lines)."""
+    return f" eval {metrics['eval/reward/mean']:+.4g}" if "eval/reward/mean" in metrics else ""
+
+
+def save(run: FlowRun, epochs_done: int, extra_state: dict[str, Any] | None = None) -> None:
+    """A full-state checkpoint; with EMA, ``weights/`` holds the EMA weights and the raw ones travel in
+    the trainer state for resume. ``extra_state``: a recipe's own entries (e.g. an old policy's weights).
+    Every rank enters: optimizer shards, gathers and swaps are collective."""
+    staging = engine_staging(run.run_dir, epochs_done)  # DeepSpeed's per-rank optimizer shards
+    state = {
+        OPTIMIZER_KEY: run.dist.optimizer_state(run.optimizer, staging),
+        SAMPLER_KEY: run.sampler.state_dict(),
+        COUNTERS_KEY: {"epoch": epochs_done, "global_step": run.global_step},
+        **(extra_state or {}),
+    }
+    if run.ema is not None:
+        params = run.policy.trainable.parameters()
+        with run.dist.gathered(params):  # ZeRO-3 shards them
+            state[RAW_KEY] = [p.detach().cpu().clone() for p in params]
+        state[EMA_KEY] = run.ema.state_dict()
+    # the weights users sample from are the EMA ones; ZeRO-3 / FSDP gather the sharded weights
+    with ema_weights(run), run.dist.full_weights():
+        if not run.dist.is_main:
+            return
+        ckpt = save_checkpoint(
+            run.run_dir, epochs_done, run.policy, state, run.raw_cfg, run.cfg.keep_last,
+            engine_state=staging if run.dist.shards_optimizer else None,
+        )  # fmt: skip
+    log.info("saved %s", ckpt.path)
+
+
+def save_if_due(run: FlowRun, epoch: int, last: bool, extra_state: dict[str, Any] | None = None) -> None:
+    """A checkpoint after the last epoch and every ``save_every`` (``extra_state``: see :func:`save`)."""
+    if last or due(epoch, run.cfg.save_every, run.cfg.epochs):
+        save(run, epoch + 1, extra_state)
+
+
+@dataclass
+class EpochClock:
+    """The epochs bar and the time limit: which epoch is the run's last, decided on rank 0."""
+
+    run: FlowRun
+    progress: Progress
+    task: int
+    deadline: float
+
+    @classmethod
+    def start(cls, run: FlowRun, progress: Progress) -> EpochClock:
+        """Start after any baseline evaluation, so the bar's pace (its time left) counts epochs only."""
+        cfg = run.cfg
+        task = progress.task("epochs", total=cfg.epochs, completed=run.start_epoch)
+        deadline = time.monotonic() + 60 * cfg.time_limit_minutes if cfg.time_limit_minutes else math.inf
+        return cls(run, progress, task, deadline)
+
+    def is_last(self, epoch: int) -> bool:
+        """The configured last epoch, or the first to end past the time limit. Collective under a time
+        limit (rank 0's clock decides, so every rank stops together): call it once per epoch on every rank."""
+        if epoch + 1 == self.run.cfg.epochs:
+            return True
+        if self.deadline == math.inf:
+            return False
+        late = torch.tensor([float(time.monotonic() >= self.deadline)])
+        return bool(self.run.dist.gather(late)[0] > 0)
+
+    def advance(self, epoch: int, last: bool, headline: str) -> None:
+        """Wait for every rank, move the bar on; say so when the time limit ended the run early."""
+        self.run.dist.barrier()
+        self.progress.advance(self.task, description=f"epoch {epoch + 1}: {headline}")
+        if last and epoch + 1 < self.run.cfg.epochs:
+            log.info("time limit (%g min) hit after epoch %d", self.run.cfg.time_limit_minutes, epoch + 1)
+
+
+def finish(run: FlowRun, before: dict[str, float] | None, after: dict[str, float]) -> None:
+    """Rank 0 draws the reward curve and writes the evaluation report; every rank closes its loggers."""
+    if run.dist.is_main:
+        plot_runs([run.run_dir], run.run_dir / REWARD_CURVE)
+        run.report.write(before, after)
+    run.logger.close()

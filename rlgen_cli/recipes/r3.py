@@ -49,7 +49,6 @@ from omegaconf import DictConfig
 from torch import Tensor
 
 from rlgen_cli.data.sampler import GroupSampler
-from rlgen_cli.launch.dist import Dist, launched_engine, make_dist
 from rlgen_cli.r3.buffer import StageOneBuffer
 from rlgen_cli.r3.composite import build_composite
 from rlgen_cli.r3.data import R3Sample, load_r3_dataset
@@ -69,16 +68,17 @@ from rlgen_cli.r3.rewards import (
 from rlgen_cli.r3.rollout import ImageRollout, image_rollout, micro_batches, stage_plan, text_rollout
 from rlgen_cli.r3.scoring import R3Scorer
 from rlgen_cli.recipes.loop import due, load_resume, reduce_over_ranks, summarise
-from rlgen_cli.recipes.sampling import conditioned
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.r3 import R3TrainConfig
 from rlgen_cli.sde.rollout import StepSpec, Trajectory, recompute_step
+from rlgen_cli.sde.sampling import conditioned
 from rlgen_cli.training.checkpoint import (
     COUNTERS_KEY,
     OPTIMIZER_KEY,
     save_checkpoint,
     set_rng_state,
 )
+from rlgen_cli.training.dist import Dist, launched_engine, make_dist
 from rlgen_cli.training.metrics import NullLogger, build_loggers
 from rlgen_cli.training.plots import plot_runs
 from rlgen_cli.training.progress import Progress

@@ -25,7 +25,7 @@ on-policy; ``rlgen check-onpolicy model=tiny_qwen2_vl algo=step_grpo`` holds the
 the sampler's own log-probs (``vlm/onpolicy.py``).
 
 Several processes (``launcher=accelerate`` = DDP, ``launcher=deepspeed_zero2``) go through the same
-``launch/dist.py`` context as the flow recipe: the global batch is split contiguously over ranks (a group
+``training/dist.py`` context as the flow recipe: the global batch is split contiguously over ranks (a group
 may span ranks), each rank samples its rows with ``generate`` on the bare model under the seed of the
 rows' global rollout batch, rewards are gathered with their dataset indices before the group
 statistics, the training forwards go through the DDP wrapper / engine (gradients averaged), dapo's token
@@ -56,14 +56,13 @@ from torch import Tensor
 from rlgen_cli.algos.advantages import combine_rewards
 from rlgen_cli.algos.token_grpo import advantage_options, token_grpo_loss
 from rlgen_cli.data.sampler import GroupSampler
-from rlgen_cli.launch.dist import Dist, make_dist
 from rlgen_cli.recipes.loop import due, load_resume, reduce_over_ranks
 from rlgen_cli.recipes.loop import summarise as summarise_stats
 from rlgen_cli.rewards import RewardBatch, build_mix
 from rlgen_cli.rewards.r1vl import TEXT_REWARDS
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import TrainConfig
-from rlgen_cli.sde.noise import stream_seed
+from rlgen_cli.sde.noise import Stream, stream_seed
 from rlgen_cli.training.checkpoint import (
     COUNTERS_KEY,
     OPTIMIZER_KEY,
@@ -73,6 +72,7 @@ from rlgen_cli.training.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from rlgen_cli.training.dist import Dist, make_dist
 from rlgen_cli.training.metrics import JsonlLogger, NullLogger
 from rlgen_cli.training.plots import plot_runs
 from rlgen_cli.training.progress import Progress
@@ -100,7 +100,6 @@ __all__ = ["VLMRLRecipe", "evaluate", "run"]
 
 log = logging.getLogger(__name__)
 REWARD_CURVE = "reward_curve.png"
-ROLLOUT_SALT = 3
 
 
 @dataclass
@@ -171,7 +170,8 @@ class VLMRLRecipe:
         self.start_epoch, self.global_step = 0, 0
         resumed = self._maybe_resume()  # into the bare model, before DDP / the engine wraps it
         self.optimizer = self.dist.prepare(
-            self.policy, self.optimizer, max_grad_norm=algo.max_grad_norm, micro_batch_size=algo.train_batch_size
+            self.policy, self.optimizer, max_grad_norm=algo.max_grad_norm, micro_batch_size=algo.train_batch_size,
+            compute_dtype=cfg.model.dtype,
         )  # fmt: skip
         if resumed is not None:  # DeepSpeed reads its optimizer shards from the checkpoint's engine/
             ckpt, state = resumed
@@ -199,7 +199,7 @@ class VLMRLRecipe:
         with Progress(enabled=cfg.progress and main) as progress:
             epochs = progress.task("epochs", total=cfg.epochs, completed=self.start_epoch)
             for epoch in range(self.start_epoch, cfg.epochs):
-                metrics = self.train_epoch(epoch, progress)
+                metrics = self.train_epoch(epoch, progress) | self.dist.loss_scale_metrics()
                 # whole weights on every rank (require_whole_weights): rank 0 evaluates alone
                 if main and cfg.eval_every and due(epoch, cfg.eval_every, cfg.epochs):
                     metrics |= self.evaluate(progress)
@@ -282,7 +282,8 @@ class VLMRLRecipe:
         task = progress.task("rollout", total=len(indices))
         for k, part in enumerate(batches(len(indices), cfg.algo.sample_batch_size)):
             done = self.engine.generate(
-                prompts[part], images[part], options, seed=stream_seed(cfg.seed, epoch, first + k, ROLLOUT_SALT),
+                prompts[part], images[part], options,
+                seed=stream_seed(cfg.seed, epoch, first + k, Stream.VLM_ROLLOUT),
                 labels=[f"#{i}" for i in indices[part]],
             )  # fmt: skip
             ids += done.ids
@@ -321,7 +322,7 @@ class VLMRLRecipe:
             else:
                 old = pad_stack(rollouts.sampler_logprobs[rows], length).to(self.device)
             ref = None
-            if algo.beta > 0:
+            if algo.kl_weight > 0:
                 with policy.reference() as reference:
                     ref = completion_logprobs(policy, batch, reference)
             out.append(MicroBatch(rows, batch, old, ref))
@@ -377,7 +378,7 @@ class VLMRLRecipe:
         return token_grpo_loss(
             logp, mb.old, adv, self._loss_mask(mb, truncated), loss_type=algo.token.loss_type,
             importance_level=algo.token.importance_level, epsilon=algo.clip_range, epsilon_high=algo.token.epsilon_high,
-            beta=algo.beta, ref_logp=mb.ref, max_completion_length=self.max_completion_tokens, num_items=num_items,
+            kl_weight=algo.kl_weight, ref_logp=mb.ref, max_completion_length=self.max_completion_tokens, num_items=num_items,
         )  # fmt: skip
 
     def optimizer_step(self) -> float:

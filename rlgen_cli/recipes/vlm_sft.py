@@ -12,7 +12,7 @@ upstream runs LLaMA-Factory). Here:
 * loop — ``epochs`` passes in a seeded shuffled order, gradient accumulation, grad-norm clip, warm-up +
   cosine / linear / constant schedule, metrics.jsonl, full-state checkpoints (resume), optional accuracy
   on ``data.test`` every ``eval_every`` epochs;
-* several processes (``launcher=accelerate`` / ``deepspeed_zero2``, ``launch/dist.py``) — as torch's
+* several processes (``launcher=accelerate`` / ``deepspeed_zero2``, ``training/dist.py``) — as torch's
   ``DistributedSampler``: the epoch's order is padded by wrapping to a multiple of the process count and
   rank r takes every W-th conversation from position r, so every rank runs the same number of
   micro-batches; gradients are averaged by DDP / the engine; rank 0 evaluates, logs and saves.
@@ -35,7 +35,6 @@ import torch
 from omegaconf import DictConfig
 from torch import Tensor
 
-from rlgen_cli.launch.dist import Dist, make_dist
 from rlgen_cli.recipes.loop import load_resume, reduce_over_ranks
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import TrainConfig
@@ -47,6 +46,7 @@ from rlgen_cli.training.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from rlgen_cli.training.dist import Dist, make_dist
 from rlgen_cli.training.metrics import JsonlLogger, NullLogger
 from rlgen_cli.training.progress import Progress
 from rlgen_cli.vlm.data import SFTExample, drop_reflective, load_sft, load_vlm_examples
@@ -173,7 +173,8 @@ class VLMSFTRecipe:
         self.start_epoch, self.global_step = 0, 0
         resumed = self._maybe_resume()  # into the bare model, before DDP / the engine wraps it
         self.optimizer = self.dist.prepare(
-            self.policy, self.optimizer, max_grad_norm=algo.max_grad_norm, micro_batch_size=algo.train_batch_size
+            self.policy, self.optimizer, max_grad_norm=algo.max_grad_norm, micro_batch_size=algo.train_batch_size,
+            compute_dtype=cfg.model.dtype,
         )  # fmt: skip
         if resumed is not None:  # DeepSpeed reads its optimizer shards from the checkpoint's engine/
             ckpt, state = resumed
@@ -197,7 +198,7 @@ class VLMSFTRecipe:
         cfg, metrics, main = self.cfg, {}, self.dist.is_main
         with Progress(enabled=cfg.progress and main) as progress:
             for epoch in range(self.start_epoch, cfg.epochs):
-                metrics = self.train_epoch(epoch, progress)
+                metrics = self.train_epoch(epoch, progress) | self.dist.loss_scale_metrics()
                 due = epoch + 1 == cfg.epochs or (epoch + 1) % max(cfg.eval_every, 1) == 0
                 if main and cfg.eval_every and due:  # whole weights on every rank: rank 0 evaluates alone
                     n = cfg.data.eval_num_prompts or len(self.test_set)

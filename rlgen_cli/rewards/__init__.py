@@ -2,7 +2,7 @@
 
 Importing this package registers the built-in local rewards (``brightness``, ``char_fraction``,
 ``jpeg_compressibility``, ``jpeg_incompressibility``, ``pickscore``, ``clipscore``, ``aesthetic``,
-``image_similarity``, ``imagereward``, ``qwenvl``, ``geneval``, ``ocr``, ``video_ocr``) and the clients of served rewards
+``image_similarity``, ``imagereward``, ``hpsv2``, ``hpsv2_1``, ``hpsv3``, ``qwenvl``, ``geneval``, ``ocr``, ``video_ocr``) and the clients of served rewards
 (``remote``, ``flowgrpo_remote``, ``openai_judge``). Model-backed rewards import
 transformers (or rapidocr) lazily, on first use, so the import stays cheap. It never imports
 :mod:`rlgen_cli.models`.
@@ -12,6 +12,9 @@ from rlgen_cli.rewards import brightness as _brightness  # noqa: F401  (register
 from rlgen_cli.rewards import char_fraction as _char_fraction  # noqa: F401  (registers char_fraction)
 from rlgen_cli.rewards import clip as _clip  # noqa: F401  (registers the CLIP rewards)
 from rlgen_cli.rewards import geneval as _geneval  # noqa: F401  (registers geneval)
+from rlgen_cli.rewards import hpsv2 as _hpsv2  # noqa: F401  (registers hpsv2, hpsv2_1)
+from rlgen_cli.rewards import hpsv3 as _hpsv3  # noqa: F401  (registers hpsv3)
+from rlgen_cli.rewards import imagereward as _imagereward  # noqa: F401  (registers imagereward)
 from rlgen_cli.rewards import jpeg as _jpeg  # noqa: F401  (registers the JPEG rewards)
 from rlgen_cli.rewards import ocr as _ocr  # noqa: F401  (registers ocr, video_ocr)
 from rlgen_cli.rewards import r1vl as _r1vl  # noqa: F401  (answer_accuracy, step_rar, step_rvr, think_format, length)

@@ -1,4 +1,4 @@
-"""CLIP-based local rewards: PickScore, CLIPScore, LAION aesthetic, image similarity (and ImageReward).
+"""CLIP-based local rewards: PickScore, CLIPScore, LAION aesthetic, image similarity.
 
 * ``pickscore``: PickScore_v1 (Kirstain et al. 2023, "Pick-a-Pic: An Open Dataset of User Preferences
   for Text-to-Image Generation"), a CLIP-H fine-tune: ``logit_scale · cos(image, text) / 26``.
@@ -7,7 +7,6 @@
 * ``aesthetic``: the LAION aesthetic predictor (C. Schuhmann, "improved-aesthetic-predictor",
   ``sac+logos+ava1-l14-linearMSE.pth``): an MLP head on L2-normalised CLIP ViT-L/14 image features, ≈ 1–10.
 * ``image_similarity``: cosine of CLIP image embeddings of the edited and the source image.
-* ``imagereward``: ImageReward-v1.0 (Xu et al. 2023) through the ``image-reward`` package, imported lazily.
 
 Models load lazily on the first ``score`` from a hub id or a local path (``local_files_only`` is passed
 through) and are shared through a small LRU cache keyed by (path, device, dtype), so two rewards on the
@@ -32,7 +31,7 @@ from rlgen_cli.rewards.registry import register
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "AestheticHead", "ClipReward", "ImageRewardReward", "clear_model_cache", "clip_pixel_values",
+    "AestheticHead", "ClipReward", "clear_model_cache", "clip_pixel_values",
     "load_aesthetic_head", "load_clip_model", "load_clip_processor", "resolve_device", "resolve_dtype",
     "to_pil_images",
 ]  # fmt: skip
@@ -379,58 +378,3 @@ def aesthetic(
         )
     head = load_aesthetic_head(head_path)
     return ClipReward("aesthetic", model_path, None, device, dtype, local_files_only, head=head)
-
-
-class ImageRewardReward:
-    """ImageReward-v1.0 through the ``image-reward`` package (BLIP backbone + MLP head), ≈ −2…2.
-
-    Attributes:
-        name: ``"imagereward"``.
-    """
-
-    name = "imagereward"
-
-    def __init__(self, model_path: str, device: str | None = None, download_root: str | None = None) -> None:
-        """Configure the reward; the model loads on the first :meth:`score`.
-
-        Args:
-            model_path: ``"ImageReward-v1.0"`` (downloaded by the package) or a local ``ImageReward.pt``.
-            device: Device; ``None`` = CUDA when available.
-            download_root: Cache directory for the package's downloads.
-        """
-        self.model_path, self.device, self.download_root = model_path, resolve_device(device), download_root
-        self._model: Any = None
-
-    @torch.no_grad()
-    def score(self, batch: RewardBatch) -> RewardResult:
-        """Score each (prompt, image) pair with ``inference_rank``; returns float32 CPU scores."""
-        images = _check_images(batch.images, self.name)
-        if self._model is None:
-            import ImageReward as RM  # noqa: N813  (the package's own spelling)
-
-            self._model = RM.load(self.model_path, device=self.device, download_root=self.download_root)
-        scores = []
-        for prompt, image in zip(batch.prompts, to_pil_images(images)):
-            _, reward = self._model.inference_rank(prompt, [image])
-            scores.append(float(reward[0] if isinstance(reward, list) else reward))
-        return RewardResult(scores=torch.tensor(scores, dtype=torch.float32))
-
-
-@register("imagereward")
-def imagereward(
-    model_path: str = "ImageReward-v1.0", device: str | None = None, download_root: str | None = None
-) -> ImageRewardReward:
-    """ImageReward-v1.0; needs ``pip install image-reward`` (not a dependency of rlgen).
-
-    Raises:
-        ValueError: If the ``ImageReward`` package is not installed.
-    """
-    import importlib.util
-
-    if importlib.util.find_spec("ImageReward") is None:
-        raise ValueError(
-            "reward 'imagereward' needs the ImageReward package, which rlgen does not bundle (its BLIP "
-            "checkpoint is not a transformers model): `pip install image-reward`, then set "
-            "reward.kwargs.imagereward.model_path to 'ImageReward-v1.0' or a local ImageReward.pt."
-        )
-    return ImageRewardReward(model_path, device, download_root)

@@ -18,18 +18,15 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from rlgen_cli.geneval_rules import GenEvalThresholds, check_position_credit
 from rlgen_cli.rewards.base import RewardBatch, RewardResult
-from rlgen_cli.rewards.geneval import GenEvalThresholds, check_position_credit
 from rlgen_cli.rewards.registry import register
-
-if TYPE_CHECKING:  # rlgen_cli.shapes imports rlgen_cli.rewards: import it lazily to avoid a cycle
-    from rlgen_cli.shapes.detect import ShapeDetector
-    from rlgen_cli.shapes.score import ShapesResult
+from rlgen_cli.shapes.detect import ShapeDetector
+from rlgen_cli.shapes.score import ShapesResult, score_images
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +80,6 @@ class ShapesGenEvalReward:
             raise ValueError(f"reward {name!r}: mode must be one of {MODES}, got {mode!r}.")
         if extra_penalty < 0:
             raise ValueError(f"reward {name!r}: extra_penalty must be ≥ 0, got {extra_penalty}.")
-        from rlgen_cli.shapes.detect import ShapeDetector
-
         self.name, self.mode, self.extra_penalty = name, mode, extra_penalty
         self.detector = detector or ShapeDetector()
         self.thresholds = thresholds
@@ -127,8 +122,6 @@ class ShapesGenEvalReward:
         Raises:
             ValueError: If images or metadata are missing or malformed, or metadata is not ShapesEval.
         """
-        from rlgen_cli.shapes.score import score_images
-
         images, metadata = self._check(batch)
         results = score_images(images, metadata, self.detector, self.thresholds, self.position_credit)
 
@@ -172,8 +165,6 @@ def shapes_geneval(
     Raises:
         ValueError: On an unknown mode, a negative penalty or ``min_area < 1``.
     """
-    from rlgen_cli.shapes.detect import ShapeDetector
-
     thresholds = GenEvalThresholds(position_margin=position_margin)
     return ShapesGenEvalReward(
         mode, extra_penalty, ShapeDetector(min_area), thresholds, position_credit=position_credit

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import TrainConfig
 
 __all__ = ["TEXT_TOLERANCE", "TEXT_TOLERANCES", "CheckConfig", "CheckOnPolicyConfig"]
@@ -48,15 +47,6 @@ class CheckConfig:
     standard deviation (seeded by ``seed``) to every trainable weight — the check must then fail (exit 1).
     It shows the check can fail; 0 = off. 1e-3 moves the log-probs by ≈ 2e-3 (tiny VLM, R3 text), ≈ 1e-4
     (R3 image steps, ShapesEval UNet) and ≈ 4e-6 (tiny SD3, whose LoRA starts at B = 0; 1e-2: ≈ 5e-5)."""
-
-    def __post_init__(self) -> None:
-        for key in ("tolerance", "text_tolerance"):
-            if getattr(self, key) is not None and not getattr(self, key) > 0:
-                raise UserError(f"check.{key} must be > 0, got {getattr(self, key)}")
-        if not self.perturb_weights >= 0:
-            raise UserError(f"check.perturb_weights must be ≥ 0 (0 = off), got {self.perturb_weights}")
-        if self.train_batch_size is not None and self.train_batch_size < 1:
-            raise UserError(f"check.train_batch_size must be ≥ 1 (or null), got {self.train_batch_size}")
 
 
 @dataclass

@@ -7,7 +7,7 @@ it: a reward model that cannot ship, memory, a missing kernel). ``tests/configs/
 composes each such experiment and checks the record against the composed config, so a default that moves
 under an experiment breaks a test instead of silently changing the recipe.
 
-Keys are dotted paths into the composed config (``algo.beta``, ``sampler.kind``), plus a few derived
+Keys are dotted paths into the composed config (``algo.kl_weight``, ``sampler.kind``), plus a few derived
 values that no single key holds (``geometry.samples_per_optimizer_step``,
 ``geometry.optimizer_steps_per_epoch``; see the test for their definitions).
 """

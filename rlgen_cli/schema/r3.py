@@ -17,19 +17,19 @@ is logged at start; ``r3.offline.enabled=false`` turns it off.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Annotated, get_args
 
 from rlgen_cli.schema.check import CheckOnPolicyConfig
+from rlgen_cli.schema.choices import R3Dataset, SdeKind
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import EvalConfig, ModelConfig, TrainConfig
 
 R3_FAMILIES = ("r3_composite",)
 """``model.family`` values that run the R3 recipe (a native unified model would join this list)."""
-R3_DATASETS = ("geneval", "geneval_plus", "tiif")
 SERVED_REWARDS = ("geneval", "geneval_plus", "tiif")
 """``reward_fn`` values scored by a server: the GenEval server, or the VLM judge with GenEval++ / TIIF
 prompts. Any other value names a local reward of the registry (``mix`` = the ``reward`` section as is)."""
-SDE_KINDS = ("dance", "flow_sde", "cps")
-TINY_DATA = {name: f"builtin:r3_{name}_tiny.jsonl" for name in R3_DATASETS}
+TINY_DATA = {name: f"builtin:r3_{name}_tiny.jsonl" for name in get_args(R3Dataset)}
 
 
 def _require(condition: bool, message: str) -> None:
@@ -100,7 +100,7 @@ class R3Config:
     """Training prompts (jsonl in the format of dataset_name); ``builtin:NAME`` = a packaged file."""
     val_data_path: str | None = "./data/rl_test/test_geneval.jsonl"
     """Evaluation prompts, same format (null = train_data_path)."""
-    dataset_name: str = "geneval"
+    dataset_name: Annotated[str, R3Dataset] = "geneval"
     """geneval | geneval_plus | tiif (docs/maths.md §12)."""
     reward_fn: str = "geneval"
     """geneval (GenEval server) | geneval_plus | tiif (OpenAI-compatible judge with those prompts) | mix
@@ -133,7 +133,7 @@ class R3Config:
     temperature: float = 0.9
     """Text sampling temperature (log-probs are always taken at temperature 1)."""
     top_p: float = 0.9
-    sde_kind: str = "dance"
+    sde_kind: Annotated[str, SdeKind] = "dance"
     """Stochastic step: dance (score form, constant η) | flow_sde | cps. Upstream's score-form step scales
     η with time, η·sqrt(t / (1 − min(t, 0.95))), which none of these is exactly (the r3_* experiments'
     fidelity records say so)."""
@@ -161,53 +161,28 @@ class R3Config:
     offline: OfflineConfig = field(default_factory=OfflineConfig)
 
     def __post_init__(self) -> None:
-        _require(self.group_size >= 2, f"r3.group_size must be ≥ 2 to form advantages, got {self.group_size}")
         _require(
-            self.policy_group_size >= 1 and self.group_size % self.policy_group_size == 0,
+            self.group_size % self.policy_group_size == 0,
             f"r3.group_size ({self.group_size}) must be divisible by r3.policy_group_size "
             f"({self.policy_group_size}): each process rolls out group_size / policy_group_size branches",
         )
         per_rank = self.group_size // self.policy_group_size
         _require(
-            self.micro_batch_size is None
-            or (self.micro_batch_size > 0 and per_rank % self.micro_batch_size == 0),
+            self.micro_batch_size is None or per_rank % self.micro_batch_size == 0,
             f"r3.micro_batch_size ({self.micro_batch_size}) must divide the {per_rank} branches of a process",
         )
         _require(
             self.tune_text_cot or self.tune_image_cot, "r3.tune_text_cot and r3.tune_image_cot are both false"
         )
-        _require(
-            self.dataset_name in R3_DATASETS,
-            f"r3.dataset_name={self.dataset_name!r}; choose one of {R3_DATASETS}",
-        )
         _require(bool(self.reward_fn), "r3.reward_fn is empty; e.g. geneval, geneval_plus, tiif or mix")
-        _require(self.sde_kind in SDE_KINDS, f"r3.sde_kind={self.sde_kind!r}; choose one of {SDE_KINDS}")
         _require(
-            self.num_timesteps_gen >= 2 and self.num_timesteps_edit >= 2,
-            "r3.num_timesteps_gen and r3.num_timesteps_edit count both ends of the schedule: ≥ 2",
-        )
-        _require(
-            1 <= self.max_sde_timestep_idx_for_edit <= self.num_timesteps_edit - 1,
+            self.max_sde_timestep_idx_for_edit <= self.num_timesteps_edit - 1,
             f"r3.max_sde_timestep_idx_for_edit ({self.max_sde_timestep_idx_for_edit}) must be in "
             f"[1, {self.num_timesteps_edit - 1}] (the editing steps)",
         )
         _require(
-            0 <= self.perfect_ratio <= 1, f"r3.perfect_ratio must be in [0, 1], got {self.perfect_ratio}"
-        )
-        _require(
-            min(self.max_output_token_n_gen, self.max_output_token_n_edit, self.buffer_size) >= 1,
-            "r3.max_output_token_n_gen, r3.max_output_token_n_edit and r3.buffer_size must be ≥ 1",
-        )
-        _require(
-            min(self.kl_weight_text, self.kl_weight_image, self.ce_weight, self.mse_weight) >= 0,
-            "r3 loss weights (ce_weight, mse_weight, kl_weight_text, kl_weight_image) must be ≥ 0",
-        )
-        _require(self.clip_range > 0, f"r3.clip_range must be positive, got {self.clip_range}")
-        _require(
-            self.temperature > 0 and 0 < self.top_p <= 1, "r3.temperature must be > 0, r3.top_p in (0, 1]"
-        )
-        _require(
-            self.eval_rounds >= 0 and self.eval_max_prompts >= 0, "r3.eval_rounds and eval_max_prompts ≥ 0"
+            self.sde_kind != "cps" or max(self.noise_level_gen, self.noise_level_edit) <= 1,
+            "r3.sde_kind=cps takes noise levels in [0, 1]: set r3.noise_level_gen and r3.noise_level_edit",
         )
 
     @property

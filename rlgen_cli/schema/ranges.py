@@ -1,10 +1,12 @@
-"""The valid range of every numeric setting, and one pass that checks them all with the key's full name.
+"""The valid range of every numeric setting, and one pass that checks every setting with the key's full name.
 
 Each schema dataclass lists its numeric fields in :data:`RANGES` (a field inherits the range of the class
-that declares it). :func:`check_settings` walks a composed config section by section *before* the typed
-objects are built, so a bad value stops the run with exit code 2 naming the key (``algo.lr must be > 0,
-got nan``) instead of failing later, deep in a recipe. The same pass rejects keys no schema declares: a
-``+algo.lrr=1e-3`` typo is named with the closest real key instead of landing silently in resolved.yaml.
+that declares it); a choice field carries its allowed values in its annotation (``schema/choices.py``).
+:func:`check_settings` walks a composed config section by section *before* the typed objects are built,
+so a bad value stops the run with exit code 2 naming the key (``algo.lr must be > 0, got nan``,
+``sampler.kind='sde' is not valid; choose one of ode, flow_sde, dance, cps``) instead of failing later,
+deep in a recipe. The same pass rejects keys no schema declares: a ``+algo.lrr=1e-3`` typo is named with
+the closest real key instead of landing silently in resolved.yaml.
 
 Checks that involve several fields stay in each dataclass's ``__post_init__``; ``tests/configs/
 test_ranges.py`` fails when a numeric field has no range here, so a new setting cannot skip the check.
@@ -24,25 +26,29 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from rlgen_cli.schema.algo import (
+    AlgoConfig,
+    EMAConfig,
+    FlashConfig,
+    PrefConfig,
+    PretrainConfig,
+    SamplerConfig,
+    WindowConfig,
+)
 from rlgen_cli.schema.check import CheckConfig
+from rlgen_cli.schema.choices import choices_of
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import (
-    AlgoConfig,
     DataConfig,
-    EMAConfig,
     EvalConfig,
-    FlashConfig,
     LauncherConfig,
     LoraConfig,
     ModelConfig,
-    PrefConfig,
-    PretrainConfig,
     RewardConfig,
     SampleConfig,
-    SamplerConfig,
     TrainConfig,
-    WindowConfig,
 )
+from rlgen_cli.schema.forward import ForwardConfig, OldPolicyConfig
 from rlgen_cli.schema.r3 import R3Config
 from rlgen_cli.schema.serve import ServerConfig
 from rlgen_cli.schema.vlm import TokenGRPOOptions, VLMOptions
@@ -131,7 +137,7 @@ RANGES: dict[type, dict[str, Range | Pattern]] = {
         "train_batch_size": COUNT, "gradient_accumulation_steps": COUNT, "num_inner_epochs": COUNT,
         "lr": POSITIVE, "lr_decay_start": BELOW_ONE, "lr_min_ratio": PROBABILITY, "adam_beta1": BELOW_ONE,
         "adam_beta2": BELOW_ONE, "adam_eps": POSITIVE, "weight_decay": NON_NEGATIVE, "max_grad_norm": ANY,
-        "clip_range": POSITIVE, "adv_clip_max": NON_NEGATIVE, "adv_eps": NON_NEGATIVE, "beta": NON_NEGATIVE,
+        "clip_range": POSITIVE, "adv_clip_max": NON_NEGATIVE, "adv_eps": NON_NEGATIVE, "kl_weight": NON_NEGATIVE,
         "best_of_n": NON_NEGATIVE,
     },
     WindowConfig: {
@@ -141,7 +147,15 @@ RANGES: dict[type, dict[str, Range | Pattern]] = {
     },
     FlashConfig: {"ratio": FRACTION},
     EMAConfig: {"decay": PROBABILITY, "update_every": COUNT},
-    PrefConfig: {"beta": NON_NEGATIVE, "ref_update_step": NON_NEGATIVE, "top_k": COUNT, "timesteps_per_sample": COUNT},
+    PrefConfig: {
+        "dpo_beta": POSITIVE, "anchor_weight": NON_NEGATIVE, "ref_update_step": NON_NEGATIVE, "top_k": COUNT,
+        "timesteps_per_sample": COUNT,
+    },
+    ForwardConfig: {
+        "timestep_fraction": FRACTION, "num_timesteps": COUNT, "nft_beta": POSITIVE, "ghuber_power": POSITIVE,
+        "advantage_max": POSITIVE, "old_weight": NON_NEGATIVE,
+    },
+    OldPolicyConfig: {"flat_steps": NON_NEGATIVE, "rate": NON_NEGATIVE, "max_decay": BELOW_ONE},
     PretrainConfig: {
         "steps_per_epoch": COUNT, "batch_size": COUNT, "cond_dropout": BELOW_ONE, "warmup_steps": NON_NEGATIVE,
         "min_lr_ratio": PROBABILITY,
@@ -227,12 +241,15 @@ def check_settings(cfg: DictConfig, prefix: str = "") -> None:
     nested = _nested(schema)
     for name in names:
         rule = range_of(schema, name)
+        valid = choices_of(schema, name)
         if name in nested:
             section = cfg[name]
             if section is not None:
                 check_settings(section, f"{prefix}{name}.")
         elif rule is not None:
             _check_value(f"{prefix}{name}", cfg[name], rule)
+        elif valid is not None and cfg[name] not in valid:
+            raise UserError(f"{prefix}{name}={cfg[name]!r} is not valid; choose one of {', '.join(valid)}")
 
 
 def _check_value(key: str, value: Any, rule: Range | Pattern) -> None:

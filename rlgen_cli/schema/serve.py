@@ -49,20 +49,10 @@ class ServerConfig:
     """On SIGINT/SIGTERM, how long to wait for in-flight requests before closing."""
 
     def __post_init__(self) -> None:
-        _require(0 <= self.port <= 65535, f"server.port={self.port} is not a TCP port (0–65535)")
-        _require(self.workers >= 1, f"server.workers must be ≥ 1, got {self.workers}")
         _require(
             self.workers == 1 or self.port != 0,
             "server.port=0 (any free port) cannot be combined with server.workers > 1; give a fixed port",
         )
-        _require(self.max_batch >= 1, f"server.max_batch must be ≥ 1, got {self.max_batch}")
-        _require(self.max_wait_ms >= 0, f"server.max_wait_ms must be ≥ 0, got {self.max_wait_ms}")
-        _require(self.max_request_mb > 0, f"server.max_request_mb must be > 0, got {self.max_request_mb}")
-        _require(
-            self.max_image_pixels >= 1, f"server.max_image_pixels must be ≥ 1, got {self.max_image_pixels}"
-        )
-        for key in ("max_image_side", "max_decoded_mb", "max_request_items", "max_metadata_depth"):
-            _require(getattr(self, key) > 0, f"server.{key} must be > 0, got {getattr(self, key)}")
 
 
 @dataclass

@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field
+from typing import Annotated
 
+from rlgen_cli.schema.choices import (
+    LrSchedule,
+    PromptFormat,
+    StdEstimator,
+    TokenEngine,
+    TokenImportance,
+    TokenLoss,
+    TokenOldLogprobs,
+    TokenRewardScaling,
+)
 from rlgen_cli.schema.errors import UserError
 
-TOKEN_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo")
-IMPORTANCE_LEVELS = ("token", "sequence")
-REWARD_SCALINGS = ("group", "batch", "none")
-STD_ESTIMATORS = ("unbiased", "population")
-OLD_LOGPROBS = ("recompute", "sampler")
-ROLLOUT_ENGINES = ("hf", "vllm")
-PROMPT_FORMATS = ("plain", "mulberry")
-LR_SCHEDULES = ("constant", "cosine", "linear")
 VLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 REFLECTION_MARKERS = [
     "### Reflection",
@@ -38,11 +41,6 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def _one_of(value: str, valid: tuple[str, ...], key: str) -> None:
-    if value not in valid:
-        raise UserError(f"{key}={value!r} is not valid; choose one of {', '.join(valid)}")
-
-
 @dataclass
 class VLMOptions:
     min_pixels: int = 3136
@@ -54,7 +52,7 @@ class VLMOptions:
     completion_cap: int | None = None
     """Upper bound on generated tokens for this model: rollouts use min(algo.token.max_completion_tokens,
     cap) (logged). Tiny random models set a small cap so CPU runs take seconds; null = no cap."""
-    prompt_format: str = "plain"
+    prompt_format: Annotated[str, PromptFormat] = "plain"
     """``plain``: the question as given (R1-VL-10K problems, MathVista queries); ``mulberry``: prefix the
     Mulberry / R1-VL step-format instructions (### Image Description … ### The final answer is:)."""
     system_prompt: str | None = None
@@ -73,28 +71,23 @@ class VLMOptions:
     eval_top_k: int = 1
 
     def __post_init__(self) -> None:
-        if not 0 < self.min_pixels <= self.max_pixels:
+        if self.min_pixels > self.max_pixels:
             raise UserError(
-                f"model.vlm.min_pixels ({self.min_pixels}) must be in (0, max_pixels ({self.max_pixels})]"
+                f"model.vlm.min_pixels ({self.min_pixels}) must be ≤ model.vlm.max_pixels ({self.max_pixels})"
             )
-        _one_of(self.prompt_format, PROMPT_FORMATS, "model.vlm.prompt_format")
-        if self.completion_cap is not None and self.completion_cap < 1:
-            raise UserError(f"model.vlm.completion_cap must be ≥ 1 or null, got {self.completion_cap}")
-        if self.max_context < 16 or self.eval_max_new_tokens < 1:
-            raise UserError("model.vlm.max_context must be ≥ 16 and model.vlm.eval_max_new_tokens ≥ 1")
 
 
 @dataclass
 class TokenGRPOOptions:
-    loss_type: str = "grpo"
+    loss_type: Annotated[str, TokenLoss] = "grpo"
     """Loss aggregation: grpo (per-sequence token mean) | bnpo | dr_grpo | dapo."""
-    importance_level: str = "token"
+    importance_level: Annotated[str, TokenImportance] = "token"
     """Importance ratio per token or per sequence (GSPO-style)."""
     epsilon_high: float | None = None
     """Upper clip ε (DAPO's clip-higher); null = clip_range."""
-    scale_rewards: str = "group"
+    scale_rewards: Annotated[str, TokenRewardScaling] = "group"
     """Advantage std: per group, over the batch, or none."""
-    std_estimator: str = "unbiased"
+    std_estimator: Annotated[str, StdEstimator] = "unbiased"
     """Advantage std estimator: ``unbiased`` (÷ (n − 1), ``torch.std``: R1-VL's trainer and TRL) or
     ``population`` (÷ n, rlgen's flow-side choice); eps 1e-4 either way."""
     temperature: float = 1.2
@@ -105,11 +98,11 @@ class TokenGRPOOptions:
     max_completion_tokens: int = 1024
     num_iterations: int = 1
     """Updates per rollout batch (μ in GRPO)."""
-    old_logprobs: str = "recompute"
+    old_logprobs: Annotated[str, TokenOldLogprobs] = "recompute"
     """π_old: ``recompute`` = the training forward on the rollout batch right after generation (ratio
     exactly 1 on the first inner epoch); ``sampler`` = generate()'s raw logits (KV-cache numerics differ
     by ≤ 1e-6 in fp32; ``rlgen check-onpolicy`` measures the gap)."""
-    engine: str = "hf"
+    engine: Annotated[str, TokenEngine] = "hf"
     """Rollout engine: ``hf`` = transformers ``generate`` on the training model; ``vllm`` = a vLLM engine
     colocated on the same GPU (``pip install vllm``, CUDA), the training weights pushed into it before each
     rollout that follows an optimizer step. π_old is recomputed by the training model either way."""
@@ -119,27 +112,13 @@ class TokenGRPOOptions:
     """Completions that hit max_completion_tokens without EOS get no loss (TRL's option)."""
     warmup_ratio: float = 0.0
     """Fraction of optimizer steps of linear learning-rate warm-up (R1-VL SFT: 0.03)."""
-    lr_schedule: str = "constant"
+    lr_schedule: Annotated[str, LrSchedule] = "constant"
     """After warm-up: constant | cosine | linear decay to 0 (R1-VL SFT: cosine)."""
     sft_drop_markers: list[str] = field(default_factory=lambda: list(REFLECTION_MARKERS))
     """vlm_sft: drop samples whose assistant turns contain any marker (R1-VL removed Mulberry's
     reflective data); empty = keep all."""
 
     def __post_init__(self) -> None:
-        for value, valid, key in (
-            (self.loss_type, TOKEN_LOSSES, "algo.token.loss_type"),
-            (self.importance_level, IMPORTANCE_LEVELS, "algo.token.importance_level"),
-            (self.scale_rewards, REWARD_SCALINGS, "algo.token.scale_rewards"),
-            (self.std_estimator, STD_ESTIMATORS, "algo.token.std_estimator"),
-            (self.old_logprobs, OLD_LOGPROBS, "algo.token.old_logprobs"),
-            (self.lr_schedule, LR_SCHEDULES, "algo.token.lr_schedule"),
-            (self.engine, ROLLOUT_ENGINES, "algo.token.engine"),
-        ):
-            _one_of(value, valid, key)
-        if not 0 < self.vllm_gpu_memory_utilization <= 1:
-            raise UserError(
-                f"algo.token.vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization}"
-            )
         if self.engine == "vllm":
             if not vllm_installed():
                 raise UserError(
@@ -151,11 +130,3 @@ class TokenGRPOOptions:
                     "algo.token.engine=vllm needs algo.token.old_logprobs=recompute: π_old is always recomputed "
                     "by the training model, never taken from vLLM"
                 )
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise UserError("algo.token: temperature must be ≥ 0, top_p in (0, 1], top_k ≥ 0 (0 = off)")
-        if self.max_completion_tokens < 1 or self.num_iterations < 1:
-            raise UserError("algo.token.max_completion_tokens and algo.token.num_iterations must be ≥ 1")
-        if not 0 <= self.warmup_ratio < 1:
-            raise UserError(f"algo.token.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if self.epsilon_high is not None and self.epsilon_high <= 0:
-            raise UserError(f"algo.token.epsilon_high must be positive (or null), got {self.epsilon_high}")

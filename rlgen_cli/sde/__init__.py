@@ -4,26 +4,13 @@ window policies and ODE solvers.
 Imports only torch (and the standard library).
 """
 
-from rlgen_cli.sde.kl import KL_FORMS, step_kl
+from rlgen_cli.sde.kl import step_kl
 from rlgen_cli.sde.schedule import calculate_mu, dynamic_shift_sigmas, sd3_sigmas, shift_sigmas
 from rlgen_cli.sde.solvers import compressed_schedule, dpm_solver_2m, euler
-from rlgen_cli.sde.step import (
-    LOGPROB_FORMS,
-    REDUCTIONS,
-    STEP_KINDS,
-    StepOut,
-    gaussian_logprob,
-    reduce_nonbatch,
-    step,
-)
-from rlgen_cli.sde.window import SLIDING_STRATEGIES, WINDOWS, WindowPlan, last_sde_step, plan_window
+from rlgen_cli.sde.step import StepOut, gaussian_logprob, reduce_nonbatch, step
+from rlgen_cli.sde.window import WINDOWS, WindowPlan, last_sde_step, plan_window
 
 __all__ = [
-    "KL_FORMS",
-    "LOGPROB_FORMS",
-    "REDUCTIONS",
-    "SLIDING_STRATEGIES",
-    "STEP_KINDS",
     "StepOut",
     "WINDOWS",
     "WindowPlan",

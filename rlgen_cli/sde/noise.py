@@ -9,17 +9,41 @@ or the number of processes the epoch is split over.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from enum import IntEnum, unique
 
 import torch
 from torch import Tensor
 
-__all__ = ["randn_per_sample", "sample_generators", "stream_seed"]
+__all__ = ["Stream", "randn_per_sample", "sample_generators", "stream_seed"]
+
+
+@unique
+class Stream(IntEnum):
+    """The salt of every independent random stream, in one place so no two uses can share one.
+
+    A stream is (seed, epoch, key, salt); two uses with the same salt would draw the same numbers.
+    ``unique`` makes a duplicated value an import error. Changing a value changes what that use draws.
+    """
+
+    INITIAL_NOISE = 0  # x_T of each sample
+    STEP_NOISE = 1  # the SDE steps' noise
+    WINDOW = 2  # which steps a random window / subset trains on
+    PREF_SIGMA = 3  # Flow-DPO / SFT: the training σ and ε
+    ZERO_ADVANTAGE_FILL = 4  # which zero-advantage samples fill a micro-batch
+    PRETRAIN_BATCH = 5  # flow pretraining: rows, scenes and dropped prompts of a batch
+    PRETRAIN_NOISE = 6  # flow pretraining: σ and ε
+    VLM_ROLLOUT = 7  # token GRPO / StepGRPO: the text sampling of each rollout batch
+    R3_TEXT = 8  # R3: the text sampling of the policy's stage
+    R3_BUFFER = 9  # R3: the stage-one buffer's draws
+    FORWARD_NOISE = 10  # DiffusionNFT / AWM: the trained σ of each sample and the forward noise ε
+    ONPOLICY_PERTURB = 0x5EED  # check-onpolicy: the perturbation (added to the seed, not a stream salt)
+
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio odd constant: spreads nearby integers over 64 bits
 _MASK = (1 << 63) - 1
 
 
-def stream_seed(seed: int, epoch: int, key: int, salt: int = 0) -> int:
+def stream_seed(seed: int, epoch: int, key: int, salt: Stream) -> int:
     """A 63-bit seed for stream (seed, epoch, key, salt); distinct inputs give unrelated seeds."""
     value = 0
     for part in (seed, epoch, key, salt):
@@ -29,9 +53,9 @@ def stream_seed(seed: int, epoch: int, key: int, salt: int = 0) -> int:
 
 
 def sample_generators(
-    seed: int, epoch: int, keys: Sequence[int], device: torch.device | str = "cpu", salt: int = 0
+    seed: int, epoch: int, keys: Sequence[int], device: torch.device | str = "cpu", *, salt: Stream
 ) -> list[torch.Generator]:
-    """One generator per sample key (``salt`` separates independent uses, e.g. initial vs step noise)."""
+    """One generator per sample key of stream ``salt``."""
     return [torch.Generator(device=device).manual_seed(stream_seed(seed, epoch, k, salt)) for k in keys]
 
 

@@ -32,7 +32,7 @@ class StepSpec:
     """The sampler settings a rollout used; training must reuse them verbatim."""
 
     kind: str
-    eta: float
+    noise_level: float
     reduce: str = "mean"
     logprob_form: str = "gaussian"
 
@@ -120,10 +120,8 @@ def rollout(
             schedule compressed to this fraction of the remaining steps.
         store_means: Keep the step means μ_old of trained steps (GRPO-Guard).
     """
-    if sigmas.numel() != plan.num_steps + 1:
-        raise ValueError(f"{sigmas.numel()} sigmas do not fit a {plan.num_steps}-step plan (need T+1)")
-    if plan.train_steps and min(plan.train_steps) < start:
-        raise ValueError(f"trained steps {plan.train_steps} begin before the rollout's start step {start}")
+    assert sigmas.numel() == plan.num_steps + 1, f"{sigmas.numel()} sigmas for a {plan.num_steps}-step plan"
+    assert min(plan.train_steps, default=start) >= start, f"trained steps {plan.train_steps} before {start}"
     sigma_max = _sigma_max(sigmas)
     x = x.float()
     stored: dict[str, list[Tensor]] = {"x": [], "next": [], "logp": [], "std": [], "mean": []}
@@ -134,11 +132,11 @@ def rollout(
             tail = compressed_schedule(sigmas, i, flash_ratio)[i:]
             x = dpm_solver_2m(velocity, x, tail)
             break
-        kind, eta = (spec.kind, spec.eta) if i in sde else ("ode", 0.0)
+        kind, level = (spec.kind, spec.noise_level) if i in sde else ("ode", 0.0)
         out = step(
-            kind, x, velocity(x, sigmas[i]), sigmas[i], sigmas[i + 1], eta=eta, sigma_max=sigma_max,
+            kind, x, velocity(x, sigmas[i]), sigmas[i], sigmas[i + 1], noise_level=level, sigma_max=sigma_max,
             reduce=spec.reduce, logprob_form=spec.logprob_form,
-            **_noise_source(generator, x, stochastic=kind != "ode" and eta > 0),
+            **_noise_source(generator, x, stochastic=kind != "ode" and level > 0),
         )  # fmt: skip
         if i in trained:
             for key, value in (("x", x), ("next", out.prev), ("logp", out.logprob), ("std", out.std)):
@@ -173,8 +171,7 @@ def _noise_source(generator: Generators, x: Tensor, stochastic: bool) -> dict:
     """``step`` keyword for the noise: per-sample draws, the shared generator, or nothing."""
     if generator is None or isinstance(generator, torch.Generator):
         return {"generator": generator}
-    if len(generator) != x.shape[0]:
-        raise ValueError(f"{len(generator)} per-sample generators for a batch of {x.shape[0]}")
+    assert len(generator) == x.shape[0], f"{len(generator)} per-sample generators for a batch of {x.shape[0]}"
     return {"noise": randn_per_sample(x.shape[1:], generator, x.device)} if stochastic else {}
 
 
@@ -183,6 +180,7 @@ def recompute_step(velocity: Velocity, traj: Trajectory, j: int, spec: StepSpec)
     x = traj.latents[:, j]
     v = velocity(x, traj.sigmas[j])
     return step(
-        spec.kind, x, v, traj.sigmas[j], traj.sigmas_next[j], eta=spec.eta, prev=traj.next_latents[:, j],
+        spec.kind, x, v, traj.sigmas[j], traj.sigmas_next[j], noise_level=spec.noise_level,
+        prev=traj.next_latents[:, j],
         sigma_max=traj.sigma_max, reduce=spec.reduce, logprob_form=spec.logprob_form,
     )  # fmt: skip

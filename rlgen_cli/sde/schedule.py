@@ -23,14 +23,6 @@ from torch import Tensor
 __all__ = ["calculate_mu", "dynamic_shift_sigmas", "sd3_sigmas", "shift_sigmas"]
 
 
-def _check_num_steps(num_steps: int) -> None:
-    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
-        raise ValueError(
-            f"num_steps must be an integer >= 1, got {num_steps!r}: a schedule needs at least one "
-            "denoising step; pass e.g. num_steps=10."
-        )
-
-
 def _check_shift(shift: float) -> None:
     if not shift > 0 or not math.isfinite(shift):
         raise ValueError(
@@ -79,15 +71,10 @@ def sd3_sigmas(num_steps: int, shift: float = 3.0, sigma_min: float = 1 / 1000) 
         Sigmas of shape ``(T + 1,)``, float32, from 1 down to a final 0.
 
     Raises:
-        ValueError: If ``num_steps`` < 1, ``shift`` <= 0 or ``sigma_min`` is outside (0, 1).
+        ValueError: If ``shift`` <= 0 (a family's ``model.shift``).
     """
-    _check_num_steps(num_steps)
+    assert num_steps >= 1 and 0 < sigma_min < 1, (num_steps, sigma_min)
     _check_shift(shift)
-    if not 0 < sigma_min < 1:
-        raise ValueError(
-            f"sigma_min must lie in (0, 1), got {sigma_min!r}: it is the smallest training noise "
-            "level 1/num_train_timesteps; use the default 1/1000."
-        )
     end = _shift(torch.tensor(sigma_min, dtype=torch.float64), shift)  # ()
     base = torch.linspace(1.0, float(end), num_steps, dtype=torch.float64)  # (T,)
     sigmas = _shift(base, shift)  # (T,)
@@ -116,14 +103,8 @@ def calculate_mu(
     Returns:
         The exponent ``μ`` as a Python float.
 
-    Raises:
-        ValueError: If ``max_seq_len == base_seq_len`` (the line is undefined).
     """
-    if max_seq_len == base_seq_len:
-        raise ValueError(
-            f"max_seq_len and base_seq_len are both {base_seq_len}: μ is interpolated between them, "
-            "so they must differ; use the defaults 256 and 4096."
-        )
+    assert max_seq_len != base_seq_len, "μ is interpolated between base_seq_len and max_seq_len"
     slope = (max_shift - base_shift) / (max_seq_len - base_seq_len)
     intercept = base_shift - slope * base_seq_len
     return float(image_seq_len * slope + intercept)
@@ -142,13 +123,8 @@ def dynamic_shift_sigmas(num_steps: int, mu: float) -> Tensor:
 
     Returns:
         Sigmas of shape ``(T + 1,)``, float32, from 1 down to a final 0.
-
-    Raises:
-        ValueError: If ``num_steps`` < 1 or ``mu`` is not finite.
     """
-    _check_num_steps(num_steps)
-    if not math.isfinite(mu):
-        raise ValueError(f"mu must be finite, got {mu!r}; compute it with calculate_mu(image_seq_len).")
+    assert num_steps >= 1 and math.isfinite(mu), (num_steps, mu)
     base = torch.linspace(1.0, 1.0 / num_steps, num_steps, dtype=torch.float64)  # (T,)
     e_mu = math.exp(mu)
     sigmas = e_mu / (e_mu + (1.0 / base - 1.0))  # (T,)

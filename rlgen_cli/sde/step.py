@@ -15,8 +15,10 @@ Implements, in float32, the transition kernels that policy-gradient RL for flow 
 
 Convention: ``x_σ = (1 − σ)·x₀ + σ·ε``, the model predicts ``v ≈ ε − x₀``, and a step goes from
 ``σ`` to ``σ_next < σ`` with ``dt = σ_next − σ < 0``. Every stochastic kind is ``x' = μ + s·z`` with
-``z ~ N(0, I)``, so ``log p(x' | x)`` is a diagonal Gaussian with per-sample std ``s``; with η = 0 each
-kind is exactly the Euler ODE step.
+``z ~ N(0, I)``, so ``log p(x' | x)`` is a diagonal Gaussian with per-sample std ``s``. Every kind takes
+one ``noise_level`` (a of ``flow_sde`` and ``cps``, η of ``dance``: ``sampler.noise_level``); at 0 each kind
+is exactly the Euler ODE step. The arguments come checked from the config (``schema/choices.py``): a bad
+kind, reduction or level here is a programming error, and fails an assert.
 """
 
 from __future__ import annotations
@@ -27,19 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = [
-    "LOGPROB_FORMS",
-    "REDUCTIONS",
-    "STEP_KINDS",
-    "StepOut",
-    "gaussian_logprob",
-    "reduce_nonbatch",
-    "step",
-]
-
-STEP_KINDS = ("ode", "flow_sde", "dance", "cps")
-REDUCTIONS = ("mean", "sum")
-LOGPROB_FORMS = ("gaussian", "upstream")
+__all__ = ["StepOut", "gaussian_logprob", "reduce_nonbatch", "step"]
 
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -61,11 +51,6 @@ class StepOut:
     logprob: Tensor
 
 
-def _check_choice(name: str, value: str, valid: tuple[str, ...]) -> None:
-    if value not in valid:
-        raise ValueError(f"unknown {name} {value!r}; valid values are {', '.join(map(repr, valid))}.")
-
-
 def reduce_nonbatch(t: Tensor, reduce: str) -> Tensor:
     """Reduces every dim but the first: ``(B, ...) -> (B,)`` by ``"mean"`` or ``"sum"``.
 
@@ -75,13 +60,12 @@ def reduce_nonbatch(t: Tensor, reduce: str) -> Tensor:
 
     Returns:
         Tensor of shape ``(B,)``.
-
-    Raises:
-        ValueError: If ``reduce`` is not one of :data:`REDUCTIONS`.
     """
-    _check_choice("reduce", reduce, REDUCTIONS)
     flat = t.reshape(t.shape[0], -1)  # (B, N)
-    return flat.mean(dim=1) if reduce == "mean" else flat.sum(dim=1)
+    if reduce == "mean":
+        return flat.mean(dim=1)
+    assert reduce == "sum", reduce
+    return flat.sum(dim=1)
 
 
 def _per_sample(value: Tensor | float, x: Tensor, name: str) -> Tensor:
@@ -117,26 +101,8 @@ def _check_tensors(x: Tensor, v: Tensor, noise: Tensor | None, prev: Tensor | No
             )
 
 
-def _check_args(kind: str, eta: float, reduce: str, logprob_form: str) -> None:
-    _check_choice("step kind", kind, STEP_KINDS)
-    _check_choice("reduce", reduce, REDUCTIONS)
-    _check_choice("logprob_form", logprob_form, LOGPROB_FORMS)
-    if logprob_form == "upstream" and kind not in ("cps", "ode"):  # an ODE step has no density either way
-        raise ValueError(
-            f"logprob_form='upstream' is only defined for kind='cps' (got {kind!r}); use the "
-            "default logprob_form='gaussian'."
-        )
-    if not (eta >= 0 and math.isfinite(eta)):
-        raise ValueError(f"eta must be a finite number >= 0, got {eta!r}; 0 gives the Euler ODE.")
-    if kind == "cps" and eta > 1:
-        raise ValueError(
-            f"cps noise level eta must lie in [0, 1], got {eta!r}: σ_t = σ'·sin(eta·π/2) reaches "
-            "its maximum σ' at eta = 1; upstream uses 0.8."
-        )
-
-
 def _flow_sde(
-    x: Tensor, v: Tensor, sigma: Tensor, dt: Tensor, eta: float, sigma_max: float | None
+    x: Tensor, v: Tensor, sigma: Tensor, dt: Tensor, noise_level: float, sigma_max: float | None
 ) -> tuple[Tensor, Tensor]:
     """Flow-GRPO SDE mean and ``(B,)`` std (docs/maths.md §2.2)."""
     at_one = sigma == 1  # (B,)
@@ -148,25 +114,27 @@ def _flow_sde(
     if sigma_max is not None and not 0 <= sigma_max < 1:
         raise ValueError(f"sigma_max must lie in [0, 1), got {sigma_max!r}; pass sigma_max=sigmas[1].")
     denom = torch.where(at_one, torch.full_like(sigma, sigma_max or 0.0), sigma)  # (B,)
-    sigma_t = eta * torch.sqrt(sigma / (1 - denom))  # (B,)
+    sigma_t = noise_level * torch.sqrt(sigma / (1 - denom))  # (B,)
     c_x = 1 + sigma_t**2 * dt / (2 * sigma)  # (B,)
     c_v = (1 + sigma_t**2 * (1 - sigma) / (2 * sigma)) * dt  # (B,)
     mean = x * _bcast(c_x, x) + v * _bcast(c_v, x)
     return mean, sigma_t * torch.sqrt(-dt)
 
 
-def _dance(x: Tensor, v: Tensor, sigma: Tensor, dt: Tensor, eta: float) -> tuple[Tensor, Tensor]:
+def _dance(x: Tensor, v: Tensor, sigma: Tensor, dt: Tensor, noise_level: float) -> tuple[Tensor, Tensor]:
     """DanceGRPO score-form SDE mean and ``(B,)`` std with constant η (docs/maths.md §2.4)."""
     sig = _bcast(sigma, x)
     x0_hat = x - sig * v
     score = -(x - (1 - sig) * x0_hat) / sig**2
-    mean = x + (v - 0.5 * eta**2 * score) * _bcast(dt, x)
-    return mean, eta * torch.sqrt(-dt)
+    mean = x + (v - 0.5 * noise_level**2 * score) * _bcast(dt, x)
+    return mean, noise_level * torch.sqrt(-dt)
 
 
-def _cps(x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, eta: float) -> tuple[Tensor, Tensor]:
+def _cps(
+    x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, noise_level: float
+) -> tuple[Tensor, Tensor]:
     """Coefficients-preserving sampling mean and ``(B,)`` std (docs/maths.md §2.5)."""
-    sigma_t = sigma_next * math.sin(eta * math.pi / 2)  # (B,)
+    sigma_t = sigma_next * math.sin(noise_level * math.pi / 2)  # (B,)
     sig = _bcast(sigma, x)
     x0_hat = x - sig * v
     x1_hat = x + (1 - sig) * v
@@ -211,23 +179,24 @@ def _mean_std(
     v: Tensor,
     sigma: Tensor,
     sigma_next: Tensor,
-    eta: float,
+    noise_level: float,
     sigma_max: float | None,
 ) -> tuple[Tensor, Tensor]:
-    """Dispatches to the kind's mean ``(B, ...)`` and std ``(B,)``; η = 0 is the Euler ODE."""
+    """Dispatches to the kind's mean ``(B, ...)`` and std ``(B,)``; noise level 0 is the Euler ODE."""
     dt = sigma_next - sigma  # (B,)
     if bool((dt > 0).any()):
         raise ValueError(
             "sigma_next > sigma: a denoising step must go from noise toward data (dt = "
             "sigma_next − sigma <= 0); pass consecutive entries sigmas[i], sigmas[i + 1]."
         )
-    if kind == "ode" or eta == 0:
+    if kind == "ode" or noise_level == 0:
         return x + v * _bcast(dt, x), torch.zeros_like(sigma)
     if kind == "flow_sde":
-        return _flow_sde(x, v, sigma, dt, eta, sigma_max)
+        return _flow_sde(x, v, sigma, dt, noise_level, sigma_max)
     if kind == "dance":
-        return _dance(x, v, sigma, dt, eta)
-    return _cps(x, v, sigma, sigma_next, eta)
+        return _dance(x, v, sigma, dt, noise_level)
+    assert kind == "cps", kind
+    return _cps(x, v, sigma, sigma_next, noise_level)
 
 
 def step(
@@ -237,7 +206,7 @@ def step(
     sigma: Tensor | float,
     sigma_next: Tensor | float,
     *,
-    eta: float = 0.0,
+    noise_level: float = 0.0,
     noise: Tensor | None = None,
     prev: Tensor | None = None,
     generator: torch.Generator | None = None,
@@ -249,17 +218,17 @@ def step(
 
     Exactly one mode: ``prev`` given recomputes ``log p(prev | x)`` of a stored transition (training;
     the returned ``prev`` is the given one); ``noise`` given samples ``μ + s·noise``; neither draws
-    ``z ~ N(0, I)`` from ``generator``. Deterministic steps (``ode`` or ``eta == 0``, which equal
+    ``z ~ N(0, I)`` from ``generator``. Deterministic steps (``ode`` or ``noise_level == 0``, which equal
     ``x + v·dt`` exactly) draw no noise and have ``std = logprob = 0``.
 
     Args:
-        kind: One of :data:`STEP_KINDS`: ``ode``, ``flow_sde``, ``dance``, ``cps``.
+        kind: ``ode``, ``flow_sde``, ``dance`` or ``cps`` (``schema.choices.StepKind``).
         x: ``(B, ...)`` current sample ``x_t``: images ``(B, C, H, W)``, videos ``(B, C, F, H, W)``
             or packed tokens ``(B, L, D)``.
         v: ``(B, ...)`` predicted velocity at ``(x, sigma)``.
-        sigma: Current noise level: float, 0-d or ``(B,)`` tensor.
+        sigma: Current σ of the schedule: float, 0-d or ``(B,)`` tensor.
         sigma_next: Next noise level (<= ``sigma``), same forms.
-        eta: Noise level ``a`` (``flow_sde``, ``cps`` in [0, 1]) or constant η (``dance``).
+        noise_level: ≥ 0: a of ``flow_sde`` and ``cps`` (≤ 1 there), constant η of ``dance``.
         noise: Optional ``(B, ...)`` standard-normal draw to use.
         prev: Optional ``(B, ...)`` stored ``x_{t+1}`` to score.
         generator: RNG for the draw when neither ``noise`` nor ``prev`` is given.
@@ -271,18 +240,19 @@ def step(
         :class:`StepOut` with float32 ``prev``, ``mean``, ``std`` ``(B,)`` and ``logprob`` ``(B,)``.
 
     Raises:
-        ValueError: On an unknown kind / reduce / logprob_form, both ``noise`` and ``prev``, shape
-            mismatches, ``sigma_next > sigma``, or ``flow_sde`` at σ = 1 without ``sigma_max``.
+        ValueError: On both ``noise`` and ``prev``, shape mismatches, ``sigma_next > sigma``, or
+            ``flow_sde`` at σ = 1 without ``sigma_max``.
     """
-    _check_args(kind, eta, reduce, logprob_form)
+    assert 0 <= noise_level < math.inf and (kind != "cps" or noise_level <= 1), (kind, noise_level)
+    assert logprob_form == "gaussian" or kind in ("cps", "ode"), (kind, logprob_form)
     _check_tensors(x, v, noise, prev)
     x, v = x.float(), v.float()
     sig, sig_next = _per_sample(sigma, x, "sigma"), _per_sample(sigma_next, x, "sigma_next")
-    mean, std = _mean_std(kind, x, v, sig, sig_next, eta, sigma_max)  # (B, ...), (B,)
+    mean, std = _mean_std(kind, x, v, sig, sig_next, noise_level, sigma_max)  # (B, ...), (B,)
     std = std.contiguous()
     if prev is not None:
         prev = prev.float()
-    elif kind == "ode" or eta == 0:
+    elif kind == "ode" or noise_level == 0:
         prev = mean
     else:
         if noise is None:
@@ -291,5 +261,6 @@ def step(
     if logprob_form == "upstream":
         logprob = _upstream_logprob(prev, mean, std, reduce)
     else:
+        assert logprob_form == "gaussian", logprob_form
         logprob = gaussian_logprob(prev, mean, std, reduce)
     return StepOut(prev=prev, mean=mean, std=std, logprob=logprob)

@@ -1,7 +1,7 @@
 """The aiohttp reward server: ``POST /v1/score``, ``GET /healthz``, ``GET /v1/rewards``, ``GET /metrics``.
 
 ``build_app(rewards, settings)`` returns an :class:`aiohttp.web.Application` that hosts several named
-rewards. Score requests follow :mod:`rlgen_cli.server.wire` (JSON with base64 PNG/JPEG; msgpack with PNG/JPEG
+rewards. Score requests follow :mod:`~rlgen_cli.rewards.remote.wire` (JSON with base64 PNG/JPEG; msgpack with PNG/JPEG
 bytes or raw uint8 pixels); concurrent requests for one reward are micro-batched
 (:mod:`rlgen_cli.server.batcher`).
 
@@ -36,8 +36,9 @@ import numpy as np
 from aiohttp import web
 
 from rlgen_cli.rewards.base import Reward
+from rlgen_cli.rewards.remote import wire
 from rlgen_cli.schema.errors import UserError
-from rlgen_cli.server import limits, wire
+from rlgen_cli.server import limits
 from rlgen_cli.server.batcher import MicroBatcher, ScoringError
 from rlgen_cli.server.metrics import ServerMetrics
 

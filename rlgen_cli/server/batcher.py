@@ -30,8 +30,8 @@ import torch
 from torch import Tensor
 
 from rlgen_cli.rewards.base import Reward, RewardBatch, accepts_uint8, check_result
+from rlgen_cli.rewards.remote.wire import pixels_to_float, to_jsonable
 from rlgen_cli.server.metrics import ServerMetrics
-from rlgen_cli.server.wire import pixels_to_float, to_jsonable
 
 logger = logging.getLogger(__name__)
 _MIN_SLICE = 4  # fewest images per slice when a batch's float conversion is split over threads

@@ -11,7 +11,7 @@ so the body size alone bounds nothing. Every list element, map entry and contain
   skips strings first).
 
 :func:`check_depth` bounds how deeply free-form fields (``metadata``) nest. Each function raises a
-:class:`~rlgen_cli.server.wire.WireError` naming the limit and its ``server.`` key.
+:class:`~rlgen_cli.rewards.remote.wire.WireError` naming the limit and its ``server.`` key.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import json
 import re
 from typing import Any
 
-from rlgen_cli.server.wire import WireError
+from rlgen_cli.rewards.remote.wire import WireError
 
 __all__ = ["check_depth", "count_json_items", "parse_body"]
 

@@ -64,7 +64,6 @@ def build_rewards(specs: Mapping[str, Mapping[str, Any]]) -> dict[str, Reward]:
         UserError: If a name is not registered (the message lists the valid names).
     """
     from rlgen_cli.rewards import build_reward
-    from rlgen_cli.rewards import remote as _remote  # noqa: F401  (registers the remote clients)
 
     try:
         return {name: build_reward(name, **dict(kwargs)) for name, kwargs in specs.items()}

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlgen_cli.rewards.geneval import Detection
+from rlgen_cli.geneval_rules import Detection
 from rlgen_cli.shapes.vocab import BACKGROUND, PALETTE
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ PROTOTYPES: dict[str, tuple[float, float]] = {
 
 @dataclass(frozen=True)
 class ShapeDetection(Detection):
-    """A :class:`~rlgen_cli.rewards.geneval.Detection` with the colour and shape features it came from.
+    """A :class:`~rlgen_cli.geneval_rules.Detection` with the colour and shape features it came from.
 
     Attributes:
         color: Majority palette colour of the component's pixels.

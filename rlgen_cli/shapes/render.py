@@ -6,7 +6,7 @@ detector reads them back exactly. Sizes and positions are random (``random.Rando
 
 * boxes never touch: inflated by ``gap`` pixels they do not overlap;
 * a clause with ``"position": [relation, j]`` places each of its objects so that GenEval's
-  :func:`~rlgen_cli.rewards.geneval.relative_position` (margin 0.1, box centres) of it against every
+  :func:`~rlgen_cli.geneval_rules.relative_position` (margin 0.1, box centres) of it against every
   object of clause ``j`` is exactly ``{relation}`` — the relation holds, the other axis stays neutral;
 * a clause without ``"color"`` draws colours uniformly from the palette, avoiding ``avoid`` pairs
   (default: the held-out colour–shape pairs, so they are only ever drawn when a prompt names them).
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlgen_cli.rewards.geneval import relative_position
+from rlgen_cli.geneval_rules import relative_position
 from rlgen_cli.shapes.vocab import BACKGROUND, COLORS, HELDOUT_COLOR_SHAPES, PALETTE, SHAPES
 
 logger = logging.getLogger(__name__)

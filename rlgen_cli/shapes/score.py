@@ -1,7 +1,7 @@
 """ShapesEval scoring: GenEval metrics on :class:`~rlgen_cli.shapes.detect.ShapeDetector` output, plus
 the headline **strict accuracy** and the extra-object count.
 
-GenEval's rules come from :func:`rlgen_cli.rewards.geneval.score_geneval` unchanged (colours read from
+GenEval's rules come from :func:`rlgen_cli.geneval_rules.score_geneval` unchanged (colours read from
 the detections): ``score`` = Flow-GRPO partial credit, ``accuracy`` = the original binary metric,
 ``geneval_strict`` = exact counts + colours + positions + excludes. ShapesEval adds:
 
@@ -26,7 +26,7 @@ from typing import Any
 
 from torch import Tensor
 
-from rlgen_cli.rewards.geneval import Detection, GenEvalResult, GenEvalThresholds, score_geneval, summarise
+from rlgen_cli.geneval_rules import Detection, GenEvalResult, GenEvalThresholds, score_geneval, summarise
 from rlgen_cli.shapes.detect import ShapeDetector
 from rlgen_cli.shapes.vocab import COLORS, SHAPES, TAGS
 

@@ -27,11 +27,11 @@ import torch
 from omegaconf import DictConfig
 
 from rlgen_cli.schema.errors import UserError
+from rlgen_cli.sde.noise import Stream
 from rlgen_cli.tasks.common import require_data, run_dir_of, user_errors, validated
 
 log = logging.getLogger(__name__)
 EXIT_MISMATCH = 1
-PERTURB_SALT = 0x5EED  # keeps the perturbation's stream apart from every other use of ``seed``
 
 Perturb = Callable[[Sequence[torch.nn.Parameter]], None]
 
@@ -47,7 +47,7 @@ def perturb_weights(params: Sequence[torch.nn.Parameter], std: float, seed: int)
         return
     if not params:
         raise UserError("check.perturb_weights is set but the model has no trainable weights to perturb")
-    generator = torch.Generator().manual_seed(seed + PERTURB_SALT)
+    generator = torch.Generator().manual_seed(seed + Stream.ONPOLICY_PERTURB)
     with torch.no_grad():
         for param in params:
             noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
@@ -86,20 +86,19 @@ def check_onpolicy_task(cfg: DictConfig) -> float:
 
 def _check_flow(typed, cfg: DictConfig, perturb: Perturb) -> tuple[float, bool]:
     """Every trained step's stored log-prob vs its training-path recompute."""
-    from rlgen_cli.recipes.flow_rl import FlowRLRecipe
-    from rlgen_cli.recipes.sampling import batches
+    from rlgen_cli.recipes import flow_grpo, loop
+    from rlgen_cli.sde.sampling import batches
     from rlgen_cli.training.progress import Progress
 
-    recipe = FlowRLRecipe(typed, cfg)
-    recipe.setup()
+    run = loop.setup(typed, cfg)
     check = typed.check
-    spec = (
-        recipe.spec if check.train_noise_level is None else replace(recipe.spec, eta=check.train_noise_level)
-    )
+    spec = loop.step_spec(typed)
+    if check.train_noise_level is not None:
+        spec = replace(spec, noise_level=check.train_noise_level)
     batch_size = check.train_batch_size or typed.algo.train_batch_size
     with Progress(typed.progress) as progress:
-        rollouts = recipe.sample_epoch(0, progress)
-    perturb(recipe.policy.trainable_parameters())
+        rollouts = flow_grpo.sample_rollouts(run, 0, progress)  # no scoring: only the log-probs matter
+    perturb(run.policy.trainable.parameters())
     n, steps = len(rollouts.indices), rollouts.traj.num_steps
     ratio_err = torch.zeros(steps)
     logp_err = torch.zeros(steps)
@@ -107,12 +106,12 @@ def _check_flow(typed, cfg: DictConfig, perturb: Perturb) -> tuple[float, bool]:
         for part in batches(n, batch_size):
             traj, cond = rollouts.traj.index(part), rollouts.cond.index(part)
             for j in range(steps):
-                new_logp = recipe.step_logprob(traj, cond, j, spec)[0].logprob
+                new_logp = flow_grpo.step_logprob(run, traj, cond, j, spec)[0].logprob
                 delta = (new_logp - traj.logprobs[:, j]).abs().max().cpu()
                 ratio = (torch.exp(new_logp - traj.logprobs[:, j]) - 1).abs().max().cpu()
                 logp_err[j] = torch.maximum(logp_err[j], delta)
                 ratio_err[j] = torch.maximum(ratio_err[j], ratio)
-    recipe.cleanup()
+    run.logger.close()
     worst = float(ratio_err.max().maximum(logp_err.max()))
     _report(rollouts.traj, ratio_err, logp_err, check.tolerance, worst)
     return worst, worst <= check.tolerance

@@ -69,13 +69,13 @@ def require_known_rewards(cfg: Any) -> None:
 
 
 def require_reward_servers(cfg: Any, timeout_s: float = 5.0) -> None:
-    """Each served reward of the run (the clients in ``rewards/remote.py``: an rlgen reward server, a
+    """Each served reward of the run (the clients in ``rewards/remote/``: an rlgen reward server, a
     Flow-GRPO-style server, an OpenAI-compatible judge) has at least one endpoint that accepts a connection,
     so a server that is down or a mistyped address stops the run before any model loads instead of after
     the first epoch's rollouts. An endpoint that does not answer while another does is only reported: the
     client fails over to the others."""
-    from rlgen_cli.rewards import remote
     from rlgen_cli.rewards.registry import REWARDS, build_reward
+    from rlgen_cli.rewards.remote import client as remote
 
     weights, kwargs, key = rewards_of(cfg)
     for name in weights:

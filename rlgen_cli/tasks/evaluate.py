@@ -30,9 +30,10 @@ def eval_task(cfg: DictConfig) -> float:
         setup_logging(run_dir)
         require_data(typed, run_dir, ("test",))
         return evaluate(typed, cfg)
+    from rlgen_cli.data.images import source_images
     from rlgen_cli.data.paths import load_prompts
-    from rlgen_cli.recipes.sampling import sample_images, source_images_for
     from rlgen_cli.rewards import RewardBatch, build_mix
+    from rlgen_cli.sde.sampling import sample_images
     from rlgen_cli.tasks.loading import load_policy
     from rlgen_cli.training.images import save_grid
     from rlgen_cli.training.progress import Progress
@@ -49,11 +50,16 @@ def eval_task(cfg: DictConfig) -> float:
     policy = load_policy(typed.model, typed.checkpoint, typed.device)
     num_steps = typed.num_steps or policy.cfg.eval_num_steps
     prompts = [ex.prompt for ex in examples]
-    sources = source_images_for(policy, examples, dataset)  # editing models: each row's source image
+    sources = None
+    if policy.capabilities.takes_source_images:  # editing models: each row's source image
+        height, width = policy.cfg.height or policy.cfg.resolution, policy.cfg.width or policy.cfg.resolution
+        sources = source_images(examples, dataset, height, width)
     with Progress(typed.progress) as progress:
+        task = progress.task("sampling", total=len(prompts))
         images = sample_images(
-            policy, prompts, num_steps, typed.batch_size, typed.seed, progress, sources=sources
-        )
+            policy, prompts, num_steps, typed.batch_size, typed.seed, sources=sources,
+            on_batch=lambda n: progress.advance(task, n),
+        )  # fmt: skip
     metadata = [dict(ex.metadata) for ex in examples]
     result = reward.score(RewardBatch(prompts=prompts, images=images, metadata=metadata, ref_images=sources))
     summary = _summary(result.scores, {name: result.details[name] for name in reward.rewards})

@@ -40,6 +40,6 @@ def load_policy(model_cfg: ModelConfig, checkpoint: str | None, device_name: str
     if "model" in overrides:
         saved = OmegaConf.merge(saved, overrides.model)
     policy = build_policy(validated(saved), device)
-    policy.load_trainable(ckpt.weights)
+    policy.trainable.load(ckpt.weights)
     log.info("loaded trained weights from %s", ckpt.path)
     return policy

@@ -32,8 +32,8 @@ SOURCE_PROMPT_KEY = "source_prompt"
 @user_errors
 def sample_task(cfg: DictConfig) -> str:
     typed = validated(cfg)
-    from rlgen_cli.recipes.sampling import sample_images
     from rlgen_cli.sde.rollout import StepSpec
+    from rlgen_cli.sde.sampling import sample_images
     from rlgen_cli.tasks.loading import load_policy
     from rlgen_cli.training.images import to_pil
     from rlgen_cli.training.progress import Progress
@@ -56,12 +56,14 @@ def sample_task(cfg: DictConfig) -> str:
     spec = StepSpec(typed.sampler.kind, noise_level, typed.sampler.logprob_reduce, typed.sampler.logprob_form)
     expanded = [p for p in prompts for _ in range(typed.images_per_prompt)]
     with Progress(typed.progress) as progress:
+        task = progress.task("sampling", total=len(expanded))
         images = sample_images(
-            policy, expanded, num_steps, typed.batch_size, typed.seed, progress, spec, sources=sources
-        )
+            policy, expanded, num_steps, typed.batch_size, typed.seed, spec=spec, sources=sources,
+            on_batch=lambda n: progress.advance(task, n),
+        )  # fmt: skip
     out_dir = run_dir / "images"
     out_dir.mkdir(exist_ok=True)
-    stochastic = spec.kind != "ode" and spec.eta > 0  # draws step noise too
+    stochastic = spec.kind != "ode" and spec.noise_level > 0  # draws step noise too
     with (run_dir / MANIFEST).open("w", encoding="utf-8") as manifest:
         for i, (prompt, image) in enumerate(zip(expanded, images)):
             if image.ndim == 4:  # (3, F, H, W): a video
@@ -85,12 +87,11 @@ def sample_task(cfg: DictConfig) -> str:
 
 def noise_record(seed: int, index: int, device: Any, stochastic: bool) -> dict[str, Any]:
     """What reproduces the noise of the ``index``-th image drawn with ``seed`` (see the module doc)."""
-    from rlgen_cli.recipes.sampling import INITIAL_NOISE, STEP_NOISE
-    from rlgen_cli.sde.noise import stream_seed
+    from rlgen_cli.sde.noise import Stream, stream_seed
 
-    record = {"noise_seed": stream_seed(seed, 0, index, INITIAL_NOISE), "noise_device": str(device)}
+    record = {"noise_seed": stream_seed(seed, 0, index, Stream.INITIAL_NOISE), "noise_device": str(device)}
     if stochastic:
-        record["step_noise_seed"] = stream_seed(seed, 0, index, STEP_NOISE)
+        record["step_noise_seed"] = stream_seed(seed, 0, index, Stream.STEP_NOISE)
     return record | {"run_seed": seed, "index": index}
 
 
@@ -133,11 +134,14 @@ def _prompt_set(cfg, run_dir: Path):
 
 def _sources(policy, examples: list, dataset, images_per_prompt: int):
     """Each drawn sample's source image for an editing policy (None for the others)."""
-    from rlgen_cli.recipes.sampling import source_images_for
+    from rlgen_cli.data.images import source_images
 
-    if dataset is None or not getattr(policy, "takes_source_images", False):
+    if dataset is None or not policy.capabilities.takes_source_images:
         return None
-    return source_images_for(policy, [ex for ex in examples for _ in range(images_per_prompt)], dataset)
+    rows = [ex for ex in examples for _ in range(images_per_prompt)]
+    return source_images(
+        rows, dataset, policy.cfg.height or policy.cfg.resolution, policy.cfg.width or policy.cfg.resolution
+    )
 
 
 def write_edit_set(run_dir: Path, examples: list, images_per_prompt: int) -> Path:

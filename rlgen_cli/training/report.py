@@ -1,19 +1,27 @@
-"""Per-tag tables of GenEval-style evaluations: one run's results, or before → after training.
+"""Per-tag tables of GenEval-style evaluations (one run's results, or before → after training), and the
+end-of-run evaluation reports an experiment turns on with ``eval_report``.
 
-Evaluation metrics are flat ``{key: value}`` dicts as the flow recipe logs them:
+Evaluation metrics are flat ``{key: value}`` dicts as the flow recipes log them:
 ``[eval/]reward/<reward>/<metric>/mean`` and, per prompt tag, ``[eval/]reward/<reward>/<metric>/tag/<tag>``
-(see :func:`rlgen_cli.recipes.flow_rl.detail_summaries`). ShapesEval's headline metric is ``strict``;
-``accuracy`` is GenEval's binary (lenient) accuracy and ``n_extra`` the unrequested objects per image.
+(see :func:`detail_summaries`). ShapesEval's headline metric is ``strict``; ``accuracy`` is GenEval's
+binary (lenient) accuracy and ``n_extra`` the unrequested objects per image.
+
+An evaluation report (:class:`EvalReport`) sees every evaluation of a training run and writes its files
+when the run ends: ``none`` writes nothing, ``shapes`` (:class:`ShapesReport`) the ShapesEval curves and,
+after an ``eval_before`` run, the before → after table and sample grid.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
+
+log = logging.getLogger(__name__)
 
 GENEVAL_TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
 
@@ -143,3 +151,63 @@ def write_before_after(
             upscale=2,
         )
     return table
+
+
+SHAPES_CURVE = "shapes_curves.png"
+
+
+class EvalReport(Protocol):
+    """Sees each evaluation's samples (``epoch`` −1: before training) and writes its files at the end."""
+
+    def evaluated(self, epoch: int, images: Tensor) -> None: ...
+    def write(self, before: Mapping[str, float] | None, after: Mapping[str, float]) -> None: ...
+
+
+class NoReport:
+    """``eval_report=none``: the metrics and eval grids every run writes, nothing more."""
+
+    def __init__(self, run_dir: Path) -> None:
+        del run_dir  # nothing to write
+
+    def evaluated(self, epoch: int, images: Tensor) -> None:
+        return None
+
+    def write(self, before: Mapping[str, float] | None, after: Mapping[str, float]) -> None:
+        return None
+
+
+class ShapesReport:
+    """``eval_report=shapes``: ``shapes_curves.png`` (strict / lenient accuracy, extra objects, train
+    reward) when the last epoch evaluated, and after an ``eval_before`` run the per-tag before → after
+    table (``before_after.txt``, also logged) with the grid of the same prompts and noise before and
+    after (:func:`write_before_after`)."""
+
+    def __init__(self, run_dir: Path, reward: str = "shapes_geneval") -> None:
+        self.run_dir, self.reward = Path(run_dir), reward
+        self.images_before: Tensor | None = None
+        self.images_last: Tensor | None = None
+
+    def evaluated(self, epoch: int, images: Tensor) -> None:
+        if epoch < 0:
+            self.images_before = images
+        self.images_last = images
+
+    def write(self, before: Mapping[str, float] | None, after: Mapping[str, float]) -> None:
+        from rlgen_cli.training.plots import plot_runs
+
+        if any(key.startswith(f"eval/reward/{self.reward}/") for key in after):
+            plot_runs([self.run_dir], self.run_dir / SHAPES_CURVE, keys=SHAPES_CURVES)
+        if before and "eval/reward/mean" in after:
+            table = write_before_after(
+                self.run_dir, before, after, self.images_before, self.images_last, self.reward
+            )
+            if table:
+                log.info("test accuracy before → after training (%s):\n%s", self.run_dir, table)
+
+
+EVAL_REPORTS = {"none": NoReport, "shapes": ShapesReport}
+
+
+def eval_report(name: str, run_dir: Path) -> EvalReport:
+    """The report ``eval_report=<name>`` writes into ``run_dir`` (names checked by the schema)."""
+    return EVAL_REPORTS[name](run_dir)

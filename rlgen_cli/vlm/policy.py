@@ -172,7 +172,7 @@ def _processor(cfg: ModelConfig) -> Any:
 
 def _base_model(cfg: ModelConfig, processor: Any) -> Any:
     if cfg.tiny:
-        from rlgen_cli.rewards.tiny_vlm import tiny_vlm
+        from rlgen_cli.models.tiny import tiny_vlm
 
         return tiny_vlm(processor, kind=cfg.family, seed=cfg.tiny_seed).to(_DTYPES[cfg.dtype])
     import transformers

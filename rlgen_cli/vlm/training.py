@@ -57,7 +57,7 @@ def require_whole_weights(dist: Any, engine: str = "hf") -> None:
     whole model and ``generate`` runs on it alone.
 
     Args:
-        dist: The run's ``launch.dist.Dist``.
+        dist: The run's ``training.dist.Dist``.
         engine: ``algo.token.engine`` (the SFT recipe has none: ``hf``).
 
     Raises:

@@ -137,7 +137,7 @@ def test_a_missing_data_file_exits_2_before_any_model_loads(tmp_path: Path, monk
     def no_model(*_args, **_kwargs):
         raise AssertionError("a model was loaded before the data files were checked")
 
-    monkeypatch.setattr("rlgen_cli.recipes.flow_rl.build_policy", no_model)
+    monkeypatch.setattr("rlgen_cli.recipes.loop.build_policy", no_model)
     monkeypatch.chdir(tmp_path)  # no dataset/ folder here
     code, out = _rlgen("train", "model=tiny_sd3", "reward=pickscore", f"hydra.run.dir={tmp_path / 'run'}")
     message = " ".join((out + capsys.readouterr().err).split())  # rich wraps long lines

@@ -171,7 +171,7 @@ def test_other_verbs(verb, args, family, data):
 
 def test_check_onpolicy_picks_a_token_algorithm_for_a_vlm():
     assert _verb("check_onpolicy", "model=tiny_qwen2_vl").algo.recipe == "vlm_rl"
-    assert _verb("check_onpolicy", "").algo.recipe == "flow_rl"
+    assert _verb("check_onpolicy", "").algo.recipe == "flow_grpo"
 
 
 def test_serve_reward_composes_every_paired_reward():

@@ -23,7 +23,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from rlgen_cli._hydra import conf_dir, config_groups
-from rlgen_cli.schema.flow import WINDOW_OPTIONS
+from rlgen_cli.schema.algo import WINDOW_OPTIONS
 from rlgen_cli.schema.r3 import R3_FAMILIES
 from rlgen_cli.tasks.common import validated
 from tests.configs.test_compose import _compose
@@ -33,7 +33,7 @@ Knobs = tuple[tuple[str, ...], ...]
 
 FLOW_RL_KNOBS: Knobs = (
     ("algo.objective",),
-    ("algo.kl_form",), ("algo.beta",),
+    ("algo.kl_form",), ("algo.kl_weight",),
     ("algo.global_std",), ("algo.std_estimator",), ("algo.adv_eps",), ("algo.adv_clip_max",),
     ("algo.clip_range",),
     ("sampler.kind",), ("sampler.noise_level",), ("sampler.logprob_form",), ("sampler.logprob_reduce",),
@@ -51,19 +51,19 @@ FLOW_RL_KNOBS: Knobs = (
 EMA_KNOBS: Knobs = (("algo.ema.decay",), ("algo.ema.update_every",), ("algo.ema.warmup",))
 
 FLOW_PREF_KNOBS: Knobs = (
-    ("algo.pref.loss",), ("algo.pref.beta",), ("algo.pref.timesteps_per_sample",),
+    ("algo.pref.loss",), ("algo.pref.timesteps_per_sample",),
     ("algo.group_size",), ("algo.prompts_per_epoch",),
     ("model.num_steps",), ("model.guidance_scale",),
     ("algo.lr",), ("algo.max_grad_norm",), ("algo.ema.enabled",),
     ("reward.weights",),
 )  # fmt: skip
 PREF_LOSS_KNOBS: dict[str, Knobs] = {
-    "dpo": (("algo.pref.ref_update_step",),),
-    "sft": (("algo.pref.top_k",), ("algo.global_std",)),
+    "dpo": (("algo.pref.dpo_beta",), ("algo.pref.ref_update_step",)),
+    "sft": (("algo.pref.anchor_weight",), ("algo.pref.top_k",), ("algo.global_std",)),
 }
 
 VLM_RL_KNOBS: Knobs = (
-    ("algo.beta",),
+    ("algo.kl_weight",),
     ("algo.token.loss_type",), ("algo.token.scale_rewards",), ("algo.token.std_estimator",),
     ("algo.clip_range", "algo.token.epsilon_high"),
     ("algo.group_size",), ("algo.prompts_per_epoch",), ("geometry.samples_per_optimizer_step",),
@@ -152,7 +152,7 @@ def recipe_knobs(cfg: Any) -> Knobs:
     if cfg.model.family in R3_FAMILIES:
         return R3_KNOBS
     recipe = cfg.algo.recipe
-    if recipe == "flow_rl":
+    if recipe == "flow_grpo":
         window = tuple((f"algo.window.{name}",) for name in WINDOW_OPTIONS[cfg.algo.window.kind])
         return FLOW_RL_KNOBS + window + (EMA_KNOBS if cfg.algo.ema.enabled else ())
     if recipe == "flow_pref":

@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import get_args
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from rlgen_cli.launch.commands import CONFIGS, launch_command, require_engine
-from rlgen_cli.launch.dist import LocalDist
 from rlgen_cli.models.sd3 import LORA_WEIGHTS_NAME
-from rlgen_cli.recipes.flow_rl import _require_rank_symmetric
+from rlgen_cli.recipes.flow_grpo import require_rank_symmetric
+from rlgen_cli.recipes.loop import require_ema_engine
+from rlgen_cli.schema.choices import Launcher
 from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import LAUNCHERS, AlgoConfig, LauncherConfig
+from rlgen_cli.schema.flow import AlgoConfig, LauncherConfig
+from rlgen_cli.training.dist import LocalDist
 from tests.conftest import run_cli
 
 GEOMETRY = [
@@ -81,7 +84,7 @@ def test_deepspeed_zero3_epoch_through_cli(single: Path, tmp_path: Path):
 # -- the pieces, without processes ------------------------------------------------------------------
 @pytest.mark.parametrize("name", ENGINES)
 def test_engine_launchers_use_their_packaged_config(name: str, tmp_path: Path):
-    assert name in LAUNCHERS
+    assert name in get_args(Launcher)
     argv = launch_command(LauncherConfig(name=name, num_processes=2), tmp_path / "resolved.yaml")
     assert argv[argv.index("--config_file") + 1] == str(CONFIGS / f"{name}.yaml")
     assert "--multi_gpu" not in argv and "--cpu" not in argv  # the config names the engine
@@ -112,11 +115,22 @@ def test_missing_engine_is_a_clear_error(monkeypatch):
 
 
 def test_fsdp_refuses_ema():
-    algo = AlgoConfig()
-    algo.ema.enabled = True
-    _require_rank_symmetric(algo)  # DDP / ZeRO-2 keep whole weights; ZeRO-3 gathers them for the EMA
+    require_ema_engine(True, fsdp=False)  # DDP / ZeRO-2 keep whole weights; ZeRO-3 gathers them for the EMA
+    require_ema_engine(False, fsdp=True)
     with pytest.raises(UserError, match="ema is not supported with launcher=fsdp"):
-        _require_rank_symmetric(algo, fsdp=True)
+        require_ema_engine(True, fsdp=True)
+
+
+@pytest.mark.parametrize("change", ["window", "best_of_n"])
+def test_several_processes_refuse_per_sample_step_counts(change):
+    algo = AlgoConfig()
+    require_rank_symmetric(algo)  # every sample trains the same steps
+    if change == "window":
+        algo.window.kind = "random_subset"
+    else:
+        algo.best_of_n = 1
+    with pytest.raises(UserError, match="single-process for now"):
+        require_rank_symmetric(algo)
 
 
 def test_local_clip_and_step_is_torch_arithmetic():

@@ -55,7 +55,7 @@ def test_an_accelerate_yaml_that_agrees_is_passed_as_config_file(tmp_path: Path)
         ({"num_processes": 8}, {}, "sets num_processes: 8 but launcher.num_processes × launcher.num_machines is 2: "
          "pass launcher.num_processes=8"),
         ({"num_processes": 8, "num_machines": 2}, {"num_machines": 2}, "is 4: pass launcher.num_processes=4"),
-        ({"mixed_precision": "bf16"}, {}, "sets mixed_precision: bf16 but launcher.mixed_precision is no: "
+        ({"mixed_precision": "bf16"}, {}, "sets mixed_precision: bf16 but launcher.mixed_precision is fp32: "
          "pass launcher.mixed_precision=bf16"),
         ({"main_process_port": 29501}, {"main_process_port": 29600}, "sets main_process_port: 29501 but "
          "launcher.main_process_port is 29600"),
@@ -103,7 +103,7 @@ def test_deepspeed_settings_rlgen_owns_must_agree(tmp_path: Path):
         'has a DeepSpeed "optimizer" section', "sets gradient_accumulation_steps: 4",
         "sets train_micro_batch_size_per_gpu: 8 but algo.train_batch_size is 4",
         "sets gradient_clipping: 0.5 but algo.max_grad_norm is 1.0",
-        "sets bf16.enabled: true but launcher.mixed_precision is no",
+        "sets bf16.enabled: true but launcher.mixed_precision is fp32",
     ]  # fmt: skip
     assert len(conflicts) == len(expected) and all(e in c for e, c in zip(expected, conflicts)), conflicts
 

@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from rlgen_cli._hydra import conf_dir, verb_overrides
-from rlgen_cli.recipes.flow_rl import FlowRLRecipe
+from rlgen_cli.recipes import flow_grpo, loop
 from rlgen_cli.schema.store import register_schemas
 from rlgen_cli.tasks.common import validated
 from rlgen_cli.training.progress import Progress
@@ -22,7 +22,7 @@ from tests.conftest import TINY_RUN
 register_schemas()
 
 
-def _recipe(tmp_path, overrides: list[str]) -> FlowRLRecipe:
+def _recipe(tmp_path, overrides: list[str]) -> loop.FlowRun:
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         cfg = compose(
             config_name="train",
@@ -30,16 +30,14 @@ def _recipe(tmp_path, overrides: list[str]) -> FlowRLRecipe:
         )
     OmegaConf.set_struct(cfg, False)
     cfg.run_dir = str(tmp_path)
-    recipe = FlowRLRecipe(validated(cfg), cfg)
-    recipe.setup()
-    return recipe
+    return loop.setup(validated(cfg), cfg)
 
 
-def _epoch(recipe: FlowRLRecipe):
+def _epoch(run: loop.FlowRun):
     with Progress(enabled=False) as progress:
-        rollouts = recipe.sample_epoch(0, progress)
+        rollouts = flow_grpo.sample_rollouts(run, 0, progress)
         adv = torch.linspace(-1, 1, len(rollouts.indices))
-        stats = recipe.update(rollouts, adv, progress)
+        stats = flow_grpo.update(run, rollouts, adv, progress)
     return rollouts, stats
 
 
@@ -56,7 +54,7 @@ def test_fast_with_window_zero_is_grpo(tmp_path):
     fast = _recipe(tmp_path / "a", ["algo=grpo_fast", "algo.window.size=0", "algo.clip_range=1e-2"])
     full = _recipe(
         tmp_path / "b",
-        ["algo=grpo", "algo.window.timestep_fraction=0.75", "algo.clip_range=1e-2", "algo.beta=0"],
+        ["algo=grpo", "algo.window.timestep_fraction=0.75", "algo.clip_range=1e-2", "algo.kl_weight=0"],
     )
     _same(_epoch(fast), _epoch(full))
 
@@ -69,18 +67,17 @@ def test_mix_grpo_covering_every_step_is_grpo(tmp_path):
     )
     full = _recipe(
         tmp_path / "b",
-        ["algo=grpo", "algo.window.timestep_fraction=1.0", "algo.clip_range=1e-2", "algo.beta=0"],
+        ["algo=grpo", "algo.window.timestep_fraction=1.0", "algo.clip_range=1e-2", "algo.kl_weight=0"],
     )
     _same(_epoch(mix), _epoch(full))
 
 
 @pytest.mark.parametrize("sampler", ["cps", "dance", "flow_sde"])
 def test_zero_noise_is_the_ode(tmp_path, sampler):
-    from rlgen_cli.recipes.sampling import sample_images
     from rlgen_cli.sde.rollout import StepSpec
+    from rlgen_cli.sde.sampling import sample_images
 
     recipe = _recipe(tmp_path, [f"sampler={sampler}", "sampler.noise_level=0"])
-    with Progress(enabled=False) as progress:
-        sde = sample_images(recipe.policy, ["a cat", "a dog"], 4, 2, 0, progress, StepSpec(sampler, 0.0))
-        ode = sample_images(recipe.policy, ["a cat", "a dog"], 4, 2, 0, progress, StepSpec("ode", 0.0))
+    sde = sample_images(recipe.policy, ["a cat", "a dog"], 4, 2, 0, spec=StepSpec(sampler, 0.0))
+    ode = sample_images(recipe.policy, ["a cat", "a dog"], 4, 2, 0, spec=StepSpec("ode", 0.0))
     torch.testing.assert_close(sde, ode, rtol=0, atol=0)

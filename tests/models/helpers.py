@@ -35,7 +35,7 @@ def assert_reference_disables_the_adapter(policy, x: torch.Tensor, cond) -> None
     base = policy.velocity(x, sigma, cond).detach()
     perturb_lora(policy)
     tuned = policy.velocity(x, sigma, cond).detach()
-    with policy.reference():
+    with policy.trainable.reference():
         ref = policy.velocity(x, sigma, cond).detach()
     assert not torch.allclose(tuned, base)
     torch.testing.assert_close(ref, base)
@@ -72,21 +72,17 @@ def as_loaded(pipeline):
 def initial_noise_generators(seed: int, n: int) -> list[torch.Generator]:
     """Fresh generators of the streams :func:`ode_samples` draws sample i's initial noise from; a
     pipeline given them as ``generator=`` draws the same x₁ (one ``randn`` per sample)."""
-    from rlgen_cli.recipes.sampling import INITIAL_NOISE
-    from rlgen_cli.sde.noise import sample_generators
+    from rlgen_cli.sde.noise import Stream, sample_generators
 
-    return sample_generators(seed, 0, range(n), CPU, salt=INITIAL_NOISE)
+    return sample_generators(seed, 0, range(n), CPU, salt=Stream.INITIAL_NOISE)
 
 
 def ode_samples(policy, prompts: list[str], num_steps: int, seed: int, sources=None) -> torch.Tensor:
     """rlgen's decoded samples at noise level 0: the recipes' sampling path (encode, per-sample initial
     noise, ``schedule``, ``velocity``, ``decode``) with the ``flow_sde`` kernel at η = 0, the Euler ODE.
     Images (B, 3, H, W) or videos (B, 3, F, H, W) in [0, 1]."""
-    from rlgen_cli.recipes.sampling import sample_images
     from rlgen_cli.sde.rollout import StepSpec
-    from rlgen_cli.training.progress import Progress
+    from rlgen_cli.sde.sampling import sample_images
 
     spec = StepSpec("flow_sde", 0.0)
-    return sample_images(
-        policy, prompts, num_steps, len(prompts), seed, Progress(False), spec, sources=sources
-    )
+    return sample_images(policy, prompts, num_steps, len(prompts), seed, spec=spec, sources=sources)

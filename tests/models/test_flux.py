@@ -11,15 +11,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlgen_cli.models._flux_common import image_ids
+from rlgen_cli.models._flux_common import flux_sigmas, image_ids
 from rlgen_cli.models.flux import (
     FLUX_LORA_TARGETS,
     LORA_WEIGHTS_NAME,
     FluxPolicy,
     load_flux_pipeline,
-    tiny_flux_pipeline,
 )
 from rlgen_cli.models.loading import pack, unpack
+from rlgen_cli.models.tiny import tiny_flux_pipeline
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
 from tests.conftest import TINY_RUN, run_cli
@@ -101,9 +101,7 @@ def test_schedule_is_the_pipelines_dynamic_shift(policy, probe):
     sigmas = policy.schedule(6, x)
     assert sigmas.shape == (7,) and sigmas[-1] == 0
     torch.testing.assert_close(sigmas[:-1], timesteps.float() / 1000)
-    static = FluxPolicy.schedule(
-        type("P", (), {"cfg": replace(policy.cfg, shift=3.0), "device": CPU})(), 4, x
-    )
+    static = flux_sigmas(4, x.shape[1], scheduler.config, shift=3.0)
     torch.testing.assert_close(static, torch.tensor([1.0, 0.9, 0.75, 0.5, 0.0]))
 
 
@@ -136,7 +134,7 @@ def test_guidance_is_embedded_without_a_cfg_branch(cfg, probe):
 def test_lora_saved_in_diffusers_format_loads_with_load_lora_weights(tmp_path: Path, cfg, probe):
     policy = FluxPolicy(tiny_flux_pipeline(0), cfg, CPU)
     perturb_lora(policy, 0.3)
-    policy.save_trainable(tmp_path)
+    policy.trainable.save(tmp_path)
     x, cond = probe
     sigma = torch.tensor(0.5)
     expected = policy.velocity(x, sigma, cond).detach()
@@ -147,10 +145,10 @@ def test_lora_saved_in_diffusers_format_loads_with_load_lora_weights(tmp_path: P
     torch.testing.assert_close(frozen.velocity(x, sigma, cond).detach(), expected, atol=1e-5, rtol=1e-5)
 
     fresh = FluxPolicy(tiny_flux_pipeline(0), cfg, CPU)
-    fresh.load_trainable(tmp_path)
+    fresh.trainable.load(tmp_path)
     torch.testing.assert_close(fresh.velocity(x, sigma, cond).detach(), expected)
     with pytest.raises(UserError, match="no LoRA weights"):
-        fresh.load_trainable(tmp_path / "empty")
+        fresh.trainable.load(tmp_path / "empty")
 
 
 def test_reference_disables_the_adapter_and_decode_is_in_unit_range(cfg, probe):
@@ -162,7 +160,7 @@ def test_reference_disables_the_adapter_and_decode_is_in_unit_range(cfg, probe):
     base = policy.velocity(x, sigma, cond).detach()
     perturb_lora(policy, 0.3)
     tuned = policy.velocity(x, sigma, cond).detach()
-    with policy.reference():
+    with policy.trainable.reference():
         torch.testing.assert_close(policy.velocity(x, sigma, cond).detach(), base)
     assert not torch.allclose(tuned, base)
     torch.testing.assert_close(policy.velocity(x, sigma, cond).detach(), tuned)
@@ -183,7 +181,7 @@ def test_distribute_wraps_only_gradient_forwards(cfg, probe):
             return self.module(**kwargs)
 
     policy = FluxPolicy(tiny_flux_pipeline(0), cfg, CPU)
-    policy.distribute(Wrapper)
+    policy.trainable.distribute(Wrapper)
     x, cond = probe
     policy.velocity(x, torch.tensor(0.5), cond)
     with torch.no_grad():
@@ -194,13 +192,13 @@ def test_distribute_wraps_only_gradient_forwards(cfg, probe):
 def test_full_finetune_round_trip_and_bad_resolution(tmp_path: Path, cfg, probe):
     full = replace(cfg, lora=replace(cfg.lora, enabled=False))
     policy = FluxPolicy(tiny_flux_pipeline(0), full, CPU)
-    assert len(policy.trainable_parameters()) == len(list(policy.transformer.parameters()))
+    assert len(policy.trainable.parameters()) == len(list(policy.transformer.parameters()))
     with torch.no_grad():
-        for p in policy.trainable_parameters():
+        for p in policy.trainable.parameters():
             p.add_(0.01)
-    policy.save_trainable(tmp_path)
+    policy.trainable.save(tmp_path)
     fresh = FluxPolicy(tiny_flux_pipeline(0), full, CPU)
-    fresh.load_trainable(tmp_path)
+    fresh.trainable.load(tmp_path)
     x, cond = probe
     torch.testing.assert_close(
         fresh.velocity(x, torch.tensor(0.4), cond), policy.velocity(x, torch.tensor(0.4), cond)

@@ -18,8 +18,8 @@ from rlgen_cli.models.flux_kontext import (
     LORA_WEIGHTS_NAME,
     FluxKontextPolicy,
     load_flux_kontext_pipeline,
-    tiny_flux_kontext_pipeline,
 )
+from rlgen_cli.models.tiny import tiny_flux_kontext_pipeline
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
 from tests.conftest import TINY_RUN, run_cli
@@ -62,7 +62,7 @@ def test_yaml_settings_and_targets(cfg):
 
 def test_source_tokens_are_appended_with_their_own_ids(policy, probe):
     x, cond = probe
-    assert policy.takes_source_images
+    assert policy.capabilities.takes_source_images
     assert cond.tensors["source_latents"].shape == x.shape  # same size source → as many tokens
     ids = cond.tensors["source_ids"]
     assert ids.shape == (2, 64, 3) and bool((ids[..., 0] == 1).all())
@@ -123,17 +123,17 @@ def test_lora_format_reference_and_reload(tmp_path: Path, cfg, probe):
     base = policy.velocity(x, sigma, cond).detach()
     perturb_lora(policy, 0.3)
     tuned = policy.velocity(x, sigma, cond).detach()
-    with policy.reference():
+    with policy.trainable.reference():
         torch.testing.assert_close(policy.velocity(x, sigma, cond).detach(), base)
     assert not torch.allclose(tuned, base)
 
-    policy.save_trainable(tmp_path)
+    policy.trainable.save(tmp_path)
     plain = tiny_flux_kontext_pipeline(0)
     plain.load_lora_weights(tmp_path, weight_name=LORA_WEIGHTS_NAME)
     frozen = FluxKontextPolicy(plain, replace(cfg, lora=replace(cfg.lora, enabled=False)), CPU)
     torch.testing.assert_close(frozen.velocity(x, sigma, cond).detach(), tuned, atol=1e-5, rtol=1e-5)
     fresh = FluxKontextPolicy(tiny_flux_kontext_pipeline(0), cfg, CPU)
-    fresh.load_trainable(tmp_path)
+    fresh.trainable.load(tmp_path)
     torch.testing.assert_close(fresh.velocity(x, sigma, cond).detach(), tuned)
 
 

@@ -11,14 +11,15 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from rlgen_cli.models.sd3 import LORA_WEIGHTS_NAME, SD3Policy, tiny_sd3_pipeline
+from rlgen_cli.models.sd3 import LORA_WEIGHTS_NAME, SD3Policy
+from rlgen_cli.models.tiny import tiny_sd3_pipeline
 
 CPU = torch.device("cpu")
 
 
 def test_an_sd3_lora_loads_in_diffusers_without_peft_warnings(tmp_path: Path, tiny_model_cfg):
     policy = SD3Policy(tiny_sd3_pipeline(0), tiny_model_cfg, CPU)
-    policy.save_trainable(tmp_path)
+    policy.trainable.save(tmp_path)
     with safe_open(str(tmp_path / LORA_WEIGHTS_NAME), "pt") as f:
         metadata = json.loads(f.metadata()["lora_adapter_metadata"])
         names = f.keys()

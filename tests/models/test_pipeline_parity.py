@@ -28,12 +28,16 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from rlgen_cli.models.flux import tiny_flux_pipeline
-from rlgen_cli.models.flux_kontext import tiny_flux_kontext_pipeline
-from rlgen_cli.models.qwen_image import tiny_qwen_image_pipeline
-from rlgen_cli.models.qwen_image_edit import tiny_qwen_image_edit_pipeline, to_pil
-from rlgen_cli.models.sd3 import tiny_sd3_pipeline
-from rlgen_cli.models.wan import tiny_wan_pipeline, wan_sigmas, wan_timestep
+from rlgen_cli.models.qwen_image_edit import to_pil
+from rlgen_cli.models.tiny import (
+    tiny_flux_kontext_pipeline,
+    tiny_flux_pipeline,
+    tiny_qwen_image_edit_pipeline,
+    tiny_qwen_image_pipeline,
+    tiny_sd3_pipeline,
+    tiny_wan_pipeline,
+)
+from rlgen_cli.models.wan import wan_sigmas, wan_timestep
 from tests.models.helpers import as_loaded, base_policy, initial_noise_generators, ode_samples
 
 ATOL = 1e-5

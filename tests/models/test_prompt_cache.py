@@ -15,7 +15,7 @@ from rlgen_cli._hydra import conf_dir, verb_overrides
 from rlgen_cli.models import build_policy, cfg_gradient
 from rlgen_cli.models.base import Cond
 from rlgen_cli.models.prompt_cache import PromptCache
-from rlgen_cli.recipes.flow_rl import FlowRLRecipe
+from rlgen_cli.recipes import flow_grpo, loop
 from rlgen_cli.schema.store import register_schemas
 from rlgen_cli.tasks.common import validated
 from rlgen_cli.training.progress import Progress
@@ -145,15 +145,13 @@ def test_conditional_cfg_runs_the_unconditional_branch_without_autograd(guided_c
     torch.testing.assert_close(v_train, v_both, rtol=1e-5, atol=1e-6)  # batch-shape rounding only
 
 
-def _recipe(run_dir, overrides: list[str]) -> FlowRLRecipe:
+def _recipe(run_dir, overrides: list[str]) -> loop.FlowRun:
     register_schemas()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         cfg = compose(config_name="train", overrides=verb_overrides("train", [*TINY_RUN, *overrides]))
     OmegaConf.set_struct(cfg, False)
     cfg.run_dir = str(run_dir)
-    recipe = FlowRLRecipe(validated(cfg), cfg)
-    recipe.setup()
-    return recipe
+    return loop.setup(validated(cfg), cfg)
 
 
 @pytest.mark.parametrize("cfg_grad", ["both", "conditional"])
@@ -166,15 +164,15 @@ def test_training_with_the_cache_equals_training_without(tmp_path, cfg_grad):
     ]  # fmt: skip
     cached = _recipe(tmp_path / "cached", common)
     uncached = _recipe(tmp_path / "uncached", [*common, "model.prompt_cache_mb=0"])
-    untrained = [p.detach().clone() for p in uncached.policy.trainable_parameters()]
+    untrained = [p.detach().clone() for p in uncached.policy.trainable.parameters()]
     with Progress(enabled=False) as progress:
         for recipe in (cached, uncached):
             for epoch in range(2):
-                recipe.train_epoch(epoch, progress)
-            recipe.cleanup()
+                flow_grpo.grpo_epoch(recipe, epoch, progress)
+            recipe.logger.close()
     assert cached.policy.encode.cache.hits == 1  # epoch 1 took epoch 0's conditioning
     for a, b in zip(
-        cached.policy.trainable_parameters(), uncached.policy.trainable_parameters(), strict=True
+        cached.policy.trainable.parameters(), uncached.policy.trainable.parameters(), strict=True
     ):
         assert torch.equal(a, b)
-    assert any(not torch.equal(a, b) for a, b in zip(uncached.policy.trainable_parameters(), untrained))
+    assert any(not torch.equal(a, b) for a, b in zip(uncached.policy.trainable.parameters(), untrained))

@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from rlgen_cli.models._qwen_common import LORA_WEIGHTS_NAME, dead_text_outputs, true_cfg
-from rlgen_cli.models.qwen_image import QwenImagePolicy, load_qwen_image_pipeline, tiny_qwen_image_pipeline
+from rlgen_cli.models.qwen_image import QwenImagePolicy, load_qwen_image_pipeline
+from rlgen_cli.models.tiny import tiny_qwen_image_pipeline
 from rlgen_cli.schema.errors import UserError
 from tests.conftest import TINY_RUN
 from tests.models.helpers import CPU, model_cfg, perturb_lora
@@ -40,10 +41,10 @@ def shared(qwen_cfg):
 def lora_policy(shared):
     """The shared policy; its LoRA weights are restored after the test."""
     policy = shared[0]
-    saved = [p.detach().clone() for p in policy.trainable_parameters()]
+    saved = [p.detach().clone() for p in policy.trainable.parameters()]
     yield shared
     with torch.no_grad():
-        for param, value in zip(policy.trainable_parameters(), saved, strict=True):
+        for param, value in zip(policy.trainable.parameters(), saved, strict=True):
             param.copy_(value)
             param.grad = None
 
@@ -69,7 +70,7 @@ def test_save_pretrained_round_trip_through_the_real_loader(tmp_path: Path, qwen
     loaded = QwenImagePolicy(load_qwen_image_pipeline(cfg), cfg, CPU)
     built, x, cond = shared
     sigma = torch.tensor(0.7)
-    with torch.no_grad(), loaded.reference(), built.reference():
+    with torch.no_grad(), loaded.trainable.reference(), built.trainable.reference():
         torch.testing.assert_close(
             loaded.velocity(x, sigma, loaded.encode(PROMPTS)), built.velocity(x, sigma, cond)
         )
@@ -141,7 +142,7 @@ def test_guidance_one_has_no_unconditional_branch(qwen_cfg):
 def test_lora_targets_upstream_modules_all_alive_and_only_lora_trains(lora_policy):
     policy, x, cond = lora_policy
     names = [n for n, p in policy.transformer.named_parameters() if p.requires_grad]
-    assert names and all("lora_" in n for n in names) and len(policy.trainable_parameters()) == len(names)
+    assert names and all("lora_" in n for n in names) and len(policy.trainable.parameters()) == len(names)
     assert any("img_mlp.net.2" in n for n in names) and any("attn.add_k_proj" in n for n in names)
     dead = dead_text_outputs(policy.transformer)
     assert not any(n.startswith(tuple(f"{d}." for d in dead)) for n in names)
@@ -158,7 +159,7 @@ def test_lora_targets_upstream_modules_all_alive_and_only_lora_trains(lora_polic
 def test_lora_saved_in_diffusers_format_loads_with_load_lora_weights(tmp_path: Path, qwen_cfg, lora_policy):
     policy, x, cond = lora_policy
     perturb_lora(policy)
-    policy.save_trainable(tmp_path)
+    policy.trainable.save(tmp_path)
     sigma = torch.tensor(0.5)
     expected = policy.velocity(x, sigma, cond).detach()
 
@@ -168,21 +169,21 @@ def test_lora_saved_in_diffusers_format_loads_with_load_lora_weights(tmp_path: P
     torch.testing.assert_close(reloaded.velocity(x, sigma, cond).detach(), expected, atol=1e-5, rtol=1e-5)
 
     fresh = _policy(qwen_cfg)
-    fresh.load_trainable(tmp_path)
+    fresh.trainable.load(tmp_path)
     torch.testing.assert_close(fresh.velocity(x, sigma, cond).detach(), expected)
     with pytest.raises(UserError, match="no LoRA weights"):
-        fresh.load_trainable(tmp_path / "missing")
+        fresh.trainable.load(tmp_path / "missing")
 
 
 def test_reference_disables_the_adapter(lora_policy):
     policy, x, cond = lora_policy
     sigma = torch.tensor(0.6)
     with torch.no_grad():
-        with policy.reference():
+        with policy.trainable.reference():
             base = policy.velocity(x, sigma, cond)
         perturb_lora(policy)
         tuned = policy.velocity(x, sigma, cond)
-        with policy.reference():
+        with policy.trainable.reference():
             torch.testing.assert_close(policy.velocity(x, sigma, cond), base)
         assert not torch.allclose(tuned, base)
         torch.testing.assert_close(policy.velocity(x, sigma, cond), tuned)  # adapter back on
@@ -190,18 +191,18 @@ def test_reference_disables_the_adapter(lora_policy):
 
 def test_full_finetune_keeps_a_frozen_reference_and_round_trips(tmp_path: Path, qwen_cfg):
     policy = _policy(qwen_cfg, lora=replace(qwen_cfg.lora, enabled=False))
-    assert len(policy.trainable_parameters()) == len(list(policy.transformer.parameters()))
+    assert len(policy.trainable.parameters()) == len(list(policy.transformer.parameters()))
     x, cond = _probe(policy)
     sigma = torch.tensor(0.4)
     with torch.no_grad():
         base = policy.velocity(x, sigma, cond)
-        for p in policy.trainable_parameters():
+        for p in policy.trainable.parameters():
             p.add_(0.01)
-        with policy.reference():
+        with policy.trainable.reference():
             torch.testing.assert_close(policy.velocity(x, sigma, cond), base)
-        policy.save_trainable(tmp_path)
+        policy.trainable.save(tmp_path)
         fresh = _policy(qwen_cfg, lora=replace(qwen_cfg.lora, enabled=False))
-        fresh.load_trainable(tmp_path)
+        fresh.trainable.load(tmp_path)
         torch.testing.assert_close(fresh.velocity(x, sigma, cond), policy.velocity(x, sigma, cond))
 
 

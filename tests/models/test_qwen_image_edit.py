@@ -17,9 +17,9 @@ from rlgen_cli.models._qwen_common import LORA_WEIGHTS_NAME, true_cfg
 from rlgen_cli.models.qwen_image_edit import (
     QwenImageEditPolicy,
     load_qwen_image_edit_pipeline,
-    tiny_qwen_image_edit_pipeline,
     to_pil,
 )
+from rlgen_cli.models.tiny import tiny_qwen_image_edit_pipeline
 from rlgen_cli.schema.errors import UserError
 from tests.conftest import TINY_RUN
 from tests.models.helpers import CPU, model_cfg, perturb_lora
@@ -107,7 +107,7 @@ def test_sources_are_required_and_checked(shared):
 def test_real_loader_and_lora_file_reproduce_the_velocity(tmp_path: Path, edit_cfg, shared):
     policy, x, cond = shared
     tiny_qwen_image_edit_pipeline(0).save_pretrained(tmp_path / "edit")
-    policy.save_trainable(tmp_path / "lora")
+    policy.trainable.save(tmp_path / "lora")
     cfg = replace(edit_cfg, tiny=False, path=str(tmp_path / "edit"), local_files_only=True)
     pipeline = load_qwen_image_edit_pipeline(cfg)
     pipeline.load_lora_weights(tmp_path / "lora", weight_name=LORA_WEIGHTS_NAME)
@@ -118,7 +118,7 @@ def test_real_loader_and_lora_file_reproduce_the_velocity(tmp_path: Path, edit_c
             loaded.velocity(x, sigma, loaded.encode(PROMPTS, _sources(0))), policy.velocity(x, sigma, cond),
             atol=1e-5, rtol=1e-5,
         )  # fmt: skip
-        with policy.reference():
+        with policy.trainable.reference():
             base = policy.velocity(x, sigma, cond)
         assert not torch.allclose(base, policy.velocity(x, sigma, cond))
 

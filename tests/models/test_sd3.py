@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from rlgen_cli.models.base import Cond
-from rlgen_cli.models.sd3 import LORA_WEIGHTS_NAME, SD3Policy, load_sd3_pipeline, tiny_sd3_pipeline
+from rlgen_cli.models.sd3 import LORA_WEIGHTS_NAME, SD3Policy, load_sd3_pipeline
+from rlgen_cli.models.tiny import tiny_sd3_pipeline
 from rlgen_cli.schema.errors import UserError
 from tests.models.helpers import CPU, assert_reference_disables_the_adapter, perturb_lora
 
@@ -49,14 +50,14 @@ def test_lora_targets_upstream_attention_and_only_lora_trains(tiny_policy):
     names = [n for n, p in tiny_policy.transformer.named_parameters() if p.requires_grad]
     assert names and all("lora_" in n for n in names)
     assert any("attn.to_q" in n for n in names) and any("attn.add_k_proj" in n for n in names)
-    assert len(tiny_policy.trainable_parameters()) == len(names)
+    assert len(tiny_policy.trainable.parameters()) == len(names)
 
 
 def test_lora_saved_in_diffusers_format_loads_with_load_lora_weights(tmp_path: Path, tiny_model_cfg):
     tiny_model_cfg = replace(tiny_model_cfg, guidance_scale=4.5)
     policy = SD3Policy(tiny_sd3_pipeline(0), tiny_model_cfg, CPU)
     perturb_lora(policy)
-    policy.save_trainable(tmp_path)
+    policy.trainable.save(tmp_path)
     assert (tmp_path / LORA_WEIGHTS_NAME).is_file()
     x, cond = _probe(policy)
     expected = policy.velocity(x, torch.tensor(0.5), cond)
@@ -69,7 +70,7 @@ def test_lora_saved_in_diffusers_format_loads_with_load_lora_weights(tmp_path: P
     torch.testing.assert_close(reloaded.velocity(x, torch.tensor(0.5), cond), expected, atol=1e-5, rtol=1e-5)
 
     fresh = SD3Policy(tiny_sd3_pipeline(0), tiny_model_cfg, CPU)
-    fresh.load_trainable(tmp_path)
+    fresh.trainable.load(tmp_path)
     torch.testing.assert_close(fresh.velocity(x, torch.tensor(0.5), cond), expected)
 
 
@@ -107,18 +108,18 @@ def test_guidance_one_has_no_unconditional_branch(tiny_model_cfg):
 def test_full_finetune_trains_everything_and_keeps_a_frozen_reference(tmp_path: Path, tiny_model_cfg):
     cfg = replace(tiny_model_cfg, lora=replace(tiny_model_cfg.lora, enabled=False))
     policy = SD3Policy(tiny_sd3_pipeline(0), cfg, CPU)
-    assert len(policy.trainable_parameters()) == len(list(policy.transformer.parameters()))
+    assert len(policy.trainable.parameters()) == len(list(policy.transformer.parameters()))
     x, cond = _probe(policy)
     sigma = torch.tensor(0.4)
     base = policy.velocity(x, sigma, cond).detach()
     with torch.no_grad():
-        for p in policy.trainable_parameters():
+        for p in policy.trainable.parameters():
             p.add_(0.01)
-    with policy.reference():
+    with policy.trainable.reference():
         torch.testing.assert_close(policy.velocity(x, sigma, cond).detach(), base)
-    policy.save_trainable(tmp_path)
+    policy.trainable.save(tmp_path)
     fresh = SD3Policy(tiny_sd3_pipeline(0), cfg, CPU)
-    fresh.load_trainable(tmp_path)
+    fresh.trainable.load(tmp_path)
     torch.testing.assert_close(fresh.velocity(x, sigma, cond), policy.velocity(x, sigma, cond))
 
 

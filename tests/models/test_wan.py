@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlgen_cli.models.tiny import tiny_wan_pipeline
 from rlgen_cli.models.wan import (
     LORA_WEIGHTS_NAME,
     WanPolicy,
     load_wan_pipeline,
-    tiny_wan_pipeline,
     wan_sigmas,
 )
 from rlgen_cli.schema.errors import UserError
@@ -110,7 +110,7 @@ def test_lora_on_self_and_cross_attention_only(cfg_policy: WanPolicy, wan_cfg):
     assert names and all("lora_" in n for n in names)
     for target in ("attn1.to_q", "attn1.to_out.0", "attn2.to_k", "attn2.to_v"):
         assert any(f"{target}.lora_A" in n for n in names), target
-    assert len(cfg_policy.trainable_parameters()) == len(names) == 2 * 2 * 8  # A+B × 2 blocks × 8 layers
+    assert len(cfg_policy.trainable.parameters()) == len(names) == 2 * 2 * 8  # A+B × 2 blocks × 8 layers
     sd3_targets = replace(wan_cfg.lora, target_modules=["attn.to_q", "attn.add_k_proj"])
     with pytest.raises(UserError, match="attn1.to_q"):
         WanPolicy(tiny_wan_pipeline(0), replace(wan_cfg, lora=sd3_targets), CPU)
@@ -126,7 +126,7 @@ def test_cfg_is_two_separate_forwards_inside_velocity(cfg_policy: WanPolicy):
 
 
 def test_lora_saved_in_wan_format_loads_with_load_lora_weights(tmp_path: Path, cfg_policy: WanPolicy):
-    cfg_policy.save_trainable(tmp_path)
+    cfg_policy.trainable.save(tmp_path)
     assert (tmp_path / LORA_WEIGHTS_NAME).is_file()
     x, cond = _probe(cfg_policy)
     expected = cfg_policy.velocity(x, torch.tensor(0.5), cond).detach()
@@ -139,7 +139,7 @@ def test_lora_saved_in_wan_format_loads_with_load_lora_weights(tmp_path: Path, c
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
     fresh = WanPolicy(tiny_wan_pipeline(0), cfg_policy.cfg, CPU)
-    fresh.load_trainable(tmp_path)
+    fresh.trainable.load(tmp_path)
     torch.testing.assert_close(fresh.velocity(x, torch.tensor(0.5), cond).detach(), expected)
 
 
@@ -152,18 +152,18 @@ def test_reference_disables_the_adapter(wan_cfg):
 def test_full_finetune_keeps_a_frozen_reference_and_round_trips(tmp_path: Path, wan_cfg):
     cfg = replace(wan_cfg, lora=replace(wan_cfg.lora, enabled=False))
     policy = WanPolicy(tiny_wan_pipeline(0), cfg, CPU)
-    assert len(policy.trainable_parameters()) == len(list(policy.transformer.parameters()))
+    assert len(policy.trainable.parameters()) == len(list(policy.transformer.parameters()))
     x, cond = _probe(policy)
     sigma = torch.tensor(0.4)
     base = policy.velocity(x, sigma, cond).detach()
     with torch.no_grad():
-        for p in policy.trainable_parameters():
+        for p in policy.trainable.parameters():
             p.add_(0.01)
-    with policy.reference():
+    with policy.trainable.reference():
         torch.testing.assert_close(policy.velocity(x, sigma, cond).detach(), base)
-    policy.save_trainable(tmp_path)
+    policy.trainable.save(tmp_path)
     fresh = WanPolicy(tiny_wan_pipeline(0), cfg, CPU)
-    fresh.load_trainable(tmp_path)
+    fresh.trainable.load(tmp_path)
     torch.testing.assert_close(fresh.velocity(x, sigma, cond), policy.velocity(x, sigma, cond))
 
 

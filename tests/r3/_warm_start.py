@@ -25,7 +25,7 @@ def _chat(processor, system: str, user: str, image: bool) -> str:
 
 def warm_started_text_policy(directory: Path, steps: int = 100, seed: int = 0) -> Path:
     """Fine-tune the tiny Qwen2.5-VL on the R3 formats and ``save_pretrained`` it (with its processor)."""
-    from rlgen_cli.rewards.tiny_vlm import tiny_vlm
+    from rlgen_cli.models.tiny import tiny_vlm
     from rlgen_cli.vlm.tokenizer import tiny_processor
 
     processor = tiny_processor(min_pixels=64, max_pixels=1024)

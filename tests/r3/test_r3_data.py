@@ -69,7 +69,7 @@ def test_tiif_prompt_is_the_short_description_and_tag_the_type(tmp_path):
 
 
 def test_geneval_rows_satisfy_the_geneval_scorer():
-    from rlgen_cli.rewards.geneval import score_geneval
+    from rlgen_cli.geneval_rules import score_geneval
 
     for sample in load_r3_dataset("builtin:r3_geneval_tiny.jsonl", "geneval"):
         result = score_geneval([], sample.metadata, colors=lambda found, _cls: ["red"] * len(found))

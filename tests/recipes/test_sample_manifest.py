@@ -13,7 +13,8 @@ import pytest
 import torch
 from PIL import Image
 
-from rlgen_cli.models.sd3 import SD3Policy, tiny_sd3_pipeline
+from rlgen_cli.models.sd3 import SD3Policy
+from rlgen_cli.models.tiny import tiny_sd3_pipeline
 from rlgen_cli.tasks.sample import initial_noise, noise_generator, noise_record
 from tests.models.helpers import as_loaded
 

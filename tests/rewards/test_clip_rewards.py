@@ -224,17 +224,6 @@ def test_input_validation_and_lazy_loading(clip_dirs):
         build_reward("clipscore", dtype="int8")
 
 
-def test_imagereward_without_package_explains_install(monkeypatch):
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda n, *a: None if n == "ImageReward" else real(n, *a)
-    )
-    with pytest.raises(ValueError, match="pip install image-reward"):
-        build_reward("imagereward")
-
-
 MY_CONFIGS = ["pickscore", "clipscore", "aesthetic", "image_similarity", "qwenvl", "pickscore_clip_mix"]
 
 

@@ -14,7 +14,7 @@ import torch
 from aiohttp import web
 
 from rlgen_cli.rewards import RewardBatch, build_mix
-from rlgen_cli.server.protocols import flowgrpo_reply
+from rlgen_cli.rewards.remote.protocols import flowgrpo_reply
 from rlgen_cli.server.runner import BackgroundServer
 from rlgen_cli.training.report import detail_summaries
 

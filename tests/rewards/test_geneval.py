@@ -9,19 +9,16 @@ import pytest
 import torch
 from PIL import Image
 
-from rlgen_cli.rewards import RewardBatch, build_reward
-from rlgen_cli.rewards.geneval import (
-    COLORS,
+from rlgen_cli.geneval_rules import (
     Detection,
     GenEvalResult,
-    GenEvalReward,
-    _to_pil,
-    crop_object,
     relative_position,
     score_geneval,
     select_detections,
     summarise,
 )
+from rlgen_cli.rewards import RewardBatch, build_reward
+from rlgen_cli.rewards.geneval import COLORS, GenEvalReward, _to_pil, crop_object
 
 
 def det(label: str, box: tuple[float, float, float, float], score: float = 0.95) -> Detection:
@@ -415,6 +412,7 @@ def test_end_to_end_tiny_transformers(tiny_paths):
         local_files_only=True,
         threshold=0.0,
         counting_threshold=0.0,
+        colour_crop="box",  # YOLOS gives boxes only
     )
     images = reward.detector.detect([Image.new("RGB", (80, 48)), Image.new("RGB", (40, 40))])
     assert len(images) == 2 and all(isinstance(d, Detection) for dets in images for d in dets)

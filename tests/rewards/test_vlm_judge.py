@@ -71,7 +71,7 @@ def test_factory_validates_without_loading():
 
 @pytest.fixture(scope="module")
 def tiny_vlm_dir(tmp_path_factory):
-    from rlgen_cli.rewards.tiny_vlm import save_tiny_vlm
+    from rlgen_cli.models.tiny import save_tiny_vlm
 
     return save_tiny_vlm(tmp_path_factory.mktemp("tiny_qwen25vl"), kind="qwen2_5_vl")
 
@@ -126,7 +126,7 @@ def test_tiny_vlm_judge_decodes_and_scores_a_scripted_answer(tiny_vlm_dir, monke
 
 
 def test_tiny_qwen2_vl_family_loads_through_auto_classes(tmp_path):
-    from rlgen_cli.rewards.tiny_vlm import save_tiny_vlm
+    from rlgen_cli.models.tiny import save_tiny_vlm
 
     judge = _judge(save_tiny_vlm(tmp_path / "q2", kind="qwen2_vl"), batch_size=1)
     result = judge.score(RewardBatch(prompts=["a"], images=torch.rand(1, 3, 16, 16)))

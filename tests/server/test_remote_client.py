@@ -14,9 +14,9 @@ from aiohttp import web
 
 from rlgen_cli.rewards import RewardBatch, build_mix
 from rlgen_cli.rewards.remote import RemoteReward, RemoteRewardError, RequestRefusedError
+from rlgen_cli.rewards.remote.transport import EndpointPool, parse_endpoints
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.server.runner import BackgroundServer
-from rlgen_cli.server.transport import EndpointPool, parse_endpoints
 from tests.server.helpers import MeanReward, constant_images
 
 VALUES = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]

@@ -77,12 +77,12 @@ def test_save_and_load_trainable_round_trip(tmp_path: Path, lora: bool):
     cfg = _model_cfg("shapes_unet", lora={"enabled": lora})
     first = build_policy(cfg, CPU)
     with torch.no_grad():
-        for param in first.trainable_parameters():
+        for param in first.trainable.parameters():
             param.add_(0.01)
-    first.save_trainable(tmp_path)
+    first.trainable.save(tmp_path)
     second = build_policy(cfg, CPU)
-    second.load_trainable(tmp_path)
-    for (name, a), (_, b) in zip(first.named_trainable(), second.named_trainable(), strict=True):
+    second.trainable.load(tmp_path)
+    for (name, a), (_, b) in zip(first.trainable.named(), second.trainable.named(), strict=True):
         assert torch.equal(a, b), name
 
 
@@ -92,7 +92,7 @@ def test_reference_is_the_frozen_start(policy):
     with torch.no_grad():
         before = policy.velocity(x, torch.tensor(0.7), cond)
         policy.unet.conv_out.bias.add_(1.0)
-        with policy.reference():
+        with policy.trainable.reference():
             ref = policy.velocity(x, torch.tensor(0.7), cond)
         policy.unet.conv_out.bias.sub_(1.0)
     assert torch.equal(ref, before)
@@ -105,13 +105,11 @@ def test_a_missing_model_directory_is_a_clear_error(tmp_path: Path):
 
 def test_the_shipped_base_loads_and_draws_shapes():
     base = build_policy(_model_cfg("shapes_base"), CPU)
-    from rlgen_cli.recipes.sampling import sample_images
+    from rlgen_cli.sde.sampling import sample_images
     from rlgen_cli.shapes import score_images
-    from rlgen_cli.training.progress import Progress
 
     prompts = ["a photo of a red circle", "a photo of two blue squares"]
-    with Progress(enabled=False) as progress:
-        images = sample_images(base, prompts, 10, 2, 0, progress)
+    images = sample_images(base, prompts, 10, 2, 0)
     assert images.shape == (2, 3, 32, 32) and images.min() >= 0 and images.max() <= 1
     results = score_images(images, [{"tag": "x", "include": [{"class": "circle", "count": 1}]}] * 2)
     assert all(r.n_objects >= 1 for r in results)  # it draws objects, not noise or a blank canvas

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlgen_cli.rewards.geneval import relative_position
+from rlgen_cli.geneval_rules import relative_position
 from rlgen_cli.shapes.prompts import prompt_universe
 from rlgen_cli.shapes.render import RenderConfig, layout, render, render_batch, shape_mask
 from rlgen_cli.shapes.vocab import HELDOUT_COLOR_SHAPES, PALETTE

@@ -159,12 +159,17 @@ def test_dpo_large_beta_is_stable() -> None:
     [
         ((_t([1.0, 2.0]), _t([1.0]), _t([1.0]), _t([1.0])), {}, "share one"),
         ((_t([]), _t([]), _t([]), _t([])), {}, "non-empty"),
-        ((_t([1.0]), _t([1.0]), _t([1.0]), _t([1.0])), {"beta": 0.0}, "beta"),
     ],
 )
 def test_dpo_bad_inputs_raise(args: tuple, kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         dpo_loss(*args, **kwargs)
+
+
+def test_dpo_beta_zero_is_a_programming_error() -> None:
+    # algo.pref.dpo_beta must be > 0 at the config boundary
+    with pytest.raises(AssertionError, match="DPO temperature"):
+        dpo_loss(_t([1.0]), _t([1.0]), _t([1.0]), _t([1.0]), beta=0.0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -189,7 +194,7 @@ def test_sft_anchor_term_and_gradients() -> None:
     # d/dv of the anchor: β·2v/4 = 0.05·v -> [[0.05, 0.1], [0, 0]]
     v = _t(V, grad=True)
     base = torch.zeros(2, 2, dtype=torch.float64, requires_grad=True)
-    out = sft_loss(v, _t(X0), _t(NOISE), v_base=base, beta=0.1, weights=_t([2.0, 3.0]))
+    out = sft_loss(v, _t(X0), _t(NOISE), v_base=base, anchor_weight=0.1, weights=_t([2.0, 3.0]))
     assert out.loss.item() == pytest.approx(0.625)
     assert out.fm_loss.item() == pytest.approx(0.5)
     assert out.anchor_loss.item() == pytest.approx(1.25)
@@ -198,7 +203,7 @@ def test_sft_anchor_term_and_gradients() -> None:
     assert base.grad is None
 
 
-def test_sft_beta_zero_logs_anchor_without_adding_it() -> None:
+def test_sft_anchor_weight_zero_logs_anchor_without_adding_it() -> None:
     out = sft_loss(_t(V), _t(X0), _t(NOISE), v_base=torch.zeros(2, 2, dtype=torch.float64))
     assert out.loss.item() == pytest.approx(0.25)
     assert out.anchor_loss.item() == pytest.approx(1.25)
@@ -207,8 +212,6 @@ def test_sft_beta_zero_logs_anchor_without_adding_it() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"beta": 0.1}, "no v_base"),
-        ({"beta": -0.1}, "beta"),
         ({"v_base": torch.zeros(2, 3)}, "v_base"),
         ({"weights": _t([1.0])}, r"weights must be \(B,\)"),
         ({"weights": _t([1.0, -0.5])}, "clamp"),
@@ -218,3 +221,9 @@ def test_sft_beta_zero_logs_anchor_without_adding_it() -> None:
 def test_sft_bad_inputs_raise(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         sft_loss(_t(V), _t(X0), _t(NOISE), **kwargs)
+
+
+@pytest.mark.parametrize("anchor_weight", [0.1, -0.1])
+def test_sft_anchor_without_base_or_negative_is_a_programming_error(anchor_weight: float) -> None:
+    with pytest.raises(AssertionError):
+        sft_loss(_t(V), _t(X0), _t(NOISE), anchor_weight=anchor_weight)

@@ -166,7 +166,7 @@ def test_normalised_log_ratio_is_mean_noise_times_shift() -> None:
     assert out.stats["ratio_mean"] == pytest.approx(expected, rel=1e-6)  # stats are float32
 
 
-def test_beta_kl_added_without_reweighting() -> None:
+def test_kl_weight_adds_the_kl_without_reweighting() -> None:
     # on-policy, A = [1, −1], s̄ = [1, 1] -> policy loss mean([−1, 1]) = 0
     # mean(kl) = 0.2 -> loss = 0 + 0.5·0.2 = 0.1 (the KL is not divided by s̄²)
     mean_new, mean_old = _means([0.0, 0.0])
@@ -182,7 +182,7 @@ def test_beta_kl_added_without_reweighting() -> None:
         _t([1.0, -1.0]),
         clip_range=1e-4,
         kl=kl,
-        beta=0.5,
+        kl_weight=0.5,
     )
     assert out.loss.item() == pytest.approx(0.1)
     assert out.kl_loss.item() == pytest.approx(0.2)
@@ -211,9 +211,6 @@ def _args() -> dict[str, torch.Tensor]:
         ({"mean_new": torch.zeros(3, 3), "mean_old": torch.zeros(3, 3)}, {}, "B=2"),
         ({"sigma_t": _t([1.0, 0.0])}, {}, "sigma_t must be finite and > 0"),
         ({"sqrt_neg_dt": _t([0.5, float("nan")])}, {}, "sqrt_neg_dt"),
-        ({}, {"clip_range": 0.0}, "clip_range"),
-        ({}, {"beta": 0.1}, "no kl"),
-        ({}, {"beta": -0.1, "kl": _t([0.0, 0.0])}, "beta"),
         ({}, {"kl": _t([0.0])}, "kl"),
     ],
 )
@@ -221,6 +218,14 @@ def test_bad_inputs_raise(override: dict, kwargs: dict, match: str) -> None:
     args = {**_args(), **override}
     with pytest.raises(ValueError, match=match):
         guard_loss(*args.values(), **{"clip_range": 0.2, **kwargs})
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"clip_range": 0.0}, {"kl_weight": 0.1}, {"kl_weight": -0.1, "kl": _t([0.0, 0.0])}]
+)
+def test_bad_options_are_programming_errors(kwargs: dict) -> None:
+    with pytest.raises(AssertionError):
+        guard_loss(*_args().values(), **{"clip_range": 0.2, **kwargs})
 
 
 def test_algo_grpo_guard_defaults_are_its_authors_sd3_configs() -> None:
@@ -233,6 +238,6 @@ def test_algo_grpo_guard_defaults_are_its_authors_sd3_configs() -> None:
     algo = validated(_compose("train", ["algo=grpo_guard"])).algo
     assert algo.objective == "grpo_guard" and algo.clip_range == pytest.approx(2e-6)
     assert (algo.global_std, algo.std_estimator, algo.adv_eps) == (False, "population", pytest.approx(1e-4))
-    assert algo.beta == 0.0 and algo.adv_clip_max == 5.0
+    assert algo.kl_weight == 0.0 and algo.adv_clip_max == 5.0
     assert (algo.window.kind, algo.window.timestep_fraction) == ("all", 0.99)
     assert algo.drop_zero_advantage is True

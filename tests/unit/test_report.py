@@ -1,17 +1,22 @@
-"""Per-tag evaluation summaries and the before → after report."""
+"""Per-tag evaluation summaries, the before → after report, and the end-of-run evaluation reports."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from rlgen_cli.training.report import (
     BEFORE_AFTER_GRID,
     BEFORE_AFTER_TABLE,
+    SHAPES_CURVE,
     before_after_table,
     detail_summaries,
+    eval_report,
     tag_table,
     write_before_after,
 )
@@ -75,3 +80,40 @@ def test_write_before_after_writes_the_table_and_grid(tmp_path: Path):
     assert table is not None and (tmp_path / BEFORE_AFTER_TABLE).read_text().strip() == table
     assert (tmp_path / BEFORE_AFTER_GRID).is_file()
     assert write_before_after(tmp_path, {}, {"eval/reward/mean": 1.0}) is None  # no tags: no report
+
+
+def _write_metrics(run_dir: Path, rows: list[dict[str, float]]) -> None:
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def test_the_shapes_report_writes_curves_table_and_the_grid_of_the_first_and_last_evaluation(tmp_path: Path):
+    before = _metrics({"counting": 0.25}, extra=1.0) | {"eval/reward/mean": 0.2}
+    after = _metrics({"counting": 0.5}, extra=0.5) | {"eval/reward/mean": 0.4, "reward/mean": 0.3}
+    _write_metrics(tmp_path, [before | {"step": -1}, after | {"step": 0}])
+    report = eval_report("shapes", tmp_path)
+    first, middle, last = torch.zeros(2, 3, 8, 8), torch.full((2, 3, 8, 8), 0.5), torch.ones(2, 3, 8, 8)
+    for epoch, images in ((-1, first), (0, middle), (1, last)):
+        report.evaluated(epoch, images)
+    report.write(before, after)
+    assert (tmp_path / SHAPES_CURVE).is_file()
+    table = (tmp_path / BEFORE_AFTER_TABLE).read_text().splitlines()
+    assert table[1].split()[:4] == ["counting", "25.0", "→", "50.0"]
+    grid = np.asarray(Image.open(tmp_path / BEFORE_AFTER_GRID))
+    # top row: the evaluation before training (black), bottom row: the last one (white), not the middle
+    assert grid[: grid.shape[0] // 2].max() == 0 and grid[grid.shape[0] // 2 :].min() == 255
+
+
+def test_the_shapes_report_without_an_evaluation_before_draws_only_the_curves(tmp_path: Path):
+    after = _metrics({"counting": 0.5}, extra=0.5) | {"eval/reward/mean": 0.4}
+    _write_metrics(tmp_path, [after | {"step": 0}])
+    eval_report("shapes", tmp_path).write(None, after)
+    assert (tmp_path / SHAPES_CURVE).is_file() and not (tmp_path / BEFORE_AFTER_TABLE).exists()
+
+
+def test_no_report_writes_nothing(tmp_path: Path):
+    before = _metrics({"counting": 0.25}, extra=1.0) | {"eval/reward/mean": 0.2}
+    after = _metrics({"counting": 0.5}, extra=0.5) | {"eval/reward/mean": 0.4}
+    report = eval_report("none", tmp_path)
+    report.evaluated(-1, torch.zeros(2, 3, 8, 8))
+    report.write(before, after)
+    assert list(tmp_path.iterdir()) == []

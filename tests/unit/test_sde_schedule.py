@@ -85,11 +85,12 @@ def test_dynamic_shift_matches_diffusers(num_steps: int, seq_len: int) -> None:
     torch.testing.assert_close(got, scheduler.sigmas.float(), atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("bad", [0, -3, 2.5])
-def test_num_steps_must_be_positive_int(bad: int) -> None:
-    with pytest.raises(ValueError, match="num_steps"):
+@pytest.mark.parametrize("bad", [0, -3])
+def test_num_steps_must_be_positive(bad: int) -> None:
+    # model.num_steps is checked at the config boundary; here it is a programming error
+    with pytest.raises(AssertionError):
         sd3_sigmas(bad)
-    with pytest.raises(ValueError, match="num_steps"):
+    with pytest.raises(AssertionError):
         dynamic_shift_sigmas(bad, 0.5)
 
 
@@ -102,9 +103,9 @@ def test_shift_must_be_positive(bad: float) -> None:
 
 
 def test_other_argument_errors() -> None:
-    with pytest.raises(ValueError, match="sigma_min"):
+    with pytest.raises(AssertionError):
         sd3_sigmas(10, sigma_min=0.0)
-    with pytest.raises(ValueError, match="mu must be finite"):
+    with pytest.raises(AssertionError):
         dynamic_shift_sigmas(10, float("inf"))
-    with pytest.raises(ValueError, match="must differ"):
+    with pytest.raises(AssertionError, match="μ is interpolated"):
         calculate_mu(512, base_seq_len=256, max_seq_len=256)

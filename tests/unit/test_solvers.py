@@ -175,15 +175,8 @@ def test_compressed_schedule_then_dpm_matches_the_exact_tail():
     assert tail.numel() == 9 and err_dpm < err_euler  # 8 DPM steps beat 20 Euler steps
 
 
-@pytest.mark.parametrize(
-    "start,ratio,match",
-    [
-        (-1, 0.4, r"start=-1 must be an integer in \[0, 9\]"),
-        (10, 0.4, r"start=10 must be an integer in \[0, 9\]"),
-        (2, 0.0, r"ratio=0.0 must be a number in \(0, 1\]"),
-        (2, 1.5, r"ratio=1.5 must be a number in \(0, 1\]"),
-    ],
-)
-def test_compressed_schedule_bad_arguments(start, ratio, match):
-    with pytest.raises(ValueError, match=match):
+@pytest.mark.parametrize("start,ratio", [(-1, 0.4), (10, 0.4), (2, 0.0), (2, 1.5)])
+def test_compressed_schedule_bad_arguments_are_programming_errors(start, ratio):
+    # algo.flash.ratio is checked at the config boundary; here an out-of-range value fails an assert
+    with pytest.raises(AssertionError):
         compressed_schedule(torch.linspace(1, 0, 11), start, ratio)

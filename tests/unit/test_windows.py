@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
 import math
+from typing import get_args
 
 import pytest
 import torch
 
+from rlgen_cli.schema.algo import WINDOW_OPTIONS
+from rlgen_cli.schema.choices import WindowKind
 from rlgen_cli.sde import WINDOWS, WindowPlan, last_sde_step, plan_window
 
 
@@ -18,8 +22,11 @@ def _start(plan: WindowPlan) -> int:
     return plan.sde_steps[0]
 
 
-def test_registry_lists_every_policy():
-    assert set(WINDOWS) == {"all", "random_window", "sliding", "random_subset", "single"}
+def test_registry_lists_every_kind_of_the_schema_with_the_options_it_reads():
+    assert tuple(WINDOWS) == get_args(WindowKind) == tuple(WINDOW_OPTIONS)
+    for kind, policy in WINDOWS.items():
+        params = inspect.signature(policy).parameters.values()
+        assert [p.name for p in params if p.kind is p.KEYWORD_ONLY] == list(WINDOW_OPTIONS[kind]), kind
 
 
 # ----------------------------------------------------------------------------------------- random_window
@@ -62,24 +69,8 @@ def test_random_window_is_deterministic_per_seed_and_varies_across_seeds():
     assert a == b and len({_start(p) for p in a}) > 1
 
 
-@pytest.mark.parametrize(
-    "options,match",
-    [
-        ({"size": -1}, r"size=-1 must be an integer in \[0, 10\]"),
-        ({"size": 11}, r"size=11 must be an integer in \[0, 10\]"),
-        ({"size": 4, "range": (0, 3)}, r"range=\(0, 3\).*too short for size=4"),
-        ({"size": 2.5}, r"size=2.5 must be an integer"),
-        ({}, r"needs option 'size'"),
-        ({"size": 2, "timestep_fraction": 0.5}, r"takes no option 'timestep_fraction'.*size, range"),
-    ],
-)
-def test_random_window_bad_options(options, match):
-    with pytest.raises(ValueError, match=match):
-        plan_window("random_window", 10, generator=_gen(), **options)
-
-
 def test_random_window_needs_a_generator():
-    with pytest.raises(ValueError, match="generator=torch.Generator"):
+    with pytest.raises(AssertionError, match="draws its steps at random"):
         plan_window("random_window", 10, size=2)
 
 
@@ -181,7 +172,7 @@ def test_mixgrpo_window_longer_than_its_end_is_cut():
     # T = 4, end 2, w = 4 (a tiny model under algo=mix_grpo): range(0, min(4, 2)) = (0, 1), then (1,)
     opts = {**MIXGRPO, "shift_every": 1, "roll_back": True}
     assert _windows(4, range(4), **opts) == [(0, 1), (1,), (0, 1), (1,)]
-    with pytest.raises(ValueError, match=r"size=4 must be an integer in \[1, 2\]"):
+    with pytest.raises(AssertionError):  # a random start needs the whole window before the end
         plan_window("sliding", 4, epoch=1, generator=_gen(), **{**opts, "strategy": "random"})
 
 
@@ -276,8 +267,8 @@ def test_sliding_random_is_uniform_and_seeded():
         for s in range(200)
     ]
     assert starts == again
-    with pytest.raises(ValueError, match="generator"):
-        plan_window("sliding", 8, size=5, strategy="random")
+    with pytest.raises(AssertionError, match="generator"):
+        plan_window("sliding", 8, size=5, strategy="random", epoch=1)
 
 
 @pytest.mark.parametrize("strategy", ["progressive", "decay", "exp_decay"])
@@ -285,40 +276,6 @@ def test_sliding_random_is_uniform_and_seeded():
 def test_sliding_over_every_step_equals_all(strategy, epoch):
     plan = plan_window("sliding", 12, size=12, strategy=strategy, epoch=epoch)
     assert plan == plan_window("all", 12, timestep_fraction=1.0)
-
-
-@pytest.mark.parametrize(
-    "options,match",
-    [
-        ({"size": 0}, r"size=0 must be an integer in \[1, 10\]"),
-        ({"size": 11}, r"size=11 must be an integer in \[1, 10\]"),
-        ({"size": 3, "end_offset": 8}, r"size=3 must be an integer in \[1, 2\]"),
-        ({"size": 2, "end_offset": 10}, r"end_offset=10 must be an integer in \[0, 9\]"),
-        ({"size": 2, "stride": -1}, r"stride=-1 must be an integer >= 0"),
-        ({"size": 2, "shift_every": 0}, r"shift_every=0 must be an integer >= 1"),
-        (
-            {"size": 2, "shift_every": 4, "min_shift_every": 5},
-            r"min_shift_every=5 must be an integer in \[1, 4\]",
-        ),
-        (
-            {"size": 2, "max_shift_every": 3, "min_shift_every": 4},
-            r"min_shift_every=4 must be an integer in \[1, 3\]",
-        ),
-        ({"size": 2, "epoch": -1}, r"epoch=-1 must be an integer >= 0"),
-        (
-            {"size": 2, "strategy": "linear"},
-            r"strategy='linear'; choose one of progressive, random, decay, exp_decay",
-        ),
-        ({"size": 2, "roll_back": "yes"}, r"roll_back='yes' must be true or false"),
-        ({"size": 2, "shrink_at_end": 1}, r"shrink_at_end=1 must be true or false"),
-        ({"size": 2, "exp_decay_rate": -1.0}, r"exp_decay_rate=-1.0 must be a finite number >= 0"),
-        ({"size": 2, "exp_decay_start": -1}, r"exp_decay_start=-1 must be an integer >= 0"),
-        ({"size": 2, "end": 8}, r"takes no option 'end'; its options are size, stride, shift_every"),
-    ],
-)
-def test_sliding_bad_options(options, match):
-    with pytest.raises(ValueError, match=match):
-        plan_window("sliding", 10, **options)
 
 
 # ----------------------------------------------------------------------------------------- random_subset
@@ -390,31 +347,6 @@ def test_random_subset_defaults_to_dancegrpo_fraction():
     assert plan.train_mask.sum(dim=1).tolist() == [11, 11]  # int(19 · 0.6) = int(11.4)
 
 
-@pytest.mark.parametrize(
-    "num_steps,options,match",
-    [
-        (
-            10,
-            {"timestep_fraction": 0.0, "batch_size": 2},
-            r"timestep_fraction=0.0 must be a number in \(0, 1\]",
-        ),
-        (
-            10,
-            {"timestep_fraction": 1.5, "batch_size": 2},
-            r"timestep_fraction=1.5 must be a number in \(0, 1\]",
-        ),
-        (10, {"timestep_fraction": 0.1, "batch_size": 2}, r"int\(9 candidate steps .* = 0 trained steps"),
-        (1, {"batch_size": 2}, r"int\(0 candidate steps .*\(skip_last_step leaves the last step out\)"),
-        (10, {"batch_size": 2, "skip_last_step": "no"}, r"skip_last_step='no' must be true or false"),
-        (10, {}, r"batch_size=None must be an integer >= 1"),
-        (10, {"batch_size": 0}, r"batch_size=0 must be an integer >= 1"),
-    ],
-)
-def test_random_subset_bad_options(num_steps, options, match):
-    with pytest.raises(ValueError, match=match):
-        plan_window("random_subset", num_steps, generator=_gen(), **options)
-
-
 def test_train_mask_must_fit_the_train_steps():
     with pytest.raises(ValueError, match=r"\(B, S=3\) bool tensor"):
         WindowPlan(3, (0, 1, 2), (0, 1, 2), train_mask=torch.ones(2, 2, dtype=torch.bool))
@@ -434,14 +366,8 @@ def test_single_picks_one_step_shared_by_the_batch():
     assert plan_window("single", 6, generator=_gen(9)) == plan_window("single", 6, generator=_gen(9))
 
 
-@pytest.mark.parametrize("max_index", [0, 7, 1.5])
-def test_single_bad_max_index(max_index):
-    with pytest.raises(ValueError, match=rf"max_index={max_index!r} must be an integer in \[1, 6\]"):
-        plan_window("single", 6, max_index=max_index, generator=_gen())
-
-
 def test_single_needs_a_generator():
-    with pytest.raises(ValueError, match="'single' draws its steps at random"):
+    with pytest.raises(AssertionError, match="'single' draws its steps at random"):
         plan_window("single", 6)
 
 
@@ -451,13 +377,8 @@ def test_single_needs_a_generator():
 def test_all_still_takes_timestep_fraction_and_ignores_context():
     plan = plan_window("all", 10, timestep_fraction=0.99, epoch=5, generator=_gen(), batch_size=3)
     assert plan == plan_window("all", 10, timestep_fraction=0.99)
-    with pytest.raises(ValueError, match="needs option 'timestep_fraction'"):
+    with pytest.raises(TypeError, match="timestep_fraction"):  # a programming error: Python names it
         plan_window("all", 10)
-
-
-def test_num_steps_must_be_positive():
-    with pytest.raises(ValueError, match=r"num_steps=0 must be an integer >= 1"):
-        plan_window("sliding", 0, size=1)
 
 
 def test_deterministic_policies_draw_nothing_from_the_generator():

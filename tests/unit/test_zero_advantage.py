@@ -9,8 +9,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlgen_cli.algos import grpo_loss, nonzero_advantage_rows
-from rlgen_cli.recipes.flow_rl import FlowRLRecipe
+from rlgen_cli.algos import nonzero_advantage_rows
+from rlgen_cli.models import Cond
+from rlgen_cli.recipes import flow_grpo
+from rlgen_cli.recipes.flow_grpo import Rollouts
+from rlgen_cli.sde.rollout import Trajectory
+from rlgen_cli.training.dist import LocalDist
 from rlgen_cli.training.progress import Progress
 from tests.conftest import TINY_RUN
 
@@ -49,56 +53,64 @@ def test_bad_arguments_are_rejected(advantages, num_batches, match):
         nonzero_advantage_rows(advantages, num_batches, _gen())
 
 
-class _Rows:
-    """Rollout stand-in: ``index(part)`` returns the original sample ids of a micro-batch."""
+def _one_step_rollouts(n: int) -> Rollouts:
+    """n samples with one trained step whose stored log-prob is 0; the conditioning carries sample ids."""
+    zeros = torch.zeros(n, 1, 1)
+    traj = Trajectory(
+        latents=zeros, next_latents=zeros, logprobs=torch.zeros(n, 1), stds=torch.ones(n, 1),
+        sigmas=torch.tensor([1.0]), sigmas_next=torch.tensor([0.5]), step_indices=torch.tensor([0]),
+        sigma_max=1.0, final=zeros[:, 0],
+    )  # fmt: skip
+    return Rollouts(torch.arange(n), [""] * n, [{}] * n, Cond({"ids": torch.arange(n)}), traj, zeros)
 
-    def __init__(self, ids: torch.Tensor) -> None:
-        self.ids = ids
 
-    def index(self, part: slice) -> torch.Tensor:
-        return self.ids[part]
-
-
-def _logp_gradient(drop: bool) -> tuple[torch.Tensor, int]:
-    """d(loss of one epoch)/d(new log-prob) per sample, through the recipe's own micro-batching, and the
-    number of optimizer steps. 8 samples, train batches of 4, 2 micro-batches per optimizer step."""
-    algo = SimpleNamespace(train_batch_size=4, gradient_accumulation_steps=2, num_inner_epochs=1)
-    recipe = object.__new__(FlowRLRecipe)
-    recipe.cfg = SimpleNamespace(algo=algo)
+def _logp_gradient(monkeypatch, drop: bool) -> tuple[torch.Tensor, int]:
+    """d(loss of one epoch)/d(new log-prob) per sample, through the recipe's own micro-batching and
+    loss, and the number of optimizer steps. 8 samples, train batches of 4, 2 micro-batches per step."""
+    algo = SimpleNamespace(
+        train_batch_size=4, gradient_accumulation_steps=2, num_inner_epochs=1, objective="grpo",
+        clip_range=1e-4, kl_weight=0.0,
+    )  # fmt: skip
+    sampler = SimpleNamespace(
+        kind="flow_sde", noise_level=0.7, logprob_reduce="mean", logprob_form="gaussian"
+    )
+    run = SimpleNamespace(
+        cfg=SimpleNamespace(algo=algo, sampler=sampler), device=torch.device("cpu"), dist=LocalDist("cpu")
+    )
     logp = torch.zeros(len(ADV), requires_grad=True)  # ratio 1: inside the trust region
-
-    def train_micro_batch(ids, _cond, adv, _stats, _steps_after):  # one trained step, as upstream's loss
-        loss = grpo_loss(logp[ids], logp[ids].detach(), adv, clip_range=1e-4).loss
-        (loss / algo.gradient_accumulation_steps).backward()
-
+    # the training forward of sample i gives log-prob logp[i] (the stored one is 0)
+    monkeypatch.setattr(
+        flow_grpo,
+        "step_logprob",
+        lambda _run, _traj, cond, _j, _spec: (SimpleNamespace(logprob=logp[cond.tensors["ids"]]), None),
+    )
     steps = []
-    recipe.train_micro_batch = train_micro_batch
-    recipe.optimizer_step = lambda: steps.append(1) or 0.0
+    monkeypatch.setattr(flow_grpo.loop, "optimizer_step", lambda _run: steps.append(1) or 0.0)
     keep, num_batches = torch.arange(len(ADV)), None
     if drop:
         num_batches = len(ADV) // algo.train_batch_size
         keep = nonzero_advantage_rows(ADV, num_batches, _gen())
-    rollouts = SimpleNamespace(indices=keep, traj=_Rows(keep), cond=_Rows(keep))
-    recipe.update(rollouts, ADV[keep], Progress(enabled=False), num_batches)
+    rollouts = _one_step_rollouts(len(ADV)).select(keep)
+    flow_grpo.update(run, rollouts, ADV[keep], Progress(enabled=False), num_batches)
     return logp.grad, len(steps)
 
 
-def test_kept_samples_weigh_as_upstreams_filtered_loss():
+def test_kept_samples_weigh_as_upstreams_filtered_loss(monkeypatch):
     # by hand, at ratio 1 the policy loss of a micro-batch is mean(−A·ratio): ∂/∂logp_i = −A_i / |batch|,
     # and each micro-batch's loss is divided by the 2 accumulated micro-batches
-    kept, steps_kept = _logp_gradient(drop=False)
+    kept, steps_kept = _logp_gradient(monkeypatch, drop=False)
     torch.testing.assert_close(kept, -ADV / (4 * 2))  # 2 batches of 4
-    dropped, steps_dropped = _logp_gradient(drop=True)
+    dropped, steps_dropped = _logp_gradient(monkeypatch, drop=True)
     torch.testing.assert_close(dropped, -ADV / (2 * 2))  # the 4 trained samples in 2 batches of 2
     assert steps_kept == steps_dropped == 1  # the same optimizer steps: N / N' = 2× the weight each
 
 
 def test_a_run_with_equal_rewards_trains_one_sample_per_micro_batch(cli, tmp_path, monkeypatch):
     # every group's rewards are equal → every advantage is 0 → 1 filler per micro-batch (4 samples, 1 batch)
-    def equal_rewards(self, images, prompts, metadata, sources=None, by_tag=False):
-        return {name: torch.full((len(prompts),), 0.5) for name in self.reward.rewards}, {}
+    def equal_rewards(run, images, prompts, metadata, sources=None, by_tag=False):
+        return {name: torch.full((len(prompts),), 0.5) for name in run.reward.rewards}, {}
 
-    monkeypatch.setattr(FlowRLRecipe, "score", equal_rewards)
+    monkeypatch.setattr(flow_grpo.loop, "score", equal_rewards)
     code, out = cli(
         "train", *TINY_RUN, "epochs=1", "eval_every=0", "save_every=0", "images_every=0",
         "algo.drop_zero_advantage=true", f"hydra.run.dir={tmp_path}",

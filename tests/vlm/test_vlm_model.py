@@ -72,7 +72,7 @@ def test_too_long_prompt_fails_early_with_a_clear_error(tiny_vlm_policy):
 
 
 def test_real_loading_from_a_saved_directory_applies_pixel_bounds(tmp_path):
-    from rlgen_cli.rewards.tiny_vlm import save_tiny_vlm
+    from rlgen_cli.models.tiny import save_tiny_vlm
     from rlgen_cli.vlm.policy import build_vlm
     from tests.vlm.conftest import TINY_VLM, compose_config
 

@@ -17,7 +17,7 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
-from rlgen_cli.server.wire import WireError
+from rlgen_cli.rewards.remote.wire import WireError
 
 __all__ = [
     "OTHER_TAG", "PlainUnpickler", "chat_reply", "chat_request", "flowgrpo_reply", "flowgrpo_request",

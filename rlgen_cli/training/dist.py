@@ -25,14 +25,20 @@ forward (evaluation included) and in :meth:`full_weights` before rank 0 writes a
 Optimizer state in checkpoints: torch's full ``state_dict`` for local / DDP / FSDP (FSDP gathers it); under
 DeepSpeed ZeRO (:attr:`shards_optimizer`) the engine's own ``save_checkpoint`` writes one shard per rank and
 its ``load_checkpoint`` reads them back, for the same ZeRO stage and number of processes.
+
+fp16 compute (``prepare(..., compute_dtype="float16")``, trained weights fp32): local, DDP and FSDP scale
+the loss in :meth:`~Dist.backward` and unscale, clip and step (or skip the step on non-finite gradients)
+in :meth:`~Dist.clip_and_step` (:mod:`rlgen_cli.training.loss_scale`); the scaler's state travels in the
+optimizer state. DeepSpeed scales only in its own fp16 mode (``launcher.mixed_precision=fp16``).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Protocol
@@ -41,12 +47,18 @@ import torch
 from torch import Tensor, nn
 
 from rlgen_cli.schema.errors import UserError
+from rlgen_cli.training.loss_scale import LossScaler, needs_loss_scaling
+
+log = logging.getLogger(__name__)
 
 # what ``accelerate launch --config_file`` exports to the workers for each engine
 ENGINE_FLAGS = {"deepspeed": "ACCELERATE_USE_DEEPSPEED", "fsdp": "ACCELERATE_USE_FSDP"}
 # what a checkpoint's optimizer entry holds under DeepSpeed: the engine, its ZeRO stage and process count
 # (its shards live in the checkpoint's engine/ directory, under DeepSpeed's tag directory ENGINE_TAG)
 ENGINE_KEY, ZERO_STAGE_KEY, WORLD_SIZE_KEY, ENGINE_TAG = "engine", "zero_stage", "world_size", "zero"
+# the fp16 loss scaler's state, next to torch's optimizer state in a checkpoint's optimizer entry
+SCALER_KEY = "loss_scaler"
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Dist(Protocol):
@@ -67,12 +79,19 @@ class Dist(Protocol):
     def no_sync(self, module: nn.Module) -> AbstractContextManager[Any]: ...
     def barrier(self) -> None: ...
     def prepare(
-        self, policy: Any, optimizer: torch.optim.Optimizer, *, max_grad_norm: float, micro_batch_size: int
+        self,
+        policy: Any,
+        optimizer: torch.optim.Optimizer,
+        *,
+        max_grad_norm: float,
+        micro_batch_size: int,
+        compute_dtype: str = "float32",
     ) -> torch.optim.Optimizer: ...
     def backward(self, loss: Tensor, sync: bool = True) -> None: ...
     def clip_and_step(
         self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max_norm: float
     ) -> float: ...
+    def loss_scale_metrics(self) -> dict[str, float]: ...
     def full_weights(self) -> AbstractContextManager[Any]: ...
     def gathered(self, params: list[Tensor], modify: bool = False) -> AbstractContextManager[Any]: ...
     def optimizer_state(self, optimizer: torch.optim.Optimizer, staging: Path) -> dict[str, Any] | None: ...
@@ -88,6 +107,7 @@ class LocalDist:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.scaler: LossScaler | None = None  # fp16 compute only (prepare)
 
     @property
     def is_main(self) -> bool:
@@ -106,18 +126,32 @@ class LocalDist:
         return None
 
     def prepare(
-        self, policy: Any, optimizer: torch.optim.Optimizer, *, max_grad_norm: float, micro_batch_size: int
+        self,
+        policy: Any,
+        optimizer: torch.optim.Optimizer,
+        *,
+        max_grad_norm: float,
+        micro_batch_size: int,
+        compute_dtype: str = "float32",
     ) -> torch.optim.Optimizer:
+        """The optimizer as it is; a loss scaler when the model computes in fp16 (``compute_dtype``: the
+        recipe's ``model.dtype``)."""
+        self.scaler = _scaler_for(compute_dtype, optimizer)
         return optimizer
 
     def backward(self, loss: Tensor, sync: bool = True) -> None:
-        loss.backward()
+        _scaled(loss, self.scaler).backward()
 
     def clip_and_step(
         self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max_norm: float
     ) -> float:
-        """Clip the gradients of ``params`` to ``max_norm`` (inf: none), step, zero; the pre-clip norm."""
-        return _torch_clip_and_step(optimizer, params, max_norm)
+        """Clip the gradients of ``params`` to ``max_norm`` (inf: none), step, zero; the pre-clip norm.
+        With a loss scaler the gradients are unscaled first, and non-finite ones skip the step."""
+        return _torch_clip_and_step(optimizer, params, max_norm, self.scaler)
+
+    def loss_scale_metrics(self) -> dict[str, float]:
+        """``loss_scale`` and ``skipped_steps`` (run total) under fp16 loss scaling; else nothing."""
+        return {} if self.scaler is None else self.scaler.metrics()
 
     def full_weights(self) -> AbstractContextManager[Any]:
         return nullcontext()
@@ -126,12 +160,12 @@ class LocalDist:
         return nullcontext()
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer, staging: Path) -> dict[str, Any] | None:
-        return optimizer.state_dict()
+        return _with_scaler(optimizer.state_dict(), self.scaler)
 
     def load_optimizer_state(
         self, optimizer: torch.optim.Optimizer, state: dict[str, Any] | None, engine_dir: Path
     ) -> None:
-        optimizer.load_state_dict(_require_optimizer_state(state))
+        optimizer.load_state_dict(_restore_scaler(_require_optimizer_state(state), self.scaler))
 
 
 class AccelerateDist:
@@ -153,6 +187,7 @@ class AccelerateDist:
         self.world_size = self.accelerator.num_processes
         self.device = self.accelerator.device
         self.model: nn.Module | None = None  # the prepared transformer (engine or FSDP module)
+        self.scaler: LossScaler | None = None  # fp16 compute under DDP / FSDP (prepare)
         self._synced = False  # DeepSpeed: the last backward reduced the gradients for a step
         self.zero_stage = (
             self.accelerator.state.deepspeed_plugin.zero_stage if self.engine == "deepspeed" else 0
@@ -187,11 +222,28 @@ class AccelerateDist:
 
     # -- training through the engine -------------------------------------------------------------
     def prepare(
-        self, policy: Any, optimizer: torch.optim.Optimizer, *, max_grad_norm: float, micro_batch_size: int
+        self,
+        policy: Any,
+        optimizer: torch.optim.Optimizer,
+        *,
+        max_grad_norm: float,
+        micro_batch_size: int,
+        compute_dtype: str = "float32",
     ) -> torch.optim.Optimizer:
         """Route the policy's gradient-carrying forwards through the engine and return the optimizer to
         step. DDP wraps the transformer only; ZeRO / FSDP take the optimizer too (``policy.distribute``
-        hands over the transformer, the prepared module comes back)."""
+        hands over the transformer, the prepared module comes back). fp16 compute (``compute_dtype``, the
+        recipe's ``model.dtype``) gets rlgen's loss scaler under DDP / FSDP, DeepSpeed's own under ZeRO."""
+        if self.engine == "deepspeed":
+            self._require_deepspeed_scaling(compute_dtype, optimizer)
+        else:
+            self.scaler = _scaler_for(compute_dtype, optimizer)
+            if self.scaler is not None and self.accelerator.scaler is not None:
+                raise UserError(
+                    "launcher.mixed_precision=fp16 adds accelerate's own autocast and loss scaler, and "
+                    "model.dtype=float16 has rlgen's: pass launcher.mixed_precision=no (rlgen autocasts the "
+                    "model in model.dtype and scales the loss itself)"
+                )
         if self.engine is None:
             policy.distribute(self.wrap_model)
             return optimizer
@@ -210,16 +262,16 @@ class AccelerateDist:
         return prepared["optimizer"]
 
     def backward(self, loss: Tensor, sync: bool = True) -> None:
-        """``loss.backward()``; under DeepSpeed the engine's, which reduces the accumulated gradients on
-        the backward marked ``sync`` (the last before an optimizer step)."""
+        """``loss.backward()`` (scaled under fp16); under DeepSpeed the engine's, which reduces the
+        accumulated gradients on the backward marked ``sync`` (the last before an optimizer step)."""
         if self.engine == "deepspeed":
             self.model.set_gradient_accumulation_boundary(sync)
             self.model.backward(loss)
             self._synced = sync
         elif self.engine == "fsdp":
-            self.accelerator.backward(loss)
+            self.accelerator.backward(_scaled(loss, self.scaler))
         else:
-            loss.backward()
+            _scaled(loss, self.scaler).backward()
 
     def clip_and_step(
         self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max_norm: float
@@ -238,11 +290,29 @@ class AccelerateDist:
             return math.nan if norm is None else float(norm)
         if self.engine == "fsdp":
             live = [p for p in self.model.parameters() if p.requires_grad]
-            norm = self.accelerator.clip_grad_norm_(live, max_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        return _torch_clip_and_step(optimizer, params, max_norm)
+
+            def clip() -> float:  # the global norm over every rank's shards: ranks skip steps together
+                norm = self.accelerator.clip_grad_norm_(live, max_norm)
+                return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+            return _step(optimizer, live, clip, self.scaler)
+        return _torch_clip_and_step(optimizer, params, max_norm, self.scaler)
+
+    def loss_scale_metrics(self) -> dict[str, float]:
+        """``loss_scale`` and ``skipped_steps`` under rlgen's fp16 loss scaling (DDP, FSDP); else nothing
+        (DeepSpeed's fp16 mode logs its own overflows)."""
+        return {} if self.scaler is None else self.scaler.metrics()
+
+    def _require_deepspeed_scaling(self, compute_dtype: str, optimizer: torch.optim.Optimizer) -> None:
+        """fp16 compute under ZeRO needs DeepSpeed's fp16 mode: its engine steps, so only its own loss
+        scaler can unscale before it clips and skip a step."""
+        if _scaler_for(compute_dtype, optimizer) is not None and self.accelerator.mixed_precision != "fp16":
+            raise UserError(
+                "model.dtype=float16 under DeepSpeed trains without loss scaling (fp16 gradients underflow "
+                "to 0) unless DeepSpeed's own fp16 mode scales the loss: pass model.dtype=bfloat16, or "
+                "launcher.mixed_precision=fp16 (DeepSpeed then holds the trained weights in fp16 with fp32 "
+                "master copies), or train with launcher=local, accelerate or fsdp, where rlgen scales the loss"
+            )
 
     # -- checkpoints -----------------------------------------------------------------------------
     def full_weights(self) -> AbstractContextManager[Any]:
@@ -279,8 +349,9 @@ class AccelerateDist:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            return get_optimizer_state_dict(self.model, optimizer.optimizer, options=options)
-        return optimizer.state_dict()
+            state = get_optimizer_state_dict(self.model, optimizer.optimizer, options=options)
+            return _with_scaler(state, self.scaler)
+        return _with_scaler(optimizer.state_dict(), self.scaler)
 
     def load_optimizer_state(
         self, optimizer: torch.optim.Optimizer, state: dict[str, Any] | None, engine_dir: Path
@@ -290,7 +361,7 @@ class AccelerateDist:
         if self.engine == "deepspeed":
             self._load_engine_state(state, engine_dir)
             return
-        state = _require_optimizer_state(state)
+        state = _restore_scaler(_require_optimizer_state(state), self.scaler)
         if self.engine == "fsdp":
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
@@ -335,12 +406,66 @@ class AccelerateDist:
 
 
 def _torch_clip_and_step(
-    optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max_norm: float
+    optimizer: torch.optim.Optimizer,
+    params: list[nn.Parameter],
+    max_norm: float,
+    scaler: LossScaler | None = None,
 ) -> float:
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
-    optimizer.step()
+    return _step(optimizer, params, lambda: torch.nn.utils.clip_grad_norm_(params, max_norm).item(), scaler)
+
+
+def _step(
+    optimizer: torch.optim.Optimizer,
+    params: list[nn.Parameter],
+    clip: Callable[[], float],
+    scaler: LossScaler | None,
+) -> float:
+    """Clip (``clip`` returns the pre-clip global norm), step, zero the gradients; the norm. With a loss
+    scaler: unscale before clipping, and a non-finite norm (an inf / NaN gradient anywhere) skips the step
+    and backs the scale off, as ``torch.amp.GradScaler`` does."""
+    if scaler is not None:
+        scaler.unscale_(params)
+    grad_norm = clip()
+    finite = math.isfinite(grad_norm)
+    if scaler is None or finite:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if scaler is not None:
+        scaler.update(finite)
     return grad_norm
+
+
+def _scaler_for(compute_dtype: str, optimizer: torch.optim.Optimizer) -> LossScaler | None:
+    """A fresh loss scaler when a model computing in ``compute_dtype`` needs one for ``optimizer``'s
+    (fp32) weights; None in bf16 and fp32."""
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"compute_dtype must be one of {sorted(COMPUTE_DTYPES)}, not {compute_dtype!r}")
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return LossScaler() if needs_loss_scaling(COMPUTE_DTYPES[compute_dtype], params) else None
+
+
+def _scaled(loss: Tensor, scaler: LossScaler | None) -> Tensor:
+    return loss if scaler is None else scaler.scaled(loss)
+
+
+def _with_scaler(state: dict[str, Any], scaler: LossScaler | None) -> dict[str, Any]:
+    """The optimizer state, with the loss scaler's next to it when there is one (bf16 / fp32: as is)."""
+    return state if scaler is None else {**state, SCALER_KEY: scaler.state_dict()}
+
+
+def _restore_scaler(state: dict[str, Any], scaler: LossScaler | None) -> dict[str, Any]:
+    """Load a checkpoint's loss-scaler state into ``scaler``; the optimizer state without it."""
+    saved = state.get(SCALER_KEY)
+    if scaler is not None and saved is not None:
+        scaler.load_state_dict(saved)
+    elif scaler is not None:
+        log.warning(
+            "this checkpoint was written without fp16 loss scaling: the loss scale starts again at %g",
+            scaler.scale,
+        )
+    elif saved is not None:
+        log.info("this checkpoint's fp16 loss scale is not used: this run does not compute in fp16")
+    return {key: value for key, value in state.items() if key != SCALER_KEY}
 
 
 def _is_engine_state(state: dict[str, Any] | None) -> bool:

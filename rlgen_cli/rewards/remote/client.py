@@ -1,6 +1,6 @@
 """Remote rewards: clients for the three wire protocols rlgen speaks, usable in a mix like any reward.
 
-* ``remote`` — rlgen's own server (``rlgen serve-reward``, :mod:`rlgen_cli.server.wire`); by default the
+* ``remote`` — rlgen's own server (``rlgen serve-reward``, :mod:`.wire`); by default the
   images travel as raw uint8 pixels in msgpack (``wire_format="raw"``: no PNG codec on either side),
   or as PNG in msgpack (``"msgpack"``) or base64 PNG in JSON (``"json"``, interoperable and readable).
 * ``flowgrpo_remote`` — the Flow-GRPO reward-server protocol (pickled JPEG batches, e.g. its GenEval
@@ -18,7 +18,7 @@ Presets registered under their own names, so they can sit side by side in one mi
 ``geneval_plus`` and ``tiif`` (``openai_judge`` with that parser) and ``deqa`` (DeQA-Score behind
 Flow-GRPO's reward server: ``flowgrpo_remote`` reading the ``outputs`` key, already ``score/5``).
 
-All three share :class:`~rlgen_cli.server.transport.EndpointPool`: least-in-flight balancing over every
+All three share :class:`~.transport.EndpointPool`: least-in-flight balancing over every
 endpoint, lazy health checks, timeouts, retries with exponential backoff and failover, and counters
 (``stats()``). A sample whose score cannot be obtained raises :class:`RemoteRewardError`
 (``on_failure="raise"``, the default) or becomes ``NaN`` (``on_failure="nan"``), counted in
@@ -46,10 +46,15 @@ from torch import Tensor
 from rlgen_cli.rewards.base import RewardBatch, RewardResult
 from rlgen_cli.rewards.judge_prompts import JUDGES, JudgeSpec, plain_spec
 from rlgen_cli.rewards.registry import register
+from rlgen_cli.rewards.remote import protocols, wire
+from rlgen_cli.rewards.remote.transport import (
+    EndpointPool,
+    RemoteRewardError,
+    RequestRefusedError,
+    parse_endpoints,
+)
 from rlgen_cli.rewards.vlm_judge import DEFAULT_RUBRIC, SCORE_MAX, parse_final_score, parse_score_tag
 from rlgen_cli.schema.errors import UserError
-from rlgen_cli.server import protocols, wire
-from rlgen_cli.server.transport import EndpointPool, RemoteRewardError, RequestRefusedError, parse_endpoints
 
 logger = logging.getLogger(__name__)
 
@@ -348,7 +353,7 @@ class FlowGrpoRemoteReward(_RemoteBase):
 
     def score(self, batch: RewardBatch) -> RewardResult:
         """Score ``batch`` on the Flow-GRPO server; details carry rewards, strict rewards, the per-tag
-        group rewards (NaN for images of another tag, see :func:`~rlgen_cli.server.protocols.flowgrpo_reply`)
+        group rewards (NaN for images of another tag, see :func:`~.protocols.flowgrpo_reply`)
         and each image's tag."""
         images = _images_of(batch, self.name)
         metadata = batch.metadata or [{} for _ in range(len(batch))]

@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlgen_cli.models.sd3 import LORA_WEIGHTS_NAME, SD3Policy, tiny_sd3_pipeline
+from rlgen_cli.models.sd3 import LORA_WEIGHTS_NAME, SD3Policy
+from rlgen_cli.models.tiny import tiny_sd3_pipeline
 from tests.conftest import TINY_RUN
 
 FAST = [*TINY_RUN, "images_every=1", "eval_every=1", "algo.lr=1e-2"]
@@ -32,7 +33,7 @@ def _initial_lora(tiny_model_cfg) -> dict[str, torch.Tensor]:
 def trained_run(tmp_path_factory) -> Path:
     from tests.conftest import run_cli
 
-    run_dir = tmp_path_factory.mktemp("flow_rl") / "run"
+    run_dir = tmp_path_factory.mktemp("flow_grpo") / "run"
     code, out = run_cli("train", *FAST, "epochs=2", "save_every=1", "keep_last=5", f"hydra.run.dir={run_dir}")
     assert code == 0, out
     return run_dir

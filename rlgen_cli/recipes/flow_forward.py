@@ -1,0 +1,354 @@
+"""Forward-process online RL of a flow model: DiffusionNFT and Advantage Weighted Matching.
+
+Zheng et al. 2025, "DiffusionNFT: Online Diffusion Reinforcement with Forward Process"; Xue et al. 2025,
+"Advantage Weighted Matching: Aligning RL with Pretraining in Diffusion Models". Neither needs the
+likelihood of a denoising step: rollouts run any solver, and training noises the *clean* samples forward
+and regresses the flow-matching target, weighted by how good each sample was. Each epoch:
+
+1. **rollout** — K samples per prompt with ``algo.forward.solver`` (deterministic DPM-Solver++ 2M by
+   default), from the old policy (DiffusionNFT) or the trained one (AWM); only x₀ is kept;
+2. **score** — the reward mix scores the decoded images (every component logged);
+3. **advantages** — rewards normalised within each prompt's group, groups keyed by dataset index, then
+   mapped to DiffusionNFT's optimality probability r or AWM's rescaled advantage;
+4. **update** — for every sample a few σ of the rollout schedule (``algo.forward.timestep_sampling``),
+   a fresh ε each, ``x_σ = (1 − σ)·x₀ + σ·ε``; the loss ``algo.forward.loss`` (``algos/nft.py`` or
+   ``algos/awm.py``) with an optional pull towards the reference (``algo.kl_weight``, LoRA disabled);
+5. **old policy** — θ_old ← d·θ_old + (1 − d)·θ with d from ``algo.forward.old`` (it grows with the
+   optimizer steps);
+6. **log / eval / checkpoint** — ``recipes/loop.py``'s: metrics.jsonl, the ODE evaluation (EMA weights if
+   kept), full-state checkpoints (the old policy included) that resume exactly.
+
+Deliberate choices: each sample's trained σ and ε come from its own stream keyed by (seed, epoch,
+position), so neither the micro-batch size nor the number of processes changes them (upstream AWM draws
+one stratified set per micro-batch; here every sample draws its own from the same distribution).
+Upstream AWM rolls out with SA-Solver, which rlgen does not ship: ``solver=sde`` gives stochastic rollouts
+with the configured sampler step, ``dpm2`` deterministic ones.
+
+    rlgen train model=tiny_sd3 algo=nft
+    rlgen train model=tiny_sd3 algo=awm
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch import Tensor
+
+from rlgen_cli.algos import combine_rewards
+from rlgen_cli.algos.awm import AWMLossOut, awm_loss, stratified_timestep_indices
+from rlgen_cli.algos.nft import (
+    NFTLossOut,
+    nft_loss,
+    old_policy_decay,
+    optimality_probability,
+    subset_timestep_indices,
+)
+from rlgen_cli.models import Cond, cfg_gradient
+from rlgen_cli.recipes import loop
+from rlgen_cli.recipes.loop import FlowRun, reduce_over_ranks, summarise, timed
+from rlgen_cli.schema.errors import UserError
+from rlgen_cli.schema.flow import TrainConfig
+from rlgen_cli.schema.forward import ForwardConfig, check_forward_steps
+from rlgen_cli.sde import dpm_solver_2m, euler, plan_window
+from rlgen_cli.sde.noise import Stream, randn_per_sample, sample_generators
+from rlgen_cli.sde.rollout import StepSpec, rollout
+from rlgen_cli.sde.sampling import batches, conditioned
+from rlgen_cli.training.checkpoint import resolve_resume
+from rlgen_cli.training.ema import EMA
+from rlgen_cli.training.images import save_grid
+from rlgen_cli.training.progress import Progress
+from rlgen_cli.training.schedule import apply_lr_schedule
+
+OLD_KEY = "old_policy"  # trainer-state entry of the old policy's weights
+
+
+@dataclass
+class Rollouts:
+    """This rank's samples of one epoch, in rollout order (N = its prompts × group_size)."""
+
+    indices: Tensor  # (N,) dataset indices: the group keys
+    cond: Cond  # (N, ...)
+    x0: Tensor  # (N, ...) clean latents
+    sigmas: Tensor  # (T + 1,) the rollout schedule (one for the whole epoch)
+    images: Tensor  # (N, 3, H, W) in [0, 1]
+    components: dict[str, Tensor]  # reward name → (N,)
+    details: dict[str, float]
+
+
+@dataclass
+class OldPolicy:
+    """The frozen old policy: an average of the trained weights, refreshed after every epoch."""
+
+    weights: EMA
+
+    @classmethod
+    def build(cls, run: FlowRun) -> OldPolicy:
+        """A copy of the current weights, or the resumed run's old policy."""
+        params = run.policy.trainable.parameters()
+        old = cls(EMA(params, decay=0.0, update_every=1, gather=run.dist.gathered))
+        ckpt = resolve_resume(run.cfg.resume, run.run_dir) if run.start_epoch > 0 else None
+        if ckpt is not None:
+            old.weights.load_state_dict(ckpt.state()[OLD_KEY])
+        return old
+
+    def swap(self) -> AbstractContextManager[Any]:
+        """Context in which the policy holds the old weights."""
+        return self.weights.swap()
+
+    def refresh(self, run: FlowRun) -> float:
+        """θ_old ← d·θ_old + (1 − d)·θ with d from ``algo.forward.old`` at this step; returns d."""
+        old = run.cfg.algo.forward.old
+        decay = old_policy_decay(
+            run.global_step, flat_steps=old.flat_steps, rate=old.rate, max_decay=old.max_decay
+        )
+        self.weights.decay = decay  # the schedule changes the decay between refreshes
+        self.weights.step(run.global_step)
+        return decay
+
+
+def require_valid(cfg: TrainConfig) -> None:
+    """What this recipe needs beyond the schema's checks (exit code 2 through the CLI)."""
+    check_forward_steps(cfg.algo.forward, cfg.model.num_steps)
+    if cfg.algo.adv_clip_max <= 0:
+        raise UserError(
+            f"algo.adv_clip_max={cfg.algo.adv_clip_max}: algo.recipe=flow_forward maps advantages through "
+            "their bound (DiffusionNFT's r = A/(2·A_max) + ½, AWM's A·advantage_max/A_max); set it > 0 (5)"
+        )
+
+
+@torch.no_grad()
+def solve(
+    policy: Any,
+    cond: Cond,
+    x: Tensor,
+    num_steps: int,
+    solver: str,
+    spec: StepSpec,
+    steps: list[torch.Generator],
+) -> Tensor:
+    """x₀ (B, ...) from the noise ``x`` (B, ...) over the policy's ``num_steps`` schedule: the ODE with
+    ``dpm2`` (DPM-Solver++ 2M) or ``euler``, or every step the SDE step ``spec`` (noise from ``steps``)."""
+    sigmas = policy.schedule(num_steps, x)  # (T + 1,)
+    velocity = functools.partial(conditioned, policy, cond)
+    if solver == "dpm2":
+        return dpm_solver_2m(velocity, x, sigmas)
+    if solver == "euler":
+        return euler(velocity, x, sigmas)
+    return rollout(
+        velocity, x, sigmas, plan_window("all", num_steps, timestep_fraction=1.0), spec, steps
+    ).final
+
+
+def sample_epoch(run: FlowRun, old: OldPolicy, epoch: int, progress: Progress) -> Rollouts:
+    """K samples per prompt in batches of ``sample_batch_size``, each scored as it is decoded."""
+    cfg, algo = run.cfg, run.cfg.algo
+    indices = run.sampler.indices_for_epoch(epoch)
+    examples, prompts, metadata = loop.examples_of(run.train_set, indices)
+    positions = range(run.dist.rank * len(indices), (run.dist.rank + 1) * len(indices))  # in the global batch
+    initial = sample_generators(cfg.seed, epoch, positions, run.device, salt=Stream.INITIAL_NOISE)
+    steps = sample_generators(cfg.seed, epoch, positions, run.device, salt=Stream.STEP_NOISE)
+    sources = loop.sources_of(run, examples, run.train_set)
+    spec = loop.step_spec(cfg)
+    conds, x0s, images, scores = [], [], [], []
+    weights = old.swap() if algo.forward.sample_with_old else nullcontext()
+    with weights, loop.progress_task(progress, "rollout", len(indices)) as advance:
+        for part in batches(len(indices), algo.sample_batch_size):
+            src = None if sources is None else sources[part]
+            cond = run.policy.encode(prompts[part], None if src is None else src.to(run.device))
+            x = run.policy.noise(part.stop - part.start, initial[part])
+            x0s.append(
+                solve(run.policy, cond, x, cfg.model.num_steps, algo.forward.solver, spec, steps[part])
+            )
+            conds.append(cond)
+            images.append(run.policy.decode(x0s[-1]).cpu())
+            scores.append(loop.score(run, images[-1], prompts[part], metadata[part], src))
+            advance(part.stop - part.start)
+    sizes = [len(img) for img in images]
+    details = {k: sum(n * s[1][k] for n, s in zip(sizes, scores)) / sum(sizes) for k in scores[0][1]}
+    x0 = torch.cat(x0s)
+    return Rollouts(
+        indices=torch.tensor(indices), cond=Cond.cat(conds), x0=x0,
+        sigmas=run.policy.schedule(cfg.model.num_steps, x0[:1]), images=torch.cat(images),
+        components={k: torch.cat([s[0][k] for s in scores]) for k in scores[0][0]}, details=details,
+    )  # fmt: skip
+
+
+def loss_weights(run: FlowRun, components: dict[str, Tensor], group_ids: Tensor) -> tuple[Tensor, Any]:
+    """(N,) per-sample weights of the gathered batch from its group advantages A (clipped to ±A_max):
+    DiffusionNFT's optimality probability r, or AWM's ``A·advantage_max/A_max``; and the advantage stats."""
+    algo = run.cfg.algo
+    advantages, stats = combine_rewards(
+        components, dict(run.cfg.reward.weights), group_ids, mode=run.cfg.reward.aggregation,
+        global_std=algo.global_std, clip_max=algo.adv_clip_max, std_estimator=algo.std_estimator,
+        eps=algo.adv_eps,
+    )  # fmt: skip
+    if algo.forward.loss == "nft":
+        return optimality_probability(advantages, algo.adv_clip_max), stats
+    return advantages * (algo.forward.advantage_max / algo.adv_clip_max), stats
+
+
+def trained_indices(forward: ForwardConfig, num_steps: int, generator: torch.Generator) -> Tensor:
+    """(K,) positions in the rollout's σ schedule that one sample trains on this pass."""
+    if forward.timestep_sampling == "subset":
+        return subset_timestep_indices(num_steps, int(num_steps * forward.timestep_fraction), generator)
+    return stratified_timestep_indices(num_steps, forward.num_timesteps, forward.timestep_fraction, generator)
+
+
+def frozen_velocity(velocity: Any, x: Tensor, sigma: Tensor, weights: AbstractContextManager[Any]) -> Tensor:
+    """The velocity under other weights (old policy, reference), without gradients."""
+    with torch.no_grad(), weights:
+        return velocity(x, sigma)
+
+
+def forward_loss(
+    run: FlowRun, old: OldPolicy, x0: Tensor, noise: Tensor, sigma: Tensor, cond: Cond, weights: Tensor
+) -> NFTLossOut | AWMLossOut:
+    """The configured loss at ``x_σ = (1 − σ)·x₀ + σ·ε`` for x0, noise (B, ...), sigma and weights (B,).
+    The old and reference velocities come first: the old policy swaps weights in place, which must not
+    happen between the trained forward and its backward."""
+    algo, forward = run.cfg.algo, run.cfg.algo.forward
+    s = sigma.view(-1, *([1] * (x0.dim() - 1)))
+    x_sigma = (1 - s) * x0 + s * noise  # (B, ...)
+    velocity = functools.partial(conditioned, run.policy, cond)
+    v_old = v_ref = None
+    with cfg_gradient(algo.cfg_grad):
+        if forward.loss == "nft" or forward.old_weight > 0:
+            v_old = frozen_velocity(velocity, x_sigma, sigma, old.swap())
+        if algo.kl_weight > 0:
+            v_ref = frozen_velocity(velocity, x_sigma, sigma, run.policy.trainable.reference())
+        v = velocity(x_sigma, sigma)
+    if forward.loss == "nft":
+        return nft_loss(
+            v, v_old, x0, noise, sigma, weights, beta=forward.nft_beta, adaptive=forward.adaptive_weight,
+            scale=algo.adv_clip_max, v_ref=v_ref, kl_weight=algo.kl_weight,
+        )  # fmt: skip
+    return awm_loss(
+        v, x0, noise, sigma, weights, weighting=forward.weighting, power=forward.ghuber_power,
+        v_ref=v_ref, kl_weight=algo.kl_weight, v_old=v_old, old_weight=forward.old_weight,
+    )  # fmt: skip
+
+
+def train_micro_batch(
+    run: FlowRun,
+    old: OldPolicy,
+    rollouts: Rollouts,
+    part: slice,
+    weights: Tensor,
+    draws: list[torch.Generator],
+    stats: dict[str, list[float]],
+    steps_after: bool,
+) -> None:
+    """Backward through every trained σ of one micro-batch; sample i draws its σ positions and ε from
+    ``draws[i]``. ``steps_after``: the optimizer steps after it (its last backward syncs gradients)."""
+    algo = run.cfg.algo
+    x0, cond = rollouts.x0[part], rollouts.cond.index(part)
+    positions = torch.stack(
+        [trained_indices(algo.forward, run.cfg.model.num_steps, g) for g in draws]
+    )  # (B, K)
+    num_sigmas = positions.shape[1]
+    for j in range(num_sigmas):
+        sigma = rollouts.sigmas[positions[:, j].to(rollouts.sigmas.device)].to(x0.dtype)  # (B,)
+        noise = randn_per_sample(x0.shape[1:], draws, run.device)  # (B, ...)
+        out = forward_loss(run, old, x0, noise, sigma, cond, weights)
+        last = steps_after and j == num_sigmas - 1
+        run.dist.backward(out.loss / (num_sigmas * algo.gradient_accumulation_steps), sync=last)
+        for key, value in {
+            **out.stats,
+            "policy_loss": out.policy_loss.item(),
+            "kl_loss": out.kl_loss.item(),
+        }.items():
+            stats[key].append(value)
+
+
+def update(
+    run: FlowRun, old: OldPolicy, rollouts: Rollouts, weights: Tensor, epoch: int, progress: Progress
+) -> dict[str, float]:
+    """``num_inner_epochs`` passes over this rank's samples in micro-batches of ``train_batch_size``; each
+    sample's σ draws and ε come from its own stream (seed, epoch, position), fresh for every pass."""
+    algo = run.cfg.algo
+    n = len(rollouts.indices)
+    positions = range(run.dist.rank * n, (run.dist.rank + 1) * n)
+    draws = sample_generators(run.cfg.seed, epoch, positions, run.device, salt=Stream.FORWARD_NOISE)
+    micro_batches = list(batches(n, algo.train_batch_size))
+    stats: dict[str, list[float]] = defaultdict(list)
+    with loop.progress_task(progress, "update", algo.num_inner_epochs * len(micro_batches)) as advance:
+        for _ in range(algo.num_inner_epochs):
+            for k, part in enumerate(micro_batches):
+                steps_after = (k + 1) % algo.gradient_accumulation_steps == 0
+                part_weights = weights[part].to(run.device)
+                train_micro_batch(run, old, rollouts, part, part_weights, draws[part], stats, steps_after)
+                if steps_after:
+                    stats["grad_norm"].append(loop.optimizer_step(run))
+                advance(1)
+    return summarise(stats)
+
+
+def forward_epoch(run: FlowRun, old: OldPolicy, epoch: int, progress: Progress) -> dict[str, float]:
+    """rollout → reward → advantages → update → old-policy refresh; the epoch's metrics."""
+    cfg = run.cfg
+    lr = apply_lr_schedule(run.optimizer, cfg.algo, epoch, cfg.epochs)
+    timings: dict[str, float] = {}
+    with timed(timings, "time/rollout"):  # scoring runs batch by batch inside it
+        rollouts = sample_epoch(run, old, epoch, progress)
+    # every rank sees the whole batch's rewards with their dataset indices, so a group that spans ranks
+    # is normalised as one; each rank then keeps the weights of its own samples
+    components = {k: run.dist.gather(v.to(run.device)).cpu() for k, v in rollouts.components.items()}
+    group_ids = run.dist.gather(rollouts.indices.to(run.device)).cpu()
+    weights, adv_stats = loss_weights(run, components, group_ids)
+    n = len(rollouts.indices)
+    mine = weights[run.dist.rank * n : (run.dist.rank + 1) * n]
+    with timed(timings, "time/update"):
+        stats = update(run, old, rollouts, mine, epoch, progress)
+    decay = old.refresh(run)
+    if run.dist.is_main and cfg.images_every and epoch % cfg.images_every == 0:
+        save_grid(rollouts.images, run.run_dir / "images" / f"train_epoch_{epoch:05d}.png", upscale=2)
+        run.logger.log_images("train/images", rollouts.images[:16], epoch)
+    local = reduce_over_ranks(run.dist, {**rollouts.details, **stats, "trained_samples": n})
+    return {
+        "lr": lr, **loop.reward_metrics(run, components), **local, "zero_std_ratio": adv_stats.zero_std_ratio,
+        "num_groups": adv_stats.num_groups, "old_decay": decay, **timings, "global_step": run.global_step,
+        "peak_memory_mb": loop.peak_memory_mb(run.device),
+    }  # fmt: skip
+
+
+def console_line(m: dict[str, float]) -> str:
+    """reward ± std, eval, the policy loss, how far the policy is from the old one, and the time."""
+    seconds = m["time/rollout"] + m["time/update"]
+    return (
+        f"reward {m['reward/mean']:+.4g}±{m['reward/std']:.3g}{loop.eval_suffix(m)}  "
+        f"loss {m['policy_loss']:.4g}  old decay {m['old_decay']:.3g}  {seconds:.1f}s"
+    )
+
+
+def run(cfg: TrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
+    """Entry point: setup, then evaluate / train / log / save epoch by epoch; the last epoch's metrics."""
+    require_valid(cfg)
+    flow_run = loop.setup(cfg, raw_cfg)
+    metrics: dict[str, float] = {}
+    try:
+        with Progress(enabled=cfg.progress and flow_run.dist.is_main) as progress:
+            before = loop.evaluate_before(flow_run, progress)
+            clock = loop.EpochClock.start(flow_run, progress)
+            old = OldPolicy.build(flow_run)
+            for epoch in range(flow_run.start_epoch, cfg.epochs):
+                timings: dict[str, float] = {}
+                with timed(timings, "time/epoch"):
+                    metrics = forward_epoch(flow_run, old, epoch, progress)
+                metrics |= timings
+                last = clock.is_last(epoch)
+                metrics |= loop.evaluate_if_due(flow_run, epoch, last, progress)
+                loop.log_epoch(flow_run, epoch, metrics, console_line(metrics))
+                loop.save_if_due(flow_run, epoch, last, extra_state={OLD_KEY: old.weights.state_dict()})
+                clock.advance(epoch, last, f"reward {metrics['reward/mean']:+.4g}")
+                if last:
+                    break
+        loop.finish(flow_run, before, metrics)
+    finally:
+        flow_run.logger.close()
+    return metrics

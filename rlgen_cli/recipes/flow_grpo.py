@@ -1,0 +1,392 @@
+"""Flow-GRPO and its family: online reinforcement learning of a flow-matching image model.
+
+Liu et al., 2025, "Flow-GRPO: Training Flow Matching Models via Online RL". :func:`grpo_epoch` is one
+epoch, top to bottom:
+
+1. **rollout** — K samples per prompt; the window (``sde/window.py``) decides which steps are
+   stochastic and trained; their transitions and log-probabilities are kept (fp32);
+2. **reward** — the reward mix scores the decoded images (every component logged). Scoring is
+   overlapped with the rollout: each batch is handed to :class:`RewardScoring` as soon as it is decoded
+   and scored on a worker thread while the next batch samples, so a reward model or reward server costs
+   little extra wall-clock time; the epoch then waits for the scores that are not done yet;
+3. **advantages** — rewards normalised within each prompt's group (groups keyed by dataset index, over
+   every process), optionally best-of-N and without zero-advantage samples;
+4. **update** — :func:`update`: ``num_inner_epochs`` passes of the per-step objective over the trained
+   steps — ``grpo_loss`` (clipped ratio), or ``guard_loss`` for GRPO-Guard — with an optional KL to the
+   reference (LoRA disabled), gradient accumulation and grad-norm clipping.
+
+:func:`run` wraps the epochs in the shared loop (``recipes/loop.py``): evaluation, logs, checkpoints,
+resume, time limit.
+
+The variants are configuration: Flow-GRPO-Fast = ``window.kind=random_window`` (+ ``branch=shared_prefix``),
+MixGRPO = ``sliding`` (+ ``flash``), DanceGRPO = ``random_subset`` + ``sampler=dance`` +
+``shared_initial_noise`` (+ ``best_of_n``), CPS = ``sampler=cps``, GRPO-Guard = ``objective=grpo_guard``.
+
+Deliberate choices: samples keep their rollout batches in training (no shuffle), so with
+``train_batch_size == sample_batch_size`` the first update is exactly on-policy (ratio == 1, checked by
+``rlgen check-onpolicy``); every sample draws its noise from its own stream keyed by (seed, epoch,
+position), so a resumed run draws the same noise as an uninterrupted one and the rollout batch size
+does not change the samples.
+
+    rlgen train                                     # ShapesEval: Flow-GRPO-Fast on two CPU cores
+    rlgen train model=sd3 algo=grpo_fast reward=jpeg_compressibility
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch import Tensor
+
+from rlgen_cli.algos import best_and_worst, combine_rewards, grpo_loss, guard_loss, nonzero_advantage_rows
+from rlgen_cli.models import Cond, cfg_gradient
+from rlgen_cli.recipes import loop
+from rlgen_cli.recipes.loop import FlowRun, summarise, timed
+from rlgen_cli.schema.algo import AlgoConfig
+from rlgen_cli.schema.errors import UserError
+from rlgen_cli.schema.flow import TrainConfig
+from rlgen_cli.sde import euler, step_kl
+from rlgen_cli.sde.noise import Stream, first_of_runs, run_ids, sample_generators, stream_seed
+from rlgen_cli.sde.rollout import StepSpec, Trajectory, recompute_step, rollout
+from rlgen_cli.sde.sampling import batches, conditioned
+from rlgen_cli.sde.step import StepOut
+from rlgen_cli.sde.window import WindowPlan, plan_window
+from rlgen_cli.training.images import save_grid
+from rlgen_cli.training.progress import Progress
+from rlgen_cli.training.schedule import apply_lr_schedule
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Rollouts:
+    """One epoch's samples on this process, in rollout order. N = its share of prompts × group size."""
+
+    indices: Tensor  # (N,) dataset indices: the group keys
+    prompts: list[str]
+    metadata: list[dict]
+    cond: Cond  # (N, ...)
+    traj: Trajectory  # (N, S, ...)
+    images: Tensor  # (N, 3, H, W) in [0, 1]
+    sources: Tensor | None = None  # (N, 3, H, W) source images of editing sets
+
+    def select(self, keep: Tensor) -> Rollouts:
+        """The samples at positions ``keep`` (N',)."""
+        picked = keep.tolist()
+        return Rollouts(
+            self.indices[keep], [self.prompts[i] for i in picked], [self.metadata[i] for i in picked],
+            self.cond.index(keep), self.traj.index(keep), self.images[keep],
+            None if self.sources is None else self.sources[keep],
+        )  # fmt: skip
+
+
+RolloutBatch = Callable[[Tensor, list[str], list[dict], "Tensor | None"], None]
+"""Called with each decoded rollout batch: images, prompts, metadata, source images."""
+
+
+class RewardScoring:
+    """Scores rollout batches on one worker thread as they arrive (:meth:`submit`), so the reward model
+    runs while the next batch samples; :meth:`results` waits for the rest and joins them in rollout order.
+    Reward models and servers release the GIL while they compute or wait on the network."""
+
+    def __init__(self, run: FlowRun) -> None:
+        self.run = run
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlgen-reward")
+        self.pending: list[Future] = []
+
+    def __enter__(self) -> RewardScoring:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.worker.shutdown(wait=True)
+
+    def submit(
+        self, images: Tensor, prompts: list[str], metadata: list[dict], sources: Tensor | None
+    ) -> None:
+        self.pending.append(self.worker.submit(loop.score, self.run, images, prompts, metadata, sources))
+
+    def results(self) -> tuple[dict[str, Tensor], dict[str, float]]:
+        """Components (N,) in rollout order, and the detail summaries averaged over batches by size."""
+        results = [future.result() for future in self.pending]
+        components = {k: torch.cat([r[0][k] for r in results]) for k in results[0][0]}
+        sizes = [len(next(iter(r[0].values()))) for r in results]
+        summaries = {k: sum(n * r[1][k] for n, r in zip(sizes, results)) / sum(sizes) for k in results[0][1]}
+        return components, summaries
+
+
+# -- one epoch -----------------------------------------------------------------------------------------
+def grpo_epoch(run: FlowRun, epoch: int, progress: Progress) -> dict[str, float]:
+    """rollout → reward → advantages → update for ``epoch``; returns the epoch's metrics."""
+    cfg, algo, dist = run.cfg, run.cfg.algo, run.dist
+    lr = apply_lr_schedule(run.optimizer, algo, epoch, cfg.epochs)
+    timings: dict[str, float] = {}
+
+    # 1 + 2. rollout, each batch scored as soon as it is decoded; then wait for the rest of the scores
+    with RewardScoring(run) as scoring:
+        with timed(timings, "time/rollout"):
+            rollouts = sample_rollouts(run, epoch, progress, on_batch=scoring.submit)
+        with timed(timings, "time/reward"):  # only the part of scoring that sampling did not hide
+            local, reward_details = scoring.results()
+
+    # 3. advantages: every process sees the whole epoch's rewards with their dataset indices, so a group
+    # that spans processes is normalised as one; each then keeps the advantages of its own samples
+    components = {k: dist.gather(v).cpu() for k, v in local.items()}
+    advantages, adv_stats = combine_rewards(
+        components, dict(cfg.reward.weights), dist.gather(rollouts.indices).cpu(),
+        mode=cfg.reward.aggregation, global_std=algo.global_std, clip_max=algo.adv_clip_max,
+        std_estimator=algo.std_estimator, eps=algo.adv_eps,
+    )  # fmt: skip
+    n = len(rollouts.indices)
+    mine = slice(dist.rank * n, (dist.rank + 1) * n)
+    total = loop.weighted_total(run, components)
+    advantages = advantages[mine]
+    keep = best_and_worst(total[mine], rollouts.indices, algo.best_of_n)
+    num_batches = None  # micro-batches of algo.train_batch_size
+    if algo.drop_zero_advantage:  # as many micro-batches, each smaller (docs/maths.md §4.5)
+        num_batches = math.ceil(len(keep) / algo.train_batch_size)
+        fill = torch.Generator().manual_seed(
+            stream_seed(cfg.seed, epoch, dist.rank, salt=Stream.ZERO_ADVANTAGE_FILL)
+        )
+        keep = keep[nonzero_advantage_rows(advantages[keep], num_batches, fill)]
+
+    # 4. update
+    with timed(timings, "time/update"):
+        update_stats = update(run, rollouts.select(keep), advantages[keep], progress, num_batches)
+
+    if dist.is_main and cfg.images_every and epoch % cfg.images_every == 0:
+        save_grid(rollouts.images, run.run_dir / "images" / f"train_epoch_{epoch:05d}.png", upscale=2)
+        run.logger.log_images("train/images", rollouts.images[:16], epoch)
+    stats = loop.reduce_over_ranks(dist, {**reward_details, **update_stats, "trained_samples": len(keep)})
+    return {
+        "lr": lr, **loop.reward_metrics(run, components),
+        **{f"reward/{k}/std": v.std().item() for k, v in components.items()},
+        **stats, "zero_std_ratio": adv_stats.zero_std_ratio, "num_groups": adv_stats.num_groups, **timings,
+        "peak_memory_mb": loop.peak_memory_mb(run.device), "global_step": run.global_step,
+        **dist.loss_scale_metrics(),
+    }  # fmt: skip
+
+
+# -- rollout -------------------------------------------------------------------------------------------
+def plan_for(run: FlowRun, epoch: int, batch_size: int) -> WindowPlan:
+    """This epoch's window (shared by every rollout batch of the epoch)."""
+    window = run.cfg.algo.window
+    generator = torch.Generator().manual_seed(stream_seed(run.cfg.seed, epoch, 0, salt=Stream.WINDOW))
+    return plan_window(
+        window.kind, run.cfg.model.num_steps, epoch=epoch, generator=generator, batch_size=batch_size,
+        **window.options(),
+    )  # fmt: skip
+
+
+def sample_rollouts(
+    run: FlowRun, epoch: int, progress: Progress, on_batch: RolloutBatch | None = None
+) -> Rollouts:
+    """Roll out this process's share of the epoch's prompts in batches of ``sample_batch_size``;
+    ``on_batch`` receives each batch as soon as it is decoded."""
+    cfg, algo = run.cfg, run.cfg.algo
+    indices = run.sampler.indices_for_epoch(epoch)
+    examples, prompts, metadata = loop.examples_of(run.train_set, indices)
+    offset = run.dist.rank * len(indices)
+    positions = list(range(offset, offset + len(indices)))  # places in the epoch's global batch
+    plan = plan_for(run, epoch, len(indices))
+    share = algo.shared_initial_noise or algo.branch == "shared_prefix"  # a prefix is per group
+    noise_keys = [p // algo.group_size for p in positions] if share else positions
+    initial = sample_generators(cfg.seed, epoch, noise_keys, run.device, salt=Stream.INITIAL_NOISE)
+    steps = sample_generators(cfg.seed, epoch, positions, run.device, salt=Stream.STEP_NOISE)
+    start = min(plan.sde_steps) if algo.branch == "shared_prefix" else 0
+    sources = loop.sources_of(run, examples, run.train_set)
+    spec = loop.step_spec(cfg)
+    conds, trajs, images = [], [], []
+    with loop.progress_task(progress, "rollout", len(indices)) as advance:
+        for part in batches(len(indices), algo.sample_batch_size):
+            batch_sources = None if sources is None else sources[part]
+            cond = run.policy.encode(prompts[part], None if sources is None else batch_sources.to(run.device))
+            # the CFG branches run as training will run them (cfg_grad=conditional: two passes), so the
+            # recorded log-probs are exactly what the training forward recomputes
+            with cfg_gradient(algo.cfg_grad):
+                x = initial_latents(run, cond, initial[part], start, plan.num_steps)
+                trajs.append(rollout_batch(run, cond, x, plan, spec, steps[part], start))
+            conds.append(cond)
+            images.append(run.policy.decode(trajs[-1].final).cpu())
+            if on_batch is not None:
+                on_batch(images[-1], prompts[part], metadata[part], batch_sources)
+            advance(part.stop - part.start)
+    traj = Trajectory.cat(trajs)
+    if plan.train_mask is not None:
+        traj = replace(traj, train_mask=plan.train_mask.to(run.device))
+    return Rollouts(
+        indices=torch.tensor(indices), prompts=prompts, metadata=metadata, cond=Cond.cat(conds), traj=traj,
+        images=torch.cat(images), sources=sources,
+    )  # fmt: skip
+
+
+def initial_latents(
+    run: FlowRun, cond: Cond, generators: list[torch.Generator], start: int, num_steps: int
+) -> Tensor:
+    """x at ``sigmas[start]``: the initial noise, or — for a shared prefix — each group's common ODE
+    prefix, computed once per distinct noise stream and copied to the group (the cheaper Fast)."""
+    x = run.policy.noise(len(generators), generators)
+    if start == 0:
+        return x
+    sigmas = run.policy.schedule(num_steps, x)[: start + 1]
+    firsts = first_of_runs(generators)  # one prefix per run of samples sharing a noise stream
+    prefix = euler(functools.partial(conditioned, run.policy, cond.index(firsts)), x[firsts], sigmas)
+    return prefix[run_ids(generators)]
+
+
+def rollout_batch(
+    run: FlowRun,
+    cond: Cond,
+    x: Tensor,
+    plan: WindowPlan,
+    spec: StepSpec,
+    steps: list[torch.Generator],
+    start: int = 0,
+) -> Trajectory:
+    """One rollout batch from ``x`` at ``sigmas[start]``; sample i's step noise from generator i."""
+    algo = run.cfg.algo
+    sigmas = run.policy.schedule(plan.num_steps, x)
+    velocity = functools.partial(conditioned, run.policy, cond)
+    return rollout(
+        velocity, x, sigmas, plan, spec, steps, start=start,
+        flash_ratio=algo.flash.ratio if algo.flash.enabled else None,
+        store_means=algo.objective == "grpo_guard",  # GRPO-Guard's loss compares new and old step means
+    )  # fmt: skip
+
+
+# -- update --------------------------------------------------------------------------------------------
+def step_logprob(
+    run: FlowRun, traj: Trajectory, cond: Cond, j: int, spec: StepSpec
+) -> tuple[StepOut, Tensor | None]:
+    """The training-path step ``j`` (log-prob and mean, with gradients) — and its KL to the reference
+    (LoRA disabled) when ``algo.kl_weight`` > 0."""
+    algo = run.cfg.algo
+    velocity = functools.partial(conditioned, run.policy, cond)
+    with cfg_gradient(algo.cfg_grad):
+        out = recompute_step(velocity, traj, j, spec)
+    if algo.kl_weight <= 0:
+        return out, None
+    with torch.no_grad(), run.policy.trainable.reference():
+        ref = recompute_step(velocity, traj, j, spec)
+    dt = traj.sigmas_next[j] - traj.sigmas[j]
+    return out, step_kl(out.mean, ref.mean, out.std, dt, form=algo.kl_form, kind=spec.kind)
+
+
+def update(
+    run: FlowRun, rollouts: Rollouts, advantages: Tensor, progress: Progress, num_batches: int | None = None
+) -> dict[str, float]:
+    """``num_inner_epochs`` passes of the per-step policy-gradient loss over every trained step, in
+    ``num_batches`` equal micro-batches (default: batches of ``algo.train_batch_size``); the optimizer
+    steps every ``gradient_accumulation_steps`` micro-batches."""
+    algo, spec = run.cfg.algo, loop.step_spec(run.cfg)
+    n = len(rollouts.indices)
+    micro_batches = list(batches(n, math.ceil(n / num_batches) if num_batches else algo.train_batch_size))
+    stats: dict[str, list[float]] = defaultdict(list)
+    with loop.progress_task(progress, "update", algo.num_inner_epochs * len(micro_batches)) as advance:
+        for _ in range(algo.num_inner_epochs):
+            for k, part in enumerate(micro_batches):
+                traj, cond = rollouts.traj.index(part), rollouts.cond.index(part)
+                adv = advantages[part].to(run.device)
+                steps_after = (k + 1) % algo.gradient_accumulation_steps == 0
+                trained = trained_rows(traj)
+                for j, rows in trained:
+                    step_traj = traj.index(rows)
+                    out, kl = step_logprob(run, step_traj, cond.index(rows), j, spec)
+                    if algo.objective == "grpo_guard":
+                        loss = guard_loss(
+                            out.logprob, step_traj.logprobs[:, j], out.mean, step_traj.means[:, j],
+                            *guard_scales(step_traj, j), adv[rows], clip_range=algo.clip_range, kl=kl,
+                            kl_weight=algo.kl_weight,
+                        )  # fmt: skip
+                    else:
+                        loss = grpo_loss(
+                            out.logprob, step_traj.logprobs[:, j], adv[rows], clip_range=algo.clip_range,
+                            kl=kl, kl_weight=algo.kl_weight,
+                        )  # fmt: skip
+                    # every step's loss has the same weight; the micro-batch's last backward before an
+                    # optimizer step synchronises the gradients over processes
+                    run.dist.backward(
+                        loss.loss / (traj.num_steps * algo.gradient_accumulation_steps),
+                        sync=steps_after and j == trained[-1][0],
+                    )
+                    for key, value in loss.stats.items():
+                        stats[key].append(value)
+                    stats["policy_loss"].append(loss.policy_loss.item())
+                    stats["kl_loss"].append(loss.kl_loss.item())
+                if steps_after:
+                    stats["grad_norm"].append(loop.optimizer_step(run))
+                advance(1)
+    return summarise(stats)
+
+
+def trained_rows(traj: Trajectory) -> list[tuple[int, Tensor | slice]]:
+    """(step j, the samples that train it) for every step some sample trains: all of them, unless a
+    ``train_mask`` (DanceGRPO's per-sample step subsets) leaves samples out of a step."""
+    if traj.train_mask is None:
+        return [(j, slice(None)) for j in range(traj.num_steps)]
+    mask = traj.train_mask
+    return [(j, mask[:, j].nonzero().squeeze(1)) for j in range(traj.num_steps) if mask[:, j].any()]
+
+
+def guard_scales(traj: Trajectory, j: int) -> tuple[Tensor, Tensor]:
+    """GRPO-Guard's σ_t (B,) and sqrt(−dt) (B,) of step ``j``: the step's total std is s = σ_t·sqrt(−dt)."""
+    sqrt_neg_dt = (traj.sigmas[j] - traj.sigmas_next[j]).sqrt().expand(traj.stds.shape[0])
+    return traj.stds[:, j] / sqrt_neg_dt, sqrt_neg_dt
+
+
+# -- the run -------------------------------------------------------------------------------------------
+def require_rank_symmetric(algo: AlgoConfig) -> None:
+    """DDP needs every rank to run the same number of backward passes; per-sample step subsets and
+    best-of-N selection can give ranks different counts."""
+    if algo.window.kind == "random_subset" or algo.best_of_n > 0:
+        raise UserError(
+            "algo.window.kind=random_subset and algo.best_of_n are single-process for now (ranks would run "
+            "different numbers of backward passes); use launcher=local or another window"
+        )
+
+
+def console_line(m: dict[str, float]) -> str:
+    """reward ± std, eval, KL, clip fraction, the ratio's largest step away from 1, and the epoch's time."""
+    ratio_off = max(abs(m.get("ratio_max", 1) - 1), abs(1 - m.get("ratio_min", 1)))
+    seconds = m["time/rollout"] + m["time/reward"] + m["time/update"]
+    return (
+        f"reward {m['reward/mean']:+.4g}±{m['reward/std']:.3g}{loop.eval_suffix(m)}  kl {m.get('kl_loss', 0.0):.2e}  "
+        f"clipfrac {m.get('clipfrac', 0.0):.3f}  |ratio-1|max {ratio_off:.2e}  {seconds:.1f}s"
+    )
+
+
+def run(cfg: TrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
+    """Entry point: setup, then evaluate / train / log / save epoch by epoch; the last epoch's metrics."""
+    flow_run = loop.setup(cfg, raw_cfg)
+    if flow_run.dist.world_size > 1 or flow_run.dist.sharded:
+        require_rank_symmetric(cfg.algo)
+    log.info("%s window over %d steps", cfg.algo.window.kind, cfg.model.num_steps)
+    metrics: dict[str, float] = {}
+    try:
+        with Progress(enabled=cfg.progress and flow_run.dist.is_main) as progress:
+            before = loop.evaluate_before(flow_run, progress)
+            clock = loop.EpochClock.start(flow_run, progress)
+            for epoch in range(flow_run.start_epoch, cfg.epochs):
+                timings: dict[str, float] = {}
+                with timed(timings, "time/epoch"):
+                    metrics = grpo_epoch(flow_run, epoch, progress)
+                metrics |= timings
+                last = clock.is_last(epoch)
+                metrics |= loop.evaluate_if_due(flow_run, epoch, last, progress)
+                loop.log_epoch(flow_run, epoch, metrics, console_line(metrics))
+                loop.save_if_due(flow_run, epoch, last)
+                clock.advance(epoch, last, f"reward {metrics['reward/mean']:+.4g}")
+                if last:
+                    break
+        loop.finish(flow_run, before, metrics)
+    finally:
+        flow_run.logger.close()
+    return metrics

@@ -1,0 +1,294 @@
+"""HPSv3 (Ma et al. 2025, "HPSv3: Towards Wide-Spectrum Human Preference Score"): Qwen2-VL-7B with an
+uncertainty-aware reward head.
+
+The model reads a chat turn holding the image and a rating instruction around the prompt, ending in a
+special ``<|Reward|>`` token. Its last hidden state at that token goes through a float32 MLP
+(``hidden → 1024 → ReLU → dropout → 16 → ReLU → 2``) that gives ``(μ, σ)``: the preference score and
+its uncertainty (trained with a probabilistic ranking loss). The reward is ``μ`` (roughly 0–15 on
+generated images; higher is preferred); ``details["sigma"]`` logs ``σ``.
+
+Weights: ``HPSv3.safetensors`` (the full fine-tuned model plus the head, with the embedding grown by one
+row for ``<|Reward|>``) on top of the base ``Qwen/Qwen2-VL-7B-Instruct`` config and processor. The
+backbone is transformers' ``Qwen2VLModel`` (no LM head: the score never decodes); the checkpoint's keys
+in either layout (``visual.*`` + ``model.layers.*`` of older transformers, or ``model.visual.*`` +
+``model.language_model.*``) are renamed to it, ``lm_head.*`` is dropped. Images are resized (bicubic)
+to exactly ``image_pixels`` pixels on the processor's patch grid (HPSv3 uses 256·28·28, 256 visual tokens),
+keeping the aspect ratio, as HPSv3's own preprocessing does.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from PIL import Image
+from torch import Tensor, nn
+
+from rlgen_cli.rewards.base import RewardBatch, RewardResult
+from rlgen_cli.rewards.checkpoints import (
+    check_checkpoint_path,
+    check_image_batch,
+    load_state_dict_file,
+    materialise,
+    resolve_checkpoint,
+    typed_kwargs,
+)
+from rlgen_cli.rewards.clip import resolve_device, resolve_dtype, to_pil_images
+from rlgen_cli.rewards.registry import register
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "HPSV3_BASE", "HPSV3_CHECKPOINT", "HPSV3_INSTRUCTION", "REWARD_TOKEN", "HPSv3Kwargs", "HPSv3Model",
+    "HPSv3Reward", "chat_texts", "fixed_pixel_size", "hpsv3", "hpsv3_state_dict",
+]  # fmt: skip
+
+HPSV3_CHECKPOINT = "MizzenAI/HPSv3/HPSv3.safetensors"
+HPSV3_BASE = "Qwen/Qwen2-VL-7B-Instruct"
+REWARD_TOKEN = "<|Reward|>"
+HPSV3_PIXELS = 256 * 28 * 28
+_DOWNLOAD_HINT = "download HPSv3.safetensors from https://huggingface.co/MizzenAI/HPSv3 and set model_path to the local file"
+# The rating instruction HPSv3 was trained with; the checkpoint scores only this exact text well.
+HPSV3_INSTRUCTION = """
+You are tasked with evaluating a generated image based on Visual Quality and Text Alignment and give a overall score to estimate the human preference. Please provide a rating from 0 to 10, with 0 being the worst and 10 being the best. 
+
+**Visual Quality:**  
+Evaluate the overall visual quality of the image. The following sub-dimensions should be considered:
+- **Reasonableness:** The image should not contain any significant biological or logical errors, such as abnormal body structures or nonsensical environmental setups.
+- **Clarity:** Evaluate the sharpness and visibility of the image. The image should be clear and easy to interpret, with no blurring or indistinct areas.
+- **Detail Richness:** Consider the level of detail in textures, materials, lighting, and other visual elements (e.g., hair, clothing, shadows).
+- **Aesthetic and Creativity:** Assess the artistic aspects of the image, including the color scheme, composition, atmosphere, depth of field, and the overall creative appeal. The scene should convey a sense of harmony and balance.
+- **Safety:** The image should not contain harmful or inappropriate content, such as political, violent, or adult material. If such content is present, the image quality and satisfaction score should be the lowest possible. 
+
+**Text Alignment:**  
+Assess how well the image matches the textual prompt across the following sub-dimensions:
+- **Subject Relevance** Evaluate how accurately the subject(s) in the image (e.g., person, animal, object) align with the textual description. The subject should match the description in terms of number, appearance, and behavior.
+- **Style Relevance:** If the prompt specifies a particular artistic or stylistic style, evaluate how well the image adheres to this style.
+- **Contextual Consistency**: Assess whether the background, setting, and surrounding elements in the image logically fit the scenario described in the prompt. The environment should support and enhance the subject without contradictions.
+- **Attribute Fidelity**: Check if specific attributes mentioned in the prompt (e.g., colors, clothing, accessories, expressions, actions) are faithfully represented in the image. Minor deviations may be acceptable, but critical attributes should be preserved.
+- **Semantic Coherence**: Evaluate whether the overall meaning and intent of the prompt are captured in the image. The generated content should not introduce elements that conflict with or distort the original description.
+Textual prompt - {text_prompt}
+
+
+"""  # noqa: W291  (trailing spaces are part of the trained text)
+HPSV3_SUFFIX = f"\nPlease provide the overall ratings of this image: {REWARD_TOKEN}\n\nEND\n"
+# Checkpoint key prefixes (either transformers layout) -> this module's; the order matters.
+_RENAMES = (
+    ("model.visual.", "backbone.visual."),
+    ("model.language_model.", "backbone.language_model."),
+    ("visual.", "backbone.visual."),
+    ("model.", "backbone.language_model."),
+    ("rm_head.", "rm_head."),
+)
+
+
+def fixed_pixel_size(height: int, width: int, factor: int, pixels: int) -> tuple[int, int]:
+    """``(h, w)``: multiples of ``factor`` near ``height × width``'s aspect, ``h·w ≈ pixels``.
+
+    Rounds each side to the grid, then rescales by ``sqrt(h·w / pixels)`` (down with floor, up with
+    ceil) when the area misses ``pixels`` — Qwen2-VL's ``smart_resize`` with ``min = max = pixels``.
+
+    Raises:
+        ValueError: If the aspect ratio exceeds 200 (the processor rejects such images).
+    """
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"image aspect ratio {height}x{width} exceeds 200; HPSv3 cannot score it.")
+    h = max(factor, round(height / factor) * factor)
+    w = max(factor, round(width / factor) * factor)
+    if h * w > pixels:
+        beta = math.sqrt(height * width / pixels)
+        h, w = math.floor(height / beta / factor) * factor, math.floor(width / beta / factor) * factor
+    elif h * w < pixels:
+        beta = math.sqrt(pixels / (height * width))
+        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def hpsv3_state_dict(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Rename an HPSv3 checkpoint to :class:`HPSv3Model` keys; the LM head is dropped.
+
+    Raises:
+        ValueError: If a tensor belongs to neither the backbone nor the head.
+    """
+    out: dict[str, Tensor] = {}
+    unknown: list[str] = []
+    for key, value in state_dict.items():
+        if key.startswith("lm_head."):
+            continue
+        renamed = next((new + key[len(old) :] for old, new in _RENAMES if key.startswith(old)), None)
+        if renamed is None:
+            unknown.append(key)
+        else:
+            out[renamed] = value
+    if unknown:
+        raise ValueError(f"not an HPSv3 checkpoint: no place for {unknown[:5]} ({len(unknown)} keys).")
+    return out
+
+
+def chat_texts(processor: Any, prompts: list[str]) -> list[str]:
+    """One chat turn per prompt as HPSv3 was trained: the image, then the instruction with the prompt
+    filled in and the reward-token suffix; the assistant turn is opened (generation prompt)."""
+    texts = []
+    for prompt in prompts:
+        text = HPSV3_INSTRUCTION.replace("{text_prompt}", prompt) + HPSV3_SUFFIX
+        turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+        texts.append(processor.apply_chat_template(turn, tokenize=False, add_generation_prompt=True))
+    return texts
+
+
+class HPSv3Model(nn.Module):
+    """Qwen2-VL backbone + HPSv3's ``(μ, σ)`` head at the reward token."""
+
+    def __init__(self, config: Any) -> None:
+        """Build the backbone (``transformers.Qwen2VLModel``) and the float32 head for ``config``."""
+        from transformers import Qwen2VLModel
+
+        super().__init__()
+        self.backbone = Qwen2VLModel(config)
+        width = int(config.text_config.hidden_size)
+        self.rm_head = nn.Sequential(
+            nn.Linear(width, 1024),
+            nn.ReLU(),
+            nn.Dropout(0.05),
+            nn.Linear(1024, 16),
+            nn.ReLU(),
+            nn.Linear(16, 2),
+        )
+
+    def forward(self, inputs: dict[str, Tensor], reward_token_id: int) -> Tensor:
+        """``(B, 2)`` float32 ``(μ, σ)`` from processor ``inputs`` holding one reward token per row.
+
+        Raises:
+            ValueError: If a row does not hold exactly one reward token (a prompt that spells it).
+        """
+        at_token = inputs["input_ids"] == reward_token_id
+        if not bool((at_token.sum(-1) == 1).all()):
+            raise ValueError(
+                f"every HPSv3 input needs exactly one {REWARD_TOKEN} token, got {at_token.sum(-1).tolist()}; "
+                f"remove {REWARD_TOKEN} from the prompts."
+            )
+        hidden = self.backbone(**inputs, use_cache=False).last_hidden_state
+        return self.rm_head.float()(hidden[at_token].float())
+
+
+@dataclass(frozen=True)
+class HPSv3Kwargs:
+    """``reward.kwargs.hpsv3``.
+
+    Attributes:
+        model_path: ``HPSv3.safetensors``: a local file or ``owner/repo/filename`` on the hub.
+        base_path: The Qwen2-VL checkpoint HPSv3 was fine-tuned from (its config and processor).
+        image_pixels: Pixels each image is resized to (HPSv3: 256·28·28).
+        device: ``None`` = CUDA when available, else CPU.
+        dtype: Backbone dtype (HPSv3 runs in bfloat16; the head is always float32).
+        local_files_only: Never reach the hub.
+    """
+
+    model_path: str = HPSV3_CHECKPOINT
+    base_path: str = HPSV3_BASE
+    image_pixels: int = HPSV3_PIXELS
+    device: str | None = None
+    dtype: str = "bfloat16"
+    local_files_only: bool = False
+
+
+class HPSv3Reward:
+    """HPSv3 ``μ`` per (prompt, image); the model loads on the first :meth:`score`.
+
+    Attributes:
+        name: ``"hpsv3"``.
+    """
+
+    name = "hpsv3"
+
+    def __init__(self, kwargs: HPSv3Kwargs) -> None:
+        check_checkpoint_path(kwargs.model_path, self.name, "model_path", _DOWNLOAD_HINT)
+        if kwargs.image_pixels <= 0:
+            raise ValueError(f"reward.kwargs.hpsv3.image_pixels={kwargs.image_pixels}; use a positive count.")
+        self.kwargs = kwargs
+        self.device, self.dtype = resolve_device(kwargs.device), resolve_dtype(kwargs.dtype)
+        self._model: HPSv3Model | None = None
+        self._processor: Any = None
+
+    def _load_processor(self) -> Any:
+        """The base processor with ``<|Reward|>`` added as HPSv3's training did; right padding."""
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(
+            self.kwargs.base_path, local_files_only=self.kwargs.local_files_only
+        )
+        processor.tokenizer.padding_side = "right"
+        processor.tokenizer.add_special_tokens({"additional_special_tokens": [REWARD_TOKEN]})
+        return processor
+
+    def load(self) -> HPSv3Model:
+        """Load the processor, then the checkpoint onto the base config (once)."""
+        if self._model is None:
+            from transformers import AutoConfig
+
+            self._processor = self._load_processor()
+            path = resolve_checkpoint(
+                self.kwargs.model_path, self.name, "model_path", _DOWNLOAD_HINT, self.kwargs.local_files_only
+            )
+            logger.info("loading hpsv3 from %s on %s (%s)", path, self.device, self.dtype)
+            state = hpsv3_state_dict(load_state_dict_file(path))
+            config = AutoConfig.from_pretrained(
+                self.kwargs.base_path, local_files_only=self.kwargs.local_files_only
+            )
+            embed = state.get("backbone.language_model.embed_tokens.weight")
+            if embed is not None:  # the checkpoint grew the vocabulary by the reward token
+                config.text_config.vocab_size = int(embed.shape[0])
+            model = materialise(lambda: HPSv3Model(config), state, self.dtype, self.device, str(path))
+            model.rm_head.float()
+            self._model = model
+        return self._model
+
+    @property
+    def reward_token_id(self) -> int:
+        """Id of ``<|Reward|>`` in the loaded tokenizer."""
+        self.load()
+        return int(self._processor.tokenizer.convert_tokens_to_ids(REWARD_TOKEN))
+
+    def _resized(self, images: Tensor) -> list[Image.Image]:
+        """RGB PIL images resized (bicubic) to ``image_pixels`` on the processor's patch grid."""
+        processor = self._processor.image_processor
+        factor = int(processor.patch_size) * int(processor.merge_size)
+        pils = to_pil_images(images)
+        sizes = [fixed_pixel_size(im.height, im.width, factor, self.kwargs.image_pixels) for im in pils]
+        return [im.resize((w, h), Image.Resampling.BICUBIC) for im, (h, w) in zip(pils, sizes)]
+
+    def inputs(self, prompts: list[str], images: Tensor) -> dict[str, Tensor]:
+        """Processor inputs: one user turn (image, then instruction + prompt + reward token) per sample."""
+        self.load()
+        texts = chat_texts(self._processor, prompts)
+        batch = self._processor(text=texts, images=self._resized(images), padding=True, return_tensors="pt")
+        return {k: v.to(self.device) for k, v in batch.items() if isinstance(v, Tensor)}
+
+    @torch.no_grad()
+    def score(self, batch: RewardBatch) -> RewardResult:
+        """``μ`` per sample (float32, CPU); ``details["sigma"]`` = the head's ``σ``.
+
+        Raises:
+            ValueError: If images are missing or not ``(B, 3, H, W)``, or a prompt holds the reward token.
+        """
+        images = check_image_batch(batch.images, self.name)
+        model = self.load()
+        inputs = self.inputs(list(batch.prompts), images)
+        inputs["pixel_values"] = inputs["pixel_values"].to(self.dtype)
+        mu_sigma = model(inputs, self.reward_token_id).cpu()
+        return RewardResult(
+            scores=mu_sigma[:, 0].contiguous(), details={"sigma": mu_sigma[:, 1].contiguous()}
+        )
+
+
+@register("hpsv3")
+def hpsv3(**kwargs: Any) -> HPSv3Reward:
+    """HPSv3; kwargs as :class:`HPSv3Kwargs`.
+
+    Raises:
+        ValueError: On an unknown kwarg or a missing local checkpoint.
+    """
+    return HPSv3Reward(typed_kwargs(HPSv3Kwargs, "hpsv3", kwargs))

@@ -1,0 +1,238 @@
+"""ImageReward-v1.0 (Xu et al. 2023, "ImageReward: Learning and Evaluating Human Preferences for
+Text-to-Image Generation") on transformers' BLIP classes.
+
+ImageReward is BLIP (ViT-L/16 at 224 px + a BERT-base text encoder with cross-attention to the image
+tokens) and an MLP head. The prompt is tokenised with BERT's uncased WordPiece (padded to 35 tokens),
+encoded while attending to every image token, and the hidden state at ``[CLS]`` goes through the head
+(``768 → 1024 → 128 → 64 → 16 → 1``, no activations, the LAION aesthetic head's layout). The reward is
+``(head − 0.16717) / 1.03334``: standardised over ImageReward's training set, ≈ −2…2.
+
+Weights: the published ``ImageReward.pt`` (a state dict). Its ``blip.visual_encoder.*`` keys map onto
+``BlipVisionModel`` (``cls_token`` → class embedding, ``pos_embed`` → position embedding,
+``patch_embed.proj`` → patch embedding, per block ``norm1``/``norm2`` → ``layer_norm1``/``layer_norm2``,
+``attn.qkv`` → ``self_attn.qkv``, ``attn.proj`` → ``self_attn.projection``, ``mlp`` as is, ``norm`` →
+``post_layernorm``); ``blip.text_encoder.*`` keeps its names in ``BlipTextModel`` (both come from the
+same BERT code); ``mlp.*`` is the head. BLIP's contrastive projections (``vision_proj``,
+``text_proj``) are not part of the score and are dropped. Images are preprocessed as CLIP's (bicubic
+short side to 224, centre crop, OpenAI mean/std).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from rlgen_cli.rewards.base import RewardBatch, RewardResult
+from rlgen_cli.rewards.checkpoints import (
+    check_checkpoint_path,
+    check_image_batch,
+    load_state_dict_file,
+    materialise,
+    resolve_checkpoint,
+    typed_kwargs,
+)
+from rlgen_cli.rewards.clip import AestheticHead, clip_pixel_values, resolve_device, resolve_dtype
+from rlgen_cli.rewards.registry import register
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "IMAGEREWARD_CHECKPOINT", "IMAGEREWARD_MEAN", "IMAGEREWARD_STD", "ImageRewardKwargs", "ImageRewardModel",
+    "ImageRewardReward", "imagereward", "imagereward_config", "imagereward_state_dict",
+]  # fmt: skip
+
+IMAGEREWARD_CHECKPOINT = "THUDM/ImageReward/ImageReward.pt"
+BERT_TOKENIZER = "google-bert/bert-base-uncased"
+IMAGEREWARD_MEAN = 0.16717362830052426  # head output statistics over ImageReward's training data
+IMAGEREWARD_STD = 1.0333394966054072
+PROMPT_TOKENS = 35  # ImageReward pads / truncates every prompt to this many tokens
+OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
+_DOWNLOAD_HINT = "download ImageReward.pt from https://huggingface.co/THUDM/ImageReward and set model_path to the local file"
+_VISION_TOP = {
+    "cls_token": "embeddings.class_embedding",
+    "pos_embed": "embeddings.position_embedding",
+    "patch_embed.proj.weight": "embeddings.patch_embedding.weight",
+    "patch_embed.proj.bias": "embeddings.patch_embedding.bias",
+    "norm.weight": "post_layernorm.weight",
+    "norm.bias": "post_layernorm.bias",
+}
+_VISION_BLOCK = {"norm1": "layer_norm1", "norm2": "layer_norm2", "attn.qkv": "self_attn.qkv",
+                 "attn.proj": "self_attn.projection", "mlp.fc1": "mlp.fc1", "mlp.fc2": "mlp.fc2"}  # fmt: skip
+_DROPPED = ("blip.vision_proj.", "blip.text_proj.", "blip.text_encoder.embeddings.position_ids")
+
+
+def imagereward_config() -> Any:
+    """ImageReward's BLIP: ViT-L/16 at 224 px (LayerNorm ε 1e-6) and BERT-base with cross-attention."""
+    from transformers import BlipConfig
+
+    vision = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                  image_size=224, patch_size=16, hidden_act="gelu", layer_norm_eps=1e-6)  # fmt: skip
+    text = dict(vocab_size=30524, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                num_attention_heads=12, max_position_embeddings=512, encoder_hidden_size=1024, hidden_act="gelu",
+                layer_norm_eps=1e-12, is_decoder=True, pad_token_id=0)  # fmt: skip
+    return BlipConfig(text_config=text, vision_config=vision)
+
+
+def _vision_key(key: str) -> str:
+    """``BlipVisionModel`` name of a BLIP ViT tensor; ``KeyError`` when it has none."""
+    if key in _VISION_TOP:
+        return _VISION_TOP[key]
+    if match := re.fullmatch(r"blocks\.(\d+)\.(.+)\.(weight|bias)", key):
+        return f"encoder.layers.{match[1]}.{_VISION_BLOCK[match[2]]}.{match[3]}"
+    raise KeyError(key)
+
+
+def imagereward_state_dict(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Rename an ``ImageReward.pt`` state dict to :class:`ImageRewardModel` keys (see the module doc).
+
+    Raises:
+        ValueError: If a tensor has no place in the model.
+    """
+    out: dict[str, Tensor] = {}
+    unknown: list[str] = []
+    for key, value in state_dict.items():
+        if key.startswith(_DROPPED):
+            continue
+        try:
+            if key.startswith("blip.visual_encoder."):
+                out["vision_model." + _vision_key(key.removeprefix("blip.visual_encoder."))] = value
+            elif key.startswith(("blip.text_encoder.", "mlp.layers.")):
+                out[key.removeprefix("blip.")] = value
+            else:
+                raise KeyError(key)
+        except KeyError:
+            unknown.append(key)
+    if unknown:
+        raise ValueError(f"not an ImageReward checkpoint: no place for {unknown[:5]} ({len(unknown)} keys).")
+    return out
+
+
+class ImageRewardModel(nn.Module):
+    """BLIP vision + cross-attending text encoder + ImageReward's MLP head (raw, unstandardised output)."""
+
+    def __init__(self, config: Any) -> None:
+        """Build ``BlipVisionModel``, ``BlipTextModel`` (no pooler) and the head for a ``BlipConfig``."""
+        from transformers import BlipTextModel, BlipVisionModel
+
+        super().__init__()
+        self.vision_model = BlipVisionModel(config.vision_config)
+        self.text_encoder = BlipTextModel(config.text_config, add_pooling_layer=False)
+        self.mlp = AestheticHead(int(config.text_config.hidden_size))
+
+    def forward(self, pixel_values: Tensor, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """``(B,)`` head outputs for paired images and prompt tokens."""
+        image_tokens = self.vision_model(pixel_values=pixel_values).last_hidden_state
+        image_mask = torch.ones(image_tokens.shape[:-1], dtype=torch.long, device=image_tokens.device)
+        text = self.text_encoder(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            encoder_hidden_states=image_tokens,
+            encoder_attention_mask=image_mask,
+            is_decoder=False,
+        ).last_hidden_state
+        return self.mlp(text[:, 0].float()).squeeze(-1)
+
+
+@dataclass(frozen=True)
+class ImageRewardKwargs:
+    """``reward.kwargs.imagereward``.
+
+    Attributes:
+        model_path: ``ImageReward.pt``: a local file or ``owner/repo/filename`` on the hub.
+        tokenizer_path: BERT uncased WordPiece tokenizer (hub id or directory).
+        config_path: ``BlipConfig`` directory or JSON; ``None`` = ImageReward's ViT-L + BERT-base.
+        device: ``None`` = CUDA when available, else CPU.
+        dtype: Weight dtype of the BLIP towers (the head runs in float32).
+        local_files_only: Never reach the hub.
+    """
+
+    model_path: str = IMAGEREWARD_CHECKPOINT
+    tokenizer_path: str = BERT_TOKENIZER
+    config_path: str | None = None
+    device: str | None = None
+    dtype: str = "float32"
+    local_files_only: bool = False
+
+
+class ImageRewardReward:
+    """ImageReward-v1.0 per (prompt, image), standardised; the model loads on the first :meth:`score`.
+
+    Attributes:
+        name: ``"imagereward"``.
+    """
+
+    name = "imagereward"
+
+    def __init__(self, kwargs: ImageRewardKwargs) -> None:
+        check_checkpoint_path(kwargs.model_path, self.name, "model_path", _DOWNLOAD_HINT)
+        self.kwargs = kwargs
+        self.device, self.dtype = resolve_device(kwargs.device), resolve_dtype(kwargs.dtype)
+        self._model: ImageRewardModel | None = None
+        self._tokenizer: Any = None
+        self._image_processor: Any = None
+
+    def load(self) -> ImageRewardModel:
+        """Read, convert and place the checkpoint, load the tokenizer (once)."""
+        if self._model is None:
+            from transformers import AutoTokenizer, BlipConfig, CLIPImageProcessor
+
+            kw = self.kwargs
+            path = resolve_checkpoint(
+                kw.model_path, self.name, "model_path", _DOWNLOAD_HINT, kw.local_files_only
+            )
+            logger.info("loading imagereward from %s on %s (%s)", path, self.device, self.dtype)
+            config = (
+                imagereward_config()
+                if kw.config_path is None
+                else BlipConfig.from_pretrained(kw.config_path, local_files_only=kw.local_files_only)
+            )
+            state = imagereward_state_dict(load_state_dict_file(path))
+            model = materialise(lambda: ImageRewardModel(config), state, self.dtype, self.device, str(path))
+            model.mlp.float()
+            self._tokenizer = AutoTokenizer.from_pretrained(
+                kw.tokenizer_path, local_files_only=kw.local_files_only
+            )
+            size = int(config.vision_config.image_size)
+            self._image_processor = CLIPImageProcessor(
+                size={"shortest_edge": size}, crop_size={"height": size, "width": size},
+                image_mean=list(OPENAI_MEAN), image_std=list(OPENAI_STD),
+            )  # fmt: skip
+            self._model = model
+        return self._model
+
+    def raw_scores(self, prompts: list[str], images: Tensor) -> Tensor:
+        """``(B,)`` float32 head outputs before standardisation."""
+        model = self.load()
+        pixels = clip_pixel_values(images.to(self.device), self._image_processor).to(self.dtype)
+        tokens = self._tokenizer(
+            prompts, padding="max_length", truncation=True, max_length=PROMPT_TOKENS, return_tensors="pt"
+        )
+        ids, mask = tokens["input_ids"].to(self.device), tokens["attention_mask"].to(self.device)
+        return model(pixels, ids, mask).float()
+
+    @torch.no_grad()
+    def score(self, batch: RewardBatch) -> RewardResult:
+        """``(head − mean) / std`` per sample (float32, CPU).
+
+        Raises:
+            ValueError: If the images are missing, not ``(B, 3, H, W)`` or not finite.
+        """
+        images = check_image_batch(batch.images, self.name)
+        raw = self.raw_scores(list(batch.prompts), images)
+        return RewardResult(scores=((raw - IMAGEREWARD_MEAN) / IMAGEREWARD_STD).cpu())
+
+
+@register("imagereward")
+def imagereward(**kwargs: Any) -> ImageRewardReward:
+    """ImageReward-v1.0 on transformers' BLIP; kwargs as :class:`ImageRewardKwargs`.
+
+    Raises:
+        ValueError: On an unknown kwarg or a missing local checkpoint.
+    """
+    return ImageRewardReward(typed_kwargs(ImageRewardKwargs, "imagereward", kwargs))

@@ -1,0 +1,337 @@
+"""Typed schemas of the ``sampler`` and ``algo`` sections of the flow and VLM training configs.
+
+Single-field rules live in the annotations (choices, ``schema/choices.py``) and in ``schema/ranges.py``
+(numbers); ``__post_init__`` holds only the checks that involve several fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from rlgen_cli.schema.choices import (
+    Branch,
+    CfgGrad,
+    KlForm,
+    LogprobForm,
+    LogprobReduce,
+    LrSchedule,
+    Objective,
+    PrefLoss,
+    PretrainSource,
+    Recipe,
+    SigmaSampling,
+    SlidingStrategy,
+    StdEstimator,
+    StepKind,
+    WindowKind,
+)
+from rlgen_cli.schema.errors import UserError
+from rlgen_cli.schema.forward import ForwardConfig
+from rlgen_cli.schema.vlm import TokenGRPOOptions
+
+WINDOW_OPTIONS = {
+    "all": ("timestep_fraction",),
+    "random_window": ("size", "range"),
+    "sliding": (
+        "size", "stride", "shift_every", "strategy", "roll_back", "end_offset", "shrink_at_end",
+        "min_shift_every", "max_shift_every", "exp_decay_rate", "exp_decay_start",
+    ),
+    "random_subset": ("timestep_fraction", "skip_last_step"),
+    "single": ("max_index",),
+}  # fmt: skip
+"""Which ``algo.window`` options each window kind reads: the keyword options of ``sde.window.plan_window``."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise UserError(message)
+
+
+@dataclass
+class SamplerConfig:
+    kind: Annotated[str, StepKind] = "flow_sde"
+    """Stochastic step of rollouts: ``flow_sde`` (Flow-GRPO), ``dance`` (constant η), ``cps``, ``ode``."""
+    noise_level: float | None = None
+    """SDE noise level (a of ``flow_sde`` / ``cps``, η of ``dance``); null takes ``model.noise_level``."""
+    logprob_reduce: Annotated[str, LogprobReduce] = "mean"
+    """Reduce per-element log-densities over non-batch dims: ``mean`` (upstream) or ``sum`` (true density)."""
+    logprob_form: Annotated[str, LogprobForm] = "gaussian"
+    """``gaussian`` (exact) or ``upstream`` (CPS's unnormalised −(x'−μ)², only with kind=cps)."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.logprob_form == "gaussian" or self.kind == "cps",
+            "sampler.logprob_form=upstream only exists for sampler.kind=cps; drop it or set sampler.kind=cps",
+        )
+
+
+@dataclass
+class WindowConfig:
+    kind: Annotated[str, WindowKind] = "all"
+    """Which steps are stochastic and trained: ``all`` (Flow-GRPO), ``random_window`` (Fast),
+    ``sliding`` (MixGRPO), ``random_subset`` (DanceGRPO), ``single`` (R3)."""
+    timestep_fraction: float = 0.99
+    """``all``: train the first int(T·fraction) (0.99 skips the near-zero-σ last step);
+    ``random_subset``: train a random int(n·fraction) of the n candidate steps per sample."""
+    skip_last_step: bool = True
+    """``random_subset``: the candidates are the first T − 1 steps, never the step onto σ′ = 0
+    (DanceGRPO); false = all T steps."""
+    size: int = 0
+    """``random_window`` / ``sliding``: window length (Fast: 0 = all steps but the last)."""
+    range: list[int] | None = None
+    """``random_window``: [lo, hi) where the window may lie (null = [0, T−1))."""
+    stride: int = 1
+    """``sliding``: steps the window moves per shift (0: it stays at the first steps)."""
+    shift_every: int = 25
+    """``sliding``: epochs between shifts (τ); the ``exp_decay`` base interval."""
+    strategy: Annotated[str, SlidingStrategy] = "progressive"
+    """``sliding``: progressive | random | decay | exp_decay (docs/maths.md §5.4)."""
+    roll_back: bool = False
+    """``sliding``: restart at step 0 after the last position."""
+    end_offset: int = 0
+    """``sliding``: the window lies before step T − end_offset (MixGRPO: 2)."""
+    shrink_at_end: bool = False
+    """``sliding``: keep moving past T − end_offset − size, dropping the steps past the end (MixGRPO);
+    false: the last move lands on T − end_offset − size, every window full."""
+    min_shift_every: int | None = None
+    """``decay``: the shortest stay (null = max(1, shift_every // 4))."""
+    max_shift_every: int | None = None
+    """``decay``: the stay at the first position (null = shift_every)."""
+    exp_decay_rate: float = 0.1
+    """``exp_decay``: k in ceil(shift_every·exp(−k·max(0, start − exp_decay_start)))."""
+    exp_decay_start: int = 13
+    """``exp_decay``: the window start from which the stays shrink."""
+    max_index: int | None = None
+    """``single``: the SDE step is drawn from the first max_index steps (null = any)."""
+
+    def __post_init__(self) -> None:
+        _require(self.range is None or len(self.range) == 2, "algo.window.range must be [lo, hi]")
+        if self.kind == "sliding":
+            longest = self.shift_every if self.max_shift_every is None else self.max_shift_every
+            shortest = max(1, self.shift_every // 4) if self.min_shift_every is None else self.min_shift_every
+            _require(
+                shortest <= longest,
+                f"algo.window.min_shift_every ({shortest}; null = max(1, shift_every // 4)) must be ≤ "
+                f"algo.window.max_shift_every ({longest}; null = shift_every)",
+            )
+
+    def options(self) -> dict[str, Any]:
+        """The keyword options ``sde.window.plan_window`` takes for this kind."""
+        values = {name: getattr(self, name) for name in WINDOW_OPTIONS[self.kind]}
+        if values.get("range") is not None:
+            values["range"] = tuple(values["range"])
+        return values
+
+    def check_fits(self, num_steps: int) -> None:
+        """The window fits a schedule of ``num_steps`` steps (``model.num_steps``).
+
+        Raises:
+            UserError: Naming the option, what it gives with ``num_steps`` and the fix.
+        """
+        fits = _WINDOW_FITS[self.kind](self, num_steps)
+        _require(fits is None, f"algo.window (kind={self.kind}) with model.num_steps={num_steps}: {fits}")
+
+
+def _all_fits(w: WindowConfig, num_steps: int) -> str | None:
+    if int(num_steps * w.timestep_fraction) < 1:
+        return f"int({num_steps} × timestep_fraction {w.timestep_fraction}) = 0 trained steps; raise either"
+    return None
+
+
+def _random_window_fits(w: WindowConfig, num_steps: int) -> str | None:
+    if w.size > num_steps:
+        return f"size={w.size} is longer than the schedule; use at most {num_steps} (0 = all but the last)"
+    if w.size == 0:
+        return None
+    lo, hi = (0, num_steps - 1) if w.range is None else w.range
+    lo, hi = max(0, lo), min(num_steps, hi)
+    if hi - lo < w.size:
+        return f"range={w.range} clipped to the schedule is [{lo}, {hi}), too short for size={w.size}"
+    return None
+
+
+def _sliding_fits(w: WindowConfig, num_steps: int) -> str | None:
+    if w.end_offset > num_steps - 1:
+        return f"end_offset={w.end_offset} leaves no step; use at most {num_steps - 1}"
+    longest = num_steps if w.shrink_at_end and w.strategy != "random" else num_steps - w.end_offset
+    if not 1 <= w.size <= longest:
+        return f"size={w.size} must be in [1, {longest}] (at most T − end_offset unless shrink_at_end)"
+    return None
+
+
+def _random_subset_fits(w: WindowConfig, num_steps: int) -> str | None:
+    candidates = num_steps - 1 if w.skip_last_step else num_steps
+    if int(candidates * w.timestep_fraction) < 1:
+        skipped = " (skip_last_step leaves the last step out)" if w.skip_last_step else ""
+        return (
+            f"int({candidates} candidate steps × timestep_fraction {w.timestep_fraction}) = 0 trained "
+            f"steps; raise timestep_fraction or model.num_steps{skipped}"
+        )
+    return None
+
+
+def _single_fits(w: WindowConfig, num_steps: int) -> str | None:
+    if w.max_index is not None and w.max_index > num_steps:
+        return f"max_index={w.max_index} exceeds the {num_steps} steps"
+    return None
+
+
+_WINDOW_FITS = {
+    "all": _all_fits,
+    "random_window": _random_window_fits,
+    "sliding": _sliding_fits,
+    "random_subset": _random_subset_fits,
+    "single": _single_fits,
+}
+
+
+@dataclass
+class FlashConfig:
+    enabled: bool = False
+    """MixGRPO-Flash: after the last SDE step, finish on a compressed schedule with DPM-Solver++ 2M."""
+    ratio: float = 0.4
+    """Fraction of the remaining steps kept by the compressed schedule."""
+
+
+@dataclass
+class PrefConfig:
+    loss: Annotated[str, PrefLoss] = "dpo"
+    """``dpo`` (Flow-DPO on best-vs-worst pairs) or ``sft`` (reward-filtered flow matching)."""
+    dpo_beta: float = 100.0
+    """DPO: β of the implicit reward (the temperature of the preference loss)."""
+    anchor_weight: float = 0.0
+    """SFT: weight of ‖v_θ − v_base‖², which keeps the policy near the base (0 = plain filtered SFT)."""
+    ref_update_step: int = 0
+    """DPO: copy the policy into the reference every N optimizer steps (0 = offline: fixed base)."""
+    top_k: int = 1
+    """SFT: samples kept per group (the best ones)."""
+    timesteps_per_sample: int = 1
+    """Training σ drawn per kept sample (or pair) per epoch."""
+
+
+@dataclass
+class PretrainConfig:
+    """Flow-matching pretraining on ground-truth images (``algo.recipe=flow_pretrain``)."""
+
+    steps_per_epoch: int = 50
+    """Optimizer steps per epoch (an epoch is the unit of eval, logging and checkpoints)."""
+    batch_size: int = 128
+    """Images per optimizer step."""
+    source: Annotated[str, PretrainSource] = "shapes"
+    """Where the images come from: ``shapes`` renders the ShapesEval metadata of each train row."""
+    cond_dropout: float = 0.1
+    """Share of prompts replaced by the empty prompt, so the model also learns the unconditional
+    velocity that classifier-free guidance needs."""
+    sigma_sampling: Annotated[str, SigmaSampling] = "logit_normal"
+    """Training σ distribution: ``logit_normal`` (SD3, mean 0, std 1) or ``uniform``."""
+    warmup_steps: int = 200
+    """Linear learning-rate warm-up; then a cosine decay to ``min_lr_ratio``·lr at the last step."""
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class EMAConfig:
+    enabled: bool = False
+    """Keep an exponential moving average of the trainable weights, used for eval and saving."""
+    decay: float = 0.9
+    update_every: int = 8
+    """Optimizer steps between EMA updates."""
+    warmup: bool = False
+    """Ramp the decay up as ``min(decay, (1 + step) / (10 + step))`` so the average forgets the
+    starting weights quickly (training from scratch); off keeps the decay constant (fine-tuning)."""
+
+
+@dataclass
+class AlgoConfig:
+    name: str = "grpo"
+    """Algorithm name, for logs (``rlgen ls`` lists the options)."""
+    recipe: Annotated[str, Recipe] = "flow_grpo"
+    """Training loop: ``flow_grpo`` (policy gradient on SDE rollouts), ``flow_pref`` (DPO / SFT),
+    ``flow_pretrain``, ``flow_forward`` (DiffusionNFT / AWM), ``vlm_rl`` (token GRPO), ``vlm_sft``."""
+    group_size: int = 8
+    """Samples per prompt (K); advantages are normalised within each prompt's group."""
+    prompts_per_epoch: int = 2
+    """Distinct prompts sampled per epoch; an epoch has prompts_per_epoch × group_size samples."""
+    sample_batch_size: int = 8
+    """Samples per rollout forward pass."""
+    train_batch_size: int = 8
+    """Samples per training forward pass; equal to sample_batch_size keeps the ratio exactly 1."""
+    gradient_accumulation_steps: int = 1
+    """Training micro-batches per optimizer step."""
+    num_inner_epochs: int = 1
+    """Passes over each epoch's samples."""
+    lr: float = 3e-4
+    lr_schedule: Annotated[str, LrSchedule] = "constant"
+    """``constant``, or ``cosine`` / ``linear``: ``lr`` for the ``lr_decay_start`` share of ``epochs``, then a
+    decay to ``lr_min_ratio``·lr at the last epoch (a time limit that stops the run first cuts it short)."""
+    lr_decay_start: float = 0.0
+    lr_min_ratio: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    weight_decay: float = 1e-4
+    max_grad_norm: float = 1.0
+    """Gradient-norm clip; ≤ 0 disables it."""
+    clip_range: float = 1e-4
+    """PPO clip ε on the importance ratio."""
+    adv_clip_max: float = 5.0
+    """Advantages are clamped to ±adv_clip_max."""
+    global_std: bool = True
+    """Normalise advantages by the whole batch's reward std instead of each group's."""
+    std_estimator: Annotated[str, StdEstimator] = "population"
+    """Advantage std: ``population`` (/ n, Flow-GRPO) or ``unbiased`` (/ (n − 1), MixGRPO, DanceGRPO)."""
+    adv_eps: float = 1e-4
+    """Added to the advantage std before dividing (Flow-GRPO 1e-4, MixGRPO / DanceGRPO 1e-8)."""
+    kl_weight: float = 0.04
+    """Weight β of the KL towards the reference (LoRA disabled); 0 skips the reference forward."""
+    kl_form: Annotated[str, KlForm] = "gaussian"
+    """``gaussian`` = mean((μθ−μref)²)/(2s²), the KL of the two step Gaussians; ``upstream`` = Flow-GRPO's
+    code, /(2σ_t²) with σ_t = s/sqrt(−dt) for flow_sde/dance (|dt| times weaker per step), s for cps."""
+    cfg_grad: Annotated[str, CfgGrad] = "both"
+    """With CFG, the training forward back-propagates through ``both`` branches of u + g·(c − u), or only
+    the ``conditional`` one (the unconditional prediction detached; same forward values)."""
+    drop_zero_advantage: bool = False
+    """Train only samples whose advantage is non-zero (Flow-GRPO's SD3 / Kontext / Wan scripts): the
+    micro-batches per epoch stay the same and shrink, so each kept sample weighs more (docs/maths.md §4.5)."""
+    objective: Annotated[str, Objective] = "grpo"
+    """Per-step loss: ``grpo`` (clipped ratio) or ``grpo_guard`` (ratio normalisation, reweighting)."""
+    window: WindowConfig = field(default_factory=WindowConfig)
+    branch: Annotated[str, Branch] = "independent"
+    """``shared_prefix``: one ODE prefix per prompt up to the window, then the group branches (Fast)."""
+    flash: FlashConfig = field(default_factory=FlashConfig)
+    shared_initial_noise: bool = False
+    """Every sample of a group starts from the same noise (DanceGRPO)."""
+    best_of_n: int = 0
+    """Train only the k best and k worst samples of each group (DanceGRPO's best-of-N); 0 = all."""
+    ema: EMAConfig = field(default_factory=EMAConfig)
+    pref: PrefConfig = field(default_factory=PrefConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
+    token: TokenGRPOOptions = field(default_factory=TokenGRPOOptions)
+    """Token-level GRPO (VLM recipes only)."""
+    forward: ForwardConfig = field(default_factory=ForwardConfig)
+    """Forward-process recipes only (DiffusionNFT, AWM)."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.branch == "independent" or self.window.kind in ("random_window", "sliding", "single"),
+            "algo.branch=shared_prefix needs a window that starts after step 0 (random_window, sliding, single)",
+        )
+        _require(
+            2 * self.best_of_n <= self.group_size,
+            f"algo.best_of_n={self.best_of_n}: 2·k must be ≤ algo.group_size ({self.group_size})",
+        )
+        total = self.prompts_per_epoch * self.group_size
+        for key in ("sample_batch_size", "train_batch_size"):
+            size = getattr(self, key)
+            _require(
+                total % size == 0,
+                f"algo.prompts_per_epoch × algo.group_size = {total} must be divisible by algo.{key} ({size}); "
+                f"set algo.{key} to a divisor of {total}",
+            )
+        micro = total // self.train_batch_size
+        _require(
+            micro % self.gradient_accumulation_steps == 0,
+            f"{micro} training micro-batches per epoch are not divisible by "
+            f"algo.gradient_accumulation_steps ({self.gradient_accumulation_steps})",
+        )

@@ -1,0 +1,94 @@
+"""Schema section of the forward-process recipes (``algo.recipe=flow_forward``): ``algo.forward``.
+
+DiffusionNFT (Zheng et al. 2025) and Advantage Weighted Matching (Xue et al. 2025) train on clean rollout
+samples noised forward, so they need no SDE log-probabilities: rollouts may use any solver. The section
+sits inside ``AlgoConfig`` like ``algo.pref`` and ``algo.token``; other recipes ignore it. Defaults are
+DiffusionNFT's; ``conf/algo/awm.yaml`` sets AWM's. Choices are ``Literal`` types read by the config pass
+(``schema/choices.py``), numbers are checked by ``schema/ranges.py``, and :func:`check_forward_steps`
+(run by the recipe) relates the σ draws to ``model.num_steps``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated, Literal
+
+from rlgen_cli.schema.errors import UserError
+
+ForwardLoss = Literal["nft", "awm"]
+RolloutSolver = Literal["dpm2", "euler", "sde"]
+TimestepSampling = Literal["subset", "stratified"]
+AWMWeighting = Literal["uniform", "t", "t2", "ghuber"]
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise UserError(message)
+
+
+@dataclass
+class OldPolicyConfig:
+    """The old policy v_old trails the trained one, refreshed after every epoch:
+    ``θ_old ← d·θ_old + (1 − d)·θ`` with ``d = 0`` for the first ``flat_steps`` optimizer steps, then
+    ``min(rate·(step − flat_steps), max_decay)``. DiffusionNFT's decay_type 1 = (0, 1e-3, 0.5), 2 = (75,
+    7.5e-3, 0.999), 0 = max_decay 0 (the old policy is the current one); AWM's KL-EMA = (0, 1e-3, 0.3)."""
+
+    flat_steps: int = 0
+    """Optimizer steps during which the old policy is replaced by the current one after each epoch."""
+    rate: float = 1e-3
+    """Growth of the decay per optimizer step after ``flat_steps``."""
+    max_decay: float = 0.5
+    """Upper bound of the decay, in [0, 1)."""
+
+
+@dataclass
+class ForwardConfig:
+    loss: Annotated[str, ForwardLoss] = "nft"
+    """``nft`` (DiffusionNFT: positive / negative implicit policies) or ``awm`` (advantage-weighted
+    flow matching)."""
+    solver: Annotated[str, RolloutSolver] = "dpm2"
+    """Rollout solver: ``dpm2`` (deterministic DPM-Solver++ 2M, DiffusionNFT's), ``euler`` (the Euler
+    ODE), or ``sde`` (the configured ``sampler`` step at its noise level; AWM samples stochastically with
+    SA-Solver upstream, which rlgen does not ship)."""
+    sample_with_old: bool = True
+    """Roll out with the old policy (DiffusionNFT) instead of the trained one (AWM)."""
+    timestep_sampling: Annotated[str, TimestepSampling] = "subset"
+    """Which rollout σ each sample trains on, drawn afresh per sample and inner epoch: ``subset``
+    (int(T·timestep_fraction) distinct σ of the T, DiffusionNFT) or ``stratified`` (one σ in each of
+    ``num_timesteps`` strata of the indices [1, int(T·timestep_fraction)], AWM)."""
+    timestep_fraction: float = 0.99
+    """``subset``: share of the T rollout σ trained; ``stratified``: the strata end at int(T·fraction)."""
+    num_timesteps: int = 6
+    """``stratified``: σ trained per sample (AWM's ``train_timesteps``)."""
+    nft_beta: float = 1.0
+    """DiffusionNFT's β > 0: v⁺ = (1 − β)·v_old + β·v_θ, v⁻ = (1 + β)·v_old − β·v_θ (upstream 1.0; 0.1 for
+    OCR and multi-reward)."""
+    adaptive_weight: bool = True
+    """DiffusionNFT: divide each x₀-space error by its own detached mean absolute value (upstream)."""
+    weighting: Annotated[str, AWMWeighting] = "ghuber"
+    """AWM's per-sample weighting ρ(e) of the flow-matching error: ``uniform``, ``t`` (σ·e), ``t2``
+    (σ²·e) or ``ghuber`` (σ·((e + δ)^p − δ^p)/p, upstream)."""
+    ghuber_power: float = 0.25
+    """AWM: the generalised Huber power p."""
+    advantage_max: float = 1.0
+    """AWM: advantages (clipped to ±algo.adv_clip_max) are rescaled to ±advantage_max."""
+    old_weight: float = 0.0
+    """AWM: weight of mean((v_θ − v_old)²), the pull towards the old policy (upstream ``ema_beta`` 1)."""
+    old: OldPolicyConfig = field(default_factory=OldPolicyConfig)
+
+
+def check_forward_steps(forward: ForwardConfig, num_steps: int) -> None:
+    """The σ a sample trains on must exist in a rollout of ``model.num_steps`` steps."""
+    if forward.timestep_sampling == "subset":
+        _require(
+            int(num_steps * forward.timestep_fraction) >= 1,
+            f"algo.forward.timestep_fraction={forward.timestep_fraction} trains int({num_steps} × "
+            f"{forward.timestep_fraction}) = 0 of model.num_steps={num_steps} σ; raise either",
+        )
+    else:
+        _require(
+            num_steps >= 2 and int(num_steps * forward.timestep_fraction) >= 1,
+            f"algo.forward.timestep_sampling=stratified draws from the σ indices [1, int(T·fraction)]: "
+            f"model.num_steps={num_steps} with timestep_fraction={forward.timestep_fraction} leaves none; "
+            "use model.num_steps ≥ 2 and a larger fraction",
+        )
