@@ -15,8 +15,7 @@ import math
 import tempfile
 from pathlib import Path
 
-import torch
-
+from rlgen_cli.models.tiny import SD3Sizes, tiny_sd3_pipeline
 from rlgen_cli.recipes import flow_grpo, loop
 from rlgen_cli.training.progress import Progress
 
@@ -26,69 +25,16 @@ SD3_CFG_ALGO = [
     "algo.window.timestep_fraction=1.0", "algo.ema.enabled=false",
 ]  # fmt: skip
 GEOMETRIES = ("sd3_cfg", "shapes")
+SD3_CFG_SIZES = SD3Sizes(
+    clip_intermediate_size=64, t5_d_kv=16, t5_d_ff=128, patch_size=2, num_layers=2, attention_head_dim=16,
+    caption_projection_dim=64, vae_sample_size=64, vae_block_out_channels=(8, 16), vae_norm_groups=4,
+)  # fmt: skip
+"""The ``sd3_cfg`` geometry: 2 joint blocks of width 64, a 2× downsampling VAE, 2×2 patches."""
 
 
 def save_sd3_cfg_pipeline(directory: Path, seed: int = 0) -> Path:
     """Build the ``sd3_cfg`` pipeline (random weights, offline tokenizers) and save it to ``directory``."""
-    from diffusers import (
-        AutoencoderKL,
-        FlowMatchEulerDiscreteScheduler,
-        SD3Transformer2DModel,
-        StableDiffusion3Pipeline,
-    )
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
-
-    from rlgen_cli.models.tokenizers import tiny_clip_tokenizer, tiny_t5_tokenizer, vocab_size
-
-    clip_tok, t5_tok = tiny_clip_tokenizer(77), tiny_t5_tokenizer(512)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        clip = CLIPTextConfig(
-            vocab_size=vocab_size(clip_tok), hidden_size=32, intermediate_size=64, num_attention_heads=4,
-            num_hidden_layers=2, projection_dim=32, max_position_embeddings=77,
-            bos_token_id=0, eos_token_id=1, pad_token_id=1, hidden_act="gelu",
-        )  # fmt: skip
-        t5 = T5Config(
-            vocab_size=vocab_size(t5_tok), d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
-            relative_attention_num_buckets=8, decoder_start_token_id=0,
-        )  # fmt: skip
-        pipeline = StableDiffusion3Pipeline(
-            transformer=SD3Transformer2DModel(
-                sample_size=32,
-                patch_size=2,
-                in_channels=4,
-                num_layers=2,
-                attention_head_dim=16,
-                num_attention_heads=4,
-                joint_attention_dim=64,
-                caption_projection_dim=64,
-                pooled_projection_dim=64,
-                out_channels=4,
-            ),  # fmt: skip
-            vae=AutoencoderKL(
-                sample_size=64,
-                in_channels=3,
-                out_channels=3,
-                block_out_channels=(8, 16),
-                down_block_types=("DownEncoderBlock2D",) * 2,
-                up_block_types=("UpDecoderBlock2D",) * 2,
-                layers_per_block=1,
-                latent_channels=4,
-                norm_num_groups=4,
-                use_quant_conv=False,
-                use_post_quant_conv=False,
-                shift_factor=0.0609,
-                scaling_factor=1.5035,
-            ),  # fmt: skip
-            text_encoder=CLIPTextModelWithProjection(clip),
-            text_encoder_2=CLIPTextModelWithProjection(clip),
-            text_encoder_3=T5EncoderModel(t5),
-            tokenizer=clip_tok,
-            tokenizer_2=tiny_clip_tokenizer(77),
-            tokenizer_3=t5_tok,
-            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        )
-    pipeline.save_pretrained(directory)
+    tiny_sd3_pipeline(seed, sizes=SD3_CFG_SIZES).save_pretrained(directory)
     return directory
 
 

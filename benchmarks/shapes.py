@@ -38,7 +38,7 @@ CLI = "import sys; from rlgen_cli.cli import main; sys.exit(main())"
 COMMON = ["experiment=shapes_grpo_fast", "progress=false", "images_every=0", "save_every=0", "seed=0"]
 GEOMETRY = [
     "algo.prompts_per_epoch=16", "algo.group_size=8", "algo.sample_batch_size=64", "algo.train_batch_size=64",
-    "algo.gradient_accumulation_steps=2", "algo.lr=3e-5", "algo.beta=0.0",
+    "algo.gradient_accumulation_steps=2", "algo.lr=3e-5", "algo.kl_weight=0.0",
     "algo.ema.enabled=true", "algo.ema.decay=0.95", "algo.ema.update_every=1", "algo.lr_schedule=constant",
 ]  # fmt: skip
 RUNS: dict[str, list[str]] = {

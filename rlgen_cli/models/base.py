@@ -211,32 +211,10 @@ class ReferenceSwitch:
 
 
 class LegacyPolicyNames:
-    """The flow-policy method names from before ``trainable`` / ``capabilities``, kept while callers move.
-
-    Each is a hand-off; new code writes ``policy.trainable.*`` and ``policy.capabilities.*``.
-    """
+    """``save_trainable``, the one pre-``trainable`` name still called: ``training.checkpoint.save_checkpoint``
+    writes flow, VLM and R3 policies through it. New code writes ``policy.trainable.save(directory)``."""
 
     trainable: Trainable
-    capabilities: Capabilities
-
-    @property
-    def takes_source_images(self) -> bool:
-        return self.capabilities.takes_source_images
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return self.trainable.parameters()
-
-    def named_trainable(self) -> Iterator[tuple[str, nn.Parameter]]:
-        return self.trainable.named()
-
-    def reference(self) -> contextlib.AbstractContextManager[None]:
-        return self.trainable.reference()
 
     def save_trainable(self, directory: Path) -> None:
         self.trainable.save(directory)
-
-    def load_trainable(self, directory: Path) -> None:
-        self.trainable.load(directory)
-
-    def distribute(self, wrap: Callable[[nn.Module], nn.Module]) -> None:
-        self.trainable.distribute(wrap)

@@ -63,7 +63,7 @@ class SD3Sizes:
     vae_norm_groups: int = 1
 
 
-def tiny_sd3_pipeline(seed: int = 0, sizes: SD3Sizes = SD3Sizes()) -> Any:
+def tiny_sd3_pipeline(seed: int = 0, *, sizes: SD3Sizes = SD3Sizes()) -> Any:
     """A tiny ``StableDiffusion3Pipeline`` of ``sizes``, deterministic in ``seed``."""
     from diffusers import (
         AutoencoderKL,

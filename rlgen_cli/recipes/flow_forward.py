@@ -59,7 +59,6 @@ from rlgen_cli.sde import dpm_solver_2m, euler, plan_window
 from rlgen_cli.sde.noise import Stream, randn_per_sample, sample_generators
 from rlgen_cli.sde.rollout import StepSpec, rollout
 from rlgen_cli.sde.sampling import batches, conditioned
-from rlgen_cli.training.checkpoint import resolve_resume
 from rlgen_cli.training.ema import EMA
 from rlgen_cli.training.images import save_grid
 from rlgen_cli.training.progress import Progress
@@ -92,9 +91,8 @@ class OldPolicy:
         """A copy of the current weights, or the resumed run's old policy."""
         params = run.policy.trainable.parameters()
         old = cls(EMA(params, decay=0.0, update_every=1, gather=run.dist.gathered))
-        ckpt = resolve_resume(run.cfg.resume, run.run_dir) if run.start_epoch > 0 else None
-        if ckpt is not None:
-            old.weights.load_state_dict(ckpt.state()[OLD_KEY])
+        if OLD_KEY in run.resumed_extra:
+            old.weights.load_state_dict(run.resumed_extra[OLD_KEY])
         return old
 
     def swap(self) -> AbstractContextManager[Any]:

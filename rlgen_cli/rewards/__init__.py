@@ -2,8 +2,8 @@
 
 Importing this package registers the built-in local rewards (``brightness``, ``char_fraction``,
 ``jpeg_compressibility``, ``jpeg_incompressibility``, ``pickscore``, ``clipscore``, ``aesthetic``,
-``image_similarity``, ``imagereward``, ``hpsv2``, ``hpsv2_1``, ``hpsv3``, ``qwenvl``, ``geneval``, ``ocr``, ``video_ocr``) and the clients of served rewards
-(``remote``, ``flowgrpo_remote``, ``openai_judge``). Model-backed rewards import
+``image_similarity``, ``imagereward``, ``hpsv2``, ``hpsv2_1``, ``hpsv3``, ``qwenvl``, ``geneval``, ``ocr``,
+``video_ocr``) and the clients of served rewards (``remote``, ``flowgrpo_remote``, ``openai_judge``). Model-backed rewards import
 transformers (or rapidocr) lazily, on first use, so the import stays cheap. It never imports
 :mod:`rlgen_cli.models`.
 """

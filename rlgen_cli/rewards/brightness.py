@@ -13,7 +13,7 @@ import torch
 
 from rlgen_cli.rewards.base import RewardBatch, RewardResult
 from rlgen_cli.rewards.jpeg import _check_images
-from rlgen_cli.rewards.registry import register
+from rlgen_cli.rewards.registry import NoKwargs, register
 
 __all__ = ["BrightnessReward", "brightness"]
 
@@ -48,7 +48,7 @@ class BrightnessReward:
         return RewardResult(scores=scores.to(torch.float32))
 
 
-@register("brightness")
+@register("brightness", kwargs=NoKwargs)
 def brightness() -> BrightnessReward:
     """Build the reward ``mean pixel value`` (brighter images score higher).
 

@@ -11,11 +11,12 @@ it is a language-consistency check (``chars="a-zA-Z0-9 .,"``) or a guard against
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from rlgen_cli.rewards.r1vl import TextRuleReward
 from rlgen_cli.rewards.registry import register
 
-__all__ = ["build_char_fraction", "char_fraction"]
+__all__ = ["CharFractionKwargs", "build_char_fraction", "char_fraction"]
 
 PRINTABLE_ASCII = " -~"
 
@@ -38,7 +39,15 @@ def _character_class(chars: str) -> re.Pattern[str]:
         ) from None
 
 
-@register("char_fraction")
+@dataclass
+class CharFractionKwargs:
+    """``reward.kwargs.char_fraction``."""
+
+    chars: str = PRINTABLE_ASCII
+    """Body of the regex character class whose share is scored, e.g. ``a-z``."""
+
+
+@register("char_fraction", kwargs=CharFractionKwargs)
 def build_char_fraction(chars: str = PRINTABLE_ASCII) -> TextRuleReward:
     """``char_fraction``: the share of characters in the class ``[chars]``.
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -317,7 +318,32 @@ class ClipReward:
         return RewardResult(scores=scores.float().cpu(), details=details)
 
 
-@register("pickscore")
+@dataclass
+class ClipKwargs:
+    """``reward.kwargs.clipscore`` / ``image_similarity`` (args as :class:`ClipReward`)."""
+
+    model_path: str = CLIP_L14
+    device: str | None = None
+    dtype: str = "float32"
+    local_files_only: bool = False
+
+
+@dataclass
+class PickScoreKwargs(ClipKwargs):
+    """``reward.kwargs.pickscore``."""
+
+    model_path: str = PICKSCORE_MODEL
+    processor_path: str = PICKSCORE_PROCESSOR
+
+
+@dataclass
+class AestheticKwargs(ClipKwargs):
+    """``reward.kwargs.aesthetic`` (see :func:`aesthetic`)."""
+
+    head_path: str | None = None
+
+
+@register("pickscore", kwargs=PickScoreKwargs)
 def pickscore(
     model_path: str = PICKSCORE_MODEL,
     processor_path: str = PICKSCORE_PROCESSOR,
@@ -329,7 +355,7 @@ def pickscore(
     return ClipReward("pickscore", model_path, processor_path, device, dtype, local_files_only)
 
 
-@register("clipscore")
+@register("clipscore", kwargs=ClipKwargs)
 def clipscore(
     model_path: str = CLIP_L14,
     device: str | None = None,
@@ -340,7 +366,7 @@ def clipscore(
     return ClipReward("clipscore", model_path, None, device, dtype, local_files_only)
 
 
-@register("image_similarity")
+@register("image_similarity", kwargs=ClipKwargs)
 def image_similarity(
     model_path: str = CLIP_L14,
     device: str | None = None,
@@ -351,7 +377,7 @@ def image_similarity(
     return ClipReward("image_similarity", model_path, None, device, dtype, local_files_only)
 
 
-@register("aesthetic")
+@register("aesthetic", kwargs=AestheticKwargs)
 def aesthetic(
     head_path: str | None = None,
     model_path: str = CLIP_L14,

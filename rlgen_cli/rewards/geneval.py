@@ -16,9 +16,9 @@ rather than mmdetection's), ``colour_crop=mask`` and CLIP ViT-L/14 (``openai/cli
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 from PIL import Image
@@ -148,7 +148,7 @@ class GenEvalKwargs:
 
     detector_path: str | None = None
     clip_path: str | None = None
-    colour_crop: ColourCrop = "mask"
+    colour_crop: Annotated[str, ColourCrop] = "mask"
     local_files_only: bool = False
     device: str | None = "cpu"
     threshold: float = 0.3
@@ -156,12 +156,12 @@ class GenEvalKwargs:
     max_objects: int = 16
     position_margin: float = 0.1
     clamp_count_term: bool = True
-    label_aliases: Mapping[str, str] | None = None
+    label_aliases: dict[str, str] | None = None
     batch_size: int = 8
     position_credit: str = "upstream"
 
 
-@register("geneval")
+@register("geneval", kwargs=GenEvalKwargs)
 def geneval(**kwargs: Any) -> GenEvalReward:
     """Build the GenEval reward over a transformers detector and a CLIP colour classifier.
 

@@ -266,7 +266,7 @@ class HPSv2Reward:
         return RewardResult(scores=cosine.float().cpu())
 
 
-@register("hpsv2")
+@register("hpsv2", kwargs=HPSv2Kwargs)
 def hpsv2(**kwargs: Any) -> HPSv2Reward:
     """HPSv2 (v2.0 weights by default); kwargs as :class:`HPSv2Kwargs`.
 
@@ -277,7 +277,7 @@ def hpsv2(**kwargs: Any) -> HPSv2Reward:
     return HPSv2Reward("hpsv2", typed_kwargs(HPSv2Kwargs, "hpsv2", defaults | kwargs))
 
 
-@register("hpsv2_1")
+@register("hpsv2_1", kwargs=HPSv2Kwargs)
 def hpsv2_1(**kwargs: Any) -> HPSv2Reward:
     """HPSv2.1 (the weights DanceGRPO and DiffusionNFT train on); kwargs as :class:`HPSv2Kwargs`.
 

@@ -4,8 +4,8 @@ uncertainty-aware reward head.
 The model reads a chat turn holding the image and a rating instruction around the prompt, ending in a
 special ``<|Reward|>`` token. Its last hidden state at that token goes through a float32 MLP
 (``hidden → 1024 → ReLU → dropout → 16 → ReLU → 2``) that gives ``(μ, σ)``: the preference score and
-its uncertainty (trained with a probabilistic ranking loss). The reward is ``μ`` (roughly 0–15 on
-generated images; higher is preferred); ``details["sigma"]`` logs ``σ``.
+its uncertainty (trained with a probabilistic ranking loss). The reward is ``μ`` (unbounded; higher
+is preferred); ``details["sigma"]`` logs ``σ``.
 
 Weights: ``HPSv3.safetensors`` (the full fine-tuned model plus the head, with the embedding grown by one
 row for ``<|Reward|>``) on top of the base ``Qwen/Qwen2-VL-7B-Instruct`` config and processor. The
@@ -284,7 +284,7 @@ class HPSv3Reward:
         )
 
 
-@register("hpsv3")
+@register("hpsv3", kwargs=HPSv3Kwargs)
 def hpsv3(**kwargs: Any) -> HPSv3Reward:
     """HPSv3; kwargs as :class:`HPSv3Kwargs`.
 

@@ -228,7 +228,7 @@ class ImageRewardReward:
         return RewardResult(scores=((raw - IMAGEREWARD_MEAN) / IMAGEREWARD_STD).cpu())
 
 
-@register("imagereward")
+@register("imagereward", kwargs=ImageRewardKwargs)
 def imagereward(**kwargs: Any) -> ImageRewardReward:
     """ImageReward-v1.0 on transformers' BLIP; kwargs as :class:`ImageRewardKwargs`.
 

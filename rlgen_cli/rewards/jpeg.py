@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -20,7 +21,7 @@ from rlgen_cli.rewards.registry import register
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["JpegReward", "jpeg_compressibility", "jpeg_incompressibility", "jpeg_size_kb"]
+__all__ = ["JpegKwargs", "JpegReward", "jpeg_compressibility", "jpeg_incompressibility", "jpeg_size_kb"]
 
 KB_SCALE = 500.0  # upstream divides the size in kB by 500
 
@@ -137,7 +138,15 @@ class JpegReward:
         return RewardResult(scores=scores, details={"jpeg_kb": sizes.to(torch.float32)})
 
 
-@register("jpeg_compressibility")
+@dataclass
+class JpegKwargs:
+    """``reward.kwargs.jpeg_compressibility`` / ``jpeg_incompressibility``."""
+
+    quality: int = 95
+    """JPEG quality of the encoding whose size is scored."""
+
+
+@register("jpeg_compressibility", kwargs=JpegKwargs)
 def jpeg_compressibility(quality: int = 95) -> JpegReward:
     """Build the reward ``−kB/500`` (smaller JPEG files score higher).
 
@@ -150,7 +159,7 @@ def jpeg_compressibility(quality: int = 95) -> JpegReward:
     return JpegReward("jpeg_compressibility", sign=-1.0, quality=quality)
 
 
-@register("jpeg_incompressibility")
+@register("jpeg_incompressibility", kwargs=JpegKwargs)
 def jpeg_incompressibility(quality: int = 95) -> JpegReward:
     """Build the reward ``+kB/500`` (larger JPEG files score higher).
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -224,7 +225,25 @@ class OcrReward:
         return RewardResult(scores=torch.tensor(scores, dtype=torch.float32), details={"ocr_target": targets})
 
 
-@register("ocr")
+@dataclass
+class OcrKwargs:
+    """``reward.kwargs.ocr`` (args as :class:`OcrReward`)."""
+
+    target: str = "quoted"
+    text_score: float = 0.5
+    use_cls: bool = False
+    det_limit_side_len: int | None = None
+    engine_kwargs: dict[str, Any] | None = None
+
+
+@dataclass
+class VideoOcrKwargs(OcrKwargs):
+    """``reward.kwargs.video_ocr``: :class:`OcrKwargs` plus the frame stride."""
+
+    frame_stride: int = VIDEO_FRAME_STRIDE
+
+
+@register("ocr", kwargs=OcrKwargs)
 def ocr(
     target: str = "quoted",
     text_score: float = 0.5,
@@ -240,7 +259,7 @@ def ocr(
     return OcrReward("ocr", target, 1, text_score, use_cls, det_limit_side_len, engine_kwargs)
 
 
-@register("video_ocr")
+@register("video_ocr", kwargs=VideoOcrKwargs)
 def video_ocr(
     target: str = "quoted",
     frame_stride: int = VIDEO_FRAME_STRIDE,

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from rlgen_cli.rewards.base import RewardBatch, RewardResult
-from rlgen_cli.rewards.registry import register
+from rlgen_cli.rewards.registry import NoKwargs, register
 
 __all__ = [
     "FINAL_ANSWER",
@@ -365,7 +365,41 @@ class TextRuleReward:
         return RewardResult(scores=torch.tensor(scores, dtype=torch.float32))
 
 
-@register("answer_accuracy")
+@dataclass
+class AnswerAccuracyKwargs:
+    """``reward.kwargs.answer_accuracy``."""
+
+    backend: str = "auto"
+    """How answers are compared (see :func:`answer_accuracy`)."""
+
+
+@dataclass
+class StepRARKwargs:
+    """``reward.kwargs.step_rar`` (see :func:`step_rar`)."""
+
+    mode: str = "r1vl"
+    scale: float = 0.1
+    whitespace: bool = False
+    latex: bool = False
+    numbers: bool = False
+
+
+@dataclass
+class StepRVRKwargs:
+    """``reward.kwargs.step_rvr`` (see :func:`step_rvr`)."""
+
+    mode: str = "r1vl"
+
+
+@dataclass
+class LengthKwargs:
+    """``reward.kwargs.length`` (see :func:`length_score`)."""
+
+    target: int = 256
+    unit: str = "chars"
+
+
+@register("answer_accuracy", kwargs=AnswerAccuracyKwargs)
 def build_answer_accuracy(backend: str = "auto") -> TextRuleReward:
     """``answer_accuracy``: 0/1 against ``metadata["solution"]``."""
     answer_accuracy("", "", backend)  # validates the backend now, not at the first rollout
@@ -374,7 +408,7 @@ def build_answer_accuracy(backend: str = "auto") -> TextRuleReward:
     )
 
 
-@register("step_rar")
+@register("step_rar", kwargs=StepRARKwargs)
 def build_step_rar(
     mode: str = "r1vl",
     scale: float = 0.1,
@@ -388,20 +422,20 @@ def build_step_rar(
     return TextRuleReward("step_rar", lambda t, m: score(t, m["key_steps"]), ("key_steps",))
 
 
-@register("step_rvr")
+@register("step_rvr", kwargs=StepRVRKwargs)
 def build_step_rvr(mode: str = "r1vl") -> TextRuleReward:
     """``step_rvr``: StepRVR validity."""
     step_rvr("", mode)  # validates the mode
     return TextRuleReward("step_rvr", lambda t, m: step_rvr(t, mode))
 
 
-@register("think_format")
+@register("think_format", kwargs=NoKwargs)
 def build_think_format() -> TextRuleReward:
     """``think_format``: ``<think>…</think><answer>…</answer>``."""
     return TextRuleReward("think_format", lambda t, m: think_format(t))
 
 
-@register("length")
+@register("length", kwargs=LengthKwargs)
 def build_length(target: int = 256, unit: str = "chars") -> TextRuleReward:
     """``length``: ``min(len, target) / target``."""
     length_score("", target, unit)  # validates the options

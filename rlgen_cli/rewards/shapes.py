@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -142,7 +143,18 @@ class ShapesGenEvalReward:
         )
 
 
-@register("shapes_geneval")
+@dataclass
+class ShapesGenEvalKwargs:
+    """``reward.kwargs.shapes_geneval`` (see :func:`shapes_geneval`)."""
+
+    mode: str = "clutter"
+    extra_penalty: float = 0.5
+    min_area: int | None = None
+    position_margin: float = 0.1
+    position_credit: str = "strict"
+
+
+@register("shapes_geneval", kwargs=ShapesGenEvalKwargs)
 def shapes_geneval(
     mode: str = "clutter",
     extra_penalty: float = 0.5,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -232,7 +233,20 @@ class QwenVLJudge:
         return RewardResult(scores=scores, details={"answers": answers, "unparsed": unparsed})
 
 
-@register("qwenvl")
+@dataclass
+class QwenVLKwargs:
+    """``reward.kwargs.qwenvl`` (args as :class:`QwenVLJudge`)."""
+
+    model_path: str = QWENVL_MODEL
+    device: str | None = None
+    dtype: str = "bfloat16"
+    local_files_only: bool = False
+    rubric: str = DEFAULT_RUBRIC
+    max_new_tokens: int = 32
+    batch_size: int = 8
+
+
+@register("qwenvl", kwargs=QwenVLKwargs)
 def qwenvl(
     model_path: str = QWENVL_MODEL,
     device: str | None = None,

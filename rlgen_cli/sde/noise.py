@@ -28,12 +28,12 @@ class Stream(IntEnum):
     INITIAL_NOISE = 0  # x_T of each sample
     STEP_NOISE = 1  # the SDE steps' noise
     WINDOW = 2  # which steps a random window / subset trains on
-    PREF_SIGMA = 3  # Flow-DPO / SFT: the training σ and ε
-    ZERO_ADVANTAGE_FILL = 4  # which zero-advantage samples fill a micro-batch
+    VLM_ROLLOUT = 3  # token GRPO / StepGRPO: the text sampling of each rollout batch
+    R3_TEXT = 4  # R3: the text sampling of the policy's stage
     PRETRAIN_BATCH = 5  # flow pretraining: rows, scenes and dropped prompts of a batch
     PRETRAIN_NOISE = 6  # flow pretraining: σ and ε
-    VLM_ROLLOUT = 7  # token GRPO / StepGRPO: the text sampling of each rollout batch
-    R3_TEXT = 8  # R3: the text sampling of the policy's stage
+    PREF_SIGMA = 7  # Flow-DPO / SFT: the training σ and ε
+    ZERO_ADVANTAGE_FILL = 8  # which zero-advantage samples fill a micro-batch
     R3_BUFFER = 9  # R3: the stage-one buffer's draws
     FORWARD_NOISE = 10  # DiffusionNFT / AWM: the trained σ of each sample and the forward noise ε
     ONPOLICY_PERTURB = 0x5EED  # check-onpolicy: the perturbation (added to the seed, not a stream salt)

@@ -54,12 +54,16 @@ def rewards_of(cfg: Any) -> tuple[dict[str, float], dict[str, dict[str, Any]], s
 
 
 def require_known_rewards(cfg: Any) -> None:
-    """Every reward the run builds is registered, checked before any model loads."""
+    """Every reward the run builds is registered and its ``reward.kwargs`` are ones it takes, checked
+    before any model loads."""
     from rlgen_cli.rewards import available
+    from rlgen_cli.rewards.registry import check_kwargs
 
-    weights, _, key = rewards_of(cfg)
+    weights, kwargs, key = rewards_of(cfg)
     unknown = sorted(set(weights) - set(available()))
     if not unknown:
+        for name in weights:  # every component of a mix
+            check_kwargs(name, kwargs.get(name, {}))
         return
     if key == "reward.weights":
         what = f"{key} names unknown reward{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}"

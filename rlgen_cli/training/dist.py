@@ -7,7 +7,7 @@ gradient averaging, sharding and barriers are accelerate's / PyTorch's / DeepSpe
 
 The training surface is the same for every engine::
 
-    optimizer = dist.prepare(policy, optimizer, max_grad_norm=1.0, micro_batch_size=4)
+    optimizer = dist.prepare(policy, optimizer, max_grad_norm=1.0, micro_batch_size=4, compute_dtype="float16")
     dist.backward(loss, sync=is_last_backward_before_the_step)   # as often as the recipe needs
     grad_norm = dist.clip_and_step(optimizer, params, max_norm)
 
@@ -241,7 +241,7 @@ class AccelerateDist:
             if self.scaler is not None and self.accelerator.scaler is not None:
                 raise UserError(
                     "launcher.mixed_precision=fp16 adds accelerate's own autocast and loss scaler, and "
-                    "model.dtype=float16 has rlgen's: pass launcher.mixed_precision=no (rlgen autocasts the "
+                    "model.dtype=float16 has rlgen's: pass launcher.mixed_precision=fp32 (rlgen autocasts the "
                     "model in model.dtype and scales the loss itself)"
                 )
         if self.engine is None:

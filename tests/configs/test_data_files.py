@@ -81,17 +81,3 @@ def test_the_set_is_written_once_and_reused(edit_dir: Path):
     assert tiny_edit_set(edit_dir.parent) == edit_dir
     assert (path.stat().st_mtime_ns, path.read_text()) == before
     assert not [p for p in edit_dir.parent.iterdir() if p.name.startswith(".tiny_edit-")]  # no staging left
-
-
-def test_the_editing_families_are_the_policies_that_take_source_images():
-    import importlib
-
-    from rlgen_cli.data.images import EDITING_FAMILIES
-    from rlgen_cli.models.registry import FAMILIES
-
-    def takes_sources(module_name: str) -> bool:
-        module = importlib.import_module(module_name)
-        classes = [c for c in vars(module).values() if isinstance(c, type) and c.__module__ == module_name]
-        return any(getattr(c, "takes_source_images", False) for c in classes)
-
-    assert {family for family, module in FAMILIES.items() if takes_sources(module)} == set(EDITING_FAMILIES)

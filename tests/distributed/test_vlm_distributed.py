@@ -22,7 +22,7 @@ from tests.conftest import run_cli
 GEOMETRY = [
     "model=tiny_qwen2_vl", "data=tiny_vlm", "reward=length", "progress=false", "eval_every=0",
     "algo.prompts_per_epoch=3", "algo.group_size=4", "algo.sample_batch_size=6", "algo.train_batch_size=6",
-    "algo.gradient_accumulation_steps=1", "algo.token.max_completion_tokens=12", "algo.lr=1e-2", "algo.beta=0.04", "epochs=2", "save_every=1",
+    "algo.gradient_accumulation_steps=1", "algo.token.max_completion_tokens=12", "algo.lr=1e-2", "algo.kl_weight=0.04", "epochs=2", "save_every=1",
 ]  # fmt: skip
 TOKEN_GRPO = ["algo=token_grpo", *GEOMETRY]  # dapo: the loss normaliser spans ranks
 PAIR = ["launcher=accelerate", "launcher.num_processes=2"]

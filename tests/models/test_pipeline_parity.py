@@ -58,7 +58,7 @@ def _sources() -> torch.Tensor:
 
 
 def _sd3(policy, generators, sources, monkeypatch) -> torch.Tensor:
-    pipe = as_loaded(tiny_sd3_pipeline(policy.cfg.tiny_seed, policy.cfg.max_sequence_length))
+    pipe = as_loaded(tiny_sd3_pipeline(policy.cfg.tiny_seed))
     return pipe(
         PROMPTS, negative_prompt=policy.cfg.negative_prompt, height=32, width=32, num_inference_steps=STEPS,
         guidance_scale=policy.guidance_scale, generator=generators,

@@ -32,7 +32,7 @@ GEOMETRY = [
         ("grpo_guard", ["algo.ema.enabled=true", "algo.ema.update_every=1"]),
         ("dpo", ["algo.pref.ref_update_step=1"]),
         ("dpo", []),
-        ("sft", ["algo.pref.beta=0.1"]),
+        ("sft", ["algo.pref.anchor_weight=0.1"]),
     ],
 )
 def test_algorithm_trains_two_epochs(cli, tmp_path, algo, extra):

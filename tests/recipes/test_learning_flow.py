@@ -36,7 +36,7 @@ LEARNING_RUN = [
     f"epochs={EPOCHS}", "eval_before=true", f"eval_every={EPOCHS}", "save_every=0", "images_every=0",
     "algo.prompts_per_epoch=2", "algo.group_size=2", "algo.sample_batch_size=4", "algo.train_batch_size=4",
     "algo.gradient_accumulation_steps=1", "algo.num_inner_epochs=1", "algo.lr_schedule=constant",
-    "algo.weight_decay=0.0", "algo.max_grad_norm=1.0", "algo.beta=0.0", "algo.kl_form=gaussian",
+    "algo.weight_decay=0.0", "algo.max_grad_norm=1.0", "algo.kl_weight=0.0", "algo.kl_form=gaussian",
     "algo.global_std=false", "algo.std_estimator=population", "algo.adv_eps=1e-4",
     "algo.drop_zero_advantage=false", "algo.ema.enabled=false",
 ]  # fmt: skip
@@ -54,8 +54,8 @@ ALGORITHMS = {  # algorithm: (its overrides, margin); lr 3e-2 unless they say ot
     "dance": (["algo=dance", "sampler=dance", "algo.clip_range=1e-2", "algo.best_of_n=1",
                "algo.window.timestep_fraction=0.6", "algo.shared_initial_noise=true"], 0.015),
     "grpo_guard": (["algo=grpo_guard", "sampler=flow_sde", "algo.clip_range=2e-6"], 0.02),
-    "dpo": (["algo=dpo", "sampler=flow_sde", "algo.pref.beta=100.0", "algo.pref.ref_update_step=0"], 0.02),
-    "sft": (["algo=sft", "sampler=flow_sde", "algo.pref.beta=0.0", "algo.pref.top_k=1", "algo.lr=2e-2"], 0.008),
+    "dpo": (["algo=dpo", "sampler=flow_sde", "algo.pref.dpo_beta=100.0", "algo.pref.ref_update_step=0"], 0.02),
+    "sft": (["algo=sft", "sampler=flow_sde", "algo.pref.anchor_weight=0.0", "algo.pref.top_k=1", "algo.lr=2e-2"], 0.008),
 }  # fmt: skip
 
 

@@ -61,7 +61,7 @@ def test_each_manifest_row_reproduces_its_images_initial_noise(sampled, tiny_pol
 def test_plain_diffusers_redraws_the_image_from_the_rows_generator(sampled, tiny_policy):
     run, rows, _ = sampled
     cfg = tiny_policy.cfg
-    pipe = as_loaded(tiny_sd3_pipeline(cfg.tiny_seed, cfg.max_sequence_length))
+    pipe = as_loaded(tiny_sd3_pipeline(cfg.tiny_seed))
     for row in (rows[0], rows[3]):
         image = pipe(
             row["prompt"], negative_prompt=cfg.negative_prompt, height=cfg.resolution, width=cfg.resolution,

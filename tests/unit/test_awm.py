@@ -52,7 +52,7 @@ def test_equal_advantages_reduce_to_the_sft_flow_matching_loss():
     sigma = torch.rand(4, generator=gen)
     ones = torch.ones(4)
     awm = awm_loss(v, x0, noise, sigma, ones, v_ref=v_ref, kl_weight=0.3)
-    torch.testing.assert_close(awm.loss, sft_loss(v, x0, noise, v_base=v_ref, beta=0.3).loss)
+    torch.testing.assert_close(awm.loss, sft_loss(v, x0, noise, v_base=v_ref, anchor_weight=0.3).loss)
     # a constant advantage c scales the matching term by c
     scaled = awm_loss(v, x0, noise, sigma, 2.5 * ones)
     torch.testing.assert_close(scaled.loss, 2.5 * sft_loss(v, x0, noise).loss)

@@ -136,6 +136,6 @@ def test_subset_indices_are_distinct_schedule_positions():
     for _ in range(50):
         idx = subset_timestep_indices(10, 9, gen)
         assert idx.dtype == torch.int64 and len(set(idx.tolist())) == 9
-        assert 0 <= idx.min() and idx.max() <= 9
+        assert idx.min() >= 0 and idx.max() <= 9
         seen |= set(range(10)) - set(idx.tolist())  # the one left out
     assert seen == set(range(10))  # every position is sometimes left out

@@ -32,7 +32,7 @@ LEARNING_RUN = [
     "model=tiny_qwen2_vl", "data=tiny_vlm", "reward=char_fraction", "reward.kwargs.char_fraction.chars=a-z",
     "model.lora.enabled=false", "progress=false", f"epochs={EPOCHS}", "eval_every=0", "save_every=0",
     "algo.prompts_per_epoch=8", "algo.group_size=2", "algo.sample_batch_size=16", "algo.train_batch_size=16",
-    "algo.gradient_accumulation_steps=1", "algo.weight_decay=0.0", "algo.max_grad_norm=1.0", "algo.beta=0.0",
+    "algo.gradient_accumulation_steps=1", "algo.weight_decay=0.0", "algo.max_grad_norm=1.0", "algo.kl_weight=0.0",
     "algo.clip_range=0.2", "algo.adv_clip_max=5.0", "algo.token.max_completion_tokens=12",
     "algo.token.num_iterations=1", "algo.token.old_logprobs=recompute", "algo.token.importance_level=token",
     "algo.token.epsilon_high=null", "algo.token.scale_rewards=group", "algo.token.std_estimator=unbiased",

@@ -46,6 +46,7 @@ from torch import Tensor
 from rlgen_cli.rewards.base import RewardBatch, RewardResult
 from rlgen_cli.rewards.judge_prompts import JUDGES, JudgeSpec, plain_spec
 from rlgen_cli.rewards.registry import register
+from rlgen_cli.rewards.remote import kwargs as kwarg_types
 from rlgen_cli.rewards.remote import protocols, wire
 from rlgen_cli.rewards.remote.transport import (
     EndpointPool,
@@ -66,11 +67,8 @@ __all__ = [
     "RemoteRewardError",
     "RequestRefusedError",
     "deqa",
-    "geneval_plus",
     "parse_qwenvl",
     "parse_unifiedreward",
-    "tiif",
-    "unifiedreward",
 ]
 
 UNIFIEDREWARD_PROMPT = (
@@ -180,7 +178,7 @@ class _RemoteBase:
         return result
 
 
-@register("remote")
+@register("remote", kwargs=kwarg_types.RemoteKwargs)
 class RemoteReward(_RemoteBase):
     """Client of rlgen's reward server (``rlgen serve-reward``), balanced over several endpoints."""
 
@@ -289,7 +287,7 @@ def _reply_of(n: int) -> Callable[[bytes, str], tuple[list[float], dict]]:
     return parse
 
 
-@register("flowgrpo_remote")
+@register("flowgrpo_remote", kwargs=kwarg_types.FlowGrpoRemoteKwargs)
 class FlowGrpoRemoteReward(_RemoteBase):
     """Client of a Flow-GRPO reward server (pickle protocol, ``POST /``); opt-in via ``allow_pickle``."""
 
@@ -430,7 +428,7 @@ def _resolve_judge(
     return dataclasses.replace(spec, **{k: v for k, v in overrides.items() if v is not None})
 
 
-@register("openai_judge")
+@register("openai_judge", kwargs=kwarg_types.OpenAIJudgeKwargs)
 class OpenAIJudgeReward(_RemoteBase):
     """A VLM judge behind an OpenAI-compatible ``/v1/chat/completions`` API (vLLM, SGLang), one call per image."""
 
@@ -573,12 +571,11 @@ def _judge_preset(parser: str) -> Callable[..., OpenAIJudgeReward]:
     return build
 
 
-unifiedreward = register("unifiedreward")(_judge_preset("unifiedreward"))
-geneval_plus = register("geneval_plus")(_judge_preset("geneval_plus"))
-tiif = register("tiif")(_judge_preset("tiif"))
+for _parser in ("unifiedreward", "geneval_plus", "tiif"):
+    register(_parser, kwargs=kwarg_types.JudgePresetKwargs)(_judge_preset(_parser))
 
 
-@register("deqa")
+@register("deqa", kwargs=kwarg_types.DeqaKwargs)
 def deqa(
     endpoints: str | Sequence[str] | None = None,
     hosts: str | Sequence[str] | None = None,
