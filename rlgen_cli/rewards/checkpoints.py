@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import pickle
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -95,7 +96,13 @@ def load_state_dict_file(path: Path, unwrap: tuple[str, ...] = ("state_dict", "m
 
         state: object = load_file(str(path))
     else:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise ValueError(
+                f"{path} holds objects other than tensors and plain containers, which rlgen does not unpickle "
+                f"(it could run code): {err}. Re-save only its state dict (torch.save(state_dict, path))."
+            ) from err
     for key in unwrap:
         if isinstance(state, Mapping) and isinstance(state.get(key), Mapping):
             state = state[key]

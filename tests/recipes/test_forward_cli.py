@@ -72,7 +72,10 @@ def test_resume_restores_the_old_policy_and_ends_where_an_uninterrupted_run_does
             ["algo=nft", "algo.forward.loss=ppo"],
             "algo.forward.loss='ppo' is not valid; choose one of nft, awm",
         ),
-        (["algo=awm", "model.num_steps=1"], "algo.forward.timestep_sampling=stratified draws from"),
+        (
+            ["algo=awm", "model.num_steps=2", "algo.forward.timestep_fraction=0.4"],
+            "algo.forward.timestep_sampling=stratified draws from",
+        ),
         (["algo=nft", "algo.adv_clip_max=0"], "algo.adv_clip_max=0.0: algo.recipe=flow_forward maps"),
     ],
 )

@@ -214,3 +214,17 @@ def test_conversion_matches_open_clip_when_installed():
         text_out = text_out if isinstance(text_out, torch.Tensor) else text_out.pooler_output
         torch.testing.assert_close(image, reference.encode_image(pixels), atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(text_out, reference.encode_text(ids), atol=1e-5, rtol=1e-4)
+
+
+def test_checkpoint_with_pickled_objects_is_refused(tmp_path):
+    import argparse
+
+    from rlgen_cli.rewards.checkpoints import load_state_dict_file
+
+    torch.save(
+        {"state_dict": {"logit_scale": torch.ones(())}, "args": argparse.Namespace(lr=1)}, tmp_path / "x.pt"
+    )
+    with pytest.raises(ValueError, match=r"Re-save only its state dict"):
+        load_state_dict_file(tmp_path / "x.pt")
+    torch.save({"state_dict": {"module.logit_scale": torch.ones(())}, "epoch": 3}, tmp_path / "ok.pt")
+    assert list(load_state_dict_file(tmp_path / "ok.pt")) == ["logit_scale"]  # DDP prefix dropped
