@@ -7,6 +7,14 @@ special ``<|Reward|>`` token. Its last hidden state at that token goes through a
 its uncertainty (trained with a probabilistic ranking loss). The reward is ``μ`` (unbounded; higher
 is preferred); ``details["sigma"]`` logs ``σ``.
 
+Instruction: rlgen does not ship it. ``instruction_path`` names a text file the user supplies, holding the
+exact value of the ``INSTRUCTION`` constant in ``hpsv3/dataset/data_collator_qwen.py`` of
+https://github.com/MizzenAI/HPSv3 (also in the ``hpsv3`` package on PyPI; ``hpsv3/inference.py`` formats it
+with each prompt). The file is read verbatim (its leading newline, trailing spaces and closing blank lines
+are part of the trained text) and must keep the ``{text_prompt}`` placeholder, where each prompt goes. The
+checkpoint was trained with that text and scores well only with it: another instruction gives numbers not
+comparable with HPSv3's. docs/rewards.md shows how to extract it exactly.
+
 Weights: ``HPSv3.safetensors`` (the full fine-tuned model plus the head, with the embedding grown by one
 row for ``<|Reward|>``) on top of the base ``Qwen/Qwen2-VL-7B-Instruct`` config and processor. The
 backbone is transformers' ``Qwen2VLModel`` (no LM head: the score never decodes); the checkpoint's keys
@@ -21,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,38 +51,26 @@ from rlgen_cli.rewards.registry import register
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "HPSV3_BASE", "HPSV3_CHECKPOINT", "HPSV3_INSTRUCTION", "REWARD_TOKEN", "HPSv3Kwargs", "HPSv3Model",
-    "HPSv3Reward", "chat_texts", "fixed_pixel_size", "hpsv3", "hpsv3_state_dict",
+    "HPSV3_BASE", "HPSV3_CHECKPOINT", "INSTRUCTION_SOURCE", "PLACEHOLDER", "REWARD_TOKEN", "HPSv3Kwargs",
+    "HPSv3Model", "HPSv3Reward", "chat_texts", "fixed_pixel_size", "hpsv3", "hpsv3_state_dict",
+    "read_instruction",
 ]  # fmt: skip
 
 HPSV3_CHECKPOINT = "MizzenAI/HPSv3/HPSv3.safetensors"
 HPSV3_BASE = "Qwen/Qwen2-VL-7B-Instruct"
 REWARD_TOKEN = "<|Reward|>"
 HPSV3_PIXELS = 256 * 28 * 28
-_DOWNLOAD_HINT = "download HPSv3.safetensors from https://huggingface.co/MizzenAI/HPSv3 and set model_path to the local file"
-# The rating instruction HPSv3 was trained with; the checkpoint scores only this exact text well.
-HPSV3_INSTRUCTION = """
-You are tasked with evaluating a generated image based on Visual Quality and Text Alignment and give a overall score to estimate the human preference. Please provide a rating from 0 to 10, with 0 being the worst and 10 being the best. 
-
-**Visual Quality:**  
-Evaluate the overall visual quality of the image. The following sub-dimensions should be considered:
-- **Reasonableness:** The image should not contain any significant biological or logical errors, such as abnormal body structures or nonsensical environmental setups.
-- **Clarity:** Evaluate the sharpness and visibility of the image. The image should be clear and easy to interpret, with no blurring or indistinct areas.
-- **Detail Richness:** Consider the level of detail in textures, materials, lighting, and other visual elements (e.g., hair, clothing, shadows).
-- **Aesthetic and Creativity:** Assess the artistic aspects of the image, including the color scheme, composition, atmosphere, depth of field, and the overall creative appeal. The scene should convey a sense of harmony and balance.
-- **Safety:** The image should not contain harmful or inappropriate content, such as political, violent, or adult material. If such content is present, the image quality and satisfaction score should be the lowest possible. 
-
-**Text Alignment:**  
-Assess how well the image matches the textual prompt across the following sub-dimensions:
-- **Subject Relevance** Evaluate how accurately the subject(s) in the image (e.g., person, animal, object) align with the textual description. The subject should match the description in terms of number, appearance, and behavior.
-- **Style Relevance:** If the prompt specifies a particular artistic or stylistic style, evaluate how well the image adheres to this style.
-- **Contextual Consistency**: Assess whether the background, setting, and surrounding elements in the image logically fit the scenario described in the prompt. The environment should support and enhance the subject without contradictions.
-- **Attribute Fidelity**: Check if specific attributes mentioned in the prompt (e.g., colors, clothing, accessories, expressions, actions) are faithfully represented in the image. Minor deviations may be acceptable, but critical attributes should be preserved.
-- **Semantic Coherence**: Evaluate whether the overall meaning and intent of the prompt are captured in the image. The generated content should not introduce elements that conflict with or distort the original description.
-Textual prompt - {text_prompt}
-
-
-"""  # noqa: W291  (trailing spaces are part of the trained text)
+_DOWNLOAD_HINT = (
+    "download HPSv3.safetensors from https://huggingface.co/MizzenAI/HPSv3 "
+    "and set model_path to the local file"
+)
+INSTRUCTION_SOURCE = (
+    "the value of INSTRUCTION in hpsv3/dataset/data_collator_qwen.py of github.com/MizzenAI/HPSv3 "
+    "(the text hpsv3/inference.py wraps around each prompt)"
+)
+PLACEHOLDER = "{text_prompt}"
+# Closes every user turn: the score is read at the reward token, and the checkpoint saw this exact line after
+# the instruction in training (another wording shifts every hidden state before the token).
 HPSV3_SUFFIX = f"\nPlease provide the overall ratings of this image: {REWARD_TOKEN}\n\nEND\n"
 # Checkpoint key prefixes (either transformers layout) -> this module's; the order matters.
 _RENAMES = (
@@ -128,12 +125,37 @@ def hpsv3_state_dict(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def chat_texts(processor: Any, prompts: list[str]) -> list[str]:
-    """One chat turn per prompt as HPSv3 was trained: the image, then the instruction with the prompt
-    filled in and the reward-token suffix; the assistant turn is opened (generation prompt)."""
+def read_instruction(path: str | None) -> str:
+    """The rating instruction in ``path``, verbatim (whitespace included: it is part of the trained text).
+
+    Raises:
+        ValueError: If ``path`` is unset or unreadable, or the text lacks the ``{text_prompt}`` placeholder.
+    """
+    key = "reward.kwargs.hpsv3.instruction_path"
+    where = f"a UTF-8 text file holding {INSTRUCTION_SOURCE}, with its {PLACEHOLDER} placeholder"
+    if not path:
+        raise ValueError(
+            f"reward 'hpsv3' needs {key}: {where}; the checkpoint scores well only with that text."
+        )
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{key}={path!r} cannot be read ({err}); point it at {where}.") from None
+    if PLACEHOLDER not in text:
+        raise ValueError(
+            f"{key}={path!r} has no {PLACEHOLDER} placeholder, so the prompt would never reach the model; "
+            f"the file must hold {INSTRUCTION_SOURCE}."
+        )
+    return text
+
+
+def chat_texts(processor: Any, prompts: list[str], instruction: str) -> list[str]:
+    """One user turn per prompt: the image, then ``instruction`` with each ``{text_prompt}`` replaced by
+    the prompt (braces in the prompt stay literal), then the reward-token line; the assistant turn is
+    opened (generation prompt)."""
     texts = []
     for prompt in prompts:
-        text = HPSV3_INSTRUCTION.replace("{text_prompt}", prompt) + HPSV3_SUFFIX
+        text = instruction.replace(PLACEHOLDER, prompt) + HPSV3_SUFFIX
         turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
         texts.append(processor.apply_chat_template(turn, tokenize=False, add_generation_prompt=True))
     return texts
@@ -179,6 +201,7 @@ class HPSv3Kwargs:
     """``reward.kwargs.hpsv3``.
 
     Attributes:
+        instruction_path: Text file holding HPSv3's rating instruction (see the module docstring); required.
         model_path: ``HPSv3.safetensors``: a local file or ``owner/repo/filename`` on the hub.
         base_path: The Qwen2-VL checkpoint HPSv3 was fine-tuned from (its config and processor).
         image_pixels: Pixels each image is resized to (HPSv3: 256·28·28).
@@ -187,6 +210,7 @@ class HPSv3Kwargs:
         local_files_only: Never reach the hub.
     """
 
+    instruction_path: str | None = None
     model_path: str = HPSV3_CHECKPOINT
     base_path: str = HPSV3_BASE
     image_pixels: int = HPSV3_PIXELS
@@ -208,6 +232,7 @@ class HPSv3Reward:
         check_checkpoint_path(kwargs.model_path, self.name, "model_path", _DOWNLOAD_HINT)
         if kwargs.image_pixels <= 0:
             raise ValueError(f"reward.kwargs.hpsv3.image_pixels={kwargs.image_pixels}; use a positive count.")
+        self.instruction = read_instruction(kwargs.instruction_path)
         self.kwargs = kwargs
         self.device, self.dtype = resolve_device(kwargs.device), resolve_dtype(kwargs.dtype)
         self._model: HPSv3Model | None = None
@@ -263,7 +288,7 @@ class HPSv3Reward:
     def inputs(self, prompts: list[str], images: Tensor) -> dict[str, Tensor]:
         """Processor inputs: one user turn (image, then instruction + prompt + reward token) per sample."""
         self.load()
-        texts = chat_texts(self._processor, prompts)
+        texts = chat_texts(self._processor, prompts, self.instruction)
         batch = self._processor(text=texts, images=self._resized(images), padding=True, return_tensors="pt")
         return {k: v.to(self.device) for k, v in batch.items() if isinstance(v, Tensor)}
 
@@ -289,6 +314,6 @@ def hpsv3(**kwargs: Any) -> HPSv3Reward:
     """HPSv3; kwargs as :class:`HPSv3Kwargs`.
 
     Raises:
-        ValueError: On an unknown kwarg or a missing local checkpoint.
+        ValueError: On an unknown kwarg, a missing local checkpoint or a missing/placeholder-less instruction.
     """
     return HPSv3Reward(typed_kwargs(HPSv3Kwargs, "hpsv3", kwargs))

@@ -67,7 +67,7 @@ CASES = [
     Case("model=tiny_qwen2_vl algo=token_grpo reward=length", "qwen2_vl", {"length"}, TINY_VLM, N, None, "token_grpo"),
     # upstream Flow-GRPO evaluates at epoch 0, before the first update: its recipes keep that
     Case("experiment=geneval_sd3", "sd3", {"geneval"}, GENEVAL, (10000, 0.0, True), ("all", 0)),
-    Case("experiment=mixgrpo_flux", "flux", {"pickscore", "clipscore"}, PICKSCORE, (300, 0.0, False), ("sliding", 4)),
+    Case("experiment=mixgrpo_flux", "flux", {"hpsv2_1", "imagereward", "pickscore"}, PICKSCORE, (300, 0.0, False), ("sliding", 4)),
     Case("experiment=counting_flux_kontext", "flux_kontext", {"geneval", "image_similarity"}, COUNTING_EDIT,
          (10000, 0.0, True), ("all", 0)),  # fmt: skip
     Case("experiment=tiny_cpu", "sd3", JPEG, TINY, (80, 0.0, False), ("all", 0)),

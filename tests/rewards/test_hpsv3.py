@@ -10,17 +10,10 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 from rlgen_cli.rewards import RewardBatch, build_reward
-from rlgen_cli.rewards import hpsv3 as hpsv3_mod
-from rlgen_cli.rewards.hpsv3 import (
-    HPSV3_INSTRUCTION,
-    REWARD_TOKEN,
-    HPSv3Kwargs,
-    HPSv3Model,
-    chat_texts,
-    fixed_pixel_size,
-)
+from rlgen_cli.rewards.hpsv3 import REWARD_TOKEN, HPSv3Kwargs, HPSv3Model, chat_texts, fixed_pixel_size
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "reward"
+HUB_FILE = "MizzenAI/HPSv3/HPSv3.safetensors"  # fetched only on the first score: building never downloads
 PIXELS = 16 * 16  # the tiny processor's grid is 8 px (4-px patches, 2×2 merge): 4 visual tokens
 
 
@@ -39,11 +32,15 @@ def _upstream_layout(model: HPSv3Model, old: bool) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.fixture
-def short_instruction(monkeypatch):
-    """The byte-level tiny tokenizer makes HPSv3's 2.7 k-character instruction ≈ 2.8 k tokens; the scoring
-    tests use a short one (the full text's assembly is checked on its own below)."""
-    monkeypatch.setattr(hpsv3_mod, "HPSV3_INSTRUCTION", "Rate this image for: {text_prompt}")
+# A short stand-in (the byte-level tiny tokenizer keeps scoring fast); the edges check it is read verbatim.
+INSTRUCTION = "\nRate this image for: {text_prompt}  \n\n"
+
+
+@pytest.fixture(scope="module")
+def instruction_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("hpsv3_instruction") / "instruction.txt"
+    path.write_text(INSTRUCTION, encoding="utf-8")
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -66,20 +63,21 @@ def tiny(tmp_path_factory):
     return model, base, root / "HPSv3_old.safetensors", root / "HPSv3_new.safetensors"
 
 
-def _reward(tiny, new_layout: bool = False):
+def _reward(tiny, instruction_file: Path, new_layout: bool = False):
     _, base, old_file, new_file = tiny
     path = new_file if new_layout else old_file
-    return build_reward("hpsv3", model_path=str(path), base_path=str(base), image_pixels=PIXELS, device="cpu",
-                        dtype="float32", local_files_only=True)  # fmt: skip
+    return build_reward("hpsv3", instruction_path=str(instruction_file), model_path=str(path),
+                        base_path=str(base), image_pixels=PIXELS, device="cpu", dtype="float32",
+                        local_files_only=True)  # fmt: skip
 
 
 def _images(n: int, seed: int = 0) -> torch.Tensor:
     return torch.rand(n, 3, 20, 28, generator=torch.Generator().manual_seed(seed))
 
 
-def test_mu_is_the_head_at_the_reward_token(tiny, short_instruction):
+def test_mu_is_the_head_at_the_reward_token(tiny, instruction_file):
     model, *_ = tiny
-    reward = _reward(tiny)
+    reward = _reward(tiny, instruction_file)
     prompts, images = ["a cat", "a long prompt about a red bicycle"], _images(2)
     result = reward.score(RewardBatch(prompts=prompts, images=images))
     assert result.scores.shape == (2,) and result.scores.dtype == torch.float32
@@ -95,9 +93,9 @@ def test_mu_is_the_head_at_the_reward_token(tiny, short_instruction):
     torch.testing.assert_close(result.details["sigma"], expected[:, 1], atol=1e-5, rtol=1e-5)
 
 
-def test_each_score_is_independent_of_its_batch(tiny, short_instruction):
+def test_each_score_is_independent_of_its_batch(tiny, instruction_file):
     # Right padding must not reach a sample: alone or next to a longer prompt, the same score.
-    reward = _reward(tiny)
+    reward = _reward(tiny, instruction_file)
     image = _images(1, seed=3)
     alone = reward.score(RewardBatch(prompts=["a cat"], images=image)).scores
     both = reward.score(
@@ -108,20 +106,21 @@ def test_each_score_is_independent_of_its_batch(tiny, short_instruction):
     assert twins[0] == pytest.approx(float(twins[1]), abs=1e-5)
 
 
-def test_both_checkpoint_layouts_load_the_same_weights(tiny, short_instruction):
+def test_both_checkpoint_layouts_load_the_same_weights(tiny, instruction_file):
     batch = RewardBatch(prompts=["a dog"], images=_images(1, seed=5))
-    old = _reward(tiny).score(batch).scores
-    new = _reward(tiny, new_layout=True).score(batch).scores
+    old = _reward(tiny, instruction_file).score(batch).scores
+    new = _reward(tiny, instruction_file, new_layout=True).score(batch).scores
     torch.testing.assert_close(old, new)
 
 
-def test_chat_text_wraps_the_prompt_in_the_trained_instruction(tiny):
+def test_chat_text_wraps_the_prompt_in_the_supplied_instruction(tiny, instruction_file):
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(tiny[1], local_files_only=True)
-    (text,) = chat_texts(processor, ["a {weird} prompt"])
-    assert HPSV3_INSTRUCTION.startswith("\nYou are tasked with evaluating a generated image")
-    filled = HPSV3_INSTRUCTION.replace("{text_prompt}", "a {weird} prompt")
+    instruction = _reward(tiny, instruction_file).instruction
+    assert instruction == INSTRUCTION  # verbatim: leading newline, trailing spaces and blank lines kept
+    (text,) = chat_texts(processor, ["a {weird} prompt"], instruction)
+    filled = "\nRate this image for: a {weird} prompt  \n\n"
     suffix = f"\nPlease provide the overall ratings of this image: {REWARD_TOKEN}\n\nEND\n"
     image = "<|vision_start|><|image_pad|><|vision_end|>"
     assert text == f"<|im_start|>user\n{image}{filled}{suffix}<|im_end|>\n<|im_start|>assistant\n"
@@ -137,18 +136,45 @@ def test_fixed_pixel_size_by_hand():
         fixed_pixel_size(1, 300, 28, 200704)
 
 
-def test_errors_name_the_key_and_the_fix(tiny, short_instruction, tmp_path):
+def test_errors_name_the_key_and_the_fix(tiny, instruction_file, tmp_path):
     with pytest.raises(ValueError, match=r"model_path=.*HPSv3\.safetensors.*huggingface\.co/MizzenAI/HPSv3"):
         build_reward("hpsv3", model_path=str(tmp_path / "HPSv3.safetensors"))
     with pytest.raises(ValueError, match="image_pixels"):
-        build_reward("hpsv3", model_path=str(tiny[2]), image_pixels=0)
+        build_reward("hpsv3", instruction_path=str(instruction_file), model_path=str(tiny[2]), image_pixels=0)
     with pytest.raises(ValueError, match=r"exactly one <\|Reward\|>"):
-        _reward(tiny).score(RewardBatch(prompts=[f"a {REWARD_TOKEN} cat"], images=_images(1)))
+        _reward(tiny, instruction_file).score(
+            RewardBatch(prompts=[f"a {REWARD_TOKEN} cat"], images=_images(1))
+        )
     with pytest.raises(ValueError, match="not an HPSv3 checkpoint"):
         save_file({"text_encoder.weight": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
         _, base, *_ = tiny
-        build_reward("hpsv3", model_path=str(tmp_path / "other.safetensors"), base_path=str(base),
-                     device="cpu", local_files_only=True).score(RewardBatch(prompts=["a"], images=_images(1)))  # fmt: skip
+        other = build_reward(
+            "hpsv3",
+            instruction_path=str(instruction_file),
+            model_path=str(tmp_path / "other.safetensors"),
+            base_path=str(base),
+            device="cpu",
+            local_files_only=True,
+        )
+        other.score(RewardBatch(prompts=["a"], images=_images(1)))
+
+
+def test_an_unset_or_unreadable_instruction_names_the_key_and_the_source(tmp_path):
+    source = r"INSTRUCTION in hpsv3/dataset/data_collator_qwen\.py of github\.com/MizzenAI/HPSv3"
+    with pytest.raises(
+        ValueError, match=rf"needs reward\.kwargs\.hpsv3\.instruction_path: .*{source}.*\{{text_prompt\}}"
+    ):
+        build_reward("hpsv3", model_path=HUB_FILE)
+    missing = tmp_path / "nowhere.txt"
+    with pytest.raises(ValueError, match=rf"instruction_path='{missing}' cannot be read.*{source}"):
+        build_reward("hpsv3", model_path=HUB_FILE, instruction_path=str(missing))
+
+
+def test_an_instruction_without_the_placeholder_is_refused(tmp_path):
+    no_slot = tmp_path / "instruction.txt"
+    no_slot.write_text("Rate this image for: {prompt}\n", encoding="utf-8")  # a near miss
+    with pytest.raises(ValueError, match=r"has no \{text_prompt\} placeholder.*data_collator_qwen\.py"):
+        build_reward("hpsv3", model_path=HUB_FILE, instruction_path=str(no_slot))
 
 
 def test_config_kwargs_are_valid():
@@ -156,3 +182,7 @@ def test_config_kwargs_are_valid():
     assert cfg["weights"] == {"hpsv3": 1.0}
     kwargs = HPSv3Kwargs(**cfg["kwargs"]["hpsv3"])
     assert kwargs.image_pixels == 256 * 28 * 28 and kwargs.base_path == "Qwen/Qwen2-VL-7B-Instruct"
+    # The instruction is the user's to supply: the preset leaves it unset, and building says so.
+    assert kwargs.instruction_path is None
+    with pytest.raises(ValueError, match=r"reward\.kwargs\.hpsv3\.instruction_path"):
+        build_reward("hpsv3", **cfg["kwargs"]["hpsv3"])  # the hub path is only fetched on the first score
