@@ -366,11 +366,11 @@ def console_line(m: dict[str, float]) -> str:
 def run(cfg: TrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
     """Entry point: setup, then evaluate / train / log / save epoch by epoch; the last epoch's metrics."""
     flow_run = loop.setup(cfg, raw_cfg)
-    if flow_run.dist.world_size > 1 or flow_run.dist.sharded:
-        require_rank_symmetric(cfg.algo)
-    log.info("%s window over %d steps", cfg.algo.window.kind, cfg.model.num_steps)
     metrics: dict[str, float] = {}
     try:
+        if flow_run.dist.world_size > 1 or flow_run.dist.sharded:
+            require_rank_symmetric(cfg.algo)
+        log.info("%s window over %d steps", cfg.algo.window.kind, cfg.model.num_steps)
         with Progress(enabled=cfg.progress and flow_run.dist.is_main) as progress:
             before = loop.evaluate_before(flow_run, progress)
             clock = loop.EpochClock.start(flow_run, progress)

@@ -1,16 +1,32 @@
-"""R3's image track learns: trained for brightness, the tiny composite's generated images get brighter;
-trained with the reward negated (the negative control), they do not.
+"""R3's two tracks learn, each against a negative control run in the same test.
 
-Task: ``reward=brightness`` through ``r3.reward_fn=mix`` (the offline stand-in is off: its reward has a
-fixed weight). Geometry: tiny_r3 (4 branches, 3 generation and 3 editing steps, one SDE step per image),
-the text track frozen (``tune_text_cot=false``: it is the image track under test), no CFG, lr 0.1 without
-warm-up, 10 steps (5 reason steps training the generator, 5 refine steps training the editor). With the
-tiny generator's CFG (4.0, rescaled to the conditional norm) five reason steps moved the brightness
-neither way consistently (±0.008, sign changing with lr), so CFG is off here. Measure: round 0 of the
-multi-round evaluation (greedy plan, ODE image, fixed noise) on 4 prompts after the last step, minus the
-same evaluation of the untrained composite.
+**Image track**: trained for brightness, the tiny composite's generated images get brighter; trained with
+the reward negated, they do not. Task: ``reward=brightness`` through ``r3.reward_fn=mix`` (the offline
+stand-in is off: its reward has a fixed weight). Geometry: tiny_r3 (4 branches, 3 generation and 3
+editing steps, one SDE step per image), the text track frozen (``tune_text_cot=false``), no CFG, lr 0.1
+without warm-up, 10 steps (5 reason steps training the generator, 5 refine steps training the editor).
+With the tiny generator's CFG (4.0, rescaled to the conditional norm) five reason steps moved the
+brightness neither way consistently (±0.008, sign changing with lr), so CFG is off here. Measure: round 0
+of the multi-round evaluation (greedy plan, ODE image, fixed noise) on 4 prompts after the last step,
+minus the same evaluation of the untrained composite. Measured (same on every rerun on CPU): trained
++0.0123, negated −0.0073; margin 0.005.
 
-Measured (same on every rerun on CPU): trained +0.0123, negated −0.0073; margin 0.005.
+**Text track**: trained with R3's own reason reward f·(r + w_f), the share of well-formed plans f rises;
+trained with the text reward negated (w_f = −1 and r's weight −1: −f·(r + 1)), it does not. A random
+text policy never writes the format (no signal) and one fine-tuned on a single plan writes it almost
+always, or for other prompts never, and sits on a sharp 16-token mode: there every update only lowered
+the share, with the reward or against it (Adam's first steps move every weight by ±lr and dull the mode).
+So the text policy is warm-started on one prompt with two answers, ``<think>a cat</think>`` and the
+bare ``a cat`` (``_warm_start.py``): it picks the format with its first token about half the time, a
+choice GRPO can move. Both answers give the plan "a cat", so the ODE images — and r — are the same in
+every branch: the text advantage is (1 + r)·(f − mean f) exactly. Geometry: tiny_r3 with the default
+text LoRA, one prompt, 16 branches, the image track frozen and SDE off, lr 2e-3 without warm-up or KL,
+10 steps. Reflections are never well-formed (the warm start saw no reflect prompt), so refine steps
+have zero text advantages: the 5 reason steps train. Measure: the format rate of the reason steps that
+follow an update (steps 2–8, 64 plans) minus the same rate of a run with lr 1e-12 (same prompts and
+sampling seeds; no weight moves). Every tensor of the text adapter changes.
+
+Measured (same on every rerun on CPU): trained +0.39, negated −0.27; margin 0.2.
 """
 
 from __future__ import annotations
@@ -18,8 +34,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+import torch
+from safetensors.torch import load_file
+
 from tests.conftest import run_cli
-from tests.r3.conftest import TINY_R3
+from tests.r3.conftest import TINY_R3, compose_r3, warm_text_overrides
 
 STEPS, MARGIN = 10, 0.005
 TINY_DATA = "builtin:r3_geneval_tiny.jsonl"
@@ -52,3 +72,69 @@ def test_image_track_raises_the_reward_and_the_negated_reward_lowers_it(tmp_path
     negated = evaluated_brightness(tmp_path / "negated", -1.0, 0.1, STEPS) - untrained
     assert trained >= MARGIN, f"brightness rose by {trained:+.4f}, expected ≥ {MARGIN}"
     assert negated <= 0.0, f"trained to lower brightness, it rose by {negated:+.4f}"
+
+
+TEXT_STEPS, TEXT_LR, TEXT_MARGIN = 10, 2e-3, 0.2
+TEXT_RUN = [
+    "save_every=0", "r3.offline.enabled=false", "r3.reward_fn=mix", "reward=brightness", "r3.group_size=16",
+    "r3.tune_text_cot=true", "r3.tune_image_cot=false", "r3.enable_sde_gen=false", "r3.enable_sde_edit=false",
+    "r3.policy.generator.guidance_scale=1.0", "r3.policy.editor.guidance_scale=1.0", "r3.warmup_steps=0",
+    "r3.kl_weight_text=0.0", "r3.kl_weight_image=0.0", "r3.ce_weight=1.0", "r3.clip_range=0.2",
+    "r3.scale_by_std=false", "r3.temperature=1.0", "r3.top_p=1.0", "r3.weight_decay=0.0",
+    "r3.max_grad_norm=1.0", f"epochs={TEXT_STEPS}",
+]  # fmt: skip
+ADAPTER = "text/adapter_model.safetensors"
+
+
+@pytest.fixture(scope="module")
+def half_formatted_text_dir(tmp_path_factory) -> Path:
+    """The tiny Qwen2.5-VL warm-started on a well-formed and a bare plan (see the module docstring)."""
+    from tests.r3._warm_start import PLAN, warm_started_text_policy
+
+    return warm_started_text_policy(tmp_path_factory.mktemp("half_formatted"), plans=(PLAN, "a cat"))
+
+
+def text_overrides(warm: Path, data: Path) -> list[str]:
+    paths = [f"r3.train_data_path={data}", f"r3.val_data_path={data}"]
+    return [*TINY_R3, *warm_text_overrides(warm), *TEXT_RUN, *paths]
+
+
+def format_rate_after_updates(run: Path, overrides: list[str], sign: float, lr: float) -> float:
+    """Train with the text reward times ``sign``; the share of well-formed plans at reason steps 2, 4, …"""
+    signed = [f"r3.format_weight={sign}", f"reward.weights.brightness={sign}", f"r3.lr={lr}"]
+    code, out = run_cli("train", *overrides, *signed, f"hydra.run.dir={run}")
+    assert code == 0, out
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rates = [row["format_rate"] for row in rows if row["stage"] == 0.0][1:]  # step 0 precedes any update
+    assert len(rates) == TEXT_STEPS // 2 - 1
+    return sum(rates) / len(rates)
+
+
+def initial_adapter(overrides: list[str], directory: Path) -> dict[str, torch.Tensor]:
+    """The text adapter before training, built as the recipe builds the composite (same seed, same order)."""
+    from rlgen_cli.r3.composite import build_composite
+
+    typed, _ = compose_r3("train", overrides)
+    torch.manual_seed(typed.seed)
+    build_composite(typed.r3.policy, torch.device("cpu")).save_trainable(directory)
+    return load_file(directory / ADAPTER)
+
+
+def test_text_track_raises_the_format_rate_and_the_negated_reward_lowers_it(
+    tmp_path: Path, half_formatted_text_dir: Path
+):
+    data = tmp_path / "cat.jsonl"
+    data.write_text(json.dumps({"tag": "single_object", "include": [{"class": "cat", "count": 1}],
+                                "prompt": "a photo of a cat"}) + "\n")  # fmt: skip
+    overrides = text_overrides(half_formatted_text_dir, data)
+    frozen = format_rate_after_updates(tmp_path / "frozen", overrides, 1.0, FROZEN_LR)
+    trained = format_rate_after_updates(tmp_path / "trained", overrides, 1.0, TEXT_LR) - frozen
+    negated = format_rate_after_updates(tmp_path / "negated", overrides, -1.0, TEXT_LR) - frozen
+    assert trained >= TEXT_MARGIN, f"the format rate rose by {trained:+.3f}, expected ≥ {TEXT_MARGIN}"
+    assert negated <= 0.0, f"trained to lower the format rate, it rose by {negated:+.3f}"
+
+    before = initial_adapter(overrides, tmp_path / "initial")
+    after = load_file(tmp_path / "trained" / "checkpoints" / f"epoch_{TEXT_STEPS:06d}" / "weights" / ADAPTER)
+    assert before.keys() == after.keys() and before
+    unchanged = sorted(k for k in before if torch.equal(before[k], after[k]))
+    assert not unchanged, f"{len(unchanged)} of {len(before)} text adapter tensors unchanged: {unchanged[:3]}"
