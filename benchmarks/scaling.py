@@ -98,22 +98,26 @@ def throughput(epochs: int, root: Path, engines: bool) -> dict[str, object]:
 
 
 # -- checkpoints --------------------------------------------------------------------------------------
-class SyntheticPolicy:
-    """A trainable state of ``n`` fp32 parameters, saved the way a policy saves its weights."""
+class SyntheticTrainable:
+    """``n`` fp32 trained parameters, saved and loaded the way a policy's ``trainable`` does."""
 
     def __init__(self, n: int) -> None:
-        self.weights = {"weight": torch.randn(n, generator=torch.Generator().manual_seed(0))}
+        self.weight = torch.nn.Parameter(torch.randn(n, generator=torch.Generator().manual_seed(0)))
 
-    def save_trainable(self, directory: Path) -> None:
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [self.weight]
+
+    def save(self, directory: Path) -> None:
         from safetensors.torch import save_file
 
         directory.mkdir(parents=True, exist_ok=True)
-        save_file(self.weights, directory / "weights.safetensors")
+        save_file({"weight": self.weight.detach()}, directory / "weights.safetensors")
 
-    def load_trainable(self, directory: Path) -> None:
+    def load(self, directory: Path) -> None:
         from safetensors.torch import load_file
 
-        self.weights = load_file(directory / "weights.safetensors")
+        with torch.no_grad():
+            self.weight.copy_(load_file(directory / "weights.safetensors")["weight"])
 
 
 def adamw_state(params: list[torch.nn.Parameter]) -> dict:
@@ -124,22 +128,25 @@ def adamw_state(params: list[torch.nn.Parameter]) -> dict:
     return optimizer.state_dict()
 
 
-def time_checkpoint(name: str, policy, params: list, root: Path, repeats: int = 2) -> dict[str, object]:
+def time_checkpoint(name: str, trainable, root: Path, repeats: int = 2) -> dict[str, object]:
+    """Save / load seconds of a checkpoint of ``trainable`` (``parameters``, ``save``, ``load``) with its
+    AdamW state."""
     from omegaconf import OmegaConf
 
     from rlgen_cli.training.checkpoint import COUNTERS_KEY, OPTIMIZER_KEY, save_checkpoint
 
+    params = trainable.parameters()
     state = {OPTIMIZER_KEY: adamw_state(params), COUNTERS_KEY: {"epoch": 1, "global_step": 1}}
     config = OmegaConf.create({"benchmark": name})
     run = root / name
     saves, loads = [], []
     for i in range(repeats):
         start = time.perf_counter()
-        ckpt = save_checkpoint(run, i + 1, policy, state, config, keep_last=1)
+        ckpt = save_checkpoint(run, i + 1, trainable.save, state, config, keep_last=1)
         saves.append(time.perf_counter() - start)
         start = time.perf_counter()
         ckpt.state()
-        policy.load_trainable(ckpt.weights)
+        trainable.load(ckpt.weights)
         loads.append(time.perf_counter() - start)
     size = sum(f.stat().st_size for f in ckpt.path.rglob("*") if f.is_file())
     shutil.rmtree(run)
@@ -167,11 +174,11 @@ def checkpoints(sizes_m: list[float], root: Path) -> list[dict[str, object]]:
         raw.lora.enabled = lora
         policy = build_policy(OmegaConf.to_object(raw), torch.device("cpu"))
         name = "tiny_sd3_lora" if lora else "tiny_sd3_full"
-        rows.append(time_checkpoint(name, policy, policy.trainable_parameters(), root))
+        rows.append(time_checkpoint(name, policy.trainable, root))
     for millions in sizes_m:
-        policy = SyntheticPolicy(int(millions * 1e6))
-        params = [torch.nn.Parameter(policy.weights["weight"])]
-        rows.append(time_checkpoint(f"synthetic_{millions:g}M", policy, params, root))
+        rows.append(
+            time_checkpoint(f"synthetic_{millions:g}M", SyntheticTrainable(int(millions * 1e6)), root)
+        )
     return rows
 
 

@@ -18,7 +18,7 @@ from rlgen_cli.data.prompts import PromptDataset, PromptExample
 from rlgen_cli.schema.errors import UserError
 
 SOURCE_IMAGE_KEY = "image"
-EDITING_FAMILIES = ("flux_kontext", "qwen_image_edit")
+EDITING_FAMILIES = ("flux_kontext", "qwen_image_edit", "wan2_2_i2v")
 """Model families that edit a source image (their policies declare ``capabilities.takes_source_images``)."""
 
 

@@ -208,13 +208,3 @@ class ReferenceSwitch:
                 yield
             finally:
                 setattr(self._owner, self._attribute, module)
-
-
-class LegacyPolicyNames:
-    """``save_trainable``, the one pre-``trainable`` name still called: ``training.checkpoint.save_checkpoint``
-    writes flow, VLM and R3 policies through it. New code writes ``policy.trainable.save(directory)``."""
-
-    trainable: Trainable
-
-    def save_trainable(self, directory: Path) -> None:
-        self.trainable.save(directory)

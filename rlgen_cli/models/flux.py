@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from rlgen_cli.models._flux_common import FLUX_LORA_TARGETS, LORA_WEIGHTS_NAME, FluxModel
-from rlgen_cli.models.base import Capabilities, Cond, LegacyPolicyNames
+from rlgen_cli.models.base import Capabilities, Cond
 from rlgen_cli.models.loading import in_model_dtype, load_pipeline
 from rlgen_cli.models.prompt_cache import cache_prompt_embeddings
 from rlgen_cli.models.tiny import tiny_flux_pipeline
@@ -39,7 +39,7 @@ def load_flux_pipeline(cfg: ModelConfig) -> Any:
     return load_pipeline(FluxPipeline, cfg, "FLUX")
 
 
-class FluxPolicy(LegacyPolicyNames):
+class FluxPolicy:
     """FLUX.1-dev (see the module docstring): text conditioning, guidance embedded, no negative branch."""
 
     family = "flux"

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from rlgen_cli.models._flux_common import FLUX_LORA_TARGETS, LORA_WEIGHTS_NAME, FluxModel
-from rlgen_cli.models.base import Capabilities, Cond, LegacyPolicyNames
+from rlgen_cli.models.base import Capabilities, Cond
 from rlgen_cli.models.loading import in_model_dtype, load_pipeline
 from rlgen_cli.models.prompt_cache import cache_prompt_embeddings
 from rlgen_cli.models.tiny import tiny_flux_kontext_pipeline
@@ -54,7 +54,7 @@ def load_flux_kontext_pipeline(cfg: ModelConfig) -> Any:
     return load_pipeline(FluxKontextPipeline, cfg, "FLUX.1-Kontext")
 
 
-class FluxKontextPolicy(LegacyPolicyNames):
+class FluxKontextPolicy:
     """FLUX.1-Kontext (see the module docstring); ``encode`` needs the source images."""
 
     family = "flux_kontext"

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from rlgen_cli.models._qwen_common import LORA_WEIGHTS_NAME, QWEN_LORA_TARGETS, TRANSFORMER_DIR, QwenModel
-from rlgen_cli.models.base import Capabilities, Cond, LegacyPolicyNames
+from rlgen_cli.models.base import Capabilities, Cond
 from rlgen_cli.models.loading import in_model_dtype, load_pipeline
 from rlgen_cli.models.prompt_cache import cache_prompt_embeddings
 from rlgen_cli.models.tiny import tiny_qwen_image_pipeline
@@ -41,7 +41,7 @@ def load_qwen_image_pipeline(cfg: ModelConfig) -> Any:
     return load_pipeline(QwenImagePipeline, cfg, "Qwen-Image")
 
 
-class QwenImagePolicy(LegacyPolicyNames):
+class QwenImagePolicy:
     """Qwen-Image: text conditioning through the Qwen2.5-VL encoder, true CFG inside ``velocity``."""
 
     family = "qwen_image"

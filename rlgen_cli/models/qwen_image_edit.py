@@ -24,7 +24,7 @@ from PIL import Image
 from torch import Tensor, nn
 
 from rlgen_cli.models._qwen_common import LORA_WEIGHTS_NAME, QWEN_LORA_TARGETS, TRANSFORMER_DIR, QwenModel
-from rlgen_cli.models.base import Capabilities, Cond, LegacyPolicyNames
+from rlgen_cli.models.base import Capabilities, Cond
 from rlgen_cli.models.loading import in_model_dtype, load_pipeline
 from rlgen_cli.models.prompt_cache import cache_prompt_embeddings
 from rlgen_cli.models.tiny import tiny_qwen_image_edit_pipeline
@@ -54,7 +54,7 @@ def to_pil(images: Tensor) -> list[Image.Image]:
     return [Image.fromarray(np.ascontiguousarray(p)) for p in pixels.permute(0, 2, 3, 1).cpu().numpy()]
 
 
-class QwenImageEditPolicy(LegacyPolicyNames):
+class QwenImageEditPolicy:
     """Qwen-Image-Edit: prompt + source image through the VL encoder, source latents as extra tokens."""
 
     family = "qwen_image_edit"

@@ -23,9 +23,14 @@ FAMILIES: dict[str, str] = {
     "sd3": "rlgen_cli.models.sd3",
     "flux": "rlgen_cli.models.flux",
     "flux_kontext": "rlgen_cli.models.flux_kontext",
+    "flux2": "rlgen_cli.models.flux2",
+    "flux2_klein": "rlgen_cli.models.flux2_klein",
     "qwen_image": "rlgen_cli.models.qwen_image",
     "qwen_image_edit": "rlgen_cli.models.qwen_image_edit",
     "wan2_1": "rlgen_cli.models.wan",
+    "wan2_2": "rlgen_cli.models.wan22",
+    "wan2_2_i2v": "rlgen_cli.models.wan22",
+    "z_image": "rlgen_cli.models.z_image",
     "shapes": "rlgen_cli.models.shapes",
 }
 

@@ -19,7 +19,6 @@ from rlgen_cli.models.base import (
     TORCH_DTYPES,
     Capabilities,
     Cond,
-    LegacyPolicyNames,
     cfg_combine,
     uncond_takes_grad,
 )
@@ -54,7 +53,7 @@ def dead_context_queries(transformer: nn.Module) -> list[str]:
     return names
 
 
-class SD3Policy(LegacyPolicyNames):
+class SD3Policy:
     """SD3 behind the flow-policy protocol (see ``models/base.py``)."""
 
     family = "sd3"

@@ -28,7 +28,6 @@ from rlgen_cli.models.base import (
     TORCH_DTYPES,
     Capabilities,
     Cond,
-    LegacyPolicyNames,
     cfg_combine,
     uncond_takes_grad,
 )
@@ -98,7 +97,7 @@ def resolve_model_dir(spec: str) -> Path:
     return path
 
 
-class ShapesPolicy(LegacyPolicyNames):
+class ShapesPolicy:
     """The ShapesEval UNet behind the flow-policy protocol (see ``models/base.py``)."""
 
     family = "shapes"

@@ -40,7 +40,6 @@ from rlgen_cli.models.base import (
     TORCH_DTYPES,
     Capabilities,
     Cond,
-    LegacyPolicyNames,
     cfg_combine,
     uncond_takes_grad,
 )
@@ -140,7 +139,7 @@ def check_geometry(cfg: ModelConfig, pipeline) -> None:
         )
 
 
-class WanPolicy(LegacyPolicyNames):
+class WanPolicy:
     """Wan2.1 T2V behind the flow-policy protocol (see ``models/base.py`` and the module docstring)."""
 
     family = "wan2_1"
@@ -234,13 +233,24 @@ class WanPolicy(LegacyPolicyNames):
 
         The Wan VAE decodes one latent frame at a time (causal caches), so a whole batch fits.
         """
-        vae = self.pipeline.vae
-        shape = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean, device=x0.device).view(shape)
-        std = torch.tensor(vae.config.latents_std, device=x0.device).view(shape)
-        latents = x0.float() * std + mean  # WanPipeline: x / (1/std) + mean
-        videos = vae.decode(latents.to(vae.dtype), return_dict=False)[0]  # (B, 3, F, H, W) in [-1, 1]
-        return (videos.float() / 2 + 0.5).clamp(0, 1)
+        return decode_wan_latents(self.pipeline.vae, x0)
+
+
+def latent_statistics(vae, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The Wan VAE's per-channel latent mean and std, each (1, C, 1, 1, 1) fp32: x = (z − mean) / std."""
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean, device=device).view(shape)
+    std = torch.tensor(vae.config.latents_std, device=device).view(shape)
+    return mean, std
+
+
+@torch.no_grad()
+def decode_wan_latents(vae, x0: Tensor) -> Tensor:
+    """Normalised latents (B, C, F', H', W') → videos (B, 3, F, H, W) in [0, 1], fp32."""
+    mean, std = latent_statistics(vae, x0.device)
+    latents = x0.float() * std + mean  # WanPipeline: x / (1/std) + mean
+    videos = vae.decode(latents.to(vae.dtype), return_dict=False)[0]  # (B, 3, F, H, W) in [-1, 1]
+    return (videos.float() / 2 + 0.5).clamp(0, 1)
 
 
 def _check_targets(transformer: nn.Module, targets: Sequence[str]) -> None:

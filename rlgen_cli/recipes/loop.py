@@ -138,15 +138,18 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def load_resume(resume: str | None, run_dir: Path, policy: Any) -> tuple[Checkpoint, dict[str, Any]] | None:
-    """The checkpoint ``resume`` names (``auto``: the run's latest intact one) with its trained weights
-    loaded into ``policy``, and its trainer state; ``None`` for a fresh run. Each recipe restores the
-    rest of the state (optimizer, sampler, counters, …) itself."""
+def load_resume(
+    resume: str | None, run_dir: Path, load_weights: Callable[[Path], None]
+) -> tuple[Checkpoint, dict[str, Any]] | None:
+    """The checkpoint ``resume`` names (``auto``: the run's latest intact one), its trained weights
+    loaded by ``load_weights`` (what wrote them, read back: e.g. a VLM policy's ``load_trainable``), and
+    its trainer state; ``None`` for a fresh run. Each recipe restores the rest of the state (optimizer,
+    sampler, counters, …) itself."""
     ckpt = resolve_resume(resume, run_dir)
     if ckpt is None:
         return None
     state = ckpt.state()
-    policy.load_trainable(ckpt.weights)
+    load_weights(ckpt.weights)
     log.info("resuming from %s", ckpt.path)
     return ckpt, state
 
@@ -445,7 +448,7 @@ def save(run: FlowRun, epochs_done: int, extra_state: dict[str, Any] | None = No
         if not run.dist.is_main:
             return
         ckpt = save_checkpoint(
-            run.run_dir, epochs_done, run.policy, state, run.raw_cfg, run.cfg.keep_last,
+            run.run_dir, epochs_done, run.policy.trainable.save, state, run.raw_cfg, run.cfg.keep_last,
             engine_state=staging if run.dist.shards_optimizer else None,
         )  # fmt: skip
     log.info("saved %s", ckpt.path)

@@ -69,12 +69,14 @@ from rlgen_cli.r3.rollout import ImageRollout, image_rollout, micro_batches, sta
 from rlgen_cli.r3.scoring import R3Scorer
 from rlgen_cli.recipes.loop import due, load_resume, reduce_over_ranks, summarise
 from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.r3 import R3TrainConfig
+from rlgen_cli.schema.r3 import R3Config, R3TrainConfig
 from rlgen_cli.sde.rollout import StepSpec, Trajectory, recompute_step
 from rlgen_cli.sde.sampling import conditioned
 from rlgen_cli.training.checkpoint import (
     COUNTERS_KEY,
     OPTIMIZER_KEY,
+    Checkpoint,
+    engine_staging,
     save_checkpoint,
     set_rng_state,
 )
@@ -161,10 +163,12 @@ class R3Recipe:
         self.start_step, self.global_step = 0, 0
         resumed = self._maybe_resume()  # into the bare modules, before DDP wraps them
         self.optimizer = self.dist.prepare(
-            self.policy, self.optimizer, max_grad_norm=r3.max_grad_norm, micro_batch_size=self.per_rank
-        )
-        if resumed is not None:
-            self.optimizer.load_state_dict(resumed[OPTIMIZER_KEY])
+            self.policy, self.optimizer, max_grad_norm=r3.max_grad_norm, micro_batch_size=self.per_rank,
+            compute_dtype=compute_dtype(r3, self.tracks),  # fp16 compute: the Dist scales the loss
+        )  # fmt: skip
+        if resumed is not None:  # the optimizer state with the loss scaler's
+            ckpt, state = resumed
+            self.dist.load_optimizer_state(self.optimizer, state[OPTIMIZER_KEY], ckpt.engine)
         self.logger = (
             build_loggers(self.run_dir, cfg.logging, self.raw_cfg) if self.dist.is_main else NullLogger()
         )
@@ -177,8 +181,8 @@ class R3Recipe:
             self.device, self.dist.world_size, r3.policy_group_size, r3.group_size, self.per_rank, self.tracks,
         )  # fmt: skip
 
-    def _maybe_resume(self) -> dict[str, Any] | None:
-        resumed = load_resume(self.cfg.resume, self.run_dir, self.policy)
+    def _maybe_resume(self) -> tuple[Checkpoint, dict[str, Any]] | None:
+        resumed = load_resume(self.cfg.resume, self.run_dir, self.policy.load_trainable)
         if resumed is None:
             return None
         state = resumed[1]
@@ -187,7 +191,7 @@ class R3Recipe:
         set_rng_state(state["rng"])
         self.start_step = state[COUNTERS_KEY]["epoch"]
         self.global_step = state[COUNTERS_KEY]["global_step"]
-        return state
+        return resumed
 
     # -- the loop -------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
@@ -223,6 +227,7 @@ class R3Recipe:
             **batch.stats, **update_stats, "stage": float(STAGE_NAMES.index(batch.stage)),
             "time/rollout": rollout_time, "time/step": time.perf_counter() - start,
             "lr": self.scheduler.get_last_lr()[0], "global_step": self.global_step,
+            **self.dist.loss_scale_metrics(),
         }  # fmt: skip
 
     # -- rollouts -------------------------------------------------------------------------------
@@ -413,13 +418,18 @@ class R3Recipe:
         return {f"eval/{k}": float(v) for k, v in result.metrics.to_dict().items()}
 
     def save(self, steps_done: int) -> None:
+        """A full-state checkpoint (the optimizer entry carries the fp16 loss scaler's state), written by
+        rank 0. R3 runs without a sharding engine, so the Dist never writes into the staging directory."""
         if not self.dist.is_main:
             return
         state = {
-            OPTIMIZER_KEY: self.optimizer.state_dict(), SCHEDULER_KEY: self.scheduler.state_dict(),
-            BUFFER_KEY: self.buffer.state_dict(), COUNTERS_KEY: {"epoch": steps_done, "global_step": self.global_step},
+            OPTIMIZER_KEY: self.dist.optimizer_state(self.optimizer, engine_staging(self.run_dir, steps_done)),
+            SCHEDULER_KEY: self.scheduler.state_dict(), BUFFER_KEY: self.buffer.state_dict(),
+            COUNTERS_KEY: {"epoch": steps_done, "global_step": self.global_step},
         }  # fmt: skip
-        ckpt = save_checkpoint(self.run_dir, steps_done, self.policy, state, self.raw_cfg, self.cfg.keep_last)
+        ckpt = save_checkpoint(
+            self.run_dir, steps_done, self.policy.save_trainable, state, self.raw_cfg, self.cfg.keep_last
+        )
         log.info("saved %s", ckpt.path)
 
     def cleanup(self) -> None:
@@ -428,6 +438,15 @@ class R3Recipe:
 
 
 STAGE_NAMES = (REASON, REFINE)
+
+
+def compute_dtype(r3: R3Config, tracks: list[str]) -> str:
+    """The lowest precision a trained track computes in: ``float16`` when any model the tuned tracks run
+    (text: the text policy; image: generator and editor) is fp16, so the Dist scales the one joint loss
+    (scaling by a power of two is exact, so the bf16 / fp32 parts lose nothing)."""
+    models = {TEXT: [r3.policy.text], IMAGE: [r3.policy.generator, r3.policy.editor]}
+    dtypes = {model.dtype for track in tracks for model in models[track]}
+    return next((d for d in ("float16", "bfloat16") if d in dtypes), "float32")
 
 
 def _gather(dist: Dist, values: Tensor) -> Tensor:

@@ -184,7 +184,7 @@ class VLMSFTRecipe:
     def _maybe_resume(self) -> tuple[Checkpoint, dict[str, Any]] | None:
         """Weights, scheduler, RNG and counters of the checkpoint to resume (if any); returns it and its
         state, whose optimizer entry ``setup`` restores once the optimizer is prepared."""
-        resumed = load_resume(self.cfg.resume, self.run_dir, self.policy)
+        resumed = load_resume(self.cfg.resume, self.run_dir, self.policy.load_trainable)
         if resumed is None:
             return None
         state = resumed[1]
@@ -265,7 +265,7 @@ class VLMSFTRecipe:
         if not self.dist.is_main:
             return
         ckpt = save_checkpoint(
-            self.run_dir, epochs_done, self.policy, state, self.raw_cfg, self.cfg.keep_last,
+            self.run_dir, epochs_done, self.policy.save_trainable, state, self.raw_cfg, self.cfg.keep_last,
             engine_state=staging if self.dist.shards_optimizer else None,
         )  # fmt: skip
         log.info("saved %s", ckpt.path)

@@ -21,6 +21,7 @@ __all__ = [
     "CfgGrad",
     "Dtype",
     "EvalReportKind",
+    "ExpertsTrain",
     "KlForm",
     "Launcher",
     "LogprobForm",
@@ -53,6 +54,8 @@ Dtype = Literal["float32", "float16", "bfloat16"]
 LoraInit = Literal["gaussian", "kaiming"]
 """peft ``init_lora_weights``: ``gaussian`` (upstream Flow-GRPO) or ``kaiming`` (peft's default, ``True``:
 Kaiming-uniform A, zero B)."""
+ExpertsTrain = Literal["both", "high_noise", "low_noise"]
+"""Which expert of a two-expert family (Wan2.2 A14B) trains; the other stays frozen."""
 
 SdeKind = Literal["flow_sde", "dance", "cps"]
 StepKind = Literal["ode", SdeKind]

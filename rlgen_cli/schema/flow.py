@@ -15,6 +15,7 @@ from rlgen_cli.schema.choices import (
     AdvAggregation,
     Dtype,
     EvalReportKind,
+    ExpertsTrain,
     Launcher,
     LoraInit,
     MixedPrecision,
@@ -54,6 +55,17 @@ class LoraConfig:
     init: Annotated[str, LoraInit] = "gaussian"
     """peft ``init_lora_weights``: ``gaussian`` (upstream) or ``kaiming`` (peft's default: Kaiming-uniform A,
     zero B)."""
+
+
+@dataclass
+class ExpertsConfig:
+    """Two-expert families (Wan2.2 A14B): a high-noise and a low-noise transformer switched at the
+    checkpoint's ``boundary_ratio``."""
+
+    train: Annotated[str, ExpertsTrain] = "both"
+    """``both`` experts get LoRA (or full FT), or only ``high_noise`` / ``low_noise`` (the other frozen)."""
+    guidance_scale_2: float | None = None
+    """CFG scale of the low-noise expert; null = ``model.guidance_scale`` (as WanPipeline's default)."""
 
 
 @dataclass
@@ -102,6 +114,8 @@ class ModelConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     vlm: VLMOptions = field(default_factory=VLMOptions)
     """Multimodal-LLM families only (processor pixel bounds, context)."""
+    experts: ExpertsConfig = field(default_factory=ExpertsConfig)
+    """Two-expert families only (Wan2.2 A14B)."""
 
     def __post_init__(self) -> None:
         _require(

@@ -2,7 +2,8 @@
 
 Layout of ``run_dir/checkpoints/epoch_000012/``::
 
-    weights/            what the policy's ``save_trainable`` writes (LoRA safetensors in diffusers format)
+    weights/            what the recipe's weight writer writes (``policy.trainable.save``: LoRA safetensors
+                        in diffusers format)
     trainer_state.pt    optimizer, counters, RNG states, sampler state
     config.yaml         the resolved config that made the run (``rlgen sample checkpoint=…`` rebuilds from it)
     engine/             DeepSpeed ZeRO only: the engine's own ``save_checkpoint`` output (one optimizer-state
@@ -30,6 +31,7 @@ import os
 import pickle
 import re
 import shutil
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,7 +147,7 @@ def engine_staging(run_dir: Path, epoch: int) -> Path:
 def save_checkpoint(
     run_dir: Path,
     epoch: int,
-    policy: Any,
+    save_weights: Callable[[Path], None],
     trainer_state: dict[str, Any],
     config: DictConfig,
     keep_last: int,
@@ -156,7 +158,8 @@ def save_checkpoint(
     Args:
         run_dir: The run directory.
         epoch: Epochs done; names the checkpoint.
-        policy: Anything with ``save_trainable(directory)``.
+        save_weights: Writes the trained weights into the directory it is given (a flow policy's
+            ``policy.trainable.save``, a VLM / R3 policy's ``save_trainable``).
         trainer_state: Optimizer, counters, sampler, … (RNG states are added here).
         config: The resolved config.
         keep_last: Checkpoints to keep, newest first.
@@ -168,7 +171,7 @@ def save_checkpoint(
     tmp = root / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    policy.save_trainable(tmp / WEIGHTS_DIR)
+    save_weights(tmp / WEIGHTS_DIR)
     if engine_state is not None:
         os.replace(engine_state, tmp / ENGINE_DIR)
     torch.save({**trainer_state, RNG_KEY: rng_state()}, tmp / STATE_FILE)

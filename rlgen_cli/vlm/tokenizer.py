@@ -14,7 +14,7 @@ import functools
 import json
 from typing import Any
 
-from rlgen_cli.models.tiny import MERGE, PATCH, TEMPORAL
+from rlgen_cli.models.tiny.vlm import MERGE, PATCH, TEMPORAL
 
 __all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "tiny_processor", "tiny_tokenizer", "trained_bpe"]
 

@@ -30,12 +30,15 @@ import torch
 
 from rlgen_cli.models.qwen_image_edit import to_pil
 from rlgen_cli.models.tiny import (
+    tiny_flux2_klein_pipeline,
+    tiny_flux2_pipeline,
     tiny_flux_kontext_pipeline,
     tiny_flux_pipeline,
     tiny_qwen_image_edit_pipeline,
     tiny_qwen_image_pipeline,
     tiny_sd3_pipeline,
     tiny_wan_pipeline,
+    tiny_z_image_pipeline,
 )
 from rlgen_cli.models.wan import wan_sigmas, wan_timestep
 from tests.models.helpers import as_loaded, base_policy, initial_noise_generators, ode_samples
@@ -128,6 +131,27 @@ def _wan(policy, generators, sources, monkeypatch) -> torch.Tensor:
     return frames.permute(0, 2, 1, 3, 4)  # (B, F, 3, H, W) → rlgen's (B, 3, F, H, W)
 
 
+def _z_image(policy, generators, sources, monkeypatch) -> torch.Tensor:
+    pipe = as_loaded(tiny_z_image_pipeline(policy.cfg.tiny_seed))
+    # the pipeline writes CFG as c + g'·(c − u): its g' is rlgen's g − 1 (0 = no unconditional branch);
+    # it rewrites the prompt list it is given in place, so it gets a copy
+    return pipe(
+        list(PROMPTS), negative_prompt=[policy.cfg.negative_prompt] * len(PROMPTS), height=32, width=32,
+        num_inference_steps=STEPS, guidance_scale=policy.guidance_scale - 1, generator=generators,
+        max_sequence_length=policy.cfg.max_sequence_length, output_type="pt",
+    ).images  # fmt: skip
+
+
+def _flux2(policy, generators, sources, monkeypatch) -> torch.Tensor:
+    """FLUX.2-dev (embedded guidance) or FLUX.2-klein base (true CFG, empty negative prompt)."""
+    build = tiny_flux2_pipeline if policy.family == "flux2" else tiny_flux2_klein_pipeline
+    pipe = as_loaded(build(policy.cfg.tiny_seed))
+    return pipe(
+        prompt=PROMPTS, height=32, width=32, num_inference_steps=STEPS, guidance_scale=policy.guidance_scale,
+        generator=generators, max_sequence_length=policy.cfg.max_sequence_length, output_type="pt",
+    ).images  # fmt: skip
+
+
 PipelineCall = Callable[..., torch.Tensor]
 
 CASES = [
@@ -136,12 +160,17 @@ CASES = [
     pytest.param("tiny_sd3", 4.5, _sd3, False, id="sd3-cfg"),
     pytest.param("tiny_flux", 3.5, _flux, False, id="flux-guidance"),
     pytest.param("tiny_flux_kontext", 2.5, _flux_kontext, True, id="flux_kontext-guidance"),
+    pytest.param("tiny_flux2", 4.0, _flux2, False, id="flux2-guidance"),
+    pytest.param("tiny_flux2_klein", 1.0, _flux2, False, id="flux2_klein"),
+    pytest.param("tiny_flux2_klein", 4.0, _flux2, False, id="flux2_klein-cfg"),
     pytest.param("tiny_qwen_image", 1.0, _qwen_image, False, id="qwen_image"),
     pytest.param("tiny_qwen_image", 4.0, _qwen_image, False, id="qwen_image-true_cfg"),
     pytest.param("tiny_qwen_image_edit", 1.0, _qwen_image_edit, True, id="qwen_image_edit"),
     pytest.param("tiny_qwen_image_edit", 4.0, _qwen_image_edit, True, id="qwen_image_edit-true_cfg"),
     pytest.param("tiny_wan2_1", 1.0, _wan, False, id="wan2_1"),
     pytest.param("tiny_wan2_1", 4.5, _wan, False, id="wan2_1-cfg"),
+    pytest.param("tiny_z_image", 1.0, _z_image, False, id="z_image"),
+    pytest.param("tiny_z_image", 5.0, _z_image, False, id="z_image-cfg"),
 ]
 
 

@@ -21,7 +21,10 @@ from tests.models.helpers import CPU, model_cfg
 
 TINY_CONFIGS = {
     "sd3": "tiny_sd3", "flux": "tiny_flux", "flux_kontext": "tiny_flux_kontext", "qwen_image": "tiny_qwen_image",
+    "flux2": "tiny_flux2", "flux2_klein": "tiny_flux2_klein",
     "qwen_image_edit": "tiny_qwen_image_edit", "wan2_1": "tiny_wan2_1", "shapes": "shapes_unet",
+    "wan2_2": "tiny_wan2_2", "wan2_2_i2v": "tiny_wan2_2_i2v",
+    "z_image": "tiny_z_image",
 }  # fmt: skip
 PROMPTS = ["a red circle", "two blue squares"]
 

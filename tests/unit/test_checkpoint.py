@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,19 +28,18 @@ from rlgen_cli.training.checkpoint import (
 WEIGHTS = "weights/w.safetensors"
 
 
-class _FakePolicy:
-    """Saves its trainable weights as a safetensors file, as the LoRA policies do."""
+def _weight_writer(value: float) -> Callable[[Path], None]:
+    """Writes trained weights as one safetensors file, as a LoRA policy's ``trainable.save`` does."""
 
-    def __init__(self, value: float) -> None:
-        self.value = value
-
-    def save_trainable(self, directory: Path) -> None:
+    def write(directory: Path) -> None:
         directory.mkdir(parents=True)
-        save_file({"w": torch.full((64,), float(self.value))}, directory / "w.safetensors")
+        save_file({"w": torch.full((64,), float(value))}, directory / "w.safetensors")
+
+    return write
 
 
 def _save(run_dir: Path, epoch: int, keep_last: int = 2):
-    return save_checkpoint(run_dir, epoch, _FakePolicy(epoch), {"counters": {"epoch": epoch}},
+    return save_checkpoint(run_dir, epoch, _weight_writer(epoch), {"counters": {"epoch": epoch}},
                            OmegaConf.create({"seed": 1}), keep_last)  # fmt: skip
 
 
@@ -56,13 +56,12 @@ def test_save_rotates_and_keeps_the_newest(tmp_path: Path):
 def test_a_crash_mid_save_leaves_the_last_good_checkpoint(tmp_path: Path):
     _save(tmp_path, 1)
 
-    class _Crashing(_FakePolicy):
-        def save_trainable(self, directory: Path) -> None:
-            directory.mkdir(parents=True)
-            raise RuntimeError("disk full")
+    def crash(directory: Path) -> None:
+        directory.mkdir(parents=True)
+        raise RuntimeError("disk full")
 
-    with pytest.raises(RuntimeError):
-        save_checkpoint(tmp_path, 2, _Crashing(2), {}, OmegaConf.create({}), keep_last=3)
+    with pytest.raises(RuntimeError, match="disk full"):
+        save_checkpoint(tmp_path, 2, crash, {}, OmegaConf.create({}), keep_last=3)
     assert [c.path.name for c in list_checkpoints(tmp_path)] == ["epoch_000001"]
     assert resolve_resume("auto", tmp_path).path.name == "epoch_000001"
 
@@ -102,7 +101,7 @@ def _save_with_engine(run_dir: Path, epoch: int) -> Checkpoint:
     (staging / "zero").mkdir(parents=True)
     for rank in (0, 1):
         torch.save({"rank": rank}, staging / "zero" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
-    return save_checkpoint(run_dir, epoch, _FakePolicy(epoch), {"counters": {"epoch": epoch}},
+    return save_checkpoint(run_dir, epoch, _weight_writer(epoch), {"counters": {"epoch": epoch}},
                            OmegaConf.create({}), keep_last=3, engine_state=staging)  # fmt: skip
 
 

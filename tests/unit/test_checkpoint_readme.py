@@ -35,15 +35,15 @@ def test_other_weights_get_their_own_loader(tmp_path: Path):
     assert "rlgen sample checkpoint=<this folder>" in shapes and "load_lora_weights" not in shapes
 
 
-class _Policy:
-    def save_trainable(self, directory: Path) -> None:
-        directory.mkdir(parents=True)
-        (directory / "pytorch_lora_weights.safetensors").write_bytes(b"lora")
+def _write_lora(directory: Path) -> None:
+    """What a diffusers-format LoRA policy's ``trainable.save`` writes."""
+    directory.mkdir(parents=True)
+    (directory / "pytorch_lora_weights.safetensors").write_bytes(b"lora")
 
 
 def test_every_checkpoint_carries_the_note(tmp_path: Path):
     config = OmegaConf.create({"model": {"family": "flux"}})
-    ckpt = save_checkpoint(tmp_path, 3, _Policy(), {}, config, keep_last=2)
+    ckpt = save_checkpoint(tmp_path, 3, _write_lora, {}, config, keep_last=2)
     note = (ckpt.path / README_FILE).read_text()
     assert 'pipe.load_lora_weights("RUN_DIR/checkpoints/epoch_000003/weights")' in note
     assert README_FILE in ckpt.manifest()  # covered by the integrity check like every other file

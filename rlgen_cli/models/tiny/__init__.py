@@ -16,6 +16,7 @@ deterministic in its ``seed``.
 
 from __future__ import annotations
 
+from rlgen_cli.models.tiny.flux2 import tiny_flux2_klein_pipeline, tiny_flux2_pipeline
 from rlgen_cli.models.tiny.image import (
     SD3Sizes,
     tiny_flux_kontext_pipeline,
@@ -33,11 +34,15 @@ from rlgen_cli.models.tiny.vlm import (
     tiny_vlm,
     tiny_vlm_processor,
 )
+from rlgen_cli.models.tiny.wan22 import tiny_wan22_pipeline
+from rlgen_cli.models.tiny.z_image import tiny_z_image_pipeline
 
 __all__ = [
     "SPECIAL_TOKENS",
     "SD3Sizes",
     "save_tiny_vlm",
+    "tiny_flux2_klein_pipeline",
+    "tiny_flux2_pipeline",
     "tiny_flux_kontext_pipeline",
     "tiny_flux_pipeline",
     "tiny_qwen_image_edit_pipeline",
@@ -47,5 +52,7 @@ __all__ = [
     "tiny_shapes_unet",
     "tiny_vlm",
     "tiny_vlm_processor",
+    "tiny_wan22_pipeline",
     "tiny_wan_pipeline",
+    "tiny_z_image_pipeline",
 ]
