@@ -1,7 +1,9 @@
 """Source images of editing sets: read from disk, resized, as (B, 3, H, W) tensors in [0, 1].
 
 Editing examples carry their source image as a path in the metadata (``"image"``, the upstream
-counting-edit format); relative paths are resolved against the dataset file's directory.
+counting-edit format); relative paths are resolved against the dataset file's directory. Multi-image
+editing (Qwen-Image-Edit-Plus) gives a list of paths instead, the same number in every example; the
+sources are then (B, N, 3, H, W).
 """
 
 from __future__ import annotations
@@ -18,35 +20,49 @@ from rlgen_cli.data.prompts import PromptDataset, PromptExample
 from rlgen_cli.schema.errors import UserError
 
 SOURCE_IMAGE_KEY = "image"
-EDITING_FAMILIES = ("flux_kontext", "qwen_image_edit", "wan2_2_i2v")
+EDITING_FAMILIES = ("flux_kontext", "qwen_image_edit", "qwen_image_edit_plus", "wan2_2_i2v")
 """Model families that edit a source image (their policies declare ``capabilities.takes_source_images``)."""
 
 
-def source_image_paths(examples: Sequence[PromptExample], dataset_source: str) -> list[Path]:
-    """The source-image path of every example (error naming the example when one has none)."""
+def source_image_lists(examples: Sequence[PromptExample], dataset_source: str) -> list[list[Path]]:
+    """Every example's source-image paths: one for an ``"image"`` string, N for a list of N paths. Every
+    example must give the same number (a batch stacks them); errors name the example."""
     base = Path(dataset_source).parent
-    paths = []
+    lists = []
     for example in examples:
         value = example.metadata.get(SOURCE_IMAGE_KEY)
         if not value:
             raise UserError(
                 f"example {example.index} of {dataset_source} has no {SOURCE_IMAGE_KEY!r} field; an editing model "
-                f'needs a source image per prompt (jsonl lines like {{"prompt": ..., "image": "src/0001.png"}}); '
-                "data=tiny_edit generates a small editing set for the tiny models"
+                f'needs a source image per prompt (jsonl lines like {{"prompt": ..., "image": "src/0001.png"}}, '
+                'or "image": ["a.png", "b.png"] for multi-image editing); data=tiny_edit generates a small '
+                "editing set for the tiny models"
             )
-        path = Path(value)
-        paths.append(path if path.is_absolute() else base / path)
-    return paths
+        paths = [Path(v) for v in (value if isinstance(value, list) else [value])]
+        lists.append([path if path.is_absolute() else base / path for path in paths])
+        if len(lists[-1]) != len(lists[0]):
+            raise UserError(
+                f"example {example.index} of {dataset_source} has {len(lists[-1])} source images but example "
+                f"{examples[0].index} has {len(lists[0])}: every example of an editing set gives the same "
+                'number of paths in "image"'
+            )
+    return lists
+
+
+def source_image_paths(examples: Sequence[PromptExample], dataset_source: str) -> list[Path]:
+    """The source-image paths of every example, in order (see :func:`source_image_lists`)."""
+    return [path for paths in source_image_lists(examples, dataset_source) for path in paths]
 
 
 def require_source_images(examples: Sequence[PromptExample], dataset_source: str, key: str) -> None:
     """Every example names a source image that exists (checked before a model is loaded)."""
-    for example, path in zip(examples, source_image_paths(examples, dataset_source)):
-        if not path.is_file():
-            raise UserError(
-                f"{key}: example {example.index} of {dataset_source} names source image {path}, which does "
-                'not exist; paths in "image" are relative to the dataset file'
-            )
+    for example, paths in zip(examples, source_image_lists(examples, dataset_source)):
+        for path in paths:
+            if not path.is_file():
+                raise UserError(
+                    f"{key}: example {example.index} of {dataset_source} names source image {path}, which "
+                    'does not exist; paths in "image" are relative to the dataset file'
+                )
 
 
 def load_images(paths: Sequence[Path], height: int, width: int) -> Tensor:
@@ -65,5 +81,9 @@ def load_images(paths: Sequence[Path], height: int, width: int) -> Tensor:
 def source_images(
     examples: Sequence[PromptExample], dataset: PromptDataset, height: int, width: int
 ) -> Tensor:
-    """Each example's source image in editing set ``dataset``, resized: (B, 3, height, width) in [0, 1]."""
-    return load_images(source_image_paths(examples, dataset.source), height, width)
+    """Each example's source image in editing set ``dataset``, resized: (B, 3, height, width) in [0, 1];
+    (B, N, 3, height, width) when the examples list N paths each (multi-image editing)."""
+    images = load_images(source_image_paths(examples, dataset.source), height, width)
+    if not any(isinstance(ex.metadata.get(SOURCE_IMAGE_KEY), list) for ex in examples):
+        return images
+    return images.view(len(examples), -1, *images.shape[1:])

@@ -27,6 +27,7 @@ FAMILIES: dict[str, str] = {
     "flux2_klein": "rlgen_cli.models.flux2_klein",
     "qwen_image": "rlgen_cli.models.qwen_image",
     "qwen_image_edit": "rlgen_cli.models.qwen_image_edit",
+    "qwen_image_edit_plus": "rlgen_cli.models.qwen_image_edit_plus",
     "wan2_1": "rlgen_cli.models.wan",
     "wan2_2": "rlgen_cli.models.wan22",
     "wan2_2_i2v": "rlgen_cli.models.wan22",

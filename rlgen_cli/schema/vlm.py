@@ -24,7 +24,7 @@ from rlgen_cli.schema.choices import (
 )
 from rlgen_cli.schema.errors import UserError
 
-VLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+VLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 REFLECTION_MARKERS = [
     "### Reflection",
     "Reflection:",

@@ -1,4 +1,4 @@
-"""Qwen2-VL / Qwen2.5-VL policies: load (hub id, local path) or build tiny; LoRA or full fine-tuning.
+"""Qwen2-VL / Qwen2.5-VL / Qwen3-VL policies: load (hub id, local path) or build tiny; LoRA or full fine-tuning.
 
 One small object, :class:`VLMPolicy`, holds the model and its processor and answers what the token
 recipes need: the trainable parameters, a frozen reference (LoRA disabled, or a frozen copy for full
@@ -158,6 +158,11 @@ class VLMPolicy:
 
 def _processor(cfg: ModelConfig) -> Any:
     vlm = cfg.vlm
+    if cfg.tiny and cfg.family == "qwen3_vl":  # Qwen3-VL's processor and chat template, same tiny BPE
+        from rlgen_cli.models.tiny import tiny_qwen3_vl_processor
+        from rlgen_cli.vlm.tokenizer import tiny_tokenizer
+
+        return tiny_qwen3_vl_processor(tiny_tokenizer(), min_pixels=vlm.min_pixels, max_pixels=vlm.max_pixels)
     if cfg.tiny:
         from rlgen_cli.vlm.tokenizer import tiny_processor
 
@@ -172,12 +177,18 @@ def _processor(cfg: ModelConfig) -> Any:
 
 def _base_model(cfg: ModelConfig, processor: Any) -> Any:
     if cfg.tiny:
-        from rlgen_cli.models.tiny import tiny_vlm
+        from rlgen_cli.models.tiny import tiny_qwen3_vl, tiny_vlm
 
+        if cfg.family == "qwen3_vl":
+            return tiny_qwen3_vl(processor, seed=cfg.tiny_seed).to(_DTYPES[cfg.dtype])
         return tiny_vlm(processor, kind=cfg.family, seed=cfg.tiny_seed).to(_DTYPES[cfg.dtype])
     import transformers
 
-    cls = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+    cls = {
+        "qwen2_vl": "Qwen2VLForConditionalGeneration",
+        "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+        "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    }
     extra = {"attn_implementation": cfg.vlm.attn_implementation} if cfg.vlm.attn_implementation else {}
     return getattr(transformers, cls[cfg.family]).from_pretrained(
         cfg.path,
@@ -213,7 +224,7 @@ def _make_trainable(model: Any, cfg: ModelConfig) -> Any:
 
 
 def build_vlm(cfg: ModelConfig, device: torch.device) -> VLMPolicy:
-    """The policy of ``cfg`` (``family`` qwen2_vl | qwen2_5_vl; tiny or loaded) on ``device``.
+    """The policy of ``cfg`` (``family`` qwen2_vl | qwen2_5_vl | qwen3_vl; tiny or loaded) on ``device``.
 
     Raises:
         UserError: On an unknown family or a path that cannot be loaded.

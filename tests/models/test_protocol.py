@@ -24,7 +24,7 @@ TINY_CONFIGS = {
     "flux2": "tiny_flux2", "flux2_klein": "tiny_flux2_klein",
     "qwen_image_edit": "tiny_qwen_image_edit", "wan2_1": "tiny_wan2_1", "shapes": "shapes_unet",
     "wan2_2": "tiny_wan2_2", "wan2_2_i2v": "tiny_wan2_2_i2v",
-    "z_image": "tiny_z_image",
+    "z_image": "tiny_z_image", "qwen_image_edit_plus": "tiny_qwen_image_edit_plus",
 }  # fmt: skip
 PROMPTS = ["a red circle", "two blue squares"]
 

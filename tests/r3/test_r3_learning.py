@@ -12,21 +12,25 @@ minus the same evaluation of the untrained composite. Measured (same on every re
 +0.0123, negated −0.0073; margin 0.005.
 
 **Text track**: trained with R3's own reason reward f·(r + w_f), the share of well-formed plans f rises;
-trained with the text reward negated (w_f = −1 and r's weight −1: −f·(r + 1)), it does not. A random
-text policy never writes the format (no signal) and one fine-tuned on a single plan writes it almost
-always, or for other prompts never, and sits on a sharp 16-token mode: there every update only lowered
-the share, with the reward or against it (Adam's first steps move every weight by ±lr and dull the mode).
-So the text policy is warm-started on one prompt with two answers, ``<think>a cat</think>`` and the
-bare ``a cat`` (``_warm_start.py``): it picks the format with its first token about half the time, a
-choice GRPO can move. Both answers give the plan "a cat", so the ODE images — and r — are the same in
-every branch: the text advantage is (1 + r)·(f − mean f) exactly. Geometry: tiny_r3 with the default
-text LoRA, one prompt, 16 branches, the image track frozen and SDE off, lr 2e-3 without warm-up or KL,
-10 steps. Reflections are never well-formed (the warm start saw no reflect prompt), so refine steps
-have zero text advantages: the 5 reason steps train. Measure: the format rate of the reason steps that
-follow an update (steps 2–8, 64 plans) minus the same rate of a run with lr 1e-12 (same prompts and
-sampling seeds; no weight moves). Every tensor of the text adapter changes.
+trained with the text reward negated (w_f = −1 and r's weight −1: −f·(r + 1)), it falls. A random text
+policy never writes the format (no signal); one fine-tuned on a single plan writes it always for some
+prompts and never for others, and where it is uncertain it sits on a sharp 16-token mode that every
+update dulled, with the reward or against it (the share fell either way at lr 1e-3 to 1e-2). So the
+text policy is warm-started on one prompt with two answers, ``<think>a cat</think>`` and the bare
+``a cat`` (``_warm_start.py``): its first token picks the format about half the time, a choice GRPO can
+move. Both answers give the plan "a cat", so the ODE images — and r — are the same in every branch: the
+text advantage is (1 + r)·(f − mean f). Geometry: tiny_r3 with its text LoRA, one prompt, 16 branches,
+the image track frozen and SDE off, lr 2e-3 without warm-up or KL, 10 steps. Reflections are never
+well-formed (the warm start saw no reflect prompt), so refine steps have zero text advantages and the 5
+reason steps train. Measure: the format rate of the reason steps after an update (steps 2–8, 64 plans)
+minus that of a run with lr 1e-12 (same prompts and sampling seeds, no weight moves). Every tensor of
+the text adapter changes (a single reason step moves only the B matrices, which start at 0).
 
-Measured (same on every rerun on CPU): trained +0.39, negated −0.27; margin 0.2.
+Measured (same on every rerun on CPU, with 1 or 2 threads): frozen 0.453, trained +0.375, negated
+−0.234; margin 0.2. With the text loss's advantages negated the test fails (−0.234 and +0.375).
+
+Both tests run single-threaded: these 32-wide models gain nothing from a second intra-op thread, and on
+a loaded 2-core machine its spin-waits made the text test take 8 minutes instead of 25 s.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import run_cli
+from tests.r3._warm_start import PROMPT
 from tests.r3.conftest import TINY_R3, compose_r3, warm_text_overrides
 
 STEPS, MARGIN = 10, 0.005
@@ -53,6 +58,15 @@ LEARNING_RUN = [
     "r3.policy.editor.guidance_scale=1.0", "r3.eval_rounds=0", "r3.eval_max_prompts=4",
 ]  # fmt: skip
 FROZEN_LR = 1e-12  # the schema wants lr > 0; 1e-12 moves no fp32 weight
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread for this module (see the module docstring), restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def evaluated_brightness(run: Path, weight: float, lr: float, steps: int) -> float:
@@ -124,8 +138,8 @@ def test_text_track_raises_the_format_rate_and_the_negated_reward_lowers_it(
     tmp_path: Path, half_formatted_text_dir: Path
 ):
     data = tmp_path / "cat.jsonl"
-    data.write_text(json.dumps({"tag": "single_object", "include": [{"class": "cat", "count": 1}],
-                                "prompt": "a photo of a cat"}) + "\n")  # fmt: skip
+    cat = {"tag": "single_object", "include": [{"class": "cat", "count": 1}], "prompt": PROMPT}
+    data.write_text(json.dumps(cat) + "\n")  # the one prompt the warm start answered
     overrides = text_overrides(half_formatted_text_dir, data)
     frozen = format_rate_after_updates(tmp_path / "frozen", overrides, 1.0, FROZEN_LR)
     trained = format_rate_after_updates(tmp_path / "trained", overrides, 1.0, TEXT_LR) - frozen

@@ -27,6 +27,8 @@ from rlgen_cli.models.tiny.image import (
     tiny_shapes_unet,
     tiny_wan_pipeline,
 )
+from rlgen_cli.models.tiny.qwen3_vl import save_tiny_qwen3_vl, tiny_qwen3_vl, tiny_qwen3_vl_processor
+from rlgen_cli.models.tiny.qwen_image_edit_plus import tiny_qwen_image_edit_plus_pipeline
 from rlgen_cli.models.tiny.vlm import (
     SPECIAL_TOKENS,
     save_tiny_vlm,
@@ -40,12 +42,16 @@ from rlgen_cli.models.tiny.z_image import tiny_z_image_pipeline
 __all__ = [
     "SPECIAL_TOKENS",
     "SD3Sizes",
+    "save_tiny_qwen3_vl",
     "save_tiny_vlm",
     "tiny_flux2_klein_pipeline",
     "tiny_flux2_pipeline",
     "tiny_flux_kontext_pipeline",
     "tiny_flux_pipeline",
+    "tiny_qwen3_vl",
+    "tiny_qwen3_vl_processor",
     "tiny_qwen_image_edit_pipeline",
+    "tiny_qwen_image_edit_plus_pipeline",
     "tiny_qwen_image_pipeline",
     "tiny_qwen_tokenizer",
     "tiny_sd3_pipeline",

@@ -117,13 +117,14 @@ def tiny_mistral3(vocab_size: int, pad_token_id: int) -> Any:
 
 
 def tiny_qwen3(vocab_size: int, pad_token_id: int) -> Any:
-    """A random ``Qwen3ForCausalLM``: 27 layers of width 16."""
+    """A random ``Qwen3ForCausalLM``: 27 layers of width 16, initialised wide (σ 0.5, not 0.02) so the
+    un-normalised hidden states the pipeline taps, and so the prompt, move the velocity visibly."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(
         vocab_size=vocab_size, hidden_size=TEXT_WIDTH, intermediate_size=32, num_hidden_layers=27,
         num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=1024,
-        pad_token_id=pad_token_id, tie_word_embeddings=True,
+        pad_token_id=pad_token_id, tie_word_embeddings=True, initializer_range=0.5,
     )  # fmt: skip
     return Qwen3ForCausalLM(config).eval()
 
