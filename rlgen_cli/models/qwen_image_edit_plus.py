@@ -112,7 +112,7 @@ class QwenImageEditPlusPolicy:
         block[0, 0] = sources.shape[1]  # N frames of one size: (N, h/2, w/2)
         tensors |= {
             "source_latents": torch.cat(latents, dim=1),
-            "source_shape": block.expand(len(prompts), 3),
+            "source_shape": block.expand(len(prompts), 3).clone(),
         }
         return Cond(tensors)
 

@@ -99,7 +99,7 @@ def build_messages(rubric: str, prompt: str) -> list[dict[str, Any]]:
 
 
 class QwenVLJudge:
-    """Score images with a local Qwen2(.5)-VL answering a 1–5 rubric: ``X / 5``, ``NaN`` if unparsable.
+    """Score images with a local Qwen2/2.5/3-VL answering a 1–5 rubric: ``X / 5``, ``NaN`` if unparsable.
 
     Attributes:
         name: Registry name.
@@ -122,7 +122,8 @@ class QwenVLJudge:
         """Configure the judge; the model loads on the first :meth:`score`.
 
         Args:
-            model_path: Hub id or local directory of a Qwen2-VL / Qwen2.5-VL checkpoint.
+            model_path: Hub id or local directory of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint
+                (loaded through the Auto classes, e.g. ``Qwen/Qwen3-VL-8B-Instruct``).
             device: Device; ``None`` = CUDA when available, else CPU.
             dtype: Weight dtype name.
             local_files_only: Load only from local files / the HF cache.

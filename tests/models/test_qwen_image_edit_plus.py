@@ -4,7 +4,6 @@ source shapes, editing sets carry N paths per example, and wrong counts or shape
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 

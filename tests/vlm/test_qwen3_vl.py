@@ -126,7 +126,6 @@ def test_token_grpo_trains_every_lora_tensor_of_qwen3_vl(tmp_path: Path):
     assert rows[0]["ratio_min"] == rows[0]["ratio_max"] == 1.0  # one on-policy update per rollout
 
 
-@pytest.mark.slow
 def test_step_grpo_trains_every_lora_tensor_of_qwen3_vl(tmp_path: Path):
     rows = _train_changes_every_lora_tensor("step_grpo", tmp_path / "run")
     assert rows[-1]["kl_loss"] > 0  # moved away from the reference after the first step
