@@ -41,6 +41,7 @@ from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import (
     DataConfig,
     EvalConfig,
+    ExpertsConfig,
     LauncherConfig,
     LoraConfig,
     ModelConfig,
@@ -126,6 +127,7 @@ RANGES: dict[type, dict[str, Range | Pattern]] = {
         "noise_level": NON_NEGATIVE, "max_sequence_length": COUNT, "prompt_cache_mb": NON_NEGATIVE,
     },
     LoraConfig: {"rank": COUNT, "alpha": POSITIVE},
+    ExpertsConfig: {"guidance_scale_2": at_least(1)},
     VLMOptions: {
         "min_pixels": COUNT, "max_pixels": COUNT, "max_context": at_least(16), "completion_cap": COUNT,
         "eval_max_new_tokens": COUNT, "eval_temperature": NON_NEGATIVE, "eval_top_p": FRACTION,

@@ -15,8 +15,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from rlgen_cli.schema.errors import UserError
+from rlgen_cli.schema.ranges import check_settings
 from rlgen_cli.schema.vlm import TokenGRPOOptions, vllm_installed
 from rlgen_cli.vlm.data import load_vlm_examples, prompt_text
 from rlgen_cli.vlm.engines import HFEngine, VLLMEngine, build_engine, group_runs, merged_named_weights
@@ -215,10 +217,11 @@ def test_check_scores_in_the_engines_vocabulary(tmp_path: Path, honoured: bool, 
 
 # -- configuration ---------------------------------------------------------------------------------------
 def test_engine_options_are_validated(monkeypatch):
-    with pytest.raises(UserError, match="algo.token.engine='sglang'"):
-        TokenGRPOOptions(engine="sglang")
+    # choices and ranges are checked once, at the config boundary (schema/ranges.check_settings)
+    with pytest.raises(UserError, match="token.engine='sglang'"):
+        check_settings(OmegaConf.structured(TokenGRPOOptions(engine="sglang")), "algo.token.")
     with pytest.raises(UserError, match="vllm_gpu_memory_utilization"):
-        TokenGRPOOptions(vllm_gpu_memory_utilization=0.0)
+        check_settings(OmegaConf.structured(TokenGRPOOptions(vllm_gpu_memory_utilization=0.0)), "algo.token.")
     monkeypatch.setattr("rlgen_cli.schema.vlm.vllm_installed", lambda: True)
     assert TokenGRPOOptions(engine="vllm").engine == "vllm"
     with pytest.raises(UserError, match="old_logprobs=recompute"):
