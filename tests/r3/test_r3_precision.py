@@ -47,6 +47,24 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+FP16 = [f"r3.policy.{role}.dtype=float16" for role in ("text", "generator", "editor")]
+
+
+def test_one_fp16_step_logs_the_scale_and_saves_it(tmp_path: Path):
+    from rlgen_cli.training.checkpoint import OPTIMIZER_KEY, STATE_FILE
+    from rlgen_cli.training.dist import SCALER_KEY
+    from rlgen_cli.training.loss_scale import INIT_SCALE
+    from tests.conftest import run_cli
+
+    code, out = run_cli("train", *TINY_R3, *FP16, "epochs=1", f"hydra.run.dir={tmp_path}")
+    assert code == 0, out
+    (metrics,) = _metrics(tmp_path)
+    assert (metrics["loss_scale"], metrics["skipped_steps"]) == (INIT_SCALE, 0.0), metrics
+    assert metrics["grad_norm"] > 0  # unscaled before clipping: a 2^16-times norm would show
+    saved = torch.load(tmp_path / "checkpoints" / "epoch_000001" / STATE_FILE, weights_only=True)
+    assert saved[OPTIMIZER_KEY][SCALER_KEY]["scale"] == INIT_SCALE
+
+
 @pytest.mark.slow
 def test_fp16_run_logs_the_scale_and_resumes_it_exactly(tmp_path: Path, monkeypatch):
     """Two fp16 steps straight vs one step, then a resume: the scale (doubling after every clean step, so
@@ -58,8 +76,7 @@ def test_fp16_run_logs_the_scale_and_resumes_it_exactly(tmp_path: Path, monkeypa
     from tests.conftest import run_cli
 
     monkeypatch.setattr(dist_module, "LossScaler", functools.partial(LossScaler, growth_interval=1))
-    fp16 = [f"r3.policy.{role}.dtype=float16" for role in ("text", "generator", "editor")]
-    run = [*TINY_R3, *fp16, "save_every=1", "keep_last=5"]
+    run = [*TINY_R3, *FP16, "save_every=1", "keep_last=5"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     for args in (["epochs=2", f"hydra.run.dir={straight}"], ["epochs=1", f"hydra.run.dir={resumed}"]):
         code, out = run_cli("train", *run, *args)
