@@ -67,7 +67,7 @@ def compose_verb(config_name: str, args: Sequence[str]) -> Any:
 
     from rlgen_cli.schema.store import register_schemas
 
-    register_schemas()
+    register_schemas(config_name)
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         return compose(config_name=config_name, overrides=verb_overrides(config_name, args))
 
@@ -82,7 +82,7 @@ def run_hydra(task: Callable[[Any], Any], config_name: str, args: Sequence[str])
 
     from rlgen_cli.schema.store import register_schemas
 
-    register_schemas()
+    register_schemas(config_name)
     started = False
 
     def _task(cfg: Any) -> Any:

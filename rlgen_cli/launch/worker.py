@@ -13,7 +13,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from rlgen_cli.schema.r3 import R3TrainConfig, train_recipe
+from rlgen_cli.schema.recipes import TRAIN_SCHEMAS
 
 
 def main(argv: list[str]) -> int:
@@ -22,14 +22,15 @@ def main(argv: list[str]) -> int:
         return 2
     resolved = Path(argv[0])
     raw = OmegaConf.load(resolved)
-    typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(R3TrainConfig), raw))
+    schema = TRAIN_SCHEMAS[raw.recipe]  # the controller wrote the composed config of this recipe
+    typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), raw))
     from rlgen_cli.training.run import setup_logging
 
     if int(os.environ.get("RANK", "0")) == 0:  # rank 0 alone talks to the console and writes run.log
         setup_logging(resolved.parent)
     else:
         setup_logging(None, level=logging.WARNING)
-    recipe = importlib.import_module(f"rlgen_cli.recipes.{train_recipe(typed)}")
+    recipe = importlib.import_module(f"rlgen_cli.recipes.{typed.recipe}")
     recipe.run(typed, raw)
     return 0
 

@@ -53,8 +53,8 @@ from rlgen_cli.models import Cond, cfg_gradient
 from rlgen_cli.recipes import loop
 from rlgen_cli.recipes.loop import FlowRun, reduce_over_ranks, summarise, timed
 from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import TrainConfig
 from rlgen_cli.schema.forward import ForwardConfig, check_forward_steps
+from rlgen_cli.schema.recipes import FlowForwardTrainConfig
 from rlgen_cli.sde import dpm_solver_2m, euler, plan_window
 from rlgen_cli.sde.noise import Stream, randn_per_sample, sample_generators
 from rlgen_cli.sde.rollout import StepSpec, rollout
@@ -110,12 +110,12 @@ class OldPolicy:
         return decay
 
 
-def require_valid(cfg: TrainConfig) -> None:
+def require_valid(cfg: FlowForwardTrainConfig) -> None:
     """What this recipe needs beyond the schema's checks (exit code 2 through the CLI)."""
     check_forward_steps(cfg.algo.forward, cfg.model.num_steps)
     if cfg.algo.adv_clip_max <= 0:
         raise UserError(
-            f"algo.adv_clip_max={cfg.algo.adv_clip_max}: algo.recipe=flow_forward maps advantages through "
+            f"algo.adv_clip_max={cfg.algo.adv_clip_max}: recipe=flow_forward maps advantages through "
             "their bound (DiffusionNFT's r = A/(2·A_max) + ½, AWM's A·advantage_max/A_max); set it > 0 (5)"
         )
 
@@ -324,7 +324,7 @@ def console_line(m: dict[str, float]) -> str:
     )
 
 
-def run(cfg: TrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
+def run(cfg: FlowForwardTrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
     """Entry point: setup, then evaluate / train / log / save epoch by epoch; the last epoch's metrics."""
     require_valid(cfg)
     flow_run = loop.setup(cfg, raw_cfg)

@@ -51,9 +51,9 @@ from rlgen_cli.algos import best_and_worst, combine_rewards, grpo_loss, guard_lo
 from rlgen_cli.models import Cond, cfg_gradient
 from rlgen_cli.recipes import loop
 from rlgen_cli.recipes.loop import FlowRun, summarise, timed
-from rlgen_cli.schema.algo import AlgoConfig
+from rlgen_cli.schema.algo import FlowGrpoAlgoConfig
 from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import TrainConfig
+from rlgen_cli.schema.recipes import FlowGrpoTrainConfig
 from rlgen_cli.sde import euler, step_kl
 from rlgen_cli.sde.noise import Stream, first_of_runs, run_ids, sample_generators, stream_seed
 from rlgen_cli.sde.rollout import StepSpec, Trajectory, recompute_step, rollout
@@ -343,7 +343,7 @@ def guard_scales(traj: Trajectory, j: int) -> tuple[Tensor, Tensor]:
 
 
 # -- the run -------------------------------------------------------------------------------------------
-def require_rank_symmetric(algo: AlgoConfig) -> None:
+def require_rank_symmetric(algo: FlowGrpoAlgoConfig) -> None:
     """DDP needs every rank to run the same number of backward passes; per-sample step subsets and
     best-of-N selection can give ranks different counts."""
     if algo.window.kind == "random_subset" or algo.best_of_n > 0:
@@ -363,7 +363,7 @@ def console_line(m: dict[str, float]) -> str:
     )
 
 
-def run(cfg: TrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
+def run(cfg: FlowGrpoTrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
     """Entry point: setup, then evaluate / train / log / save epoch by epoch; the last epoch's metrics."""
     flow_run = loop.setup(cfg, raw_cfg)
     metrics: dict[str, float] = {}

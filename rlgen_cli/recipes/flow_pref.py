@@ -41,7 +41,7 @@ from rlgen_cli.algos import (
 from rlgen_cli.models import Cond
 from rlgen_cli.recipes import loop
 from rlgen_cli.recipes.loop import FlowRun, summarise, timed
-from rlgen_cli.schema.flow import TrainConfig
+from rlgen_cli.schema.recipes import FlowPrefTrainConfig
 from rlgen_cli.sde.noise import Stream, stream_seed
 from rlgen_cli.sde.sampling import batches, conditioned, sample_latents
 from rlgen_cli.training.ema import EMA
@@ -202,7 +202,7 @@ def console_line(m: dict[str, float]) -> str:
     return f"reward {m['reward/mean']:+.4g}±{m['reward/std']:.3g}{loop.eval_suffix(m)}  loss {loss:.4g}  {seconds:.1f}s"
 
 
-def run(cfg: TrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
+def run(cfg: FlowPrefTrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
     """Entry point: setup, then evaluate / train / log / save epoch by epoch; the last epoch's metrics."""
     flow_run = loop.setup(cfg, raw_cfg)
     metrics: dict[str, float] = {}

@@ -27,7 +27,7 @@ from torch import Tensor
 from rlgen_cli.recipes import loop
 from rlgen_cli.recipes.loop import FlowRun, timed
 from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import TrainConfig
+from rlgen_cli.schema.recipes import FlowPretrainTrainConfig
 from rlgen_cli.sde.noise import Stream, stream_seed
 from rlgen_cli.training.progress import Progress
 from rlgen_cli.training.schedule import decay_factor
@@ -132,7 +132,7 @@ def require_pretrainable(run: FlowRun) -> None:
         )
 
 
-def run(cfg: TrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
+def run(cfg: FlowPretrainTrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
     """Entry point: setup, then evaluate / train / log / save epoch by epoch; the last epoch's metrics."""
     flow_run = loop.setup(cfg, raw_cfg)
     metrics: dict[str, float] = {}

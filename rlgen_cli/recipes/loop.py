@@ -58,7 +58,7 @@ from rlgen_cli.models import FlowPolicy, build_policy
 from rlgen_cli.rewards import RewardBatch, build_mix
 from rlgen_cli.rewards.mix import WeightedMix
 from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import TrainConfig
+from rlgen_cli.schema.recipes import FlowRunConfig
 from rlgen_cli.sde.rollout import StepSpec
 from rlgen_cli.sde.sampling import sample_images
 from rlgen_cli.training.checkpoint import (
@@ -169,7 +169,7 @@ def progress_task(progress: Progress, name: str, total: int) -> Iterator[Callabl
 class FlowRun:
     """What a flow recipe trains with; :func:`setup` builds it, the recipe's functions read it."""
 
-    cfg: TrainConfig
+    cfg: FlowRunConfig
     raw_cfg: DictConfig
     run_dir: Path
     dist: Dist
@@ -194,7 +194,7 @@ class FlowRun:
         return self.dist.device
 
 
-def setup(cfg: TrainConfig, raw_cfg: DictConfig) -> FlowRun:
+def setup(cfg: FlowRunConfig, raw_cfg: DictConfig) -> FlowRun:
     """Seed, processes, policy, reward, prompts, sampler, optimizer and EMA; resume from ``cfg.resume``;
     the distributed engine takes the model; loggers on rank 0. The order is part of reproducibility: the
     seeded draws (adapter init) happen in the same order in every run, resumed or not."""
@@ -284,7 +284,7 @@ def _resume_weights(run: FlowRun) -> tuple[Checkpoint, dict[str, Any]] | None:
     return ckpt, state
 
 
-def step_spec(cfg: TrainConfig) -> StepSpec:
+def step_spec(cfg: FlowRunConfig) -> StepSpec:
     """The SDE step of rollouts (``sampler.*``; the noise level defaults to the model family's)."""
     noise_level = cfg.sampler.noise_level if cfg.sampler.noise_level is not None else cfg.model.noise_level
     return StepSpec(cfg.sampler.kind, noise_level, cfg.sampler.logprob_reduce, cfg.sampler.logprob_form)

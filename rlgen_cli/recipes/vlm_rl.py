@@ -61,7 +61,7 @@ from rlgen_cli.recipes.loop import summarise as summarise_stats
 from rlgen_cli.rewards import RewardBatch, build_mix
 from rlgen_cli.rewards.r1vl import TEXT_REWARDS
 from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import TrainConfig
+from rlgen_cli.schema.recipes import VlmRlTrainConfig
 from rlgen_cli.sde.noise import Stream, stream_seed
 from rlgen_cli.training.checkpoint import (
     COUNTERS_KEY,
@@ -129,7 +129,7 @@ class MicroBatch:
 class VLMRLRecipe:
     """setup → train (rollout → score → advantages → prepare → update → log → eval → save) → cleanup."""
 
-    def __init__(self, cfg: TrainConfig, raw_cfg: DictConfig) -> None:
+    def __init__(self, cfg: VlmRlTrainConfig, raw_cfg: DictConfig) -> None:
         self.cfg, self.raw_cfg, self.run_dir = cfg, raw_cfg, Path(cfg.run_dir)
 
     # -- setup ----------------------------------------------------------------------------------
@@ -432,8 +432,8 @@ class VLMRLRecipe:
         self.engine.close()
 
 
-def run(cfg: TrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
-    """Entry point of ``rlgen train algo.recipe=vlm_rl``."""
+def run(cfg: VlmRlTrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
+    """Entry point of ``rlgen train recipe=vlm_rl``."""
     recipe = VLMRLRecipe(cfg, raw_cfg)
     recipe.setup()
     try:

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from rlgen_cli.recipes.loop import load_resume, reduce_over_ranks
 from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import TrainConfig
+from rlgen_cli.schema.recipes import VlmSftTrainConfig
 from rlgen_cli.training.checkpoint import (
     COUNTERS_KEY,
     OPTIMIZER_KEY,
@@ -140,7 +140,7 @@ def rank_order(size: int, seed: int, rank: int, world_size: int) -> list[int]:
 class VLMSFTRecipe:
     """setup → train (shuffled epochs of masked cross-entropy → log → eval → checkpoint) → cleanup."""
 
-    def __init__(self, cfg: TrainConfig, raw_cfg: DictConfig) -> None:
+    def __init__(self, cfg: VlmSftTrainConfig, raw_cfg: DictConfig) -> None:
         self.cfg, self.raw_cfg, self.run_dir = cfg, raw_cfg, Path(cfg.run_dir)
 
     def setup(self) -> None:
@@ -274,7 +274,7 @@ class VLMSFTRecipe:
         self.logger.close()
 
 
-def run(cfg: TrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
+def run(cfg: VlmSftTrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
     """Entry point of ``rlgen train algo=vlm_sft``; returns the last epoch's metrics."""
     recipe = VLMSFTRecipe(cfg, raw_cfg)
     recipe.setup()

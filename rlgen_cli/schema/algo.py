@@ -19,7 +19,6 @@ from rlgen_cli.schema.choices import (
     Objective,
     PrefLoss,
     PretrainSource,
-    Recipe,
     SigmaSampling,
     SlidingStrategy,
     StdEstimator,
@@ -212,7 +211,7 @@ class PrefConfig:
 
 @dataclass
 class PretrainConfig:
-    """Flow-matching pretraining on ground-truth images (``algo.recipe=flow_pretrain``)."""
+    """Flow-matching pretraining on ground-truth images (``recipe=flow_pretrain``)."""
 
     steps_per_epoch: int = 50
     """Optimizer steps per epoch (an epoch is the unit of eval, logging and checkpoints)."""
@@ -244,11 +243,11 @@ class EMAConfig:
 
 @dataclass
 class AlgoConfig:
+    """What every trained recipe but R3 reads: batch geometry and the optimiser. Each recipe's ``algo``
+    section extends it with exactly the keys that recipe reads (``schema/recipes.py``)."""
+
     name: str = "grpo"
     """Algorithm name, for logs (``rlgen ls`` lists the options)."""
-    recipe: Annotated[str, Recipe] = "flow_grpo"
-    """Training loop: ``flow_grpo`` (policy gradient on SDE rollouts), ``flow_pref`` (DPO / SFT),
-    ``flow_pretrain``, ``flow_forward`` (DiffusionNFT / AWM), ``vlm_rl`` (token GRPO), ``vlm_sft``."""
     group_size: int = 8
     """Samples per prompt (K); advantages are normalised within each prompt's group."""
     prompts_per_epoch: int = 2
@@ -259,8 +258,6 @@ class AlgoConfig:
     """Samples per training forward pass; equal to sample_batch_size keeps the ratio exactly 1."""
     gradient_accumulation_steps: int = 1
     """Training micro-batches per optimizer step."""
-    num_inner_epochs: int = 1
-    """Passes over each epoch's samples."""
     lr: float = 3e-4
     lr_schedule: Annotated[str, LrSchedule] = "constant"
     """``constant``, or ``cosine`` / ``linear``: ``lr`` for the ``lr_decay_start`` share of ``epochs``, then a
@@ -273,8 +270,28 @@ class AlgoConfig:
     weight_decay: float = 1e-4
     max_grad_norm: float = 1.0
     """Gradient-norm clip; ≤ 0 disables it."""
-    clip_range: float = 1e-4
-    """PPO clip ε on the importance ratio."""
+
+    def __post_init__(self) -> None:
+        total = self.prompts_per_epoch * self.group_size
+        for key in ("sample_batch_size", "train_batch_size"):
+            size = getattr(self, key)
+            _require(
+                total % size == 0,
+                f"algo.prompts_per_epoch × algo.group_size = {total} must be divisible by algo.{key} ({size}); "
+                f"set algo.{key} to a divisor of {total}",
+            )
+        micro = total // self.train_batch_size
+        _require(
+            micro % self.gradient_accumulation_steps == 0,
+            f"{micro} training micro-batches per epoch are not divisible by "
+            f"algo.gradient_accumulation_steps ({self.gradient_accumulation_steps})",
+        )
+
+
+@dataclass
+class AdvantageConfig(AlgoConfig):
+    """Recipes that turn group rewards into advantages."""
+
     adv_clip_max: float = 5.0
     """Advantages are clamped to ±adv_clip_max."""
     global_std: bool = True
@@ -285,6 +302,16 @@ class AlgoConfig:
     """Added to the advantage std before dividing (Flow-GRPO 1e-4, MixGRPO / DanceGRPO 1e-8)."""
     kl_weight: float = 0.04
     """Weight β of the KL towards the reference (LoRA disabled); 0 skips the reference forward."""
+
+
+@dataclass
+class FlowGrpoAlgoConfig(AdvantageConfig):
+    """``recipe=flow_grpo``: policy gradient on SDE rollouts (Flow-GRPO and its window variants)."""
+
+    num_inner_epochs: int = 1
+    """Passes over each epoch's samples."""
+    clip_range: float = 1e-4
+    """PPO clip ε on the importance ratio."""
     kl_form: Annotated[str, KlForm] = "gaussian"
     """``gaussian`` = mean((μθ−μref)²)/(2s²), the KL of the two step Gaussians; ``upstream`` = Flow-GRPO's
     code, /(2σ_t²) with σ_t = s/sqrt(−dt) for flow_sde/dance (|dt| times weaker per step), s for cps."""
@@ -305,14 +332,9 @@ class AlgoConfig:
     best_of_n: int = 0
     """Train only the k best and k worst samples of each group (DanceGRPO's best-of-N); 0 = all."""
     ema: EMAConfig = field(default_factory=EMAConfig)
-    pref: PrefConfig = field(default_factory=PrefConfig)
-    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
-    token: TokenGRPOOptions = field(default_factory=TokenGRPOOptions)
-    """Token-level GRPO (VLM recipes only)."""
-    forward: ForwardConfig = field(default_factory=ForwardConfig)
-    """Forward-process recipes only (DiffusionNFT, AWM)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _require(
             self.branch == "independent" or self.window.kind in ("random_window", "sliding", "single"),
             "algo.branch=shared_prefix needs a window that starts after step 0 (random_window, sliding, single)",
@@ -321,17 +343,50 @@ class AlgoConfig:
             2 * self.best_of_n <= self.group_size,
             f"algo.best_of_n={self.best_of_n}: 2·k must be ≤ algo.group_size ({self.group_size})",
         )
-        total = self.prompts_per_epoch * self.group_size
-        for key in ("sample_batch_size", "train_batch_size"):
-            size = getattr(self, key)
-            _require(
-                total % size == 0,
-                f"algo.prompts_per_epoch × algo.group_size = {total} must be divisible by algo.{key} ({size}); "
-                f"set algo.{key} to a divisor of {total}",
-            )
-        micro = total // self.train_batch_size
-        _require(
-            micro % self.gradient_accumulation_steps == 0,
-            f"{micro} training micro-batches per epoch are not divisible by "
-            f"algo.gradient_accumulation_steps ({self.gradient_accumulation_steps})",
-        )
+
+
+@dataclass
+class FlowPrefAlgoConfig(AdvantageConfig):
+    """``recipe=flow_pref``: Flow-DPO / reward-filtered SFT on the reference's samples."""
+
+    cfg_grad: Annotated[str, CfgGrad] = "both"
+    """See ``FlowGrpoAlgoConfig.cfg_grad``."""
+    pref: PrefConfig = field(default_factory=PrefConfig)
+    ema: EMAConfig = field(default_factory=EMAConfig)
+
+
+@dataclass
+class FlowPretrainAlgoConfig(AlgoConfig):
+    """``recipe=flow_pretrain``: flow matching on ground-truth images."""
+
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
+    ema: EMAConfig = field(default_factory=EMAConfig)
+
+
+@dataclass
+class FlowForwardAlgoConfig(AdvantageConfig):
+    """``recipe=flow_forward``: DiffusionNFT / AWM on forward-process noising of the rollouts."""
+
+    num_inner_epochs: int = 1
+    """Passes over each epoch's samples."""
+    cfg_grad: Annotated[str, CfgGrad] = "both"
+    """See ``FlowGrpoAlgoConfig.cfg_grad``."""
+    forward: ForwardConfig = field(default_factory=ForwardConfig)
+    ema: EMAConfig = field(default_factory=EMAConfig)
+
+
+@dataclass
+class TokenAlgoConfig(AdvantageConfig):
+    """``recipe=vlm_rl``: token-level GRPO of a multimodal LLM."""
+
+    clip_range: float = 0.2
+    """PPO clip ε on the importance ratio."""
+    token: TokenGRPOOptions = field(default_factory=TokenGRPOOptions)
+
+
+@dataclass
+class VlmSftAlgoConfig(AlgoConfig):
+    """``recipe=vlm_sft``: masked cross-entropy warm-up of a multimodal LLM."""
+
+    token: TokenGRPOOptions = field(default_factory=TokenGRPOOptions)
+    """Its schedule (``warmup_ratio``, ``lr_schedule``) and ``sft_drop_markers``."""

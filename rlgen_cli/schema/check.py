@@ -1,4 +1,4 @@
-"""Schema of ``rlgen check-onpolicy``: the training config plus the ``check`` section.
+"""Schema of ``rlgen check-onpolicy``: a recipe's training config plus the ``check`` section.
 
 What is compared, per track (``tasks/check_onpolicy.py``): each log-prob recorded *while sampling* (the
 flow rollout's step log-probs; ``generate``'s raw logits for text) against the training path's
@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlgen_cli.schema.flow import TrainConfig
-
-__all__ = ["TEXT_TOLERANCE", "TEXT_TOLERANCES", "CheckConfig", "CheckOnPolicyConfig"]
+__all__ = ["TEXT_TOLERANCE", "TEXT_TOLERANCES", "CheckConfig", "CheckSection"]
 
 TEXT_TOLERANCE = 1e-5
 """Default ``check.text_tolerance``. Measured in fp32 on CPU, ``generate``'s KV-cache decoding against the
@@ -50,11 +48,13 @@ class CheckConfig:
 
 
 @dataclass
-class CheckOnPolicyConfig(TrainConfig):
+class CheckSection:
+    """Mixed into a recipe's training schema (``schema/recipes.py``): ``rlgen check-onpolicy``'s config."""
+
     check: CheckConfig = field(default_factory=CheckConfig)
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        super().__post_init__()  # the recipe's own checks
         if self.check.text_tolerance is None:
             self.check.text_tolerance = TEXT_TOLERANCES[self.text_policy_dtype()]
 

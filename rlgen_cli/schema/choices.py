@@ -66,7 +66,7 @@ KlForm = Literal["gaussian", "upstream"]
 WindowKind = Literal["all", "random_window", "sliding", "random_subset", "single"]
 SlidingStrategy = Literal["progressive", "random", "decay", "exp_decay"]
 
-Recipe = Literal["flow_grpo", "flow_pref", "flow_pretrain", "flow_forward", "vlm_rl", "vlm_sft"]
+Recipe = Literal["flow_grpo", "flow_pref", "flow_pretrain", "flow_forward", "vlm_rl", "vlm_sft", "r3"]
 Objective = Literal["grpo", "grpo_guard"]
 Branch = Literal["independent", "shared_prefix"]
 CfgGrad = Literal["conditional", "both"]

@@ -10,15 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from rlgen_cli.schema.algo import AlgoConfig, SamplerConfig
+from rlgen_cli.schema.algo import SamplerConfig
 from rlgen_cli.schema.choices import (
     AdvAggregation,
     Dtype,
-    EvalReportKind,
     ExpertsTrain,
     Launcher,
     LoraInit,
     MixedPrecision,
+    Recipe,
     WandbMode,
 )
 from rlgen_cli.schema.errors import UserError
@@ -234,27 +234,22 @@ def check_noise_level(sampler: SamplerConfig, model: ModelConfig) -> None:
 
 
 @dataclass
-class TrainConfig:
+class RunConfig:
+    """What every training recipe reads; ``schema/recipes.py`` extends it once per recipe (``recipe``)."""
+
+    recipe: Annotated[str, Recipe] = "flow_grpo"
+    """Training loop, chosen by the ``algo`` (or unified ``model``) option, never set by hand: ``flow_grpo``
+    (policy gradient on SDE rollouts), ``flow_pref`` (DPO / SFT), ``flow_pretrain``, ``flow_forward``
+    (DiffusionNFT / AWM), ``vlm_rl`` (token GRPO), ``vlm_sft``, ``r3``. Each composes only its own keys."""
     seed: int = 42
     epochs: int = 100
     """Sampling rounds; each is rollout → reward → advantages → update."""
     eval_every: int = 10
     """Epochs between evaluations (ODE sampling on the test prompts); 0 = never."""
-    time_limit_minutes: float = 0.0
-    """Stop after the first epoch that ends past this many minutes of training (then evaluate and save
-    as after the last epoch); 0 = no limit."""
-    eval_before: bool = False
-    """Also evaluate before the first epoch (logged at step −1): the run ends with a before → after
-    table per prompt tag (``before_after.txt``) and sample grid when the reward reports tags."""
-    eval_report: Annotated[str, EvalReportKind] = "none"
-    """What the run writes from its evaluations at the end: ``none``, or ``shapes`` (ShapesEval's
-    ``shapes_curves.png``; with ``eval_before`` the per-tag ``before_after.txt`` and its sample grid)."""
     save_every: int = 10
     """Epochs between checkpoints; 0 = only at the end."""
     keep_last: int = 3
     """Checkpoints kept on disk (older ones are deleted)."""
-    images_every: int = 5
-    """Epochs between saving a grid of rollout images; 0 = never."""
     resume: str | None = None
     """``auto`` (latest checkpoint of run_dir) or a checkpoint directory."""
     device: str = "auto"
@@ -265,8 +260,6 @@ class TrainConfig:
     progress: bool = True
     """Show rich progress bars."""
     model: ModelConfig = field(default_factory=lambda: ModelConfig(tiny=True))
-    sampler: SamplerConfig = field(default_factory=SamplerConfig)
-    algo: AlgoConfig = field(default_factory=AlgoConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=DataConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
@@ -277,22 +270,28 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         require_rewards(self.reward)
-        self.algo.window.check_fits(self.model.num_steps)
-        _require(
-            self.sampler.kind != "ode",
-            "sampler.kind=ode has no log-probability to train; use flow_sde, dance or cps",
-        )
-        check_noise_level(self.sampler, self.model)
-        world, algo = self.launcher.world_size, self.algo
-        total = algo.prompts_per_epoch * algo.group_size
-        _require(
-            total % world == 0
-            and (total // world) % algo.sample_batch_size == 0
-            and (total // world) % algo.train_batch_size == 0,
-            f"{total} samples per epoch over {world} processes must give every process a whole number of "
-            f"sample/train batches (algo.sample_batch_size={algo.sample_batch_size}, "
-            f"algo.train_batch_size={algo.train_batch_size} are per process)",
-        )
+
+
+def require_whole_batches(cfg: Any) -> None:
+    """Every process gets a whole number of sample and train batches (``algo.*_batch_size`` per process)."""
+    world, algo = cfg.launcher.world_size, cfg.algo
+    total = algo.prompts_per_epoch * algo.group_size
+    _require(
+        total % world == 0
+        and (total // world) % algo.sample_batch_size == 0
+        and (total // world) % algo.train_batch_size == 0,
+        f"{total} samples per epoch over {world} processes must give every process a whole number of "
+        f"sample/train batches (algo.sample_batch_size={algo.sample_batch_size}, "
+        f"algo.train_batch_size={algo.train_batch_size} are per process)",
+    )
+
+
+def require_sde_sampler(sampler: SamplerConfig, model: ModelConfig) -> None:
+    """A recipe that trains on rollout log-probabilities needs a stochastic step."""
+    _require(
+        sampler.kind != "ode", "sampler.kind=ode has no log-probability to train; use flow_sde, dance or cps"
+    )
+    check_noise_level(sampler, model)
 
 
 @dataclass
@@ -343,10 +342,11 @@ class EvalConfig:
     model: ModelConfig = field(default_factory=lambda: ModelConfig(tiny=True))
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    algo: AlgoConfig | None = None
-    """Unused by eval: where a model's own training algorithm lands (the VLMs pick theirs)."""
+    algo: Any = None
+    """Unused by eval: where a model's own training algorithm lands (the VLMs pick theirs); each recipe's
+    eval schema types it (``schema/recipes.py``)."""
     fidelity: FidelityConfig | None = None
-    """Carried by experiments named after an upstream recipe (see ``TrainConfig.fidelity``)."""
+    """Carried by experiments named after an upstream recipe (see ``RunConfig.fidelity``)."""
 
     def __post_init__(self) -> None:
         require_rewards(self.reward)

@@ -1,4 +1,4 @@
-"""Schema section of the forward-process recipes (``algo.recipe=flow_forward``): ``algo.forward``.
+"""Schema section of the forward-process recipes (``recipe=flow_forward``): ``algo.forward``.
 
 DiffusionNFT (Zheng et al. 2025) and Advantage Weighted Matching (Xue et al. 2025) train on clean rollout
 samples noised forward, so they need no SDE log-probabilities: rollouts may use any solver. The section

@@ -1,12 +1,11 @@
-"""Schema of R3 (reason → reflect → refine, Mix-GRPO): the ``r3`` section and the primary schemas that
-carry it.
+"""Schema of R3 (reason → reflect → refine, Mix-GRPO): the ``r3`` section and ``recipe=r3``'s config.
 
 The keys upstream R3's ``train_rl.sh`` names keep their names (``kl_weight_text``, ``group_size``,
 ``train_data_path``, ``reward_server_urls``, …; docs/r3.md maps each to an override). Everything R3 reads
 lives here: its composite policy (``r3.policy``: text policy, generator, editor — three ordinary model
-sections), its data, its reward, its loss weights and its optimiser. The shared sections (``algo``,
-``data``, ``sampler``) belong to the flow / VLM recipes and are ignored by R3; ``reward.kwargs.<name>``
-still passes client options (timeouts, tokens) to the reward that ``reward_fn`` selects.
+sections), its data, its reward, its loss weights and its optimiser, so an R3 run composes no ``algo``
+and no ``sampler``; ``reward.kwargs.<name>`` still passes client options (timeouts, tokens) to the
+reward that ``reward_fn`` selects.
 
 ``r3.offline``: a model may declare an offline stand-in (``model=tiny_r3`` does): its runs read the
 packaged tiny prompts of ``dataset_name`` and score with a local reward, whatever an experiment says, so
@@ -19,10 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, get_args
 
-from rlgen_cli.schema.check import CheckOnPolicyConfig
 from rlgen_cli.schema.choices import R3Dataset, SdeKind
 from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import EvalConfig, ModelConfig, TrainConfig
+from rlgen_cli.schema.flow import ModelConfig, RunConfig
 
 R3_FAMILIES = ("r3_composite",)
 """``model.family`` values that run the R3 recipe (a native unified model would join this list)."""
@@ -225,46 +223,18 @@ def _check_world(r3: R3Config, world_size: int) -> None:
     )
 
 
-def _check_run(cfg: TrainConfig) -> None:
-    """Checks of a train / check-onpolicy config that a unified-policy model adds."""
-    if is_r3(cfg.model):
-        _check_world(cfg.r3, cfg.launcher.world_size)
-        cfg.r3.data_paths()
-
-
 @dataclass
-class R3TrainConfig(TrainConfig):
-    """``rlgen train``: every recipe's sections plus ``r3`` (read by the R3 recipe only)."""
+class R3TrainConfig(RunConfig):
+    """``recipe=r3``: the shared run keys plus ``r3`` (no ``algo``, no ``sampler``)."""
 
+    recipe: str = "r3"
     r3: R3Config = field(default_factory=R3Config)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_run(self)
-
-
-@dataclass
-class R3CheckOnPolicyConfig(CheckOnPolicyConfig):
-    """``rlgen check-onpolicy`` with the ``r3`` section."""
-
-    r3: R3Config = field(default_factory=R3Config)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_run(self)
+        _check_world(self.r3, self.launcher.world_size)
+        self.r3.data_paths()
 
     def text_policy_dtype(self) -> str:
-        return self.r3.policy.text.dtype if is_r3(self.model) else self.model.dtype
-
-
-@dataclass
-class R3EvalConfig(EvalConfig):
-    """``rlgen eval`` with the ``r3`` section (multi-round evaluation of a unified policy)."""
-
-    r3: R3Config = field(default_factory=R3Config)
-
-
-def train_recipe(cfg: TrainConfig) -> str:
-    """The ``rlgen_cli.recipes`` module that trains ``cfg``: ``r3`` for a unified policy, else
-    ``algo.recipe`` (one rule for ``rlgen train`` and the launched workers)."""
-    return "r3" if is_r3(cfg.model) else cfg.algo.recipe
+        """The text policy's dtype (what check-onpolicy's text tolerance defaults from)."""
+        return self.r3.policy.text.dtype

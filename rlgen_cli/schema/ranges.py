@@ -27,12 +27,16 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rlgen_cli.schema.algo import (
+    AdvantageConfig,
     AlgoConfig,
     EMAConfig,
     FlashConfig,
+    FlowForwardAlgoConfig,
+    FlowGrpoAlgoConfig,
     PrefConfig,
     PretrainConfig,
     SamplerConfig,
+    TokenAlgoConfig,
     WindowConfig,
 )
 from rlgen_cli.schema.check import CheckConfig
@@ -46,11 +50,12 @@ from rlgen_cli.schema.flow import (
     LoraConfig,
     ModelConfig,
     RewardConfig,
+    RunConfig,
     SampleConfig,
-    TrainConfig,
 )
 from rlgen_cli.schema.forward import ForwardConfig, OldPolicyConfig
 from rlgen_cli.schema.r3 import R3Config
+from rlgen_cli.schema.recipes import FlowForwardTrainConfig, FlowGrpoTrainConfig, FlowRunConfig
 from rlgen_cli.schema.serve import ServerConfig
 from rlgen_cli.schema.vlm import TokenGRPOOptions, VLMOptions
 
@@ -117,10 +122,13 @@ PORT = Range(1, 65535)
 DEVICE = Pattern(r"auto|cpu|mps|cuda(:\d+)?", "auto, cpu, cuda, cuda:N (N = GPU index), mps")
 
 RANGES: dict[type, dict[str, Range | Pattern]] = {
-    TrainConfig: {
-        "seed": NON_NEGATIVE, "epochs": COUNT, "eval_every": NON_NEGATIVE, "time_limit_minutes": NON_NEGATIVE,
-        "save_every": NON_NEGATIVE, "keep_last": COUNT, "images_every": NON_NEGATIVE, "device": DEVICE,
+    RunConfig: {
+        "seed": NON_NEGATIVE, "epochs": COUNT, "eval_every": NON_NEGATIVE, "save_every": NON_NEGATIVE,
+        "keep_last": COUNT, "device": DEVICE,
     },
+    FlowRunConfig: {"time_limit_minutes": NON_NEGATIVE},
+    FlowGrpoTrainConfig: {"images_every": NON_NEGATIVE},
+    FlowForwardTrainConfig: {"images_every": NON_NEGATIVE},
     ModelConfig: {
         "tiny_seed": NON_NEGATIVE, "resolution": COUNT, "height": COUNT, "width": COUNT, "num_frames": COUNT,
         "guidance_scale": at_least(1), "shift": ANY, "num_steps": COUNT, "eval_num_steps": COUNT,
@@ -136,12 +144,16 @@ RANGES: dict[type, dict[str, Range | Pattern]] = {
     SamplerConfig: {"noise_level": NON_NEGATIVE},
     AlgoConfig: {
         "group_size": at_least(2), "prompts_per_epoch": COUNT, "sample_batch_size": COUNT,
-        "train_batch_size": COUNT, "gradient_accumulation_steps": COUNT, "num_inner_epochs": COUNT,
+        "train_batch_size": COUNT, "gradient_accumulation_steps": COUNT,
         "lr": POSITIVE, "lr_decay_start": BELOW_ONE, "lr_min_ratio": PROBABILITY, "adam_beta1": BELOW_ONE,
         "adam_beta2": BELOW_ONE, "adam_eps": POSITIVE, "weight_decay": NON_NEGATIVE, "max_grad_norm": ANY,
-        "clip_range": POSITIVE, "adv_clip_max": NON_NEGATIVE, "adv_eps": NON_NEGATIVE, "kl_weight": NON_NEGATIVE,
-        "best_of_n": NON_NEGATIVE,
     },
+    AdvantageConfig: {"adv_clip_max": NON_NEGATIVE, "adv_eps": NON_NEGATIVE, "kl_weight": NON_NEGATIVE},
+    FlowGrpoAlgoConfig: {
+        "num_inner_epochs": COUNT, "clip_range": POSITIVE, "best_of_n": NON_NEGATIVE,
+    },
+    FlowForwardAlgoConfig: {"num_inner_epochs": COUNT},
+    TokenAlgoConfig: {"clip_range": POSITIVE},
     WindowConfig: {
         "timestep_fraction": FRACTION, "size": NON_NEGATIVE, "range": NON_NEGATIVE, "stride": NON_NEGATIVE,
         "shift_every": COUNT, "end_offset": NON_NEGATIVE, "min_shift_every": COUNT, "max_shift_every": COUNT,

@@ -59,12 +59,15 @@ def perturb_weights(params: Sequence[torch.nn.Parameter], std: float, seed: int)
 @user_errors
 def check_onpolicy_task(cfg: DictConfig) -> float:
     typed = validated(cfg)
-    from rlgen_cli.schema.r3 import is_r3
-    from rlgen_cli.schema.vlm import VLM_FAMILIES
     from rlgen_cli.training.run import prepare_run_dir, setup_logging
 
     perturb = functools.partial(perturb_weights, std=typed.check.perturb_weights, seed=typed.seed)
-    text = typed.model.family in VLM_FAMILIES or is_r3(typed.model)
+    if typed.recipe not in ("flow_grpo", "vlm_rl", "r3"):
+        raise UserError(
+            f"check-onpolicy checks the RL recipes' rollouts; recipe={typed.recipe} (from the algo option) has "
+            "none: use algo=grpo (flow models), algo=token_grpo or algo=step_grpo (VLMs)"
+        )
+    text = typed.recipe in ("vlm_rl", "r3")
     if text and typed.check.train_noise_level is not None:
         raise UserError(
             "check.train_noise_level recomputes flow steps at another noise level; it has no meaning for "
@@ -73,9 +76,9 @@ def check_onpolicy_task(cfg: DictConfig) -> float:
     run_dir = prepare_run_dir(run_dir_of(typed), cfg)
     setup_logging(run_dir)
     require_data(typed, run_dir, ("train",) if text else ("train", "test"))
-    if typed.model.family in VLM_FAMILIES:
+    if typed.recipe == "vlm_rl":
         worst, passed = _check_vlm(typed, cfg, perturb)
-    elif is_r3(typed.model):
+    elif typed.recipe == "r3":
         worst, passed = _check_r3(typed, cfg, perturb)
     else:
         worst, passed = _check_flow(typed, cfg, perturb)
@@ -122,11 +125,6 @@ def _check_vlm(typed, cfg: DictConfig, perturb: Perturb) -> tuple[float, bool]:
     from rlgen_cli.recipes.vlm_rl import VLMRLRecipe
     from rlgen_cli.vlm.onpolicy import check_rollout, print_report
 
-    if typed.algo.recipe != "vlm_rl":
-        raise UserError(
-            f"check-onpolicy checks the RL recipes' rollouts; algo.recipe={typed.algo.recipe} has none "
-            "(use algo=token_grpo or algo=step_grpo)"
-        )
     recipe = VLMRLRecipe(typed, cfg)
     recipe.setup()
     try:

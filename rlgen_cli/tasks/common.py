@@ -38,18 +38,14 @@ def validated(cfg: DictConfig) -> Any:
 def rewards_of(cfg: Any) -> tuple[dict[str, float], dict[str, dict[str, Any]], str]:
     """``({name: weight}, {name: kwargs}, the key that chose them)`` of the rewards a run builds: R3 picks
     them from ``r3.reward_fn`` (or its offline stand-in), every other config from ``reward.weights``."""
-    model = getattr(cfg, "model", None)
-    if hasattr(cfg, "r3") and model is not None:
-        from rlgen_cli.schema.r3 import is_r3
+    if getattr(cfg, "recipe", None) == "r3":  # serve-reward's config hosts rewards and has no recipe
+        from rlgen_cli.r3.scoring import reward_spec
 
-        if is_r3(model):
-            from rlgen_cli.r3.scoring import reward_spec
-
-            weights, kwargs = reward_spec(cfg.r3, cfg.reward)
-            key = "r3.offline.reward" if cfg.r3.offline.enabled else "r3.reward_fn"
-            if not cfg.r3.offline.enabled and cfg.r3.reward_fn == "mix":
-                key = "reward.weights"
-            return weights, kwargs, key
+        weights, kwargs = reward_spec(cfg.r3, cfg.reward)
+        key = "r3.offline.reward" if cfg.r3.offline.enabled else "r3.reward_fn"
+        if not cfg.r3.offline.enabled and cfg.r3.reward_fn == "mix":
+            key = "reward.weights"
+        return weights, kwargs, key
     return dict(cfg.reward.weights), {k: dict(v) for k, v in cfg.reward.kwargs.items()}, "reward.weights"
 
 
@@ -152,10 +148,9 @@ def require_data(cfg: Any, run_dir: Path, splits: tuple[str, ...] = ("train", "t
     missing or malformed file costs seconds, not a model load."""
     from rlgen_cli.data.images import EDITING_FAMILIES, require_source_images
     from rlgen_cli.data.paths import BUILTIN_PREFIX, load_prompts, resolve_data_path
-    from rlgen_cli.schema.r3 import is_r3
     from rlgen_cli.schema.vlm import VLM_FAMILIES
 
-    if is_r3(cfg.model):  # R3 reads r3.train_data_path / val_data_path (or its offline stand-in)
+    if cfg.recipe == "r3":  # R3 reads r3.train_data_path / val_data_path (or its offline stand-in)
         return
     for split in splits:
         spec, key = getattr(cfg.data, split), f"data.{split}"

@@ -17,12 +17,9 @@ SAMPLES = "samples.jsonl"
 def eval_task(cfg: DictConfig) -> float:
     """Returns the mean mixed reward (the number a sweeper would optimise)."""
     typed = validated(cfg)
-    from rlgen_cli.schema.r3 import is_r3
-    from rlgen_cli.schema.vlm import VLM_FAMILIES
-
-    if is_r3(typed.model):  # multi-round reflect → refine evaluation of a unified policy
+    if typed.recipe == "r3":  # multi-round reflect → refine evaluation of a unified policy
         return _eval_r3(typed, cfg)
-    if typed.model.family in VLM_FAMILIES:  # benchmark accuracy of a multimodal LLM
+    if typed.recipe in ("vlm_rl", "vlm_sft"):  # benchmark accuracy of a multimodal LLM
         from rlgen_cli.recipes.vlm_rl import evaluate
         from rlgen_cli.training.run import prepare_run_dir, setup_logging
 

@@ -36,17 +36,13 @@ def train_task(cfg: DictConfig) -> Any:
             sys.exit(code)
         return None
     setup_logging(run_dir)
-    from rlgen_cli.schema.r3 import train_recipe
-
-    recipe = importlib.import_module(f"rlgen_cli.recipes.{train_recipe(typed)}")
+    recipe = importlib.import_module(f"rlgen_cli.recipes.{typed.recipe}")
     metrics = recipe.run(typed, cfg)
     return metrics.get("eval/reward/mean", metrics.get("reward/mean"))
 
 
 def _splits_read(cfg: Any) -> tuple[str, ...]:
     """The flow recipes read both prompt files; the VLM ones read the test set only when they evaluate."""
-    from rlgen_cli.schema.vlm import VLM_FAMILIES
-
-    if cfg.model.family in VLM_FAMILIES and not cfg.eval_every:
+    if cfg.recipe in ("vlm_rl", "vlm_sft") and not cfg.eval_every:
         return ("train",)
     return ("train", "test")

@@ -15,14 +15,14 @@ from omegaconf import OmegaConf
 from rlgen_cli._hydra import compose_verb
 from rlgen_cli.schema.choices import choices_of
 from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.store import PRIMARY_SCHEMAS
+from rlgen_cli.schema.store import all_schemas
 from rlgen_cli.tasks.common import validated
 from tests.conftest import run_cli
 
 
 def _schemas() -> set[type]:
     found: set[type] = set()
-    todo = list(PRIMARY_SCHEMAS.values())
+    todo = all_schemas()
     while todo:
         cls = todo.pop()
         if cls not in found:
@@ -66,7 +66,9 @@ def test_no_choice_value_reads_as_a_yaml_boolean_or_null():
 
 
 def _validate(*overrides: str):
-    cfg = compose_verb("train", ["experiment=tiny_cpu", *overrides])
+    # the tiny SD3 demo; a case naming its model composes that model's own recipe (tiny_cpu picks a flow one)
+    base = [] if any(o.startswith("model=") for o in overrides) else ["experiment=tiny_cpu"]
+    cfg = compose_verb("train", [*base, *overrides])
     OmegaConf.set_struct(cfg, False)
     cfg.run_dir = "/tmp/unused"
     return validated(cfg)
@@ -81,15 +83,15 @@ def _validate(*overrides: str):
         ("algo.kl_form=exact", "algo.kl_form='exact' is not valid; choose one of gaussian, upstream"),
         ("model.lora.init=true", "model.lora.init='True' is not valid; choose one of gaussian, kaiming"),
         ("launcher.mixed_precision=no", "launcher.mixed_precision='no' is not valid; choose one of fp32, fp16, bf16"),
-        ("algo.token.loss_type=ppo", "algo.token.loss_type='ppo' is not valid; choose one of grpo, bnpo"),
-        ("r3.sde_kind=ode", "r3.sde_kind='ode' is not valid; choose one of flow_sde, dance, cps"),
-        ("r3.policy.editor.dtype=fp8", "r3.policy.editor.dtype='fp8' is not valid; choose one of float32"),
+        ("model=tiny_qwen2_vl algo.token.loss_type=ppo", "algo.token.loss_type='ppo' is not valid; choose one of grpo, bnpo"),
+        ("model=tiny_r3 r3.sde_kind=ode", "r3.sde_kind='ode' is not valid; choose one of flow_sde, dance, cps"),
+        ("model=tiny_r3 r3.policy.editor.dtype=fp8", "r3.policy.editor.dtype='fp8' is not valid; choose one of float32"),
         ("reward.aggregation=mean", "reward.aggregation='mean' is not valid"),
     ],
 )  # fmt: skip
 def test_a_bad_choice_is_named_with_the_valid_values(override: str, message: str):
     with pytest.raises(UserError, match=message.replace("(", r"\(")):
-        _validate(override)
+        _validate(*override.split())  # a recipe's own section needs that recipe chosen (model=...)
 
 
 def test_good_choices_pass():

@@ -79,7 +79,8 @@ def test_upstream_logprob_form_needs_cps():
     validated(_compose("train", ["sampler=cps", "sampler.logprob_form=upstream"]))
 
 
-FLOW_MODELS = [m for m in GROUPS["model"] if not m.endswith("_vl")]  # the VLMs are not flow models
+R3_MODELS = ("r3_qwen", "tiny_r3")  # the R3 composite trains with its own r3.* keys: it composes no algo
+FLOW_MODELS = [m for m in GROUPS["model"] if not m.endswith("_vl") and m not in R3_MODELS]  # VLMs: not flow
 FLOW_ALGOS = [a for a in GROUPS["algo"] if a not in ("token_grpo", "step_grpo", "vlm_sft")]
 
 

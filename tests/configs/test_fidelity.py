@@ -110,7 +110,8 @@ def _geometry(cfg: Any) -> dict[str, float]:
     algo = cfg.algo
     world = cfg.launcher.num_processes * cfg.launcher.num_machines
     per_step = algo.train_batch_size * algo.gradient_accumulation_steps * world
-    per_epoch = algo.prompts_per_epoch * algo.group_size * algo.num_inner_epochs
+    inner_epochs = algo.num_inner_epochs if "num_inner_epochs" in algo else 1  # others: one pass per epoch
+    per_epoch = algo.prompts_per_epoch * algo.group_size * inner_epochs
     return {
         "geometry.samples_per_optimizer_step": per_step,
         "geometry.optimizer_steps_per_epoch": per_epoch / per_step,
@@ -122,9 +123,8 @@ _MISSING = object()
 
 def _value(cfg: Any, key: str) -> Any:
     """The composed value at ``key`` (derived keys included), plain Python; _MISSING when absent."""
-    derived = _geometry(cfg)
-    if key in derived:
-        return derived[key]
+    if key.startswith("geometry."):  # only runs with an ``algo`` section have a geometry
+        return _geometry(cfg).get(key, _MISSING) if "algo" in cfg else _MISSING
     node = OmegaConf.select(cfg, key, default=_MISSING)
     return OmegaConf.to_container(node) if OmegaConf.is_config(node) else node
 
@@ -151,7 +151,7 @@ def recipe_knobs(cfg: Any) -> Knobs:
     """The semantics knobs an experiment's record must cover, from its composed recipe."""
     if cfg.model.family in R3_FAMILIES:
         return R3_KNOBS
-    recipe = cfg.algo.recipe
+    recipe = cfg.recipe
     if recipe == "flow_grpo":
         window = tuple((f"algo.window.{name}",) for name in WINDOW_OPTIONS[cfg.algo.window.kind])
         return FLOW_RL_KNOBS + window + (EMA_KNOBS if cfg.algo.ema.enabled else ())

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from rlgen_cli._hydra import compose_verb
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.ranges import RANGES, Range, range_of
-from rlgen_cli.schema.store import PRIMARY_SCHEMAS
+from rlgen_cli.schema.store import all_schemas
 from rlgen_cli.tasks.common import validated
 from tests.conftest import run_cli
 
@@ -25,7 +25,7 @@ from tests.conftest import run_cli
 def _schemas() -> set[type]:
     """Every dataclass reachable from the primary schemas."""
     found: set[type] = set()
-    todo = list(PRIMARY_SCHEMAS.values())
+    todo = all_schemas()
     while todo:
         cls = todo.pop()
         if cls in found:
@@ -82,7 +82,9 @@ def test_range_admits_and_describes(rule: Range, inside: list, outside: list, wo
 
 
 def _validate(*overrides: str):
-    cfg = compose_verb("train", ["experiment=tiny_cpu", *overrides])
+    # the tiny SD3 demo; a case naming its model composes that model's own recipe (tiny_cpu picks a flow one)
+    base = [] if any(o.startswith("model=") for o in overrides) else ["experiment=tiny_cpu"]
+    cfg = compose_verb("train", [*base, *overrides])
     OmegaConf.set_struct(cfg, False)
     cfg.run_dir = "/tmp/unused"
     return validated(cfg)
@@ -100,18 +102,18 @@ def _validate(*overrides: str):
         ("device=tpu:7", "device must be one of auto, cpu, cuda, cuda:N .*got 'tpu:7'"),
         ("data.eval_num_prompts=-3", "data.eval_num_prompts must be ≥ 0, got -3"),
         ("model.lora.rank=0", "model.lora.rank must be ≥ 1, got 0"),
-        ("r3.top_p=1.5", r"r3.top_p must be in \(0, 1\], got 1.5"),
-        ("r3.policy.editor.num_steps=0", "r3.policy.editor.num_steps must be ≥ 1, got 0"),
+        ("model=tiny_r3 r3.top_p=1.5", r"r3.top_p must be in \(0, 1\], got 1.5"),
+        ("model=tiny_r3 r3.policy.editor.num_steps=0", "r3.policy.editor.num_steps must be ≥ 1, got 0"),
         ("reward.weights.jpeg_compressibility=inf", "reward.weights.jpeg_compressibility must be a finite number"),
         ("+algo.lrr=1e-3", r"algo.lrr is not a setting of algo; did you mean algo.lr\?"),
         ("+model.lora.rnk=4", r"model.lora.rnk is not a setting of model.lora; did you mean model.lora.rank\?"),
-        ("+bogus_key=1", "bogus_key is not a setting of the top level; the top level has: seed, epochs"),
+        ("+bogus_key=1", "bogus_key is not a setting of the top level; the top level has: recipe, seed, epochs"),
         ("+reward.weights.bogus_reward=1.0", "reward.weights names unknown reward 'bogus_reward'; known rewards: .*jpeg_compressibility"),
     ],
 )  # fmt: skip
 def test_a_bad_setting_is_named_at_the_config_boundary(override: str, message: str):
     with pytest.raises(UserError, match=message):
-        _validate(override)
+        _validate(*override.split())  # a recipe's own section needs that recipe chosen (model=...)
 
 
 def test_good_settings_at_the_edges_of_their_ranges_pass():

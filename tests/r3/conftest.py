@@ -9,7 +9,7 @@ import pytest
 from tests.vlm.conftest import compose_config
 
 # tiny_r3 already has 4 branches, 8 text tokens and 3 + 3 flow steps; no bars, no periodic eval
-TINY_R3 = ["model=tiny_r3", "progress=false", "eval_every=0", "images_every=0"]
+TINY_R3 = ["model=tiny_r3", "progress=false", "eval_every=0"]  # R3 saves no rollout grids: no images_every
 
 
 compose_r3 = compose_config  # the VLM tests' composer: (typed, raw) as the tasks receive them

@@ -89,6 +89,11 @@ def test_bad_settings_are_user_errors(overrides, message):
 
 
 def test_unknown_reward_fn_exits_2(tmp_path: Path):
-    overrides = [*TINY_R3, "r3.offline.enabled=false", "r3.train_data_path=builtin:r3_geneval_tiny.jsonl"]
+    overrides = [
+        "experiment=r3_geneval",
+        *TINY_R3,
+        "r3.offline.enabled=false",
+        "r3.train_data_path=builtin:r3_geneval_tiny.jsonl",
+    ]
     code, out = run_cli("train", *overrides, "r3.reward_fn=no_such_reward", f"hydra.run.dir={tmp_path}")
     assert code == 2 and "r3.reward_fn='no_such_reward'" in out

@@ -76,7 +76,7 @@ def test_resume_restores_the_old_policy_and_ends_where_an_uninterrupted_run_does
             ["algo=awm", "model.num_steps=2", "algo.forward.timestep_fraction=0.4"],
             "algo.forward.timestep_sampling=stratified draws from",
         ),
-        (["algo=nft", "algo.adv_clip_max=0"], "algo.adv_clip_max=0.0: algo.recipe=flow_forward maps"),
+        (["algo=nft", "algo.adv_clip_max=0"], "algo.adv_clip_max=0.0: recipe=flow_forward maps"),
     ],
 )
 def test_settings_the_recipe_cannot_use_exit_2_naming_the_key(

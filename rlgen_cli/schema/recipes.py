@@ -1,0 +1,158 @@
+"""One schema per training recipe: the shared :class:`RunConfig` plus exactly the sections that recipe reads.
+
+``recipe`` is not a key anyone sets: the ``algo`` option (or a unified ``model``) overrides the ``recipe``
+config group (``- override /recipe@_global_: flow_pref``), which puts that recipe's schema at the root
+(``schema/store.py``). So ``algo=dpo`` composes no ``algo.window`` and ``model=tiny_r3`` no ``algo`` or
+``sampler``; an override of a key the recipe never reads stops at compose time with exit code 2.
+Every reader dispatches on ``cfg.recipe``. ``tests/configs/test_composed_keys.py`` checks both ways:
+every composed key is declared here, and every key declared here is read by its recipe's code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from rlgen_cli.schema.algo import (
+    FlowForwardAlgoConfig,
+    FlowGrpoAlgoConfig,
+    FlowPrefAlgoConfig,
+    FlowPretrainAlgoConfig,
+    SamplerConfig,
+    TokenAlgoConfig,
+    VlmSftAlgoConfig,
+)
+from rlgen_cli.schema.check import CheckSection
+from rlgen_cli.schema.choices import EvalReportKind
+from rlgen_cli.schema.flow import (
+    EvalConfig,
+    RunConfig,
+    require_sde_sampler,
+    require_whole_batches,
+)
+from rlgen_cli.schema.r3 import R3Config, R3TrainConfig
+
+__all__ = ["CHECK_SCHEMAS", "EVAL_SCHEMAS", "TRAIN_SCHEMAS", "FlowRunConfig"]
+
+
+@dataclass
+class FlowRunConfig(RunConfig):
+    """What the shared flow loop (``recipes/loop.py``) reads on top of every run's keys."""
+
+    time_limit_minutes: float = 0.0
+    """Stop after the first epoch that ends past this many minutes of training (then evaluate and save
+    as after the last epoch); 0 = no limit."""
+    eval_before: bool = False
+    """Also evaluate before the first epoch (logged at step −1): the run ends with a before → after
+    table per prompt tag (``before_after.txt``) and sample grid when the reward reports tags."""
+    eval_report: Annotated[str, EvalReportKind] = "none"
+    """What the run writes from its evaluations at the end: ``none``, or ``shapes`` (ShapesEval's
+    ``shapes_curves.png``; with ``eval_before`` the per-tag ``before_after.txt`` and its sample grid)."""
+
+
+@dataclass
+class FlowGrpoTrainConfig(FlowRunConfig):
+    recipe: str = "flow_grpo"
+    images_every: int = 10
+    """Epochs between saving a grid of rollout images; 0 = never."""
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    algo: FlowGrpoAlgoConfig = field(default_factory=FlowGrpoAlgoConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.algo.window.check_fits(self.model.num_steps)
+        require_sde_sampler(self.sampler, self.model)
+        require_whole_batches(self)
+
+
+@dataclass
+class FlowPrefTrainConfig(FlowRunConfig):
+    recipe: str = "flow_pref"
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    algo: FlowPrefAlgoConfig = field(default_factory=FlowPrefAlgoConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_sde_sampler(self.sampler, self.model)
+        require_whole_batches(self)
+
+
+@dataclass
+class FlowPretrainTrainConfig(FlowRunConfig):
+    recipe: str = "flow_pretrain"
+    algo: FlowPretrainAlgoConfig = field(default_factory=FlowPretrainAlgoConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_whole_batches(self)
+
+
+@dataclass
+class FlowForwardTrainConfig(FlowRunConfig):
+    recipe: str = "flow_forward"
+    images_every: int = 10
+    """Epochs between saving a grid of rollout images; 0 = never."""
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    """The rollout step of ``algo.forward.solver=sde`` (and the noise level of every solver)."""
+    algo: FlowForwardAlgoConfig = field(default_factory=FlowForwardAlgoConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_whole_batches(self)
+
+
+@dataclass
+class VlmRlTrainConfig(RunConfig):
+    recipe: str = "vlm_rl"
+    algo: TokenAlgoConfig = field(default_factory=TokenAlgoConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_whole_batches(self)
+
+
+@dataclass
+class VlmSftTrainConfig(RunConfig):
+    recipe: str = "vlm_sft"
+    algo: VlmSftAlgoConfig = field(default_factory=VlmSftAlgoConfig)
+
+
+TRAIN_SCHEMAS: dict[str, type] = {
+    "flow_grpo": FlowGrpoTrainConfig,
+    "flow_pref": FlowPrefTrainConfig,
+    "flow_pretrain": FlowPretrainTrainConfig,
+    "flow_forward": FlowForwardTrainConfig,
+    "vlm_rl": VlmRlTrainConfig,
+    "vlm_sft": VlmSftTrainConfig,
+    "r3": R3TrainConfig,
+}
+"""``recipe`` → the schema of ``rlgen train`` with that recipe (the keys its run composes)."""
+
+
+def _named(cls: type) -> type:
+    cls.__module__ = __name__  # found where it is built (pickling, type hints, error messages)
+    return cls
+
+
+def _check_schema(recipe: str, train: type) -> type:
+    """``rlgen check-onpolicy``: the recipe's training schema plus ``check``."""
+    name = f"{train.__name__.removesuffix('TrainConfig')}CheckOnPolicyConfig"
+    return _named(dataclasses.make_dataclass(name, [], bases=(CheckSection, train)))
+
+
+def _eval_schema(recipe: str, train: type) -> type:
+    """``rlgen eval``: its own keys, with the recipe's ``algo`` (or ``r3``) slot typed as training types it."""
+    fields: list[Any] = [("recipe", str, field(default=recipe))]
+    slots = {f.name: f.type for f in dataclasses.fields(train)}
+    if "algo" in slots:
+        algo_type = {f.name: f for f in dataclasses.fields(train)}["algo"].default_factory
+        fields.append(("algo", algo_type | None, field(default=None)))
+    if "r3" in slots:
+        fields.append(("r3", R3Config, field(default_factory=R3Config)))
+    name = f"{train.__name__.removesuffix('TrainConfig')}EvalConfig"
+    return _named(dataclasses.make_dataclass(name, fields, bases=(EvalConfig,)))
+
+
+CHECK_SCHEMAS = {recipe: _check_schema(recipe, cls) for recipe, cls in TRAIN_SCHEMAS.items()}
+EVAL_SCHEMAS = {recipe: _eval_schema(recipe, cls) for recipe, cls in TRAIN_SCHEMAS.items()}
