@@ -325,28 +325,15 @@ def console_line(m: dict[str, float]) -> str:
 
 
 def run(cfg: FlowForwardTrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
-    """Entry point: setup, then evaluate / train / log / save epoch by epoch; the last epoch's metrics."""
+    """Entry point: the shared session (``recipes/loop.py``) around :func:`forward_epoch`; the last epoch's metrics."""
     require_valid(cfg)
-    flow_run = loop.setup(cfg, raw_cfg)
-    metrics: dict[str, float] = {}
-    try:
-        with Progress(enabled=cfg.progress and flow_run.dist.is_main) as progress:
-            before = loop.evaluate_before(flow_run, progress)
-            clock = loop.EpochClock.start(flow_run, progress)
-            old = OldPolicy.build(flow_run)
-            for epoch in range(flow_run.start_epoch, cfg.epochs):
-                timings: dict[str, float] = {}
-                with timed(timings, "time/epoch"):
-                    metrics = forward_epoch(flow_run, old, epoch, progress)
-                metrics |= timings
-                last = clock.is_last(epoch)
-                metrics |= loop.evaluate_if_due(flow_run, epoch, last, progress)
-                loop.log_epoch(flow_run, epoch, metrics, console_line(metrics))
-                loop.save_if_due(flow_run, epoch, last, extra_state={OLD_KEY: old.weights.state_dict()})
-                clock.advance(epoch, last, f"reward {metrics['reward/mean']:+.4g}")
-                if last:
-                    break
-        loop.finish(flow_run, before, metrics)
-    finally:
-        flow_run.logger.close()
-    return metrics
+    with loop.session(cfg, raw_cfg) as s:
+        old = OldPolicy.build(s.run)
+        for epoch in s.epochs():
+            metrics = forward_epoch(s.run, old, epoch, s.progress)
+            headline = f"reward {metrics['reward/mean']:+.4g}"
+            if s.end_epoch(
+                epoch, metrics, console_line, headline, extra_state={OLD_KEY: old.weights.state_dict()}
+            ):
+                break
+    return s.metrics

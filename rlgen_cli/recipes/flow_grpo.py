@@ -364,29 +364,13 @@ def console_line(m: dict[str, float]) -> str:
 
 
 def run(cfg: FlowGrpoTrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
-    """Entry point: setup, then evaluate / train / log / save epoch by epoch; the last epoch's metrics."""
-    flow_run = loop.setup(cfg, raw_cfg)
-    metrics: dict[str, float] = {}
-    try:
-        if flow_run.dist.world_size > 1 or flow_run.dist.sharded:
+    """Entry point: the shared session (``recipes/loop.py``) around :func:`grpo_epoch`; the last epoch's metrics."""
+    with loop.session(cfg, raw_cfg) as s:
+        if s.run.dist.world_size > 1 or s.run.dist.sharded:
             require_rank_symmetric(cfg.algo)
         log.info("%s window over %d steps", cfg.algo.window.kind, cfg.model.num_steps)
-        with Progress(enabled=cfg.progress and flow_run.dist.is_main) as progress:
-            before = loop.evaluate_before(flow_run, progress)
-            clock = loop.EpochClock.start(flow_run, progress)
-            for epoch in range(flow_run.start_epoch, cfg.epochs):
-                timings: dict[str, float] = {}
-                with timed(timings, "time/epoch"):
-                    metrics = grpo_epoch(flow_run, epoch, progress)
-                metrics |= timings
-                last = clock.is_last(epoch)
-                metrics |= loop.evaluate_if_due(flow_run, epoch, last, progress)
-                loop.log_epoch(flow_run, epoch, metrics, console_line(metrics))
-                loop.save_if_due(flow_run, epoch, last)
-                clock.advance(epoch, last, f"reward {metrics['reward/mean']:+.4g}")
-                if last:
-                    break
-        loop.finish(flow_run, before, metrics)
-    finally:
-        flow_run.logger.close()
-    return metrics
+        for epoch in s.epochs():
+            metrics = grpo_epoch(s.run, epoch, s.progress)
+            if s.end_epoch(epoch, metrics, console_line, headline=f"reward {metrics['reward/mean']:+.4g}"):
+                break
+    return s.metrics

@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 from torch import Tensor
 
 from rlgen_cli.recipes import loop
-from rlgen_cli.recipes.loop import FlowRun, timed
+from rlgen_cli.recipes.loop import FlowRun
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.recipes import FlowPretrainTrainConfig
 from rlgen_cli.sde.noise import Stream, stream_seed
@@ -133,29 +133,16 @@ def require_pretrainable(run: FlowRun) -> None:
 
 
 def run(cfg: FlowPretrainTrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
-    """Entry point: setup, then evaluate / train / log / save epoch by epoch; the last epoch's metrics."""
-    flow_run = loop.setup(cfg, raw_cfg)
-    metrics: dict[str, float] = {}
-    try:
-        require_pretrainable(flow_run)
-        with Progress(enabled=cfg.progress and flow_run.dist.is_main) as progress:
-            before = loop.evaluate_before(flow_run, progress)
-            clock = loop.EpochClock.start(flow_run, progress)
-            for epoch in range(flow_run.start_epoch, cfg.epochs):
-                timings: dict[str, float] = {}
-                with timed(timings, "time/epoch"):
-                    metrics = pretrain_epoch(flow_run, epoch, progress)
-                metrics |= timings
-                last = clock.is_last(epoch)
-                metrics |= loop.evaluate_if_due(flow_run, epoch, last, progress)
-                loop.log_epoch(
-                    flow_run, epoch, metrics, f"loss {metrics['loss']:.4g}{loop.eval_suffix(metrics)}"
-                )
-                loop.save_if_due(flow_run, epoch, last)
-                clock.advance(epoch, last, f"loss {metrics['loss']:.4g}")
-                if last:
-                    break
-        loop.finish(flow_run, before, metrics)
-    finally:
-        flow_run.logger.close()
-    return metrics
+    """Entry point: the shared session (``recipes/loop.py``) around :func:`pretrain_epoch`; the last epoch's metrics."""
+    with loop.session(cfg, raw_cfg) as s:
+        require_pretrainable(s.run)
+        for epoch in s.epochs():
+            metrics = pretrain_epoch(s.run, epoch, s.progress)
+            if s.end_epoch(epoch, metrics, console_line, headline=f"loss {metrics['loss']:.4g}"):
+                break
+    return s.metrics
+
+
+def console_line(m: dict[str, float]) -> str:
+    """The epoch's loss, and the evaluation when there was one."""
+    return f"loss {m['loss']:.4g}{loop.eval_suffix(m)}"

@@ -8,23 +8,14 @@ holds (:class:`FlowRun`, built by :func:`setup`: seed, processes, policy, reward
 resume, loggers), reward scoring (:func:`score`), the ODE evaluation (:func:`evaluate`), full-state
 checkpoints (:func:`save`) and the end of an epoch. Each recipe writes its own loop from them::
 
-    flow_run = setup(cfg, raw_cfg)
-    try:
-        with Progress(enabled=cfg.progress and flow_run.dist.is_main) as progress:
-            before = evaluate_before(flow_run, progress)
-            clock = EpochClock.start(flow_run, progress)  # the epochs bar and the time limit
-            for epoch in range(flow_run.start_epoch, cfg.epochs):
-                metrics = my_epoch(flow_run, epoch, progress)  # e.g. rollout → reward → advantages → update
-                last = clock.is_last(epoch)
-                metrics |= evaluate_if_due(flow_run, epoch, last, progress)
-                log_epoch(flow_run, epoch, metrics, console_line(metrics))
-                save_if_due(flow_run, epoch, last)
-                clock.advance(epoch, last, headline)
-                if last:
-                    break
-        finish(flow_run, before, metrics)
-    finally:
-        flow_run.logger.close()
+    with session(cfg, raw_cfg) as s:  # setup, the progress bars, evaluation before, report and close
+        for epoch in s.epochs():
+            metrics = my_epoch(s.run, epoch, s.progress)  # e.g. rollout → reward → advantages → update
+            if s.end_epoch(epoch, metrics, console_line, headline=f"reward {metrics['reward/mean']:+.4g}"):
+                break  # the last epoch, or the time limit
+    return s.metrics
+
+:meth:`Session.end_epoch` evaluates when due, logs, checkpoints when due and moves the epochs bar.
 
 An epoch function returns its metrics (``lr``, losses, ``reward/*``, ``time/*``, ``global_step``, and
 ``dist.loss_scale_metrics()``); it steps the optimizer through :func:`optimizer_step` (EMA and step
@@ -493,6 +484,56 @@ class EpochClock:
         self.progress.advance(self.task, description=f"epoch {epoch + 1}: {headline}")
         if last and epoch + 1 < self.run.cfg.epochs:
             log.info("time limit (%g min) hit after epoch %d", self.run.cfg.time_limit_minutes, epoch + 1)
+
+
+@dataclass
+class Session:
+    """One flow run between :func:`setup` and :func:`finish`: what each recipe's epoch loop uses."""
+
+    run: FlowRun
+    progress: Progress
+    before: dict[str, float] | None
+    clock: EpochClock
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The latest epoch's metrics (what the run returns and the report compares with ``before``)."""
+    epoch_started: float = 0.0
+
+    def epochs(self) -> Iterator[int]:
+        """The epochs left to run (after a resume, from the first not yet done), each one timed."""
+        for epoch in range(self.run.start_epoch, self.run.cfg.epochs):
+            self.epoch_started = time.perf_counter()
+            yield epoch
+
+    def end_epoch(
+        self, epoch: int, metrics: dict[str, float], console: Callable[[dict[str, float]], str],
+        headline: str, extra_state: dict[str, Any] | None = None,
+    ) -> bool:  # fmt: skip
+        """After ``epoch``'s training: its time, the evaluation when due, the log line (``console`` of the
+        metrics), the checkpoint when due (``extra_state``: see :func:`save`), the epochs bar (``headline``).
+        True when this was the run's last epoch."""
+        metrics["time/epoch"] = time.perf_counter() - self.epoch_started
+        last = self.clock.is_last(epoch)
+        metrics |= evaluate_if_due(self.run, epoch, last, self.progress)
+        log_epoch(self.run, epoch, metrics, console(metrics))
+        save_if_due(self.run, epoch, last, extra_state)
+        self.clock.advance(epoch, last, headline)
+        self.metrics = metrics
+        return last
+
+
+@contextmanager
+def session(cfg: FlowRunConfig, raw_cfg: DictConfig) -> Iterator[Session]:
+    """:func:`setup`, the progress bars and the evaluation before training; on a normal exit the report
+    (:func:`finish`); the loggers are closed either way."""
+    run = setup(cfg, raw_cfg)
+    try:
+        with Progress(enabled=cfg.progress and run.dist.is_main) as progress:
+            before = evaluate_before(run, progress)
+            current = Session(run, progress, before, EpochClock.start(run, progress))
+            yield current
+        finish(run, current.before, current.metrics)
+    finally:
+        run.logger.close()
 
 
 def finish(run: FlowRun, before: dict[str, float] | None, after: dict[str, float]) -> None:
