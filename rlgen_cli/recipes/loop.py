@@ -145,6 +145,27 @@ def load_resume(
     return ckpt, state
 
 
+def save_trainer_checkpoint(
+    dist: Dist, run_dir: Path, epochs_done: int, global_step: int, optimizer: torch.optim.Optimizer,
+    save_weights: Callable[[Path], None], entries: dict[str, Any], raw_cfg: DictConfig, keep_last: int,
+) -> None:  # fmt: skip
+    """A full-state checkpoint of a recipe that holds its own optimizer (VLM, R3): the optimizer state,
+    the counters, the recipe's ``entries`` and the weights ``save_weights`` writes. Every rank calls (the
+    optimizer state may be a collective); rank 0 writes."""
+    staging = engine_staging(run_dir, epochs_done)  # DeepSpeed's per-rank optimizer shards
+    state = {
+        OPTIMIZER_KEY: dist.optimizer_state(optimizer, staging),
+        COUNTERS_KEY: {"epoch": epochs_done, "global_step": global_step}, **entries,
+    }  # fmt: skip
+    if not dist.is_main:
+        return
+    ckpt = save_checkpoint(
+        run_dir, epochs_done, save_weights, state, raw_cfg, keep_last,
+        engine_state=staging if dist.shards_optimizer else None,
+    )  # fmt: skip
+    log.info("saved %s", ckpt.path)
+
+
 @contextmanager
 def progress_task(progress: Progress, name: str, total: int) -> Iterator[Callable[[int], None]]:
     """A progress bar for the block; yields ``advance(n)`` (what ``sde.sampling``'s ``on_batch`` takes)."""

@@ -67,7 +67,7 @@ from rlgen_cli.r3.rewards import (
 )
 from rlgen_cli.r3.rollout import ImageRollout, image_rollout, micro_batches, stage_plan, text_rollout
 from rlgen_cli.r3.scoring import R3Scorer
-from rlgen_cli.recipes.loop import due, load_resume, reduce_over_ranks, summarise
+from rlgen_cli.recipes.loop import due, load_resume, reduce_over_ranks, save_trainer_checkpoint, summarise
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.r3 import R3Config, R3TrainConfig
 from rlgen_cli.sde.rollout import StepSpec, Trajectory, recompute_step
@@ -76,8 +76,6 @@ from rlgen_cli.training.checkpoint import (
     COUNTERS_KEY,
     OPTIMIZER_KEY,
     Checkpoint,
-    engine_staging,
-    save_checkpoint,
     set_rng_state,
 )
 from rlgen_cli.training.dist import Dist, launched_engine, make_dist
@@ -418,19 +416,13 @@ class R3Recipe:
         return {f"eval/{k}": float(v) for k, v in result.metrics.to_dict().items()}
 
     def save(self, steps_done: int) -> None:
-        """A full-state checkpoint (the optimizer entry carries the fp16 loss scaler's state), written by
-        rank 0. R3 runs without a sharding engine, so the Dist never writes into the staging directory."""
-        if not self.dist.is_main:
-            return
-        state = {
-            OPTIMIZER_KEY: self.dist.optimizer_state(self.optimizer, engine_staging(self.run_dir, steps_done)),
-            SCHEDULER_KEY: self.scheduler.state_dict(), BUFFER_KEY: self.buffer.state_dict(),
-            COUNTERS_KEY: {"epoch": steps_done, "global_step": self.global_step},
-        }  # fmt: skip
-        ckpt = save_checkpoint(
-            self.run_dir, steps_done, self.policy.save_trainable, state, self.raw_cfg, self.cfg.keep_last
-        )
-        log.info("saved %s", ckpt.path)
+        """A full-state checkpoint (the optimizer entry carries the fp16 loss scaler's state); every rank
+        calls, rank 0 writes."""
+        entries = {SCHEDULER_KEY: self.scheduler.state_dict(), BUFFER_KEY: self.buffer.state_dict()}
+        save_trainer_checkpoint(
+            self.dist, self.run_dir, steps_done, self.global_step, self.optimizer, self.policy.save_trainable,
+            entries, self.raw_cfg, self.cfg.keep_last,
+        )  # fmt: skip
 
     def cleanup(self) -> None:
         self.sample_log.close()

@@ -56,7 +56,7 @@ from torch import Tensor
 from rlgen_cli.algos.advantages import combine_rewards
 from rlgen_cli.algos.token_grpo import advantage_options, token_grpo_loss
 from rlgen_cli.data.sampler import GroupSampler
-from rlgen_cli.recipes.loop import due, load_resume, reduce_over_ranks
+from rlgen_cli.recipes.loop import due, load_resume, reduce_over_ranks, save_trainer_checkpoint
 from rlgen_cli.recipes.loop import summarise as summarise_stats
 from rlgen_cli.rewards import RewardBatch, build_mix
 from rlgen_cli.rewards.r1vl import TEXT_REWARDS
@@ -68,8 +68,6 @@ from rlgen_cli.training.checkpoint import (
     OPTIMIZER_KEY,
     SAMPLER_KEY,
     Checkpoint,
-    engine_staging,
-    save_checkpoint,
     set_rng_state,
 )
 from rlgen_cli.training.dist import Dist, make_dist
@@ -411,21 +409,12 @@ class VLMRLRecipe:
         return {"eval/accuracy": summary["accuracy"], **per_category}
 
     def save(self, epochs_done: int) -> None:
-        """A full-state checkpoint, written by rank 0 (every rank calls: the optimizer state may be a
-        collective)."""
-        staging = engine_staging(self.run_dir, epochs_done)  # DeepSpeed's per-rank optimizer shards
-        state = {
-            OPTIMIZER_KEY: self.dist.optimizer_state(self.optimizer, staging), SAMPLER_KEY: self.sampler.state_dict(),
-            SCHEDULER_KEY: self.scheduler.state_dict(),
-            COUNTERS_KEY: {"epoch": epochs_done, "global_step": self.global_step},
-        }  # fmt: skip
-        if not self.dist.is_main:
-            return
-        ckpt = save_checkpoint(
-            self.run_dir, epochs_done, self.policy.save_trainable, state, self.raw_cfg, self.cfg.keep_last,
-            engine_state=staging if self.dist.shards_optimizer else None,
+        """A full-state checkpoint (every rank calls; rank 0 writes)."""
+        entries = {SAMPLER_KEY: self.sampler.state_dict(), SCHEDULER_KEY: self.scheduler.state_dict()}
+        save_trainer_checkpoint(
+            self.dist, self.run_dir, epochs_done, self.global_step, self.optimizer, self.policy.save_trainable,
+            entries, self.raw_cfg, self.cfg.keep_last,
         )  # fmt: skip
-        log.info("saved %s", ckpt.path)
 
     def cleanup(self) -> None:
         self.logger.close()

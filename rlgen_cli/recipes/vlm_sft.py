@@ -35,15 +35,13 @@ import torch
 from omegaconf import DictConfig
 from torch import Tensor
 
-from rlgen_cli.recipes.loop import load_resume, reduce_over_ranks
+from rlgen_cli.recipes.loop import load_resume, reduce_over_ranks, save_trainer_checkpoint
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.recipes import VlmSftTrainConfig
 from rlgen_cli.training.checkpoint import (
     COUNTERS_KEY,
     OPTIMIZER_KEY,
     Checkpoint,
-    engine_staging,
-    save_checkpoint,
     set_rng_state,
 )
 from rlgen_cli.training.dist import Dist, make_dist
@@ -255,20 +253,11 @@ class VLMSFTRecipe:
         return norm
 
     def save(self, epochs_done: int) -> None:
-        """A full-state checkpoint, written by rank 0 (every rank calls: the optimizer state may be a
-        collective)."""
-        staging = engine_staging(self.run_dir, epochs_done)  # DeepSpeed's per-rank optimizer shards
-        state = {
-            OPTIMIZER_KEY: self.dist.optimizer_state(self.optimizer, staging), SCHEDULER_KEY: self.scheduler.state_dict(),
-            COUNTERS_KEY: {"epoch": epochs_done, "global_step": self.global_step},
-        }  # fmt: skip
-        if not self.dist.is_main:
-            return
-        ckpt = save_checkpoint(
-            self.run_dir, epochs_done, self.policy.save_trainable, state, self.raw_cfg, self.cfg.keep_last,
-            engine_state=staging if self.dist.shards_optimizer else None,
+        """A full-state checkpoint (every rank calls; rank 0 writes)."""
+        save_trainer_checkpoint(
+            self.dist, self.run_dir, epochs_done, self.global_step, self.optimizer, self.policy.save_trainable,
+            {SCHEDULER_KEY: self.scheduler.state_dict()}, self.raw_cfg, self.cfg.keep_last,
         )  # fmt: skip
-        log.info("saved %s", ckpt.path)
 
     def cleanup(self) -> None:
         self.logger.close()
