@@ -9,6 +9,17 @@ from rlgen_cli.schema.flow import ModelConfig
 CPU = torch.device("cpu")
 
 
+def restoring_trainable(policy):
+    """Yield; then put every trained parameter of ``policy`` back as it was and clear its gradients (a
+    module-scoped policy shared by tests that train it)."""
+    saved = [p.detach().clone() for p in policy.trainable.parameters()]
+    yield
+    with torch.no_grad():
+        for param, value in zip(policy.trainable.parameters(), saved, strict=True):
+            param.copy_(value)
+            param.grad = None
+
+
 def model_cfg(name: str) -> ModelConfig:
     """``conf/model/NAME.yaml`` merged into the schema."""
     from omegaconf import OmegaConf

@@ -16,7 +16,7 @@ from rlgen_cli.models.qwen_image import QwenImagePolicy, load_qwen_image_pipelin
 from rlgen_cli.models.tiny import tiny_qwen_image_pipeline
 from rlgen_cli.schema.errors import UserError
 from tests.conftest import TINY_RUN
-from tests.models.helpers import CPU, model_cfg, perturb_lora
+from tests.models.helpers import CPU, model_cfg, perturb_lora, restoring_trainable
 
 PROMPTS = ["a red circle", "two blue squares on a wooden table"]
 
@@ -40,13 +40,8 @@ def shared(qwen_cfg):
 @pytest.fixture
 def lora_policy(shared):
     """The shared policy; its LoRA weights are restored after the test."""
-    policy = shared[0]
-    saved = [p.detach().clone() for p in policy.trainable.parameters()]
-    yield shared
-    with torch.no_grad():
-        for param, value in zip(policy.trainable.parameters(), saved, strict=True):
-            param.copy_(value)
-            param.grad = None
+    for _ in restoring_trainable(shared[0]):
+        yield shared
 
 
 def _probe(policy: QwenImagePolicy):

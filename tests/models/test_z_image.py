@@ -16,7 +16,13 @@ from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME
 from rlgen_cli.models.z_image import ZImagePolicy, load_z_image_pipeline, pad_captions, z_image_sigmas
 from rlgen_cli.schema.errors import UserError
 from tests.conftest import TINY_RUN
-from tests.models.helpers import CPU, assert_reference_disables_the_adapter, model_cfg, perturb_lora
+from tests.models.helpers import (
+    CPU,
+    assert_reference_disables_the_adapter,
+    model_cfg,
+    perturb_lora,
+    restoring_trainable,
+)
 
 PROMPTS = ["a red circle", "two blue squares on a wooden table"]
 
@@ -39,13 +45,8 @@ def shared(z_cfg):
 @pytest.fixture
 def lora_policy(shared):
     """The shared policy; its LoRA weights are restored after the test."""
-    policy = shared[0]
-    saved = [p.detach().clone() for p in policy.trainable.parameters()]
-    yield shared
-    with torch.no_grad():
-        for param, value in zip(policy.trainable.parameters(), saved, strict=True):
-            param.copy_(value)
-            param.grad = None
+    for _ in restoring_trainable(shared[0]):
+        yield shared
 
 
 def _raw(policy: ZImagePolicy, x, sigma: float, embeds, mask) -> torch.Tensor:
