@@ -72,6 +72,39 @@ def compose_verb(config_name: str, args: Sequence[str]) -> Any:
         return compose(config_name=config_name, overrides=verb_overrides(config_name, args))
 
 
+def key_overrides(args: Sequence[str]) -> list[str]:
+    """The keys that ``args`` set (``algo.lr=…``, ``+x.y=…``), not the config groups they choose."""
+    return [
+        arg.split("=", 1)[0].lstrip("+") for arg in args
+        if "=" in arg and not arg.startswith(("-", "~", "hydra")) and chosen_group(arg) is None
+    ]  # fmt: skip
+
+
+def other_recipes_hint(config_name: str, args: Sequence[str]) -> str | None:
+    """After a failed composition of ``rlgen train``: when an override names a setting the run's recipe
+    does not have but other recipes do, say which (Hydra's message names only the schema class)."""
+    if config_name != "train":
+        return None
+    from rlgen_cli.schema.recipes import TRAIN_SCHEMAS, declares, recipes_declaring
+
+    keys = key_overrides(args)
+    try:
+        recipe = compose_verb(
+            config_name, [a for a in args if a.split("=", 1)[0].lstrip("+") not in keys]
+        ).recipe
+    except Exception:  # the choices themselves do not compose: Hydra's message already says why
+        return None
+    for key in keys:
+        others = recipes_declaring(key)
+        if others and not declares(TRAIN_SCHEMAS[recipe], key):
+            return (
+                f"{key} is not a setting of this run's recipe ({recipe}, chosen by its algo/model): only the "
+                f"{', '.join(others)} recipe{'s' if len(others) > 1 else ''} read it. Remove the override, or "
+                f"choose an algo of {'those recipes' if len(others) > 1 else 'that recipe'} (rlgen ls algo)."
+            )
+    return None
+
+
 def run_hydra(task: Callable[[Any], Any], config_name: str, args: Sequence[str]) -> Any:
     """Run ``task`` under ``@hydra.main`` with ``args`` as the command line.
 
@@ -97,6 +130,9 @@ def run_hydra(task: Callable[[Any], Any], config_name: str, args: Sequence[str])
         return main()
     except SystemExit as exit_:
         if exit_.code == 1 and not started and not os.environ.get("HYDRA_FULL_ERROR"):
+            hint = other_recipes_hint(config_name, args)
+            if hint:
+                print(hint, file=sys.stderr)
             raise SystemExit(EXIT_USER_ERROR) from None
         raise
     finally:

@@ -11,6 +11,7 @@ every composed key is declared here, and every key declared here is read by its 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -33,7 +34,16 @@ from rlgen_cli.schema.flow import (
 )
 from rlgen_cli.schema.r3 import R3Config, R3TrainConfig
 
-__all__ = ["CHECK_SCHEMAS", "EVAL_SCHEMAS", "TRAIN_SCHEMAS", "FlowRunConfig"]
+__all__ = [
+    "CHECK_SCHEMAS",
+    "EVAL_SCHEMAS",
+    "FREE_FORM",
+    "TRAIN_SCHEMAS",
+    "FlowRunConfig",
+    "declared_paths",
+    "declares",
+    "recipes_declaring",
+]
 
 
 @dataclass
@@ -156,3 +166,35 @@ def _eval_schema(recipe: str, train: type) -> type:
 
 CHECK_SCHEMAS = {recipe: _check_schema(recipe, cls) for recipe, cls in TRAIN_SCHEMAS.items()}
 EVAL_SCHEMAS = {recipe: _eval_schema(recipe, cls) for recipe, cls in TRAIN_SCHEMAS.items()}
+
+
+FREE_FORM = frozenset({"reward.weights", "reward.kwargs", "fidelity", "r3.offline.data"})
+"""Maps whose keys are data (reward names, dataset names, provenance records), not settings."""
+
+
+def declared_paths(schema: type, prefix: str = "") -> set[str]:
+    """Every leaf path ``schema`` declares (sections followed through their dataclass type; the maps of
+    :data:`FREE_FORM` count as leaves)."""
+    hints = typing.get_type_hints(schema)
+    out = set()
+    for f in dataclasses.fields(schema):
+        path = f"{prefix}{f.name}"
+        inner = [t for t in (typing.get_args(hints[f.name]) or (hints[f.name],)) if t is not type(None)]
+        if path not in FREE_FORM and len(inner) == 1 and dataclasses.is_dataclass(inner[0]):
+            out |= declared_paths(inner[0], path + ".")
+        else:
+            out.add(path)
+    return out
+
+
+def declares(schema: type, key: str) -> bool:
+    """Whether ``key`` (a leaf, a section, or an entry of a free-form map) is a setting of ``schema``."""
+    return any(
+        key == path or path.startswith(key + ".") or (path in FREE_FORM and key.startswith(path + "."))
+        for path in declared_paths(schema)
+    )
+
+
+def recipes_declaring(key: str) -> list[str]:
+    """The training recipes that have the setting ``key``."""
+    return [recipe for recipe, schema in TRAIN_SCHEMAS.items() if declares(schema, key)]

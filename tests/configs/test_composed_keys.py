@@ -9,23 +9,19 @@ modules it uses (other recipes' modules excluded).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
-import typing
 from pathlib import Path
 
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
 from rlgen_cli._hydra import compose_verb, config_groups
-from rlgen_cli.schema.recipes import TRAIN_SCHEMAS
+from rlgen_cli.schema.recipes import FREE_FORM, TRAIN_SCHEMAS, declared_paths
 from tests.configs.test_canonical import CASES
 
 PACKAGE = Path(__file__).resolve().parents[2] / "rlgen_cli"
 RECIPE_MODULES = set(TRAIN_SCHEMAS)
-FREE_FORM = {"reward.weights", "reward.kwargs", "fidelity", "r3.offline.data"}
-"""Maps whose keys are data (reward names, dataset names, provenance records), not settings."""
 
 READ_GENERICALLY = {
     # run-wide keys every recipe hands to shared code: the CLI task, the launcher, the loggers
@@ -62,25 +58,11 @@ def _leaves(cfg: DictConfig, prefix: str = "") -> list[str]:
     return out
 
 
-def _schema_paths(schema: type, prefix: str = "") -> set[str]:
-    """Every leaf path the schema declares (sections followed through their dataclass type)."""
-    hints = typing.get_type_hints(schema)
-    out = set()
-    for f in dataclasses.fields(schema):
-        path = f"{prefix}{f.name}"
-        inner = [t for t in (typing.get_args(hints[f.name]) or (hints[f.name],)) if t is not type(None)]
-        if path not in FREE_FORM and len(inner) == 1 and dataclasses.is_dataclass(inner[0]):
-            out |= _schema_paths(inner[0], path + ".")
-        else:
-            out.add(path)
-    return out
-
-
 def unread_keys(args: str) -> tuple[str, list[str]]:
     """(recipe, composed leaf keys its schema does not declare) of ``rlgen train ARGS``."""
     cfg = compose_verb("train", args.split())
     recipe = cfg.recipe
-    declared = _schema_paths(TRAIN_SCHEMAS[recipe])
+    declared = declared_paths(TRAIN_SCHEMAS[recipe])
     assert OmegaConf.get_type(cfg) is TRAIN_SCHEMAS[recipe]
     return recipe, [key for key in _leaves(cfg) if key not in declared]
 
@@ -154,7 +136,7 @@ def test_every_schema_field_is_read_by_its_recipe(recipe: str):
     generic = tuple(READ_GENERICALLY)
     unread = {
         path
-        for path in _schema_paths(TRAIN_SCHEMAS[recipe])
+        for path in declared_paths(TRAIN_SCHEMAS[recipe])
         if not path.startswith(generic) and not _is_read(code, path.rsplit(".", 1)[-1])
     }
     assert unread == NOT_READ_BY_NAME.get(recipe, set()), f"recipe={recipe}: keys no code of its path reads"
@@ -167,3 +149,12 @@ def test_an_override_of_a_key_the_recipe_does_not_read_fails(tmp_path: Path, cap
     err = out + capsys.readouterr().err
     assert code == 2
     assert "algo.window.size" in err and "FlowPrefAlgoConfig" in err, err
+    assert "not a setting of this run's recipe (flow_pref" in err and "flow_grpo" in err, err
+
+
+def test_the_hint_names_only_recipes_that_have_the_key():
+    from rlgen_cli._hydra import other_recipes_hint
+
+    assert other_recipes_hint("train", ["algo=dpo", "algo.window.size=3"]).startswith("algo.window.size")
+    assert other_recipes_hint("train", ["algo=grpo", "algo.window.size=3"]) is None  # flow_grpo has it
+    assert other_recipes_hint("train", ["algo=dpo", "algo.no_such_key=3"]) is None  # nobody has it
