@@ -16,7 +16,7 @@ tokens. Aggregation over the (B, T) token grid with completion mask m (TRL's nam
 * ``dr_grpo`` — Σ m·ℓ / (B · max_completion_length) (Dr. GRPO: no length bias);
 * ``dapo``    — Σ m·ℓ / num_items, num_items = completion tokens of the whole accumulated batch (DAPO).
 
-Group advantages (:func:`advantage_options`): A_i = (r_i − mean_g r) / (std_g r + 1e-4) with the
+Group advantages (:func:`advantage_options`): A_i = (r_i − mean_g r) / (std_g r + ε), ε = ``algo.adv_eps`` (1e-4), with the
 *unbiased* std by default (``torch.std``, as R1-VL's trainer and TRL compute it; at G = 4 it is
 √(4/3) ≈ 1.155 times the population std, so advantages are that much smaller); ``population`` is
 rlgen's flow-side estimator (docs/maths.md §4.2, §8.1).
@@ -43,7 +43,7 @@ ADV_EPS = 1e-4
 """Added to the std before dividing (R1-VL's trainer and TRL alike)."""
 
 
-def advantage_options(scale_rewards: str, std_estimator: str) -> dict[str, object]:
+def advantage_options(scale_rewards: str, std_estimator: str, eps: float = ADV_EPS) -> dict[str, object]:
     """``combine_rewards`` options for TRL's ``scale_rewards`` (group | batch | none) and the std estimator.
 
     ``group`` divides by each prompt's std, ``batch`` by the std of the whole batch, ``none`` only
@@ -53,7 +53,7 @@ def advantage_options(scale_rewards: str, std_estimator: str) -> dict[str, objec
     return {
         "global_std": scale_rewards == "batch",
         "scale": "none" if scale_rewards == "none" else "std",
-        "eps": ADV_EPS,
+        "eps": eps,
         "std_estimator": std_estimator,
     }
 

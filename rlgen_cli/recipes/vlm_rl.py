@@ -230,7 +230,7 @@ class VLMRLRecipe:
         algo = self.cfg.algo
         advantages, adv_stats = combine_rewards(
             components, dict(self.cfg.reward.weights), group_ids, mode=self.cfg.reward.aggregation,
-            **advantage_options(algo.token.scale_rewards, algo.token.std_estimator), clip_max=algo.adv_clip_max,
+            **advantage_options(algo.token.scale_rewards, algo.token.std_estimator, algo.adv_eps), clip_max=algo.adv_clip_max,
         )  # fmt: skip
         n = len(rollouts.indices)
         advantages = advantages[self.dist.rank * n : (self.dist.rank + 1) * n]

@@ -27,7 +27,7 @@ from rlgen_cli.schema.choices import (
 )
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.forward import ForwardConfig
-from rlgen_cli.schema.vlm import TokenGRPOOptions
+from rlgen_cli.schema.vlm import TokenGRPOOptions, TokenSftOptions
 
 WINDOW_OPTIONS = {
     "all": ("timestep_fraction",),
@@ -292,8 +292,6 @@ class AlgoConfig:
 class AdvantageConfig(AlgoConfig):
     """Recipes that turn group rewards into advantages."""
 
-    adv_clip_max: float = 5.0
-    """Advantages are clamped to ±adv_clip_max."""
     global_std: bool = True
     """Normalise advantages by the whole batch's reward std instead of each group's."""
     std_estimator: Annotated[str, StdEstimator] = "population"
@@ -305,7 +303,15 @@ class AdvantageConfig(AlgoConfig):
 
 
 @dataclass
-class FlowGrpoAlgoConfig(AdvantageConfig):
+class PolicyGradientConfig(AdvantageConfig):
+    """Recipes whose loss is advantage-weighted (GRPO on flows and tokens, DiffusionNFT / AWM)."""
+
+    adv_clip_max: float = 5.0
+    """Advantages are clamped to ±adv_clip_max."""
+
+
+@dataclass
+class FlowGrpoAlgoConfig(PolicyGradientConfig):
     """``recipe=flow_grpo``: policy gradient on SDE rollouts (Flow-GRPO and its window variants)."""
 
     num_inner_epochs: int = 1
@@ -364,7 +370,7 @@ class FlowPretrainAlgoConfig(AlgoConfig):
 
 
 @dataclass
-class FlowForwardAlgoConfig(AdvantageConfig):
+class FlowForwardAlgoConfig(PolicyGradientConfig):
     """``recipe=flow_forward``: DiffusionNFT / AWM on forward-process noising of the rollouts."""
 
     num_inner_epochs: int = 1
@@ -376,7 +382,7 @@ class FlowForwardAlgoConfig(AdvantageConfig):
 
 
 @dataclass
-class TokenAlgoConfig(AdvantageConfig):
+class TokenAlgoConfig(PolicyGradientConfig):
     """``recipe=vlm_rl``: token-level GRPO of a multimodal LLM."""
 
     clip_range: float = 0.2
@@ -388,5 +394,4 @@ class TokenAlgoConfig(AdvantageConfig):
 class VlmSftAlgoConfig(AlgoConfig):
     """``recipe=vlm_sft``: masked cross-entropy warm-up of a multimodal LLM."""
 
-    token: TokenGRPOOptions = field(default_factory=TokenGRPOOptions)
-    """Its schedule (``warmup_ratio``, ``lr_schedule``) and ``sft_drop_markers``."""
+    token: TokenSftOptions = field(default_factory=TokenSftOptions)

@@ -131,12 +131,18 @@ class RewardConfig:
     so a default entry would leak into every ``reward=`` option; the reward group fills it."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Per-reward constructor arguments: {name: {arg: value}}."""
-    aggregation: Annotated[str, AdvAggregation] = "sum_then_normalize"
-    """``sum_then_normalize`` (Flow-GRPO) or ``normalize_then_sum`` (MixGRPO's per-reward advantages)."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.kwargs) - set(self.weights))
         _require(not unknown, f"reward.kwargs names rewards not in reward.weights: {unknown}")
+
+
+@dataclass
+class AdvantageRewardConfig(RewardConfig):
+    """The reward section of the recipes that turn a reward mix into advantages."""
+
+    aggregation: Annotated[str, AdvAggregation] = "sum_then_normalize"
+    """``sum_then_normalize`` (Flow-GRPO) or ``normalize_then_sum`` (MixGRPO's per-reward advantages)."""
 
 
 def require_rewards(reward: RewardConfig) -> None:

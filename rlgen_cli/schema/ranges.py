@@ -33,6 +33,7 @@ from rlgen_cli.schema.algo import (
     FlashConfig,
     FlowForwardAlgoConfig,
     FlowGrpoAlgoConfig,
+    PolicyGradientConfig,
     PrefConfig,
     PretrainConfig,
     SamplerConfig,
@@ -57,7 +58,7 @@ from rlgen_cli.schema.forward import ForwardConfig, OldPolicyConfig
 from rlgen_cli.schema.r3 import R3Config
 from rlgen_cli.schema.recipes import FlowForwardTrainConfig, FlowGrpoTrainConfig, FlowRunConfig
 from rlgen_cli.schema.serve import ServerConfig
-from rlgen_cli.schema.vlm import TokenGRPOOptions, VLMOptions
+from rlgen_cli.schema.vlm import TokenGRPOOptions, TokenScheduleOptions, VLMOptions
 
 __all__ = ["RANGES", "Pattern", "Range", "check_settings"]
 
@@ -148,7 +149,8 @@ RANGES: dict[type, dict[str, Range | Pattern]] = {
         "lr": POSITIVE, "lr_decay_start": BELOW_ONE, "lr_min_ratio": PROBABILITY, "adam_beta1": BELOW_ONE,
         "adam_beta2": BELOW_ONE, "adam_eps": POSITIVE, "weight_decay": NON_NEGATIVE, "max_grad_norm": ANY,
     },
-    AdvantageConfig: {"adv_clip_max": NON_NEGATIVE, "adv_eps": NON_NEGATIVE, "kl_weight": NON_NEGATIVE},
+    AdvantageConfig: {"adv_eps": NON_NEGATIVE, "kl_weight": NON_NEGATIVE},
+    PolicyGradientConfig: {"adv_clip_max": NON_NEGATIVE},
     FlowGrpoAlgoConfig: {
         "num_inner_epochs": COUNT, "clip_range": POSITIVE, "best_of_n": NON_NEGATIVE,
     },
@@ -177,8 +179,8 @@ RANGES: dict[type, dict[str, Range | Pattern]] = {
     TokenGRPOOptions: {
         "epsilon_high": POSITIVE, "temperature": NON_NEGATIVE, "top_p": FRACTION, "top_k": NON_NEGATIVE,
         "max_completion_tokens": COUNT, "num_iterations": COUNT, "vllm_gpu_memory_utilization": FRACTION,
-        "warmup_ratio": BELOW_ONE,
     },
+    TokenScheduleOptions: {"warmup_ratio": BELOW_ONE},
     RewardConfig: {"weights": ANY},
     DataConfig: {"eval_num_prompts": NON_NEGATIVE, "eval_images_per_prompt": COUNT},
     LauncherConfig: {

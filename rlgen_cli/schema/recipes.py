@@ -27,6 +27,7 @@ from rlgen_cli.schema.algo import (
 from rlgen_cli.schema.check import CheckSection
 from rlgen_cli.schema.choices import EvalReportKind
 from rlgen_cli.schema.flow import (
+    AdvantageRewardConfig,
     EvalConfig,
     RunConfig,
     require_sde_sampler,
@@ -67,6 +68,7 @@ class FlowGrpoTrainConfig(FlowRunConfig):
     images_every: int = 10
     """Epochs between saving a grid of rollout images; 0 = never."""
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    reward: AdvantageRewardConfig = field(default_factory=AdvantageRewardConfig)
     algo: FlowGrpoAlgoConfig = field(default_factory=FlowGrpoAlgoConfig)
 
     def __post_init__(self) -> None:
@@ -105,6 +107,7 @@ class FlowForwardTrainConfig(FlowRunConfig):
     """Epochs between saving a grid of rollout images; 0 = never."""
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     """The rollout step of ``algo.forward.solver=sde`` (and the noise level of every solver)."""
+    reward: AdvantageRewardConfig = field(default_factory=AdvantageRewardConfig)
     algo: FlowForwardAlgoConfig = field(default_factory=FlowForwardAlgoConfig)
 
     def __post_init__(self) -> None:
@@ -115,6 +118,7 @@ class FlowForwardTrainConfig(FlowRunConfig):
 @dataclass
 class VlmRlTrainConfig(RunConfig):
     recipe: str = "vlm_rl"
+    reward: AdvantageRewardConfig = field(default_factory=AdvantageRewardConfig)
     algo: TokenAlgoConfig = field(default_factory=TokenAlgoConfig)
 
     def __post_init__(self) -> None:

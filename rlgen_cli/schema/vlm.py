@@ -78,7 +78,28 @@ class VLMOptions:
 
 
 @dataclass
-class TokenGRPOOptions:
+class TokenScheduleOptions:
+    """The learning-rate schedule of the VLM recipes (token GRPO and SFT)."""
+
+    warmup_ratio: float = 0.0
+    """Fraction of optimizer steps of linear learning-rate warm-up (R1-VL SFT: 0.03)."""
+    lr_schedule: Annotated[str, LrSchedule] = "constant"
+    """After warm-up: constant | cosine | linear decay to 0 (R1-VL SFT: cosine)."""
+
+
+@dataclass
+class TokenSftOptions(TokenScheduleOptions):
+    """``recipe=vlm_sft``: the schedule and which samples the warm-up drops."""
+
+    sft_drop_markers: list[str] = field(default_factory=lambda: list(REFLECTION_MARKERS))
+    """Drop samples whose assistant turns contain any marker (R1-VL removed Mulberry's reflective data);
+    empty = keep all."""
+
+
+@dataclass
+class TokenGRPOOptions(TokenScheduleOptions):
+    """``recipe=vlm_rl``: rollouts, the token objective and the schedule."""
+
     loss_type: Annotated[str, TokenLoss] = "grpo"
     """Loss aggregation: grpo (per-sequence token mean) | bnpo | dr_grpo | dapo."""
     importance_level: Annotated[str, TokenImportance] = "token"
@@ -110,13 +131,6 @@ class TokenGRPOOptions:
     """``engine=vllm``: fraction of the GPU's memory vLLM takes (weights + KV cache); training needs the rest."""
     mask_truncated_completions: bool = False
     """Completions that hit max_completion_tokens without EOS get no loss (TRL's option)."""
-    warmup_ratio: float = 0.0
-    """Fraction of optimizer steps of linear learning-rate warm-up (R1-VL SFT: 0.03)."""
-    lr_schedule: Annotated[str, LrSchedule] = "constant"
-    """After warm-up: constant | cosine | linear decay to 0 (R1-VL SFT: cosine)."""
-    sft_drop_markers: list[str] = field(default_factory=lambda: list(REFLECTION_MARKERS))
-    """vlm_sft: drop samples whose assistant turns contain any marker (R1-VL removed Mulberry's
-    reflective data); empty = keep all."""
 
     def __post_init__(self) -> None:
         if self.engine == "vllm":

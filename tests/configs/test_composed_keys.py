@@ -116,16 +116,8 @@ def _is_read(code: str, name: str) -> bool:
 
 NOT_READ_BY_NAME = {
     # R3: r3.steps_gen / steps_edit and r3.data_paths() (schema/r3.py) read these for the recipe
-    "r3": {"r3.num_timesteps_gen", "r3.num_timesteps_edit", "r3.val_data_path", "reward.aggregation"},
-    # sections one schema class still serves for several recipes; each entry is a key to split off next
-    "flow_pref": {"algo.adv_clip_max", "reward.aggregation"},
-    "flow_pretrain": {"reward.aggregation"},
-    "vlm_rl": {"algo.adv_eps", "algo.token.sft_drop_markers"},
-    "vlm_sft": {
-        "algo.token.epsilon_high", "algo.token.mask_truncated_completions", "algo.token.num_iterations",
-        "algo.token.scale_rewards", "reward.aggregation",
-    },
-}  # fmt: skip
+    "r3": {"r3.num_timesteps_gen", "r3.num_timesteps_edit", "r3.val_data_path"},
+}
 """Declared keys a recipe's code does not name, listed exactly: a new unread key fails, and so does an
 entry that became read (remove it)."""
 
