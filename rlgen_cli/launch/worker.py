@@ -24,6 +24,7 @@ def main(argv: list[str]) -> int:
     raw = OmegaConf.load(resolved)
     schema = TRAIN_SCHEMAS[raw.recipe]  # the controller wrote the composed config of this recipe
     typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), raw))
+    from rlgen_cli.training.dist import close_process_group
     from rlgen_cli.training.run import setup_logging
 
     if int(os.environ.get("RANK", "0")) == 0:  # rank 0 alone talks to the console and writes run.log
@@ -32,6 +33,7 @@ def main(argv: list[str]) -> int:
         setup_logging(None, level=logging.WARNING)
     recipe = importlib.import_module(f"rlgen_cli.recipes.{typed.recipe}")
     recipe.run(typed, raw)
+    close_process_group()
     return 0
 
 

@@ -547,6 +547,15 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def close_process_group() -> None:
+    """After a run: wait for every rank, then tear the process group down. A rank that exits while
+    another's gloo threads still talk to it can abort at interpreter exit ("terminate called without an
+    active exception"), failing a run that finished."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 def make_dist(device_name: str) -> Dist:
     """:class:`AccelerateDist` inside a multi-process or engine launch, else :class:`LocalDist`."""
     from rlgen_cli.models import resolve_device
