@@ -19,6 +19,15 @@ TINY_RUN = [
 ]  # fmt: skip
 
 
+def _trains_a_flow_model(args: list[str]) -> bool:
+    """No model= choice, or one of a flow family (a VLM or R3 model picks its own recipe, which the tiny
+    flow demo's algorithm choice would override)."""
+    from rlgen_cli._hydra import conf_dir
+
+    model = next((a.split("=", 1)[1] for a in args if a.startswith("model=")), None)
+    return model is None or "override /recipe" not in (conf_dir() / "model" / f"{model}.yaml").read_text()
+
+
 def run_cli(*args: str) -> tuple[int, str]:
     """Run ``rlgen ARGS`` in this process; returns (exit code, combined output)."""
     from typer.testing import CliRunner
@@ -27,7 +36,8 @@ def run_cli(*args: str) -> tuple[int, str]:
 
     args = list(args)
     if args and args[0] == "train" and not any(a.startswith(("experiment=", "+experiment=")) for a in args):
-        args.append("experiment=tiny_cpu")  # the tiny SD3 demo, not the default ShapesEval experiment
+        if _trains_a_flow_model(args):
+            args.append("experiment=tiny_cpu")  # the tiny SD3 demo, not the default ShapesEval experiment
     result = CliRunner().invoke(app, args)
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception

@@ -18,7 +18,7 @@ def _rows(run: Path, rank: int) -> list[dict]:
 def test_two_ranks_share_prompt_noise_and_sde_step(tmp_path: Path):
     overrides = [
         *TINY_R3, "epochs=2", "launcher=accelerate", "launcher.num_processes=2", "r3.policy_group_size=2",
-        "r3.group_size=4", "algo.prompts_per_epoch=2", f"hydra.run.dir={tmp_path}",
+        "r3.group_size=4", f"hydra.run.dir={tmp_path}",
     ]  # fmt: skip
     code, out = run_cli("train", *overrides)
     assert code == 0, out

@@ -80,9 +80,17 @@ def _key(override: str) -> str:
 
 
 def learning_run(overrides: list[str]) -> list[str]:
-    """LEARNING_RUN with ``overrides`` in place of its values of the same keys."""
+    """LEARNING_RUN with ``overrides`` in place of its values of the same keys, less the keys the chosen
+    algorithm's recipe does not have (DPO/SFT save no rollout grids and have no window or KL form)."""
+    from rlgen_cli._hydra import compose_verb, config_groups
+    from rlgen_cli.schema.recipes import TRAIN_SCHEMAS, declares
+
+    groups = set(config_groups())
     replaced = {_key(o) for o in overrides}
-    return [o for o in LEARNING_RUN if _key(o) not in replaced] + overrides
+    choices = [o for o in [*LEARNING_RUN, *overrides] if _key(o) in groups]  # experiment=, algo=: the recipe
+    schema = TRAIN_SCHEMAS[compose_verb("train", choices).recipe]
+    kept = [o for o in LEARNING_RUN if _key(o) not in replaced]
+    return [o for o in kept if _key(o) in groups or declares(schema, _key(o))] + overrides
 
 
 def brightness_change(run: Path, overrides: list[str], weight: float) -> float:

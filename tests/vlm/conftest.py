@@ -25,7 +25,7 @@ def compose_config(name: str, overrides: list[str], run_dir: Path | str = "/tmp/
     from rlgen_cli.schema.store import register_schemas
     from rlgen_cli.tasks.common import validated
 
-    register_schemas()
+    register_schemas(name)
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         raw = compose(config_name=name, overrides=verb_overrides(name, overrides))
     OmegaConf.set_struct(raw, False)

@@ -105,7 +105,9 @@ def test_sft_warm_up_lowers_the_loss_on_assistant_tokens(tmp_path: Path):
     """Full fine-tuning (R1-VL's warm-up), 3 epochs of 2 steps on the 7 kept conversations."""
     from rlgen_cli.recipes.vlm_sft import VLMSFTRecipe
 
-    overrides = [*TINY_VLM, "algo=vlm_sft", "reward=length", "data.train=builtin:tiny_sft.jsonl", "epochs=3",
+    rollout_only = ("algo.token.max_completion_tokens",)  # SFT generates no rollouts
+    tiny = [o for o in TINY_VLM if not o.startswith(rollout_only)]
+    overrides = [*tiny, "algo=vlm_sft", "reward=length", "data.train=builtin:tiny_sft.jsonl", "epochs=3",
                  "save_every=0", "algo.lr=1e-2", "algo.token.lr_schedule=constant", "model.lora.enabled=false"]  # fmt: skip
     typed, raw = compose_config("train", overrides, run_dir=tmp_path)
     recipe = VLMSFTRecipe(typed, raw)
