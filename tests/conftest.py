@@ -35,9 +35,9 @@ def run_cli(*args: str) -> tuple[int, str]:
     from rlgen_cli.cli import app
 
     args = list(args)
-    if args and args[0] == "train" and not any(a.startswith(("experiment=", "+experiment=")) for a in args):
-        if _trains_a_flow_model(args):
-            args.append("experiment=tiny_cpu")  # the tiny SD3 demo, not the default ShapesEval experiment
+    chooses_experiment = any(a.startswith(("experiment=", "+experiment=")) for a in args)
+    if args and args[0] == "train" and not chooses_experiment and _trains_a_flow_model(args):
+        args.append("experiment=tiny_cpu")  # the tiny SD3 demo, not the default ShapesEval experiment
     result = CliRunner().invoke(app, args)
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception
