@@ -20,9 +20,10 @@ from rlgen_cli.launch.commands import CONFIGS, launch_command, require_engine
 from rlgen_cli.models.sd3 import LORA_WEIGHTS_NAME
 from rlgen_cli.recipes.flow_grpo import require_rank_symmetric
 from rlgen_cli.recipes.loop import require_ema_engine
+from rlgen_cli.schema.algo import FlowGrpoAlgoConfig
 from rlgen_cli.schema.choices import Launcher
 from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import AlgoConfig, LauncherConfig
+from rlgen_cli.schema.flow import LauncherConfig
 from rlgen_cli.training.dist import LocalDist
 from tests.conftest import run_cli
 
@@ -123,7 +124,7 @@ def test_fsdp_refuses_ema():
 
 @pytest.mark.parametrize("change", ["window", "best_of_n"])
 def test_several_processes_refuse_per_sample_step_counts(change):
-    algo = AlgoConfig()
+    algo = FlowGrpoAlgoConfig()
     require_rank_symmetric(algo)  # every sample trains the same steps
     if change == "window":
         algo.window.kind = "random_subset"
