@@ -93,6 +93,7 @@ def test_plot_draws_several_runs_and_rejects_non_runs(cli, tmp_path: Path):
     assert code == 2 and "no metrics.jsonl" in output
 
 
+@pytest.mark.slow  # ~18 s; the joblib sweep and -m multirun tests cover sweeps in the default suite
 def test_submitit_local_sweep_writes_one_run_per_job(cli, tmp_path: Path):
     sweep = tmp_path / "sweep"
     code, out = cli(

@@ -197,6 +197,9 @@ def test_upstream_recipes_carry_a_fidelity_record():
         "pickscore_sd3_sft", "pickscore_flux", "geneval_flux_fast", "counting_flux_kontext",
         "pickscore_qwenimage", "counting_qwenimage_edit", "counting_qwenimage_edit_fast", "general_ocr_wan2_1",
         "pickscore_sd3", "general_ocr_sd3",
+        # Flow-Factory's examples, and R1-VL's settings on Qwen3-VL
+        "clip_pickscore_flux2", "pickscore_flux2_klein", "pickscore_z_image", "pickscore_qwenimage_edit_plus",
+        "ocr_wan2_2", "pickscore_qwenimage_2", "r1vl_stepgrpo_qwen3vl_4b",
     }  # fmt: skip
     assert upstream <= set(_with_fidelity())
 

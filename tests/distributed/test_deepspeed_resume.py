@@ -79,6 +79,7 @@ def _engine_files(run: Path, epoch: int) -> list[str]:
     return names
 
 
+@pytest.mark.slow  # ~40 s; test_engines runs a ZeRO-2 epoch through the CLI in the default suite
 def test_zero2_resume_equals_uninterrupted(tmp_path: Path):
     resumed = _resume_equals_uninterrupted(tmp_path, "deepspeed_zero2")
     shards = [name for name in _engine_files(resumed, 2) if "optim_states" in name]

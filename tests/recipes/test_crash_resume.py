@@ -46,6 +46,7 @@ def _final(run: Path) -> dict[str, torch.Tensor]:
                 "algo.train_batch_size=2",
             ],
             id="two-processes",
+            marks=pytest.mark.slow,  # the one-process row and test_resume_* cover resume in the default suite
         ),  # fmt: skip
         pytest.param(  # the optimizer state is ZeRO's per-rank shards, in the checkpoint's engine/
             [

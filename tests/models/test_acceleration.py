@@ -1,0 +1,430 @@
+"""Gradient checkpointing, the attention kernel and torch.compile change memory and speed, not results.
+
+For every tiny flow family (built through ``model.gradient_checkpointing=true``, its LoRA perturbed so
+every LoRA tensor gets a gradient) and the tiny VLMs (Qwen2-VL, Qwen2.5-VL, Qwen3-VL):
+
+* checkpointing: the training loss (a GRPO-like step log-prob objective; the VLMs' completion
+  log-likelihood) and every LoRA gradient equal those with checkpointing off, within
+  :data:`GRAD_TOLERANCE` of the gradient's scale in fp32; the transformer's layers do run again in the
+  backward (more Linear calls), and not at all under ``no_grad`` (the rollouts);
+* attention: ``eager`` and ``sdpa`` give the same velocity (VLMs: log-probs) within
+  :data:`ATTENTION_TOLERANCE`, and each choice reaches every attention call (a spy on
+  ``scaled_dot_product_attention`` sees the math kernel alone under eager — VLMs: no sdpa call at all);
+* the checks can fail: a LoRA weight moved by 1e-4 of its scale breaks both tolerances;
+* compile (``slow``, tiny SD3): log-probs of the compiled rollout, the compiled gradient-carrying
+  recompute and the eager forward agree within :data:`COMPILE_TOLERANCE`.
+
+The tolerances and the measured gaps are in docs/memory_speed.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from rlgen_cli.models import build_policy
+from rlgen_cli.models.acceleration import set_attention
+from rlgen_cli.schema.errors import UserError
+from rlgen_cli.sde.rollout import StepSpec, recompute_step, rollout
+from rlgen_cli.sde.sampling import conditioned
+from rlgen_cli.sde.window import WindowPlan
+from tests.conftest import TINY_RUN
+from tests.models.helpers import CPU, model_cfg
+
+FLOW_FAMILIES = {
+    "sd3": "tiny_sd3", "flux": "tiny_flux", "flux_kontext": "tiny_flux_kontext", "flux2": "tiny_flux2",
+    "flux2_klein": "tiny_flux2_klein", "qwen_image": "tiny_qwen_image", "qwen_image_edit": "tiny_qwen_image_edit",
+    "qwen_image_edit_plus": "tiny_qwen_image_edit_plus", "wan2_1": "tiny_wan2_1", "wan2_2": "tiny_wan2_2",
+    "wan2_2_i2v": "tiny_wan2_2_i2v", "z_image": "tiny_z_image", "qwen_image_2": "tiny_qwen_image_2",
+}  # fmt: skip
+VLM_FAMILIES = {"qwen2_vl": "tiny_qwen2_vl", "qwen2_5_vl": "tiny_qwen2_vl", "qwen3_vl": "tiny_qwen3_vl"}
+PROMPTS = ["a red circle", "two blue squares"]
+STEPS = 2
+SPEC = StepSpec("flow_sde", 0.7)
+ADVANTAGES = torch.tensor([1.0, -0.5])
+
+GRAD_TOLERANCE = 1e-6
+"""Checkpointing, fp32: max |Δ| of the loss and of each gradient tensor ≤ this × its max |value|."""
+ATTENTION_TOLERANCE = 1e-5
+"""eager vs sdpa, fp32: max |Δ| of the velocity (VLMs: the log-probs) ≤ this × its max |value|."""
+COMPILE_TOLERANCE = 1e-5
+"""compiled vs eager and rollout vs recompute under compile, fp32: max |Δ log p| (absolute, per step)."""
+
+
+def peak_bytes(fn) -> int:
+    """Peak CPU tensor memory allocated while ``fn`` runs, above what was live before: the running sum of
+    the profiler's allocation (+) and free (−) records in time order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    records = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    running = peak = 0
+    for record in sorted(records, key=lambda e: e.start_ns()):
+        running += record.nbytes()
+        peak = max(peak, running)
+    return peak
+
+
+def relative_gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a − b| / max |b| (0 when both are 0)."""
+    scale = b.abs().max()
+    gap = (a - b).abs().max()
+    return float(gap / scale) if scale > 0 else float(gap)
+
+
+# -- flow families ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def flow_built() -> dict[str, object]:
+    return {}
+
+
+def _flow_policy(built: dict, family: str):
+    """The tiny policy of ``family`` with checkpointing on (from the config), LoRA B drawn at random."""
+    if family not in built:
+        cfg = dataclasses.replace(model_cfg(FLOW_FAMILIES[family]), gradient_checkpointing=True)
+        torch.manual_seed(0)
+        policy = build_policy(cfg, CPU)
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for name, param in policy.trainable.named():
+                if "lora_B" in name:
+                    param.normal_(0, 0.3, generator=generator)
+        built[family] = policy
+    return built[family]
+
+
+def _transformers(policy) -> list[nn.Module]:
+    """The trained diffusers transformers (both experts of a two-expert Wan)."""
+    return [
+        m for m in policy.trainable.module.modules() if getattr(m, "_supports_gradient_checkpointing", False)
+    ]
+
+
+def _set_checkpointing(policy, on: bool) -> None:
+    for module in _transformers(policy):
+        if on:
+            module.enable_gradient_checkpointing()
+        else:
+            module.disable_gradient_checkpointing()
+
+
+def _cond(policy):
+    if policy.capabilities.takes_source_images:
+        cfg = policy.cfg
+        sources = torch.rand(len(PROMPTS), 3, cfg.height or cfg.resolution, cfg.width or cfg.resolution,
+                             generator=torch.Generator().manual_seed(2))  # fmt: skip
+        return policy.encode(PROMPTS, sources)
+    return policy.encode(PROMPTS)
+
+
+def _trajectory(policy):
+    cond = _cond(policy)
+    x = policy.noise(len(PROMPTS), torch.Generator().manual_seed(3))
+    plan = WindowPlan(STEPS, sde_steps=tuple(range(STEPS)), train_steps=tuple(range(STEPS)))
+    velocity = functools.partial(conditioned, policy, cond)
+    return rollout(velocity, x, policy.schedule(STEPS, x), plan, SPEC, torch.Generator().manual_seed(4)), cond
+
+
+def _logp(policy, traj, cond) -> torch.Tensor:
+    """Σ_j log p_j of every stored step, recomputed on the training path (gradients if enabled)."""
+    velocity = functools.partial(conditioned, policy, cond)
+    return sum(recompute_step(velocity, traj, j, SPEC).logprob for j in range(STEPS))
+
+
+def _loss_and_grads(policy, traj, cond) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The policy-gradient surrogate −mean(A · Σ_j log p_j) and every LoRA gradient."""
+    params = policy.trainable.parameters()
+    for param in params:
+        param.grad = None
+    loss = -(ADVANTAGES * _logp(policy, traj, cond)).mean()
+    loss.backward()
+    return loss.detach(), [param.grad.clone() for param in params]
+
+
+class LinearCalls:
+    """Counts the forward calls of every ``nn.Linear`` of a module (recomputed layers call them again)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.count = 0
+        self._handles = [
+            m.register_forward_hook(self._hook) for m in module.modules() if isinstance(m, nn.Linear)
+        ]
+
+    def _hook(self, *_: object) -> None:
+        self.count += 1
+
+    def __enter__(self) -> LinearCalls:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+@pytest.mark.parametrize("family", sorted(FLOW_FAMILIES))
+def test_checkpointing_leaves_loss_and_every_lora_gradient_unchanged(flow_built, family):
+    policy = _flow_policy(flow_built, family)
+    assert all(m.gradient_checkpointing for m in _transformers(policy))  # switched on by the config
+    module = policy.trainable.module
+    with LinearCalls(module) as rollout_calls:  # no_grad: the same STEPS forwards as the recompute
+        traj, cond = _trajectory(policy)
+    with LinearCalls(module) as checkpointed:
+        loss, grads = _loss_and_grads(policy, traj, cond)
+    _set_checkpointing(policy, False)
+    try:
+        with LinearCalls(module) as plain:
+            plain_loss, plain_grads = _loss_and_grads(policy, traj, cond)
+    finally:
+        _set_checkpointing(policy, True)
+    assert (
+        checkpointed.count > plain.count == rollout_calls.count
+    )  # recomputed in the backward, never without grad
+    assert relative_gap(loss, plain_loss) <= GRAD_TOLERANCE
+    assert all(g.abs().max() > 0 for g in plain_grads)  # every LoRA tensor takes part
+    gaps = [relative_gap(g, p) for g, p in zip(grads, plain_grads, strict=True)]
+    assert max(gaps) <= GRAD_TOLERANCE, max(gaps)
+
+
+@pytest.mark.parametrize("family", sorted(FLOW_FAMILIES))
+def test_eager_attention_gives_the_sdpa_velocity(flow_built, family, monkeypatch):
+    policy = _flow_policy(flow_built, family)
+    cond = _cond(policy)
+    x = policy.noise(len(PROMPTS), torch.Generator().manual_seed(5))
+    sigma = torch.tensor(0.6)
+    kernels = _spy_sdpa(monkeypatch)
+    with torch.no_grad():
+        sdpa = policy.velocity(x, sigma, cond)
+        sdpa_kernels = list(kernels)
+        kernels.clear()
+        _set_attention(policy, "eager")
+        try:
+            eager = policy.velocity(x, sigma, cond)
+        finally:
+            _set_attention(policy, "sdpa")
+    assert sdpa_kernels and all(fused for fused in sdpa_kernels)  # sdpa may pick a fused kernel
+    assert kernels and not any(kernels)  # eager: every attention call on the math kernel
+    assert 0 <= relative_gap(eager, sdpa) <= ATTENTION_TOLERANCE
+
+
+def _set_attention(policy, attention: str) -> None:
+    for module in _transformers(policy):
+        set_attention(module, attention, policy.family)
+
+
+def _spy_sdpa(monkeypatch) -> list[bool]:
+    """Record, for each ``scaled_dot_product_attention`` call, whether a fused kernel was allowed."""
+    calls: list[bool] = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append(torch.backends.cuda.flash_sdp_enabled())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return calls
+
+
+def test_the_tolerances_catch_a_lora_weight_moved_by_1e_4(flow_built):
+    """The perturbation arm: the same comparisons fail once a weight actually changes."""
+    policy = _flow_policy(flow_built, "sd3")
+    traj, cond = _trajectory(policy)
+    loss, grads = _loss_and_grads(policy, traj, cond)
+    x, sigma = traj.latents[:, 0], traj.sigmas[0]
+    with torch.no_grad():
+        velocity = policy.velocity(x, sigma, cond)
+    name, param = next((n, p) for n, p in policy.trainable.named() if "lora_B" in n)
+    saved = param.detach().clone()
+    with torch.no_grad():
+        param.add_(
+            1e-4 * saved.abs().max() * torch.randn(param.shape, generator=torch.Generator().manual_seed(6))
+        )
+    try:
+        moved_loss, moved_grads = _loss_and_grads(policy, traj, cond)
+        with torch.no_grad():
+            moved_velocity = policy.velocity(x, sigma, cond)
+    finally:
+        with torch.no_grad():
+            param.copy_(saved)
+    assert max(relative_gap(g, m) for g, m in zip(grads, moved_grads, strict=True)) > GRAD_TOLERANCE
+    assert relative_gap(moved_velocity, velocity) > ATTENTION_TOLERANCE / 10, name
+    assert relative_gap(moved_loss, loss) > 0
+
+
+def test_checkpointing_lowers_the_peak_memory_of_an_update():
+    """A deeper tiny SD3 (4 blocks; the shipped one has 1, where there is nothing to save): the peak tensor
+    memory of one update's forward + backward falls by more than half (docs/memory_speed.md)."""
+    from rlgen_cli.models.sd3 import SD3Policy
+    from rlgen_cli.models.tiny.image import SD3Sizes, tiny_sd3_pipeline
+
+    peaks = {}
+    for on in (False, True):
+        cfg = dataclasses.replace(model_cfg("tiny_sd3"), gradient_checkpointing=on)
+        policy = SD3Policy(tiny_sd3_pipeline(0, sizes=SD3Sizes(num_layers=4)), cfg, CPU)
+        cond = policy.encode(PROMPTS)
+        x = policy.noise(len(PROMPTS), torch.Generator().manual_seed(0))
+
+        def update(policy=policy, cond=cond, x=x) -> None:
+            policy.velocity(x, torch.tensor(0.6), cond).square().mean().backward()
+
+        update()  # allocations of a first call (caches) stay out of the measure
+        peaks[on] = peak_bytes(update)
+    assert peaks[True] < 0.5 * peaks[False], peaks
+
+
+# -- settings a family cannot honour, bad values ----------------------------------------------------------
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"gradient_checkpointing": True}, "model.gradient_checkpointing"),
+        ({"attention": "eager"}, "model.attention"),
+    ],
+)
+def test_the_shapes_unet_refuses_what_it_has_no_alternative_for(change, match):
+    cfg = dataclasses.replace(model_cfg("shapes_unet"), **change)
+    with pytest.raises(UserError, match=match):
+        build_policy(cfg, CPU)
+
+
+def test_an_unknown_attention_kernel_exits_2_naming_the_key_and_the_choices(cli, tmp_path, capsys):
+    code, out = cli("check-onpolicy", *TINY_RUN, "model.attention=flash", f"hydra.run.dir={tmp_path}")
+    message = " ".join((out + capsys.readouterr().err).split())
+    assert code == 2 and "model.attention='flash' is not valid; choose one of sdpa, eager" in message, message
+
+
+def test_check_onpolicy_with_gradient_checkpointing_gives_ratio_exactly_one(cli, tmp_path):
+    code, out = cli(
+        "check-onpolicy", *TINY_RUN, "model.gradient_checkpointing=true", f"hydra.run.dir={tmp_path}"
+    )
+    assert code == 0 and "PASS max error 0.000e+00" in out, out
+
+
+def test_full_ft_compile_compiles_the_frozen_reference_on_its_own():
+    """``nn.Module.compile`` is a closure over its module: a copy taken afterwards would run the original.
+    The full-FT reference copy is taken first and compiled itself (checked eagerly: no compilation)."""
+    cfg = model_cfg("tiny_sd3")
+    cfg = dataclasses.replace(cfg, compile=True, lora=dataclasses.replace(cfg.lora, enabled=False))
+    policy = build_policy(cfg, CPU)
+    cond = policy.encode(PROMPTS)
+    x = policy.noise(len(PROMPTS), torch.Generator().manual_seed(7))
+    sigma = torch.tensor(0.6)
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        base = policy.velocity(x, sigma, cond)
+        for param in policy.trainable.parameters():
+            param.add_(0.05)
+        moved = policy.velocity(x, sigma, cond)
+        with policy.trainable.reference():
+            reference = policy.velocity(x, sigma, cond)
+            assert policy.trainable.module._compiled_call_impl is not None  # the frozen copy, compiled
+    assert relative_gap(moved, base) > 1e-3
+    torch.testing.assert_close(reference, base, rtol=0, atol=0)
+
+
+# -- VLMs ---------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vlm_built() -> dict[str, object]:
+    return {}
+
+
+def _vlm(built: dict, family: str):
+    if family not in built:
+        from rlgen_cli.vlm.policy import build_vlm
+
+        cfg = dataclasses.replace(model_cfg(VLM_FAMILIES[family]), family=family, gradient_checkpointing=True)
+        policy = build_vlm(cfg, CPU)
+        generator = torch.Generator().manual_seed(8)
+        with torch.no_grad():
+            for name, param in policy.named_trainable().items():
+                if "lora_B" in name:
+                    param.normal_(0, 0.3, generator=generator)
+        built[family] = policy
+    return built[family]
+
+
+def _vlm_batch(policy):
+    from rlgen_cli.vlm.data import load_vlm_examples, prompt_text
+    from rlgen_cli.vlm.rollout import collate, load_image
+
+    examples = load_vlm_examples("builtin:tiny_r1vl.json")[:2]
+    vlm = policy.cfg.vlm
+    prompts = [prompt_text(policy.processor, ex, vlm.prompt_format, vlm.system_prompt) for ex in examples]
+    completion = torch.tensor(policy.tokenizer("### Step 1: the answer is 3.")["input_ids"])
+    return collate(policy, prompts, [load_image(ex.image) for ex in examples], [completion, completion[:-3]])
+
+
+def _vlm_loss_and_grads(policy, batch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    from rlgen_cli.vlm.rollout import completion_logprobs
+
+    params = policy.trainable_parameters()
+    for param in params:
+        param.grad = None
+    mask = batch.completion_mask
+    loss = -(completion_logprobs(policy, batch) * mask).sum() / mask.sum()
+    loss.backward()
+    return loss.detach(), [param.grad.clone() for param in params]
+
+
+@pytest.mark.parametrize("family", sorted(VLM_FAMILIES))
+def test_vlm_checkpointing_leaves_loss_and_every_lora_gradient_unchanged(vlm_built, family):
+    policy = _vlm(vlm_built, family)
+    model = policy.model
+    assert model.is_gradient_checkpointing and model.training
+    batch = _vlm_batch(policy)
+    with LinearCalls(model) as checkpointed:
+        loss, grads = _vlm_loss_and_grads(policy, batch)
+    model.gradient_checkpointing_disable()
+    try:
+        with LinearCalls(model) as plain:
+            plain_loss, plain_grads = _vlm_loss_and_grads(policy, batch)
+    finally:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert checkpointed.count > plain.count
+    assert relative_gap(loss, plain_loss) <= GRAD_TOLERANCE
+    assert all(g.abs().max() > 0 for g in plain_grads)
+    assert max(relative_gap(g, p) for g, p in zip(grads, plain_grads, strict=True)) <= GRAD_TOLERANCE
+
+
+@pytest.mark.parametrize("family", sorted(VLM_FAMILIES))
+def test_vlm_eager_attention_gives_the_sdpa_logprobs(vlm_built, family, monkeypatch):
+    from rlgen_cli.vlm.rollout import completion_logprobs
+
+    policy = _vlm(vlm_built, family)
+    batch = _vlm_batch(policy)
+    mask = batch.completion_mask.bool()
+    kernels = _spy_sdpa(monkeypatch)
+    with torch.no_grad():
+        sdpa = completion_logprobs(policy, batch)[mask]
+        sdpa_calls = len(kernels)
+        policy.model.set_attn_implementation("eager")
+        try:
+            eager = completion_logprobs(policy, batch)[mask]
+        finally:
+            policy.model.set_attn_implementation("sdpa")
+    assert sdpa_calls > 0 and len(kernels) == sdpa_calls  # eager: no sdpa call at all
+    assert relative_gap(eager, sdpa) <= ATTENTION_TOLERANCE
+
+
+# -- compile ------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_compiled_sd3_logprobs_match_the_rollout_and_the_eager_forward():
+    cfg = dataclasses.replace(model_cfg("tiny_sd3"), compile=True)
+    torch.manual_seed(0)
+    policy = build_policy(cfg, CPU)
+    with torch.no_grad():
+        for name, param in policy.trainable.named():
+            if "lora_B" in name:
+                param.normal_(0, 0.3, generator=torch.Generator().manual_seed(9))
+    traj, cond = _trajectory(policy)  # the compiled no-grad graph
+    velocity = functools.partial(conditioned, policy, cond)
+    for j in range(STEPS):
+        compiled = recompute_step(velocity, traj, j, SPEC).logprob  # the compiled training graph
+        compiled.mean().backward()
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+            eager = recompute_step(velocity, traj, j, SPEC).logprob
+        assert (compiled.detach() - traj.logprobs[:, j]).abs().max() <= COMPILE_TOLERANCE
+        assert (compiled.detach() - eager).abs().max() <= COMPILE_TOLERANCE
+    assert policy.trainable.module._compiled_call_impl is not None

@@ -1,0 +1,189 @@
+"""Real-size models at random init (``model.weights=random_init``, models/real_size.py).
+
+Parameter counts are checked on the meta device (nothing allocated) against the published figures; the
+SD3.5-Medium pipeline is built through the family's own entry point on the meta device; the schema
+refuses the settings that cannot go together; the slow test runs ``benchmarks/real_size.py`` on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import typing
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlgen_cli.models import real_size
+from rlgen_cli.models.real_size import COMPONENT_PARAMS, VARIANTS, count_parameters, flow_components
+from rlgen_cli.models.tiny import tiny_qwen_tokenizer
+from rlgen_cli.schema.choices import RealSizeVariant
+from rlgen_cli.schema.errors import UserError
+from rlgen_cli.schema.flow import REAL_SIZE_VARIANTS, ModelConfig
+from tests.models.helpers import model_cfg
+
+ROOT = Path(__file__).resolve().parents[2]
+META = torch.device("meta")
+FLOW_VARIANTS = [name for name, v in VARIANTS.items() if v.transformer is not None]
+VLM_VARIANTS = [name for name, v in VARIANTS.items() if v.transformer is None]
+TOLERANCE = 0.03
+
+
+def within(count: int, published: float) -> bool:
+    return abs(count / published - 1) <= TOLERANCE
+
+
+@pytest.mark.parametrize("name", FLOW_VARIANTS)
+def test_flow_transformer_parameters_match_the_published_figure(name):
+    with torch.device(META):
+        parts = flow_components(name, stand_in=True)
+    count = count_parameters(parts["transformer"])
+    assert within(count, VARIANTS[name].params), (
+        f"{name}: {count / 1e9:.3f} B vs {VARIANTS[name].params / 1e9} B"
+    )
+
+
+@pytest.mark.parametrize("name", VLM_VARIANTS)
+def test_vlm_parameters_match_the_published_figure(name):
+    with torch.device(META):
+        model = real_size.vlm_model(name, tiny_qwen_tokenizer())
+    count = count_parameters(model)
+    assert within(count, VARIANTS[name].params), (
+        f"{name}: {count / 1e9:.3f} B vs {VARIANTS[name].params / 1e9} B"
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "components"),
+    [
+        ("sd3_5_medium", {"text_encoder": "clip_l", "text_encoder_2": "clip_g", "text_encoder_3": "t5_xxl",
+                          "vae": "sd3_vae"}),
+        ("flux_1_dev", {"text_encoder_2": "t5_xxl", "vae": "sd3_vae"}),
+        ("wan2_1_t2v_1_3b", {"text_encoder": "umt5_xxl", "vae": "wan_vae"}),
+        ("qwen_image", {"text_encoder": "qwen2_5_vl_7b", "vae": "wan_vae"}),
+    ],
+)  # fmt: skip
+def test_real_size_text_encoders_and_vaes_match_the_published_figures(name, components):
+    with torch.device(META):
+        parts = flow_components(name, stand_in=False)
+    counts = {part: count_parameters(parts[part]) for part in components}
+    wrong = {
+        part: counts[part]
+        for part, key in components.items()
+        if not within(counts[part], COMPONENT_PARAMS[key])
+    }
+    assert not wrong, wrong
+
+
+def test_stand_in_encoders_keep_the_output_widths_at_a_fraction_of_the_size():
+    with torch.device(META):
+        real, small = flow_components("sd3_5_medium", False), flow_components("sd3_5_medium", True)
+    for part, width in (("text_encoder", 768), ("text_encoder_2", 1280)):
+        assert small[part].config.hidden_size == real[part].config.hidden_size == width
+        assert small[part].config.projection_dim == real[part].config.projection_dim == width
+    assert small["text_encoder_3"].config.d_model == real["text_encoder_3"].config.d_model == 4096
+    encoders = ("text_encoder", "text_encoder_2", "text_encoder_3")
+    small_total = sum(count_parameters(small[p]) for p in encoders)
+    assert small_total < 0.01 * sum(count_parameters(real[p]) for p in encoders)
+    assert count_parameters(small["transformer"]) == count_parameters(real["transformer"])
+
+
+def test_sd3_5_medium_builds_through_the_family_entry_point_on_the_meta_device():
+    cfg = replace(model_cfg("sd3"), weights="random_init", text_encoders="stand_in", dtype="bfloat16")
+    pipeline = real_size.flow_pipeline(cfg, META)
+    transformer = pipeline.transformer
+    assert type(pipeline).__name__ == "StableDiffusion3Pipeline"
+    assert transformer.config.num_layers == 24 and transformer.config.num_attention_heads == 24
+    # MMDiT-X: a second self-attention on the image tokens in blocks 0–12 only
+    dual = [i for i, block in enumerate(transformer.transformer_blocks) if getattr(block, "attn2", None)]
+    assert dual == list(range(13))
+    assert transformer.pos_embed.proj.weight.device == META
+    assert transformer.pos_embed.proj.weight.dtype == torch.bfloat16  # built in model.dtype, no fp32 pass
+    assert pipeline.vae.config.latent_channels == 16 and pipeline.vae_scale_factor == 8
+
+
+def test_the_construction_seed_decides_the_weights_and_leaves_the_callers_rng_alone():
+    def drawn(seed: int) -> torch.Tensor:
+        with real_size.constructing(torch.device("cpu"), torch.float32, seed):
+            return torch.nn.Linear(4, 4).weight.detach()
+
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    torch.manual_seed(123)
+    first = drawn(0)
+    assert torch.equal(torch.rand(1), before)  # the caller's stream did not move
+    torch.testing.assert_close(drawn(0), first)
+    assert not torch.equal(drawn(1), first)
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_every_variant_choice_is_built_and_auto_is_the_family_conf_checkpoint():
+    choices = set(typing.get_args(RealSizeVariant)) - {"auto"}
+    assert choices == set(VARIANTS)
+    assert {v for variants in REAL_SIZE_VARIANTS.values() for v in variants} == choices
+    for family, variants in REAL_SIZE_VARIANTS.items():
+        assert all(VARIANTS[v].family == family for v in variants)
+        assert model_cfg(family).path == VARIANTS[variants[0]].checkpoint  # auto = what model=FAMILY loads
+        cfg = replace(model_cfg(family), weights="random_init")
+        assert real_size.variant_of(cfg) == variants[0]
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"family": "sd3", "tiny": True}, "model.tiny=true and model.weights=random_init"),
+        ({"family": "sd3", "variant": "flux_1_dev"}, "model.variant=flux_1_dev is not a sd3 checkpoint"),
+        ({"family": "flux2"}, "model.family=flux2 has no real-size variant"),
+    ],
+)
+def test_the_schema_refuses_random_init_settings_that_cannot_hold(changes, message):
+    with pytest.raises(UserError, match=message):
+        ModelConfig(path=None, weights="random_init", **changes)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"variant": "sd3_5_large"}, "model.variant=sd3_5_large .* model.weights=random_init"),
+        ({"text_encoders": "stand_in"}, "model.text_encoders=stand_in .* model.weights=random_init"),
+    ],
+)
+def test_real_size_options_without_random_init_are_refused_not_ignored(changes, message):
+    with pytest.raises(UserError, match=message):
+        ModelConfig(path="some/checkpoint", **changes)
+
+
+def test_random_init_needs_no_path_and_a_vlm_takes_no_stand_in_encoders():
+    assert ModelConfig(path=None, weights="random_init").variant == "auto"
+    with pytest.raises(UserError, match="model.text_encoders=stand_in"):
+        ModelConfig(family="qwen2_vl", weights="random_init", text_encoders="stand_in")
+
+
+@pytest.mark.slow
+def test_the_benchmark_runs_one_epoch_of_sd3_5_medium_on_the_cpu():
+    """One GRPO-Fast epoch of the 2.24 B SD3.5-Medium transformer at 64 px (≈ 3 min on two cores)."""
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "real_size.py"), "sd3_5_medium", "--resolution", "64",
+        "--steps", "2", "--batch", "2", "--device", "cpu", "model.text_encoders=stand_in",
+        "model.guidance_scale=1", "model.max_sequence_length=32",
+    ]  # fmt: skip
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1200, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert within(result["parameters"]["transformer"], 2.24e9)
+    # rank-32 LoRA on the 8 attention projections of 24 joint blocks (width 1536): 4 image-side + 4
+    # context-side per block, the last block without to_add_out and its dead add_q_proj left out
+    assert result["trainable_parameters"] == 32 * (1536 + 1536) * (23 * 8 + 6)
+    assert result["flops_per_image"] == pytest.approx(2 * result["flops_per_forward"])  # 2 steps
+    assert result["flops_per_forward"] > 1e11  # ≥ 2 FLOPs per weight for each of ~60 tokens
+    assert result["peak_memory"]["host_rss_bytes"] > 2 * 2.24e9  # the bf16 transformer is resident
+    assert result["peak_memory"]["device_bytes"] is None and result["mfu"] is None  # CPU
+    for phase in ("build", "rollout", "reward", "update", "epoch"):
+        assert result["seconds"][phase] >= 0
+    assert result["seconds"]["rollout"] > 0 and result["seconds"]["update"] > 0
+    assert result["velocity_rows"] == {"sampling": 2 * 2, "training": 2 * 2}

@@ -1,0 +1,171 @@
+"""``rlgen plan``: predicted against measured memory on the tiny families, and the command line.
+
+*Predicted* is the plan: the model built on the meta device, parameters counted by dtype, one training
+forward traced there. *Measured* is a real training step of the same config on the CPU: the model built
+with its weights, one forward with every tensor autograd saves recorded by its data pointer, the backward,
+one AdamW step (and EMA update), then every live weight, gradient, optimizer state and EMA shadow summed
+from the tensors themselves. The two share no counting code.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from omegaconf import OmegaConf, open_dict
+
+from rlgen_cli._hydra import compose_verb
+from rlgen_cli.tasks.common import validated
+
+TOLERANCE = 0.15
+PROMPT = "a photo of a red cube to the left of a blue sphere"
+
+
+def _typed(args: list[str]) -> Any:
+    cfg = compose_verb("plan", args)
+    with open_dict(cfg):
+        cfg.run_dir = "/tmp/unused"
+    return validated(cfg)
+
+
+def _storages(tensors: list[torch.Tensor]) -> dict[int, int]:
+    """{data pointer: bytes} of the distinct storages behind ``tensors``."""
+    out = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.nbytes():
+            out[storage.data_ptr()] = storage.nbytes()
+    return out
+
+
+def measured_bytes(cfg: Any) -> dict[str, int]:
+    """One real training step of ``cfg`` on the CPU: saved-for-backward bytes and live state bytes."""
+    from rlgen_cli.models import build_policy
+    from rlgen_cli.models.base import cfg_gradient
+    from rlgen_cli.tasks.plan import components_of, micro_batch_of
+    from rlgen_cli.training.ema import EMA
+
+    torch.manual_seed(0)
+    policy = build_policy(cfg.model, torch.device("cpu"))
+    modules = list(components_of(policy).values())
+    reference = getattr(getattr(policy.trainable, "_reference", None), "_frozen", None)
+    modules += [reference] if reference is not None else []
+    for module in modules:
+        if getattr(module, "gradient_checkpointing", False):
+            module.disable_gradient_checkpointing()
+    weights = [t for m in modules for t in (*m.parameters(), *m.buffers())]
+    weight_storages = _storages(weights)
+    params = policy.trainable.parameters()
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    ema = EMA(params, update_every=1) if cfg.algo.ema.enabled else None
+    batch, _ = micro_batch_of(cfg)
+    images = None
+    if policy.capabilities.takes_source_images:
+        side = cfg.model.height or cfg.model.resolution, cfg.model.width or cfg.model.resolution
+        images = torch.rand(batch, 3, *side)
+    cond = policy.encode([PROMPT] * batch, images)
+    x = policy.noise(batch)
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weight_storages and storage.nbytes():
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        cfg_gradient(getattr(cfg.algo, "cfg_grad", "both")),
+    ):
+        # σ spread over the schedule: a two-expert model (Wan2.2) runs, and trains, both experts
+        loss = policy.velocity(x, torch.linspace(0.05, 0.95, batch), cond).square().mean()
+    loss.backward()
+    optimizer.step()
+    if ema is not None:
+        ema.step(1)
+    state = [s for per_param in optimizer.state.values() for s in per_param.values() if s.dim() > 0]
+    state += list(ema.shadow) if ema is not None else []
+    state += [p.grad for p in params]
+    return {"saved": sum(saved.values()), "state": sum(_storages(weights + state).values())}
+
+
+def predicted_bytes(cfg: Any) -> dict[str, int]:
+    from rlgen_cli.tasks.plan import plan_run
+
+    report = plan_run(cfg)
+    return {"saved": report["activations"]["plain_bytes"], "state": report["state_bytes"]}
+
+
+def compare(args: list[str]) -> dict[str, Any]:
+    cfg = _typed(args)
+    predicted, measured = predicted_bytes(cfg), measured_bytes(cfg)
+    total_p, total_m = sum(predicted.values()), sum(measured.values())
+    return {"predicted": predicted, "measured": measured, "error": total_p / total_m - 1}
+
+
+FAST_FAMILIES = ["tiny_flux", "tiny_wan2_1"]
+OTHER_FAMILIES = [
+    "tiny_sd3", "tiny_flux_kontext", "tiny_flux2", "tiny_flux2_klein", "tiny_qwen_image", "tiny_qwen_image_edit",
+    "tiny_qwen_image_edit_plus", "tiny_wan2_2", "tiny_wan2_2_i2v", "tiny_z_image",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("model", FAST_FAMILIES)
+def test_predicted_memory_is_within_15_percent_of_a_real_step(model):
+    result = compare([f"model={model}"])
+    assert abs(result["error"]) <= TOLERANCE, result
+    # the activations alone, too: they are what the trace predicts
+    saved_error = result["predicted"]["saved"] / result["measured"]["saved"] - 1
+    assert abs(saved_error) <= TOLERANCE, result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", OTHER_FAMILIES)
+def test_every_tiny_family_is_predicted_within_15_percent(model):
+    result = compare([f"model={model}"])
+    assert abs(result["error"]) <= TOLERANCE, result
+
+
+def test_ema_and_the_full_fine_tuning_reference_are_counted():
+    result = compare(["model=tiny_wan2_1", "model.lora.enabled=false", "algo.ema.enabled=true"])
+    assert abs(result["error"]) <= TOLERANCE, result
+    # perturbation arm: the LoRA run without EMA keeps far less state (no fp32 copies of the model)
+    lora = predicted_bytes(_typed(["model=tiny_wan2_1"]))
+    assert result["predicted"]["state"] > 2 * lora["state"]
+
+
+def test_plan_prints_the_table_and_exits_0_when_it_fits(cli, tmp_path: Path):
+    code, out = cli("plan", "model=tiny_sd3", f"hydra.run.dir={tmp_path}")
+    assert code == 0, out
+    assert "memory per process" in out and "activations" in out and "fits" in out
+    report = json.loads((tmp_path / "plan.json").read_text())
+    assert report["fits"] and report["fix"] is None
+    assert report["total_bytes"] == sum(row["bytes"] for row in report["rows"])
+
+
+def test_a_too_small_device_gets_the_change_that_makes_it_fit(cli, tmp_path: Path):
+    # the tiny SD3's training step needs a few MiB: 1e-4 GiB (≈ 105 kB) cannot hold it on one process
+    code, out = cli("plan", "model=tiny_sd3", "plan.device_memory_gb=0.0001", "plan.format=json",
+                    f"hydra.run.dir={tmp_path}")  # fmt: skip
+    assert code == 1, out
+    report = json.loads((tmp_path / "plan.json").read_text())
+    assert not report["fits"]
+    assert report["fix"]["changes"], report
+    assert report["fix"]["total_bytes"] < report["total_bytes"]
+
+
+def test_plan_rejects_a_bad_device_size_with_exit_2(cli, tmp_path: Path):
+    code, out = cli("plan", "model=tiny_sd3", "plan.device_memory_gb=-1", f"hydra.run.dir={tmp_path}")
+    assert code == 2
+    assert "plan.device_memory_gb" in out
+
+
+@pytest.mark.parametrize("args", [[], ["model=tiny_flux"], ["model=tiny_sd3", "algo=dpo"], ["launcher=fsdp"]])
+def test_plan_composes_what_train_composes_plus_the_plan_section(args):
+    train = OmegaConf.to_container(compose_verb("train", args))
+    plan = OmegaConf.to_container(compose_verb("plan", args))
+    assert plan.pop("plan") == {"device_memory_gb": 80.0, "headroom": 0.1, "format": "table"}
+    assert plan == train
