@@ -35,7 +35,7 @@ from rlgen_cli.models.base import TORCH_DTYPES
 from rlgen_cli.models.trainable import DiffusersCheckpoint, TrainableTransformer, autocast
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
-from rlgen_cli.sde.noise import randn_per_sample
+from rlgen_cli.sde.noise import standard_normal
 from rlgen_cli.sde.schedule import shift_sigmas
 
 log = logging.getLogger(__name__)
@@ -163,11 +163,7 @@ class Flux2Model:
     def noise(self, n: int, generator: torch.Generator | Sequence[torch.Generator] | None = None) -> Tensor:
         """x_1 ~ N(0, I) drawn in the patchified latent shape (n, 4C, h/2, w/2), as tokens (n, L, 4C)."""
         shape = (self.pipeline.transformer.config.in_channels, *self.token_hw)
-        if generator is None or isinstance(generator, torch.Generator):
-            latents = torch.randn((n, *shape), generator=generator, device=self.device)
-        else:
-            latents = randn_per_sample(shape, generator[:n], self.device)
-        return latents.flatten(2).transpose(1, 2)
+        return standard_normal(n, shape, generator, self.device).flatten(2).transpose(1, 2)
 
     def schedule(self, num_steps: int, x: Tensor) -> Tensor:
         """(T+1,) sigmas ending at 0 for the image tokens of ``x`` (:func:`flux2_sigmas`)."""

@@ -34,7 +34,7 @@ from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME as LORA_WEIGHTS_NAME  #
 from rlgen_cli.models.trainable import DiffusersCheckpoint, TrainableTransformer, autocast
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
-from rlgen_cli.sde.noise import randn_per_sample
+from rlgen_cli.sde.noise import standard_normal
 from rlgen_cli.sde.schedule import calculate_mu, dynamic_shift_sigmas, shift_sigmas
 
 FLUX_LORA_TARGETS = [
@@ -147,11 +147,7 @@ class FluxModel:
     def noise(self, n: int, generator: torch.Generator | Sequence[torch.Generator] | None = None) -> Tensor:
         """x_1 ~ N(0, I) drawn in the latent shape (n, C, h, w), then packed: fp32 (n, L, 4C)."""
         shape = (self.pipeline.transformer.config.in_channels // 4, *self.latent_hw)
-        if generator is None or isinstance(generator, torch.Generator):
-            latents = torch.randn((n, *shape), generator=generator, device=self.device)
-        else:
-            latents = randn_per_sample(shape, generator[:n], self.device)
-        return pack(latents)
+        return pack(standard_normal(n, shape, generator, self.device))
 
     def schedule(self, num_steps: int, x: Tensor) -> Tensor:
         """(T+1,) sigmas ending at 0 for the image tokens of ``x`` (:func:`flux_sigmas`)."""

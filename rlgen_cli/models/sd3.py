@@ -24,13 +24,14 @@ from rlgen_cli.models.base import (
 )
 from rlgen_cli.models.loading import in_model_dtype, load_pipeline
 from rlgen_cli.models.prompt_cache import PromptCache, cache_prompt_embeddings
+from rlgen_cli.models.real_size import flow_pipeline
 from rlgen_cli.models.tiny import tiny_sd3_pipeline
 from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME as LORA_WEIGHTS_NAME  # re-exported
 from rlgen_cli.models.trainable import TRANSFORMER_DIR as TRANSFORMER_DIR  # re-exported
 from rlgen_cli.models.trainable import DiffusersCheckpoint, TrainableTransformer, autocast
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
-from rlgen_cli.sde.noise import randn_per_sample
+from rlgen_cli.sde.noise import standard_normal
 from rlgen_cli.sde.schedule import sd3_sigmas
 
 log = logging.getLogger(__name__)
@@ -117,9 +118,7 @@ class SD3Policy:
 
     def noise(self, n: int, generator: torch.Generator | Sequence[torch.Generator] | None = None) -> Tensor:
         """Initial latents x_1 ~ N(0, I), fp32, (n, C, H, W); one generator per sample or one for all."""
-        if generator is None or isinstance(generator, torch.Generator):
-            return torch.randn((n, *self.latent_shape()), generator=generator, device=self.device)
-        return randn_per_sample(self.latent_shape(), generator[:n], self.device)
+        return standard_normal(n, self.latent_shape(), generator, self.device)
 
     def schedule(self, num_steps: int, x: Tensor) -> Tensor:
         """SD3 shifted sigmas, (T+1,) ending at 0."""
@@ -166,8 +165,14 @@ class SD3Policy:
 
 
 def build(cfg: ModelConfig, device: torch.device) -> SD3Policy:
-    """The registry's entry point: the tiny pipeline when ``cfg.tiny``, else the loaded one."""
-    pipeline = in_model_dtype(tiny_sd3_pipeline(cfg.tiny_seed), cfg) if cfg.tiny else load_sd3_pipeline(cfg)
+    """The registry's entry point: the tiny pipeline when ``cfg.tiny``, the published architecture at random
+    init when ``cfg.weights`` is ``random_init`` (``models/real_size.py``), else the loaded one."""
+    if cfg.weights == "random_init":
+        pipeline = in_model_dtype(flow_pipeline(cfg, device), cfg)
+    else:
+        pipeline = (
+            in_model_dtype(tiny_sd3_pipeline(cfg.tiny_seed), cfg) if cfg.tiny else load_sd3_pipeline(cfg)
+        )
     policy = SD3Policy(pipeline, cfg, device)
     encoders = (pipeline.text_encoder, pipeline.text_encoder_2, pipeline.text_encoder_3)
     cache_prompt_embeddings(policy, cfg.prompt_cache_mb, encoders)  # a batch seen before is reused

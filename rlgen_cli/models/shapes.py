@@ -43,7 +43,7 @@ from rlgen_cli.models.trainable import (
 )
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
-from rlgen_cli.sde.noise import randn_per_sample
+from rlgen_cli.sde.noise import standard_normal
 from rlgen_cli.sde.schedule import sd3_sigmas
 from rlgen_cli.shapes.vocab import COLORS, COUNT_WORDS, SHAPES, plural
 
@@ -140,9 +140,7 @@ class ShapesPolicy:
 
     def noise(self, n: int, generator: torch.Generator | Sequence[torch.Generator] | None = None) -> Tensor:
         """x_1 ~ N(0, I), (n, 3, H, W); one generator per sample or one for all."""
-        if generator is None or isinstance(generator, torch.Generator):
-            return torch.randn((n, *self.image_shape()), generator=generator, device=self.device)
-        return randn_per_sample(self.image_shape(), generator[:n], self.device)
+        return standard_normal(n, self.image_shape(), generator, self.device)
 
     def schedule(self, num_steps: int, x: Tensor) -> Tensor:
         """Shifted sigmas (SD3 rule), (T+1,) ending at 0."""

@@ -45,13 +45,14 @@ from rlgen_cli.models.base import (
 )
 from rlgen_cli.models.loading import in_model_dtype
 from rlgen_cli.models.prompt_cache import cache_prompt_embeddings
+from rlgen_cli.models.real_size import flow_pipeline
 from rlgen_cli.models.tiny import tiny_wan_pipeline
 from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME as LORA_WEIGHTS_NAME  # re-exported
 from rlgen_cli.models.trainable import TRANSFORMER_DIR as TRANSFORMER_DIR  # re-exported
 from rlgen_cli.models.trainable import DiffusersCheckpoint, TrainableTransformer, autocast
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
-from rlgen_cli.sde.noise import randn_per_sample
+from rlgen_cli.sde.noise import standard_normal
 from rlgen_cli.sde.schedule import shift_sigmas
 
 log = logging.getLogger(__name__)
@@ -163,7 +164,6 @@ class WanPolicy:
             pipeline,
             cfg,
             checkpoint=DiffusersCheckpoint("WanPipeline", "WanTransformer3DModel"),
-            gradient_checkpointing=True,
         )
 
     @property
@@ -198,9 +198,7 @@ class WanPolicy:
 
     def noise(self, n: int, generator: torch.Generator | Sequence[torch.Generator] | None = None) -> Tensor:
         """Initial latents x_1 ~ N(0, I), fp32, (n, C, F', H', W'); one generator per sample or one for all."""
-        if generator is None or isinstance(generator, torch.Generator):
-            return torch.randn((n, *self.latent_shape()), generator=generator, device=self.device)
-        return randn_per_sample(self.latent_shape(), generator[:n], self.device)
+        return standard_normal(n, self.latent_shape(), generator, self.device)
 
     def schedule(self, num_steps: int, x: Tensor) -> Tensor:
         """Wan's shifted flow sigmas (:func:`wan_sigmas` with ``model.shift``), (T+1,) ending at 0."""
@@ -264,12 +262,16 @@ def _check_targets(transformer: nn.Module, targets: Sequence[str]) -> None:
 
 
 def build(cfg: ModelConfig, device: torch.device) -> WanPolicy:
-    """The registry's entry point: the tiny pipeline when ``cfg.tiny``, else the loaded one."""
-    pipeline = (
-        in_model_dtype(tiny_wan_pipeline(cfg.tiny_seed, cfg.max_sequence_length), cfg, keep_fp32=("vae",))
-        if cfg.tiny
-        else load_wan_pipeline(cfg)
-    )
+    """The registry's entry point: the tiny pipeline when ``cfg.tiny``, the published architecture at random
+    init when ``cfg.weights`` is ``random_init`` (``models/real_size.py``), else the loaded one."""
+    if cfg.weights == "random_init":  # the VAE in fp32, as load_wan_pipeline keeps it
+        pipeline = in_model_dtype(flow_pipeline(cfg, device), cfg, keep_fp32=("vae",))
+    elif cfg.tiny:
+        pipeline = in_model_dtype(
+            tiny_wan_pipeline(cfg.tiny_seed, cfg.max_sequence_length), cfg, keep_fp32=("vae",)
+        )
+    else:
+        pipeline = load_wan_pipeline(cfg)
     policy = WanPolicy(pipeline, cfg, device)
     cache_prompt_embeddings(
         policy, cfg.prompt_cache_mb, (pipeline.text_encoder,)

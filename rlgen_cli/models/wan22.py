@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from rlgen_cli.models.acceleration import prepare_frozen_transformer
 from rlgen_cli.models.base import TORCH_DTYPES, Capabilities, Cond, cfg_combine, uncond_takes_grad
 from rlgen_cli.models.loading import cast_as_loaded, in_model_dtype, load_pipeline
 from rlgen_cli.models.prompt_cache import cache_prompt_embeddings
@@ -51,7 +52,7 @@ from rlgen_cli.models.wan import (
 )
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
-from rlgen_cli.sde.noise import randn_per_sample
+from rlgen_cli.sde.noise import standard_normal
 
 __all__ = ["EXPERTS", "ExpertPair", "Wan22Policy", "build", "load_wan22_pipeline"]
 
@@ -111,11 +112,12 @@ class ExpertPair:
             transformer = getattr(pipeline, _ATTRIBUTES[name])
             if name in trained:
                 self.experts[name] = TrainableTransformer(
-                    _Slot(transformer), cfg, gradient_checkpointing=True,
+                    _Slot(transformer), cfg,
                     checkpoint=DiffusersCheckpoint(type(pipeline).__name__, "WanTransformer3DModel"),
                 )  # fmt: skip
             else:
                 self.experts[name] = FrozenExpert(transformer, TORCH_DTYPES[cfg.dtype])
+                prepare_frozen_transformer(transformer, cfg)  # the trained expert's attention and compile
         self.trained = {n: e for n, e in self.experts.items() if isinstance(e, TrainableTransformer)}
 
     @property
@@ -243,9 +245,7 @@ class Wan22Policy:
 
     def noise(self, n: int, generator: torch.Generator | Sequence[torch.Generator] | None = None) -> Tensor:
         """Initial latents x_1 ~ N(0, I), fp32, (n, C, F', H', W'); one generator per sample or one for all."""
-        if generator is None or isinstance(generator, torch.Generator):
-            return torch.randn((n, *self.latent_shape()), generator=generator, device=self.device)
-        return randn_per_sample(self.latent_shape(), generator[:n], self.device)
+        return standard_normal(n, self.latent_shape(), generator, self.device)
 
     def schedule(self, num_steps: int, x: Tensor) -> Tensor:
         """Wan's shifted flow sigmas (``models/wan.py: wan_sigmas`` with ``model.shift``), (T+1,)."""

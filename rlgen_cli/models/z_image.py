@@ -37,7 +37,7 @@ from rlgen_cli.models.tiny import tiny_z_image_pipeline
 from rlgen_cli.models.trainable import DiffusersCheckpoint, TrainableTransformer, autocast
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
-from rlgen_cli.sde.noise import randn_per_sample
+from rlgen_cli.sde.noise import standard_normal
 from rlgen_cli.sde.schedule import calculate_mu, dynamic_shift_sigmas, shift_sigmas
 
 Z_IMAGE_LORA_TARGETS = [
@@ -114,7 +114,6 @@ class ZImagePolicy:
         self.latent_hw = (self._latent_side(height, "height"), self._latent_side(width, "width"))
         self.trainable = TrainableTransformer(
             pipeline, cfg, checkpoint=DiffusersCheckpoint("ZImagePipeline", "ZImageTransformer2DModel"),
-            gradient_checkpointing=True,
         )  # fmt: skip
 
     @property
@@ -161,9 +160,7 @@ class ZImagePolicy:
     def noise(self, n: int, generator: torch.Generator | Sequence[torch.Generator] | None = None) -> Tensor:
         """x_1 ~ N(0, I), fp32 (n, C, h, w); one generator per sample or one for all."""
         shape = (self.transformer.config.in_channels, *self.latent_hw)
-        if generator is None or isinstance(generator, torch.Generator):
-            return torch.randn((n, *shape), generator=generator, device=self.device)
-        return randn_per_sample(shape, generator[:n], self.device)
+        return standard_normal(n, shape, generator, self.device)
 
     def schedule(self, num_steps: int, x: Tensor) -> Tensor:
         """(T+1,) sigmas ending at 0 for the 2×2-patch token count of ``x`` (see :func:`z_image_sigmas`)."""

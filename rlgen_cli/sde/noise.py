@@ -14,7 +14,7 @@ from enum import IntEnum, unique
 import torch
 from torch import Tensor
 
-__all__ = ["Stream", "randn_per_sample", "sample_generators", "stream_seed"]
+__all__ = ["Stream", "randn_per_sample", "sample_generators", "standard_normal", "stream_seed"]
 
 
 @unique
@@ -65,6 +65,17 @@ def randn_per_sample(
     """(len(generators), *shape) standard normals, row i drawn from generator i (fp32)."""
     rows = [torch.randn((1, *shape), generator=g, device=device, dtype=torch.float32) for g in generators]
     return torch.cat(rows)
+
+
+def standard_normal(
+    n: int, shape: Sequence[int], generator: torch.Generator | Sequence[torch.Generator] | None,
+    device: torch.device | str,
+) -> Tensor:  # fmt: skip
+    """(n, *shape) fp32 standard normals: from one generator (or the global RNG) for all rows, or row i
+    from ``generator[i]`` (the per-sample streams that make results independent of batching)."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.randn((n, *shape), generator=generator, device=device, dtype=torch.float32)
+    return randn_per_sample(shape, generator[:n], device)
 
 
 def first_of_runs(generators: list[torch.Generator]) -> Tensor:
