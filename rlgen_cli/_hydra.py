@@ -21,7 +21,8 @@ EXIT_USER_ERROR = 2
 
 # Choosing any of these says what to train; a key override (algo.lr=…) or a launcher alone does not.
 CONTENT_GROUPS = frozenset({"model", "algo", "reward", "data", "sampler", "experiment"})
-DEFAULT_RUNS = {"train": "experiment=shapes_grpo_fast"}  # a verb's run when no content group is chosen
+# a verb's run when no content group is chosen (`rlgen plan` plans what `rlgen train` runs)
+DEFAULT_RUNS = {"train": "experiment=shapes_grpo_fast", "plan": "experiment=shapes_grpo_fast"}
 
 
 def conf_dir() -> Path:

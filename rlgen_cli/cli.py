@@ -86,6 +86,13 @@ def check_onpolicy(ctx: typer.Context) -> None:
     _forward("check_onpolicy", "check_onpolicy_task", "check_onpolicy", ctx)
 
 
+@app.command(cls=HydraVerb, context_settings=HYDRA_CONTEXT, epilog=_groups_epilog())
+def plan(ctx: typer.Context) -> None:
+    """Memory per training process for plan.device_memory_gb: weights, LoRA, gradients, optimizer, EMA,
+    activations… for the launcher; whether it fits, else the cheapest change (train's overrides follow)."""
+    _forward("plan", "plan_task", "plan", ctx)
+
+
 @app.command()
 def plot(
     run_dirs: list[Path] = typer.Argument(..., help="Run directories (each with a metrics.jsonl)."),
@@ -115,14 +122,29 @@ def serve_reward(ctx: typer.Context) -> None:
 def list_configs(
     group: str = typer.Argument(None, help="Only this group.", autocompletion=complete_group_name),
 ) -> None:
-    """List the config groups and their options."""
+    """List the config groups and their options, the model families and the reward names."""
     groups = config_groups()
     if group is not None and group not in groups:
         typer.secho(f"no config group {group!r}; groups: {', '.join(groups)}", fg="red", err=True)
         raise typer.Exit(2)
+    registries = _registries()
     for name, options in groups.items():
         if group in (None, name):
             typer.echo(f"{name}: {', '.join(options) or '(none)'}")
+            for key, names in registries.get(name, {}).items():
+                typer.echo(f"{key}: {', '.join(names)}")
+
+
+def _registries() -> dict[str, dict[str, list[str]]]:
+    """Names a config key takes beyond a group's files, by group: every model family (flow, VLM, R3)
+    and every registered reward a mix can weigh (rewards without a group file included)."""
+    from rlgen_cli.models.registry import FAMILIES
+    from rlgen_cli.rewards import available
+    from rlgen_cli.schema.r3 import R3_FAMILIES
+    from rlgen_cli.schema.vlm import VLM_FAMILIES
+
+    families = sorted({*FAMILIES, *VLM_FAMILIES, *R3_FAMILIES})
+    return {"model": {"model.family": families}, "reward": {"reward.weights": available()}}
 
 
 @app.command()

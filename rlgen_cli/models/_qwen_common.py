@@ -141,7 +141,6 @@ class QwenModel:
         self.trainable = TrainableTransformer(
             pipeline, cfg, checkpoint=DiffusersCheckpoint(pipeline_class, "QwenImageTransformer2DModel"),
             exclude=dead_text_outputs(pipeline.transformer) if cfg.lora.enabled else (),
-            gradient_checkpointing=True,
         )  # fmt: skip
 
     def latent_side(self, pixels: int, name: str) -> int:

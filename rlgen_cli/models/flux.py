@@ -25,6 +25,7 @@ from rlgen_cli.models._flux_common import FLUX_LORA_TARGETS, LORA_WEIGHTS_NAME, 
 from rlgen_cli.models.base import Capabilities, Cond
 from rlgen_cli.models.loading import in_model_dtype, load_pipeline
 from rlgen_cli.models.prompt_cache import cache_prompt_embeddings
+from rlgen_cli.models.real_size import flow_pipeline
 from rlgen_cli.models.tiny import tiny_flux_pipeline
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
@@ -77,8 +78,14 @@ class FluxPolicy:
 
 
 def build(cfg: ModelConfig, device: torch.device) -> FluxPolicy:
-    """The registry's entry point: the tiny pipeline when ``cfg.tiny``, else the loaded one."""
-    pipeline = in_model_dtype(tiny_flux_pipeline(cfg.tiny_seed), cfg) if cfg.tiny else load_flux_pipeline(cfg)
+    """The registry's entry point: the tiny pipeline when ``cfg.tiny``, the published architecture at random
+    init when ``cfg.weights`` is ``random_init`` (``models/real_size.py``), else the loaded one."""
+    if cfg.weights == "random_init":
+        pipeline = in_model_dtype(flow_pipeline(cfg, device), cfg)
+    else:
+        pipeline = (
+            in_model_dtype(tiny_flux_pipeline(cfg.tiny_seed), cfg) if cfg.tiny else load_flux_pipeline(cfg)
+        )
     policy = FluxPolicy(pipeline, cfg, device)
     cache_prompt_embeddings(
         policy, cfg.prompt_cache_mb, (pipeline.text_encoder, pipeline.text_encoder_2)

@@ -20,6 +20,7 @@ from rlgen_cli.models._qwen_common import LORA_WEIGHTS_NAME, QWEN_LORA_TARGETS, 
 from rlgen_cli.models.base import Capabilities, Cond
 from rlgen_cli.models.loading import in_model_dtype, load_pipeline
 from rlgen_cli.models.prompt_cache import cache_prompt_embeddings
+from rlgen_cli.models.real_size import flow_pipeline
 from rlgen_cli.models.tiny import tiny_qwen_image_pipeline
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
@@ -95,12 +96,14 @@ class QwenImagePolicy:
 
 
 def build(cfg: ModelConfig, device: torch.device) -> QwenImagePolicy:
-    """The registry's entry point: the tiny pipeline when ``cfg.tiny``, else the loaded one."""
-    pipeline = (
-        in_model_dtype(tiny_qwen_image_pipeline(cfg.tiny_seed), cfg)
-        if cfg.tiny
-        else load_qwen_image_pipeline(cfg)
-    )
+    """The registry's entry point: the tiny pipeline when ``cfg.tiny``, the published architecture at random
+    init when ``cfg.weights`` is ``random_init`` (``models/real_size.py``), else the loaded one."""
+    if cfg.weights == "random_init":
+        pipeline = in_model_dtype(flow_pipeline(cfg, device), cfg)
+    elif cfg.tiny:
+        pipeline = in_model_dtype(tiny_qwen_image_pipeline(cfg.tiny_seed), cfg)
+    else:
+        pipeline = load_qwen_image_pipeline(cfg)
     policy = QwenImagePolicy(pipeline, cfg, device)
     cache_prompt_embeddings(
         policy, cfg.prompt_cache_mb, (pipeline.text_encoder,)

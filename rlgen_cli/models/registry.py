@@ -32,6 +32,8 @@ FAMILIES: dict[str, str] = {
     "wan2_2": "rlgen_cli.models.wan22",
     "wan2_2_i2v": "rlgen_cli.models.wan22",
     "z_image": "rlgen_cli.models.z_image",
+    "qwen_image_2": "rlgen_cli.models.qwen_image_2",
+    "bagel": "rlgen_cli.models.bagel",
     "shapes": "rlgen_cli.models.shapes",
 }
 

@@ -4,7 +4,9 @@
 LoRA (or full fine-tuning) set-up of the pipeline's transformer, the trainable parameter list, the frozen
 reference for KL, the distributed (DDP) forward wrapper and the checkpoint format — diffusers-format
 LoRA (``pytorch_lora_weights.safetensors`` with the adapter config in its metadata, what the family
-pipeline's ``load_lora_weights`` reads) or the full transformer under ``transformer/``. Each adapter keeps
+pipeline's ``load_lora_weights`` reads) or the full transformer under ``transformer/`` — and the memory /
+speed settings of the model section (gradient checkpointing, attention kernel, compile;
+``models/acceleration.py``), so every family gets them from here. Each adapter keeps
 its family-specific code (encode, noise, schedule, velocity, decode, builders, loaders) and exposes this
 component as its ``trainable`` (the :class:`~rlgen_cli.models.base.Trainable` protocol). A model whose
 checkpoints follow another format (the ShapesEval UNet) passes its own :class:`CheckpointFormat`.
@@ -20,6 +22,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from rlgen_cli.models.acceleration import compile_module, prepare_transformer
 from rlgen_cli.models.base import TORCH_DTYPES, ReferenceSwitch, add_lora, lora_parameters
 from rlgen_cli.models.loading import cast_as_loaded
 from rlgen_cli.schema.errors import UserError
@@ -135,8 +138,10 @@ class TrainableTransformer:
     frozen in ``model.dtype`` with a LoRA adapter attached (``exclude``: modules that can never get a
     gradient) or fully unfrozen in fp32; trainable weights are fp32 either way (docs/precision.md). In
     a low ``model.dtype`` every biased Linear gets contiguous inputs (:func:`batch_invariant_linears`).
-    ``gradient_checkpointing`` is enabled before the full-FT reference copy is taken. ``checkpoint``
-    defines the files :meth:`save` writes and :meth:`load` reads.
+    ``model.attention`` and ``model.gradient_checkpointing`` are applied before the full-FT reference
+    copy is taken (the copy inherits them); ``model.compile`` compiles the live transformer and, under
+    full FT, the frozen copy on its own. ``checkpoint`` defines the files :meth:`save` writes and
+    :meth:`load` reads.
     """
 
     def __init__(
@@ -146,7 +151,6 @@ class TrainableTransformer:
         *,
         checkpoint: CheckpointFormat,
         exclude: Sequence[str] = (),
-        gradient_checkpointing: bool = False,
     ) -> None:
         self._owner = owner
         self.lora = cfg.lora.enabled
@@ -167,12 +171,19 @@ class TrainableTransformer:
         self._parameters = params
         if dtype != torch.float32:
             batch_invariant_linears(transformer)
-        if gradient_checkpointing:
-            # Active only with grad enabled; it recomputes the same ops, so values match the no-grad
-            # rollout bit for bit.
-            transformer.enable_gradient_checkpointing()
+        prepare_transformer(transformer, cfg)
         self._reference = ReferenceSwitch(owner, "transformer", lora=self.lora)
+        if cfg.compile:
+            self._compile()
         self._distributed: nn.Module | None = None
+
+    def _compile(self) -> None:
+        """Compile the live transformer, and the full-FT frozen copy on its own (a copy of a compiled
+        module would call the original's forward)."""
+        compile_module(self.module)
+        if not self.lora:
+            with self.reference():
+                compile_module(self.module)
 
     @property
     def module(self) -> nn.Module:

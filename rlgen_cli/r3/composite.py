@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rlgen_cli.models import Cond, FlowPolicy, build_policy
+from rlgen_cli.models.acceleration import prepare_vlm
 from rlgen_cli.models.qwen_image import QwenImagePolicy
 from rlgen_cli.r3.policy import EDIT, GENERATE, IMAGE, STAGE_KEY, TEXT, Thoughts, stage_of
 from rlgen_cli.r3.prompts import REASON_SYSTEM, REFLECT_SYSTEM, generation_prompt, reason_user, reflect_user
@@ -226,7 +227,7 @@ def shared_text_policy(generator: FlowPolicy, cfg: ModelConfig, device: torch.de
 
     processor = _shared_processor(cfg, generator.pipeline.tokenizer)
     model = _make_trainable(encoder, cfg).to(device)
-    model.train(cfg.vlm.gradient_checkpointing)
+    prepare_vlm(model, cfg)  # the text policy's settings, on the encoder the generator shares
     return VLMPolicy(model=model, processor=processor, cfg=cfg, device=device)
 
 

@@ -17,11 +17,13 @@ from typing import Annotated, Literal
 
 __all__ = [
     "AdvAggregation",
+    "Attention",
     "Branch",
     "CfgGrad",
     "Dtype",
     "EvalReportKind",
     "ExpertsTrain",
+    "GuardAction",
     "KlForm",
     "Launcher",
     "LogprobForm",
@@ -29,17 +31,20 @@ __all__ = [
     "LoraInit",
     "LrSchedule",
     "MixedPrecision",
+    "ModelWeights",
     "Objective",
     "PrefLoss",
     "PretrainSource",
     "PromptFormat",
     "R3Dataset",
+    "RealSizeVariant",
     "Recipe",
     "SdeKind",
     "SigmaSampling",
     "SlidingStrategy",
     "StdEstimator",
     "StepKind",
+    "TextEncoderSize",
     "TokenEngine",
     "TokenImportance",
     "TokenLoss",
@@ -56,6 +61,20 @@ LoraInit = Literal["gaussian", "kaiming"]
 Kaiming-uniform A, zero B)."""
 ExpertsTrain = Literal["both", "high_noise", "low_noise"]
 """Which expert of a two-expert family (Wan2.2 A14B) trains; the other stays frozen."""
+Attention = Literal["sdpa", "eager"]
+"""``model.attention``: PyTorch's ``scaled_dot_product_attention`` (fused kernels) or the explicit
+softmax(QKᵀ/√d)·V (diffusers' ``_native_math`` backend; transformers' ``eager``); docs/memory_speed.md."""
+ModelWeights = Literal["pretrained", "random_init"]
+"""``model.weights``: load ``model.path``, or build ``model.variant``'s published architecture with random
+weights (``models/real_size.py``)."""
+RealSizeVariant = Literal[
+    "auto", "sd3_5_medium", "sd3_5_large", "flux_1_dev", "flux_1_kontext_dev", "qwen_image", "qwen_image_edit",
+    "wan2_1_t2v_1_3b", "wan2_1_t2v_14b", "qwen2_vl_2b", "qwen2_vl_7b", "qwen2_5_vl_3b", "qwen2_5_vl_7b",
+]  # fmt: skip
+"""``model.variant``: the checkpoint ``model.weights=random_init`` builds (``schema/flow.py:
+REAL_SIZE_VARIANTS`` says which family builds which)."""
+TextEncoderSize = Literal["real_size", "stand_in"]
+"""``model.text_encoders``: a random-init flow model's text encoders as published, or narrow stand-ins."""
 
 SdeKind = Literal["flow_sde", "dance", "cps"]
 StepKind = Literal["ode", SdeKind]
@@ -77,6 +96,8 @@ PrefLoss = Literal["dpo", "sft"]
 PretrainSource = Literal["shapes"]
 EvalReportKind = Literal["none", "shapes"]
 """``eval_report``: what a flow run writes from its evaluations at the end (``training/report.py``)."""
+GuardAction = Literal["warn", "stop", "rollback"]
+"""``guard.action``: what the reward-hacking guard does on a flagged evaluation (``training/guard.py``)."""
 SigmaSampling = Literal["logit_normal", "uniform"]
 
 TokenLoss = Literal["grpo", "bnpo", "dr_grpo", "dapo"]

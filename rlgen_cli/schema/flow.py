@@ -13,17 +13,21 @@ from typing import Annotated, Any
 from rlgen_cli.schema.algo import SamplerConfig
 from rlgen_cli.schema.choices import (
     AdvAggregation,
+    Attention,
     Dtype,
     ExpertsTrain,
     Launcher,
     LoraInit,
     MixedPrecision,
+    ModelWeights,
+    RealSizeVariant,
     Recipe,
+    TextEncoderSize,
     WandbMode,
 )
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.fidelity import FidelityConfig
-from rlgen_cli.schema.vlm import VLMOptions
+from rlgen_cli.schema.vlm import VLM_FAMILIES, VLMOptions
 
 SD3_LORA_TARGETS = [
     "attn.add_k_proj",
@@ -37,9 +41,62 @@ SD3_LORA_TARGETS = [
 ]
 
 
+REAL_SIZE_VARIANTS: dict[str, tuple[str, ...]] = {
+    "sd3": ("sd3_5_medium", "sd3_5_large"),
+    "flux": ("flux_1_dev",),
+    "flux_kontext": ("flux_1_kontext_dev",),
+    "qwen_image": ("qwen_image",),
+    "qwen_image_edit": ("qwen_image_edit",),
+    "wan2_1": ("wan2_1_t2v_1_3b", "wan2_1_t2v_14b"),
+    "qwen2_vl": ("qwen2_vl_2b", "qwen2_vl_7b"),
+    "qwen2_5_vl": ("qwen2_5_vl_3b", "qwen2_5_vl_7b"),
+}
+"""The checkpoints ``model.weights=random_init`` builds, per family; the first is ``model.variant=auto``
+(the checkpoint the family's conf/model option loads). Their architectures: ``models/real_size.py``."""
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise UserError(message)
+
+
+def check_real_size(cfg: ModelConfig) -> None:
+    """``model.variant`` and ``model.text_encoders`` go with ``model.weights=random_init``, the variant with
+    the family; with ``pretrained`` they would be silently ignored, so they are refused."""
+    random_init = cfg.weights == "random_init"
+    _require(
+        not (cfg.tiny and random_init),
+        "model.tiny=true and model.weights=random_init both ask for random weights: model.tiny builds the tiny "
+        "variant, model.weights=random_init the real-size one; set model.tiny=false for real size",
+    )
+    _require(
+        random_init or cfg.variant == "auto",
+        f"model.variant={cfg.variant} names the architecture model.weights=random_init builds; add "
+        "model.weights=random_init, or drop model.variant to load model.path",
+    )
+    _require(
+        random_init or cfg.text_encoders == "real_size",
+        "model.text_encoders=stand_in applies to model.weights=random_init only; add model.weights=random_init "
+        "or drop it",
+    )
+    if not random_init:
+        return
+    variants = REAL_SIZE_VARIANTS.get(cfg.family)
+    _require(
+        variants is not None,
+        f"model.weights=random_init: model.family={cfg.family} has no real-size variant; families with one: "
+        f"{', '.join(REAL_SIZE_VARIANTS)}",
+    )
+    _require(
+        cfg.variant == "auto" or cfg.variant in variants,
+        f"model.variant={cfg.variant} is not a {cfg.family} checkpoint; choose auto or one of "
+        f"{', '.join(variants)} (or the family that builds it: docs/real_size.md)",
+    )
+    _require(
+        cfg.family not in VLM_FAMILIES or cfg.text_encoders == "real_size",
+        f"model.text_encoders=stand_in is for flow families; {cfg.family} is a VLM with no separate text "
+        "encoder: drop it",
+    )
 
 
 @dataclass
@@ -77,7 +134,21 @@ class ModelConfig:
     tiny: bool = False
     """Build the family's tiny variant in-process (random weights, offline tokenizers) instead of loading."""
     tiny_seed: int = 0
-    """Seed of the tiny variant's random weights (so a checkpoint's base can be rebuilt exactly)."""
+    """Seed of the random weights of the tiny variant or of ``weights=random_init`` (so a checkpoint's base
+    can be rebuilt exactly)."""
+    weights: Annotated[str, ModelWeights] = "pretrained"
+    """``pretrained``: load ``path``. ``random_init``: build the published architecture of ``variant`` with
+    random weights and no download, to measure production-size runs (docs/real_size.md); ``path`` is not
+    read. ``tiny`` and ``random_init`` exclude each other."""
+    variant: Annotated[str, RealSizeVariant] = "auto"
+    """The checkpoint ``weights=random_init`` builds (:data:`REAL_SIZE_VARIANTS`); ``auto`` = the one the
+    family's conf/model option loads (sd3 → sd3_5_medium, wan2_1 → wan2_1_t2v_1_3b, qwen2_5_vl →
+    qwen2_5_vl_3b, …)."""
+    text_encoders: Annotated[str, TextEncoderSize] = "real_size"
+    """Flow families with ``weights=random_init``: ``real_size`` text encoders as published (T5-XXL 4.76 B,
+    Qwen2.5-VL-7B 8.3 B), or ``stand_in``: two-layer encoders of the same output widths, so the transformer
+    still sees production-shaped conditioning, from a few million parameters (quick benchmarks, small
+    hosts)."""
     local_files_only: bool = False
     """Never touch the network when loading ``path``."""
     revision: str | None = None
@@ -111,6 +182,16 @@ class ModelConfig:
     """Keep the text conditioning of batches of prompts already encoded, up to this many MiB on the
     model's device (least recently used evicted first); 0 re-encodes every batch. Cached conditioning is
     bit-identical to a fresh encode (``models/prompt_cache.py``)."""
+    gradient_checkpointing: bool = False
+    """Recompute the transformer's blocks (VLMs: decoder and vision layers) in the backward pass instead of
+    keeping their activations: less memory, one more forward per update, the same loss and gradients. Only
+    with gradients on: rollouts and evaluation are untouched (docs/memory_speed.md)."""
+    attention: Annotated[str, Attention] = "sdpa"
+    """Attention kernel of the trained network: ``sdpa`` (PyTorch's scaled_dot_product_attention, fused
+    kernels) or ``eager`` (the explicit softmax(QKᵀ/√d)·V). Equal within rounding (docs/memory_speed.md)."""
+    compile: bool = False
+    """torch.compile (mode default, automatic dynamic shapes) the transformer's forward; VLMs: the training
+    forward. Compiled and eager forwards differ by rounding (docs/memory_speed.md)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     vlm: VLMOptions = field(default_factory=VLMOptions)
     """Multimodal-LLM families only (processor pixel bounds, context)."""
@@ -119,9 +200,10 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _require(
-            self.tiny or bool(self.path),
-            "model.path is empty: set model.path=HUB_ID_OR_DIR or model.tiny=true",
+            self.tiny or self.weights == "random_init" or bool(self.path),
+            "model.path is empty: set model.path=HUB_ID_OR_DIR, model.tiny=true or model.weights=random_init",
         )
+        check_real_size(self)
 
 
 @dataclass

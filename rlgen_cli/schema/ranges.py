@@ -55,6 +55,8 @@ from rlgen_cli.schema.flow import (
     SampleConfig,
 )
 from rlgen_cli.schema.forward import ForwardConfig, OldPolicyConfig
+from rlgen_cli.schema.guard import GuardConfig
+from rlgen_cli.schema.plan import PlanOptions
 from rlgen_cli.schema.r3 import R3Config
 from rlgen_cli.schema.recipes import FlowForwardTrainConfig, FlowGrpoTrainConfig, FlowRunConfig
 from rlgen_cli.schema.serve import ServerConfig
@@ -128,6 +130,10 @@ RANGES: dict[type, dict[str, Range | Pattern]] = {
         "keep_last": COUNT, "device": DEVICE,
     },
     FlowRunConfig: {"time_limit_minutes": NON_NEGATIVE},
+    GuardConfig: {
+        "monitors": ANY, "window": COUNT, "margin": NON_NEGATIVE, "rollback_lr_scale": FRACTION,
+        "rollback_kl_scale": at_least(1), "max_rollbacks": NON_NEGATIVE,
+    },
     FlowGrpoTrainConfig: {"images_every": NON_NEGATIVE},
     FlowForwardTrainConfig: {"images_every": NON_NEGATIVE},
     ModelConfig: {
@@ -202,6 +208,7 @@ RANGES: dict[type, dict[str, Range | Pattern]] = {
         "tolerance": POSITIVE, "text_tolerance": POSITIVE, "train_noise_level": NON_NEGATIVE,
         "train_batch_size": COUNT, "perturb_weights": NON_NEGATIVE,
     },
+    PlanOptions: {"device_memory_gb": POSITIVE, "headroom": BELOW_ONE},
     SampleConfig: {
         "seed": NON_NEGATIVE, "images_per_prompt": COUNT, "batch_size": COUNT, "num_steps": COUNT,
         "device": DEVICE,

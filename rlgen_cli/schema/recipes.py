@@ -33,6 +33,7 @@ from rlgen_cli.schema.flow import (
     require_sde_sampler,
     require_whole_batches,
 )
+from rlgen_cli.schema.guard import GuardConfig, check_guard
 from rlgen_cli.schema.r3 import R3Config, R3TrainConfig
 
 __all__ = [
@@ -60,6 +61,13 @@ class FlowRunConfig(RunConfig):
     eval_report: Annotated[str, EvalReportKind] = "none"
     """What the run writes from its evaluations at the end: ``none``, or ``shapes`` (ShapesEval's
     ``shapes_curves.png``; with ``eval_before`` the per-tag ``before_after.txt`` and its sample grid)."""
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    """The reward-hacking guard: held-out rewards scored at every evaluation, and what to do when the
+    trained reward rises while they fall (docs/guard.md); no ``guard.monitors`` = off."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_guard(self)
 
 
 @dataclass
@@ -172,7 +180,9 @@ CHECK_SCHEMAS = {recipe: _check_schema(recipe, cls) for recipe, cls in TRAIN_SCH
 EVAL_SCHEMAS = {recipe: _eval_schema(recipe, cls) for recipe, cls in TRAIN_SCHEMAS.items()}
 
 
-FREE_FORM = frozenset({"reward.weights", "reward.kwargs", "fidelity", "r3.offline.data"})
+FREE_FORM = frozenset(
+    {"reward.weights", "reward.kwargs", "guard.monitors", "guard.kwargs", "fidelity", "r3.offline.data"}
+)
 """Maps whose keys are data (reward names, dataset names, provenance records), not settings."""
 
 

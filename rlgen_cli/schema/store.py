@@ -2,7 +2,7 @@
 
 Each primary config in ``conf/`` lists its schema first in its defaults, so every group option merges
 into a typed node and a misspelt key fails with its full name. ``sample`` and ``serve_reward`` have one
-schema (``_schema_<verb>``). ``train``, ``check_onpolicy`` and ``eval`` start from the ``recipe`` group
+schema (``_schema_<verb>``). ``train``, ``check_onpolicy``, ``eval`` and ``plan`` start from the ``recipe`` group
 (``- recipe@_global_: flow_grpo``), whose options are that verb's schema per recipe
 (``schema/recipes.py``): an ``algo`` or ``model`` option that trains with another recipe overrides it, so a
 run composes only the keys its recipe reads. One process composes one verb, so the ``recipe`` group holds
@@ -14,6 +14,7 @@ from __future__ import annotations
 from hydra.core.config_store import ConfigStore
 
 from rlgen_cli.schema.flow import SampleConfig
+from rlgen_cli.schema.plan import PLAN_SCHEMAS
 from rlgen_cli.schema.recipes import CHECK_SCHEMAS, EVAL_SCHEMAS, TRAIN_SCHEMAS
 from rlgen_cli.schema.serve import ServeRewardConfig
 
@@ -21,7 +22,9 @@ PRIMARY_SCHEMAS = {
     "_schema_sample": SampleConfig,
     "_schema_serve_reward": ServeRewardConfig,
 }
-RECIPE_SCHEMAS = {"train": TRAIN_SCHEMAS, "check_onpolicy": CHECK_SCHEMAS, "eval": EVAL_SCHEMAS}
+RECIPE_SCHEMAS = {
+    "train": TRAIN_SCHEMAS, "check_onpolicy": CHECK_SCHEMAS, "eval": EVAL_SCHEMAS, "plan": PLAN_SCHEMAS,
+}  # fmt: skip
 """verb → {recipe: the schema that verb composes for it}."""
 
 

@@ -57,10 +57,6 @@ class VLMOptions:
     Mulberry / R1-VL step-format instructions (### Image Description … ### The final answer is:)."""
     system_prompt: str | None = None
     """A system message before each prompt; null = the chat template's default."""
-    attn_implementation: str | None = None
-    """transformers attention kernel (``sdpa``, ``flash_attention_2``, ``eager``); null = default."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass (needed for 7B full fine-tuning)."""
     freeze_vision: bool = False
     """Full fine-tuning: keep the vision tower frozen. LoRA never targets the vision tower."""
     eval_max_new_tokens: int = 1024

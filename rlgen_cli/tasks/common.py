@@ -32,6 +32,10 @@ def validated(cfg: DictConfig) -> Any:
         raise UserError(str(err).replace("\n", "; ")) from err
     if hasattr(typed, "reward"):
         require_known_rewards(typed)
+    if getattr(typed, "guard", None) is not None:  # the flow recipes' held-out rewards, checked alike
+        from rlgen_cli.training.guard import require_known_monitors
+
+        require_known_monitors(typed.guard)
     return typed
 
 

@@ -152,8 +152,10 @@ def save_checkpoint(
     config: DictConfig,
     keep_last: int,
     engine_state: Path | None = None,
+    name: str | None = None,
 ) -> Checkpoint:
-    """Write ``checkpoints/epoch_{epoch:06d}`` atomically, then delete all but the newest ``keep_last``.
+    """Write ``checkpoints/epoch_{epoch:06d}`` (or ``checkpoints/{name}``) atomically, then delete all but
+    the newest ``keep_last`` epoch checkpoints.
 
     Args:
         run_dir: The run directory.
@@ -165,9 +167,11 @@ def save_checkpoint(
         keep_last: Checkpoints to keep, newest first.
         engine_state: A complete directory of an engine's sharded state (:func:`engine_staging`), moved
             into the checkpoint as ``engine/`` (the manifest covers its shards like every other file).
+        name: A fixed folder name instead of the epoch's (e.g. the guard's ``best_heldout``): replaced by
+            each save, never deleted by ``keep_last`` and never picked by ``resume=auto``.
     """
     root = Path(run_dir) / CHECKPOINTS_DIR
-    final = root / f"epoch_{epoch:06d}"
+    final = root / (name or f"epoch_{epoch:06d}")
     tmp = root / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -176,7 +180,7 @@ def save_checkpoint(
         os.replace(engine_state, tmp / ENGINE_DIR)
     torch.save({**trainer_state, RNG_KEY: rng_state()}, tmp / STATE_FILE)
     OmegaConf.save(config, tmp / CONFIG_FILE, resolve=True)
-    write_checkpoint_readme(tmp, final.name, OmegaConf.select(config, "model.family"))
+    write_checkpoint_readme(tmp, final.name, OmegaConf.select(config, "model.family"), epochs=epoch)
     write_manifest(tmp)
     if final.exists():
         shutil.rmtree(final)

@@ -29,11 +29,13 @@ def load_hint(weights: Path, family: str | None, shown: str) -> str:
     return "rlgen: rlgen sample checkpoint=<this folder> (rebuilds the model from config.yaml)"
 
 
-def checkpoint_readme(name: str, weights: Path, family: str | None) -> str:
-    """The note of checkpoint ``name`` (``epoch_000010``) whose weights folder is ``weights``."""
+def checkpoint_readme(name: str, weights: Path, family: str | None, epochs: int | None = None) -> str:
+    """The note of checkpoint ``name`` (``epoch_000010``) whose weights folder is ``weights``; ``epochs``
+    for a name that does not say it (``best_heldout``)."""
     shown = f"RUN_DIR/checkpoints/{name}/weights"
+    epochs = int(name.split("_")[-1]) if epochs is None else epochs
     return (
-        f"rlgen checkpoint {name}: the state after {int(name.split('_')[-1])} epochs.\n\n"
+        f"rlgen checkpoint {name}: the state after {epochs} epochs.\n\n"
         f"weights/          the trained weights; load THIS folder, not the checkpoint folder:\n"
         f"                  {load_hint(weights, family, shown)}\n"
         "trainer_state.pt  optimizer, counters, RNG and sampler states (rlgen train resume=auto)\n"
@@ -42,8 +44,10 @@ def checkpoint_readme(name: str, weights: Path, family: str | None) -> str:
     )
 
 
-def write_checkpoint_readme(directory: Path, name: str, family: str | None) -> Path:
+def write_checkpoint_readme(
+    directory: Path, name: str, family: str | None, epochs: int | None = None
+) -> Path:
     """Write :func:`checkpoint_readme` into the checkpoint ``directory`` (before its manifest)."""
     path = directory / README_FILE
-    path.write_text(checkpoint_readme(name, directory / "weights", family), encoding="utf-8")
+    path.write_text(checkpoint_readme(name, directory / "weights", family, epochs), encoding="utf-8")
     return path

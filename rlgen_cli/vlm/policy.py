@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from rlgen_cli.models.acceleration import TRANSFORMERS_ATTENTION, compiled, prepare_vlm
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
 from rlgen_cli.schema.vlm import VLM_FAMILIES
@@ -52,6 +53,7 @@ class VLMPolicy:
     device: torch.device
     _frozen_copy: Any = field(default=None, repr=False)
     _train_model: Any = field(default=None, repr=False)
+    _compiled: Any = field(default=None, repr=False)
 
     @property
     def tokenizer(self) -> Any:
@@ -85,8 +87,13 @@ class VLMPolicy:
     def train_model(self) -> Any:
         """What the log-prob and loss forwards call: :attr:`model`, or its DDP / DeepSpeed wrapper after
         :meth:`distribute`. ``generate``, the reference and checkpoints use the bare :attr:`model`
-        (HF ``generate`` is not a method of the wrappers)."""
-        return self.model if self._train_model is None else self._train_model
+        (HF ``generate`` is not a method of the wrappers). With ``model.compile``, a compiled wrapper of it."""
+        model = self.model if self._train_model is None else self._train_model
+        if not self.cfg.compile:
+            return model
+        if self._compiled is None or self._compiled._orig_mod is not model:
+            self._compiled = compiled(model)
+        return self._compiled
 
     def distribute(self, wrap: Callable[[torch.nn.Module], torch.nn.Module]) -> None:
         """Route the training forwards through ``wrap(model)`` (``Dist.prepare``: DDP averages the gradients,
@@ -189,13 +196,12 @@ def _base_model(cfg: ModelConfig, processor: Any) -> Any:
         "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
         "qwen3_vl": "Qwen3VLForConditionalGeneration",
     }
-    extra = {"attn_implementation": cfg.vlm.attn_implementation} if cfg.vlm.attn_implementation else {}
     return getattr(transformers, cls[cfg.family]).from_pretrained(
         cfg.path,
         dtype=_DTYPES[cfg.dtype],
         local_files_only=cfg.local_files_only,
         revision=cfg.revision,
-        **extra,
+        attn_implementation=TRANSFORMERS_ATTENTION[cfg.attention],
     )
 
 
@@ -223,8 +229,20 @@ def _make_trainable(model: Any, cfg: ModelConfig) -> Any:
     return model
 
 
+def _real_size(cfg: ModelConfig, device: torch.device) -> tuple[Any, Any]:
+    """``model.weights=random_init``: the published architecture of ``model.variant`` at random init on
+    ``device`` (``models/real_size.py``), read through the tiny tokenizer with the published processor
+    geometry (14-px patches), the pixel bounds of ``model.vlm``."""
+    from rlgen_cli.models.real_size import build_vlm_model, vl_processor
+    from rlgen_cli.vlm.tokenizer import CHAT_TEMPLATE, tiny_tokenizer
+
+    processor = vl_processor(tiny_tokenizer(), CHAT_TEMPLATE, cfg.vlm.min_pixels, cfg.vlm.max_pixels)
+    return processor, build_vlm_model(cfg, processor.tokenizer, device)
+
+
 def build_vlm(cfg: ModelConfig, device: torch.device) -> VLMPolicy:
-    """The policy of ``cfg`` (``family`` qwen2_vl | qwen2_5_vl | qwen3_vl; tiny or loaded) on ``device``.
+    """The policy of ``cfg`` (``family`` qwen2_vl | qwen2_5_vl | qwen3_vl; tiny, random-init real size or
+    loaded) on ``device``.
 
     Raises:
         UserError: On an unknown family or a path that cannot be loaded.
@@ -234,21 +252,22 @@ def build_vlm(cfg: ModelConfig, device: torch.device) -> VLMPolicy:
             f"model.family={cfg.family!r} is not a VLM family; choose one of {', '.join(VLM_FAMILIES)}"
         )
     try:
-        processor = _processor(cfg)
-        model = _base_model(cfg, processor)
+        if cfg.weights == "random_init":
+            processor, model = _real_size(cfg, device)
+        else:
+            processor = _processor(cfg)
+            model = _base_model(cfg, processor)
     except OSError as err:
         raise UserError(
             f"cannot load {cfg.family} from model.path={cfg.path!r} ({err}); give a hub id or a local "
             "directory with config.json and weights (model.local_files_only=true for offline use)"
         ) from err
     model = _make_trainable(model, cfg).to(device)
-    if cfg.vlm.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
-    model.train(cfg.vlm.gradient_checkpointing)  # eval mode otherwise: no dropout, the ratio stays exactly 1
+    prepare_vlm(model, cfg)  # attention, gradient checkpointing, train mode only with it (no dropout either way)
     policy = VLMPolicy(model=model, processor=processor, cfg=cfg, device=device)
     log.info(
-        "%s%s: %d parameters, %d trainable (%s)", cfg.family, " (tiny)" if cfg.tiny else "",
+        "%s%s: %d parameters, %d trainable (%s)", cfg.family,
+        " (tiny)" if cfg.tiny else " (random init)" if cfg.weights == "random_init" else "",
         sum(p.numel() for p in model.parameters()), sum(p.numel() for p in policy.trainable_parameters()),
         "LoRA" if cfg.lora.enabled else "full fine-tuning",
     )  # fmt: skip

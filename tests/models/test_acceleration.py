@@ -229,29 +229,31 @@ def _spy_sdpa(monkeypatch) -> list[bool]:
     return calls
 
 
-def test_the_tolerances_catch_a_lora_weight_moved_by_1e_4(flow_built):
-    """The perturbation arm: the same comparisons fail once a weight actually changes."""
+def test_the_tolerances_catch_lora_weights_moved_by_1e_4(flow_built):
+    """The perturbation arm: every LoRA B moved by 1e-4 of its scale (tiny SD3) breaks the gradient and the
+    velocity comparisons (measured: gradients 1.5e-3, velocity 8.8e-5; the loss alone moves 1.8e-7)."""
     policy = _flow_policy(flow_built, "sd3")
     traj, cond = _trajectory(policy)
     loss, grads = _loss_and_grads(policy, traj, cond)
     x, sigma = traj.latents[:, 0], traj.sigmas[0]
     with torch.no_grad():
         velocity = policy.velocity(x, sigma, cond)
-    name, param = next((n, p) for n, p in policy.trainable.named() if "lora_B" in n)
-    saved = param.detach().clone()
+    saved = [param.detach().clone() for param in policy.trainable.parameters()]
+    generator = torch.Generator().manual_seed(6)
     with torch.no_grad():
-        param.add_(
-            1e-4 * saved.abs().max() * torch.randn(param.shape, generator=torch.Generator().manual_seed(6))
-        )
+        for name, param in policy.trainable.named():
+            if "lora_B" in name:
+                param.add_(1e-4 * param.abs().max() * torch.randn(param.shape, generator=generator))
     try:
         moved_loss, moved_grads = _loss_and_grads(policy, traj, cond)
         with torch.no_grad():
             moved_velocity = policy.velocity(x, sigma, cond)
     finally:
         with torch.no_grad():
-            param.copy_(saved)
-    assert max(relative_gap(g, m) for g, m in zip(grads, moved_grads, strict=True)) > GRAD_TOLERANCE
-    assert relative_gap(moved_velocity, velocity) > ATTENTION_TOLERANCE / 10, name
+            for param, value in zip(policy.trainable.parameters(), saved, strict=True):
+                param.copy_(value)
+    assert max(relative_gap(g, m) for g, m in zip(grads, moved_grads, strict=True)) > 100 * GRAD_TOLERANCE
+    assert relative_gap(moved_velocity, velocity) > ATTENTION_TOLERANCE
     assert relative_gap(moved_loss, loss) > 0
 
 

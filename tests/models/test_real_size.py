@@ -163,9 +163,73 @@ def test_random_init_needs_no_path_and_a_vlm_takes_no_stand_in_encoders():
         ModelConfig(family="qwen2_vl", weights="random_init", text_encoders="stand_in")
 
 
+SHALLOW = {
+    "sd3_5_medium": {"num_layers": 2, "dual_attention_layers": (0,)},
+    "flux_1_dev": {"num_layers": 1, "num_single_layers": 1},
+    "flux_1_kontext_dev": {"num_layers": 1, "num_single_layers": 1},
+    "qwen_image": {"num_layers": 1},
+    "qwen_image_edit": {"num_layers": 1},
+    "wan2_1_t2v_1_3b": {"num_layers": 1},
+}
+"""Depth cuts that let every family's random-init pipeline run on a CPU: widths, VAE, processors and
+tokenizers stay real size, only the transformer has fewer blocks."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SHALLOW)
+def test_each_family_encodes_denoises_and_decodes_with_its_real_size_components(name, monkeypatch):
+    from rlgen_cli.models import build_policy
+
+    variant = VARIANTS[name]
+    monkeypatch.setitem(VARIANTS, name, replace(variant, transformer=variant.transformer | SHALLOW[name]))
+    base = model_cfg(variant.family)
+    geometry = (
+        {"height": 64, "width": 64, "num_frames": 5} if variant.family == "wan2_1" else {"resolution": 64}
+    )
+    if not variant.family.startswith(
+        "qwen_image"
+    ):  # T5 pads to it; Qwen-Image's bound covers the source image
+        geometry["max_sequence_length"] = 32
+    cfg = replace(
+        base, weights="random_init", variant=name, text_encoders="stand_in", dtype="bfloat16",
+        lora=replace(base.lora, enabled=False), **geometry,
+    )  # fmt: skip
+    policy = build_policy(cfg, torch.device("cpu"))
+    sources = torch.rand(1, 3, 64, 64) if variant.family in ("flux_kontext", "qwen_image_edit") else None
+    cond = policy.encode(["a photo of a red circle"], sources)
+    x = policy.noise(1, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        v = policy.velocity(x, torch.tensor(0.5), cond)
+    assert v.shape == x.shape and v.dtype == torch.float32 and torch.isfinite(v).all()
+    images = policy.decode(x)
+    assert images.shape[-2:] == (64, 64) and images.min() >= 0 and images.max() <= 1
+
+
+@pytest.mark.slow
+def test_a_random_init_vlm_policy_reads_an_image_through_the_published_patch_geometry():
+    from PIL import Image
+
+    from rlgen_cli.vlm.policy import build_vlm
+
+    base = model_cfg("qwen2_vl")
+    cfg = replace(base, weights="random_init", dtype="bfloat16", lora=replace(base.lora, enabled=True))
+    policy = build_vlm(cfg, torch.device("cpu"))
+    assert within(sum(p.numel() for n, p in policy.model.named_parameters() if "lora_" not in n), 2.21e9)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many?"}]}]
+    text = policy.processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = policy.processor(text=[text], images=[Image.new("RGB", (112, 56))], return_tensors="pt")
+    assert inputs["image_grid_thw"].tolist() == [[1, 4, 8]]  # 56×112 px in 14-px patches
+    assert (
+        inputs["input_ids"] == policy.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    ).sum() == 8  # 2×2 merged
+    with torch.no_grad():
+        logits = policy.model(**inputs).logits
+    assert logits.shape == (1, inputs["input_ids"].shape[1], 151936) and torch.isfinite(logits.float()).all()
+
+
 @pytest.mark.slow
 def test_the_benchmark_runs_one_epoch_of_sd3_5_medium_on_the_cpu():
-    """One GRPO-Fast epoch of the 2.24 B SD3.5-Medium transformer at 64 px (≈ 3 min on two cores)."""
+    """One GRPO-Fast epoch of the 2.24 B SD3.5-Medium transformer at 64 px (≈ 4.5 min on two cores)."""
     command = [
         sys.executable, str(ROOT / "benchmarks" / "real_size.py"), "sd3_5_medium", "--resolution", "64",
         "--steps", "2", "--batch", "2", "--device", "cpu", "model.text_encoders=stand_in",
@@ -186,4 +250,5 @@ def test_the_benchmark_runs_one_epoch_of_sd3_5_medium_on_the_cpu():
     for phase in ("build", "rollout", "reward", "update", "epoch"):
         assert result["seconds"][phase] >= 0
     assert result["seconds"]["rollout"] > 0 and result["seconds"]["update"] > 0
-    assert result["velocity_rows"] == {"sampling": 2 * 2, "training": 2 * 2}
+    # 2 samples × 2 steps sampled; at 2 steps the SDE window is 1 step, trained for both samples
+    assert result["velocity_rows"] == {"sampling": 2 * 2, "training": 2 * 1}

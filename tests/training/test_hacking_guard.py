@@ -151,12 +151,13 @@ def test_decide_stops_and_reports_best():
     guard = _run_guard(window=1, margin=0.125, action="stop")
     first = guard.decide(_OneProcess(), -1, {"eval/reward/mean": 0.0, "guard/heldout": 0.5})
     assert (first.new_best, first.action, guard.stop_requested) == (True, None, False)
+    assert guard.status_metrics() == {"guard/best": 0.5, "guard/best_step": -1.0}  # the window is not full
     second = guard.decide(_OneProcess(), 0, {"eval/reward/mean": 0.25, "guard/heldout": 0.25})
     assert (second.new_best, second.action, guard.stop_requested) == (False, "stop", True)
-    assert second.event.metrics() == {
-        "guard/event/stop": 1.0, "guard/train_rise": 0.25, "guard/heldout_drop": 0.25,
+    assert second.event.metrics() == {"guard/event/stop": 1.0}
+    assert guard.status_metrics() == {
+        "guard/best": 0.5, "guard/best_step": -1.0, "guard/train_rise": 0.25, "guard/heldout_drop": 0.25,
     }  # fmt: skip
-    assert guard.status_metrics() == {"guard/best": 0.5, "guard/best_step": -1.0}
 
 
 def test_rollback_scales_the_optimizer_lr_and_the_config_each_time():
@@ -405,3 +406,24 @@ def test_a_rollback_with_ema_restores_the_raw_weights_and_the_average(tmp_path: 
         torch.testing.assert_close(shadow_after, shadow_best, rtol=0, atol=0)
     assert after_state["ema"]["last_step"] == best_state["ema"]["last_step"] == 0
     assert after_state["counters"]["global_step"] == 1  # the clock is not rolled back
+
+
+@pytest.mark.slow
+def test_two_processes_share_the_decision_and_roll_back_together(tmp_path: Path):
+    """DDP: rank 0 evaluates and decides; both ranks save best_heldout and roll back together (the
+    samples do not depend on the process count, so epoch 0 is flagged as in one process)."""
+    run = tmp_path / "run"
+    ddp = [
+        "launcher=accelerate",
+        "launcher.num_processes=2",
+        "algo.sample_batch_size=4",
+        "algo.train_batch_size=4",
+    ]
+    code, out = run_cli("train", *GUARDED_RUN, *ddp, "epochs=2", "guard.margin=0", f"hydra.run.dir={run}")
+    assert code == 0, out
+    assert _guard_events(_rows(run)) == {0: ["rollback"], 1: ["rollback"]}
+    checkpoints = run / "checkpoints"
+    _assert_same_weights(checkpoints / "epoch_000001", checkpoints / "best_heldout")
+    _assert_same_weights(checkpoints / "epoch_000002", checkpoints / "best_heldout")
+    lrs = [g["lr"] for g in _state(checkpoints / "epoch_000002")["optimizer"]["param_groups"]]
+    assert lrs == [pytest.approx(7.5e-3)]  # halved twice

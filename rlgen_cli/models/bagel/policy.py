@@ -1,0 +1,247 @@
+"""BAGEL text-to-image behind the flow-policy protocol.
+
+Conventions reproduced from the reference inference (``generate_image`` / ``_forward_flow``):
+
+* **Latents.** ``x`` is the scaled FLUX latent (B, 16, H/8, W/8) in fp32; ``velocity`` cuts it into 2×2
+  patches flattened (p, p, channel) — the generation tokens — and folds the answer back.
+* **Text.** Each prompt is ``<|im_start|>`` + its tokens + ``<|im_end|>`` with no chat template (the
+  reference's text-to-image context without thinking), right-padded to ``model.max_sequence_length`` with
+  a mask so batches join with ``Cond.cat``.
+* **Time and sign.** BAGEL's t is rlgen's σ (x_t = (1 − t)·x₀ + t·ε) and it predicts ε − x₀ = dx/dσ, the
+  velocity rlgen integrates: no flip. The schedule is ``linspace(1, 0, T + 1)`` through the shift
+  s·t / (1 + (s − 1)·t) (``model.shift``; the reference's ``timestep_shift`` 3.0).
+* **CFG.** The text-CFG branch is the empty context (the image block alone, at rope position 0; a
+  non-empty ``model.negative_prompt`` is used as that context instead). ``model.guidance_scale`` is the
+  reference's ``cfg_text_scale`` in the same form u + g·(c − u); as there it acts only for t in
+  (0.4, 1] and the guided velocity is rescaled to at most the conditional one's norm (``global``
+  renorm with min 0, the norm per sample where the reference takes it over its one packed sample).
+  ``cfg_img_scale`` needs an image in the context: editing, not yet here.
+* **LoRA.** On the generation expert by default (``*_moe_gen``); targets naming the understanding
+  expert's projections adapt both. The ViT is never adapted (excluded from every pattern).
+
+Precision: the network runs in ``model.dtype`` under autocast, the VAE in fp32; latents stay fp32 between
+steps and both CFG branches are combined in fp32.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from rlgen_cli.models.base import TORCH_DTYPES, Capabilities, Cond, cfg_combine, uncond_takes_grad
+from rlgen_cli.models.bagel import vae as bagel_vae
+from rlgen_cli.models.bagel.config import GENERATION
+from rlgen_cli.models.bagel.loading import load_checkpoint
+from rlgen_cli.models.bagel.modeling import Bagel
+from rlgen_cli.models.loading import cast_as_loaded
+from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME, TrainableTransformer, autocast, load_lora_state
+from rlgen_cli.schema.errors import UserError
+from rlgen_cli.schema.flow import ModelConfig
+from rlgen_cli.sde.noise import randn_per_sample
+from rlgen_cli.sde.schedule import shift_sigmas
+
+BAGEL_LORA_TARGETS = [
+    "q_proj_moe_gen", "k_proj_moe_gen", "v_proj_moe_gen", "o_proj_moe_gen",
+    "mlp_moe_gen.gate_proj", "mlp_moe_gen.up_proj", "mlp_moe_gen.down_proj",
+]  # fmt: skip
+"""The generation expert's attention projections and MLP in every layer."""
+FULL_WEIGHTS_NAME = "bagel.safetensors"
+
+
+class BagelCheckpoint:
+    """LoRA → ``pytorch_lora_weights.safetensors`` (peft names, adapter config in the metadata); full
+    fine-tuning → ``bagel.safetensors``, the network's state dict under the release's names."""
+
+    def save(self, module: nn.Module, directory: Path, lora: bool) -> None:
+        from safetensors.torch import save_file
+
+        directory.mkdir(parents=True, exist_ok=True)
+        if not lora:
+            save_file({k: v.contiguous() for k, v in module.state_dict().items()}, directory / FULL_WEIGHTS_NAME)
+            return
+        from peft.utils import get_peft_model_state_dict
+
+        state = {k: v.contiguous() for k, v in get_peft_model_state_dict(module).items()}
+        config = module.peft_config["default"].to_dict()
+        metadata = {"lora_adapter_metadata": json.dumps(config, default=list, sort_keys=True)}
+        save_file(state, directory / LORA_WEIGHTS_NAME, metadata=metadata)
+
+    def load(self, module: nn.Module, directory: Path, lora: bool) -> None:
+        from safetensors.torch import load_file
+
+        path = directory / (LORA_WEIGHTS_NAME if lora else FULL_WEIGHTS_NAME)
+        if not path.is_file():
+            raise UserError(f"{path} is missing: the checkpoint holds no {'LoRA' if lora else 'full'} weights")
+        if lora:
+            load_lora_state(module, load_file(path), path)
+        else:
+            module.load_state_dict(load_file(path))
+
+
+def patchify_latents(x: Tensor, p: int) -> Tensor:
+    """(B, C, h, w) → (B, h/p·w/p, p·p·C): row-major patches, each flattened (p, p, channel)."""
+    b, c, h, w = x.shape
+    return x.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 3, 5, 1).reshape(b, (h // p) * (w // p), -1)
+
+
+def unpatchify_latents(tokens: Tensor, c: int, h: int, w: int, p: int) -> Tensor:
+    """Inverse of :func:`patchify_latents` for a (B, C, h, w) latent."""
+    b = tokens.shape[0]
+    return tokens.reshape(b, h // p, w // p, p, p, c).permute(0, 5, 1, 3, 2, 4).reshape(b, c, h, w)
+
+
+def renormed_guidance(uncond: Tensor, cond: Tensor, scale: float, floor: float) -> Tensor:
+    """u + g·(c − u) (:func:`cfg_combine`), then scaled by clamp(‖c‖ / ‖·‖, floor, 1) per sample."""
+    guided = cfg_combine(uncond, cond, scale)
+    dims = tuple(range(1, cond.dim()))
+    norm = torch.linalg.vector_norm
+    ratio = norm(cond, dim=dims, keepdim=True) / (norm(guided, dim=dims, keepdim=True) + 1e-8)
+    return guided * ratio.clamp(min=floor, max=1.0)
+
+
+class _Owner:
+    """What :class:`TrainableTransformer` adapts: the network under the name ``transformer``."""
+
+    def __init__(self, network: Bagel) -> None:
+        self.transformer = network
+
+
+class BagelPolicy:
+    """BAGEL text-to-image: one MoT network, text context, generation-expert velocity, FLUX VAE."""
+
+    family = "bagel"
+
+    def __init__(
+        self, network: Bagel, vae: Any, tokenizer: Any, markers: dict[str, int], cfg: ModelConfig,
+        device: torch.device,
+    ) -> None:  # fmt: skip
+        self.cfg = cfg
+        self.device = device
+        self.dtype = TORCH_DTYPES[cfg.dtype]
+        self.guidance_scale = cfg.guidance_scale
+        self.capabilities = Capabilities(has_cfg=cfg.guidance_scale > 1.0)
+        self.config = network.config
+        self.tokenizer = tokenizer
+        self.markers = markers
+        self.vae = vae.to(device).float().requires_grad_(False).eval()
+        self.owner = _Owner(network.to(device))
+        height, width = cfg.height or cfg.resolution, cfg.width or cfg.resolution
+        self.latent_hw = (self._latent_side(height, "height"), self._latent_side(width, "width"))
+        vit_linears = [f"vit_model.{n}" for n, m in network.vit_model.named_modules() if isinstance(m, nn.Linear)]
+        self.trainable = TrainableTransformer(self.owner, cfg, checkpoint=BagelCheckpoint(), exclude=vit_linears)
+
+    @property
+    def transformer(self) -> Bagel:
+        return self.owner.transformer
+
+    def _latent_side(self, pixels: int, name: str) -> int:
+        multiple = self.config.latent_downsample
+        patches = pixels // multiple
+        if pixels % multiple or patches > self.config.max_latent_size:
+            raise UserError(
+                f"image {name} {pixels} px: BAGEL needs a multiple of {multiple} (VAE {self.config.vae.downsample}× "
+                f"down, 2×2 patches) of at most {multiple * self.config.max_latent_size} px; set model.resolution "
+                f"(or model.{name}) accordingly"
+            )
+        return pixels // self.config.vae.downsample
+
+    # -- conditioning -------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode(self, prompts: Sequence[str], images: Tensor | None = None) -> Cond:
+        """Token ids (B, S) and mask (B, S) of each prompt's context; with CFG the empty (or
+        ``model.negative_prompt``) context as ``neg_text_ids`` / ``neg_text_mask``."""
+        if images is not None:
+            raise UserError("model.family=bagel trains text-to-image here: it takes no source images yet")
+        ids, mask = self._context(prompts)
+        tensors = {"text_ids": ids, "text_mask": mask}
+        if self.guidance_scale > 1.0:
+            negative = self.cfg.negative_prompt
+            neg_ids, neg_mask = self._context([negative] * len(prompts))
+            if not negative:
+                neg_mask.zero_()  # the reference's text-CFG context holds nothing
+            tensors |= {"neg_text_ids": neg_ids, "neg_text_mask": neg_mask}
+        return Cond(tensors)
+
+    def _context(self, prompts: Sequence[str]) -> tuple[Tensor, Tensor]:
+        length = self.cfg.max_sequence_length
+        start, end = self.markers["<|im_start|>"], self.markers["<|im_end|>"]
+        rows = [[start, *self.tokenizer.encode(p, add_special_tokens=False), end] for p in prompts]
+        longest = max(len(r) for r in rows)
+        if longest > length:
+            raise UserError(
+                f"a prompt takes {longest} tokens (with its two markers), more than model.max_sequence_length="
+                f"{length}; raise model.max_sequence_length or shorten the prompt"
+            )
+        ids = torch.full((len(rows), length), end, dtype=torch.long)
+        mask = torch.zeros((len(rows), length), dtype=torch.bool)
+        for i, row in enumerate(rows):
+            ids[i, : len(row)] = torch.tensor(row)
+            mask[i, : len(row)] = True
+        return ids.to(self.device), mask.to(self.device)
+
+    # -- sampling geometry --------------------------------------------------------------------
+    def noise(self, n: int, generator: torch.Generator | Sequence[torch.Generator] | None = None) -> Tensor:
+        """x_1 ~ N(0, I), fp32 (n, C, h, w); one generator per sample or one for all."""
+        shape = (self.config.vae.z_channels, *self.latent_hw)
+        if generator is None or isinstance(generator, torch.Generator):
+            return torch.randn((n, *shape), generator=generator, device=self.device)
+        return randn_per_sample(shape, generator[:n], self.device)
+
+    def schedule(self, num_steps: int, x: Tensor) -> Tensor:
+        """(T+1,) sigmas: ``linspace(1, 0, T + 1)`` through the static shift ``model.shift``."""
+        grid = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
+        return shift_sigmas(grid, self.cfg.shift).to(self.device)
+
+    # -- the one network call -----------------------------------------------------------------
+    def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
+        """dx/dσ at (x, σ) for x (B, C, h, w) fp32 and sigma 0-d or (B,), CFG folded in; fp32 (B, C, h, w)."""
+        batch = x.shape[0]
+        t = sigma.float().reshape(-1).expand(batch).to(self.device)
+        ids, mask = cond.tensors["text_ids"], cond.tensors["text_mask"]
+        low, high = GENERATION.cfg_interval
+        guided = (t > low) & (t <= high)
+        if self.guidance_scale <= 1.0 or not bool(guided.any()):
+            return self._forward(x, t, ids, mask)
+        neg, neg_mask = cond.tensors["neg_text_ids"], cond.tensors["neg_text_mask"]
+        if not uncond_takes_grad():  # a separate no-grad unconditional pass (see SD3Policy.velocity)
+            with torch.no_grad():
+                uncond = self._forward(x, t, neg, neg_mask)
+            cond_v = self._forward(x, t, ids, mask)
+        else:
+            pair = self._forward(torch.cat([x, x]), torch.cat([t, t]), torch.cat([ids, neg]), torch.cat([mask, neg_mask]))
+            cond_v, uncond = pair.chunk(2)
+        out = renormed_guidance(uncond, cond_v, self.guidance_scale, GENERATION.cfg_renorm_min)
+        return torch.where(guided[:, None, None, None], out, cond_v)
+
+    def _forward(self, x: Tensor, t: Tensor, ids: Tensor, mask: Tensor) -> Tensor:
+        """One network pass in the model dtype; fp32 (B, C, h, w) out."""
+        p = self.config.latent_patch_size
+        c, h, w = x.shape[1:]
+        tokens = patchify_latents(x, p).to(self.dtype)
+        markers = (self.markers["<|vision_start|>"], self.markers["<|vision_end|>"])
+        with autocast(self.device, self.dtype):
+            out = self.trainable.forward_module().generation_velocity(ids, mask, markers, tokens, t, (h // p, w // p))
+        return unpatchify_latents(out.float(), c, h, w, p)
+
+    @torch.no_grad()
+    def decode(self, x0: Tensor) -> Tensor:
+        """Latents (B, C, h, w) → images (B, 3, H, W) in [0, 1], fp32."""
+        return bagel_vae.decode(self.vae, x0)
+
+
+def build(cfg: ModelConfig, device: torch.device) -> BagelPolicy:
+    """The registry's entry point: the tiny BAGEL when ``cfg.tiny``, else the checkpoint at ``model.path``."""
+    dtype = TORCH_DTYPES[cfg.dtype]
+    if cfg.tiny:
+        from rlgen_cli.models.tiny.bagel import tiny_bagel
+
+        network, vae, tokenizer, markers = tiny_bagel(cfg.tiny_seed)
+        cast_as_loaded(network, dtype)
+    else:
+        network, vae, tokenizer, markers = load_checkpoint(Path(cfg.path), dtype)
+    return BagelPolicy(network, vae, tokenizer, markers, cfg, device)

@@ -1,0 +1,284 @@
+"""Qwen-Image 2.x (text-to-image) behind the flow-policy protocol.
+
+Qwen-Image 2.1 (Qwen team, 2026) is a single-stream transformer over ONE joint sequence: the prompt's
+Qwen3-VL hidden states, then the target image's latent tokens. Attention is block-causal (causal over the
+sequence, bidirectional inside an image block) and, with ``causal_condition``, text tokens are modulated
+at t = 0, so they never depend on the image or the step. Conventions reproduced from diffusers'
+``QwenImage21Pipeline`` (0.42):
+
+* **Latents.** A 64-channel RGBA VAE with 16× compression; the transformer takes the latent unpatched, so
+  ``x`` is the latent flattened to (B, h·w, C) fp32. Each 2×2 group of latent tokens has one slot in the
+  encoder's sequence (``img_mask``), so h and w are even: image sides are multiples of 32 px.
+* **Text.** The prompt in the pipeline's raw template (system turn dropped), the last decoder layer's
+  output before the final norm. The image block's RoPE frame position is the length of the text before
+  it, padding included, so padding changes the prediction: ``velocity`` runs each prompt length as a call
+  of its own with no padding — what the pipeline computes for one prompt at a time — and every sample's
+  velocity is independent of its batch. ``encode`` encodes one prompt at a time for the same reason
+  (left padding moves the encoder's positions) and pads the results to ``model.max_sequence_length``
+  with a mask, so conditionings of different batches join with ``Cond.cat``.
+* **CFG.** Plain u + g·(c − u) over two separate calls (the negative prompt has its own length); no norm
+  rescale, unlike Qwen-Image 1.x. The pipeline samples without guidance by default (``true_cfg_scale`` 1).
+* **Timestep.** The transformer takes t = σ (the pipeline passes ``timesteps / 1000``).
+* **Schedule.** The checkpoint's own scheduler, run on a copy: ``set_timesteps(sigmas=grid, mu=μ(h·w))``
+  with the grid the pipeline uses — the checkpoint's ``sample_sigmas`` when it ships a grid of
+  ``num_steps`` entries, else ``linspace(1, 1/T, T)``; ``model.shift > 0`` replaces it by a static shift.
+* **Decode.** The VAE decodes RGBA; ``decode`` composites it over white (as the pipeline flattens RGBA
+  condition images for its encoder), so rewards see RGB.
+* **No KV cache.** The pipeline caches the text keys and values after the first step; a cache made under
+  ``no_grad`` cannot be replayed through a trained LoRA, so every call recomputes them (the cache-free
+  prediction is the pipeline's ``use_kv_cache=False``).
+
+Precision: the frozen transformer and text encoder run in ``model.dtype`` under autocast, the VAE in
+fp32; latents stay fp32 between steps and both CFG branches are combined in fp32. Editing with condition
+images (the pipeline's ``image=``) is not wired in: the family is text-to-image here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from rlgen_cli.models._qwen_common import pad_text
+from rlgen_cli.models.base import TORCH_DTYPES, Capabilities, Cond, cfg_combine, uncond_takes_grad
+from rlgen_cli.models.loading import in_model_dtype, load_pipeline
+from rlgen_cli.models.prompt_cache import cache_prompt_embeddings
+from rlgen_cli.models.tiny.qwen_image_2 import tiny_qwen_image_2_pipeline
+from rlgen_cli.models.trainable import DiffusersCheckpoint, TrainableTransformer, autocast
+from rlgen_cli.schema.errors import UserError
+from rlgen_cli.schema.flow import ModelConfig
+from rlgen_cli.sde.noise import randn_per_sample
+from rlgen_cli.sde.schedule import calculate_mu, shift_sigmas
+
+log = logging.getLogger(__name__)
+
+QWEN_IMAGE_2_LORA_TARGETS = [
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "img_mlp.proj",
+    "img_mlp.gate_layer",
+    "img_mlp.out",
+]
+"""Every attention and SwiGLU projection of each single-stream block: Flow-Factory's default targets for
+Qwen-Image 2.1 (``models/qwen_image_21``); text and image tokens share these weights."""
+
+
+def load_qwen_image_2_pipeline(cfg: ModelConfig) -> Any:
+    """Load a real ``QwenImage21Pipeline`` from ``cfg.path`` (hub id or local directory) in ``cfg.dtype``."""
+    from diffusers import QwenImage21Pipeline
+
+    return load_pipeline(QwenImage21Pipeline, cfg, "Qwen-Image 2.x")
+
+
+def sigma_grid(num_steps: int, shipped: Sequence[float] | None) -> np.ndarray:
+    """The T sigmas before the scheduler's shift: the checkpoint's ``sample_sigmas`` when it ships a grid
+    of ``num_steps`` entries, else ``linspace(1, 1/T, T)`` (the pipeline's grid without one)."""
+    if shipped is not None and len(shipped) == num_steps:
+        return np.asarray(shipped, dtype=np.float64)
+    return np.linspace(1.0, 1.0 / num_steps, num_steps)
+
+
+def qwen_image_2_sigmas(
+    num_steps: int,
+    image_seq_len: int,
+    scheduler: Any,
+    shipped: Sequence[float] | None = None,
+    shift: float = 0.0,
+) -> Tensor:
+    """(T+1,) sigmas ending at 0, equal to the pipeline's: a copy of ``scheduler`` (its config as shipped:
+    static or dynamic shift, terminal stretch) set to :func:`sigma_grid` with μ from the image token count.
+    ``shift > 0`` selects a static SD3 shift of linspace(1, 0, T+1) instead."""
+    if shift > 0:
+        return shift_sigmas(torch.linspace(1.0, 0.0, num_steps + 1), shift)
+    config = scheduler.config
+    mu = calculate_mu(
+        image_seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+        config.get("base_shift", 0.5), config.get("max_shift", 1.15),
+    )  # fmt: skip
+    fresh = type(scheduler).from_config(config)  # the pipeline's own scheduler keeps its state
+    fresh.set_timesteps(sigmas=sigma_grid(num_steps, shipped), mu=mu)
+    return fresh.sigmas.float()
+
+
+def over_white(rgba: Tensor) -> Tensor:
+    """(B, 4, H, W) RGBA in [0, 1] → (B, 3, H, W) RGB composited over a white background."""
+    rgb, alpha = rgba[:, :3], rgba[:, 3:4]
+    return rgb * alpha + (1.0 - alpha)
+
+
+class QwenImage2Policy:
+    """Qwen-Image 2.x: Qwen3-VL text conditioning, one block-causal sequence, plain CFG in ``velocity``."""
+
+    family = "qwen_image_2"
+
+    def __init__(self, pipeline: Any, cfg: ModelConfig, device: torch.device) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.dtype = TORCH_DTYPES[cfg.dtype]
+        self.guidance_scale = cfg.guidance_scale
+        self.capabilities = Capabilities(has_cfg=cfg.guidance_scale > 1.0)
+        pipeline.to(device)
+        pipeline.vae.float()  # decoding in fp32 keeps the images independent of model.dtype
+        pipeline.set_progress_bar_config(disable=True)
+        pipeline.vae.requires_grad_(False).eval()
+        pipeline.text_encoder.requires_grad_(False).eval()
+        self.pipeline = pipeline
+        height, width = cfg.height or cfg.resolution, cfg.width or cfg.resolution
+        self.latent_hw = (self._latent_side(height, "height"), self._latent_side(width, "width"))
+        self._warn_about_a_shipped_grid()
+        self.trainable = TrainableTransformer(
+            pipeline, cfg, checkpoint=DiffusersCheckpoint("QwenImage21Pipeline", "QwenImage21Transformer2DModel"),
+        )  # fmt: skip
+
+    @property
+    def transformer(self) -> nn.Module:
+        return self.pipeline.transformer
+
+    def _latent_side(self, pixels: int, name: str) -> int:
+        """Latent size of an image side; it must hold whole 2×2 groups of the 16× downsampled latent."""
+        multiple = self.pipeline.vae_scale_factor * 2
+        if pixels % multiple:
+            raise UserError(
+                f"image {name} {pixels} px is not a multiple of {multiple}: Qwen-Image 2.x gives each 2×2 "
+                f"group of the {self.pipeline.vae_scale_factor}× downsampled latent one encoder slot; set "
+                f"model.resolution (or model.{name}) to a multiple of {multiple}"
+            )
+        return pixels // self.pipeline.vae_scale_factor
+
+    def _warn_about_a_shipped_grid(self) -> None:
+        shipped = self.pipeline.config.get("sample_sigmas")
+        steps = {self.cfg.num_steps, self.cfg.eval_num_steps}
+        if shipped is not None and steps != {len(shipped)}:
+            log.warning(
+                "the checkpoint ships a %d-step sampling grid (sample_sigmas), used for runs of %d steps; "
+                "model.num_steps=%d / eval_num_steps=%d other than that sample linspace(1, 1/T, T) through "
+                "the scheduler, as the pipeline does when called with sigmas=linspace(1, 1/T, T)",
+                len(shipped), len(shipped), self.cfg.num_steps, self.cfg.eval_num_steps,
+            )  # fmt: skip
+
+    # -- conditioning -------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode(self, prompts: Sequence[str], images: Tensor | None = None) -> Cond:
+        """Prompt hidden states + masks, padded to ``model.max_sequence_length`` (negative branch when g > 1).
+
+        Keys: ``prompt_embeds`` (B, S, D) in the encoder's dtype, ``prompt_mask`` (B, S) bool and, with
+        CFG, ``neg_prompt_embeds`` / ``neg_prompt_mask`` of ``model.negative_prompt``.
+        """
+        if images is not None:
+            raise UserError(
+                "qwen_image_2 is trained here as a text-to-image model: it takes no source images"
+            )
+        embeds, mask = self._texts(prompts)
+        tensors = {"prompt_embeds": embeds, "prompt_mask": mask}
+        if self.guidance_scale > 1.0:
+            neg, neg_mask = self._texts([self.cfg.negative_prompt])
+            n = len(prompts)
+            tensors |= {"neg_prompt_embeds": neg.repeat(n, 1, 1), "neg_prompt_mask": neg_mask.repeat(n, 1)}
+        return Cond(tensors)
+
+    def _texts(self, prompts: Sequence[str]) -> tuple[Tensor, Tensor]:
+        """Each prompt encoded on its own (no padding reaches the encoder), padded to the model length."""
+        rows = [self._text(prompt) for prompt in prompts]
+        return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+
+    def _text(self, prompt: str) -> tuple[Tensor, Tensor]:
+        embeds, mask, _ = self.pipeline.encode_prompt(prompt=[prompt], device=self.device)
+        length = self.cfg.max_sequence_length
+        if embeds.shape[1] > length:
+            raise UserError(
+                f"a prompt encodes to {embeds.shape[1]} tokens (template included) but "
+                f"model.max_sequence_length={length}; raise model.max_sequence_length or shorten the prompt"
+            )
+        return pad_text(embeds, mask, length)
+
+    # -- sampling geometry --------------------------------------------------------------------
+    def noise(self, n: int, generator: torch.Generator | Sequence[torch.Generator] | None = None) -> Tensor:
+        """x_1 ~ N(0, I) drawn in the latent shape (n, C, h, w), flattened: fp32 (n, h·w, C)."""
+        shape = (self.transformer.config.in_channels, *self.latent_hw)
+        if generator is None or isinstance(generator, torch.Generator):
+            latents = torch.randn((n, *shape), generator=generator, device=self.device)
+        else:
+            latents = randn_per_sample(shape, generator[:n], self.device)
+        return latents.flatten(2).transpose(1, 2)
+
+    def schedule(self, num_steps: int, x: Tensor) -> Tensor:
+        """(T+1,) sigmas ending at 0 for the image tokens of ``x`` (see :func:`qwen_image_2_sigmas`)."""
+        shipped = self.pipeline.config.get("sample_sigmas")
+        sigmas = qwen_image_2_sigmas(num_steps, x.shape[1], self.pipeline.scheduler, shipped, self.cfg.shift)
+        return sigmas.to(self.device)
+
+    # -- the one transformer call -------------------------------------------------------------
+    def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
+        """v(x, σ) for x (B, L, C) fp32 and sigma 0-d or (B,), CFG folded in; fp32 (B, L, C)."""
+        t = sigma.float().reshape(-1).expand(x.shape[0]).to(self.device)  # t = σ = timesteps / 1000
+        tensors = cond.tensors
+        cond_v = self._by_prompt_length(x, t, tensors["prompt_embeds"], tensors["prompt_mask"])
+        if self.guidance_scale <= 1.0:
+            return cond_v
+        neg, neg_mask = tensors["neg_prompt_embeds"], tensors["neg_prompt_mask"]
+        if uncond_takes_grad():
+            uncond_v = self._by_prompt_length(x, t, neg, neg_mask)
+        else:  # detached anyway: no activations kept (see base.cfg_gradient)
+            with torch.no_grad():
+                uncond_v = self._by_prompt_length(x, t, neg, neg_mask)
+        return cfg_combine(uncond_v, cond_v, self.guidance_scale)
+
+    def _by_prompt_length(self, x: Tensor, t: Tensor, embeds: Tensor, mask: Tensor) -> Tensor:
+        """One transformer call per distinct prompt length, each prompt unpadded; rows back in order."""
+        lengths = mask.sum(dim=1)
+        outputs, rows = [], []
+        for length in lengths.unique().tolist():
+            index = (lengths == length).nonzero().squeeze(1)
+            outputs.append(self._forward(x[index], t[index], embeds[index, : int(length)]))
+            rows.append(index)
+        return torch.cat(outputs)[torch.argsort(torch.cat(rows))]
+
+    def _forward(self, x: Tensor, t: Tensor, embeds: Tensor) -> Tensor:
+        """One pass in the model dtype over [prompt tokens, image tokens]; the image tokens' fp32 output."""
+        batch, tokens = x.shape[:2]
+        slots = torch.cat([
+            torch.zeros(batch, embeds.shape[1], dtype=torch.bool, device=self.device),
+            torch.ones(batch, tokens // 4, dtype=torch.bool, device=self.device),
+        ], dim=1)  # fmt: skip
+        with autocast(self.device, self.dtype):
+            out = self.trainable.forward_module()(
+                hidden_states=x.to(self.dtype), encoder_hidden_states=embeds, timestep=t,
+                img_shapes=[[(1, *self.latent_hw)]] * batch, img_mask=slots, return_dict=False,
+            )[0]  # fmt: skip
+        return out[:, -tokens:].float()
+
+    @torch.no_grad()
+    def decode_rgba(self, x0: Tensor) -> Tensor:
+        """Flattened latents (B, h·w, C) → the VAE's images (B, channels, H, W) in [0, 1], fp32."""
+        vae = self.pipeline.vae
+        batch, _, channels = x0.shape
+        mean = torch.tensor(vae.config.latents_mean, device=self.device).view(1, -1, 1, 1, 1)
+        std = torch.tensor(vae.config.latents_std, device=self.device).view(1, -1, 1, 1, 1)
+        latents = x0.float().transpose(1, 2).reshape(batch, channels, 1, *self.latent_hw) * std + mean
+        images = vae.decode(latents.to(vae.dtype), return_dict=False)[0][:, :, 0]
+        return (images.float() / 2 + 0.5).clamp(0, 1)
+
+    def decode(self, x0: Tensor) -> Tensor:
+        """Flattened latents (B, h·w, C) → RGB images (B, 3, H, W) in [0, 1]: RGBA over white."""
+        images = self.decode_rgba(x0)
+        return over_white(images) if images.shape[1] == 4 else images
+
+
+def build(cfg: ModelConfig, device: torch.device) -> QwenImage2Policy:
+    """The registry's entry point: the tiny pipeline when ``cfg.tiny``, else the loaded one."""
+    pipeline = (
+        in_model_dtype(tiny_qwen_image_2_pipeline(cfg.tiny_seed), cfg)
+        if cfg.tiny
+        else load_qwen_image_2_pipeline(cfg)
+    )
+    policy = QwenImage2Policy(pipeline, cfg, device)
+    cache_prompt_embeddings(
+        policy, cfg.prompt_cache_mb, (pipeline.text_encoder,)
+    )  # a batch seen before is reused
+    return policy

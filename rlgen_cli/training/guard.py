@@ -1,0 +1,390 @@
+"""The reward-hacking guard: held-out rewards watched at every evaluation, a divergence rule, an action.
+
+A policy can raise the reward it is trained on in ways that make its images worse by any other
+measure: clutter that earns GenEval partial credit, flat images that compress well. The guard scores
+every evaluation's images (the test prompts, fixed noise, EMA weights when kept) with *monitors* —
+registered rewards the policy is not trained on (``guard.monitors: {name: weight}``, ``guard.kwargs``
+as ``reward.kwargs``) — and records, at evaluation n,
+
+    r_n = the trained reward mix on those images              (``eval/reward/mean``)
+    h_n = Σ_m weight_m · mean score of monitor m on them      (``guard/heldout``)
+
+Both come from the same images, so their changes are paired: the noisier mean of the epoch's rollouts
+(other prompts, stochastic steps) plays no part.
+
+**Rule.** With W = ``guard.window`` and δ = ``guard.margin``, evaluation n is *flagged* when W
+evaluations precede it in the guard's history and
+
+    r_n − r_{n−W} > 0                       the trained reward rose over the window, and
+    max_{n−W ≤ k ≤ n} h_k − h_n > δ          the held-out metric is more than δ below its best in the window.
+
+The best of the window rather than its first value, so a rise and fall inside the window counts; the
+window rather than the whole run, so an old peak does not flag a run that has since recovered. The
+history is every evaluation since the start (the one before training included, with ``eval_before``)
+or since the last rollback.
+
+**Best checkpoint.** Whenever h_n exceeds every earlier value, the run's full state (weights, EMA,
+optimizer, counters) is saved to ``checkpoints/best_heldout``, which ``keep_last`` never deletes and
+``resume=auto`` never picks (``rlgen sample checkpoint=RUN/checkpoints/best_heldout`` samples it).
+
+**Actions** (``guard.action``), on a flagged evaluation:
+
+* ``warn`` — log the event and train on;
+* ``stop`` — end the run after this epoch (its checkpoint saved as after a last epoch);
+* ``rollback`` — load ``best_heldout``'s weights, EMA and optimizer state, multiply the learning rate
+  (``algo.lr`` and the optimizer's) by ``rollback_lr_scale`` and ``algo.kl_weight`` by
+  ``rollback_kl_scale``, and continue with the next epoch's prompts (sampler, counters and noise
+  streams are not rolled back). The history restarts from the restored evaluation, so the next flag
+  needs W new evaluations. A flag after ``max_rollbacks`` rollbacks stops the run.
+
+**Logs.** Every evaluation logs ``guard/heldout``, ``guard/reward/<monitor>/mean``, ``guard/best`` and
+``guard/best_step`` (the metrics.jsonl step of the best evaluation, −1 = before training), and once
+the window is full ``guard/train_rise`` (r_n − r_{n−W}) and ``guard/heldout_drop`` (the window's best
+− h_n) — what δ is compared with, so a run shows how close it came; a flagged evaluation adds
+``guard/event/<warn|stop|rollback>`` = 1, a rollback ``guard/lr_scale`` and ``guard/kl_scale``
+(cumulative); the console gets one warning line per event. ``guard_curves.png`` draws r and h with the
+events at the end of the run.
+
+**Resume.** The guard's state (history, best, rollbacks, scales) travels in every checkpoint, so a
+resumed run flags, saves and rolls back as an uninterrupted one does; the scales are applied to
+``algo.lr`` / ``algo.kl_weight`` again at resume.
+
+**Processes.** Rank 0 evaluates and decides; the decision (new best? which action?) is shared with every
+rank, which all take part in saving and rolling back. Rollbacks need weights that can be reloaded
+mid-run: one process or DDP (``schema/guard.py`` refuses the sharding launchers).
+
+:class:`HackingGuard` is the rule alone, pure and unit-tested; :class:`RunGuard` adds the monitors, the
+scales and the decision shared over ranks; ``recipes/loop.py`` calls it from its evaluations and saves.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, get_args
+
+import torch
+from torch import Tensor
+
+from rlgen_cli.rewards import available, build_mix
+from rlgen_cli.rewards.mix import WeightedMix
+from rlgen_cli.rewards.registry import check_kwargs
+from rlgen_cli.schema.choices import GuardAction
+from rlgen_cli.schema.errors import UserError
+from rlgen_cli.schema.guard import GuardConfig
+from rlgen_cli.training.metrics import read_metrics
+
+__all__ = [
+    "BEST_HELDOUT", "GUARD_CURVES", "GUARD_KEY", "HELDOUT", "TRAINED", "Decision", "Evaluation", "GuardEvent",
+    "HackingGuard", "RunGuard", "plot_guard", "require_known_monitors",
+]  # fmt: skip
+
+log = logging.getLogger(__name__)
+
+GUARD_KEY = "guard"
+"""Trainer-state entry of the guard's state in every checkpoint."""
+BEST_HELDOUT = "best_heldout"
+"""``checkpoints/best_heldout``: the state of the best evaluation by the held-out metric."""
+TRAINED, HELDOUT = "eval/reward/mean", "guard/heldout"
+"""The two metrics the rule reads from an evaluation: r_n and h_n."""
+GUARD_CURVES = "guard_curves.png"
+_ACTIONS = get_args(GuardAction)  # warn, stop, rollback: codes 1, 2, 3 when shared over ranks
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One evaluation as the rule sees it: 0-based epoch (−1 before training), r and h."""
+
+    epoch: int
+    trained: float
+    heldout: float
+
+    def as_list(self) -> list[float]:
+        return [self.epoch, self.trained, self.heldout]
+
+    @classmethod
+    def from_list(cls, values: Sequence[float]) -> Evaluation:
+        epoch, trained, heldout = values
+        return cls(int(epoch), float(trained), float(heldout))
+
+
+@dataclass(frozen=True)
+class GuardEvent:
+    """A flagged evaluation and the action taken."""
+
+    epoch: int
+    action: str
+    train_rise: float
+    """r_n − r_{n−W}."""
+    heldout_drop: float
+    """max_{n−W ≤ k ≤ n} h_k − h_n."""
+    best: Evaluation
+    """The run's best evaluation by the held-out metric (what a rollback restores)."""
+
+    def metrics(self) -> dict[str, float]:
+        return {f"guard/event/{self.action}": 1.0}
+
+    def describe(self, window: int, margin: float) -> str:
+        then = {
+            "warn": "training goes on (guard.action=warn)",
+            "stop": "stopping after this epoch",
+            "rollback": f"rolling back to checkpoints/{BEST_HELDOUT} ({_when(self.best.epoch)}, held-out "
+            f"{self.best.heldout:.4g})",
+        }[self.action]
+        return (
+            f"guard: reward hacking suspected after epoch {self.epoch}: the trained reward rose "
+            f"{self.train_rise:+.4g} over {window} evaluation{'s' if window > 1 else ''} while the held-out "
+            f"metric fell "
+            f"{self.heldout_drop:.4g} below its best of the window (margin {margin:g}); {then}"
+        )
+
+
+def _when(epoch: int) -> str:
+    return "before training" if epoch < 0 else f"after epoch {epoch}"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one observation found: a new best held-out value, the event if the rule fired, and the
+    window's (train rise, held-out drop) once the window is full."""
+
+    new_best: bool
+    event: GuardEvent | None
+    change: tuple[float, float] | None = None
+
+
+class HackingGuard:
+    """The rule of the module docstring over a history of evaluations, and the best one seen.
+
+    Args:
+        window: W ≥ 1, evaluations looked back over.
+        margin: δ ≥ 0, in the held-out metric's units.
+        action: ``warn``, ``stop`` or ``rollback``.
+        max_rollbacks: Rollbacks allowed before a flag stops instead.
+    """
+
+    def __init__(self, window: int, margin: float, action: str = "warn", max_rollbacks: int = 3) -> None:
+        assert window >= 1 and margin >= 0 and action in _ACTIONS and max_rollbacks >= 0
+        self.window, self.margin, self.action, self.max_rollbacks = window, margin, action, max_rollbacks
+        self.history: list[Evaluation] = []
+        """The last W + 1 evaluations since the start or the last rollback, oldest first."""
+        self.best: Evaluation | None = None
+        self.rollbacks = 0
+
+    def observe(self, epoch: int, trained: float, heldout: float) -> Verdict:
+        """Record the evaluation after ``epoch`` (−1: before training) and judge it."""
+        current = Evaluation(epoch, float(trained), float(heldout))
+        new_best = self.best is None or current.heldout > self.best.heldout
+        if new_best:
+            self.best = current
+        self.history = [*self.history, current][-(self.window + 1) :]
+        change = self._window_change()
+        event = None if change is None else self._judge(*change)
+        if event is not None and event.action == "rollback":
+            self.rollbacks += 1
+            self.history = [self.best]  # the restored state's evaluation opens the next window
+        return Verdict(new_best, event, change)
+
+    def _window_change(self) -> tuple[float, float] | None:
+        """(r_n − r_{n−W}, max_{n−W ≤ k ≤ n} h_k − h_n) once W evaluations precede the current one."""
+        if len(self.history) <= self.window:
+            return None
+        start, current = self.history[0], self.history[-1]
+        return current.trained - start.trained, max(e.heldout for e in self.history) - current.heldout
+
+    def _judge(self, train_rise: float, heldout_drop: float) -> GuardEvent | None:
+        if not (train_rise > 0 and heldout_drop > self.margin):
+            return None
+        current = self.history[-1]
+        action = self.action
+        if action == "rollback" and self.rollbacks >= self.max_rollbacks:
+            action = "stop"
+        assert self.best is not None
+        return GuardEvent(current.epoch, action, train_rise, heldout_drop, self.best)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain lists and numbers (``torch.load(weights_only=True)`` reads them back)."""
+        return {
+            "history": [e.as_list() for e in self.history],
+            "best": None if self.best is None else self.best.as_list(),
+            "rollbacks": self.rollbacks,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.history = [Evaluation.from_list(e) for e in state["history"]]
+        self.best = None if state["best"] is None else Evaluation.from_list(state["best"])
+        self.rollbacks = int(state["rollbacks"])
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The guard's decision after an evaluation, the same on every rank (``event``: rank 0 only)."""
+
+    new_best: bool
+    action: str | None
+    event: GuardEvent | None = None
+
+
+class RunGuard:
+    """The guard of one run: its monitors, the rule, and the scales its rollbacks applied.
+
+    Args:
+        cfg: ``guard``.
+        monitors: The held-out rewards, built like the trained ones.
+    """
+
+    def __init__(self, cfg: GuardConfig, monitors: WeightedMix) -> None:
+        self.cfg, self.monitors = cfg, monitors
+        self.rule = HackingGuard(cfg.window, cfg.margin, cfg.action, cfg.max_rollbacks)
+        self.lr_scale = 1.0
+        self.kl_scale = 1.0
+        self.stop_requested = False
+        """Set by a ``stop`` decision: the recipe's loop ends after this epoch."""
+        self.verdict: Verdict | None = None
+        """Rank 0's latest observation."""
+
+    @classmethod
+    def build(
+        cls, cfg: GuardConfig, dist: Any, algo: Any, state: Mapping[str, Any] | None
+    ) -> RunGuard | None:
+        """The run's guard (None without monitors); ``state``: a resumed checkpoint's, whose scales are
+        applied to ``algo`` again.
+
+        Raises:
+            UserError: A rollback under an engine that shards weights or optimizer state (a
+                ``launcher.config_file`` can choose one; ``schema/guard.py`` catches the named launchers).
+        """
+        if not cfg.enabled:
+            return None
+        if cfg.action == "rollback" and (dist.sharded or dist.shards_optimizer):
+            raise UserError(
+                f"guard.action=rollback reloads weights and optimizer state mid-run, which the {dist.engine} "
+                "engine shards: launch with DDP (launcher=accelerate without a DeepSpeed or FSDP config "
+                "file) or use guard.action=warn or stop"
+            )
+        kwargs = {name: dict(value) for name, value in cfg.kwargs.items()}
+        guard = cls(cfg, build_mix(dict(cfg.monitors), **kwargs))
+        if state is not None:
+            guard.load_state_dict(state)
+            guard._scale(algo, guard.lr_scale, guard.kl_scale)
+        log.info(
+            "guard: monitors %s, window W=%d, margin δ=%g, action %s",
+            dict(cfg.monitors), cfg.window, cfg.margin, cfg.action,
+        )  # fmt: skip
+        return guard
+
+    def heldout_metrics(self, components: Mapping[str, Tensor]) -> dict[str, float]:
+        """``guard/heldout`` (h: Σ weight · mean) and each monitor's mean, from per-sample scores."""
+        means = {name: float(scores.mean()) for name, scores in components.items()}
+        heldout = sum(self.monitors.weights[name] * mean for name, mean in means.items())
+        return {HELDOUT: heldout, **{f"guard/reward/{name}/mean": m for name, m in means.items()}}
+
+    def decide(self, dist: Any, epoch: int, metrics: Mapping[str, float]) -> Decision:
+        """Rank 0 observes the evaluation ``metrics`` (r and h); every rank gets its decision.
+        Collective: every rank calls it after every evaluation."""
+        verdict = self.rule.observe(epoch, metrics[TRAINED], metrics[HELDOUT]) if dist.is_main else None
+        self.verdict = verdict
+        local = [0.0, 0.0]
+        if verdict is not None:
+            action = verdict.event.action if verdict.event is not None else None
+            local = [float(verdict.new_best), float(_ACTIONS.index(action) + 1 if action else 0)]
+        new_best, code = dist.gather(torch.tensor([local], dtype=torch.float64))[0].tolist()
+        action = _ACTIONS[int(code) - 1] if code else None
+        if action == "stop":
+            self.stop_requested = True
+        return Decision(bool(new_best), action, verdict.event if verdict is not None else None)
+
+    def status_metrics(self) -> dict[str, float]:
+        """The best held-out value so far and its step, and the window's change once it is full (rank 0,
+        after :meth:`decide`)."""
+        best, verdict = self.rule.best, self.verdict
+        if best is None or verdict is None:
+            return {}
+        metrics = {"guard/best": best.heldout, "guard/best_step": float(best.epoch)}
+        if verdict.change is not None:
+            metrics["guard/train_rise"], metrics["guard/heldout_drop"] = verdict.change
+        return metrics
+
+    def rescale_after_rollback(self, algo: Any, optimizer: Any, lrs: Sequence[float]) -> dict[str, float]:
+        """After a rollback loaded the best state's optimizer: every param group's learning rate is its
+        pre-rollback value ``lrs`` × ``rollback_lr_scale``, ``algo.lr`` and ``algo.kl_weight`` are
+        scaled too (the recipes read them every epoch or step). Returns the cumulative scales."""
+        lr_factor, kl_factor = self.cfg.rollback_lr_scale, self.cfg.rollback_kl_scale
+        self.lr_scale *= lr_factor
+        self.kl_scale *= kl_factor
+        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr * lr_factor
+        self._scale(algo, lr_factor, kl_factor)
+        return {"guard/lr_scale": self.lr_scale, "guard/kl_scale": self.kl_scale}
+
+    @staticmethod
+    def _scale(algo: Any, lr_factor: float, kl_factor: float) -> None:
+        algo.lr *= lr_factor
+        if kl_factor != 1:  # schema/guard.py allows it only where algo.kl_weight trains
+            algo.kl_weight *= kl_factor
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.rule.state_dict(), "lr_scale": self.lr_scale, "kl_scale": self.kl_scale}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.rule.load_state_dict(state)
+        self.lr_scale, self.kl_scale = float(state["lr_scale"]), float(state["kl_scale"])
+
+
+def require_known_monitors(guard: GuardConfig) -> None:
+    """``guard.monitors`` are registered rewards and ``guard.kwargs`` ones they take (the config
+    boundary, before any model loads).
+
+    Raises:
+        UserError: Naming the unknown monitor (and the known rewards) or the bad kwarg.
+    """
+    unknown = sorted(set(guard.monitors) - set(available()))
+    if unknown:
+        raise UserError(
+            f"guard.monitors names unknown reward{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(map(repr, unknown))}; known rewards: {', '.join(available())}"
+        )
+    for name in guard.monitors:
+        try:
+            check_kwargs(name, guard.kwargs.get(name, {}))
+        except UserError as err:  # the registry names reward.kwargs; these are the guard's
+            raise UserError(str(err).replace(f"reward.kwargs.{name}", f"guard.kwargs.{name}")) from None
+
+
+def plot_guard(run_dir: Path, out: Path) -> Path | None:
+    """r (trained reward on the evaluation images) and h (held-out metric) against epochs completed,
+    with the guard's events as vertical lines and the best held-out evaluation starred; None when the
+    run logged no held-out metric."""
+    rows = [row for row in read_metrics(run_dir) if row.get(HELDOUT) is not None]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [row["step"] + 1 for row in rows]  # epochs completed, as plots.py and the checkpoint names count
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, key, label in (
+        (axes[0], TRAINED, "trained reward (eval images)"),
+        (axes[1], HELDOUT, "held-out"),
+    ):
+        ax.plot(x, [row.get(key, math.nan) for row in rows], marker="o", ms=3)
+        ax.set_xlabel("epochs completed")
+        ax.set_ylabel(label)
+        for row, at in zip(rows, x, strict=True):
+            for action, colour in zip(_ACTIONS, ("tab:orange", "tab:red", "tab:purple"), strict=True):
+                if row.get(f"guard/event/{action}"):
+                    ax.axvline(at, color=colour, ls="--", lw=1, label=action)
+    best = max(rows, key=lambda row: row[HELDOUT])
+    axes[1].plot([best["step"] + 1], [best[HELDOUT]], marker="*", ms=12, color="gold", ls="", label="best")
+    handles = dict(zip(*reversed(axes[1].get_legend_handles_labels()), strict=True))
+    axes[1].legend(handles.values(), handles.keys(), fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

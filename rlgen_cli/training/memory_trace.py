@@ -1,0 +1,289 @@
+"""What a training forward keeps for its backward, counted exactly from autograd, on any device.
+
+:func:`trace_saved` runs a forward under ``torch.autograd.graph.saved_tensors_hooks``: every tensor autograd
+saves for the backward passes through the pack hook, which records its storage once (views and tensors
+saved by several ops share one storage) unless it belongs to a weight. The sum is the activation memory of
+that forward — the same on every device, and on the meta device it costs no memory and almost no time, so
+a real-size model at its real resolution can be traced on a laptop.
+
+Each saved storage is attributed to the repeated block that was running when it was first saved
+(forward hooks on ``blocks``), and each block's inputs are recorded too. Gradient checkpointing keeps only
+the block inputs and recomputes one block at a time in the backward, so the same trace gives both
+figures (:attr:`SavedTrace.checkpointed`): what is saved outside the blocks, plus every block's inputs,
+plus the largest block's own saved tensors.
+
+On the meta device, where real autocast does nothing, ``torch.autocast`` casts as CUDA's autocast does
+(matrix products in the low dtype, normalisations and softmax in fp32; :class:`_MetaAutocast`), and every
+``scaled_dot_product_attention`` is replaced by a stand-in that saves what the
+fused (flash / memory-efficient) kernels save — query, key, value, output and the fp32 log-sum-exp — and
+not the L × L attention matrix of the math kernel meta tensors would otherwise be dispatched to: a GPU
+(and PyTorch's CPU kernel) never materialises that matrix for training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["SavedTrace", "autocast_on_meta", "meta_values", "storage_key", "trace_saved"]
+
+
+def storage_key(tensor: Tensor) -> int:
+    """An id of ``tensor``'s storage, shared by its views (also on the meta device)."""
+    return tensor.untyped_storage()._cdata
+
+
+def _storage_bytes(tensor: Tensor) -> int:
+    return tensor.untyped_storage().nbytes()
+
+
+@dataclass
+class SavedTrace:
+    """Saved-for-backward bytes of one forward, split by the block that saved them."""
+
+    outside: int = 0
+    """Bytes saved outside every block (embeddings, final layers, the loss)."""
+    per_block: list[int] = field(default_factory=list)
+    """Bytes saved inside each block (first saved there)."""
+    block_inputs: int = 0
+    """Bytes of the blocks' tensor inputs not already counted in ``outside`` (what checkpointing keeps)."""
+
+    @property
+    def total(self) -> int:
+        """Without gradient checkpointing: everything saved."""
+        return self.outside + sum(self.per_block)
+
+    @property
+    def checkpointed(self) -> int:
+        """With gradient checkpointing of every block: the blocks' inputs and what is saved outside them,
+        plus one block's saved tensors while it is recomputed in the backward."""
+        return self.outside + self.block_inputs + max(self.per_block, default=0)
+
+
+class _FusedAttentionSaves(torch.autograd.Function):
+    """Attention whose backward would need what the fused kernels save: q, k, v, output, log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx: Any, query: Tensor, key: Tensor, value: Tensor, call: Callable[[], Tensor]) -> Tensor:
+        with torch.no_grad():
+            out = call()
+        logsumexp = query.new_empty(query.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(query, key, value, out, logsumexp)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        query, key, value, *_ = ctx.saved_tensors
+        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), None
+
+
+LOWER_PRECISION_OPS = frozenset({
+    F.linear, F.bilinear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d,
+    F.conv_transpose3d, F.scaled_dot_product_attention, torch.matmul, torch.mm, torch.bmm, torch.baddbmm,
+    torch.addmm, torch.addbmm, torch.einsum, Tensor.matmul, Tensor.__matmul__, Tensor.mm, Tensor.bmm,
+})  # fmt: skip
+"""What CUDA autocast runs in the low dtype (the matrix products): their floating inputs are cast."""
+FP32_OPS = frozenset({
+    F.layer_norm, F.group_norm, F.softmax, F.log_softmax, F.mse_loss, torch.softmax, torch.log_softmax,
+    Tensor.softmax, Tensor.log_softmax,
+})  # fmt: skip
+"""What CUDA autocast runs in fp32 (normalisations, softmax, losses): their floating inputs are cast up."""
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, Tensor) and value.is_floating_point() and value.dtype != dtype:
+        return value.to(dtype)
+    if isinstance(value, list | tuple):
+        return type(value)(_cast(v, dtype) for v in value)
+    return value
+
+
+class _MetaAutocast(TorchFunctionMode):
+    """``torch.autocast`` for meta tensors, which real autocast ignores: CUDA's cast lists for the ops
+    that carry the activations (:data:`LOWER_PRECISION_OPS`, :data:`FP32_OPS`), so the saved tensors have
+    the dtypes a GPU run gives them (and the cast copies of fp32 LoRA weights are counted, as autocast's
+    cache holds them)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        target = self.dtype if func in LOWER_PRECISION_OPS else torch.float32 if func in FP32_OPS else None
+        if target is not None and any(isinstance(a, Tensor) and a.is_meta for a in [*args, *kwargs.values()]):
+            args, kwargs = _cast(args, target), {k: _cast(v, target) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def autocast_on_meta() -> Iterator[None]:
+    """``torch.autocast("meta", …)`` (what a model on the meta device asks for) → :class:`_MetaAutocast`;
+    every other device type keeps the real one. Restored on exit."""
+    real = torch.autocast
+
+    def autocast(
+        device_type: str, dtype: torch.dtype | None = None, enabled: bool = True, **kwargs: Any
+    ) -> Any:
+        if device_type != "meta":
+            return real(device_type, dtype=dtype, enabled=enabled, **kwargs)
+        if not enabled or dtype is None or dtype == torch.float32:
+            return contextlib.nullcontext()
+        return _MetaAutocast(dtype)
+
+    torch.autocast = autocast  # type: ignore[misc,assignment]
+    try:
+        yield
+    finally:
+        torch.autocast = real  # type: ignore[misc]
+
+
+class _FusedAttentionOnMeta(TorchFunctionMode):
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        named = dict(zip(("query", "key", "value"), args, strict=False)) | kwargs  # positional or by name
+        query, key, value = named["query"], named["key"], named["value"]
+        if not query.is_meta:
+            return func(*args, **kwargs)
+        return _FusedAttentionSaves.apply(query, key, value, lambda: func(*args, **kwargs))
+
+
+_TRUTH_TESTS = frozenset({Tensor.all, Tensor.any, torch.all, torch.any, Tensor.__bool__})
+_INDEXING = frozenset({Tensor.__getitem__, Tensor.__setitem__, Tensor.index_put_, Tensor.index_put})
+
+
+def _is_cpu_array(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.device.type == "cpu" and value.dim() > 0
+
+
+class _MetaWithCpuValues(TorchFunctionMode):
+    """Lets a model on the meta device read the values it branches on. Integer tensors (token ids, masks,
+    source shapes) stay on the CPU (``.to("meta")`` keeps them there), so ``int(mask.sum(1).max())`` and ``e[mask]`` see real values;
+    an op that mixes them with meta tensors gets them moved to meta (indexing keeps its CPU index). A
+    truth test over meta values (``high.all()``: which expert runs; an encoder's "no padding?" shortcut)
+    reads True."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        values = [*_flat(args), *_flat(kwargs.values())]
+        if func in _TRUTH_TESTS and args and isinstance(args[0], Tensor) and args[0].is_meta:
+            return True if func is Tensor.__bool__ else torch.tensor(True)
+        if func is Tensor.to and _keeps_values(args, kwargs):
+            dtype = next((v for v in [*args[1:], *kwargs.values()] if isinstance(v, torch.dtype)), None)
+            return args[0] if dtype is None else args[0].to(dtype)
+        mixed = any(isinstance(v, Tensor) and v.is_meta for v in values) and any(map(_is_cpu_array, values))
+        if mixed and func not in _INDEXING:
+            args = _to_meta(args)
+            kwargs = {k: _to_meta(v) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+
+def _keeps_values(args: tuple, kwargs: dict) -> bool:
+    """``integer_cpu_tensor.to("meta")`` (token ids, masks): kept on the CPU, with its values."""
+    tensor = args[0] if args else None
+    if not (isinstance(tensor, Tensor) and tensor.device.type == "cpu") or tensor.is_floating_point():
+        return False
+    targets = [v for v in [*args[1:], *kwargs.values()] if isinstance(v, torch.device | str)]
+    return any(torch.device(t).type == "meta" for t in targets)
+
+
+def _flat(values: Iterable[Any]) -> list[Any]:
+    """The values, with lists and tuples opened one level (``torch.cat([a, b])``)."""
+    return [item for v in values for item in (v if isinstance(v, list | tuple) else (v,))]
+
+
+def _to_meta(value: Any) -> Any:
+    if _is_cpu_array(value):
+        return value.to("meta")
+    if isinstance(value, list | tuple):
+        return type(value)(_to_meta(v) for v in value)
+    return value
+
+
+def meta_values() -> TorchFunctionMode:
+    """The mode in which a model on the meta device may branch on values (:class:`_MetaWithCpuValues`)."""
+    return _MetaWithCpuValues()
+
+
+class _Counter:
+    """The pack hook: counts each saved storage once, skipping ``excluded`` (weights), per block."""
+
+    def __init__(self, excluded: set[int], num_blocks: int) -> None:
+        self.excluded = excluded
+        self.seen: set[int] = set()
+        self.block: int | None = None
+        self.trace = SavedTrace(per_block=[0] * num_blocks)
+        self.input_keys: dict[int, int] = {}  # storage → bytes of blocks' inputs
+        self.outside_keys: set[int] = set()
+        self._inputs: list[Tensor] = []  # kept alive, so no later storage can take an input's id
+
+    def pack(self, tensor: Tensor) -> Tensor:
+        key = storage_key(tensor)
+        if key not in self.seen and key not in self.excluded:
+            self.seen.add(key)
+            if self.block is None:
+                self.trace.outside += _storage_bytes(tensor)
+                self.outside_keys.add(key)
+            else:
+                self.trace.per_block[self.block] += _storage_bytes(tensor)
+        return tensor
+
+    def enter(self, index: int, inputs: Iterable[Any]) -> None:
+        self.block = index
+        for value in inputs:
+            if isinstance(value, Tensor) and value.is_floating_point():
+                key = storage_key(value)
+                if key not in self.excluded and key not in self.input_keys:
+                    self.input_keys[key] = _storage_bytes(value)
+                    self._inputs.append(value)
+
+    def finish(self) -> SavedTrace:
+        self.trace.block_inputs = sum(n for k, n in self.input_keys.items() if k not in self.outside_keys)
+        return self.trace
+
+
+@contextlib.contextmanager
+def _block_hooks(counter: _Counter, blocks: Sequence[nn.Module]) -> Iterator[None]:
+    handles = []
+    for index, block in enumerate(blocks):
+
+        def pre(module: nn.Module, args: tuple, kwargs: dict, index: int = index) -> None:
+            counter.enter(index, [*args, *kwargs.values()])
+
+        def post(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            counter.block = None
+
+        handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(block.register_forward_hook(post, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def trace_saved(
+    forward: Callable[[], Any], weights: Iterable[Tensor], blocks: Sequence[nn.Module] = ()
+) -> SavedTrace:
+    """The bytes autograd saves while ``forward()`` runs (with gradients enabled), skipping the storages
+    of ``weights`` (every parameter and buffer: they are counted as weights), attributed to ``blocks``."""
+    counter = _Counter({storage_key(w) for w in weights}, len(blocks))
+    with (
+        autocast_on_meta(),
+        _MetaWithCpuValues(),
+        _FusedAttentionOnMeta(),
+        _block_hooks(counter, blocks),
+        torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda tensor: tensor),
+        torch.enable_grad(),
+    ):
+        forward()
+    return counter.finish()
