@@ -205,8 +205,8 @@ VARIANTS: dict[str, Variant] = {
     "qwen2_5_vl_3b": Variant("qwen2_5_vl", "Qwen/Qwen2.5-VL-3B-Instruct", 3.75e9),
     "qwen2_5_vl_7b": Variant("qwen2_5_vl", "Qwen/Qwen2.5-VL-7B-Instruct", 8.29e9),
 }
-"""Every variant; ``params`` as the checkpoints' weight files hold them (the Wan "1.3B" transformer holds
-1.42 B, Wan "14B" 14.3 B, Qwen-Image's "20B" 20.4 B)."""
+"""Every variant; ``params`` is the published count of what the checkpoint's weight files hold, which the
+names round (the Wan "1.3B" transformer holds 1.42 B, Wan "14B" 14.3 B, Qwen-Image's "20B" 20.4 B)."""
 COMPONENT_PARAMS = {
     "clip_l": 123.65e6, "clip_g": 694.66e6, "t5_xxl": 4.762e9, "umt5_xxl": 5.681e9,
     "qwen2_5_vl_7b": 8.29e9, "sd3_vae": 83.65e6, "wan_vae": 126.9e6,

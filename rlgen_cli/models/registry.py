@@ -1,7 +1,8 @@
 """Model-family registry: ``model.family`` → the module whose ``build(cfg, device)`` returns the policy.
 
 Each family lives in its own module under ``models/`` and exposes ``build(cfg: ModelConfig, device)``
-(tiny variant when ``cfg.tiny``, else real loading; the prompt cache of ``models/prompt_cache.py``
+(tiny variant when ``cfg.tiny``, the published architecture at random init when ``cfg.weights`` is
+``random_init`` (``models/real_size.py``), else real loading; the prompt cache of ``models/prompt_cache.py``
 installed around ``encode``). Modules are imported only when their family is
 used, so a family's heavy imports never slow down another's.
 """

@@ -77,7 +77,7 @@ class Rollouts:
     cond: Cond  # (N, ...)
     traj: Trajectory  # (N, S, ...)
     images: Tensor  # (N, 3, H, W) in [0, 1]
-    sources: Tensor | None = None  # (N, 3, H, W) source images of editing sets
+    sources: Tensor | None = None  # (N, 3, H, W), or (N, S, 3, H, W) with S sources per example: editing sets
 
     def select(self, keep: Tensor) -> Rollouts:
         """The samples at positions ``keep`` (N',)."""

@@ -325,7 +325,8 @@ def examples_of(dataset: PromptDataset, indices: Sequence[int]) -> tuple[list, l
 
 
 def sources_of(run: FlowRun, examples: list, dataset: PromptDataset) -> Tensor | None:
-    """(N, 3, H, W) source images for editing families (``capabilities.takes_source_images``), else None."""
+    """Source images for editing families (``capabilities.takes_source_images``), else None: (B, 3, H, W),
+    or (B, N, 3, H, W) when the set lists N paths per example (multi-image editing)."""
     if not run.policy.capabilities.takes_source_images:
         return None
     model = run.policy.cfg
@@ -341,8 +342,10 @@ def score(
     sources: Tensor | None = None,
     by_tag: bool = False,
 ) -> tuple[dict[str, Tensor], dict[str, float]]:
-    """Per-component rewards (N,) and scalar summaries of the mix's details (``detail_summaries``). A
-    non-finite reward stops the run: a failed score is never replaced by a number."""
+    """Per-component rewards (B,) and scalar summaries of the mix's details (``detail_summaries``). A
+    non-finite reward stops the run: a failed score is never replaced by a number. ``sources`` (see
+    :func:`sources_of`) reach the rewards as ``ref_images``; one compared with the source averages over
+    N sources (``rewards/base.py``)."""
     batch = RewardBatch(prompts=prompts, images=images, metadata=metadata, ref_images=sources)
     result = run.reward.score(batch)
     components = {

@@ -3,6 +3,12 @@
 Every reward in :mod:`rlgen_cli.rewards` (local model, remote client, rule or mix) takes one
 :class:`RewardBatch` and returns one :class:`RewardResult` with a score per sample. A failed sample is
 an explicit ``NaN`` (counted and logged by the caller) or an exception, never a silent 0.
+
+Edit tasks hand the source images as ``ref_images``: (B, C, H, W), or (B, N, C, H, W) when every example
+has N sources (multi-image editing). A reward that compares a sample with its source compares it with
+every source and averages (:func:`source_stack` gives the N axis): each source is content the edit must
+keep, and no source is privileged — "picture 1" may be the subject or the scene. With N = 1 this is the
+plain comparison.
 """
 
 from __future__ import annotations
@@ -16,7 +22,9 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Reward", "RewardBatch", "RewardResult", "accepts_uint8", "all_finite", "check_result"]
+__all__ = [
+    "Reward", "RewardBatch", "RewardResult", "accepts_uint8", "all_finite", "check_result", "source_stack",
+]  # fmt: skip
 
 
 def _check_length(field_name: str, actual: int, expected: int) -> None:
@@ -47,14 +55,15 @@ class RewardBatch:
             sets ``accepts_uint8 = True`` may also get uint8 pixels in [0, 255] (the reward server hands
             it the pixels as they came over the wire, without a float round trip).
         metadata: Per-sample metadata dicts (e.g. GenEval ``include``/``exclude``), length B.
-        ref_images: Source images ``(B, C, H, W)`` for edit tasks.
+        ref_images: Source images ``(B, C, H, W)`` for edit tasks, or ``(B, N, C, H, W)`` for N sources
+            per sample (multi-image editing; compared with each and averaged, see the module docstring).
         texts: Generated texts (VLM policies, R3), length B.
     """
 
     prompts: list[str]
     images: Tensor | None = None  # (B, C, H, W) or (B, C, F, H, W), float in [0, 1] (or uint8, see above)
     metadata: list[dict] | None = None
-    ref_images: Tensor | None = None  # (B, C, H, W)
+    ref_images: Tensor | None = None  # (B, C, H, W) or (B, N, C, H, W): N sources per sample
     texts: list[str] | None = None
 
     def __post_init__(self) -> None:
@@ -123,6 +132,22 @@ class Reward(Protocol):
             One score per sample, plus optional per-sample details.
         """
         ...
+
+
+def source_stack(ref_images: Tensor, reward_name: str) -> Tensor:
+    """Source images as ``(B, N, C, H, W)``: a ``(B, C, H, W)`` batch is one source per sample.
+
+    Raises:
+        ValueError: If ``ref_images`` is neither 4-D nor 5-D.
+    """
+    if ref_images.ndim == 4:
+        return ref_images.unsqueeze(1)
+    if ref_images.ndim != 5:
+        raise ValueError(
+            f"reward {reward_name!r} expects ref_images (B, C, H, W) or (B, N, C, H, W) for N sources per "
+            f"sample, got {tuple(ref_images.shape)}"
+        )
+    return ref_images
 
 
 def accepts_uint8(reward: Reward) -> bool:

@@ -6,7 +6,8 @@
   al. 2021, "CLIPScore: A Reference-free Evaluation Metric for Image Captioning"): ``diag(logits) / 30``.
 * ``aesthetic``: the LAION aesthetic predictor (C. Schuhmann, "improved-aesthetic-predictor",
   ``sac+logos+ava1-l14-linearMSE.pth``): an MLP head on L2-normalised CLIP ViT-L/14 image features, ≈ 1–10.
-* ``image_similarity``: cosine of CLIP image embeddings of the edited and the source image.
+* ``image_similarity``: cosine of CLIP image embeddings of the edited and the source image; with N
+  sources per sample (multi-image editing), the mean of its cosines with each source.
 
 Models load lazily on the first ``score`` from a hub id or a local path (``local_files_only`` is passed
 through) and are shared through a small LRU cache keyed by (path, device, dtype), so two rewards on the
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rlgen_cli.rewards.base import RewardBatch, RewardResult, all_finite
+from rlgen_cli.rewards.base import RewardBatch, RewardResult, all_finite, source_stack
 from rlgen_cli.rewards.registry import register
 
 logger = logging.getLogger(__name__)
@@ -291,6 +292,16 @@ class ClipReward:
         tokens = {k: v.to(self.device) for k, v in tokens.items() if k in ("input_ids", "attention_mask")}
         return F.normalize(_pooled(self.model.get_text_features(**tokens)).float(), dim=-1)
 
+    def source_similarity(self, embeddings: Tensor, ref_images: Tensor | None) -> Tensor:
+        """``(B,)`` cosine of each sample's embedding with its source's, averaged over N sources when
+        ``ref_images`` is ``(B, N, C, H, W)`` (the rule of :mod:`rlgen_cli.rewards.base`)."""
+        if ref_images is None:
+            _check_images(None, self.name, "ref_images")  # raises, saying what to pass
+        sources = source_stack(ref_images, self.name)
+        count = sources.shape[1]
+        refs = self.image_embeddings(_check_images(sources.flatten(0, 1), self.name, "ref_images"))
+        return (refs.view(-1, count, refs.shape[-1]) * embeddings.unsqueeze(1)).sum(-1).mean(1)
+
     @torch.no_grad()
     def score(self, batch: RewardBatch) -> RewardResult:
         """Score ``batch``; returns float32 CPU scores and ``details["cosine"]`` where defined.
@@ -308,8 +319,7 @@ class ClipReward:
                 )
             scores = self.head(images).squeeze(-1)
         elif self.kind == "image_similarity":
-            refs = self.image_embeddings(_check_images(batch.ref_images, self.name, "ref_images"))
-            scores = (images * refs).sum(-1)
+            scores = self.source_similarity(images, batch.ref_images)
         else:
             cosine = (images * self.text_embeddings(list(batch.prompts))).sum(-1)
             logits = self.model.logit_scale.exp().float() * cosine
@@ -373,7 +383,8 @@ def image_similarity(
     dtype: str = "float32",
     local_files_only: bool = False,
 ) -> ClipReward:
-    """Cosine of CLIP image embeddings of ``images`` and ``ref_images``. Args as :class:`ClipReward`."""
+    """Cosine of CLIP image embeddings of ``images`` and ``ref_images`` (with N sources per sample: the
+    mean over them). Args as :class:`ClipReward`."""
     return ClipReward("image_similarity", model_path, None, device, dtype, local_files_only)
 
 

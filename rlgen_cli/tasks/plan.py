@@ -73,7 +73,8 @@ def plan_run(cfg: Any) -> dict[str, Any]:
     """The plan of the training run ``cfg`` describes (a validated flow training config), as a dict."""
     from rlgen_cli.training.memory_plan import GIB, plan_memory, smallest_fix
 
-    policy = build_on_meta(cfg.model)
+    model_cfg, model_note = planned_model(cfg.model)
+    policy = build_on_meta(model_cfg)
     components = components_of(policy)
     groups = param_groups(components)
     trained = tuple(name for name, module in components.items() if _trains(module))
@@ -87,6 +88,7 @@ def plan_run(cfg: Any) -> dict[str, Any]:
             "resolution instead"
         ) from err
     rewards, not_counted = reward_groups(cfg)
+    not_counted = [model_note, *not_counted] if model_note else not_counted
     groups += rewards
     launch = launch_of(cfg.launcher)
     plan = plan_memory(groups, activations, launch, training)
@@ -100,7 +102,7 @@ def plan_run(cfg: Any) -> dict[str, Any]:
         "resolution": [*_size(cfg.model), cfg.model.num_frames],
         "gradient_checkpointing": training.gradient_checkpointing,
         "rows": [{"what": r.what, "bytes": r.nbytes, "note": r.note} for r in plan.rows],
-        "not_counted": not_counted,
+        "notes": not_counted,
         "activations": {
             "plain_bytes": activations.at(training.micro_batch, False),
             "checkpointed_bytes": activations.at(training.micro_batch, True),
@@ -129,6 +131,24 @@ def _setting_or_note(override: str) -> str:
 
 
 # -- the model on the meta device ----------------------------------------------------------------------
+def planned_model(model_cfg: Any) -> tuple[Any, str | None]:
+    """The model config to build: a pretrained family with a real-size variant is planned on that
+    architecture (``model.weights=random_init``: the checkpoint its conf option names), so planning reads
+    no weights and downloads nothing; and a note saying so."""
+    import dataclasses
+
+    from rlgen_cli.schema.flow import REAL_SIZE_VARIANTS
+
+    if model_cfg.tiny or model_cfg.weights == "random_init" or model_cfg.family not in REAL_SIZE_VARIANTS:
+        return model_cfg, None
+    variant = REAL_SIZE_VARIANTS[model_cfg.family][0]
+    note = (
+        f"model.path={model_cfg.path} is planned as the architecture of {variant} (model.weights=random_init); "
+        "its weights are not read"
+    )
+    return dataclasses.replace(model_cfg, weights="random_init", variant="auto"), note
+
+
 def build_on_meta(model_cfg: Any) -> Any:
     """The policy of ``model_cfg`` with every weight on the meta device. Tiny families are built (small)
     then moved; real ones are created with empty weights, so nothing of their size is ever allocated."""
@@ -417,8 +437,8 @@ def print_report(report: dict[str, Any]) -> None:
                   f"usable {_gib(report['usable_bytes'])} GiB", style="bold")  # fmt: skip
     console = new_console()
     console.print(table)
-    for line in report["not_counted"]:
-        console.print(f"[yellow]not counted[/]: {line}", highlight=False)
+    for line in report["notes"]:
+        console.print(f"[yellow]note[/]: {line}", highlight=False)
     if report["fits"]:
         console.print(
             f"[bold green]fits[/]: {_gib(report['total_bytes'])} of {_gib(report['usable_bytes'])} GiB"

@@ -263,7 +263,7 @@ def build_vlm(cfg: ModelConfig, device: torch.device) -> VLMPolicy:
             "directory with config.json and weights (model.local_files_only=true for offline use)"
         ) from err
     model = _make_trainable(model, cfg).to(device)
-    prepare_vlm(model, cfg)  # attention, gradient checkpointing, train mode only with it (no dropout either way)
+    prepare_vlm(model, cfg)  # attention kernel, gradient checkpointing, train/eval mode
     policy = VLMPolicy(model=model, processor=processor, cfg=cfg, device=device)
     log.info(
         "%s%s: %d parameters, %d trainable (%s)", cfg.family,

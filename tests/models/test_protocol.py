@@ -25,7 +25,7 @@ TINY_CONFIGS = {
     "qwen_image_edit": "tiny_qwen_image_edit", "wan2_1": "tiny_wan2_1", "shapes": "shapes_unet",
     "wan2_2": "tiny_wan2_2", "wan2_2_i2v": "tiny_wan2_2_i2v",
     "z_image": "tiny_z_image", "qwen_image_edit_plus": "tiny_qwen_image_edit_plus",
-    "qwen_image_2": "tiny_qwen_image_2",
+    "qwen_image_2": "tiny_qwen_image_2", "bagel": "tiny_bagel",
 }  # fmt: skip
 PROMPTS = ["a red circle", "two blue squares"]
 

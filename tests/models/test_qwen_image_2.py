@@ -305,6 +305,16 @@ def test_check_onpolicy_is_exact(tmp_path: Path, cli):
     assert code == 0, out
 
 
+def test_check_onpolicy_fails_when_weights_move_after_the_rollout(tmp_path: Path, cli):
+    """The check can fail: noise of std 1e-3 on the LoRA between rollout and recompute exits 1."""
+    code, out = cli(
+        "check-onpolicy", "model=tiny_qwen_image_2", *TINY_RUN, "check.perturb_weights=1e-3",
+        f"hydra.run.dir={tmp_path}",
+    )  # fmt: skip
+    assert code == 1, out
+    assert "FAIL max error" in out, out
+
+
 @pytest.mark.slow  # a 2-epoch CLI run
 def test_training_through_the_cli_changes_every_lora_tensor(tmp_path: Path, q_cfg, cli):
     from peft.utils import get_peft_model_state_dict

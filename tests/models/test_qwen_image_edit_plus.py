@@ -134,3 +134,117 @@ def test_check_onpolicy_passes(tmp_path: Path, cli):
         "check-onpolicy", "model=tiny_qwen_image_edit_plus", *TINY_RUN, f"hydra.run.dir={tmp_path}"
     )
     assert code == 0, out
+
+
+# -- training with two sources per example, and the source-comparing reward's rule -------------------
+@pytest.fixture(scope="module")
+def tiny_clip(tmp_path_factory) -> Path:
+    """A tiny random CLIP and its processor saved in one directory (what ``image_similarity`` loads)."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    from rlgen_cli.models.tokenizers import tiny_clip_tokenizer
+
+    root = tmp_path_factory.mktemp("tiny_clip")
+    tokenizer = tiny_clip_tokenizer()
+    text = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=4, max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=1)  # fmt: skip
+    vision = dict(image_size=16, patch_size=4, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=4)  # fmt: skip
+    torch.manual_seed(0)
+    CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=24)).save_pretrained(root)
+    processor = CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
+    CLIPProcessor(image_processor=processor, tokenizer=tokenizer).save_pretrained(root)
+    return root
+
+
+def test_image_similarity_averages_the_cosines_with_every_source(tiny_clip: Path):
+    """With sources (a, b) the score is (cos(x, a) + cos(x, b)) / 2 per sample: scoring x = a gives
+    (1 + cos(a, b)) / 2, far from the first source's 1 and the best match's 1 (the rules not chosen)."""
+    from rlgen_cli.rewards import RewardBatch, build_reward
+    from rlgen_cli.rewards import clip as clip_mod
+
+    clip_mod.clear_model_cache()
+    reward = build_reward("image_similarity", model_path=str(tiny_clip), device="cpu", local_files_only=True)
+    gen = torch.Generator().manual_seed(5)
+    a, b = (torch.randint(0, 256, (3, 3, 16, 16), generator=gen) / 255.0 for _ in range(2))
+
+    def similarity(images: torch.Tensor, refs: torch.Tensor) -> torch.Tensor:
+        return reward.score(RewardBatch(prompts=["edit"] * 3, images=images, ref_images=refs)).scores
+
+    cos_ab = similarity(a, b)  # one source each: the plain cosine
+    assert (cos_ab < 0.99).all()  # else averaging could not be told from scoring the first source only
+    expected = (1 + cos_ab) / 2  # per sample: its own a and b, so a mixed-up source axis misses
+    torch.testing.assert_close(similarity(a, torch.stack([a, b], dim=1)), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(similarity(a, torch.stack([b, a], dim=1)), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(similarity(a, torch.stack([a, a], dim=1)), torch.ones(3), atol=1e-5, rtol=0)
+    torch.testing.assert_close(similarity(b, a.unsqueeze(1)), cos_ab, atol=1e-5, rtol=0)  # N = 1
+    with pytest.raises(ValueError, match=r"\(B, N, C, H, W\)"):
+        similarity(a, a[:, 0])
+    clip_mod.clear_model_cache()
+
+
+def _two_source_set(root: Path) -> Path:
+    """Two editing examples with two 40×48 sources each (resized to the model's 32 px)."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    (root / "src").mkdir(parents=True)
+    rows = []
+    for i, prompt in enumerate(
+        ["Put the circle of picture 1 into picture 2.", "Swap the two pictures' colours."]
+    ):
+        names = [f"src/{i}_{j}.png" for j in range(2)]
+        for j, name in enumerate(names):
+            pixels = np.random.default_rng(10 * i + j).integers(0, 256, (40, 48, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / name)
+        rows.append(json.dumps({"prompt": prompt, "image": names, "tag": "composition"}))
+    (root / "edit2.jsonl").write_text("\n".join(rows) + "\n")
+    return root / "edit2.jsonl"
+
+
+@pytest.mark.slow  # a 2-epoch CLI run
+def test_cli_training_with_two_sources_per_example(tmp_path: Path, tiny_clip: Path, cli):
+    """`rlgen train` on a two-source editing set, scored by image_similarity against both sources:
+    every LoRA tensor moves and metrics.jsonl logs the reward of each epoch and evaluation."""
+    import json
+
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME
+
+    data, run = _two_source_set(tmp_path / "data"), tmp_path / "run"
+    clip_kwargs = [
+        f"reward.kwargs.image_similarity.{key}={value}"
+        for key, value in (("model_path", tiny_clip), ("device", "cpu"), ("local_files_only", "true"))
+    ]
+    code, out = cli(
+        "train", "model=tiny_qwen_image_edit_plus", *TINY_RUN, "reward=image_similarity", *clip_kwargs,
+        f"data.train={data}", f"data.test={data}", "epochs=2", f"hydra.run.dir={run}",
+    )  # fmt: skip
+    assert code == 0, out
+    torch.manual_seed(42)  # the recipe seeds torch with cfg.seed before building the adapter
+    fresh = QwenImageEditPlusPolicy(
+        tiny_qwen_image_edit_plus_pipeline(0), model_cfg("tiny_qwen_image_edit_plus"), CPU
+    )
+    initial = {f"transformer.{k}": v for k, v in get_peft_model_state_dict(fresh.transformer).items()}
+    trained = load_file(run / "checkpoints" / "epoch_000002" / "weights" / LORA_WEIGHTS_NAME)
+    assert trained.keys() == initial.keys() and len(trained) > 0
+    assert [k for k in trained if torch.equal(trained[k], initial[k])] == []
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    epochs = [line for line in lines if "reward/image_similarity/mean" in line]
+    assert len(epochs) == 2
+    for line in epochs:  # a cosine of unit vectors, averaged over the two sources
+        assert -1 <= line["reward/image_similarity/mean"] <= 1 and "eval/reward/image_similarity/mean" in line
+
+
+@pytest.mark.slow  # a CLI check on the two-source set
+def test_check_onpolicy_passes_with_two_sources_per_example(tmp_path: Path, cli):
+    data = _two_source_set(tmp_path / "data")
+    code, out = cli(
+        "check-onpolicy", "model=tiny_qwen_image_edit_plus", *TINY_RUN, f"data.train={data}", f"data.test={data}",
+        f"hydra.run.dir={tmp_path / 'check'}",
+    )  # fmt: skip
+    assert code == 0 and "PASS" in out, out

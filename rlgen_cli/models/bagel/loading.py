@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlgen_cli.models.bagel.config import AE_WEIGHTS, BagelConfig, from_directory, to_json_files
+from rlgen_cli.models.bagel.config import AE_WEIGHTS, BAGEL_7B_MOT, BagelConfig, from_directory, to_json_files
 from rlgen_cli.models.bagel.modeling import Bagel, sincos_2d
 from rlgen_cli.models.bagel.vae import build_vae, flux_layout_state_dict, load_flux_layout
 from rlgen_cli.schema.errors import UserError
@@ -126,15 +126,18 @@ def load_tokenizer(directory: Path) -> tuple[Any, dict[str, int]]:
     return tokenizer, {token: tokenizer.convert_tokens_to_ids(token) for token in MARKER_TOKENS}
 
 
-def load_checkpoint(directory: Path, dtype: torch.dtype) -> tuple[Bagel, Any, Any, dict[str, int]]:
-    """Network, autoencoder, tokenizer and marker ids of the release-layout checkpoint in ``directory``."""
+def load_checkpoint(
+    directory: Path, dtype: torch.dtype, base: BagelConfig = BAGEL_7B_MOT
+) -> tuple[Bagel, Any, Any, dict[str, int]]:
+    """Network, autoencoder, tokenizer and marker ids of the release-layout checkpoint in ``directory``;
+    ``base`` gives what the JSON files do not (the VAE, latent and ViT table sizes: BAGEL-7B-MoT's)."""
     if not directory.is_dir():
         raise UserError(
             f"model.path={str(directory)!r} is not a directory: BAGEL loads a local checkpoint in the release "
             "layout; download it (huggingface-cli download ByteDance-Seed/BAGEL-7B-MoT --local-dir DIR) and "
             "set model.path=DIR"
         )
-    config = from_directory(directory)
+    config = from_directory(directory, base)
     tokenizer, markers = load_tokenizer(directory)
     return load_network(directory, dtype, config), load_vae(directory, config), tokenizer, markers
 

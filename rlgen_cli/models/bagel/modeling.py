@@ -311,7 +311,7 @@ def generation_mask(text_mask: Tensor, block: int) -> Tensor:
     device = text_mask.device
     causal = torch.ones(s, s, dtype=torch.bool, device=device).tril()
     mask = torch.zeros(batch, total, total, dtype=torch.bool, device=device)
-    mask[:, :s, :s] = causal & text_mask[:, None, :]
+    mask[:, :s, :s] = causal & text_mask[:, None, :] & text_mask[:, :, None]
     mask[:, s:, :s] = text_mask[:, None, :]
     mask[:, s:, s:] = True
     eye = torch.eye(s, dtype=torch.bool, device=device)
