@@ -39,7 +39,7 @@ def measure(overrides: list[str]) -> dict[str, float]:
             arm.run_epoch(progress, measured)
             arm.replay(measured)
     summary = arm.summary()
-    arm.recipe.cleanup()
+    arm.recipe.logger.close()
     return {key: summary[key] for key in ("epoch_s", "model_calls_s", "overhead_ratio")}
 
 

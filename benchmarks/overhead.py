@@ -234,7 +234,7 @@ def measure(geometry: str, overrides: list[str], baseline: list[str] | None, rep
         result: dict[str, Any] = {"geometry": geometry, "repeats": repeats, "warmup_epochs": warmup}
         result |= {arm.name: arm.summary() for arm in arms}
         for arm in arms:
-            arm.recipe.cleanup()
+            arm.recipe.logger.close()
     problems = [
         f"{arm.name}: {key} {result[arm.name][key]} < 1 — the epoch contains every replayed call, so the "
         "machine's load changed between them; re-run on an idle machine"

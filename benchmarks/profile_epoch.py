@@ -153,7 +153,7 @@ def profile_geometry(geometry: str, overrides: list[str], warmup: int | None, re
         try:
             return _measure(recipe, geometry, warmup, repeats)
         finally:
-            recipe.cleanup()
+            recipe.logger.close()
 
 
 def _measure(recipe: FlowRun, geometry: str, warmup: int | None, repeats: int) -> dict[str, Any]:
