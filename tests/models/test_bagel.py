@@ -259,3 +259,31 @@ def test_training_changes_every_lora_tensor(tmp_path: Path, cli, bagel_cfg):
     trained = load_file(tmp_path / "checkpoints" / "epoch_000002" / "weights" / LORA_WEIGHTS_NAME)
     assert trained.keys() == initial.keys() and len(trained) > 0
     assert [k for k in trained if torch.equal(trained[k], initial[k])] == []
+
+
+def test_gradient_checkpointing_leaves_loss_and_lora_gradients_unchanged(bagel_cfg):
+    policy = _policy(bagel_cfg, gradient_checkpointing=True)
+    assert policy.transformer.gradient_checkpointing  # switched on by the config
+    perturb_lora(policy, std=0.3, generator=torch.Generator().manual_seed(2))
+    x, cond = policy.noise(2, torch.Generator().manual_seed(4)), policy.encode(PROMPTS)
+    layer = policy.transformer.language_model.model.layers[0]
+    calls = []
+    layer.register_forward_hook(lambda *_: calls.append(1))
+
+    def loss_and_grads():
+        for param in policy.trainable.parameters():
+            param.grad = None
+        loss = policy.velocity(x, torch.tensor(0.8), cond).square().mean()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in policy.trainable.parameters()]
+
+    loss, grads = loss_and_grads()
+    checkpointed_calls = len(calls)
+    policy.transformer.gradient_checkpointing = False
+    calls.clear()
+    plain_loss, plain_grads = loss_and_grads()
+    assert checkpointed_calls == 2 * len(calls) > 0  # the layer ran again in the backward
+    assert all(g.abs().max() > 0 for g in plain_grads)
+    torch.testing.assert_close(loss, plain_loss, rtol=0, atol=0)
+    for g, p in zip(grads, plain_grads, strict=True):
+        torch.testing.assert_close(g, p, rtol=1e-6, atol=1e-9)

@@ -92,6 +92,48 @@ def measured_bytes(cfg: Any) -> dict[str, int]:
     return {"saved": sum(saved.values()), "state": sum(_storages(weights + state).values())}
 
 
+def measured_checkpointed_bytes(cfg: Any) -> int:
+    """Saved-for-backward bytes of one real CPU step with every block checkpointed: what the forward keeps
+    (the checkpoints' inputs) plus the largest block's tensors while the backward recomputes it. Reentrant
+    checkpoints save their inputs through autograd, so the hook sees them; they need inputs that take
+    gradients: full fine-tuning."""
+    from torch.utils.checkpoint import checkpoint
+
+    from rlgen_cli.models import build_policy
+    from rlgen_cli.tasks.plan import components_of, micro_batch_of, repeated_blocks
+
+    torch.manual_seed(0)
+    policy = build_policy(cfg.model, torch.device("cpu"))
+    module = policy.trainable.module
+    weights = _storages([t for m in components_of(policy).values() for t in (*m.parameters(), *m.buffers())])
+    module.enable_gradient_checkpointing(
+        gradient_checkpointing_func=lambda block, *args: checkpoint(block.__call__, *args, use_reentrant=True)
+    )
+    batch, _ = micro_batch_of(cfg)
+    cond, x = policy.encode([PROMPT] * batch), policy.noise(batch)
+    kept: dict[int, int] = {}
+    recomputed: list[dict[int, int]] = []
+    backward = False
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights and storage.nbytes():
+            if not backward:
+                kept[storage.data_ptr()] = storage.nbytes()
+            elif storage.data_ptr() not in kept:
+                recomputed[-1][storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    for block in repeated_blocks(module):  # each recompute in the backward starts a block's forward
+        block.register_forward_pre_hook(lambda *_: recomputed.append({}) if backward else None)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = policy.velocity(x, torch.full((batch,), 0.5), cond).square().mean()
+        backward = True
+        loss.backward()
+    assert recomputed, "no block was recomputed: checkpointing did not engage"
+    return sum(kept.values()) + max(sum(r.values()) for r in recomputed)
+
+
 def predicted_bytes(cfg: Any) -> dict[str, int]:
     from rlgen_cli.tasks.plan import plan_run
 
@@ -127,6 +169,17 @@ def test_predicted_memory_is_within_15_percent_of_a_real_step(model):
 def test_every_tiny_family_is_predicted_within_15_percent(model):
     result = compare([f"model={model}"])
     assert abs(result["error"]) <= TOLERANCE, result
+
+
+def test_the_checkpointed_activations_are_within_15_percent_of_a_checkpointed_step():
+    cfg = _typed(["model=tiny_flux", "model.lora.enabled=false"])
+    from rlgen_cli.tasks.plan import plan_run
+
+    activations = plan_run(cfg)["activations"]
+    measured = measured_checkpointed_bytes(cfg)
+    assert abs(activations["checkpointed_bytes"] / measured - 1) <= TOLERANCE, (activations, measured)
+    # perturbation arm: the plain figure is far from the checkpointed step
+    assert activations["plain_bytes"] / measured - 1 > 0.5, (activations, measured)
 
 
 def test_ema_and_the_full_fine_tuning_reference_are_counted():

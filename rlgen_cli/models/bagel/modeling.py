@@ -249,8 +249,17 @@ class Bagel(nn.Module, PeftAdapterMixin):
         self.connector = MLPConnector(config.vit.hidden_size, d, config.connector_act)
         self.vit_pos_embed = PositionEmbedding(config.vit_max_num_patch_per_side, d)
 
+    @property
+    def gradient_checkpointing(self) -> bool:
+        """Whether the MoT layers recompute their activations in the backward pass (diffusers' name)."""
+        return self.language_model.model.gradient_checkpointing
+
+    @gradient_checkpointing.setter
+    def gradient_checkpointing(self, on: bool) -> None:
+        self.language_model.model.gradient_checkpointing = on
+
     def enable_gradient_checkpointing(self) -> None:
-        self.language_model.model.gradient_checkpointing = True
+        self.gradient_checkpointing = True
 
     # -- generation ---------------------------------------------------------------------------------
     def latent_position_ids(self, h: int, w: int, device: torch.device) -> Tensor:
