@@ -1,7 +1,9 @@
 """``rlgen plan``: the memory one training process needs, whether it fits a device, and what makes it fit.
 
 It composes exactly the config ``rlgen train`` would run, builds that run's model on the meta device
-(every tensor a shape and a dtype, nothing allocated: a 20 B-parameter model plans on a laptop), then
+(every tensor a shape and a dtype, nothing allocated: a 20 B-parameter model plans on a laptop; a
+pretrained family is built as its real-size architecture, ``models/real_size.py``, so no weight is read),
+then
 
 1. counts parameters and buffers per component (transformer, text encoders, VAE, …), dtype, frozen or
    trainable, LoRA or base, and the local reward models;
@@ -14,7 +16,10 @@ It composes exactly the config ``rlgen train`` would run, builds that run's mode
    ``plan.headroom``; when it does not fit, searches the cheapest change that does.
 
 It prints a table (or ``plan.format=json``), writes ``plan.json`` into its run directory, and exits 0
-when the run fits, 1 when it does not.
+when the run fits, 1 when it does not. What it cannot count (a reward model loaded on its first score)
+is named under the table, never left out silently. The conditioning of a tiny family is encoded by a
+CPU twin (its encoders read their masks' values); a real one's on the meta device, where integer tensors
+stay on the CPU (``training/memory_trace.py``). Flow recipes only: VLM and R3 runs stop with exit code 2.
 """
 
 from __future__ import annotations
@@ -372,7 +377,13 @@ def reward_groups(cfg: Any) -> tuple[list[Any], list[str]]:
         except (OSError, ValueError, ImportError, RuntimeError) as err:
             not_counted.append(f"reward {name}: not built offline ({str(err).splitlines()[0]})")
             continue
-        for module in _modules_in(reward):
+        modules = _modules_in(reward)
+        if not modules and hasattr(reward, "device"):  # a model-based reward (runs on a device)
+            not_counted.append(
+                f"reward {name} loads its model on the first score: its weights are not counted (lower "
+                "plan.device_memory_gb by their size, or serve it: rlgen serve-reward)"
+            )
+        for module in modules:
             for dtype, numel in _dtype_counts(module).items():
                 groups.append(ParamGroup(f"reward {name}", dtype, numel))
     return groups, not_counted

@@ -63,7 +63,7 @@ __all__ = [
 
 DTYPE_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int8": 1, "uint8": 1,
-    "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "int16": 2, "uint16": 2, "complex64": 8, "complex128": 16,
 }  # fmt: skip
 GRAD_BYTES = 4  # trainable weights are fp32, so are their gradients
 ADAM_BYTES = 8  # exp_avg + exp_avg_sq in fp32

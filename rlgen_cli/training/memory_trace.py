@@ -18,6 +18,11 @@ On the meta device, where real autocast does nothing, ``torch.autocast`` casts a
 fused (flash / memory-efficient) kernels save — query, key, value, output and the fp32 log-sum-exp — and
 not the L × L attention matrix of the math kernel meta tensors would otherwise be dispatched to: a GPU
 (and PyTorch's CPU kernel) never materialises that matrix for training.
+
+Meta tensors have no values, so code that branches on them (a padding mask's length, a batch's source
+shape, which expert runs) cannot run as it is: :class:`_MetaWithCpuValues` keeps integer tensors on the
+CPU with their values and moves them to meta only where an op mixes them with meta tensors, and reads
+a truth test over meta values as True.
 """
 
 from __future__ import annotations

@@ -286,6 +286,21 @@ def test_every_flow_family_built_on_the_trainable_transformer_is_covered_here():
     assert set(FLOW_FAMILIES) == set(FAMILIES) - {"shapes", "bagel"}
 
 
+def test_a_frozen_wan_expert_takes_the_attention_kernel_too():
+    """Only the high-noise expert trains; the low-noise one is called by the same velocity and must run the
+    same kernel."""
+    from rlgen_cli.models.acceleration import MathKernel
+
+    cfg = model_cfg("tiny_wan2_2")
+    cfg = dataclasses.replace(
+        cfg, attention="eager", experts=dataclasses.replace(cfg.experts, train="high_noise")
+    )
+    policy = build_policy(cfg, CPU)
+    frozen = policy.trainable.experts["low_noise"].module
+    processors = [m.processor for m in frozen.modules() if hasattr(m, "processor")]
+    assert processors and all(isinstance(p, MathKernel) for p in processors)
+
+
 # -- settings a family cannot honour, bad values ----------------------------------------------------------
 @pytest.mark.parametrize(
     ("change", "match"),
@@ -438,3 +453,25 @@ def test_compiled_sd3_logprobs_match_the_rollout_and_the_eager_forward():
         assert (compiled.detach() - traj.logprobs[:, j]).abs().max() <= COMPILE_TOLERANCE
         assert (compiled.detach() - eager).abs().max() <= COMPILE_TOLERANCE
     assert policy.trainable.module._compiled_call_impl is not None
+
+
+@pytest.mark.slow
+def test_compiled_vlm_training_forward_matches_the_eager_one():
+    """VLMs compile the training forward only: ``train_model`` is the compiled wrapper of the bare model,
+    which ``generate`` and the reference keep using eagerly."""
+    from rlgen_cli.vlm.policy import build_vlm
+    from rlgen_cli.vlm.rollout import completion_logprobs
+
+    policy = build_vlm(dataclasses.replace(model_cfg("tiny_qwen2_vl"), compile=True), CPU)
+    with torch.no_grad():
+        for name, param in policy.named_trainable().items():
+            if "lora_B" in name:
+                param.normal_(0, 0.3, generator=torch.Generator().manual_seed(10))
+    batch = _vlm_batch(policy)
+    mask = batch.completion_mask.bool()
+    compiled = completion_logprobs(policy, batch)
+    compiled.sum().backward()
+    with torch.no_grad():
+        eager = completion_logprobs(policy, batch, model=policy.model)
+    assert policy.train_model is not policy.model and policy.train_model._orig_mod is policy.model
+    assert (compiled.detach() - eager)[mask].abs().max() <= COMPILE_TOLERANCE

@@ -222,3 +222,17 @@ def test_plan_composes_what_train_composes_plus_the_plan_section(args):
     plan = OmegaConf.to_container(compose_verb("plan", args))
     assert plan.pop("plan") == {"device_memory_gb": 80.0, "headroom": 0.1, "format": "table"}
     assert plan == train
+
+
+def test_a_reward_model_loaded_on_first_score_is_named_as_not_counted():
+    from rlgen_cli.tasks.plan import plan_run
+
+    notes = plan_run(_typed(["model=tiny_flux", "reward=pickscore"]))["notes"]
+    assert any("reward pickscore" in note and "not counted" in note for note in notes), notes
+    assert plan_run(_typed(["model=tiny_flux"]))["notes"] == []  # JPEG compressibility has no model
+
+
+def test_a_vlm_run_is_refused_with_exit_2_naming_the_recipes(cli, tmp_path: Path):
+    code, out = cli("plan", "model=tiny_qwen2_vl", f"hydra.run.dir={tmp_path}")
+    assert code == 2, out
+    assert "flow-model recipes" in out and "vlm_rl" in out

@@ -30,7 +30,12 @@ from rlgen_cli.models.bagel.modeling import Bagel, sincos_2d
 from rlgen_cli.models.bagel.vae import build_vae, flux_layout_state_dict, load_flux_layout
 from rlgen_cli.schema.errors import UserError
 
-WEIGHT_FILES = ("ema.safetensors", "ema.safetensors.index.json", "model.safetensors.index.json", "model.safetensors")
+WEIGHT_FILES = (
+    "ema.safetensors",
+    "ema.safetensors.index.json",
+    "model.safetensors.index.json",
+    "model.safetensors",
+)
 MARKER_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>")
 """Prompt start / end and image start / end: the reference adds those a tokenizer lacks."""
 PATCH_EMBED = "vit_model.vision_model.embeddings.patch_embedding.weight"
@@ -93,8 +98,6 @@ def load_network(directory: Path, dtype: torch.dtype, config: BagelConfig) -> Ba
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as err:  # shapes that disagree with the config files
         raise UserError(f"the weights in {directory} do not fit its config files: {err}") from err
-    for table in (model.latent_pos_embed, model.vit_pos_embed):
-        table.pos_embed.requires_grad_(False)
     return model.eval()
 
 

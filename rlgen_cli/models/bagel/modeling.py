@@ -26,13 +26,13 @@ import math
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from diffusers.loaders.peft import PeftAdapterMixin
+from diffusers.models.attention import AttentionModuleMixin
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from rlgen_cli.models.bagel.config import BagelConfig, LLMConfig
-from rlgen_cli.models.bagel.vit import SiglipVisionModel, activation
+from rlgen_cli.models.bagel.vit import ScaledDotProductAttention, SiglipVisionModel, activation
 
 
 # -- building blocks ----------------------------------------------------------------------------------
@@ -89,12 +89,21 @@ def rope_cos_sin(position_ids: Tensor, head_dim: int, theta: float) -> tuple[Ten
 
 
 # -- the MoT decoder ------------------------------------------------------------------------------------
-class MoTAttention(nn.Module):
-    """Grouped-query attention with a projection set and q/k RMS norms per expert, one softmax for all."""
+class MoTAttention(nn.Module, AttentionModuleMixin):
+    """Grouped-query attention with a projection set and q/k RMS norms per expert, one softmax for all.
+
+    The softmax itself is its ``processor`` (diffusers' attention-module convention), so
+    ``model.attention=eager`` can run it on PyTorch's math kernel like every other family's attention."""
 
     def __init__(self, config: LLMConfig) -> None:
         super().__init__()
-        d, h, kv, hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.processor = ScaledDotProductAttention()
+        d, h, kv, hd = (
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, hd
         for suffix in ("", "_moe_gen"):
             setattr(self, f"q_proj{suffix}", nn.Linear(d, h * hd, bias=True))
@@ -122,8 +131,7 @@ class MoTAttention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, hd)
         groups = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
-        out = out.transpose(1, 2).flatten(2)
+        out = self.processor(self, q, k, v, mask[:, None]).transpose(1, 2).flatten(2)
         return routed(out, gen, self.o_proj, self.o_proj_moe_gen)
 
 
@@ -182,22 +190,26 @@ class MoTForCausalLM(nn.Module):
 # -- glue -----------------------------------------------------------------------------------------------
 def sincos_2d(dim: int, side: int) -> Tensor:
     """The fixed 2-D sin-cos table (side², dim): first half encodes the column, second half the row."""
+
     def one_axis(d: int, pos: np.ndarray) -> np.ndarray:
         omega = 1.0 / 10000 ** (np.arange(d // 2, dtype=np.float64) / (d / 2.0))
         out = np.outer(pos.reshape(-1), omega)
         return np.concatenate([np.sin(out), np.cos(out)], axis=1)
 
-    rows, cols = np.meshgrid(np.arange(side, dtype=np.float32), np.arange(side, dtype=np.float32), indexing="ij")
+    rows, cols = np.meshgrid(
+        np.arange(side, dtype=np.float32), np.arange(side, dtype=np.float32), indexing="ij"
+    )
     table = np.concatenate([one_axis(dim // 2, cols), one_axis(dim // 2, rows)], axis=1)
     return torch.from_numpy(table).float()
 
 
 class PositionEmbedding(nn.Module):
-    """A frozen 2-D sin-cos table indexed by flattened ``row·side + col`` ids (stored in the checkpoint)."""
+    """A fixed 2-D sin-cos table indexed by flattened ``row·side + col`` ids. The release stores it (a
+    frozen parameter there); here a persistent buffer of the same name, so no optimizer can move it."""
 
     def __init__(self, side: int, dim: int) -> None:
         super().__init__()
-        self.pos_embed = nn.Parameter(sincos_2d(dim, side), requires_grad=False)
+        self.register_buffer("pos_embed", sincos_2d(dim, side))
 
     def forward(self, position_ids: Tensor) -> Tensor:
         return self.pos_embed[position_ids]
@@ -209,7 +221,9 @@ class TimestepEmbedder(nn.Module):
     def __init__(self, hidden_size: int, frequency_dim: int) -> None:
         super().__init__()
         self.frequency_dim = frequency_dim
-        self.mlp = nn.Sequential(nn.Linear(frequency_dim, hidden_size), nn.SiLU(), nn.Linear(hidden_size, hidden_size))
+        self.mlp = nn.Sequential(
+            nn.Linear(frequency_dim, hidden_size), nn.SiLU(), nn.Linear(hidden_size, hidden_size)
+        )
 
     def forward(self, t: Tensor) -> Tensor:
         half = self.frequency_dim // 2
@@ -261,6 +275,9 @@ class Bagel(nn.Module, PeftAdapterMixin):
     def enable_gradient_checkpointing(self) -> None:
         self.gradient_checkpointing = True
 
+    def disable_gradient_checkpointing(self) -> None:
+        self.gradient_checkpointing = False
+
     # -- generation ---------------------------------------------------------------------------------
     def latent_position_ids(self, h: int, w: int, device: torch.device) -> Tensor:
         """Flattened ``row·max_latent_size + col`` ids of an h×w patch grid (the reference's extrapolate)."""
@@ -286,7 +303,9 @@ class Bagel(nn.Module, PeftAdapterMixin):
             self.latent_position_ids(*grid, device)
         )  # fmt: skip
         dtype = embed.weight.dtype
-        block = torch.cat([start.expand(batch, 1, -1), image_tokens.to(dtype), end.expand(batch, 1, -1)], dim=1)
+        block = torch.cat(
+            [start.expand(batch, 1, -1), image_tokens.to(dtype), end.expand(batch, 1, -1)], dim=1
+        )
         x = torch.cat([embed(text_ids), block], dim=1)  # (B, S + N + 2, D)
         gen = torch.zeros(batch, s + n + 2, dtype=torch.bool, device=device)
         gen[:, s + 1 : s + 1 + n] = True
@@ -302,7 +321,9 @@ class Bagel(nn.Module, PeftAdapterMixin):
         gen = torch.zeros(batch, s, dtype=torch.bool, device=ids.device)
         position_ids = torch.arange(s, device=ids.device).expand(batch, s)
         mask = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril().expand(batch, s, s)
-        hidden = self.language_model.model(self.language_model.model.embed_tokens(ids), gen, position_ids, mask)
+        hidden = self.language_model.model(
+            self.language_model.model.embed_tokens(ids), gen, position_ids, mask
+        )
         return self.language_model.lm_head(hidden)
 
     def vit_tokens(self, patches: Tensor, position_ids: Tensor) -> Tensor:

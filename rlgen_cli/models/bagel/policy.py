@@ -33,11 +33,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rlgen_cli.models.base import TORCH_DTYPES, Capabilities, Cond, cfg_combine, uncond_takes_grad
 from rlgen_cli.models.bagel import vae as bagel_vae
 from rlgen_cli.models.bagel.config import GENERATION
 from rlgen_cli.models.bagel.loading import load_checkpoint
 from rlgen_cli.models.bagel.modeling import Bagel
+from rlgen_cli.models.base import TORCH_DTYPES, Capabilities, Cond, cfg_combine, uncond_takes_grad
 from rlgen_cli.models.loading import cast_as_loaded
 from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME, TrainableTransformer, autocast, load_lora_state
 from rlgen_cli.schema.errors import UserError
@@ -62,7 +62,9 @@ class BagelCheckpoint:
 
         directory.mkdir(parents=True, exist_ok=True)
         if not lora:
-            save_file({k: v.contiguous() for k, v in module.state_dict().items()}, directory / FULL_WEIGHTS_NAME)
+            save_file(
+                {k: v.contiguous() for k, v in module.state_dict().items()}, directory / FULL_WEIGHTS_NAME
+            )
             return
         from peft.utils import get_peft_model_state_dict
 
@@ -76,7 +78,9 @@ class BagelCheckpoint:
 
         path = directory / (LORA_WEIGHTS_NAME if lora else FULL_WEIGHTS_NAME)
         if not path.is_file():
-            raise UserError(f"{path} is missing: the checkpoint holds no {'LoRA' if lora else 'full'} weights")
+            raise UserError(
+                f"{path} is missing: the checkpoint holds no {'LoRA' if lora else 'full'} weights"
+            )
         if lora:
             load_lora_state(module, load_file(path), path)
         else:
@@ -132,8 +136,12 @@ class BagelPolicy:
         self.owner = _Owner(network.to(device))
         height, width = cfg.height or cfg.resolution, cfg.width or cfg.resolution
         self.latent_hw = (self._latent_side(height, "height"), self._latent_side(width, "width"))
-        vit_linears = [f"vit_model.{n}" for n, m in network.vit_model.named_modules() if isinstance(m, nn.Linear)]
-        self.trainable = TrainableTransformer(self.owner, cfg, checkpoint=BagelCheckpoint(), exclude=vit_linears)
+        vit_linears = [
+            f"vit_model.{n}" for n, m in network.vit_model.named_modules() if isinstance(m, nn.Linear)
+        ]
+        self.trainable = TrainableTransformer(
+            self.owner, cfg, checkpoint=BagelCheckpoint(), exclude=vit_linears
+        )
 
     @property
     def transformer(self) -> Bagel:
@@ -213,7 +221,9 @@ class BagelPolicy:
                 uncond = self._forward(x, t, neg, neg_mask)
             cond_v = self._forward(x, t, ids, mask)
         else:
-            pair = self._forward(torch.cat([x, x]), torch.cat([t, t]), torch.cat([ids, neg]), torch.cat([mask, neg_mask]))
+            pair = self._forward(
+                torch.cat([x, x]), torch.cat([t, t]), torch.cat([ids, neg]), torch.cat([mask, neg_mask])
+            )
             cond_v, uncond = pair.chunk(2)
         out = renormed_guidance(uncond, cond_v, self.guidance_scale, GENERATION.cfg_renorm_min)
         return torch.where(guided[:, None, None, None], out, cond_v)
@@ -225,7 +235,9 @@ class BagelPolicy:
         tokens = patchify_latents(x, p).to(self.dtype)
         markers = (self.markers["<|vision_start|>"], self.markers["<|vision_end|>"])
         with autocast(self.device, self.dtype):
-            out = self.trainable.forward_module().generation_velocity(ids, mask, markers, tokens, t, (h // p, w // p))
+            out = self.trainable.forward_module().generation_velocity(
+                ids, mask, markers, tokens, t, (h // p, w // p)
+            )
         return unpatchify_latents(out.float(), c, h, w, p)
 
     @torch.no_grad()
@@ -238,7 +250,7 @@ def build(cfg: ModelConfig, device: torch.device) -> BagelPolicy:
     """The registry's entry point: the tiny BAGEL when ``cfg.tiny``, else the checkpoint at ``model.path``."""
     dtype = TORCH_DTYPES[cfg.dtype]
     if cfg.tiny:
-        from rlgen_cli.models.tiny.bagel import tiny_bagel
+        from rlgen_cli.models.bagel.tiny import tiny_bagel
 
         network, vae, tokenizer, markers = tiny_bagel(cfg.tiny_seed)
         cast_as_loaded(network, dtype)

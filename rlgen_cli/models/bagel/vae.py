@@ -74,8 +74,10 @@ def flux_layout_state_dict(vae: Any) -> dict[str, Tensor]:
     for name, tensor in vae.state_dict().items():
         new = re.sub(
             r"up_blocks\.(\d+)\.(resnets|upsamplers)\.(\d+)\.",
-            lambda m: f"up.{levels - 1 - int(m.group(1))}."
-            + (f"block.{m.group(3)}." if m.group(2) == "resnets" else "upsample."),
+            lambda m: (
+                f"up.{levels - 1 - int(m.group(1))}."
+                + (f"block.{m.group(3)}." if m.group(2) == "resnets" else "upsample.")
+            ),
             name,
         )
         for pattern, repl in _RENAMES:

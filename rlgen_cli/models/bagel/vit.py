@@ -11,6 +11,7 @@ same per image), then the post layer norm. BAGEL runs the file's layers but the 
 from __future__ import annotations
 
 import torch.nn.functional as F
+from diffusers.models.attention import AttentionModuleMixin
 from torch import Tensor, nn
 
 from rlgen_cli.models.bagel.config import ViTConfig
@@ -24,6 +25,15 @@ def activation(name: str) -> nn.Module:
     return table[name]()
 
 
+class ScaledDotProductAttention:
+    """The attention processor of BAGEL's attention modules: softmax(QKᵀ/√d + mask)·V through ``scaled_dot_product_attention`` (q, k, v: (B, H, S, d))."""
+
+    def __call__(
+        self, attn: nn.Module, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None
+    ) -> Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 def patchify(image: Tensor, patch: int) -> Tensor:
     """(3, H, W) → (H/p · W/p, p·p·3) patches, row-major, each flattened (p, p, channel)."""
     c, h, w = image.shape
@@ -31,9 +41,10 @@ def patchify(image: Tensor, patch: int) -> Tensor:
     return grid.permute(1, 3, 2, 4, 0).reshape(-1, patch * patch * c)
 
 
-class SiglipAttention(nn.Module):
+class SiglipAttention(nn.Module, AttentionModuleMixin):
     def __init__(self, config: ViTConfig) -> None:
         super().__init__()
+        self.processor = ScaledDotProductAttention()
         d = config.hidden_size
         self.num_heads = config.num_attention_heads
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(d, d) for _ in range(4))
@@ -41,7 +52,7 @@ class SiglipAttention(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         q, k, v = (proj(x).unflatten(-1, (self.num_heads, -1)).transpose(0, 1) for proj in
                    (self.q_proj, self.k_proj, self.v_proj))  # fmt: skip
-        out = F.scaled_dot_product_attention(q[None], k[None], v[None])[0]
+        out = self.processor(self, q[None], k[None], v[None])[0]
         return self.out_proj(out.transpose(0, 1).flatten(1))
 
 
@@ -79,7 +90,9 @@ class SiglipEmbeddings(nn.Module):
     def __init__(self, config: ViTConfig) -> None:
         super().__init__()
         self.patch_embedding = nn.Linear(config.num_channels * config.patch_size**2, config.hidden_size)
-        self.position_embedding = nn.Embedding((config.image_size // config.patch_size) ** 2, config.hidden_size)
+        self.position_embedding = nn.Embedding(
+            (config.image_size // config.patch_size) ** 2, config.hidden_size
+        )
 
 
 class SiglipVisionTransformer(nn.Module):
