@@ -101,6 +101,10 @@ def test_the_loader_refuses_what_does_not_fit(tmp_path: Path):
     (tmp_path / "ema.safetensors").unlink()
     with pytest.raises(UserError, match="holds none of ema.safetensors"):
         load_checkpoint(tmp_path, torch.float32, base=TINY_BAGEL)
+    llm = json.loads((tmp_path / "llm_config.json").read_text())
+    (tmp_path / "llm_config.json").write_text(json.dumps(llm | {"rope_scaling": {"type": "yarn"}}))
+    with pytest.raises(UserError, match="rope_scaling"):
+        load_checkpoint(tmp_path, torch.float32, base=TINY_BAGEL)
 
 
 def test_autoencoder_names_are_the_flux_release_names():

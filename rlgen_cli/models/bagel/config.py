@@ -151,6 +151,11 @@ def from_directory(directory: Path, base: BagelConfig = BAGEL_7B_MOT) -> BagelCo
     """The config of the checkpoint in ``directory``: its two JSON files over ``base``'s glue values."""
     llm = _read_json(directory / LLM_CONFIG)
     vit = _read_json(directory / VIT_CONFIG)
+    if llm.get("rope_scaling"):
+        raise UserError(
+            f"{directory / LLM_CONFIG} sets rope_scaling={llm['rope_scaling']}: BAGEL's language model uses "
+            "plain rotary positions and rlgen implements only those"
+        )
     llm_fields = {k: llm[k] for k in LLMConfig.__dataclass_fields__ if k in llm}
     vit_fields = {k: vit[k] for k in ViTConfig.__dataclass_fields__ if k in vit}
     if "num_hidden_layers" in vit_fields:

@@ -42,7 +42,7 @@ from rlgen_cli.models.loading import cast_as_loaded
 from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME, TrainableTransformer, autocast, load_lora_state
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
-from rlgen_cli.sde.noise import randn_per_sample
+from rlgen_cli.sde.noise import standard_normal
 from rlgen_cli.sde.schedule import shift_sigmas
 
 BAGEL_LORA_TARGETS = [
@@ -195,10 +195,7 @@ class BagelPolicy:
     # -- sampling geometry --------------------------------------------------------------------
     def noise(self, n: int, generator: torch.Generator | Sequence[torch.Generator] | None = None) -> Tensor:
         """x_1 ~ N(0, I), fp32 (n, C, h, w); one generator per sample or one for all."""
-        shape = (self.config.vae.z_channels, *self.latent_hw)
-        if generator is None or isinstance(generator, torch.Generator):
-            return torch.randn((n, *shape), generator=generator, device=self.device)
-        return randn_per_sample(shape, generator[:n], self.device)
+        return standard_normal(n, (self.config.vae.z_channels, *self.latent_hw), generator, self.device)
 
     def schedule(self, num_steps: int, x: Tensor) -> Tensor:
         """(T+1,) sigmas: ``linspace(1, 0, T + 1)`` through the static shift ``model.shift``."""
