@@ -5,14 +5,15 @@ and per-rank statistics become one number per epoch (:func:`summarise`, :func:`r
 
 The flow recipes (``flow_grpo``, ``flow_pref``, ``flow_pretrain``, ``flow_forward``) also share what a run
 holds (:class:`FlowRun`, built by :func:`setup`: seed, processes, policy, reward, prompts, optimizer, EMA,
-resume, loggers), reward scoring (:func:`score`), the ODE evaluation (:func:`evaluate`), full-state
+resume, loggers), reward scoring (:func:`score`), the ODE evaluation (:func:`evaluate`) and the
+reward-hacking guard's look at it (:func:`guard_evaluation`, ``training/guard.py``), full-state
 checkpoints (:func:`save`) and the end of an epoch. Each recipe writes its own loop from them::
 
     with session(cfg, raw_cfg) as s:  # setup, the progress bars, evaluation before, report and close
         for epoch in s.epochs():
             metrics = my_epoch(s.run, epoch, s.progress)  # e.g. rollout → reward → advantages → update
             if s.end_epoch(epoch, metrics, console_line, headline=f"reward {metrics['reward/mean']:+.4g}"):
-                break  # the last epoch, or the time limit
+                break  # the last epoch, the time limit, or a guard stop
     return s.metrics
 
 :meth:`Session.end_epoch` evaluates when due, logs, checkpoints when due and moves the epochs bar.
@@ -53,6 +54,7 @@ from rlgen_cli.schema.recipes import FlowRunConfig
 from rlgen_cli.sde.rollout import StepSpec
 from rlgen_cli.sde.sampling import sample_images
 from rlgen_cli.training.checkpoint import (
+    CHECKPOINTS_DIR,
     COUNTERS_KEY,
     OPTIMIZER_KEY,
     RNG_KEY,
@@ -65,6 +67,7 @@ from rlgen_cli.training.checkpoint import (
 )
 from rlgen_cli.training.dist import Dist, make_dist
 from rlgen_cli.training.ema import EMA
+from rlgen_cli.training.guard import BEST_HELDOUT, GUARD_CURVES, GUARD_KEY, RunGuard, plot_guard
 from rlgen_cli.training.images import save_grid
 from rlgen_cli.training.metrics import NullLogger, build_loggers
 from rlgen_cli.training.plots import plot_runs
@@ -80,7 +83,7 @@ EXTREMES: dict[str, Callable[[Sequence[float]], float]] = {
 COUNTS = ("trained_samples", "tokens")
 REWARD_CURVE = "reward_curve.png"
 EMA_KEY, RAW_KEY = "ema", "raw_trainable"
-LOOP_STATE_KEYS = (OPTIMIZER_KEY, SAMPLER_KEY, COUNTERS_KEY, RNG_KEY, EMA_KEY, RAW_KEY)
+LOOP_STATE_KEYS = (OPTIMIZER_KEY, SAMPLER_KEY, COUNTERS_KEY, RNG_KEY, EMA_KEY, RAW_KEY, GUARD_KEY)
 """Trainer-state entries :func:`save` writes and :func:`setup` restores; the rest are the recipe's."""
 
 
@@ -200,6 +203,8 @@ class FlowRun:
     """Optimizer steps so far (EMA warm-up and per-step schedules read it)."""
     resumed_extra: dict[str, Any] = field(default_factory=dict)
     """The resumed checkpoint's recipe entries (what the recipe saved as ``extra_state``); empty when fresh."""
+    guard: RunGuard | None = None
+    """The reward-hacking guard (``guard.monitors`` set): :func:`guard_evaluation` after every evaluation."""
 
     @property
     def device(self) -> torch.device:
@@ -255,6 +260,7 @@ def setup(cfg: FlowRunConfig, raw_cfg: DictConfig) -> FlowRun:
         dist.load_optimizer_state(run.optimizer, state[OPTIMIZER_KEY], ckpt.engine)
         set_rng_state(state[RNG_KEY])
         run.resumed_extra = {k: v for k, v in state.items() if k not in LOOP_STATE_KEYS}
+    run.guard = RunGuard.build(cfg.guard, dist, algo, resumed[1].get(GUARD_KEY) if resumed else None)
     if dist.is_main:
         run.logger = build_loggers(run_dir, cfg.logging, raw_cfg)
     log.info(
@@ -283,17 +289,22 @@ def _resume_weights(run: FlowRun) -> tuple[Checkpoint, dict[str, Any]] | None:
     if ckpt is None:
         return None
     state = ckpt.state()
-    run.policy.trainable.load(ckpt.weights)
+    _load_trained(run, ckpt, state)
     run.sampler.load_state_dict(state[SAMPLER_KEY])
+    run.start_epoch = state[COUNTERS_KEY]["epoch"]
+    run.global_step = state[COUNTERS_KEY]["global_step"]
+    log.info("resumed from %s at epoch %d", ckpt.path, run.start_epoch)
+    return ckpt, state
+
+
+def _load_trained(run: FlowRun, ckpt: Checkpoint, state: dict[str, Any]) -> None:
+    """The checkpoint's trained weights (and EMA) into the live modules, in place."""
+    run.policy.trainable.load(ckpt.weights)
     if run.ema is not None and EMA_KEY in state:
         run.ema.load_state_dict(state[EMA_KEY])
         with torch.no_grad():  # weights/ holds the EMA weights; training resumes from the raw ones
             for param, raw in zip(run.policy.trainable.parameters(), state[RAW_KEY], strict=True):
                 param.copy_(raw)
-    run.start_epoch = state[COUNTERS_KEY]["epoch"]
-    run.global_step = state[COUNTERS_KEY]["global_step"]
-    log.info("resumed from %s at epoch %d", ckpt.path, run.start_epoch)
-    return ckpt, state
 
 
 def step_spec(cfg: FlowRunConfig) -> StepSpec:
@@ -341,16 +352,17 @@ def score(
     metadata: list[dict],
     sources: Tensor | None = None,
     by_tag: bool = False,
+    reward: WeightedMix | None = None,
 ) -> tuple[dict[str, Tensor], dict[str, float]]:
     """Per-component rewards (B,) and scalar summaries of the mix's details (``detail_summaries``). A
     non-finite reward stops the run: a failed score is never replaced by a number. ``sources`` (see
     :func:`sources_of`) reach the rewards as ``ref_images``; one compared with the source averages over
-    N sources (``rewards/base.py``)."""
+    N sources (``rewards/base.py``). ``reward``: the mix to score (default: the trained one; the guard
+    passes its monitors)."""
     batch = RewardBatch(prompts=prompts, images=images, metadata=metadata, ref_images=sources)
-    result = run.reward.score(batch)
-    components = {
-        name: torch.as_tensor(result.details[name], dtype=torch.float32) for name in run.reward.rewards
-    }
+    mix = reward or run.reward
+    result = mix.score(batch)
+    components = {name: torch.as_tensor(result.details[name], dtype=torch.float32) for name in mix.rewards}
     bad = {
         k: f"{int(v.isnan().sum())} NaN, {int(v.isinf().sum())} inf"
         for k, v in components.items()
@@ -395,6 +407,10 @@ def evaluate(run: FlowRun, epoch: int, progress: Progress) -> dict[str, float]:
             sources=sources, on_batch=advance,
         )  # fmt: skip
     components, details = score(run, images, prompts, metadata, sources, by_tag=True)
+    heldout = {}  # the guard's monitors on the same images (training/guard.py)
+    if run.guard is not None:
+        monitored, _ = score(run, images, prompts, metadata, sources, reward=run.guard.monitors)
+        heldout = run.guard.heldout_metrics(monitored)
     run.report.evaluated(epoch, images)
     if run.dist.is_main:
         name = "eval_before.png" if epoch < 0 else f"eval_epoch_{epoch:05d}.png"
@@ -404,6 +420,7 @@ def evaluate(run: FlowRun, epoch: int, progress: Progress) -> dict[str, float]:
         "eval/reward/mean": total.mean().item(),
         **{f"eval/reward/{k}/mean": v.mean().item() for k, v in components.items()},
         **{f"eval/{k}": v for k, v in details.items()},
+        **heldout,
     }
 
 
@@ -415,6 +432,8 @@ def evaluate_before(run: FlowRun, progress: Progress) -> dict[str, float] | None
     metrics: dict[str, float] = {}
     if run.dist.is_main or run.dist.sharded:  # sharded weights: every rank takes part in the forwards
         metrics = evaluate(run, -1, progress)
+    metrics = guard_evaluation(run, -1, metrics)
+    if run.dist.is_main:
         run.logger.log(metrics, step=-1)
         log.info("before training: eval %+.4g", metrics["eval/reward/mean"])
     run.dist.barrier()
@@ -424,10 +443,41 @@ def evaluate_before(run: FlowRun, progress: Progress) -> dict[str, float] | None
 def evaluate_if_due(run: FlowRun, epoch: int, last: bool, progress: Progress) -> dict[str, float]:
     """The evaluation after ``epoch`` when one is due (the first, the last, every ``eval_every``)."""
     cfg = run.cfg
+    if not (cfg.eval_every and (epoch == 0 or last or due(epoch, cfg.eval_every, cfg.epochs))):
+        return {}
     evaluates = run.dist.is_main or run.dist.sharded  # sharded weights: every rank runs the forwards
-    if evaluates and cfg.eval_every and (epoch == 0 or last or due(epoch, cfg.eval_every, cfg.epochs)):
-        return evaluate(run, epoch, progress)
-    return {}
+    return guard_evaluation(run, epoch, evaluate(run, epoch, progress) if evaluates else {})
+
+
+def guard_evaluation(run: FlowRun, epoch: int, metrics: dict[str, float]) -> dict[str, float]:
+    """The guard's look at the evaluation after ``epoch`` (−1: before training; ``metrics``: rank 0's):
+    a new best held-out value is saved to ``checkpoints/best_heldout``; a flagged evaluation warns, stops
+    or rolls back (``training/guard.py``). Every rank enters: saving and rolling back are collective."""
+    if run.guard is None:
+        return metrics
+    decision = run.guard.decide(run.dist, epoch, metrics)
+    if decision.new_best:
+        save(run, epoch + 1, name=BEST_HELDOUT)
+    metrics = {**metrics, **run.guard.status_metrics()}
+    if decision.event is not None:
+        log.warning(decision.event.describe(run.cfg.guard.window, run.cfg.guard.margin))
+        metrics |= decision.event.metrics()
+    if decision.action == "rollback":
+        metrics |= roll_back(run)
+    return metrics
+
+
+def roll_back(run: FlowRun) -> dict[str, float]:
+    """Load ``checkpoints/best_heldout``'s weights, EMA and optimizer state (not its sampler, counters or
+    RNG: training goes on with the next epoch's prompts), then scale the learning rate and KL weight;
+    returns the guard's cumulative scales."""
+    assert run.guard is not None
+    ckpt = Checkpoint(run.run_dir / CHECKPOINTS_DIR / BEST_HELDOUT)
+    state = ckpt.state()
+    lrs = [group["lr"] for group in run.optimizer.param_groups]
+    _load_trained(run, ckpt, state)
+    run.dist.load_optimizer_state(run.optimizer, state[OPTIMIZER_KEY], ckpt.engine)
+    return run.guard.rescale_after_rollback(run.cfg.algo, run.optimizer, lrs)
 
 
 def log_epoch(run: FlowRun, epoch: int, metrics: dict[str, float], console: str) -> None:
@@ -438,14 +488,21 @@ def log_epoch(run: FlowRun, epoch: int, metrics: dict[str, float], console: str)
 
 
 def eval_suffix(metrics: dict[str, float]) -> str:
-    """`` eval +0.123`` when the epoch evaluated, else empty (for console lines)."""
-    return f" eval {metrics['eval/reward/mean']:+.4g}" if "eval/reward/mean" in metrics else ""
+    """`` eval +0.123`` when the epoch evaluated (`` held-out +0.456`` with the guard), else empty (for
+    console lines)."""
+    if "eval/reward/mean" not in metrics:
+        return ""
+    heldout = f" held-out {metrics['guard/heldout']:+.4g}" if "guard/heldout" in metrics else ""
+    return f" eval {metrics['eval/reward/mean']:+.4g}{heldout}"
 
 
-def save(run: FlowRun, epochs_done: int, extra_state: dict[str, Any] | None = None) -> None:
+def save(
+    run: FlowRun, epochs_done: int, extra_state: dict[str, Any] | None = None, name: str | None = None
+) -> None:
     """A full-state checkpoint; with EMA, ``weights/`` holds the EMA weights and the raw ones travel in
-    the trainer state for resume. ``extra_state``: a recipe's own entries (e.g. an old policy's weights).
-    Every rank enters: optimizer shards, gathers and swaps are collective."""
+    the trainer state for resume. ``extra_state``: a recipe's own entries (e.g. an old policy's weights);
+    ``name``: a fixed folder instead of ``epoch_N`` (the guard's ``best_heldout``). Every rank enters:
+    optimizer shards, gathers and swaps are collective."""
     staging = engine_staging(run.run_dir, epochs_done)  # DeepSpeed's per-rank optimizer shards
     state = {
         OPTIMIZER_KEY: run.dist.optimizer_state(run.optimizer, staging),
@@ -453,6 +510,8 @@ def save(run: FlowRun, epochs_done: int, extra_state: dict[str, Any] | None = No
         COUNTERS_KEY: {"epoch": epochs_done, "global_step": run.global_step},
         **(extra_state or {}),
     }
+    if run.guard is not None:
+        state[GUARD_KEY] = run.guard.state_dict()
     if run.ema is not None:
         params = run.policy.trainable.parameters()
         with run.dist.gathered(params):  # ZeRO-3 shards them
@@ -464,7 +523,7 @@ def save(run: FlowRun, epochs_done: int, extra_state: dict[str, Any] | None = No
             return
         ckpt = save_checkpoint(
             run.run_dir, epochs_done, run.policy.trainable.save, state, run.raw_cfg, run.cfg.keep_last,
-            engine_state=staging if run.dist.shards_optimizer else None,
+            engine_state=staging if run.dist.shards_optimizer else None, name=name,
         )  # fmt: skip
     log.info("saved %s", ckpt.path)
 
@@ -538,9 +597,11 @@ class Session:
         metrics["time/epoch"] = time.perf_counter() - self.epoch_started
         last = self.clock.is_last(epoch)
         metrics |= evaluate_if_due(self.run, epoch, last, self.progress)
+        stopped = self.run.guard is not None and self.run.guard.stop_requested and not last
+        last = last or stopped
         log_epoch(self.run, epoch, metrics, console(metrics))
         save_if_due(self.run, epoch, last, extra_state)
-        self.clock.advance(epoch, last, headline)
+        self.clock.advance(epoch, last and not stopped, headline)
         self.metrics = metrics
         return last
 
@@ -564,5 +625,7 @@ def finish(run: FlowRun, before: dict[str, float] | None, after: dict[str, float
     """Rank 0 draws the reward curve and writes the evaluation report; every rank closes its loggers."""
     if run.dist.is_main:
         plot_runs([run.run_dir], run.run_dir / REWARD_CURVE)
+        if run.guard is not None:
+            plot_guard(run.run_dir, run.run_dir / GUARD_CURVES)
         run.report.write(before, after)
     run.logger.close()

@@ -42,6 +42,7 @@ FLOW_FAMILIES = {
     "flux2_klein": "tiny_flux2_klein", "qwen_image": "tiny_qwen_image", "qwen_image_edit": "tiny_qwen_image_edit",
     "qwen_image_edit_plus": "tiny_qwen_image_edit_plus", "wan2_1": "tiny_wan2_1", "wan2_2": "tiny_wan2_2",
     "wan2_2_i2v": "tiny_wan2_2_i2v", "z_image": "tiny_z_image", "qwen_image_2": "tiny_qwen_image_2",
+    "bagel": "tiny_bagel",
 }  # fmt: skip
 VLM_FAMILIES = {"qwen2_vl": "tiny_qwen2_vl", "qwen2_5_vl": "tiny_qwen2_vl", "qwen3_vl": "tiny_qwen3_vl"}
 PROMPTS = ["a red circle", "two blue squares"]
@@ -282,10 +283,10 @@ def test_checkpointing_lowers_the_peak_memory_of_an_update():
 
 def test_every_flow_family_built_on_the_trainable_transformer_is_covered_here():
     """A new family joins FLOW_FAMILIES; the ShapesEval UNet has its own test below (it refuses both
-    settings) and BAGEL is a unified model with its own network, outside ``TrainableTransformer``."""
+    settings)."""
     from rlgen_cli.models import FAMILIES
 
-    assert set(FLOW_FAMILIES) == set(FAMILIES) - {"shapes", "bagel"}
+    assert set(FLOW_FAMILIES) == set(FAMILIES) - {"shapes"}
 
 
 def test_a_frozen_wan_expert_takes_the_attention_kernel_too():
