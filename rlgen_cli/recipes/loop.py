@@ -474,6 +474,7 @@ def roll_back(run: FlowRun) -> dict[str, float]:
     assert run.guard is not None
     ckpt = Checkpoint(run.run_dir / CHECKPOINTS_DIR / BEST_HELDOUT)
     state = ckpt.state()
+    run.guard.require_best_state(state[COUNTERS_KEY]["epoch"])
     lrs = [group["lr"] for group in run.optimizer.param_groups]
     _load_trained(run, ckpt, state)
     run.dist.load_optimizer_state(run.optimizer, state[OPTIMIZER_KEY], ckpt.engine)

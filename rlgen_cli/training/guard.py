@@ -308,6 +308,22 @@ class RunGuard:
             metrics["guard/train_rise"], metrics["guard/heldout_drop"] = verdict.change
         return metrics
 
+    def require_best_state(self, epochs_done: int) -> None:
+        """``checkpoints/best_heldout`` (the state after ``epochs_done`` epochs) is the guard's best.
+
+        Raises:
+            UserError: It is not — a crashed attempt wrote a later best after the checkpoint this run
+                resumed from — rather than rolling back to weights the guard never chose.
+        """
+        best = self.rule.best
+        if best is not None and best.epoch + 1 != epochs_done:
+            raise UserError(
+                f"checkpoints/{BEST_HELDOUT} holds the state after {epochs_done} epochs, but the guard's best "
+                f"is the state after {best.epoch + 1}: an earlier attempt of this run wrote it past the "
+                f"checkpoint this one resumed from. Resume from a checkpoint after epoch {epochs_done}, or "
+                "set guard.action=warn or stop"
+            )
+
     def rescale_after_rollback(self, algo: Any, optimizer: Any, lrs: Sequence[float]) -> dict[str, float]:
         """After a rollback loaded the best state's optimizer: every param group's learning rate is its
         pre-rollback value ``lrs`` × ``rollback_lr_scale``, ``algo.lr`` and ``algo.kl_weight`` are
@@ -365,6 +381,7 @@ def plot_guard(run_dir: Path, out: Path) -> Path | None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     x = [row["step"] + 1 for row in rows]  # epochs completed, as plots.py and the checkpoint names count
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
@@ -374,6 +391,7 @@ def plot_guard(run_dir: Path, out: Path) -> Path | None:
     ):
         ax.plot(x, [row.get(key, math.nan) for row in rows], marker="o", ms=3)
         ax.set_xlabel("epochs completed")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(label)
         for row, at in zip(rows, x, strict=True):
             for action, colour in zip(_ACTIONS, ("tab:orange", "tab:red", "tab:purple"), strict=True):
@@ -383,6 +401,12 @@ def plot_guard(run_dir: Path, out: Path) -> Path | None:
     axes[1].plot([best["step"] + 1], [best[HELDOUT]], marker="*", ms=12, color="gold", ls="", label="best")
     handles = dict(zip(*reversed(axes[1].get_legend_handles_labels()), strict=True))
     axes[1].legend(handles.values(), handles.keys(), fontsize=8)
+    monitors = ", ".join(
+        k.removeprefix("guard/reward/").removesuffix("/mean")
+        for k in rows[0]
+        if k.startswith("guard/reward/")
+    )
+    fig.suptitle(f"{run_dir.name}: guard, held-out = {monitors}", fontsize=9)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)

@@ -186,6 +186,17 @@ class _DeepSpeed(_OneProcess):
     shards_optimizer, engine = True, "deepspeed"
 
 
+def test_a_best_checkpoint_the_guard_did_not_choose_is_refused():
+    """A crashed attempt can leave a later best_heldout than the resumed guard's best."""
+    guard = _run_guard(action="rollback")
+    guard.decide(_OneProcess(), 4, {"eval/reward/mean": 0.0, "guard/heldout": 0.5})  # best: after 5 epochs
+    guard.require_best_state(5)
+    with pytest.raises(
+        UserError, match="holds the state after 9 epochs, but the guard's best is the state after 5"
+    ):
+        guard.require_best_state(9)
+
+
 def test_rollback_under_a_sharding_engine_is_refused():
     dist = _DeepSpeed()
     with pytest.raises(
