@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 GEOMETRY = [
     "algo.prompts_per_epoch=1", "algo.group_size=8", "algo.sample_batch_size=4", "algo.train_batch_size=4",
     "algo.shared_initial_noise=true", "algo=grpo_fast", "algo.window.size=1", "sampler=cps",
@@ -23,6 +25,7 @@ def _metrics(run: Path) -> dict:
     return json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
 
 
+@pytest.mark.slow  # ~15 s; test_ddp_equivalence gathers groups across two ranks in the default suite
 def test_group_spanning_two_processes_is_one_group(cli, tmp_path: Path):
     single, pair = tmp_path / "single", tmp_path / "pair"
     code, out = cli("train", *GEOMETRY, "algo.gradient_accumulation_steps=2", f"hydra.run.dir={single}")

@@ -75,6 +75,7 @@ def test_two_processes_equal_one_with_accumulation(token_runs: tuple[Path, Path]
     _assert_same_runs(single, pair, epochs=2)
 
 
+@pytest.mark.slow  # ~11 s; single-process VLM resume is in test_vlm_recipes
 def test_resumed_pair_equals_the_uninterrupted_one(token_runs: tuple[Path, Path], tmp_path: Path):
     _, pair = token_runs
     middle = pair / "checkpoints" / "epoch_000001"
@@ -84,6 +85,7 @@ def test_resumed_pair_equals_the_uninterrupted_one(token_runs: tuple[Path, Path]
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
 
 
+@pytest.mark.slow  # ~11 s; the 2-process token GRPO test covers the VLM's DDP path
 def test_sft_on_two_processes_changes_the_weights(tmp_path: Path):
     from peft.utils import get_peft_model_state_dict
 
@@ -108,6 +110,7 @@ def test_step_grpo_two_processes_equal_one(tmp_path: Path):
     _assert_same_runs(single, _train(tmp_path / "pair", *step, *PAIR), epochs=1)
 
 
+@pytest.mark.slow  # ~14 s; test_engines runs a ZeRO-2 epoch in the default suite
 def test_deepspeed_zero2_equals_one_process(token_runs: tuple[Path, Path], tmp_path: Path):
     pytest.importorskip("deepspeed")
     single, _ = token_runs

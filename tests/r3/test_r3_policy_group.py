@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import run_cli
 from tests.r3.conftest import TINY_R3
 
@@ -15,6 +17,7 @@ def _rows(run: Path, rank: int) -> list[dict]:
     return [json.loads(line) for line in (run / "samples" / f"rank_{rank}.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # ~22 s on two processes; R3's single-process tracks run in the default suite
 def test_two_ranks_share_prompt_noise_and_sde_step(tmp_path: Path):
     overrides = [
         *TINY_R3, "epochs=2", "launcher=accelerate", "launcher.num_processes=2", "r3.policy_group_size=2",

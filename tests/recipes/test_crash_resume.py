@@ -37,7 +37,7 @@ def _final(run: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(
     "launch",
     [
-        pytest.param([], id="one-process"),
+        pytest.param([], id="one-process", marks=pytest.mark.slow),  # ~31 s; test_flow_grpo_cli resumes
         pytest.param(
             [
                 "launcher=accelerate",
@@ -46,7 +46,7 @@ def _final(run: Path) -> dict[str, torch.Tensor]:
                 "algo.train_batch_size=2",
             ],
             id="two-processes",
-            marks=pytest.mark.slow,  # the one-process row and test_resume_* cover resume in the default suite
+            marks=pytest.mark.slow,
         ),  # fmt: skip
         pytest.param(  # the optimizer state is ZeRO's per-rank shards, in the checkpoint's engine/
             [
