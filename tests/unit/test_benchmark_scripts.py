@@ -1,0 +1,43 @@
+"""The epoch benchmarks still run end to end and print their JSON (they drive a training run from outside
+the recipes, so an API change there breaks them without any recipe test noticing). One short repeat
+each: the numbers mean nothing here, only that every phase runs and every field is printed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _json_of(script: str, *args: str) -> dict:
+    done = subprocess.run(
+        [sys.executable, script, *args], cwd=BENCHMARKS, capture_output=True, text=True, timeout=900
+    )
+    last = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    assert last.startswith("{"), f"{script} printed no JSON (exit {done.returncode}):\n{done.stderr[-3000:]}"
+    return json.loads(last)
+
+
+@pytest.mark.slow
+def test_overhead_replays_the_epoch_and_compares_with_a_baseline():
+    result = _json_of(
+        "overhead.py", "--repeats", "1", "--warmup", "1", "algo.cfg_grad=conditional", "--baseline",
+        "algo.cfg_grad=both",
+    )  # fmt: skip
+    for arm in ("recipe", "baseline"):
+        assert result[arm]["epoch_s"] > 0 and result[arm]["model_calls_s"] > 0, result[arm]
+        assert result[arm]["calls_per_epoch"]["backwards"] > 0
+    assert "epoch_vs_baseline" in result and "valid" in result
+
+
+@pytest.mark.slow
+def test_profile_epoch_splits_the_epoch_into_phases():
+    result = _json_of("profile_epoch.py", "--repeats", "1", "--warmup", "1")
+    assert result["profiled_epoch_s"] > 0
+    assert result["seconds"]["transformer_forward"] > 0 and result["seconds"]["backward"] > 0
+    assert abs(sum(result["share"].values()) - 1.0) < 1e-6, result["share"]  # the phases cover the epoch
