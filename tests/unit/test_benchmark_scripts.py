@@ -40,4 +40,5 @@ def test_profile_epoch_splits_the_epoch_into_phases():
     result = _json_of("profile_epoch.py", "--repeats", "1", "--warmup", "1")
     assert result["profiled_epoch_s"] > 0
     assert result["seconds"]["transformer_forward"] > 0 and result["seconds"]["backward"] > 0
-    assert abs(sum(result["share"].values()) - 1.0) < 1e-6, result["share"]  # the phases cover the epoch
+    shares = result["share"]  # rounded to 4 decimals each: the phases cover the epoch
+    assert abs(sum(shares.values()) - 1.0) <= 1e-4 * len(shares), shares
