@@ -133,7 +133,7 @@ def run_hydra(task: Callable[[Any], Any], config_name: str, args: Sequence[str])
         if exit_.code == 1 and not started and not os.environ.get("HYDRA_FULL_ERROR"):
             hint = other_recipes_hint(config_name, args)
             if hint:
-                print(hint, file=sys.stderr)
+                sys.stderr.write(hint + "\n")  # after Hydra's own message, on the same stream
             raise SystemExit(EXIT_USER_ERROR) from None
         raise
     finally:

@@ -28,6 +28,22 @@ def load_pipeline(pipeline_cls: type, cfg: ModelConfig, what: str) -> Any:
         ) from err
 
 
+def prepare_pipeline(
+    pipeline: Any, device: torch.device, frozen: tuple[str, ...], fp32_vae: bool = False
+) -> None:
+    """``pipeline`` on ``device`` for rollouts: its progress bar off, the components named in ``frozen``
+    (absent ones skipped) without gradients and in eval mode; with ``fp32_vae`` the VAE in fp32, so decoded
+    images do not depend on ``model.dtype``. The transformer is left to ``TrainableTransformer``."""
+    pipeline.to(device)
+    if fp32_vae:
+        pipeline.vae.float()
+    pipeline.set_progress_bar_config(disable=True)
+    for name in frozen:
+        part = getattr(pipeline, name, None)
+        if part is not None:
+            part.requires_grad_(False).eval()
+
+
 def kept_in_fp32(module: nn.Module, dtype: torch.dtype) -> frozenset[str]:
     """Module names whose weights ``from_pretrained(torch_dtype=dtype)`` keeps in fp32: a diffusers model's
     ``_keep_in_fp32_modules`` in any low dtype (Wan's norms and time embedding), a transformers model's

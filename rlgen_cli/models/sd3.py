@@ -22,7 +22,7 @@ from rlgen_cli.models.base import (
     cfg_combine,
     uncond_takes_grad,
 )
-from rlgen_cli.models.loading import in_model_dtype, load_pipeline
+from rlgen_cli.models.loading import in_model_dtype, load_pipeline, prepare_pipeline
 from rlgen_cli.models.prompt_cache import PromptCache, cache_prompt_embeddings
 from rlgen_cli.models.real_size import flow_pipeline
 from rlgen_cli.models.tiny import tiny_sd3_pipeline
@@ -66,11 +66,7 @@ class SD3Policy:
         self.guidance_scale = cfg.guidance_scale
         self.capabilities = Capabilities(has_cfg=cfg.guidance_scale > 1.0)
         self._negatives = PromptCache(int(cfg.prompt_cache_mb * 2**20)) if cfg.prompt_cache_mb > 0 else None
-        pipeline.to(device)
-        pipeline.set_progress_bar_config(disable=True)
-        for part in (pipeline.vae, pipeline.text_encoder, pipeline.text_encoder_2, pipeline.text_encoder_3):
-            if part is not None:
-                part.requires_grad_(False).eval()
+        prepare_pipeline(pipeline, device, ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"))
         self.pipeline = pipeline
         self.trainable = TrainableTransformer(
             pipeline, cfg, checkpoint=DiffusersCheckpoint("StableDiffusion3Pipeline", "SD3Transformer2DModel"),

@@ -52,6 +52,7 @@ from rlgen_cli.algos.nft import (
 from rlgen_cli.models import Cond, cfg_gradient
 from rlgen_cli.recipes import loop
 from rlgen_cli.recipes.loop import FlowRun, reduce_over_ranks, summarise, timed
+from rlgen_cli.recipes.session import session
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.forward import ForwardConfig, check_forward_steps
 from rlgen_cli.schema.recipes import FlowForwardTrainConfig
@@ -327,7 +328,7 @@ def console_line(m: dict[str, float]) -> str:
 def run(cfg: FlowForwardTrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
     """Entry point: the shared session (``recipes/loop.py``) around :func:`forward_epoch`; the last epoch's metrics."""
     require_valid(cfg)
-    with loop.session(cfg, raw_cfg) as s:
+    with session(cfg, raw_cfg) as s:
         old = OldPolicy.build(s.run)
         for epoch in s.epochs():
             metrics = forward_epoch(s.run, old, epoch, s.progress)

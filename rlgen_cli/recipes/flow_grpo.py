@@ -51,6 +51,7 @@ from rlgen_cli.algos import best_and_worst, combine_rewards, grpo_loss, guard_lo
 from rlgen_cli.models import Cond, cfg_gradient
 from rlgen_cli.recipes import loop
 from rlgen_cli.recipes.loop import FlowRun, summarise, timed
+from rlgen_cli.recipes.session import session
 from rlgen_cli.schema.algo import FlowGrpoAlgoConfig
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.recipes import FlowGrpoTrainConfig
@@ -365,7 +366,7 @@ def console_line(m: dict[str, float]) -> str:
 
 def run(cfg: FlowGrpoTrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
     """Entry point: the shared session (``recipes/loop.py``) around :func:`grpo_epoch`; the last epoch's metrics."""
-    with loop.session(cfg, raw_cfg) as s:
+    with session(cfg, raw_cfg) as s:
         if s.run.dist.world_size > 1 or s.run.dist.sharded:
             require_rank_symmetric(cfg.algo)
         log.info("%s window over %d steps", cfg.algo.window.kind, cfg.model.num_steps)

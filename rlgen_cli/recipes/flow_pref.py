@@ -41,6 +41,7 @@ from rlgen_cli.algos import (
 from rlgen_cli.models import Cond
 from rlgen_cli.recipes import loop
 from rlgen_cli.recipes.loop import FlowRun, summarise, timed
+from rlgen_cli.recipes.session import session
 from rlgen_cli.schema.recipes import FlowPrefTrainConfig
 from rlgen_cli.sde.noise import Stream, stream_seed
 from rlgen_cli.sde.sampling import batches, conditioned, sample_latents
@@ -204,7 +205,7 @@ def console_line(m: dict[str, float]) -> str:
 
 def run(cfg: FlowPrefTrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
     """Entry point: the shared session (``recipes/loop.py``) around :func:`pref_epoch`; the last epoch's metrics."""
-    with loop.session(cfg, raw_cfg) as s:
+    with session(cfg, raw_cfg) as s:
         pref_state = Preference.build(s.run)
         for epoch in s.epochs():
             metrics = pref_epoch(s.run, pref_state, epoch, s.progress)

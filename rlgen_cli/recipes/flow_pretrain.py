@@ -26,6 +26,7 @@ from torch import Tensor
 
 from rlgen_cli.recipes import loop
 from rlgen_cli.recipes.loop import FlowRun
+from rlgen_cli.recipes.session import session
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.recipes import FlowPretrainTrainConfig
 from rlgen_cli.sde.noise import Stream, stream_seed
@@ -134,7 +135,7 @@ def require_pretrainable(run: FlowRun) -> None:
 
 def run(cfg: FlowPretrainTrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
     """Entry point: the shared session (``recipes/loop.py``) around :func:`pretrain_epoch`; the last epoch's metrics."""
-    with loop.session(cfg, raw_cfg) as s:
+    with session(cfg, raw_cfg) as s:
         require_pretrainable(s.run)
         for epoch in s.epochs():
             metrics = pretrain_epoch(s.run, epoch, s.progress)

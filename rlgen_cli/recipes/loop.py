@@ -7,16 +7,8 @@ The flow recipes (``flow_grpo``, ``flow_pref``, ``flow_pretrain``, ``flow_forwar
 holds (:class:`FlowRun`, built by :func:`setup`: seed, processes, policy, reward, prompts, optimizer, EMA,
 resume, loggers), reward scoring (:func:`score`), the ODE evaluation (:func:`evaluate`) and the
 reward-hacking guard's look at it (:func:`guard_evaluation`, ``training/guard.py``), full-state
-checkpoints (:func:`save`) and the end of an epoch. Each recipe writes its own loop from them::
-
-    with session(cfg, raw_cfg) as s:  # setup, the progress bars, evaluation before, report and close
-        for epoch in s.epochs():
-            metrics = my_epoch(s.run, epoch, s.progress)  # e.g. rollout → reward → advantages → update
-            if s.end_epoch(epoch, metrics, console_line, headline=f"reward {metrics['reward/mean']:+.4g}"):
-                break  # the last epoch, the time limit, or a guard stop
-    return s.metrics
-
-:meth:`Session.end_epoch` evaluates when due, logs, checkpoints when due and moves the epochs bar.
+checkpoints (:func:`save`) and the end of an epoch. Each recipe writes its own loop from them inside
+the epoch session of ``recipes/session.py``.
 
 An epoch function returns its metrics (``lr``, losses, ``reward/*``, ``time/*``, ``global_step``, and
 ``dist.loss_scale_metrics()``); it steps the optimizer through :func:`optimizer_step` (EMA and step
@@ -24,7 +16,7 @@ count included) and scores through :func:`score`. Recipe-specific state (a refer
 an old policy) lives in the recipe's own small dataclass, built after :func:`setup`.
 
 ``run.report`` is the evaluation report the experiment chose (``eval_report``, ``training/report.py``):
-it sees every evaluation and writes its files at :func:`finish`.
+it sees every evaluation and writes its files when the session finishes.
 """
 
 from __future__ import annotations
@@ -67,10 +59,9 @@ from rlgen_cli.training.checkpoint import (
 )
 from rlgen_cli.training.dist import Dist, make_dist
 from rlgen_cli.training.ema import EMA
-from rlgen_cli.training.guard import BEST_HELDOUT, GUARD_CURVES, GUARD_KEY, RunGuard, plot_guard
+from rlgen_cli.training.guard import BEST_HELDOUT, GUARD_KEY, RunGuard
 from rlgen_cli.training.images import save_grid
 from rlgen_cli.training.metrics import NullLogger, build_loggers
-from rlgen_cli.training.plots import plot_runs
 from rlgen_cli.training.progress import Progress
 from rlgen_cli.training.report import EvalReport, detail_summaries, eval_report
 
@@ -533,100 +524,3 @@ def save_if_due(run: FlowRun, epoch: int, last: bool, extra_state: dict[str, Any
     """A checkpoint after the last epoch and every ``save_every`` (``extra_state``: see :func:`save`)."""
     if last or due(epoch, run.cfg.save_every, run.cfg.epochs):
         save(run, epoch + 1, extra_state)
-
-
-@dataclass
-class EpochClock:
-    """The epochs bar and the time limit: which epoch is the run's last, decided on rank 0."""
-
-    run: FlowRun
-    progress: Progress
-    task: int
-    deadline: float
-
-    @classmethod
-    def start(cls, run: FlowRun, progress: Progress) -> EpochClock:
-        """Start after any baseline evaluation, so the bar's pace (its time left) counts epochs only."""
-        cfg = run.cfg
-        task = progress.task("epochs", total=cfg.epochs, completed=run.start_epoch)
-        deadline = time.monotonic() + 60 * cfg.time_limit_minutes if cfg.time_limit_minutes else math.inf
-        return cls(run, progress, task, deadline)
-
-    def is_last(self, epoch: int) -> bool:
-        """The configured last epoch, or the first to end past the time limit. Collective under a time
-        limit (rank 0's clock decides, so every rank stops together): call it once per epoch on every rank."""
-        if epoch + 1 == self.run.cfg.epochs:
-            return True
-        if self.deadline == math.inf:
-            return False
-        late = torch.tensor([float(time.monotonic() >= self.deadline)])
-        return bool(self.run.dist.gather(late)[0] > 0)
-
-    def advance(self, epoch: int, last: bool, headline: str) -> None:
-        """Wait for every rank, move the bar on; say so when the time limit ended the run early."""
-        self.run.dist.barrier()
-        self.progress.advance(self.task, description=f"epoch {epoch + 1}: {headline}")
-        if last and epoch + 1 < self.run.cfg.epochs:
-            log.info("time limit (%g min) hit after epoch %d", self.run.cfg.time_limit_minutes, epoch + 1)
-
-
-@dataclass
-class Session:
-    """One flow run between :func:`setup` and :func:`finish`: what each recipe's epoch loop uses."""
-
-    run: FlowRun
-    progress: Progress
-    before: dict[str, float] | None
-    clock: EpochClock
-    metrics: dict[str, float] = field(default_factory=dict)
-    """The latest epoch's metrics (what the run returns and the report compares with ``before``)."""
-    epoch_started: float = 0.0
-
-    def epochs(self) -> Iterator[int]:
-        """The epochs left to run (after a resume, from the first not yet done), each one timed."""
-        for epoch in range(self.run.start_epoch, self.run.cfg.epochs):
-            self.epoch_started = time.perf_counter()
-            yield epoch
-
-    def end_epoch(
-        self, epoch: int, metrics: dict[str, float], console: Callable[[dict[str, float]], str],
-        headline: str, extra_state: dict[str, Any] | None = None,
-    ) -> bool:  # fmt: skip
-        """After ``epoch``'s training: its time, the evaluation when due, the log line (``console`` of the
-        metrics), the checkpoint when due (``extra_state``: see :func:`save`), the epochs bar (``headline``).
-        True when this was the run's last epoch."""
-        metrics["time/epoch"] = time.perf_counter() - self.epoch_started
-        last = self.clock.is_last(epoch)
-        metrics |= evaluate_if_due(self.run, epoch, last, self.progress)
-        stopped = self.run.guard is not None and self.run.guard.stop_requested and not last
-        last = last or stopped
-        log_epoch(self.run, epoch, metrics, console(metrics))
-        save_if_due(self.run, epoch, last, extra_state)
-        self.clock.advance(epoch, last and not stopped, headline)
-        self.metrics = metrics
-        return last
-
-
-@contextmanager
-def session(cfg: FlowRunConfig, raw_cfg: DictConfig) -> Iterator[Session]:
-    """:func:`setup`, the progress bars and the evaluation before training; on a normal exit the report
-    (:func:`finish`); the loggers are closed either way."""
-    run = setup(cfg, raw_cfg)
-    try:
-        with Progress(enabled=cfg.progress and run.dist.is_main) as progress:
-            before = evaluate_before(run, progress)
-            current = Session(run, progress, before, EpochClock.start(run, progress))
-            yield current
-        finish(run, current.before, current.metrics)
-    finally:
-        run.logger.close()
-
-
-def finish(run: FlowRun, before: dict[str, float] | None, after: dict[str, float]) -> None:
-    """Rank 0 draws the reward curve and writes the evaluation report; every rank closes its loggers."""
-    if run.dist.is_main:
-        plot_runs([run.run_dir], run.run_dir / REWARD_CURVE)
-        if run.guard is not None:
-            plot_guard(run.run_dir, run.run_dir / GUARD_CURVES)
-        run.report.write(before, after)
-    run.logger.close()

@@ -56,7 +56,7 @@ from torch import Tensor
 from rlgen_cli.algos.advantages import combine_rewards
 from rlgen_cli.algos.token_grpo import advantage_options, token_grpo_loss
 from rlgen_cli.data.sampler import GroupSampler
-from rlgen_cli.recipes.loop import due, load_resume, reduce_over_ranks, save_trainer_checkpoint
+from rlgen_cli.recipes.loop import REWARD_CURVE, due, load_resume, reduce_over_ranks, save_trainer_checkpoint
 from rlgen_cli.recipes.loop import summarise as summarise_stats
 from rlgen_cli.rewards import RewardBatch, build_mix
 from rlgen_cli.rewards.r1vl import TEXT_REWARDS
@@ -97,7 +97,6 @@ from rlgen_cli.vlm.training import (
 __all__ = ["VLMRLRecipe", "evaluate", "run"]
 
 log = logging.getLogger(__name__)
-REWARD_CURVE = "reward_curve.png"
 
 
 @dataclass

@@ -64,9 +64,10 @@ def plan_task(cfg: DictConfig) -> dict[str, Any]:
     report = plan_run(typed)
     run_dir = run_dir_of(typed)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "plan.json").write_text(json.dumps(report, indent=2) + "\n")
+    as_json = json.dumps(report, indent=2) + "\n"
+    (run_dir / "plan.json").write_text(as_json)
     if typed.plan.format == "json":
-        print(json.dumps(report, indent=2))
+        sys.stdout.write(as_json)  # raw JSON for machines: no console markup or wrapping
     else:
         print_report(report)
     if not report["fits"]:
