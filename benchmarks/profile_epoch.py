@@ -83,7 +83,7 @@ def phase_labels(run: FlowRun) -> Iterator[dict[str, float]]:
         run.logger: {"log": "logging", "log_images": "logging"},
     }  # fmt: skip
     module = {
-        flow_grpo: {"rollout": "sde_step", "recompute_step": "sde_step", "euler": "sde_step",
+        flow_grpo: {"rollout": "sde_step", "recompute_step": "sde_step", "recompute_steps": "sde_step", "euler": "sde_step",
                     "sample_generators": "data", "plan_for": "data", "combine_rewards": "advantages",
                     "best_and_worst": "advantages", "nonzero_advantage_rows": "advantages",
                     "grpo_loss": "objective", "guard_loss": "objective", "save_grid": "logging",

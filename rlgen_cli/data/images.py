@@ -20,7 +20,7 @@ from rlgen_cli.data.prompts import PromptDataset, PromptExample
 from rlgen_cli.schema.errors import UserError
 
 SOURCE_IMAGE_KEY = "image"
-EDITING_FAMILIES = ("flux_kontext", "qwen_image_edit", "qwen_image_edit_plus", "wan2_2_i2v")
+EDITING_FAMILIES = ("flux_kontext", "qwen_image_edit", "qwen_image_edit_plus", "wan2_2_i2v", "bagel_edit")
 """Model families that edit a source image (their policies declare ``capabilities.takes_source_images``)."""
 
 

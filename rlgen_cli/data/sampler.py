@@ -8,8 +8,11 @@ prompt is used once per pass. Unlike Flow-GRPO's ``DistributedKRepeatSampler`` (
 every epoch), coverage is guaranteed.
 
 The indices of an epoch are a pure function of ``(seed, epoch)``: there is no iterator state, so resume
-is exact. The global batch does not depend on ``num_replicas``; rank ``r`` gets the ``r``-th of
-``num_replicas`` equal contiguous slices. When a step straddles two passes (``dataset_size`` not
+is exact. The global batch does not depend on ``num_replicas``. How it is shared: the global batch is cut
+into pieces of ``unit`` samples and piece ``b`` goes to rank ``b mod num_replicas`` (:meth:`positions`).
+The default unit is a rank's whole share (rank ``r`` gets the ``r``-th contiguous slice); a recipe that
+trains piece by piece deals pieces of one micro-batch, so optimizer step ``s`` covers the same global
+micro-batches on any number of ranks (flow GRPO: README "process-count invariance"). When a step straddles two passes (``dataset_size`` not
 divisible by ``prompts_per_step``), one prompt may appear in two groups of that step.
 """
 
@@ -145,17 +148,41 @@ class GroupSampler:
         """
         return [i for i in self.prompt_indices_for_epoch(epoch) for _ in range(self.group_size)]
 
-    def indices_for_epoch(self, epoch: int) -> list[int]:
-        """Return this rank's contiguous slice of :meth:`global_indices_for_epoch`.
+    def positions(self, unit: int | None = None) -> list[int]:
+        """This rank's places in an epoch's global batch, ascending: pieces of ``unit`` samples dealt
+        round-robin (piece ``b`` to rank ``b mod num_replicas``).
+
+        Args:
+            unit: Samples per piece; None = ``samples_per_rank`` (one contiguous slice per rank).
+
+        Returns:
+            ``samples_per_rank`` positions in ``[0, global_batch_size)``.
+
+        Raises:
+            ValueError: If the global batch does not split into the same number of pieces on every rank.
+        """
+        unit = self.samples_per_rank if unit is None else unit
+        _check_positive(unit=unit)
+        if self.global_batch_size % (unit * self.num_replicas):
+            raise ValueError(
+                f"global batch {self.global_batch_size} does not split into pieces of {unit} samples dealt "
+                f"evenly over {self.num_replicas} ranks; choose a unit dividing {self.samples_per_rank}."
+            )
+        pieces = range(self.rank, self.global_batch_size // unit, self.num_replicas)
+        return [p for piece in pieces for p in range(piece * unit, (piece + 1) * unit)]
+
+    def indices_for_epoch(self, epoch: int, unit: int | None = None) -> list[int]:
+        """Return this rank's share of :meth:`global_indices_for_epoch`, at :meth:`positions`.
 
         Args:
             epoch: Non-negative epoch number.
+            unit: See :meth:`positions` (None: a contiguous slice).
 
         Returns:
             ``samples_per_rank`` dataset indices.
         """
-        start = self.rank * self.samples_per_rank
-        return self.global_indices_for_epoch(epoch)[start : start + self.samples_per_rank]
+        everyone = self.global_indices_for_epoch(epoch)
+        return [everyone[p] for p in self.positions(unit)]
 
     def batch(self, epoch: int) -> list[int]:
         """Alias of :meth:`indices_for_epoch` (this rank's indices for ``epoch``)."""

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlgen_cli.models.bagel.config import BAGEL_7B_MOT, BagelConfig
 from rlgen_cli.models.base import TORCH_DTYPES
 from rlgen_cli.models.tiny.image import QWEN_SCHEDULER, template_tokenizer
 from rlgen_cli.models.tokenizers import tiny_clip_tokenizer, tiny_t5_tokenizer, vocab_size
@@ -182,13 +183,16 @@ class Variant:
     """A published checkpoint rlgen can build at random init.
 
     ``params`` is the parameter count of its trained network as published (the transformer of a flow
-    model, the whole model of a VLM), the figure :func:`flow_components` / :func:`vlm_model` must reproduce.
+    model, the whole model of a VLM, the network of a native family: every tensor its weight file holds),
+    the figure :func:`flow_components` / :func:`vlm_model` / :func:`bagel_network` must reproduce.
     """
 
     family: str
     checkpoint: str
     params: float
     transformer: dict[str, Any] | None = None
+    network: Any = None
+    """A native family's own config (BAGEL: a ``BagelConfig``), where diffusers has no class to build."""
 
 
 VARIANTS: dict[str, Variant] = {
@@ -204,9 +208,12 @@ VARIANTS: dict[str, Variant] = {
     "qwen2_vl_7b": Variant("qwen2_vl", "Qwen/Qwen2-VL-7B-Instruct", 8.29e9),
     "qwen2_5_vl_3b": Variant("qwen2_5_vl", "Qwen/Qwen2.5-VL-3B-Instruct", 3.75e9),
     "qwen2_5_vl_7b": Variant("qwen2_5_vl", "Qwen/Qwen2.5-VL-7B-Instruct", 8.29e9),
+    "bagel_7b_mot": Variant("bagel", "ByteDance-Seed/BAGEL-7B-MoT", 14.607e9, network=BAGEL_7B_MOT),
 }
 """Every variant; ``params`` is the published count of what the checkpoint's weight files hold, which the
-names round (the Wan "1.3B" transformer holds 1.42 B, Wan "14B" 14.3 B, Qwen-Image's "20B" 20.4 B)."""
+names round (the Wan "1.3B" transformer holds 1.42 B, Wan "14B" 14.3 B, Qwen-Image's "20B" 20.4 B; BAGEL's
+"7B" counts the parameters active per token, its ``ema.safetensors`` holds 14.6 B: two 7 B experts sharing
+the embeddings, the ViT, the glue and the two sin-cos tables it stores as frozen parameters)."""
 COMPONENT_PARAMS = {
     "clip_l": 123.65e6, "clip_g": 694.66e6, "t5_xxl": 4.762e9, "umt5_xxl": 5.681e9,
     "qwen2_5_vl_7b": 8.29e9, "sd3_vae": 83.65e6, "wan_vae": 126.9e6,
@@ -439,6 +446,53 @@ def build_vlm_model(cfg: ModelConfig, tokenizer: Any, device: torch.device) -> n
     ``model.tiny_seed``."""
     with constructing(device, TORCH_DTYPES[cfg.dtype], cfg.tiny_seed):
         return vlm_model(variant_of(cfg), tokenizer)
+
+
+# -- native families ------------------------------------------------------------------------------------
+def bagel_network(name: str) -> nn.Module:
+    """The BAGEL network of variant ``name`` (current default device and dtype); the sin-cos position
+    tables, which the model computes on the CPU in fp32, are left for :func:`build_bagel_parts` to move."""
+    from rlgen_cli.models.bagel.modeling import Bagel
+
+    config = VARIANTS[name].network
+    if not isinstance(config, BagelConfig):
+        raise UserError(f"model.variant={name} is not a BAGEL checkpoint")
+    return Bagel(config)
+
+
+def build_bagel_parts(cfg: ModelConfig, device: torch.device) -> tuple[nn.Module, Any, Any, dict[str, int]]:
+    """Network, autoencoder, tokenizer and marker ids of ``cfg``'s BAGEL variant at random init on
+    ``device``, as :func:`rlgen_cli.models.bagel.loading.load_checkpoint` returns a release's: the network
+    in ``model.dtype`` (built so, never in fp32), the FLUX VAE in fp32 (seed ``model.tiny_seed + 1``), the
+    byte-level Qwen2 stand-in tokenizer (it has BAGEL's four marker tokens; the vocabulary keeps its
+    published 152 064 embedding rows)."""
+    from rlgen_cli.models.bagel.loading import MARKER_TOKENS
+    from rlgen_cli.models.bagel.vae import build_vae
+    from rlgen_cli.models.loading import cast_as_loaded
+    from rlgen_cli.models.tiny import tiny_qwen_tokenizer
+
+    name = variant_of(cfg)
+    dtype = TORCH_DTYPES[cfg.dtype]
+    with constructing(device, dtype, cfg.tiny_seed):
+        network = bagel_network(name)
+    cast_as_loaded(network, dtype)  # the position tables: CPU fp32 → model.dtype, as a checkpoint holds them
+    network.to(device)
+    with constructing(device, torch.float32, cfg.tiny_seed + 1):
+        vae = build_vae(VARIANTS[name].network.vae)
+    tokenizer = tiny_qwen_tokenizer()
+    markers = {token: tokenizer.convert_tokens_to_ids(token) for token in MARKER_TOKENS}
+    return network.eval(), vae.eval(), tokenizer, markers
+
+
+def with_layers(variant: Variant, layers: int) -> Variant:
+    """``variant`` with ``layers`` decoder layers (BAGEL: MoT layers) and every width as published: what a
+    host too small for the whole model can still run (``benchmarks/real_size.py --layers``)."""
+    from dataclasses import replace
+
+    if not isinstance(variant.network, BagelConfig):
+        raise UserError(f"--layers applies to BAGEL variants; {variant.checkpoint} is cut by its transformer")
+    llm = replace(variant.network.llm, num_hidden_layers=layers)
+    return replace(variant, network=replace(variant.network, llm=llm))
 
 
 def count_parameters(module: nn.Module | None) -> int:

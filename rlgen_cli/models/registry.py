@@ -35,6 +35,7 @@ FAMILIES: dict[str, str] = {
     "z_image": "rlgen_cli.models.z_image",
     "qwen_image_2": "rlgen_cli.models.qwen_image_2",
     "bagel": "rlgen_cli.models.bagel",
+    "bagel_edit": "rlgen_cli.models.bagel",
     "shapes": "rlgen_cli.models.shapes",
 }
 

@@ -37,7 +37,7 @@ from rlgen_cli.sde.rollout import StepSpec
 from rlgen_cli.sde.window import WindowPlan
 from rlgen_cli.vlm.rollout import SamplingOptions
 
-__all__ = ["RoundResult", "evaluate_rounds", "load_unified", "run_evaluation", "save_strips"]
+__all__ = ["RoundResult", "build_unified", "evaluate_rounds", "load_unified", "run_evaluation", "save_strips"]
 
 ODE = StepSpec("ode", 0.0)
 RESULTS, SAMPLES, STRIPS = "results.json", "samples.jsonl", "round_strips.png"
@@ -165,12 +165,24 @@ def save_strips(result: RoundResult, path: Path) -> Path:
     return save_round_strips(result.images, Path(path), upscale=max(1, 128 // side))
 
 
-def load_unified(cfg: R3Config, checkpoint: str | None, device: torch.device) -> UnifiedPolicy:
-    """The composite of ``cfg.policy``, or of ``checkpoint``'s own ``r3.policy`` with its trained weights."""
+def build_unified(family: str, policy: Any, device: torch.device) -> UnifiedPolicy:
+    """The unified policy ``model.family`` names, built from the ``r3.policy`` section ``policy``."""
+    if family == "r3_bagel":
+        from rlgen_cli.r3.bagel import build_bagel_unified
+
+        return build_bagel_unified(policy, device)
     from rlgen_cli.r3.composite import build_composite
 
+    return build_composite(policy, device)
+
+
+def load_unified(
+    cfg: R3Config, checkpoint: str | None, device: torch.device, family: str = "r3_composite"
+) -> UnifiedPolicy:
+    """The unified policy of ``cfg.policy``, or of ``checkpoint``'s own ``r3.policy`` with its trained
+    weights (``family``: ``model.family``, which decides the kind)."""
     if checkpoint is None:
-        return build_composite(cfg.policy, device)
+        return build_unified(family, cfg.policy, device)
     from omegaconf import OmegaConf
 
     from rlgen_cli.schema.r3 import R3PolicyConfig
@@ -178,7 +190,7 @@ def load_unified(cfg: R3Config, checkpoint: str | None, device: torch.device) ->
 
     ckpt = open_checkpoint(checkpoint)
     saved = OmegaConf.merge(OmegaConf.structured(R3PolicyConfig), ckpt.config().r3.policy)
-    policy = build_composite(OmegaConf.to_object(saved), device)
+    policy = build_unified(family, OmegaConf.to_object(saved), device)
     policy.load_trainable(ckpt.weights)
     return policy
 
@@ -190,7 +202,7 @@ def run_evaluation(cfg: Any, run_dir: Path) -> dict[str, Any]:
 
     r3 = cfg.r3
     samples = load_r3_dataset(r3.data_paths()[1], r3.dataset_name)[: cfg.max_prompts or None]
-    policy = load_unified(r3, cfg.checkpoint, resolve_device(cfg.device))
+    policy = load_unified(r3, cfg.checkpoint, resolve_device(cfg.device), cfg.model.family)
     result = evaluate_rounds(policy, samples, R3Scorer(r3, cfg.reward), r3, cfg.seed)
     summary = {**result.metrics.to_dict(), "checkpoint": cfg.checkpoint, "rounds": r3.eval_rounds}
     (run_dir / RESULTS).write_text(json.dumps(summary, indent=2), encoding="utf-8")

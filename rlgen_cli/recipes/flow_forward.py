@@ -256,7 +256,9 @@ def train_micro_batch(
         noise = randn_per_sample(x0.shape[1:], draws, run.device)  # (B, ...)
         out = forward_loss(run, old, x0, noise, sigma, cond, weights)
         last = steps_after and j == num_sigmas - 1
-        run.dist.backward(out.loss / (num_sigmas * algo.gradient_accumulation_steps), sync=last)
+        # gradient_accumulation_steps counts micro-batches over all processes
+        accumulation = loop.accumulation_per_process(algo, run.dist.world_size)
+        run.dist.backward(out.loss / (num_sigmas * accumulation), sync=last)
         for key, value in {
             **out.stats,
             "policy_loss": out.policy_loss.item(),
@@ -279,7 +281,7 @@ def update(
     with loop.progress_task(progress, "update", algo.num_inner_epochs * len(micro_batches)) as advance:
         for _ in range(algo.num_inner_epochs):
             for k, part in enumerate(micro_batches):
-                steps_after = (k + 1) % algo.gradient_accumulation_steps == 0
+                steps_after = (k + 1) % loop.accumulation_per_process(algo, run.dist.world_size) == 0
                 part_weights = weights[part].to(run.device)
                 train_micro_batch(run, old, rollouts, part, part_weights, draws[part], stats, steps_after)
                 if steps_after:
@@ -291,7 +293,7 @@ def update(
 def forward_epoch(run: FlowRun, old: OldPolicy, epoch: int, progress: Progress) -> dict[str, float]:
     """rollout → reward → advantages → update → old-policy refresh; the epoch's metrics."""
     cfg = run.cfg
-    lr = apply_lr_schedule(run.optimizer, cfg.algo, epoch, cfg.epochs)
+    lr = apply_lr_schedule(run.optimizer, cfg.algo, epoch, cfg.epochs, run.time_progress)
     timings: dict[str, float] = {}
     with timed(timings, "time/rollout"):  # scoring runs batch by batch inside it
         rollouts = sample_epoch(run, old, epoch, progress)

@@ -47,7 +47,14 @@ import torch
 from omegaconf import DictConfig
 from torch import Tensor
 
-from rlgen_cli.algos import best_and_worst, combine_rewards, grpo_loss, guard_loss, nonzero_advantage_rows
+from rlgen_cli.algos import (
+    GRPOLossOut,
+    best_and_worst,
+    combine_rewards,
+    grpo_loss,
+    guard_loss,
+    nonzero_advantage_rows,
+)
 from rlgen_cli.models import Cond, cfg_gradient
 from rlgen_cli.recipes import loop
 from rlgen_cli.recipes.loop import FlowRun, summarise, timed
@@ -57,7 +64,15 @@ from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.recipes import FlowGrpoTrainConfig
 from rlgen_cli.sde import euler, step_kl
 from rlgen_cli.sde.noise import Stream, first_of_runs, run_ids, sample_generators, stream_seed
-from rlgen_cli.sde.rollout import StepSpec, Trajectory, recompute_step, rollout
+from rlgen_cli.sde.rollout import (
+    Fold,
+    StepSpec,
+    Trajectory,
+    fold_rows,
+    recompute_step,
+    recompute_steps,
+    rollout,
+)
 from rlgen_cli.sde.sampling import batches, conditioned
 from rlgen_cli.sde.step import StepOut
 from rlgen_cli.sde.window import WindowPlan, plan_window
@@ -128,7 +143,7 @@ class RewardScoring:
 def grpo_epoch(run: FlowRun, epoch: int, progress: Progress) -> dict[str, float]:
     """rollout → reward → advantages → update for ``epoch``; returns the epoch's metrics."""
     cfg, algo, dist = run.cfg, run.cfg.algo, run.dist
-    lr = apply_lr_schedule(run.optimizer, algo, epoch, cfg.epochs)
+    lr = apply_lr_schedule(run.optimizer, algo, epoch, cfg.epochs, run.time_progress)
     timings: dict[str, float] = {}
 
     # 1 + 2. rollout, each batch scored as soon as it is decoded; then wait for the rest of the scores
@@ -138,24 +153,25 @@ def grpo_epoch(run: FlowRun, epoch: int, progress: Progress) -> dict[str, float]
         with timed(timings, "time/reward"):  # only the part of scoring that sampling did not hide
             local, reward_details = scoring.results()
 
-    # 3. advantages: every process sees the whole epoch's rewards with their dataset indices, so a group
-    # that spans processes is normalised as one; each then keeps the advantages of its own samples
-    components = {k: dist.gather(v).cpu() for k, v in local.items()}
+    # 3. advantages: every process sees the whole epoch's rewards with their dataset indices, put back in
+    # global order (so group statistics sum in the same order on any process count) and a group that
+    # spans processes is normalised as one; each then keeps the advantages of its own samples
+    mine = torch.tensor(run.sampler.positions(algo.assignment_unit))  # (N,) places in the global batch
+    order = dist.gather(mine).cpu().argsort()  # gathered rank by rank → global order
+    components = {k: dist.gather(v).cpu()[order] for k, v in local.items()}
     advantages, adv_stats = combine_rewards(
-        components, dict(cfg.reward.weights), dist.gather(rollouts.indices).cpu(),
+        components, dict(cfg.reward.weights), dist.gather(rollouts.indices).cpu()[order],
         mode=cfg.reward.aggregation, global_std=algo.global_std, clip_max=algo.adv_clip_max,
         std_estimator=algo.std_estimator, eps=algo.adv_eps,
     )  # fmt: skip
-    n = len(rollouts.indices)
-    mine = slice(dist.rank * n, (dist.rank + 1) * n)
     total = loop.weighted_total(run, components)
     advantages = advantages[mine]
     keep = best_and_worst(total[mine], rollouts.indices, algo.best_of_n)
     num_batches = None  # micro-batches of algo.train_batch_size
     if algo.drop_zero_advantage:  # as many micro-batches, each smaller (docs/maths.md §4.5)
         num_batches = math.ceil(len(keep) / algo.train_batch_size)
-        fill = torch.Generator().manual_seed(
-            stream_seed(cfg.seed, epoch, dist.rank, salt=Stream.ZERO_ADVANTAGE_FILL)
+        fill = torch.Generator().manual_seed(  # keyed by the process's first sample, not its rank
+            stream_seed(cfg.seed, epoch, int(mine[0]), salt=Stream.ZERO_ADVANTAGE_FILL)
         )
         keep = keep[nonzero_advantage_rows(advantages[keep], num_batches, fill)]
 
@@ -190,13 +206,15 @@ def plan_for(run: FlowRun, epoch: int, batch_size: int) -> WindowPlan:
 def sample_rollouts(
     run: FlowRun, epoch: int, progress: Progress, on_batch: RolloutBatch | None = None
 ) -> Rollouts:
-    """Roll out this process's share of the epoch's prompts in batches of ``sample_batch_size``;
-    ``on_batch`` receives each batch as soon as it is decoded."""
+    """Roll out this process's share of the epoch's samples in batches of ``sample_batch_size``;
+    ``on_batch`` receives each batch as soon as it is decoded. The share: whole pieces of
+    ``algo.assignment_unit`` samples dealt round-robin over processes (``data/sampler.py``), so every
+    sample is rolled out and trained in the same batch, and optimizer step s covers the same global
+    micro-batches, on any process count."""
     cfg, algo = run.cfg, run.cfg.algo
-    indices = run.sampler.indices_for_epoch(epoch)
+    indices = run.sampler.indices_for_epoch(epoch, algo.assignment_unit)
     examples, prompts, metadata = loop.examples_of(run.train_set, indices)
-    offset = run.dist.rank * len(indices)
-    positions = list(range(offset, offset + len(indices)))  # places in the epoch's global batch
+    positions = run.sampler.positions(algo.assignment_unit)  # places in the epoch's global batch
     plan = plan_for(run, epoch, len(indices))
     share = algo.shared_initial_noise or algo.branch == "shared_prefix"  # a prefix is per group
     noise_keys = [p // algo.group_size for p in positions] if share else positions
@@ -281,47 +299,85 @@ def step_logprob(
     return out, step_kl(out.mean, ref.mean, out.std, dt, form=algo.kl_form, kind=spec.kind)
 
 
+def folded_logprobs(
+    run: FlowRun, traj: Trajectory, cond: Cond, fold: Fold, spec: StepSpec
+) -> list[tuple[StepOut, Tensor | None]]:
+    """:func:`step_logprob` for every (step, samples) of ``fold``: one step alone is upstream's call; more
+    share one transformer call (rows = samples × steps, each its own x_t and σ; ``sde.recompute_steps``),
+    and one reference call for their KLs."""
+    if len(fold) == 1:
+        j, rows = fold[0]
+        return [step_logprob(run, traj.index(rows), cond.index(rows), j, spec)]
+    algo = run.cfg.algo
+    rows_cond = cond.index(fold_rows(traj.logprobs.shape[0], fold, traj.logprobs.device))
+    velocity = functools.partial(conditioned, run.policy, rows_cond)
+    with cfg_gradient(algo.cfg_grad):
+        outs = recompute_steps(velocity, traj, fold, spec)
+    if algo.kl_weight <= 0:
+        return [(out, None) for out in outs]
+    with torch.no_grad(), run.policy.trainable.reference():
+        refs = recompute_steps(velocity, traj, fold, spec)
+    return [
+        (out, step_kl(out.mean, ref.mean, out.std, traj.sigmas_next[j] - traj.sigmas[j], form=algo.kl_form,
+                      kind=spec.kind))
+        for (j, _), out, ref in zip(fold, outs, refs)
+    ]  # fmt: skip
+
+
+def step_loss(
+    algo: FlowGrpoAlgoConfig, out: StepOut, kl: Tensor | None, step_traj: Trajectory, j: int, adv: Tensor
+) -> GRPOLossOut:
+    """The objective's loss of step ``j`` over the samples of ``step_traj`` (advantages ``adv``)."""
+    if algo.objective == "grpo_guard":
+        return guard_loss(
+            out.logprob, step_traj.logprobs[:, j], out.mean, step_traj.means[:, j], *guard_scales(step_traj, j),
+            adv, clip_range=algo.clip_range, kl=kl, kl_weight=algo.kl_weight,
+        )  # fmt: skip
+    return grpo_loss(
+        out.logprob, step_traj.logprobs[:, j], adv, clip_range=algo.clip_range, kl=kl, kl_weight=algo.kl_weight,
+    )  # fmt: skip
+
+
+def step_folds(trained: list[tuple[int, Tensor | slice]], per_pass: int) -> list[Fold]:
+    """The trained steps in consecutive groups of ``per_pass`` (``algo.timesteps_per_pass``): each group
+    shares one transformer call and one backward."""
+    return [trained[i : i + per_pass] for i in range(0, len(trained), per_pass)]
+
+
 def update(
     run: FlowRun, rollouts: Rollouts, advantages: Tensor, progress: Progress, num_batches: int | None = None
 ) -> dict[str, float]:
     """``num_inner_epochs`` passes of the per-step policy-gradient loss over every trained step, in
     ``num_batches`` equal micro-batches (default: batches of ``algo.train_batch_size``); the optimizer
-    steps every ``gradient_accumulation_steps`` micro-batches."""
+    steps every ``gradient_accumulation_steps`` ÷ processes micro-batches."""
     algo, spec = run.cfg.algo, loop.step_spec(run.cfg)
     n = len(rollouts.indices)
     micro_batches = list(batches(n, math.ceil(n / num_batches) if num_batches else algo.train_batch_size))
+    accumulation = loop.accumulation_per_process(algo, run.dist.world_size)  # the global count ÷ processes
     stats: dict[str, list[float]] = defaultdict(list)
     with loop.progress_task(progress, "update", algo.num_inner_epochs * len(micro_batches)) as advance:
         for _ in range(algo.num_inner_epochs):
             for k, part in enumerate(micro_batches):
                 traj, cond = rollouts.traj.index(part), rollouts.cond.index(part)
                 adv = advantages[part].to(run.device)
-                steps_after = (k + 1) % algo.gradient_accumulation_steps == 0
-                trained = trained_rows(traj)
-                for j, rows in trained:
-                    step_traj = traj.index(rows)
-                    out, kl = step_logprob(run, step_traj, cond.index(rows), j, spec)
-                    if algo.objective == "grpo_guard":
-                        loss = guard_loss(
-                            out.logprob, step_traj.logprobs[:, j], out.mean, step_traj.means[:, j],
-                            *guard_scales(step_traj, j), adv[rows], clip_range=algo.clip_range, kl=kl,
-                            kl_weight=algo.kl_weight,
-                        )  # fmt: skip
-                    else:
-                        loss = grpo_loss(
-                            out.logprob, step_traj.logprobs[:, j], adv[rows], clip_range=algo.clip_range,
-                            kl=kl, kl_weight=algo.kl_weight,
-                        )  # fmt: skip
-                    # every step's loss has the same weight; the micro-batch's last backward before an
-                    # optimizer step synchronises the gradients over processes
+                steps_after = (k + 1) % accumulation == 0
+                folds = step_folds(trained_rows(traj), algo.timesteps_per_pass)
+                for f, fold in enumerate(folds):
+                    losses = []
+                    for (j, rows), (out, kl) in zip(fold, folded_logprobs(run, traj, cond, fold, spec)):
+                        loss = step_loss(algo, out, kl, traj.index(rows), j, adv[rows])
+                        losses.append(loss.loss)
+                        for key, value in loss.stats.items():
+                            stats[key].append(value)
+                        stats["policy_loss"].append(loss.policy_loss.item())
+                        stats["kl_loss"].append(loss.kl_loss.item())
+                    # every step's loss has the same weight; one backward per fold (a sum of per-step
+                    # losses: the same gradient); the micro-batch's last backward before an optimizer
+                    # step synchronises the gradients over processes
                     run.dist.backward(
-                        loss.loss / (traj.num_steps * algo.gradient_accumulation_steps),
-                        sync=steps_after and j == trained[-1][0],
+                        sum(losses) / (traj.num_steps * accumulation),
+                        sync=steps_after and f == len(folds) - 1,
                     )
-                    for key, value in loss.stats.items():
-                        stats[key].append(value)
-                    stats["policy_loss"].append(loss.policy_loss.item())
-                    stats["kl_loss"].append(loss.kl_loss.item())
                 if steps_after:
                     stats["grad_norm"].append(loop.optimizer_step(run))
                 advance(1)

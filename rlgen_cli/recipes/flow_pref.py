@@ -83,7 +83,7 @@ class Preference:
 def pref_epoch(run: FlowRun, pref_state: Preference, epoch: int, progress: Progress) -> dict[str, float]:
     """sample (DPO: from the reference) → reward → DPO or SFT update; the epoch's metrics."""
     cfg, algo = run.cfg, run.cfg.algo
-    lr = apply_lr_schedule(run.optimizer, algo, epoch, cfg.epochs)
+    lr = apply_lr_schedule(run.optimizer, algo, epoch, cfg.epochs, run.time_progress)
     indices = run.sampler.indices_for_epoch(epoch)
     _, prompts, metadata = loop.examples_of(run.train_set, indices)
     timings: dict[str, float] = {}

@@ -116,6 +116,15 @@ def reduce_over_ranks(dist: Any, stats: dict[str, float]) -> dict[str, float]:
     return {k: float(reducers.get(_base(k), torch.mean)(table[:, i])) for i, k in enumerate(keys)}
 
 
+def accumulation_per_process(algo: Any, world_size: int) -> int:
+    """Micro-batches one of ``world_size`` processes accumulates per optimizer step:
+    ``algo.gradient_accumulation_steps`` counts them over all processes (null: one per process); the
+    schema has checked that it splits (``AlgoConfig.require_process_split``)."""
+    steps = algo.gradient_accumulation_steps or world_size
+    assert steps % world_size == 0, (steps, world_size)
+    return steps // world_size
+
+
 def peak_memory_mb(device: torch.device) -> float:
     """Peak memory so far: allocated CUDA memory, or this process's peak resident set on the CPU."""
     if device.type == "cuda":
@@ -196,6 +205,16 @@ class FlowRun:
     """The resumed checkpoint's recipe entries (what the recipe saved as ``extra_state``); empty when fresh."""
     guard: RunGuard | None = None
     """The reward-hacking guard (``guard.monitors`` set): :func:`guard_evaluation` after every evaluation."""
+    heldout_set: PromptDataset | None = None
+    """``eval_heldout``'s prompts, evaluated before and after training (:func:`evaluates_heldout`)."""
+    time_progress: float = 0.0
+    """Share of the time budget used by the end of the epoch about to run, under
+    ``lr_schedule_clock=time_or_epochs`` (``recipes/session.py``; 0 otherwise): the lr schedule reads it."""
+    train_seconds: float = 0.0
+    """Seconds spent in epochs since the run began; carried over a resume in the counters."""
+    clock_seconds: float = 0.0
+    """Seconds on the time limit's clock (epochs, evaluations, checkpoints) since the first epoch;
+    carried over a resume in the counters."""
 
     @property
     def device(self) -> torch.device:
@@ -240,11 +259,14 @@ def setup(cfg: FlowRunConfig, raw_cfg: DictConfig) -> FlowRun:
         cfg, raw_cfg, run_dir, dist, policy, reward, train_set, test_set, sampler, optimizer, ema,
         logger=NullLogger(), report=eval_report(cfg.eval_report, run_dir),
     )  # fmt: skip
+    if cfg.eval_heldout:
+        run.heldout_set = load_prompts(cfg.eval_heldout, run_dir, "eval_heldout")
     resumed = _resume_weights(run)  # into the whole modules, before an engine shards them
     # DDP wraps the transformer; DeepSpeed / FSDP also take the optimizer (training/dist.py)
     run.optimizer = dist.prepare(
         policy.trainable, optimizer, max_grad_norm=algo.max_grad_norm, micro_batch_size=algo.train_batch_size,
         compute_dtype=cfg.model.dtype,  # fp16 compute: the engine scales the loss
+        exact_reduction=cfg.launcher.exact_reduction,  # float64 gradient sums: any process count, same bits
     )  # fmt: skip
     if resumed is not None:
         ckpt, state = resumed
@@ -284,6 +306,8 @@ def _resume_weights(run: FlowRun) -> tuple[Checkpoint, dict[str, Any]] | None:
     run.sampler.load_state_dict(state[SAMPLER_KEY])
     run.start_epoch = state[COUNTERS_KEY]["epoch"]
     run.global_step = state[COUNTERS_KEY]["global_step"]
+    run.train_seconds = state[COUNTERS_KEY].get("train_seconds", 0.0)  # absent from older checkpoints
+    run.clock_seconds = state[COUNTERS_KEY].get("clock_seconds", 0.0)
     log.info("resumed from %s at epoch %d", ckpt.path, run.start_epoch)
     return ckpt, state
 
@@ -345,7 +369,22 @@ def score(
     by_tag: bool = False,
     reward: WeightedMix | None = None,
 ) -> tuple[dict[str, Tensor], dict[str, float]]:
-    """Per-component rewards (B,) and scalar summaries of the mix's details (``detail_summaries``). A
+    """Per-component rewards (B,) and scalar summaries of the mix's details (``detail_summaries``);
+    see :func:`score_samples`."""
+    components, details = score_samples(run, images, prompts, metadata, sources, reward)
+    return components, detail_summaries(details, by_tag=by_tag)
+
+
+@torch.no_grad()
+def score_samples(
+    run: FlowRun,
+    images: Tensor,
+    prompts: list[str],
+    metadata: list[dict],
+    sources: Tensor | None = None,
+    reward: WeightedMix | None = None,
+) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """Per-component rewards (B,) and the mix's per-sample details (``"<reward>/<name>"``). A
     non-finite reward stops the run: a failed score is never replaced by a number. ``sources`` (see
     :func:`sources_of`) reach the rewards as ``ref_images``; one compared with the source averages over
     N sources (``rewards/base.py``). ``reward``: the mix to score (default: the trained one; the guard
@@ -365,7 +404,7 @@ def score(
             "them (a failed score is never replaced by 0); fix the reward, then resume=auto continues "
             "from the last checkpoint"
         )
-    return components, detail_summaries(result.details, by_tag=by_tag)
+    return components, result.details
 
 
 def weighted_total(run: FlowRun, components: dict[str, Tensor]) -> Tensor:
@@ -384,35 +423,50 @@ def reward_metrics(run: FlowRun, components: dict[str, Tensor], prefix: str = ""
 
 
 @torch.no_grad()
-def evaluate(run: FlowRun, epoch: int, progress: Progress) -> dict[str, float]:
-    """ODE sampling on the first test prompts with fixed noise (EMA weights if kept), scored per tag; the
-    grid goes to ``images/`` and the samples to ``run.report``. ``epoch`` −1: before training."""
+def evaluate(run: FlowRun, epoch: int, progress: Progress, split: str = "eval") -> dict[str, float]:
+    """ODE sampling on the first prompts of a test split with fixed noise (EMA weights if kept), scored
+    per tag; the grid goes to ``images/`` (captioned as ``run.report`` says) and the samples to
+    ``run.report``. ``epoch`` −1: before training. ``split``: ``eval`` (``data.test``, the guard's
+    monitors too) or ``eval_heldout`` (``eval_heldout``'s prompts), the prefix of its metrics and grids."""
     cfg = run.cfg
-    n_prompts = min(cfg.data.eval_num_prompts or len(run.test_set), len(run.test_set))
+    dataset = run.heldout_set if split == "eval_heldout" else run.test_set
+    assert dataset is not None, split
+    n_prompts = min(cfg.data.eval_num_prompts or len(dataset), len(dataset))
     rows = [i for i in range(n_prompts) for _ in range(cfg.data.eval_images_per_prompt)]
-    examples, prompts, metadata = examples_of(run.test_set, rows)
-    sources = sources_of(run, examples, run.test_set)
+    examples, prompts, metadata = examples_of(dataset, rows)
+    sources = sources_of(run, examples, dataset)
     with ema_weights(run), progress_task(progress, "sampling", len(prompts)) as advance:
         images = sample_images(
             run.policy, prompts, cfg.model.eval_num_steps, cfg.algo.sample_batch_size, cfg.seed,
             sources=sources, on_batch=advance,
         )  # fmt: skip
-    components, details = score(run, images, prompts, metadata, sources, by_tag=True)
+    components, samples = score_samples(run, images, prompts, metadata, sources)
+    details = detail_summaries(samples, by_tag=True)
     heldout = {}  # the guard's monitors on the same images (training/guard.py)
-    if run.guard is not None:
+    if run.guard is not None and split == "eval":
         monitored, _ = score(run, images, prompts, metadata, sources, reward=run.guard.monitors)
         heldout = run.guard.heldout_metrics(monitored)
-    run.report.evaluated(epoch, images)
+    if split == "eval":
+        run.report.evaluated(epoch, images, prompts, samples)
     if run.dist.is_main:
-        name = "eval_before.png" if epoch < 0 else f"eval_epoch_{epoch:05d}.png"
-        save_grid(images, run.run_dir / "images" / name, upscale=2)
+        name = f"{split}_before.png" if epoch < 0 else f"{split}_epoch_{epoch:05d}.png"
+        labels = run.report.tile_labels(prompts, samples)  # captions and pass / fail marks, if any
+        save_grid(images, run.run_dir / "images" / name, upscale=2, **labels)
     total = weighted_total(run, components)
     return {
-        "eval/reward/mean": total.mean().item(),
-        **{f"eval/reward/{k}/mean": v.mean().item() for k, v in components.items()},
-        **{f"eval/{k}": v for k, v in details.items()},
+        f"{split}/reward/mean": total.mean().item(),
+        **({f"{split}/num_samples": float(len(prompts))} if split == "eval_heldout" else {}),
+        **{f"{split}/reward/{k}/mean": v.mean().item() for k, v in components.items()},
+        **{f"{split}/{k}": v for k, v in details.items()},
         **heldout,
     }
+
+
+def evaluates_heldout(run: FlowRun) -> bool:
+    """Whether this run evaluates ``eval_heldout``: only with an evaluation before training (a fresh run
+    with ``eval_before``), so that the report can set the held-out split's before against its after."""
+    cfg = run.cfg
+    return run.heldout_set is not None and bool(cfg.eval_before and cfg.eval_every) and run.start_epoch == 0
 
 
 def evaluate_before(run: FlowRun, progress: Progress) -> dict[str, float] | None:
@@ -423,6 +477,8 @@ def evaluate_before(run: FlowRun, progress: Progress) -> dict[str, float] | None
     metrics: dict[str, float] = {}
     if run.dist.is_main or run.dist.sharded:  # sharded weights: every rank takes part in the forwards
         metrics = evaluate(run, -1, progress)
+        if evaluates_heldout(run):
+            metrics |= evaluate(run, -1, progress, split="eval_heldout")
     metrics = guard_evaluation(run, -1, metrics)
     if run.dist.is_main:
         run.logger.log(metrics, step=-1)
@@ -437,7 +493,10 @@ def evaluate_if_due(run: FlowRun, epoch: int, last: bool, progress: Progress) ->
     if not (cfg.eval_every and (epoch == 0 or last or due(epoch, cfg.eval_every, cfg.epochs))):
         return {}
     evaluates = run.dist.is_main or run.dist.sharded  # sharded weights: every rank runs the forwards
-    return guard_evaluation(run, epoch, evaluate(run, epoch, progress) if evaluates else {})
+    metrics = evaluate(run, epoch, progress) if evaluates else {}
+    if evaluates and last and evaluates_heldout(run):  # the held-out split: before and after only
+        metrics |= evaluate(run, epoch, progress, split="eval_heldout")
+    return guard_evaluation(run, epoch, metrics)
 
 
 def guard_evaluation(run: FlowRun, epoch: int, metrics: dict[str, float]) -> dict[str, float]:
@@ -499,7 +558,12 @@ def save(
     state = {
         OPTIMIZER_KEY: run.dist.optimizer_state(run.optimizer, staging),
         SAMPLER_KEY: run.sampler.state_dict(),
-        COUNTERS_KEY: {"epoch": epochs_done, "global_step": run.global_step},
+        COUNTERS_KEY: {
+            "epoch": epochs_done,
+            "global_step": run.global_step,
+            "train_seconds": run.train_seconds,
+            "clock_seconds": run.clock_seconds,
+        },
         **(extra_state or {}),
     }
     if run.guard is not None:

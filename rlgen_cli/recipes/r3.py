@@ -50,9 +50,8 @@ from torch import Tensor
 
 from rlgen_cli.data.sampler import GroupSampler
 from rlgen_cli.r3.buffer import StageOneBuffer
-from rlgen_cli.r3.composite import build_composite
 from rlgen_cli.r3.data import R3Sample, load_r3_dataset
-from rlgen_cli.r3.evaluate import evaluate_rounds, save_strips
+from rlgen_cli.r3.evaluate import build_unified, evaluate_rounds, save_strips
 from rlgen_cli.r3.loss import image_kl, image_track_loss, text_track_loss
 from rlgen_cli.r3.policy import EDIT, GENERATE, IMAGE, TEXT, Thoughts, UnifiedPolicy
 from rlgen_cli.r3.rewards import (
@@ -69,7 +68,7 @@ from rlgen_cli.r3.rollout import ImageRollout, image_rollout, micro_batches, sta
 from rlgen_cli.r3.scoring import R3Scorer
 from rlgen_cli.recipes.loop import due, load_resume, reduce_over_ranks, save_trainer_checkpoint, summarise
 from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.r3 import R3Config, R3TrainConfig
+from rlgen_cli.schema.r3 import R3Config, R3TrainConfig, track_models
 from rlgen_cli.sde.rollout import StepSpec, Trajectory, recompute_step
 from rlgen_cli.sde.sampling import conditioned
 from rlgen_cli.training.checkpoint import (
@@ -138,7 +137,7 @@ class R3Recipe:
             )
         self.dist: Dist = make_dist(cfg.device)
         self.device = self.dist.device
-        self.policy: UnifiedPolicy = build_composite(r3.policy, self.device)
+        self.policy: UnifiedPolicy = build_unified(cfg.model.family, r3.policy, self.device)
         train_path, val_path = r3.data_paths()
         self.train_set = load_r3_dataset(train_path, r3.dataset_name)
         self.val_set = load_r3_dataset(val_path, r3.dataset_name) if cfg.eval_every else []
@@ -162,7 +161,7 @@ class R3Recipe:
         resumed = self._maybe_resume()  # into the bare modules, before DDP wraps them
         self.optimizer = self.dist.prepare(
             self.policy, self.optimizer, max_grad_norm=r3.max_grad_norm, micro_batch_size=self.per_rank,
-            compute_dtype=compute_dtype(r3, self.tracks),  # fp16 compute: the Dist scales the loss
+            compute_dtype=compute_dtype(r3, self.tracks, cfg.model.family),  # fp16 compute: the Dist scales the loss
         )  # fmt: skip
         if resumed is not None:  # the optimizer state with the loss scaler's
             ckpt, state = resumed
@@ -432,11 +431,11 @@ class R3Recipe:
 STAGE_NAMES = (REASON, REFINE)
 
 
-def compute_dtype(r3: R3Config, tracks: list[str]) -> str:
+def compute_dtype(r3: R3Config, tracks: list[str], family: str = "r3_composite") -> str:
     """The lowest precision a trained track computes in: ``float16`` when any model the tuned tracks run
-    (text: the text policy; image: generator and editor) is fp16, so the Dist scales the one joint loss
-    (scaling by a power of two is exact, so the bf16 / fp32 parts lose nothing)."""
-    models = {TEXT: [r3.policy.text], IMAGE: [r3.policy.generator, r3.policy.editor]}
+    (text: the text policy; image: generator and editor; BAGEL: its one network) is fp16, so the Dist
+    scales the one joint loss (scaling by a power of two is exact, so the bf16 / fp32 parts lose nothing)."""
+    models = track_models(family, r3.policy)
     dtypes = {model.dtype for track in tracks for model in models[track]}
     return next((d for d in ("float16", "bfloat16") if d in dtypes), "float32")
 

@@ -10,6 +10,13 @@ when due, epochs bar, time limit, a guard stop), and the report at :func:`finish
     return s.metrics
 
 What an epoch is made of stays in the recipe; the shared pieces it calls are in ``recipes/loop.py``.
+
+The time limit's clock (:class:`EpochClock`) starts at the first epoch (after any evaluation before
+training) and counts everything after it: epochs, evaluations, checkpoints. Its seconds, and the seconds
+spent in epochs alone, travel in the checkpoint's counters, so a resumed run goes on with the time it
+had left. Under ``lr_schedule_clock=time_or_epochs`` it also tells the lr schedule, before each epoch,
+which share of the time budget will have been used when that epoch ends (``FlowRun.time_progress``,
+``training/schedule.py``): training seconds against the budget net of the time spent elsewhere.
 """
 
 from __future__ import annotations
@@ -38,35 +45,70 @@ from rlgen_cli.schema.recipes import FlowRunConfig
 from rlgen_cli.training.guard import GUARD_CURVES, plot_guard
 from rlgen_cli.training.plots import plot_runs
 from rlgen_cli.training.progress import Progress
+from rlgen_cli.training.schedule import time_share
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class EpochClock:
-    """The epochs bar and the time limit: which epoch is the run's last, decided on rank 0."""
+    """The epochs bar, the time limit (which epoch is the run's last, decided on rank 0) and the time
+    share the lr schedule reads under ``lr_schedule_clock=time_or_epochs``."""
 
     run: FlowRun
     progress: Progress
     task: int
-    deadline: float
+    budget: float
+    """Seconds of ``time_limit_minutes``; inf without a limit."""
+    started: float
+    """``time.monotonic()`` at the clock's zero (a resumed run's zero lies its saved seconds back)."""
+    time_aware: bool
+    """``lr_schedule_clock=time_or_epochs`` under a time limit."""
+    last_epoch_seconds: float = 0.0
 
     @classmethod
     def start(cls, run: FlowRun, progress: Progress) -> EpochClock:
         """Start after any baseline evaluation, so the bar's pace (its time left) counts epochs only."""
         cfg = run.cfg
         task = progress.task("epochs", total=cfg.epochs, completed=run.start_epoch)
-        deadline = time.monotonic() + 60 * cfg.time_limit_minutes if cfg.time_limit_minutes else math.inf
-        return cls(run, progress, task, deadline)
+        budget = 60 * cfg.time_limit_minutes if cfg.time_limit_minutes else math.inf
+        time_aware = cfg.lr_schedule_clock == "time_or_epochs" and budget < math.inf
+        return cls(run, progress, task, budget, time.monotonic() - run.clock_seconds, time_aware)
+
+    def elapsed(self) -> float:
+        """Seconds on the clock, resumed runs' earlier seconds included."""
+        return time.monotonic() - self.started
+
+    def before_epoch(self) -> None:
+        """Under the time-aware schedule clock, set ``run.time_progress`` for the epoch about to run:
+        the budget share it will have used when it ends, predicted from the last epoch's length. Rank 0's
+        clock decides (collective; every rank calls it), so every rank sets the same learning rate."""
+        if not self.time_aware:
+            return
+        run = self.run
+        share = time_share(
+            run.train_seconds, self.elapsed() - run.train_seconds, self.last_epoch_seconds, self.budget
+        )
+        run.time_progress = float(run.dist.gather(torch.tensor([share], dtype=torch.float64))[0])
+
+    def epoch_ended(self, seconds: float) -> None:
+        """Count an epoch's ``seconds`` of training, and stamp the clock into the run's counters."""
+        self.run.train_seconds += seconds
+        self.last_epoch_seconds = seconds
+        self.stamp()
+
+    def stamp(self) -> None:
+        """The clock's seconds into ``run.clock_seconds`` (what a checkpoint saves)."""
+        self.run.clock_seconds = self.elapsed()
 
     def is_last(self, epoch: int) -> bool:
         """The configured last epoch, or the first to end past the time limit. Collective under a time
         limit (rank 0's clock decides, so every rank stops together): call it once per epoch on every rank."""
         if epoch + 1 == self.run.cfg.epochs:
             return True
-        if self.deadline == math.inf:
+        if self.budget == math.inf:
             return False
-        late = torch.tensor([float(time.monotonic() >= self.deadline)])
+        late = torch.tensor([float(self.elapsed() >= self.budget)])
         return bool(self.run.dist.gather(late)[0] > 0)
 
     def advance(self, epoch: int, last: bool, headline: str) -> None:
@@ -92,6 +134,7 @@ class Session:
     def epochs(self) -> Iterator[int]:
         """The epochs left to run (after a resume, from the first not yet done), each one timed."""
         for epoch in range(self.run.start_epoch, self.run.cfg.epochs):
+            self.clock.before_epoch()
             self.epoch_started = time.perf_counter()
             yield epoch
 
@@ -103,11 +146,15 @@ class Session:
         metrics), the checkpoint when due (``extra_state``: see :func:`save`), the epochs bar (``headline``).
         True when this was the run's last epoch."""
         metrics["time/epoch"] = time.perf_counter() - self.epoch_started
+        self.clock.epoch_ended(metrics["time/epoch"])
+        if self.clock.time_aware:
+            metrics["time/budget_share"] = self.run.time_progress  # where the lr schedule's clock stood
         last = self.clock.is_last(epoch)
         metrics |= evaluate_if_due(self.run, epoch, last, self.progress)
         stopped = self.run.guard is not None and self.run.guard.stop_requested and not last
         last = last or stopped
         log_epoch(self.run, epoch, metrics, console(metrics))
+        self.clock.stamp()  # the evaluation's seconds too, for the checkpoint's counters
         save_if_due(self.run, epoch, last, extra_state)
         self.clock.advance(epoch, last and not stopped, headline)
         self.metrics = metrics

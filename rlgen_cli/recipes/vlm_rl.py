@@ -30,8 +30,9 @@ may span ranks), each rank samples its rows with ``generate`` on the bare model 
 rows' global rollout batch, rewards are gathered with their dataset indices before the group
 statistics, the training forwards go through the DDP wrapper / engine (gradients averaged), dapo's token
 normaliser counts the tokens of every rank, and rank 0 alone evaluates, logs and writes checkpoints.
-So two processes equal one process with ``gradient_accumulation_steps=2``
-(``tests/distributed/test_vlm_distributed.py``).
+``algo.gradient_accumulation_steps`` counts micro-batches per optimizer step over all processes, so two
+processes equal one process running the same config, to float rounding
+(``tests/distributed/test_vlm_distributed.py``; bit for bit is the flow recipe's, docs/distributed.md).
 
     rlgen train model=tiny_qwen2_vl algo=step_grpo data=tiny_vlm reward=length     # tiny CPU run
     rlgen train model=tiny_qwen2_vl algo=token_grpo launcher=accelerate launcher.num_processes=2
@@ -56,7 +57,14 @@ from torch import Tensor
 from rlgen_cli.algos.advantages import combine_rewards
 from rlgen_cli.algos.token_grpo import advantage_options, token_grpo_loss
 from rlgen_cli.data.sampler import GroupSampler
-from rlgen_cli.recipes.loop import REWARD_CURVE, due, load_resume, reduce_over_ranks, save_trainer_checkpoint
+from rlgen_cli.recipes.loop import (
+    REWARD_CURVE,
+    accumulation_per_process,
+    due,
+    load_resume,
+    reduce_over_ranks,
+    save_trainer_checkpoint,
+)
 from rlgen_cli.recipes.loop import summarise as summarise_stats
 from rlgen_cli.rewards import RewardBatch, build_mix
 from rlgen_cli.rewards.r1vl import TEXT_REWARDS
@@ -156,7 +164,8 @@ class VLMRLRecipe:
             eps=algo.adam_eps, weight_decay=algo.weight_decay,
         )  # fmt: skip
         micro = self.sampler.samples_per_rank // algo.train_batch_size  # per rank: the steps are shared
-        total = cfg.epochs * algo.token.num_iterations * micro // algo.gradient_accumulation_steps
+        accum = accumulation_per_process(algo, self.dist.world_size)  # the global count ÷ processes
+        total = cfg.epochs * algo.token.num_iterations * micro // accum
         # on the torch optimizer: DeepSpeed's ZeRO optimizer steps with its param_groups' learning rates
         self.scheduler = make_scheduler(
             self.optimizer, total, algo.token.warmup_ratio, algo.token.lr_schedule
@@ -331,7 +340,7 @@ class VLMRLRecipe:
         """``num_iterations`` passes of the token loss over the micro-batches, stepping every accumulation;
         each backward carries 1/accum of its micro-batch's loss (the engine averages over ranks)."""
         algo, token = self.cfg.algo, self.cfg.algo.token
-        accum = algo.gradient_accumulation_steps
+        accum = accumulation_per_process(algo, self.dist.world_size)  # the global count ÷ processes
         num_items = self.token_normalisers(micro_batches, truncated)
         stats: dict[str, list[float]] = defaultdict(list)
         task = progress.task("update", total=token.num_iterations * len(micro_batches))
@@ -353,7 +362,8 @@ class VLMRLRecipe:
         divided by the micro-batches they fill (accum × ranks). Averaging the backwards (1/accum each) and
         the ranks' gradients then gives Σ loss / all tokens of the optimizer step, as TRL normalises;
         the other loss types ignore it."""
-        accum, ranks = self.cfg.algo.gradient_accumulation_steps, self.dist.world_size
+        ranks = self.dist.world_size
+        accum = accumulation_per_process(self.cfg.algo, ranks)
         local = torch.tensor(
             [[float(self._loss_mask(mb, truncated).sum()) for mb in micro_batches]]
         )  # (1, M)

@@ -35,7 +35,12 @@ import torch
 from omegaconf import DictConfig
 from torch import Tensor
 
-from rlgen_cli.recipes.loop import load_resume, reduce_over_ranks, save_trainer_checkpoint
+from rlgen_cli.recipes.loop import (
+    accumulation_per_process,
+    load_resume,
+    reduce_over_ranks,
+    save_trainer_checkpoint,
+)
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.recipes import VlmSftTrainConfig
 from rlgen_cli.training.checkpoint import (
@@ -162,7 +167,7 @@ class VLMSFTRecipe:
         )  # fmt: skip
         per_rank = math.ceil(len(self.train_set) / self.dist.world_size)
         steps_per_epoch = math.ceil(
-            math.ceil(per_rank / algo.train_batch_size) / algo.gradient_accumulation_steps
+            math.ceil(per_rank / algo.train_batch_size) / accumulation_per_process(algo, self.dist.world_size)
         )
         total = cfg.epochs * steps_per_epoch
         self.scheduler = make_scheduler(
@@ -223,7 +228,7 @@ class VLMSFTRecipe:
         algo, start = self.cfg.algo, time.perf_counter()
         order = rank_order(len(self.train_set), self.cfg.seed + epoch, self.dist.rank, self.dist.world_size)
         parts = batches(len(order), algo.train_batch_size)
-        accum = algo.gradient_accumulation_steps
+        accum = accumulation_per_process(algo, self.dist.world_size)  # the global count ÷ processes
         losses, tokens, norms = [], 0, []
         task = progress.task("sft", total=len(parts))
         for k, part in enumerate(parts):

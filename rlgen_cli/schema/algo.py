@@ -6,6 +6,7 @@ Single-field rules live in the annotations (choices, ``schema/choices.py``) and 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -256,8 +257,11 @@ class AlgoConfig:
     """Samples per rollout forward pass."""
     train_batch_size: int = 8
     """Samples per training forward pass; equal to sample_batch_size keeps the ratio exactly 1."""
-    gradient_accumulation_steps: int = 1
-    """Training micro-batches per optimizer step."""
+    gradient_accumulation_steps: int | None = None
+    """Training micro-batches per optimizer step over ALL processes (global, like the batch geometry):
+    each process trains gradient_accumulation_steps ÷ launcher world size of them, so one optimizer step
+    covers the same samples on any process count. null = one micro-batch per process (then a step's
+    samples grow with the process count)."""
     lr: float = 3e-4
     lr_schedule: Annotated[str, LrSchedule] = "constant"
     """``constant``, or ``cosine`` / ``linear``: ``lr`` for the ``lr_decay_start`` share of ``epochs``, then a
@@ -281,10 +285,31 @@ class AlgoConfig:
                 f"set algo.{key} to a divisor of {total}",
             )
         micro = total // self.train_batch_size
+        accumulation = self.gradient_accumulation_steps or 1
         _require(
-            micro % self.gradient_accumulation_steps == 0,
+            micro % accumulation == 0,
             f"{micro} training micro-batches per epoch are not divisible by "
-            f"algo.gradient_accumulation_steps ({self.gradient_accumulation_steps})",
+            f"algo.gradient_accumulation_steps ({accumulation})",
+        )
+
+    def micro_batches_per_step(self, world_size: int) -> int:
+        """Training micro-batches per optimizer step over all ``world_size`` processes."""
+        return world_size if self.gradient_accumulation_steps is None else self.gradient_accumulation_steps
+
+    def require_process_split(self, world_size: int) -> None:
+        """An optimizer step's micro-batches split evenly over ``world_size`` processes.
+
+        Raises:
+            UserError: Saying how many micro-batches cannot be split over how many processes, and the fix.
+        """
+        steps = self.micro_batches_per_step(world_size)
+        _require(
+            steps % world_size == 0,
+            f"algo.gradient_accumulation_steps={steps} micro-batches per optimizer step cannot be split over "
+            f"{world_size} processes: each process trains whole micro-batches of algo.train_batch_size="
+            f"{self.train_batch_size} and every process the same number per step. Set "
+            f"algo.gradient_accumulation_steps to a multiple of {world_size} (it counts micro-batches over all "
+            "processes), or run a process count that divides it",
         )
 
 
@@ -324,6 +349,10 @@ class FlowGrpoAlgoConfig(PolicyGradientConfig):
     cfg_grad: Annotated[str, CfgGrad] = "both"
     """With CFG, the training forward back-propagates through ``both`` branches of u + g·(c − u), or only
     the ``conditional`` one (the unconditional prediction detached; same forward values)."""
+    timesteps_per_pass: int = 1
+    """Trained steps of a micro-batch that share one transformer call and one backward in the update
+    (rows = samples × steps, each its own x_t and σ): the same gradient in fewer, larger calls, activation
+    memory × this. 1 = upstream (a call and a backward per step); ≥ the trained steps folds them all."""
     drop_zero_advantage: bool = False
     """Train only samples whose advantage is non-zero (Flow-GRPO's SD3 / Kontext / Wan scripts): the
     micro-batches per epoch stay the same and shrink, so each kept sample weighs more (docs/maths.md §4.5)."""
@@ -348,6 +377,27 @@ class FlowGrpoAlgoConfig(PolicyGradientConfig):
         _require(
             2 * self.best_of_n <= self.group_size,
             f"algo.best_of_n={self.best_of_n}: 2·k must be ≤ algo.group_size ({self.group_size})",
+        )
+
+    @property
+    def assignment_unit(self) -> int:
+        """Samples dealt to a process as one piece: whole rollout and training batches, so every sample
+        is rolled out and trained in the same batch on any process count (lcm of the two sizes)."""
+        return math.lcm(self.sample_batch_size, self.train_batch_size)
+
+    def require_process_split(self, world_size: int) -> None:
+        """On top of :meth:`AlgoConfig.require_process_split`: every optimizer step's samples split into
+        whole :attr:`assignment_unit` pieces, the same number on every process."""
+        super().require_process_split(world_size)
+        per_step = self.micro_batches_per_step(world_size) * self.train_batch_size
+        unit = self.assignment_unit
+        _require(
+            per_step % (unit * world_size) == 0,
+            f"an optimizer step's {per_step} samples (algo.gradient_accumulation_steps × algo.train_batch_size) "
+            f"cannot be split over {world_size} processes in whole rollout batches: a process takes "
+            f"lcm(algo.sample_batch_size={self.sample_batch_size}, algo.train_batch_size={self.train_batch_size})"
+            f" = {unit} samples at a time. Make algo.sample_batch_size divide algo.train_batch_size, or raise "
+            f"algo.gradient_accumulation_steps to a multiple of {unit * world_size // math.gcd(unit * world_size, self.train_batch_size)}",
         )
 
 

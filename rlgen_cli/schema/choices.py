@@ -70,6 +70,7 @@ weights (``models/real_size.py``)."""
 RealSizeVariant = Literal[
     "auto", "sd3_5_medium", "sd3_5_large", "flux_1_dev", "flux_1_kontext_dev", "qwen_image", "qwen_image_edit",
     "wan2_1_t2v_1_3b", "wan2_1_t2v_14b", "qwen2_vl_2b", "qwen2_vl_7b", "qwen2_5_vl_3b", "qwen2_5_vl_7b",
+    "bagel_7b_mot",
 ]  # fmt: skip
 """``model.variant``: the checkpoint ``model.weights=random_init`` builds (``schema/flow.py:
 REAL_SIZE_VARIANTS`` says which family builds which)."""
@@ -96,6 +97,8 @@ PrefLoss = Literal["dpo", "sft"]
 PretrainSource = Literal["shapes"]
 EvalReportKind = Literal["none", "shapes"]
 """``eval_report``: what a flow run writes from its evaluations at the end (``training/report.py``)."""
+LrScheduleClock = Literal["epochs", "time_or_epochs"]
+"""``lr_schedule_clock``: what says where a run is in its lr schedule (``training/schedule.py``)."""
 GuardAction = Literal["warn", "stop", "rollback"]
 """``guard.action``: what the reward-hacking guard does on a flagged evaluation (``training/guard.py``)."""
 SigmaSampling = Literal["logit_normal", "uniform"]

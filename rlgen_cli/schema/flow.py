@@ -50,6 +50,7 @@ REAL_SIZE_VARIANTS: dict[str, tuple[str, ...]] = {
     "wan2_1": ("wan2_1_t2v_1_3b", "wan2_1_t2v_14b"),
     "qwen2_vl": ("qwen2_vl_2b", "qwen2_vl_7b"),
     "qwen2_5_vl": ("qwen2_5_vl_3b", "qwen2_5_vl_7b"),
+    "bagel": ("bagel_7b_mot",),
 }
 """The checkpoints ``model.weights=random_init`` builds, per family; the first is ``model.variant=auto``
 (the checkpoint the family's conf/model option loads). Their architectures: ``models/real_size.py``."""
@@ -93,9 +94,31 @@ def check_real_size(cfg: ModelConfig) -> None:
         f"{', '.join(variants)} (or the family that builds it: docs/real_size.md)",
     )
     _require(
-        cfg.family not in VLM_FAMILIES or cfg.text_encoders == "real_size",
-        f"model.text_encoders=stand_in is for flow families; {cfg.family} is a VLM with no separate text "
-        "encoder: drop it",
+        cfg.family not in (*VLM_FAMILIES, "bagel") or cfg.text_encoders == "real_size",
+        f"model.text_encoders=stand_in is for flow families with separate text encoders; {cfg.family} reads "
+        "its prompt with its own language model: drop it",
+    )
+
+
+IMAGE_GUIDANCE_FAMILIES = ("bagel", "bagel_edit", "r3_bagel")
+"""Families whose velocity has an image-guidance branch (``model.image_guidance_scale``)."""
+
+
+def check_image_guidance(cfg: ModelConfig) -> None:
+    """``model.image_guidance_scale`` is read by BAGEL alone, and (as in its reference) only on top of text
+    guidance: anywhere else it would be silently ignored, so it is refused."""
+    if cfg.image_guidance_scale == 1.0:
+        return
+    _require(
+        cfg.family in IMAGE_GUIDANCE_FAMILIES,
+        f"model.image_guidance_scale={cfg.image_guidance_scale} applies to BAGEL editing (model=bagel_edit), "
+        f"not model.family={cfg.family}: drop it",
+    )
+    _require(
+        cfg.guidance_scale > 1.0,
+        f"model.image_guidance_scale={cfg.image_guidance_scale} acts on the text-guided velocity, and "
+        f"model.guidance_scale={cfg.guidance_scale} turns text guidance off: set model.guidance_scale > 1 "
+        "(4 for editing) or model.image_guidance_scale=1",
     )
 
 
@@ -165,6 +188,9 @@ class ModelConfig:
     """Frames per sample (video families such as Wan2.1); 1 for images."""
     guidance_scale: float = 4.5
     """Classifier-free guidance scale; 1.0 means no unconditional branch ("nocfg")."""
+    image_guidance_scale: float = 1.0
+    """BAGEL editing (``bagel_edit``): the image-guidance scale (the reference's cfg_img_scale, 2.0 for
+    editing), applied on top of the text guidance against the context without the source image; 1.0 = none."""
     negative_prompt: str = ""
     """Prompt of the unconditional branch when CFG is on."""
     shift: float = 3.0
@@ -204,6 +230,7 @@ class ModelConfig:
             "model.path is empty: set model.path=HUB_ID_OR_DIR, model.tiny=true or model.weights=random_init",
         )
         check_real_size(self)
+        check_image_guidance(self)
 
 
 @dataclass
@@ -262,6 +289,10 @@ class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
+ENGINE_LAUNCHERS = ("deepspeed_zero2", "deepspeed_zero3", "fsdp")
+"""Launchers whose engine reduces, clips and steps the gradients itself."""
+
+
 @dataclass
 class LauncherConfig:
     name: Annotated[str, Launcher] = "local"
@@ -280,6 +311,11 @@ class LauncherConfig:
     """Rank-0 port; null reads MASTER_PORT (else 29500)."""
     mixed_precision: Annotated[str, MixedPrecision] = "fp32"
     """Mixed precision of the launched workers: ``fp32`` (none), ``fp16`` or ``bf16``."""
+    exact_reduction: bool = True
+    """Sum each optimizer step's micro-batch gradients in float64 over every micro-batch and process
+    before one cast back (``training/dist.py``), so a run's weights do not depend on the process count
+    (README: process-count invariance). Needs the gradients in rlgen's hands: local, accelerate (DDP) and
+    multinode; DeepSpeed and FSDP reduce their own (false there)."""
     config_file: str | None = None
     """Your own accelerate config (YAML) or DeepSpeed config (JSON), passed to ``accelerate launch`` as
     with ``accelerate launch --config_file``; with launcher=accelerate or multinode. The launcher.* values
@@ -291,6 +327,12 @@ class LauncherConfig:
             self.config_file is None or self.name in ("accelerate", "multinode"),
             f"launcher.config_file is passed to accelerate launch by launcher=accelerate or multinode, not "
             f"launcher={self.name}: add launcher=accelerate (and launcher.num_processes=N)",
+        )
+        _require(
+            not (self.exact_reduction and self.name in ENGINE_LAUNCHERS),
+            f"launcher.exact_reduction=true needs the gradients in rlgen's hands, and launcher={self.name} "
+            "reduces them inside its engine (results then depend on the process count to float rounding): "
+            "pass launcher.exact_reduction=false, or launcher=accelerate for process-count invariant results",
         )
         _require(
             self.name != "local" or self.num_processes * self.num_machines == 1,

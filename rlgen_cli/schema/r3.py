@@ -22,8 +22,9 @@ from rlgen_cli.schema.choices import R3Dataset, SdeKind
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig, RunConfig
 
-R3_FAMILIES = ("r3_composite",)
-"""``model.family`` values that run the R3 recipe (a native unified model would join this list)."""
+R3_FAMILIES = ("r3_composite", "r3_bagel")
+"""``model.family`` values that run the R3 recipe: the composite of three models (``r3.policy.text`` /
+``generator`` / ``editor``) or BAGEL, one network for both tracks (``r3.policy.bagel``, ``r3.policy.think``)."""
 SERVED_REWARDS = ("geneval", "geneval_plus", "tiif")
 """``reward_fn`` values scored by a server: the GenEval server, or the VLM judge with GenEval++ / TIIF
 prompts. Any other value names a local reward of the registry (``mix`` = the ``reward`` section as is)."""
@@ -40,6 +41,13 @@ def is_r3(model: ModelConfig) -> bool:
     return model.family in R3_FAMILIES
 
 
+def track_models(family: str, policy: R3PolicyConfig) -> dict[str, list[ModelConfig]]:
+    """The model sections each track runs (``text`` / ``image``): the composite's parts, or BAGEL twice."""
+    if family == "r3_bagel":
+        return {"text": [policy.bagel], "image": [policy.bagel]}
+    return {"text": [policy.text], "image": [policy.generator, policy.editor]}
+
+
 @dataclass
 class R3PolicyConfig:
     """The composite policy: one model section per role, each as ``model=`` would give it."""
@@ -53,6 +61,12 @@ class R3PolicyConfig:
     share_text_encoder: bool = False
     """The text policy IS the generator's Qwen2.5-VL text encoder, with a LoRA adapter that is disabled
     whenever the generator encodes a prompt (one copy of the 7 B weights instead of two)."""
+    bagel: ModelConfig = field(default_factory=lambda: ModelConfig(family="bagel", tiny=True))
+    """``model.family=r3_bagel``: the one BAGEL network that writes, draws and edits (a ``model=bagel``
+    section; its LoRA targets must name both experts: understanding = text track, ``*_moe_gen`` = image)."""
+    think: bool = True
+    """``model.family=r3_bagel``: reason = plan text, then the image from prompt + plan (BAGEL's thinking
+    mode); false = no plan, the image from the prompt alone (the reason stage then trains its image only)."""
 
 
 @dataclass
@@ -223,6 +237,19 @@ def _check_world(r3: R3Config, world_size: int) -> None:
     )
 
 
+def _check_bagel(bagel: ModelConfig) -> None:
+    _require(
+        bagel.family == "bagel",
+        f"model.family=r3_bagel runs the BAGEL of r3.policy.bagel; its family is {bagel.family!r}: set "
+        "r3.policy.bagel.family=bagel",
+    )
+    _require(
+        bagel.lora.enabled,
+        "model.family=r3_bagel trains LoRA adapters on BAGEL's two experts (text: understanding, image: "
+        "*_moe_gen): set r3.policy.bagel.lora.enabled=true",
+    )
+
+
 @dataclass
 class R3TrainConfig(RunConfig):
     """``recipe=r3``: the shared run keys plus ``r3`` (no ``algo``, no ``sampler``)."""
@@ -233,8 +260,10 @@ class R3TrainConfig(RunConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_world(self.r3, self.launcher.world_size)
+        if self.model.family == "r3_bagel":
+            _check_bagel(self.r3.policy.bagel)
         self.r3.data_paths()
 
     def text_policy_dtype(self) -> str:
         """The text policy's dtype (what check-onpolicy's text tolerance defaults from)."""
-        return self.r3.policy.text.dtype
+        return track_models(self.model.family, self.r3.policy)["text"][0].dtype

@@ -138,7 +138,7 @@ RANGES: dict[type, dict[str, Range | Pattern]] = {
     FlowForwardTrainConfig: {"images_every": NON_NEGATIVE},
     ModelConfig: {
         "tiny_seed": NON_NEGATIVE, "resolution": COUNT, "height": COUNT, "width": COUNT, "num_frames": COUNT,
-        "guidance_scale": at_least(1), "shift": ANY, "num_steps": COUNT, "eval_num_steps": COUNT,
+        "guidance_scale": at_least(1), "image_guidance_scale": at_least(1), "shift": ANY, "num_steps": COUNT, "eval_num_steps": COUNT,
         "noise_level": NON_NEGATIVE, "max_sequence_length": COUNT, "prompt_cache_mb": NON_NEGATIVE,
     },
     LoraConfig: {"rank": COUNT, "alpha": POSITIVE},
@@ -158,7 +158,7 @@ RANGES: dict[type, dict[str, Range | Pattern]] = {
     AdvantageConfig: {"adv_eps": NON_NEGATIVE, "kl_weight": NON_NEGATIVE},
     PolicyGradientConfig: {"adv_clip_max": NON_NEGATIVE},
     FlowGrpoAlgoConfig: {
-        "num_inner_epochs": COUNT, "clip_range": POSITIVE, "best_of_n": NON_NEGATIVE,
+        "num_inner_epochs": COUNT, "clip_range": POSITIVE, "best_of_n": NON_NEGATIVE, "timesteps_per_pass": COUNT,
     },
     FlowForwardAlgoConfig: {"num_inner_epochs": COUNT},
     TokenAlgoConfig: {"clip_range": POSITIVE},

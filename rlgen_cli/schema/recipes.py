@@ -25,7 +25,7 @@ from rlgen_cli.schema.algo import (
     VlmSftAlgoConfig,
 )
 from rlgen_cli.schema.check import CheckSection
-from rlgen_cli.schema.choices import EvalReportKind
+from rlgen_cli.schema.choices import EvalReportKind, LrScheduleClock
 from rlgen_cli.schema.flow import (
     AdvantageRewardConfig,
     EvalConfig,
@@ -54,10 +54,20 @@ class FlowRunConfig(RunConfig):
 
     time_limit_minutes: float = 0.0
     """Stop after the first epoch that ends past this many minutes of training (then evaluate and save
-    as after the last epoch); 0 = no limit."""
+    as after the last epoch); 0 = no limit. The minutes count from the first epoch of a fresh run and
+    carry over a resume (the clock travels in the checkpoint's counters)."""
+    lr_schedule_clock: Annotated[str, LrScheduleClock] = "epochs"
+    """Where the run is in ``algo.lr_schedule``: ``epochs`` (the epoch count alone: bit-reproducible, but
+    a time limit that stops the run early cuts the decay short) or ``time_or_epochs`` (the further along
+    of the epoch count and the share of ``time_limit_minutes`` used, so the decay ends where the limit
+    stops the run; not reproducible across machines once the time share takes over)."""
     eval_before: bool = False
     """Also evaluate before the first epoch (logged at step −1): the run ends with a before → after
     table per prompt tag (``before_after.txt``) and sample grid when the reward reports tags."""
+    eval_heldout: str | None = None
+    """A second test split (e.g. ``builtin:shapes_heldout.jsonl``: combinations never trained on),
+    evaluated like ``data.test`` but only before and after training (with ``eval_before``) and reported
+    as the ``held-out`` row of the before → after table; null = off."""
     eval_report: Annotated[str, EvalReportKind] = "none"
     """What the run writes from its evaluations at the end: ``none``, or ``shapes`` (ShapesEval's
     ``shapes_curves.png``; with ``eval_before`` the per-tag ``before_after.txt`` and its sample grid)."""
@@ -84,6 +94,7 @@ class FlowGrpoTrainConfig(FlowRunConfig):
         self.algo.window.check_fits(self.model.num_steps)
         require_sde_sampler(self.sampler, self.model)
         require_whole_batches(self)
+        self.algo.require_process_split(self.launcher.world_size)
 
 
 @dataclass
@@ -121,6 +132,7 @@ class FlowForwardTrainConfig(FlowRunConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         require_whole_batches(self)
+        self.algo.require_process_split(self.launcher.world_size)
 
 
 @dataclass
@@ -132,12 +144,17 @@ class VlmRlTrainConfig(RunConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         require_whole_batches(self)
+        self.algo.require_process_split(self.launcher.world_size)
 
 
 @dataclass
 class VlmSftTrainConfig(RunConfig):
     recipe: str = "vlm_sft"
     algo: VlmSftAlgoConfig = field(default_factory=VlmSftAlgoConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.algo.require_process_split(self.launcher.world_size)
 
 
 TRAIN_SCHEMAS: dict[str, type] = {

@@ -3,6 +3,11 @@
 Both take the model as ``velocity(x, sigma) -> v`` (the conditioning bound by the caller), so this module
 stays pure tensor maths. Sampling and training call the same :func:`rlgen_cli.sde.step.step` with the
 same settings (:class:`StepSpec`), which is what makes the on-policy importance ratio exactly 1.
+
+:func:`recompute_steps` scores several stored steps with ONE velocity call: the rows of every step are
+stacked on the batch dim, each with its own x_t and σ (a fold). Each row's step maths is the same as
+:func:`recompute_step`'s, so the log-probs equal the per-step ones wherever the model's per-row outputs do
+not depend on the batch they sit in (batch invariance; ``docs/memory_speed.md``).
 """
 
 from __future__ import annotations
@@ -21,10 +26,22 @@ from rlgen_cli.sde.window import WindowPlan
 Generators = torch.Generator | Sequence[torch.Generator] | None
 """One generator for the batch, or one per sample (batching-independent noise, see ``sde/noise.py``)."""
 
-__all__ = ["StepSpec", "Trajectory", "Velocity", "recompute_step", "rollout"]
+__all__ = [
+    "Fold",
+    "StepSpec",
+    "Trajectory",
+    "Velocity",
+    "fold_rows",
+    "recompute_step",
+    "recompute_steps",
+    "rollout",
+]
 
 Velocity = Callable[[Tensor, Tensor], Tensor]
-"""``velocity(x (B, ...), sigma 0-d) -> v (B, ...)``."""
+"""``velocity(x (B, ...), sigma 0-d or (B,)) -> v (B, ...)``."""
+
+Fold = Sequence[tuple[int, "Tensor | slice"]]
+"""Steps scored in one velocity call: (step j, the samples that train it), in row order."""
 
 
 @dataclass(frozen=True)
@@ -184,3 +201,35 @@ def recompute_step(velocity: Velocity, traj: Trajectory, j: int, spec: StepSpec)
         prev=traj.next_latents[:, j],
         sigma_max=traj.sigma_max, reduce=spec.reduce, logprob_form=spec.logprob_form,
     )  # fmt: skip
+
+
+def fold_rows(batch: int, fold: Fold, device: torch.device | str = "cpu") -> Tensor:
+    """(R,) the sample each row of a folded call comes from: ``fold``'s steps one after another, so the
+    caller can bind the conditioning of exactly these rows (``cond.index(fold_rows(...))``)."""
+    samples = torch.arange(batch, device=device)
+    return torch.cat([samples[rows] for _, rows in fold])
+
+
+def recompute_steps(velocity: Velocity, traj: Trajectory, fold: Fold, spec: StepSpec) -> list[StepOut]:
+    """Score the stored transitions of every step in ``fold`` under ``velocity`` with ONE call on their
+    rows stacked (x_t and σ per row; ``velocity`` bound to the rows of :func:`fold_rows`). Returns one
+    :class:`StepOut` per step, over its samples; gradients flow."""
+    xs = [traj.latents[rows, j] for j, rows in fold]
+    sizes = [x.shape[0] for x in xs]
+    sigma = torch.cat([traj.sigmas[j].expand(n) for (j, _), n in zip(fold, sizes)])  # (R,)
+    velocities = velocity(torch.cat(xs), sigma).split(sizes)
+    return [
+        step(
+            spec.kind,
+            x,
+            v,
+            traj.sigmas[j],
+            traj.sigmas_next[j],
+            noise_level=spec.noise_level,
+            prev=traj.next_latents[rows, j],
+            sigma_max=traj.sigma_max,
+            reduce=spec.reduce,
+            logprob_form=spec.logprob_form,
+        )  # fmt: skip
+        for (j, rows), x, v in zip(fold, xs, velocities)
+    ]

@@ -108,12 +108,14 @@ def _check_flow(typed, cfg: DictConfig, perturb: Perturb) -> tuple[float, bool]:
     with torch.no_grad():
         for part in batches(n, batch_size):
             traj, cond = rollouts.traj.index(part), rollouts.cond.index(part)
-            for j in range(steps):
-                new_logp = flow_grpo.step_logprob(run, traj, cond, j, spec)[0].logprob
-                delta = (new_logp - traj.logprobs[:, j]).abs().max().cpu()
-                ratio = (torch.exp(new_logp - traj.logprobs[:, j]) - 1).abs().max().cpu()
-                logp_err[j] = torch.maximum(logp_err[j], delta)
-                ratio_err[j] = torch.maximum(ratio_err[j], ratio)
+            every_step = [(j, slice(None)) for j in range(steps)]  # folded as the update folds them
+            for fold in flow_grpo.step_folds(every_step, typed.algo.timesteps_per_pass):
+                for (j, _), (out, _) in zip(fold, flow_grpo.folded_logprobs(run, traj, cond, fold, spec)):
+                    new_logp = out.logprob
+                    delta = (new_logp - traj.logprobs[:, j]).abs().max().cpu()
+                    ratio = (torch.exp(new_logp - traj.logprobs[:, j]) - 1).abs().max().cpu()
+                    logp_err[j] = torch.maximum(logp_err[j], delta)
+                    ratio_err[j] = torch.maximum(ratio_err[j], ratio)
     run.logger.close()
     worst = float(ratio_err.max().maximum(logp_err.max()))
     _report(rollouts.traj, ratio_err, logp_err, check.tolerance, worst)

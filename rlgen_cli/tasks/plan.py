@@ -186,10 +186,11 @@ def _empty_weights(enabled: bool) -> Iterator[None]:
 
 
 def components_of(policy: Any) -> dict[str, nn.Module]:
-    """The policy's modules by name (a diffusers pipeline's components, or the policy's own module
-    attributes), each once."""
+    """The policy's modules by name (a diffusers pipeline's components, the policy's own module
+    attributes, or those of the object holding its network: BAGEL's ``owner.transformer``), each once."""
     found: dict[str, nn.Module] = {}
-    for holder in (policy, getattr(policy, "pipeline", None), getattr(policy, "_holder", None)):
+    holders = (policy, *(getattr(policy, name, None) for name in ("pipeline", "_holder", "owner")))
+    for holder in holders:
         if holder is None:
             continue
         items = getattr(holder, "components", None)
@@ -227,7 +228,19 @@ def param_groups(components: dict[str, nn.Module]) -> list[Any]:
 def repeated_blocks(module: nn.Module) -> list[nn.Module]:
     """The transformer blocks: every element of the module lists directly under ``module`` (diffusers'
     ``transformer_blocks``, ``single_transformer_blocks``, ``blocks``, ``layers``, …) — what gradient
-    checkpointing wraps and FSDP / ZeRO-3 gather one at a time."""
+    checkpointing wraps and FSDP / ZeRO-3 gather one at a time. A network that keeps them deeper (BAGEL's
+    ``language_model.model.layers``) names them by its checkpointing switch: the module lists of the
+    submodules that carry a ``gradient_checkpointing`` attribute."""
+    blocks = _blocks_in(module)
+    if blocks:
+        return blocks
+    for sub in module.modules():
+        if sub is not module and hasattr(sub, "gradient_checkpointing"):
+            blocks += _blocks_in(sub)
+    return blocks
+
+
+def _blocks_in(module: nn.Module) -> list[nn.Module]:
     blocks: list[nn.Module] = []
     for child in module.children():
         if isinstance(child, nn.ModuleList):
@@ -258,7 +271,7 @@ def training_of(cfg: Any, components: dict[str, nn.Module], trained: tuple[str, 
         full_reference=not cfg.model.lora.enabled,
         trained=trained,
         largest_block_bytes=max((_module_bytes(b) for b in blocks), default=0),
-        accumulation=cfg.algo.gradient_accumulation_steps,
+        accumulation=cfg.algo.micro_batches_per_step(cfg.launcher.world_size) // cfg.launcher.world_size,
         micro_batch_setting=setting,
         weight_copies=copies,
     )

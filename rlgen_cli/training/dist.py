@@ -26,6 +26,16 @@ Optimizer state in checkpoints: torch's full ``state_dict`` for local / DDP / FS
 DeepSpeed ZeRO (:attr:`shards_optimizer`) the engine's own ``save_checkpoint`` writes one shard per rank and
 its ``load_checkpoint`` reads them back, for the same ZeRO stage and number of processes.
 
+Exact reduction (``prepare(..., exact_reduction=True)``, local and DDP; ``launcher.exact_reduction``):
+a float sum of micro-batch gradients depends on its order — ((g0+g1)+g2)+g3 in one process, (g0+g2)+(g1+g3)
+over two, and DDP's all-reduce adds its own — so the weights would depend on the process count by float
+rounding. Instead every backward's gradient is added into one float64 buffer per process (DDP's own
+all-reduce is switched off), the buffers are summed over processes once per optimizer step
+(``torch.distributed.all_reduce``), averaged over processes and cast back to the parameters' dtype:
+float32 gradients summed in float64 are exact for any realistic spread of magnitudes, so the order — and
+with it the process count — no longer changes a bit (:class:`ExactGradients`). Cost: one float64 copy of
+the trained parameters and one all-reduce per optimizer step instead of one per backward.
+
 fp16 compute (``prepare(..., compute_dtype="float16")``, trained weights fp32): local, DDP and FSDP scale
 the loss in :meth:`~Dist.backward` and unscale, clip and step (or skip the step on non-finite gradients)
 in :meth:`~Dist.clip_and_step` (:mod:`rlgen_cli.training.loss_scale`); the scaler's state travels in the
@@ -86,6 +96,7 @@ class Dist(Protocol):
         max_grad_norm: float,
         micro_batch_size: int,
         compute_dtype: str = "float32",
+        exact_reduction: bool = False,
     ) -> torch.optim.Optimizer: ...
     def backward(self, loss: Tensor, sync: bool = True) -> None: ...
     def clip_and_step(
@@ -108,6 +119,7 @@ class LocalDist:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.scaler: LossScaler | None = None  # fp16 compute only (prepare)
+        self.exact: ExactGradients | None = None  # exact_reduction only (prepare)
 
     @property
     def is_main(self) -> bool:
@@ -133,20 +145,27 @@ class LocalDist:
         max_grad_norm: float,
         micro_batch_size: int,
         compute_dtype: str = "float32",
+        exact_reduction: bool = False,
     ) -> torch.optim.Optimizer:
         """The optimizer as it is; a loss scaler when the model computes in fp16 (``compute_dtype``: the
-        recipe's ``model.dtype``)."""
+        recipe's ``model.dtype``); float64 accumulation with ``exact_reduction`` (the sum a run over
+        several processes makes too)."""
         self.scaler = _scaler_for(compute_dtype, optimizer)
+        self.exact = ExactGradients(_optimized(optimizer), world_size=1) if exact_reduction else None
         return optimizer
 
     def backward(self, loss: Tensor, sync: bool = True) -> None:
         _scaled(loss, self.scaler).backward()
+        if self.exact is not None:
+            self.exact.collect()
 
     def clip_and_step(
         self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max_norm: float
     ) -> float:
         """Clip the gradients of ``params`` to ``max_norm`` (inf: none), step, zero; the pre-clip norm.
         With a loss scaler the gradients are unscaled first, and non-finite ones skip the step."""
+        if self.exact is not None:
+            self.exact.reduce()
         return _torch_clip_and_step(optimizer, params, max_norm, self.scaler)
 
     def loss_scale_metrics(self) -> dict[str, float]:
@@ -188,6 +207,7 @@ class AccelerateDist:
         self.device = self.accelerator.device
         self.model: nn.Module | None = None  # the prepared transformer (engine or FSDP module)
         self.scaler: LossScaler | None = None  # fp16 compute under DDP / FSDP (prepare)
+        self.exact: ExactGradients | None = None  # DDP with exact_reduction (prepare)
         self._synced = False  # DeepSpeed: the last backward reduced the gradients for a step
         self.zero_stage = (
             self.accelerator.state.deepspeed_plugin.zero_stage if self.engine == "deepspeed" else 0
@@ -229,11 +249,20 @@ class AccelerateDist:
         max_grad_norm: float,
         micro_batch_size: int,
         compute_dtype: str = "float32",
+        exact_reduction: bool = False,
     ) -> torch.optim.Optimizer:
         """Route the policy's gradient-carrying forwards through the engine and return the optimizer to
         step. DDP wraps the transformer only; ZeRO / FSDP take the optimizer too (``policy.distribute``
         hands over the transformer, the prepared module comes back). fp16 compute (``compute_dtype``, the
-        recipe's ``model.dtype``) gets rlgen's loss scaler under DDP / FSDP, DeepSpeed's own under ZeRO."""
+        recipe's ``model.dtype``) gets rlgen's loss scaler under DDP / FSDP, DeepSpeed's own under ZeRO.
+        ``exact_reduction`` (DDP only): DDP broadcasts the starting weights but never all-reduces; the
+        gradients are summed in float64 once per step (:class:`ExactGradients`)."""
+        if exact_reduction and self.engine is not None:
+            raise UserError(
+                f"launcher.exact_reduction=true needs the gradients in rlgen's hands, and this launch runs "
+                f"{self.engine} (from launcher.config_file?), which reduces them inside its engine: pass "
+                "launcher.exact_reduction=false, or drop the engine from the config file"
+            )
         if self.engine == "deepspeed":
             self._require_deepspeed_scaling(compute_dtype, optimizer)
         else:
@@ -244,6 +273,10 @@ class AccelerateDist:
                     "model.dtype=float16 has rlgen's: pass launcher.mixed_precision=fp32 (rlgen autocasts the "
                     "model in model.dtype and scales the loss itself)"
                 )
+        if self.engine is None and exact_reduction:
+            self.exact = ExactGradients(_optimized(optimizer), world_size=self.world_size)
+            policy.distribute(_without_gradient_sync(self.wrap_model))
+            return optimizer
         if self.engine is None:
             policy.distribute(self.wrap_model)
             return optimizer
@@ -272,6 +305,8 @@ class AccelerateDist:
             self.accelerator.backward(_scaled(loss, self.scaler))
         else:
             _scaled(loss, self.scaler).backward()
+            if self.exact is not None:
+                self.exact.collect()
 
     def clip_and_step(
         self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max_norm: float
@@ -296,6 +331,8 @@ class AccelerateDist:
                 return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
             return _step(optimizer, live, clip, self.scaler)
+        if self.exact is not None:
+            self.exact.reduce()
         return _torch_clip_and_step(optimizer, params, max_norm, self.scaler)
 
     def loss_scale_metrics(self) -> dict[str, float]:
@@ -403,6 +440,64 @@ class AccelerateDist:
         )
         if path is None:
             raise UserError(f"{engine_dir} holds no DeepSpeed checkpoint; resume from an older checkpoint")
+
+
+class ExactGradients:
+    """Order-independent gradient sums: each backward's gradients are moved into one float64 buffer
+    (:meth:`collect`); :meth:`reduce` sums the buffers over processes, averages over them and writes
+    the result back as the parameters' gradients. Exactness: a float64 sum of float32 values is exact
+    while their magnitudes span fewer than ~2⁹ × 2²⁰ (29 spare mantissa bits, minus the bits the count
+    of terms needs), so any order of the same terms gives the same bits; dividing by a power-of-two
+    process count is exact too. A parameter no backward reached (on any process) keeps ``grad = None``,
+    as in plain accumulation."""
+
+    def __init__(self, params: list[nn.Parameter], world_size: int) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.world_size = world_size
+        sizes = [p.numel() for p in self.params]
+        # one flat buffer: the gradients, then one "reached" count per parameter; one all-reduce per step
+        self.flat = torch.zeros(sum(sizes) + len(sizes), dtype=torch.float64, device=_device_of(self.params))
+        self.views = list(self.flat[: sum(sizes)].split(sizes))
+        self.reached = self.flat[sum(sizes) :]
+
+    def collect(self) -> None:
+        """Add every parameter's gradient into its float64 buffer and clear it."""
+        for i, (param, view) in enumerate(zip(self.params, self.views, strict=True)):
+            if param.grad is not None:
+                view.add_(param.grad.detach().reshape(-1).to(torch.float64))
+                self.reached[i] += 1
+                param.grad = None
+
+    def reduce(self) -> None:
+        """Sum the buffers over processes, average over them, set the gradients, clear the buffers."""
+        self.collect()  # a backward made outside Dist.backward (nothing, normally)
+        if self.world_size > 1:
+            torch.distributed.all_reduce(self.flat, op=torch.distributed.ReduceOp.SUM)
+        for i, (param, view) in enumerate(zip(self.params, self.views, strict=True)):
+            if self.reached[i] > 0:
+                param.grad = (view / self.world_size).to(param.dtype).view_as(param)
+        self.flat.zero_()
+
+
+def _optimized(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _device_of(params: list[nn.Parameter]) -> torch.device:
+    return params[0].device if params else torch.device("cpu")
+
+
+def _without_gradient_sync(wrap: Callable[[nn.Module], nn.Module]) -> Callable[[nn.Module], nn.Module]:
+    """``wrap`` (DDP), with DDP's per-backward all-reduce off for good: DDP still broadcasts rank 0's
+    starting weights, :class:`ExactGradients` reduces once per step."""
+
+    def wrapped(module: nn.Module) -> nn.Module:
+        prepared = wrap(module)
+        if hasattr(prepared, "require_backward_grad_sync"):
+            prepared.require_backward_grad_sync = False
+        return prepared
+
+    return wrapped
 
 
 def _torch_clip_and_step(

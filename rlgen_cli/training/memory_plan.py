@@ -148,7 +148,7 @@ class Training:
     trained: tuple[str, ...] = ("transformer",)
     """The components the engine trains (and ZeRO-3 / FSDP shard)."""
     accumulation: int = 1
-    """Micro-batches per optimizer step (``algo.gradient_accumulation_steps``)."""
+    """Micro-batches per optimizer step on one process (``algo.gradient_accumulation_steps`` ÷ processes)."""
     micro_batch_setting: str | None = "algo.train_batch_size"
     """The setting that chooses the micro-batch (None: the recipe derives it, no smaller one to offer)."""
     weight_copies: tuple[str, ...] = ()
@@ -319,7 +319,7 @@ def _micro_batch(launch: Launch, training: Training, fits: Fits) -> Change | Non
         training, micro_batch=smaller, accumulation=training.accumulation * factor
     )
     return Change(launch, candidate, f"micro-batch {smaller} with {factor}× the gradient accumulation",
-                  (f"{training.micro_batch_setting}={smaller}", f"algo.gradient_accumulation_steps={candidate.accumulation}"))  # fmt: skip
+                  (f"{training.micro_batch_setting}={smaller}", f"algo.gradient_accumulation_steps={candidate.accumulation * launch.processes}"))  # fmt: skip
 
 
 def _zero3(launch: Launch, training: Training, fits: Fits) -> Change | None:

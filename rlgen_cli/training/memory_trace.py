@@ -15,9 +15,9 @@ plus the largest block's own saved tensors.
 On the meta device, where real autocast does nothing, ``torch.autocast`` casts as CUDA's autocast does
 (matrix products in the low dtype, normalisations and softmax in fp32; :class:`_MetaAutocast`), and every
 ``scaled_dot_product_attention`` is replaced by a stand-in that saves what the
-fused (flash / memory-efficient) kernels save — query, key, value, output and the fp32 log-sum-exp — and
-not the L × L attention matrix of the math kernel meta tensors would otherwise be dispatched to: a GPU
-(and PyTorch's CPU kernel) never materialises that matrix for training.
+fused (flash / memory-efficient) kernels save — query, key, value, output, the fp32 log-sum-exp and a
+mask's additive bias — and not the L × L attention matrix of the math kernel meta tensors would otherwise
+be dispatched to: a GPU (and PyTorch's CPU kernel) never materialises that matrix for training.
 
 Meta tensors have no values, so code that branches on them (a padding mask's length, a batch's source
 shape, which expert runs) cannot run as it is: :class:`_MetaWithCpuValues` keeps integer tensors on the
@@ -73,20 +73,27 @@ class SavedTrace:
 
 
 class _FusedAttentionSaves(torch.autograd.Function):
-    """Attention whose backward would need what the fused kernels save: q, k, v, output, log-sum-exp."""
+    """Attention whose backward would need what the fused kernels save: q, k, v, output, log-sum-exp, and
+    the additive bias of a mask. A boolean mask is turned into a new bias in the query's dtype by every
+    call (each layer keeps its own copy, of the mask's unexpanded shape), a floating one is kept as it is."""
 
     @staticmethod
-    def forward(ctx: Any, query: Tensor, key: Tensor, value: Tensor, call: Callable[[], Tensor]) -> Tensor:
+    def forward(
+        ctx: Any, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, call: Callable[[], Tensor]
+    ) -> Tensor:
         with torch.no_grad():
             out = call()
         logsumexp = query.new_empty(query.shape[:-1], dtype=torch.float32)
-        ctx.save_for_backward(query, key, value, out, logsumexp)
+        saved = [query, key, value, out, logsumexp]
+        if mask is not None:
+            saved.append(query.new_empty(mask.shape) if mask.dtype == torch.bool else mask)
+        ctx.save_for_backward(*saved)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         query, key, value, *_ = ctx.saved_tensors
-        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), None
+        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), None, None
 
 
 LOWER_PRECISION_OPS = frozenset({
@@ -155,14 +162,16 @@ class _FusedAttentionOnMeta(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
-        named = dict(zip(("query", "key", "value"), args, strict=False)) | kwargs  # positional or by name
+        named = dict(zip(("query", "key", "value", "attn_mask"), args, strict=False)) | kwargs  # positional or by name
         query, key, value = named["query"], named["key"], named["value"]
         if not query.is_meta:
             return func(*args, **kwargs)
-        return _FusedAttentionSaves.apply(query, key, value, lambda: func(*args, **kwargs))
+        mask = named.get("attn_mask")
+        return _FusedAttentionSaves.apply(query, key, value, mask, lambda: func(*args, **kwargs))
 
 
 _TRUTH_TESTS = frozenset({Tensor.all, Tensor.any, torch.all, torch.any, Tensor.__bool__})
+_FACTORIES = frozenset({torch.zeros, torch.ones, torch.full, torch.empty, torch.eye})
 _INDEXING = frozenset({Tensor.__getitem__, Tensor.__setitem__, Tensor.index_put_, Tensor.index_put})
 
 
@@ -173,15 +182,18 @@ def _is_cpu_array(value: Any) -> bool:
 class _MetaWithCpuValues(TorchFunctionMode):
     """Lets a model on the meta device read the values it branches on. Integer tensors (token ids, masks,
     source shapes) stay on the CPU (``.to("meta")`` keeps them there), so ``int(mask.sum(1).max())`` and ``e[mask]`` see real values;
-    an op that mixes them with meta tensors gets them moved to meta (indexing keeps its CPU index). A
-    truth test over meta values (``high.all()``: which expert runs; an encoder's "no padding?" shortcut)
-    reads True."""
+    so do boolean masks a model creates on its own device (``torch.zeros(…, dtype=torch.bool, device=…)``,
+    then filled by slices: BAGEL's which-expert-per-token mask), which are made on the CPU. An op that
+    mixes them with meta tensors gets them moved to meta (indexing keeps its CPU index). A truth test over
+    meta values (``high.all()``: which expert runs; an encoder's "no padding?" shortcut) reads True."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         values = [*_flat(args), *_flat(kwargs.values())]
         if func in _TRUTH_TESTS and args and isinstance(args[0], Tensor) and args[0].is_meta:
             return True if func is Tensor.__bool__ else torch.tensor(True)
+        if func in _FACTORIES and kwargs.get("dtype") is torch.bool and _on_meta(kwargs.get("device")):
+            return func(*args, **(kwargs | {"device": "cpu"}))
         if func is Tensor.to and _keeps_values(args, kwargs):
             dtype = next((v for v in [*args[1:], *kwargs.values()] if isinstance(v, torch.dtype)), None)
             return args[0] if dtype is None else args[0].to(dtype)
@@ -190,6 +202,10 @@ class _MetaWithCpuValues(TorchFunctionMode):
             args = _to_meta(args)
             kwargs = {k: _to_meta(v) for k, v in kwargs.items()}
         return func(*args, **kwargs)
+
+
+def _on_meta(device: Any) -> bool:
+    return isinstance(device, torch.device | str) and torch.device(device).type == "meta"
 
 
 def _keeps_values(args: tuple, kwargs: dict) -> bool:

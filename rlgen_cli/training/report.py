@@ -6,14 +6,19 @@ Evaluation metrics are flat ``{key: value}`` dicts as the flow recipes log them:
 (see :func:`detail_summaries`). ShapesEval's headline metric is ``strict``; ``accuracy`` is GenEval's
 binary (lenient) accuracy and ``n_extra`` the unrequested objects per image.
 
-An evaluation report (:class:`EvalReport`) sees every evaluation of a training run and writes its files
-when the run ends: ``none`` writes nothing, ``shapes`` (:class:`ShapesReport`) the ShapesEval curves and,
-after an ``eval_before`` run, the before → after table and sample grid.
+An evaluation report (:class:`EvalReport`) sees every evaluation of a training run, says how its grids
+are captioned, and writes its files when the run ends: ``none`` writes nothing and leaves the grids
+bare, ``shapes`` (:class:`ShapesReport`) captions every evaluation grid with the prompts and a pass /
+fail border from each sample's strict score, and writes the ShapesEval curves and, after an
+``eval_before`` run, the before → after table and sample grid. With ``eval_heldout`` the table ends with
+a ``held-out`` row: the held-out split's overall before → after (``eval_heldout/…`` metrics, evaluated
+only at those two points), and a line saying how many samples it holds.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -100,19 +105,45 @@ def before_after_table(
     columns: Sequence[tuple[str, str]] = SHAPES_COLUMNS,
     prefix: str = "eval/",
 ) -> str:
-    """Per tag and metric: ``before → after (Δ)``; accuracies in percent, extra objects as counts."""
+    """Per tag and metric: ``before → after (Δ)``; accuracies in percent, extra objects as counts. When
+    both hold the ``eval_heldout/`` split, a last ``held-out`` row gives its overall values, and a line
+    under the table its number of samples."""
     tags = tags_of(after, reward, columns[0][0], prefix) + ["overall"]
-    width = 24
-    lines = [f"{'tag':<14}" + "".join(f"{title:>{width}}" for _, title in columns)]
-    for tag in tags:
-        cells = []
-        for metric, _ in columns:
-            old = _value(before, reward, metric, tag, prefix)
-            new = _value(after, reward, metric, tag, prefix)
-            scale = 1.0 if metric == "n_extra" else 100.0
-            cells.append(f"{old * scale:6.1f} → {new * scale:6.1f} ({(new - old) * scale:+6.1f})")
-        lines.append(f"{tag:<14}" + "".join(f"{c:>{width}}" for c in cells))
+    lines = [f"{'tag':<14}" + "".join(f"{title:>{CELL}}" for _, title in columns)]
+    lines += [_before_after_row(tag, before, after, reward, columns, prefix, tag) for tag in tags]
+    if has_heldout(before, reward) and has_heldout(after, reward):
+        lines.append(_before_after_row("held-out", before, after, reward, columns, HELDOUT_PREFIX, "overall"))
+        count = int(after.get(f"{HELDOUT_PREFIX}num_samples", 0))
+        lines.append(f"held-out: {count} samples of prompt combinations never trained on (eval_heldout)")
     return "\n".join(lines)
+
+
+CELL = 24  # width of a before → after cell
+HELDOUT_PREFIX = "eval_heldout/"
+"""Metric prefix of the ``eval_heldout`` split (``recipes/loop.py: evaluate``)."""
+
+
+def has_heldout(metrics: Mapping[str, float], reward: str = "shapes_geneval") -> bool:
+    """Whether ``metrics`` hold an evaluation of the ``eval_heldout`` split scored by ``reward``."""
+    return any(key.startswith(f"{HELDOUT_PREFIX}reward/{reward}/") for key in metrics)
+
+
+def _before_after_row(
+    label: str,
+    before: Mapping[str, float],
+    after: Mapping[str, float],
+    reward: str,
+    columns: Sequence[tuple[str, str]],
+    prefix: str,
+    tag: str,
+) -> str:
+    cells = []
+    for metric, _ in columns:
+        old = _value(before, reward, metric, tag, prefix)
+        new = _value(after, reward, metric, tag, prefix)
+        scale = 1.0 if metric == "n_extra" else 100.0
+        cells.append(f"{old * scale:6.1f} → {new * scale:6.1f} ({(new - old) * scale:+6.1f})")
+    return f"{label:<14}" + "".join(f"{c:>{CELL}}" for c in cells)
 
 
 def has_tag_breakdown(metrics: Mapping[str, float], reward: str, metric: str, prefix: str = "eval/") -> bool:
@@ -131,10 +162,14 @@ def write_before_after(
     images_before: Tensor | None = None,
     images_after: Tensor | None = None,
     reward: str = "shapes_geneval",
+    labels_before: Mapping[str, Sequence[Any]] | None = None,
+    labels_after: Mapping[str, Sequence[Any]] | None = None,
 ) -> str | None:
     """The final report of a run evaluated before and after training: the per-tag table (written to
     ``before_after.txt`` and returned) and a grid with the before samples above the after samples of
-    the same prompts and noise. ``None`` when the evaluation has no per-tag breakdown of ``reward``."""
+    the same prompts and noise, captioned by ``labels_before`` / ``labels_after`` (``save_grid``'s
+    ``captions`` and ``passed``, one per sample) when given. ``None`` when the evaluation has no
+    per-tag breakdown of ``reward``."""
     columns = [(m, t) for m, t in SHAPES_COLUMNS if has_tag_breakdown(after, reward, m)]
     if not columns:
         return None
@@ -144,11 +179,17 @@ def write_before_after(
         from rlgen_cli.training.images import save_grid
 
         n = min(len(images_before), len(images_after), 16)
+        labels = {
+            key: [*labels_before[key][:n], *labels_after[key][:n]]
+            for key in (labels_before or {})
+            if key in (labels_after or {})
+        }
         save_grid(
             torch.cat([images_before[:n], images_after[:n]]),
             run_dir / BEFORE_AFTER_GRID,
             columns=n,
             upscale=2,
+            **labels,
         )
     return table
 
@@ -157,40 +198,67 @@ SHAPES_CURVE = "shapes_curves.png"
 
 
 class EvalReport(Protocol):
-    """Sees each evaluation's samples (``epoch`` −1: before training) and writes its files at the end."""
+    """Sees each evaluation's samples (``epoch`` −1: before training; ``prompts`` and the reward mix's
+    per-sample ``details``), captions the evaluation grids (:meth:`tile_labels`: keyword arguments of
+    ``save_grid``) and writes its files at the end."""
 
-    def evaluated(self, epoch: int, images: Tensor) -> None: ...
+    def evaluated(
+        self, epoch: int, images: Tensor, prompts: Sequence[str] | None = None,
+        details: Mapping[str, Any] | None = None,
+    ) -> None: ...  # fmt: skip
+    def tile_labels(self, prompts: Sequence[str], details: Mapping[str, Any]) -> dict[str, list]: ...
     def write(self, before: Mapping[str, float] | None, after: Mapping[str, float]) -> None: ...
 
 
 class NoReport:
-    """``eval_report=none``: the metrics and eval grids every run writes, nothing more."""
+    """``eval_report=none``: the metrics and bare eval grids every run writes, nothing more."""
 
     def __init__(self, run_dir: Path) -> None:
         del run_dir  # nothing to write
 
-    def evaluated(self, epoch: int, images: Tensor) -> None:
+    def evaluated(
+        self, epoch: int, images: Tensor, prompts: Sequence[str] | None = None,
+        details: Mapping[str, Any] | None = None,
+    ) -> None:  # fmt: skip
         return None
+
+    def tile_labels(self, prompts: Sequence[str], details: Mapping[str, Any]) -> dict[str, list]:
+        return {}
 
     def write(self, before: Mapping[str, float] | None, after: Mapping[str, float]) -> None:
         return None
 
 
 class ShapesReport:
-    """``eval_report=shapes``: ``shapes_curves.png`` (strict / lenient accuracy, extra objects, train
-    reward) when the last epoch evaluated, and after an ``eval_before`` run the per-tag before → after
-    table (``before_after.txt``, also logged) with the grid of the same prompts and noise before and
-    after (:func:`write_before_after`)."""
+    """``eval_report=shapes``: evaluation grids captioned with each sample's prompt and a green (strict
+    pass) or red (fail) border; ``shapes_curves.png`` (strict / lenient accuracy, extra objects, train
+    reward) when the last epoch evaluated; and after an ``eval_before`` run the per-tag before → after
+    table (``before_after.txt``, also logged; with the ``held-out`` row under ``eval_heldout``) with the
+    captioned grid of the same prompts and noise before and after (:func:`write_before_after`)."""
 
     def __init__(self, run_dir: Path, reward: str = "shapes_geneval") -> None:
         self.run_dir, self.reward = Path(run_dir), reward
         self.images_before: Tensor | None = None
         self.images_last: Tensor | None = None
+        self.labels_before: dict[str, list] = {}
+        self.labels_last: dict[str, list] = {}
 
-    def evaluated(self, epoch: int, images: Tensor) -> None:
+    def evaluated(
+        self, epoch: int, images: Tensor, prompts: Sequence[str] | None = None,
+        details: Mapping[str, Any] | None = None,
+    ) -> None:  # fmt: skip
+        labels = self.tile_labels(prompts, details) if prompts is not None and details is not None else {}
         if epoch < 0:
-            self.images_before = images
-        self.images_last = images
+            self.images_before, self.labels_before = images, labels
+        self.images_last, self.labels_last = images, labels
+
+    def tile_labels(self, prompts: Sequence[str], details: Mapping[str, Any]) -> dict[str, list]:
+        """Each tile's prompt, and its strict pass / fail when ``reward`` scored it."""
+        labels: dict[str, list] = {"captions": list(prompts)}
+        strict = details.get(f"{self.reward}/strict")
+        if isinstance(strict, Tensor) and len(strict) == len(prompts):
+            labels["passed"] = strict_marks(strict)
+        return labels
 
     def write(self, before: Mapping[str, float] | None, after: Mapping[str, float]) -> None:
         from rlgen_cli.training.plots import plot_runs
@@ -199,10 +267,16 @@ class ShapesReport:
             plot_runs([self.run_dir], self.run_dir / SHAPES_CURVE, keys=SHAPES_CURVES)
         if before and "eval/reward/mean" in after:
             table = write_before_after(
-                self.run_dir, before, after, self.images_before, self.images_last, self.reward
-            )
+                self.run_dir, before, after, self.images_before, self.images_last, self.reward,
+                self.labels_before, self.labels_last,
+            )  # fmt: skip
             if table:
                 log.info("test accuracy before → after training (%s):\n%s", self.run_dir, table)
+
+
+def strict_marks(strict: Tensor) -> list[bool | None]:
+    """Per sample: passed (strict score 1), failed (0), or None where the score is NaN (not scored)."""
+    return [None if math.isnan(v) else v >= 0.5 for v in strict.float().tolist()]
 
 
 EVAL_REPORTS = {"none": NoReport, "shapes": ShapesReport}

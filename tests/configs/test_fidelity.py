@@ -7,8 +7,8 @@ of the experiment's recipe (the lists below) must appear in one of the two maps 
 under an experiment, or a knob nobody audited, fails here.
 
 Derived keys (no single config key holds them):
-* ``geometry.samples_per_optimizer_step`` = algo.train_batch_size × algo.gradient_accumulation_steps ×
-  launcher world size — the samples one optimizer step averages over (drop_zero_advantage only shrinks it);
+* ``geometry.samples_per_optimizer_step`` = algo.train_batch_size × algo.gradient_accumulation_steps
+  (global; null = one per process: × launcher world size) — the samples one optimizer step averages over (drop_zero_advantage only shrinks it);
 * ``geometry.optimizer_steps_per_epoch`` = prompts_per_epoch × group_size × num_inner_epochs / the above.
 """
 
@@ -109,7 +109,8 @@ def _with_fidelity() -> list[str]:
 def _geometry(cfg: Any) -> dict[str, float]:
     algo = cfg.algo
     world = cfg.launcher.num_processes * cfg.launcher.num_machines
-    per_step = algo.train_batch_size * algo.gradient_accumulation_steps * world
+    # gradient_accumulation_steps counts micro-batches over all processes; null = one per process
+    per_step = algo.train_batch_size * (algo.gradient_accumulation_steps or world)
     inner_epochs = algo.num_inner_epochs if "num_inner_epochs" in algo else 1  # others: one pass per epoch
     per_epoch = algo.prompts_per_epoch * algo.group_size * inner_epochs
     return {

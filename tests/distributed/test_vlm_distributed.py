@@ -1,5 +1,6 @@
-"""The VLM recipes over two CPU (gloo) processes: one process with two accumulated micro-batches and two
-processes with one each give the same rollouts, group statistics, loss and update; resume and SFT work.
+"""The VLM recipes over two CPU (gloo) processes: the same config (two micro-batches per optimizer step,
+counted over all processes: one process accumulates both, two take one each) gives the same rollouts,
+group statistics, loss and update to float rounding; resume and SFT work.
 
 Token GRPO runs 3 prompts × 4 completions, rolled out in batches of 6 — rank 0 holds group 0 and half of
 group 1, rank 1 the other half and group 2 — so the rewards must be gathered with their dataset indices
@@ -22,7 +23,7 @@ from tests.conftest import run_cli
 GEOMETRY = [
     "model=tiny_qwen2_vl", "data=tiny_vlm", "reward=length", "progress=false", "eval_every=0",
     "algo.prompts_per_epoch=3", "algo.group_size=4", "algo.sample_batch_size=6", "algo.train_batch_size=6",
-    "algo.gradient_accumulation_steps=1", "algo.token.max_completion_tokens=12", "algo.lr=1e-2", "algo.kl_weight=0.04", "epochs=2", "save_every=1",
+    "algo.gradient_accumulation_steps=2", "algo.token.max_completion_tokens=12", "algo.lr=1e-2", "algo.kl_weight=0.04", "epochs=2", "save_every=1",
 ]  # fmt: skip
 TOKEN_GRPO = ["algo=token_grpo", *GEOMETRY]  # dapo: the loss normaliser spans ranks
 PAIR = ["launcher=accelerate", "launcher.num_processes=2"]
@@ -60,9 +61,9 @@ def _assert_same_runs(one: Path, two: Path, epochs: int) -> None:
 
 @pytest.fixture(scope="module")
 def token_runs(tmp_path_factory) -> tuple[Path, Path]:
-    """Two epochs of token GRPO: one process accumulating two micro-batches, and two processes."""
+    """Two epochs of token GRPO: one process accumulating both micro-batches of a step, and two processes."""
     root = tmp_path_factory.mktemp("vlm_dist")
-    single = _train(root / "single", *TOKEN_GRPO, "algo.gradient_accumulation_steps=2")
+    single = _train(root / "single", *TOKEN_GRPO)
     pair = _train(root / "pair", *TOKEN_GRPO, *PAIR)
     return single, pair
 
@@ -106,7 +107,7 @@ def test_sft_on_two_processes_changes_the_weights(tmp_path: Path):
 @pytest.mark.slow
 def test_step_grpo_two_processes_equal_one(tmp_path: Path):
     step = ["algo=step_grpo", *GEOMETRY, "epochs=1"]
-    single = _train(tmp_path / "single", *step, "algo.gradient_accumulation_steps=2")
+    single = _train(tmp_path / "single", *step)
     _assert_same_runs(single, _train(tmp_path / "pair", *step, *PAIR), epochs=1)
 
 

@@ -25,8 +25,10 @@ TINY_CONFIGS = {
     "qwen_image_edit": "tiny_qwen_image_edit", "wan2_1": "tiny_wan2_1", "shapes": "shapes_unet",
     "wan2_2": "tiny_wan2_2", "wan2_2_i2v": "tiny_wan2_2_i2v",
     "z_image": "tiny_z_image", "qwen_image_edit_plus": "tiny_qwen_image_edit_plus",
-    "qwen_image_2": "tiny_qwen_image_2", "bagel": "tiny_bagel",
+    "qwen_image_2": "tiny_qwen_image_2", "bagel": "tiny_bagel", "bagel_edit": "tiny_bagel_edit",
 }  # fmt: skip
+EDITS_ON_REQUEST = {"bagel"}
+"""Text-to-image families whose ``encode`` also edits when given sources (one model generates and edits)."""
 PROMPTS = ["a red circle", "two blue squares"]
 
 
@@ -75,8 +77,12 @@ def test_family_satisfies_the_protocol_and_its_capabilities_hold(built, family: 
             policy.encode(PROMPTS)
         cond = policy.encode(PROMPTS, _sources(policy))
     else:
-        with pytest.raises(UserError, match="takes no"):
-            policy.encode(PROMPTS, _sources(policy))
+        if family in EDITS_ON_REQUEST:
+            with_sources = policy.encode(PROMPTS, _sources(policy))  # the editing conditioning
+            assert with_sources.tensors.keys() > policy.encode(PROMPTS).tensors.keys()
+        else:
+            with pytest.raises(UserError, match="takes no"):
+                policy.encode(PROMPTS, _sources(policy))
         cond = policy.encode(PROMPTS)
     assert len(cond) == len(PROMPTS)
     assert _has_negative_branch(cond) == caps.has_cfg  # guidance 2: CFG families encode the negative prompt

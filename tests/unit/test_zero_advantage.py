@@ -69,7 +69,7 @@ def _logp_gradient(monkeypatch, drop: bool) -> tuple[torch.Tensor, int]:
     loss, and the number of optimizer steps. 8 samples, train batches of 4, 2 micro-batches per step."""
     algo = SimpleNamespace(
         train_batch_size=4, gradient_accumulation_steps=2, num_inner_epochs=1, objective="grpo",
-        clip_range=1e-4, kl_weight=0.0,
+        clip_range=1e-4, kl_weight=0.0, timesteps_per_pass=1,
     )  # fmt: skip
     sampler = SimpleNamespace(
         kind="flow_sde", noise_level=0.7, logprob_reduce="mean", logprob_form="gaussian"

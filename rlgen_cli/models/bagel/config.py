@@ -121,6 +121,26 @@ class GenerationDefaults:
 GENERATION = GenerationDefaults()
 
 
+@dataclass(frozen=True)
+class EditingDefaults:
+    """The reference's image-editing settings that rlgen keeps fixed (model.guidance_scale = its
+    cfg_text_scale and model.image_guidance_scale = its cfg_img_scale are the configurable ones: 4.0 and
+    2.0 there), and the rule that sizes the source image for the ViT."""
+
+    cfg_interval: tuple[float, float] = (0.0, 1.0)
+    """Guidance acts for t ∈ (0, 1]: every step but the last point of the grid."""
+    cfg_renorm_min: float = 0.0
+    """``text_channel`` renorm: the text-guided velocity is rescaled per latent token to at most the
+    conditional one's norm, before the image guidance (which is not renormed)."""
+    vit_min_patches_per_side: int = 16
+    """The ViT input's short side is brought up to this many patches (224 px for SigLIP/14) …"""
+    vit_max_patches: int = 9 * 1024
+    """… and its area down to this many patches, its long side to ``ViTConfig.image_size`` (980 px)."""
+
+
+EDITING = EditingDefaults()
+
+
 TINY_BAGEL = BagelConfig(
     llm=LLMConfig(
         vocab_size=263, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -1,4 +1,4 @@
-"""BAGEL text-to-image behind the flow-policy protocol.
+"""BAGEL text-to-image and image editing behind the flow-policy protocol.
 
 Conventions reproduced from the reference inference (``generate_image`` / ``_forward_flow``):
 
@@ -15,7 +15,12 @@ Conventions reproduced from the reference inference (``generate_image`` / ``_for
   reference's ``cfg_text_scale`` in the same form u + g·(c − u); as there it acts only for t in
   (0.4, 1] and the guided velocity is rescaled to at most the conditional one's norm (``global``
   renorm with min 0, the norm per sample where the reference takes it over its one packed sample).
-  ``cfg_img_scale`` needs an image in the context: editing, not yet here.
+* **Editing.** ``encode(prompts, images)`` puts the source images (B, 3, H, W) in [0, 1], of the model's
+  size, before the instruction (their clean VAE latents and ViT patches travel in the ``Cond``);
+  ``velocity`` then runs the editing context with the reference's three CFG branches
+  (``editing.py``: ``model.image_guidance_scale`` is its cfg_img_scale, the interval and ``text_channel``
+  renorm its editing defaults). Both families edit on request; ``bagel_edit`` declares that it needs the
+  sources, so the recipes hand them over.
 * **LoRA.** On the generation expert by default (``*_moe_gen``); targets naming the understanding
   expert's projections adapt both. The ViT is never adapted (excluded from every pattern).
 
@@ -33,8 +38,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from rlgen_cli.models.bagel import editing
 from rlgen_cli.models.bagel import vae as bagel_vae
-from rlgen_cli.models.bagel.config import GENERATION
+from rlgen_cli.models.bagel.config import EDITING, GENERATION
 from rlgen_cli.models.bagel.loading import load_checkpoint
 from rlgen_cli.models.bagel.modeling import Bagel
 from rlgen_cli.models.base import TORCH_DTYPES, Capabilities, Cond, cfg_combine, uncond_takes_grad
@@ -116,9 +122,8 @@ class _Owner:
 
 
 class BagelPolicy:
-    """BAGEL text-to-image: one MoT network, text context, generation-expert velocity, FLUX VAE."""
-
-    family = "bagel"
+    """BAGEL text-to-image and editing: one MoT network, text (and source-image) context, generation-expert
+    velocity, FLUX VAE. ``model.family=bagel_edit`` declares that every prompt comes with a source image."""
 
     def __init__(
         self, network: Bagel, vae: Any, tokenizer: Any, markers: dict[str, int], cfg: ModelConfig,
@@ -127,8 +132,12 @@ class BagelPolicy:
         self.cfg = cfg
         self.device = device
         self.dtype = TORCH_DTYPES[cfg.dtype]
+        self.family = cfg.family
         self.guidance_scale = cfg.guidance_scale
-        self.capabilities = Capabilities(has_cfg=cfg.guidance_scale > 1.0)
+        self.image_guidance_scale = cfg.image_guidance_scale
+        self.capabilities = Capabilities(
+            takes_source_images=cfg.family == "bagel_edit", has_cfg=cfg.guidance_scale > 1.0
+        )
         self.config = network.config
         self.tokenizer = tokenizer
         self.markers = markers
@@ -161,28 +170,69 @@ class BagelPolicy:
     # -- conditioning -------------------------------------------------------------------------
     @torch.no_grad()
     def encode(self, prompts: Sequence[str], images: Tensor | None = None) -> Cond:
-        """Token ids (B, S) and mask (B, S) of each prompt's context; with CFG the empty (or
-        ``model.negative_prompt``) context as ``neg_text_ids`` / ``neg_text_mask``."""
-        if images is not None:
-            raise UserError("model.family=bagel trains text-to-image here: it takes no source images yet")
-        ids, mask = self._context(prompts)
+        """Token ids (B, S) and mask (B, S) of each prompt's context ``<|im_start|>`` prompt ``<|im_end|>``;
+        with CFG the empty (or ``model.negative_prompt``) context as ``neg_text_ids`` / ``neg_text_mask``.
+        With ``images`` (B, 3, H, W) in [0, 1] the editing conditioning (:meth:`_with_sources`)."""
+        return self._encode_rows([self._marked(p) for p in prompts], images)
+
+    @torch.no_grad()
+    def encode_formatted(self, contexts: Sequence[str], images: Tensor | None = None) -> Cond:
+        """:meth:`encode` for contexts already formatted by the caller: each string is tokenized as it is
+        (its special tokens recognised, no markers added), e.g. a chat-formatted turn."""
+        return self._encode_rows(
+            [self.tokenizer.encode(c, add_special_tokens=False) for c in contexts], images
+        )
+
+    def _encode_rows(self, rows: list[list[int]], images: Tensor | None) -> Cond:
+        if images is None and self.capabilities.takes_source_images:
+            raise UserError(
+                "model.family=bagel_edit edits a source image per prompt and got none; give the data set an "
+                '"image" path per row (data=tiny_edit for the tiny model), or use model.family=bagel'
+            )
+        ids, mask = self._padded(rows)
         tensors = {"text_ids": ids, "text_mask": mask}
         if self.guidance_scale > 1.0:
             negative = self.cfg.negative_prompt
-            neg_ids, neg_mask = self._context([negative] * len(prompts))
+            neg_ids, neg_mask = self._padded([self._marked(negative)] * len(rows))
             if not negative:
-                neg_mask.zero_()  # the reference's text-CFG context holds nothing
+                neg_mask.zero_()  # the reference's text-CFG context holds no text
             tensors |= {"neg_text_ids": neg_ids, "neg_text_mask": neg_mask}
-        return Cond(tensors)
+        if images is None:
+            return Cond(tensors)
+        return self._with_sources(tensors, images)
 
-    def _context(self, prompts: Sequence[str]) -> tuple[Tensor, Tensor]:
-        length = self.cfg.max_sequence_length
+    def _with_sources(self, tensors: dict[str, Tensor], images: Tensor) -> Cond:
+        """Add the source images' clean latents (B, C, h, w) and ViT patches (B, m, 3·p²) to ``tensors``."""
+        expected = tuple(d * self.config.vae.downsample for d in self.latent_hw)
+        if images.dim() != 4 or images.shape[0] != len(tensors["text_ids"]) or images.shape[1] != 3:
+            raise UserError(
+                f"BAGEL edits one source image per prompt: expected ({len(tensors['text_ids'])}, 3, H, W) images, "
+                f"got {tuple(images.shape)} (multi-image editing is not supported)"
+            )
+        if tuple(images.shape[-2:]) != expected:
+            raise UserError(
+                f"source images of {tuple(images.shape[-2:])} px: BAGEL edits at the model's size {expected} "
+                "(model.resolution or model.height/model.width); resize the sources to it"
+            )
+        images = images.to(self.device, torch.float32)
+        patches, vit_grid = editing.vit_patches(images, self.config.vit)
+        tensors |= {
+            editing.SOURCE_TOKENS_KEY: bagel_vae.encode(self.vae, images),
+            editing.VIT_PATCHES_KEY: patches,
+        }
+        return Cond(tensors, {editing.VIT_GRID_KEY: vit_grid})
+
+    def _marked(self, prompt: str) -> list[int]:
         start, end = self.markers["<|im_start|>"], self.markers["<|im_end|>"]
-        rows = [[start, *self.tokenizer.encode(p, add_special_tokens=False), end] for p in prompts]
+        return [start, *self.tokenizer.encode(prompt, add_special_tokens=False), end]
+
+    def _padded(self, rows: list[list[int]]) -> tuple[Tensor, Tensor]:
+        length = self.cfg.max_sequence_length
+        end = self.markers["<|im_end|>"]
         longest = max(len(r) for r in rows)
         if longest > length:
             raise UserError(
-                f"a prompt takes {longest} tokens (with its two markers), more than model.max_sequence_length="
+                f"a prompt takes {longest} tokens (with its markers), more than model.max_sequence_length="
                 f"{length}; raise model.max_sequence_length or shorten the prompt"
             )
         ids = torch.full((len(rows), length), end, dtype=torch.long)
@@ -204,9 +254,12 @@ class BagelPolicy:
 
     # -- the one network call -----------------------------------------------------------------
     def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
-        """dx/dσ at (x, σ) for x (B, C, h, w) fp32 and sigma 0-d or (B,), CFG folded in; fp32 (B, C, h, w)."""
+        """dx/dσ at (x, σ) for x (B, C, h, w) fp32 and sigma 0-d or (B,), CFG folded in; fp32 (B, C, h, w).
+        A ``cond`` with source images (``encode(prompts, images)``) edits them."""
         batch = x.shape[0]
         t = sigma.float().reshape(-1).expand(batch).to(self.device)
+        if editing.SOURCE_TOKENS_KEY in cond.tensors:
+            return self._edit_velocity(x, t, cond)
         ids, mask = cond.tensors["text_ids"], cond.tensors["text_mask"]
         low, high = GENERATION.cfg_interval
         guided = (t > low) & (t <= high)
@@ -236,6 +289,68 @@ class BagelPolicy:
                 ids, mask, markers, tokens, t, (h // p, w // p)
             )
         return unpatchify_latents(out.float(), c, h, w, p)
+
+    def _edit_velocity(self, x: Tensor, t: Tensor, cond: Cond) -> Tensor:
+        """The editing velocity: the full context, and in the CFG interval the branches without the
+        instruction and (image guidance > 1) without the image, combined by :func:`editing.edit_guidance`."""
+        p = self.config.latent_patch_size
+        c, h, w = x.shape[1:]
+        tokens = patchify_latents(x, p)
+        low, high = EDITING.cfg_interval
+        guided = (t > low) & (t <= high)
+        text, mask = cond.tensors["text_ids"], cond.tensors["text_mask"]
+        if self.guidance_scale <= 1.0 or not bool(guided.any()):
+            return unpatchify_latents(self._edit_tokens(tokens, t, cond, text, mask), c, h, w, p)
+        neg, neg_mask = cond.tensors["neg_text_ids"], cond.tensors["neg_text_mask"]
+        image_uncond = None
+        if not uncond_takes_grad():  # unconditional branches without a graph (see SD3Policy.velocity)
+            with torch.no_grad():
+                text_uncond = self._edit_tokens(tokens, t, cond, neg, neg_mask)
+                if self.image_guidance_scale > 1.0:
+                    image_uncond = self._text_only_tokens(tokens, t, text, mask)
+            cond_v = self._edit_tokens(tokens, t, cond, text, mask)
+        else:
+            pair = self._edit_tokens(
+                torch.cat([tokens, tokens]), torch.cat([t, t]), Cond.cat([cond, cond]), torch.cat([text, neg]),
+                torch.cat([mask, neg_mask]),
+            )  # fmt: skip
+            cond_v, text_uncond = pair.chunk(2)
+            if self.image_guidance_scale > 1.0:
+                image_uncond = self._text_only_tokens(tokens, t, text, mask)
+        out = editing.edit_guidance(
+            cond_v, text_uncond, image_uncond, self.guidance_scale, self.image_guidance_scale
+        )
+        out = torch.where(guided[:, None, None], out, cond_v)
+        return unpatchify_latents(out, c, h, w, p)
+
+    def _edit_tokens(self, tokens: Tensor, t: Tensor, cond: Cond, ids: Tensor, mask: Tensor) -> Tensor:
+        """One pass with the source image and the text ``ids`` / ``mask`` as context; fp32 velocity tokens."""
+        p = self.config.latent_patch_size
+        source = cond.tensors[editing.SOURCE_TOKENS_KEY]
+        source_grid = (source.shape[-2] // p, source.shape[-1] // p)
+        with autocast(self.device, self.dtype):
+            out = editing.edit_velocity(
+                self.trainable.forward_module(), self._vision_markers(), patchify_latents(source, p).to(self.dtype),
+                source_grid, cond.tensors[editing.VIT_PATCHES_KEY], cond.extras[editing.VIT_GRID_KEY], ids, mask,
+                tokens.to(self.dtype), t, self._patch_grid(),
+            )  # fmt: skip
+        return out.float()
+
+    def _text_only_tokens(self, tokens: Tensor, t: Tensor, ids: Tensor, mask: Tensor) -> Tensor:
+        """One pass with the text alone as context (the image-CFG branch); fp32 velocity tokens."""
+        with autocast(self.device, self.dtype):
+            out = self.trainable.forward_module().generation_velocity(
+                ids, mask, self._vision_markers(), tokens.to(self.dtype), t, self._patch_grid()
+            )
+        return out.float()
+
+    def _patch_grid(self) -> tuple[int, int]:
+        """The generated image's grid of latent patches (h, w)."""
+        p = self.config.latent_patch_size
+        return self.latent_hw[0] // p, self.latent_hw[1] // p
+
+    def _vision_markers(self) -> tuple[int, int]:
+        return self.markers["<|vision_start|>"], self.markers["<|vision_end|>"]
 
     @torch.no_grad()
     def decode(self, x0: Tensor) -> Tensor:

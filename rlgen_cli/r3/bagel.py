@@ -1,0 +1,346 @@
+"""BAGEL as a native unified policy: R3's text and image tracks on ONE Mixture-of-Transformers network.
+
+:class:`BagelUnifiedPolicy` implements :class:`~rlgen_cli.r3.policy.UnifiedPolicy` (``model.family:
+r3_bagel``) with a :class:`~rlgen_cli.models.bagel.policy.BagelPolicy` for everything image-side (noise,
+schedule, the velocity with BAGEL's CFG, the VAE) and ``models/bagel/text.py`` for everything text-side.
+Contexts follow the reference's interleaved inference (``models/bagel/text.py`` lays them out):
+
+* **think** (reason, text) — [system prompt asking for a plan in ``<think>…</think>``] [prompt]
+  ``<|im_start|>`` → the plan, sampled with the KV cache through the understanding expert.
+* **encode_generate** (reason, image) — with ``r3.policy.think`` on, the image is drawn from the same
+  context: system prompt, prompt, then the plan as a text piece (as the reference's ``think=True`` path
+  appends its generated text), and the text-CFG branch is the system prompt alone (the reference's
+  ``cfg_text_precontext``). With it off, no plan is sampled (``think`` returns empty completions: the
+  reason stage trains its image alone, as the reference's ``think_mode=False``) and the image is drawn from
+  the prompt alone against the empty context.
+* **reflect** — [system prompt] [the image as ViT tokens] [the reflection question] ``<|im_start|>`` → the
+  critique and instruction. The image goes through the same 8-bit quantisation the composite's text policy
+  sees (``to_pil``), in sampling and in scoring alike.
+* **encode_edit** — ``BagelPolicy.encode(instructions, images)``: BAGEL's editing conditioning.
+
+The wording of the system prompts and questions is R3's (``r3/prompts.py``), shared with the composite.
+
+**Two tracks on one network.** One LoRA adapter covers both experts; its tensors split by name: the text
+track is the understanding expert's (``q_proj``, …, ``mlp.down_proj``), the image track the generation
+expert's (``*_moe_gen``). ``token_logprobs(reference=True)`` runs with every adapter off (a text pass only
+touches the understanding expert); :meth:`BagelUnifiedPolicy.image_reference` turns off the generation
+expert's adapters only — the prompt still runs through the trained understanding expert, as the image model
+the text track shapes. Both tracks' forwards are one network: under DDP they go through one wrapper, whose
+output carries 0·Σθ over every trainable tensor so each backward reduces every parameter (a text pass
+leaves the generation expert unused, an image pass the last layer's understanding projections).
+
+    policy = build_bagel_unified(cfg.r3.policy, device)   # tiny BAGEL on a CPU, or model.path's checkpoint
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rlgen_cli.models import Cond, build_policy
+from rlgen_cli.models.bagel import text as bagel_text
+from rlgen_cli.models.bagel.modeling import Bagel
+from rlgen_cli.models.bagel.policy import BagelPolicy
+from rlgen_cli.models.trainable import autocast
+from rlgen_cli.r3.policy import EDIT, GENERATE, IMAGE, STAGE_KEY, TEXT, Thoughts, stage_of
+from rlgen_cli.r3.prompts import REASON_SYSTEM, REFLECT_SYSTEM, reason_user, reflect_user
+from rlgen_cli.schema.errors import UserError
+from rlgen_cli.schema.r3 import R3PolicyConfig
+from rlgen_cli.sde.noise import Stream, stream_seed
+from rlgen_cli.training.images import to_pil
+from rlgen_cli.vlm.rollout import SamplingOptions, TokenBatch, pad_stack
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BagelTokenBatch", "BagelUnifiedPolicy", "build_bagel_unified", "is_image_tensor"]
+
+GENERATION_EXPERT = "_moe_gen"
+"""Module names of the generation expert carry this suffix (``q_proj_moe_gen``, ``mlp_moe_gen.…``)."""
+
+
+def is_image_tensor(name: str) -> bool:
+    """Whether a LoRA tensor of the network belongs to the image track (the generation expert)."""
+    return GENERATION_EXPERT in name
+
+
+@dataclass
+class BagelTokenBatch(TokenBatch):
+    """The training layout of B completions: each row's embedded context (frozen embeddings and ViT
+    tokens: nothing there trains) and the completion grid."""
+
+    contexts: list[bagel_text.Context] = None  # type: ignore[assignment]
+
+
+class _Route(nn.Module):
+    """What DDP wraps: the MoT stack (``language_model.model``), whose output carries 0·Σθ over the trainable
+    tensors so that every backward reduces every parameter."""
+
+    def __init__(self, network: Bagel) -> None:
+        super().__init__()
+        self.network = network
+
+    def forward(self, x: Tensor, gen: Tensor, position_ids: Tensor, mask: Tensor) -> Tensor:
+        out = self.network.language_model.model(x, gen, position_ids, mask)
+        anchor = sum(p.sum() for p in self.network.parameters() if p.requires_grad)
+        return out + 0.0 * anchor
+
+
+class _View:
+    """A stand-in for a module: its call runs ``call``, every attribute is the module's own."""
+
+    def __init__(self, module: nn.Module, call: Callable[..., Tensor], **overrides: Any) -> None:
+        self._module, self._call = module, call
+        self.__dict__.update(overrides)
+
+    def __call__(self, *args: Any) -> Tensor:
+        return self._call(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+class _Distributed:
+    """The network as the training forwards see it under DDP: every attribute is the bare network's, except
+    ``language_model.model``, whose call runs through the wrapper — the one place trained tensors live (the
+    embeddings, the ViT and the heads around it are frozen). Methods of :class:`Bagel` called on this object
+    (``generation_velocity``, and the editing and text paths that take a network) therefore reduce their
+    gradients. ``module`` is the bare network, which ``TrainableTransformer.forward_module`` checks."""
+
+    def __init__(self, wrapped: nn.Module, network: Bagel) -> None:
+        self.wrapped, self.module = wrapped, network
+        language_model = network.language_model
+        self.language_model = _View(
+            language_model, language_model, model=_View(language_model.model, wrapped)
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.module, name)
+
+    def generation_velocity(self, *args: Any) -> Tensor:
+        return Bagel.generation_velocity(self, *args)
+
+
+class BagelUnifiedPolicy:
+    """R3's unified policy on one BAGEL network (see the module docstring)."""
+
+    def __init__(self, image: BagelPolicy, think: bool) -> None:
+        self.image = image
+        self.think_mode = think
+        self.device = image.device
+        self.dtype = image.dtype
+        named = [(n, p) for n, p in self.network.named_parameters() if p.requires_grad]
+        self.tracks = {
+            TEXT: [p for n, p in named if not is_image_tensor(n)],
+            IMAGE: [p for n, p in named if is_image_tensor(n)],
+        }
+
+    @property
+    def network(self) -> Bagel:
+        return self.image.transformer
+
+    # -- text track ---------------------------------------------------------------------------------
+    def think(self, prompts: Sequence[str], options: SamplingOptions, seed: int) -> Thoughts:
+        """A plan per prompt (thinking on); with thinking off no text: empty completions."""
+        n = len(prompts)
+        if not self.think_mode:
+            empty = [torch.zeros(0, dtype=torch.long) for _ in range(n)]
+            return Thoughts(list(prompts), [None] * n, empty, [""] * n, [False] * n, [torch.zeros(0)] * n)
+        return self._sample(list(prompts), [None] * n, options, seed)
+
+    def reflect(
+        self, images: Tensor, prompts: Sequence[str], options: SamplingOptions, seed: int
+    ) -> Thoughts:
+        """A critique and an instruction per (image (B, 3, H, W) in [0, 1], prompt)."""
+        return self._sample(list(prompts), [to_pil(image) for image in images], options, seed)
+
+    def _pieces(self, prompt: str, image: Any) -> list[bagel_text.Piece]:
+        start = [self.image.markers["<|im_start|>"]]
+        if image is None:
+            return [REASON_SYSTEM, reason_user(prompt), start]
+        return [REFLECT_SYSTEM, _to_tensor(image), reflect_user(prompt), start]
+
+    def _contexts(self, prompts: Sequence[str], images: Sequence[Any]) -> list[bagel_text.Context]:
+        with autocast(self.device, self.dtype):
+            return [
+                bagel_text.build_context(self.network, self._pieces(p, im), self.image.tokenizer, self.image.markers)
+                for p, im in zip(prompts, images, strict=True)
+            ]  # fmt: skip
+
+    def _sample(self, prompts: list[str], images: list, options: SamplingOptions, seed: int) -> Thoughts:
+        contexts = self._contexts(prompts, images)
+        generators = [
+            torch.Generator().manual_seed(stream_seed(seed, 0, row, salt=Stream.R3_TEXT)) for row in range(len(prompts))
+        ]  # fmt: skip
+        with autocast(self.device, self.dtype):
+            out = bagel_text.sample(
+                self.network, contexts, temperature=options.temperature, top_p=options.top_p, top_k=options.top_k,
+                max_new_tokens=options.max_new_tokens, stop_id=self.image.markers["<|im_end|>"], generators=generators,
+            )  # fmt: skip
+        texts = self.image.tokenizer.batch_decode(out.ids, skip_special_tokens=True)
+        return Thoughts(prompts, images, out.ids, texts, out.truncated, out.logprobs)
+
+    def token_batch(self, thoughts: Thoughts, rows: slice) -> BagelTokenBatch:
+        """Contexts of ``thoughts[rows]`` and their completions, right-padded."""
+        completions = [c.long() for c in thoughts.completions[rows]]
+        ids = pad_stack(completions, value=0).to(self.device) if completions else torch.zeros(0, 0)
+        mask = pad_stack([torch.ones(c.numel(), dtype=torch.long) for c in completions]).to(self.device)
+        contexts = self._contexts(thoughts.prompts[rows], thoughts.images[rows])
+        return BagelTokenBatch(inputs={}, completion_ids=ids, completion_mask=mask, contexts=contexts)
+
+    def token_logprobs(self, batch: TokenBatch, reference: bool = False) -> Tensor:
+        """(B, L) completion log-probs at temperature 1, one full forward: π_θ (gradients if enabled), or
+        π_ref with every adapter off."""
+        if not isinstance(batch, BagelTokenBatch):
+            raise TypeError("token_logprobs takes the BagelTokenBatch of token_batch")
+        completions = [
+            row[: int(n)] for row, n in zip(batch.completion_ids, batch.completion_mask.sum(1), strict=True)
+        ]
+        if not reference:
+            network = self.image.trainable.forward_module()  # the DDP route when gradients flow
+            with autocast(self.device, self.dtype):
+                return bagel_text.completion_logprobs(network, batch.contexts, completions)
+        with torch.no_grad(), self.image.trainable.reference(), autocast(self.device, self.dtype):
+            return bagel_text.completion_logprobs(self.network, batch.contexts, completions)
+
+    # -- image track --------------------------------------------------------------------------------
+    def encode_generate(self, prompts: Sequence[str], plans: Sequence[str]) -> Cond:
+        """Prompt (+ system prompt and plan when thinking) as the generation context; the text-CFG branch
+        is the system prompt (thinking) or the empty / ``negative_prompt`` context."""
+        tokenizer, markers = self.image.tokenizer, self.image.markers
+        rows, negatives = [], []
+        for prompt, plan in zip(prompts, plans, strict=True):
+            pieces = [REASON_SYSTEM, reason_user(prompt), plan.strip()] if self.think_mode else [prompt]
+            rows.append([i for p in pieces if p for i in bagel_text.text_piece(tokenizer, markers, p)])
+            negative = REASON_SYSTEM if self.think_mode else self.image.cfg.negative_prompt
+            negatives.append(bagel_text.text_piece(tokenizer, markers, negative) if negative else [])
+        ids, mask = self._padded(rows)
+        tensors = {"text_ids": ids, "text_mask": mask}
+        if self.image.guidance_scale > 1.0:
+            neg_ids, neg_mask = self._padded(negatives)
+            tensors |= {"neg_text_ids": neg_ids, "neg_text_mask": neg_mask}
+        return Cond(tensors, {STAGE_KEY: GENERATE})
+
+    def _padded(self, rows: list[list[int]]) -> tuple[Tensor, Tensor]:
+        """Right-padded (B, model.max_sequence_length) ids and mask, as BagelPolicy's contexts are."""
+        length = self.image.cfg.max_sequence_length
+        longest = max(len(r) for r in rows)
+        if longest > length:
+            raise UserError(
+                f"a generation context takes {longest} tokens (system prompt, prompt and plan with their markers), "
+                f"more than r3.policy.bagel.max_sequence_length={length}; raise it or lower r3.max_output_token_n_gen"
+            )
+        ids = torch.full((len(rows), length), self.image.markers["<|im_end|>"], dtype=torch.long)
+        mask = torch.zeros((len(rows), length), dtype=torch.bool)
+        for i, row in enumerate(rows):
+            ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+            mask[i, : len(row)] = True
+        return ids.to(self.device), mask.to(self.device)
+
+    def encode_edit(self, images: Tensor, instructions: Sequence[str]) -> Cond:
+        """BAGEL's editing conditioning on (source image resized to the image size, instruction)."""
+        size = self.image_size(EDIT)
+        if tuple(images.shape[-2:]) != size:
+            images = F.interpolate(images.float(), size=size, mode="bilinear", antialias=True).clamp(0, 1)
+        cond = self.image.encode(list(instructions), images.to(self.device))
+        cond.extras[STAGE_KEY] = EDIT
+        return cond
+
+    def noise(self, n: int, generators: Sequence[torch.Generator], stage: str) -> Tensor:
+        return self.image.noise(n, generators)
+
+    def schedule(self, num_steps: int, x: Tensor, stage: str) -> Tensor:
+        return self.image.schedule(num_steps, x)
+
+    def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
+        """BAGEL's velocity (CFG folded in) for a generation or an editing conditioning."""
+        stage_of(cond)
+        return self.image.velocity(x, sigma, cond)
+
+    def decode(self, x0: Tensor, stage: str) -> Tensor:
+        return self.image.decode(x0)
+
+    def image_size(self, stage: str) -> tuple[int, int]:
+        """(H, W) in pixels: both stages draw at ``r3.policy.bagel``'s resolution."""
+        cfg = self.image.cfg
+        return cfg.height or cfg.resolution, cfg.width or cfg.resolution
+
+    # -- training -----------------------------------------------------------------------------------
+    def trainable_parameters(self, track: str) -> list[nn.Parameter]:
+        """The understanding expert's LoRA tensors (text) or the generation expert's (image)."""
+        if track not in self.tracks:
+            raise ValueError(f"unknown track {track!r}; tracks: {TEXT}, {IMAGE}")
+        return self.tracks[track]
+
+    @contextlib.contextmanager
+    def image_reference(self) -> Iterator[None]:
+        """Within: the generation expert's adapters are off (the understanding expert's stay on)."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        layers = [
+            m for n, m in self.network.named_modules() if isinstance(m, BaseTunerLayer) and is_image_tensor(n)
+        ]
+        for layer in layers:
+            layer.enable_adapters(False)
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.enable_adapters(True)
+
+    def distribute(self, wrap: Callable[[nn.Module], nn.Module]) -> None:
+        """One wrapper (DDP: averaged gradients) for both tracks' training forwards on the one network."""
+        self.image.trainable.distribute(lambda network: _Distributed(wrap(_Route(network)), network))
+
+    def save_trainable(self, directory: Path) -> None:
+        """Both tracks in one file: the adapter of both experts (``models/bagel/policy.py``'s format)."""
+        self.image.trainable.save(Path(directory))
+
+    def load_trainable(self, directory: Path) -> None:
+        self.image.trainable.load(Path(directory))
+
+
+def _to_tensor(image: Any) -> Tensor:
+    """A PIL image → (3, H, W) float in [0, 1]."""
+    import numpy as np
+
+    return torch.from_numpy(np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0).permute(2, 0, 1)
+
+
+def build_bagel_unified(cfg: R3PolicyConfig, device: torch.device) -> BagelUnifiedPolicy:
+    """The unified policy of ``r3.policy.bagel`` (tiny, or the checkpoint at its ``path``) on ``device``.
+
+    Raises:
+        UserError: When the section is not a BAGEL with a LoRA adapter on both experts.
+    """
+    bagel = cfg.bagel
+    if bagel.family != "bagel":
+        raise UserError(f"model.family=r3_bagel needs r3.policy.bagel.family=bagel, got {bagel.family!r}")
+    if not bagel.lora.enabled:
+        raise UserError(
+            "model.family=r3_bagel trains LoRA adapters on BAGEL's two experts: set r3.policy.bagel.lora.enabled=true"
+        )
+    image = build_policy(bagel, device)
+    policy = BagelUnifiedPolicy(image, cfg.think)
+    for track, expert in (
+        (TEXT, "understanding (q_proj, …, mlp.down_proj)"),
+        (IMAGE, "generation (*_moe_gen)"),
+    ):
+        if not policy.trainable_parameters(track):
+            raise UserError(
+                f"r3.policy.bagel.lora.target_modules={list(bagel.lora.target_modules)} adapts no module of the "
+                f"{expert} expert: the {track} track would have nothing to train; add its projections"
+            )
+    log.info(
+        "R3 on BAGEL (%s): one network, thinking %s; LoRA tensors: %d text (understanding), %d image (generation)",
+        "tiny" if bagel.tiny else bagel.path, "on" if cfg.think else "off", len(policy.tracks[TEXT]),
+        len(policy.tracks[IMAGE]),
+    )  # fmt: skip
+    return policy

@@ -1,0 +1,274 @@
+"""R3 on one BAGEL network (``model=tiny_r3_bagel``): the text track's KV-cache sampler against the full
+forward, the two tracks' adapters and references, thinking on / off, and the recipe through the CLI —
+both stages, both tracks, on one process and on two."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import run_cli
+from tests.r3.conftest import compose_r3
+
+TINY = ["model=tiny_r3_bagel", "progress=false", "eval_every=0"]
+PROMPTS = ["a photo of a cat", "two red squares", "a blue circle left of a green triangle", "x"]
+WEIGHTS = "checkpoints/epoch_000002/weights/pytorch_lora_weights.safetensors"
+
+
+def _policy(*overrides: str):
+    from rlgen_cli.r3.bagel import build_bagel_unified
+
+    typed, _ = compose_r3("train", [*TINY, *overrides])
+    torch.manual_seed(typed.seed)
+    return build_bagel_unified(typed.r3.policy, torch.device("cpu"))
+
+
+def _options(tokens: int = 10):
+    from rlgen_cli.vlm.rollout import SamplingOptions
+
+    return SamplingOptions(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=tokens)
+
+
+@torch.no_grad()
+def _move_adapters(policy, track: str, std: float = 0.3, seed: int = 1) -> None:
+    """Give a track's LoRA B matrices (zero at init) values, so its adapters change the network's output."""
+    generator = torch.Generator().manual_seed(seed)
+    for param in policy.trainable_parameters(track):
+        param.add_(torch.randn(param.shape, generator=generator) * std)
+
+
+@pytest.fixture(scope="module")
+def policy():
+    from rlgen_cli.r3.policy import IMAGE, TEXT
+
+    built = _policy()
+    _move_adapters(built, TEXT)
+    _move_adapters(built, IMAGE, seed=2)
+    return built
+
+
+def _sampler_gap(policy, thoughts) -> float:
+    batch = policy.token_batch(thoughts, slice(0, len(thoughts)))
+    with torch.no_grad():
+        trained = policy.token_logprobs(batch)
+    return max(
+        (trained[i, : c.numel()] - thoughts.sampler_logprobs[i]).abs().max().item()
+        for i, c in enumerate(thoughts.completions)
+    )
+
+
+# -- text track -------------------------------------------------------------------------------------------
+def test_cached_sampling_agrees_with_the_full_forward(policy):
+    thoughts = policy.think(PROMPTS, _options(), seed=3)
+    assert [c.numel() for c in thoughts.completions] == [10] * 4  # random weights: no stop within 10
+    assert all(lp.shape == c.shape for lp, c in zip(thoughts.sampler_logprobs, thoughts.completions))
+    gap = _sampler_gap(policy, thoughts)
+    assert gap < 1e-5  # fp32 rounding of the cached vs the full products (measured 1.4e-6)
+    images = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    reflections = policy.reflect(images, PROMPTS[:2], _options(), seed=4)
+    assert reflections.images[0] is not None and _sampler_gap(policy, reflections) < 1e-5
+
+
+def test_the_check_fails_when_the_text_weights_move(policy):
+    from rlgen_cli.r3.policy import TEXT
+
+    thoughts = policy.think(PROMPTS[:2], _options(), seed=5)
+    moved = _policy()
+    _move_adapters(moved, TEXT, std=0.3, seed=9)  # another text adapter than the one that sampled
+    assert _sampler_gap(moved, thoughts) > 1e-3
+
+
+def test_a_row_samples_the_same_alone_or_in_a_padded_batch(policy):
+    together = policy.think(PROMPTS, _options(), seed=7)
+    alone = policy.think(PROMPTS[:1], _options(), seed=7)
+    assert torch.equal(together.completions[0], alone.completions[0])
+    other_seed = policy.think(PROMPTS[:1], _options(), seed=8)
+    assert not torch.equal(other_seed.completions[0], alone.completions[0])
+
+
+def test_reference_turns_the_adapters_off_and_the_image_adapters_do_not_touch_text(policy):
+    thoughts = policy.think(PROMPTS[:2], _options(), seed=3)
+    batch = policy.token_batch(thoughts, slice(0, 2))
+    with torch.no_grad():
+        trained = policy.token_logprobs(batch)
+        reference = policy.token_logprobs(batch, reference=True)
+        with policy.image_reference():  # generation-expert adapters off: a text pass never uses them
+            image_off = policy.token_logprobs(batch)
+    assert torch.equal(trained, image_off)
+    assert (trained - reference).abs().max() > 1e-3
+
+
+# -- image track ----------------------------------------------------------------------------------------
+def test_tracks_split_by_expert_and_image_reference_switches_the_generation_expert_only(policy):
+    from rlgen_cli.r3.policy import GENERATE, IMAGE, STAGE_KEY, TEXT
+
+    names = {id(p): n for n, p in policy.network.named_parameters()}
+    assert all("_moe_gen" in names[id(p)] for p in policy.trainable_parameters(IMAGE))
+    assert all("_moe_gen" not in names[id(p)] for p in policy.trainable_parameters(TEXT))
+    assert len(policy.trainable_parameters(TEXT)) == len(policy.trainable_parameters(IMAGE)) == 28
+    cond = policy.encode_generate(PROMPTS[:2], ["a plan", ""])
+    assert cond.extras[STAGE_KEY] == GENERATE
+    x = policy.noise(2, [torch.Generator().manual_seed(i) for i in range(2)], GENERATE)
+    sigma = torch.tensor(0.5)
+    with torch.no_grad():
+        live = policy.velocity(x, sigma, cond)
+        with policy.image_reference():
+            image_off = policy.velocity(x, sigma, cond)
+        with policy.image.trainable.reference():
+            all_off = policy.velocity(x, sigma, cond)
+        again = policy.velocity(x, sigma, cond)
+    assert torch.equal(live, again)  # the adapters are back on after the context
+    assert (live - image_off).abs().max() > 1e-4 and (image_off - all_off).abs().max() > 1e-4
+
+
+def test_thinking_puts_system_prompt_and_plan_in_the_generation_context():
+    thinking, plain = _policy(), _policy("r3.policy.think=false")
+    with_plan = thinking.encode_generate(PROMPTS[:1], ["draw one cat"]).tensors
+    without = thinking.encode_generate(PROMPTS[:1], [""]).tensors
+    plain_cond = plain.encode_generate(PROMPTS[:1], ["ignored"]).tensors
+    tokens = len(thinking.image.tokenizer.encode("draw one cat", add_special_tokens=False))
+    assert int(with_plan["text_mask"].sum()) == int(without["text_mask"].sum()) + tokens + 2  # + markers
+    assert int(with_plan["neg_text_mask"].sum()) > 0  # the CFG branch keeps the system prompt
+    # thinking off: exactly BAGEL's own text-to-image context, against the empty one
+    expected = plain.image.encode(PROMPTS[:1]).tensors
+    assert torch.equal(plain_cond["text_ids"], expected["text_ids"])
+    assert torch.equal(plain_cond["text_mask"], expected["text_mask"])
+    assert int(plain_cond["neg_text_mask"].sum()) == 0
+    empty = plain.think(PROMPTS[:2], _options(), seed=0)
+    assert [c.numel() for c in empty.completions] == [0, 0] and empty.texts == ["", ""]
+
+
+def test_editing_conditions_on_the_source_image(policy):
+    from rlgen_cli.r3.policy import EDIT, STAGE_KEY
+
+    sources = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))  # resized to 32 px
+    cond = policy.encode_edit(sources, ["make it red", "make it red"])
+    assert cond.extras[STAGE_KEY] == EDIT
+    x = policy.noise(2, [torch.Generator().manual_seed(0)] * 2, EDIT)
+    with torch.no_grad():
+        v = policy.velocity(x, torch.tensor(0.5), cond)
+    assert v.shape == x.shape and (v[0] - v[1]).abs().max() > 1e-4  # same noise, different sources
+
+
+def test_trainable_weights_round_trip(policy, tmp_path: Path):
+    from rlgen_cli.r3.policy import IMAGE, TEXT
+
+    policy.save_trainable(tmp_path)
+    fresh = _policy()
+    fresh.load_trainable(tmp_path)
+    for track in (TEXT, IMAGE):
+        for a, b in zip(policy.trainable_parameters(track), fresh.trainable_parameters(track), strict=True):
+            assert torch.equal(a, b)
+
+
+def test_a_bagel_without_lora_stops_with_the_fix(tmp_path: Path):
+    code, out = run_cli(
+        "train", *TINY, "r3.policy.bagel.lora.enabled=false", f"hydra.run.dir={tmp_path}"
+    )
+    assert code == 2 and "r3.policy.bagel.lora.enabled=true" in out, out
+
+
+# -- through the CLI --------------------------------------------------------------------------------------
+def _rows(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("│ ") and ("reason" in line or "refine" in line)]
+
+
+@pytest.mark.slow  # two CLI checks, ~20 s
+def test_check_onpolicy_passes_and_fails_when_the_weights_move(tmp_path: Path):
+    code, out = run_cli("check-onpolicy", *TINY, f"hydra.run.dir={tmp_path / 'ok'}")
+    assert code == 0, out
+    rows = _rows(out)
+    assert len(rows) == 4 and all(row.rstrip("│ ").endswith("ok") for row in rows), out
+    assert "image, step" in out
+    code, out = run_cli("check-onpolicy", *TINY, "check.perturb_weights=1e-3", f"hydra.run.dir={tmp_path / 'moved'}")
+    assert code == 1, out
+    assert len(_rows(out)) == 4 and all(row.rstrip("│ ").endswith("FAIL") for row in _rows(out)), out
+
+
+def _lora_b(path: Path) -> dict[str, float]:
+    """Largest |B| of each track's LoRA tensors (B starts at zero)."""
+    state = load_file(path)
+    out = {"text": 0.0, "image": 0.0}
+    for name, value in state.items():
+        if "lora_B" in name:
+            track = "image" if "_moe_gen" in name else "text"
+            out[track] = max(out[track], value.abs().max().item())
+    return out
+
+
+def _train(run: Path, *extra: str) -> Path:
+    code, out = run_cli("train", *TINY, "epochs=2", "r3.micro_batch_size=2", *extra, f"hydra.run.dir={run}")
+    assert code == 0, out
+    return run
+
+
+@pytest.mark.slow  # ~15 s
+def test_train_runs_both_stages_and_moves_both_tracks(tmp_path: Path):
+    run = _train(tmp_path)
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["stage"] for m in metrics] == [0.0, 1.0]  # reason, then refine
+    assert all(m["ratio_error_max"] == 0.0 for m in metrics)
+    moved = _lora_b(run / WEIGHTS)
+    assert moved["text"] > 0 and moved["image"] > 0, moved
+
+
+@pytest.mark.slow  # ~15 s: the text loss alone moves the text track
+def test_the_text_loss_trains_the_understanding_expert(tmp_path: Path):
+    from rlgen_cli.models.bagel import text as bagel_text
+    from rlgen_cli.r3.policy import IMAGE, TEXT
+    from rlgen_cli.recipes.r3 import R3Recipe
+
+    overrides = [*TINY, "r3.tune_image_cot=false", "r3.max_output_token_n_gen=24", "r3.kl_weight_text=0"]
+    typed, raw = compose_r3("train", overrides, run_dir=tmp_path)
+    recipe = R3Recipe(typed, raw)
+    recipe.setup()
+    try:
+        policy = recipe.policy
+        _warm_start_plans(policy, bagel_text, [s.prompt for s in recipe.train_set])
+        before = [p.detach().clone() for p in policy.trainable_parameters(TEXT)]
+        image_before = [p.detach().clone() for p in policy.trainable_parameters(IMAGE)]
+        metrics = recipe.train_step(0)
+    finally:
+        recipe.cleanup()
+    assert metrics["format_rate"] > 0 and metrics["advantage/text/abs_mean"] > 0, metrics
+    assert any(not torch.equal(a, p) for a, p in zip(before, policy.trainable_parameters(TEXT), strict=True))
+    assert all(torch.equal(a, p) for a, p in zip(image_before, policy.trainable_parameters(IMAGE), strict=True))
+
+
+def _warm_start_plans(policy, bagel_text, prompts: list[str], steps: int = 40) -> None:
+    """Fit the text adapter to answer every reason prompt with ``<think>a cat</think>``: a random network
+    never closes a plan, so its text rewards (format × …) would all be 0."""
+    from rlgen_cli.r3.policy import TEXT
+
+    tokenizer, markers = policy.image.tokenizer, policy.image.markers
+    target = torch.tensor(tokenizer.encode("<think>a cat</think>", add_special_tokens=False) + [markers["<|im_end|>"]])
+    contexts = policy._contexts(prompts, [None] * len(prompts))
+    optimizer = torch.optim.Adam(policy.trainable_parameters(TEXT), lr=2e-2)
+    for _ in range(steps):
+        logp = bagel_text.completion_logprobs(policy.network, contexts, [target] * len(prompts))
+        (-logp.mean()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.slow  # ~90 s: two processes
+def test_two_processes_train_as_one(tmp_path: Path):
+    one = _train(tmp_path / "one")
+    two = _train(
+        tmp_path / "two", "launcher=accelerate", "launcher.num_processes=2", "r3.policy_group_size=2"
+    )
+    a, b = load_file(one / WEIGHTS), load_file(two / WEIGHTS)
+    assert a.keys() == b.keys()
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6  # measured 1.2e-7
+    assert _lora_b(two / WEIGHTS)["text"] > 0 and _lora_b(two / WEIGHTS)["image"] > 0
+
+    def rows(run: Path) -> list[tuple]:
+        files = sorted((run / "samples").glob("rank_*.jsonl"))
+        parsed = [json.loads(line) for f in files for line in f.read_text().splitlines()]
+        return sorted((r["step"], r["position"], r["text"], r["reward_image"], r["noise_sum"]) for r in parsed)
+
+    assert rows(one) == rows(two)  # the same texts, images (rewards) and noise, branch by branch
