@@ -2,16 +2,19 @@
 
     python benchmarks/real_size.py                  # every variant's parameters (meta device, seconds)
     python benchmarks/real_size.py VARIANT [--resolution R] [--frames F] [--batch B] [--steps S]
-        [--dtype bfloat16] [--device auto] [key=value …]
+        [--layers N] [--dtype bfloat16] [--device auto] [key=value …]
 
 Builds ``VARIANT`` (``models/real_size.py``: sd3_5_medium, sd3_5_large, flux_1_dev, flux_1_kontext_dev,
-qwen_image, qwen_image_edit, wan2_1_t2v_1_3b, wan2_1_t2v_14b) with ``model.weights=random_init`` — the
+qwen_image, qwen_image_edit, wan2_1_t2v_1_3b, wan2_1_t2v_14b, bagel_7b_mot) with ``model.weights=random_init`` — the
 published architecture, random weights, no download — through its family's ``conf/model`` option, and
 runs one epoch of ``algo=grpo_fast`` (B samples of one prompt, a 2-step SDE window (1 step below 3 steps), JPEG-compressibility
 reward, no evaluation) on cuda when present, else the CPU. Without flags the geometry is the family's
 production one (its conf/model resolution or height × width, frames, steps and CFG) with B = 4; the flags
 reduce it (``--resolution`` sets a square side, Wan's too); trailing ``key=value`` are Hydra overrides
 (``model.text_encoders=stand_in``, ``model.guidance_scale=1``, ``model.max_sequence_length=32``).
+``--layers N`` (BAGEL) keeps N of the language model's MoT layers, every width as published: BAGEL-7B-MoT
+is 14.6 B parameters, 29 GB in bf16, which a host with less memory cannot build; each layer is 0.47 B
+(0.93 GB), the rest 1.5 B. The record then says ``"layers"`` and counts what was built.
 
 Prints one JSON object:
 
@@ -41,12 +44,20 @@ from _common import compose_recipe
 from _geometry import run_epoch
 from torch.utils.flop_counter import FlopCounterMode
 
-from rlgen_cli.models.real_size import VARIANTS, count_parameters, flow_components, vlm_model
+from rlgen_cli.models.bagel.vae import build_vae
+from rlgen_cli.models.real_size import (
+    VARIANTS,
+    bagel_network,
+    count_parameters,
+    flow_components,
+    vlm_model,
+    with_layers,
+)
 from rlgen_cli.models.tiny import tiny_qwen_tokenizer
 from rlgen_cli.recipes.loop import FlowRun
 from rlgen_cli.training.progress import Progress
 
-FLOW_VARIANTS = [name for name, variant in VARIANTS.items() if variant.transformer is not None]
+FLOW_VARIANTS = [name for name, v in VARIANTS.items() if v.transformer is not None or v.network is not None]
 EDITING = {"flux_kontext", "qwen_image_edit"}
 PEAK_TFLOPS = (("H100 PCIe", None), ("H100 NVL", None), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0),
                ("L40S", 362.0))  # fmt: skip
@@ -112,11 +123,17 @@ class VelocityMeter:
 
 
 def parameters_of(policy: Any) -> dict[str, int]:
-    """Parameters per pipeline component (LoRA adapters excluded) and their total."""
+    """Parameters per pipeline component (LoRA adapters excluded) and their total; a native family (no
+    pipeline: BAGEL) counts its network, position tables included, as its weight file holds them."""
     counts = {}
-    for name, module in policy.pipeline.components.items():
+    pipeline = getattr(policy, "pipeline", None)
+    parts = (
+        pipeline.components if pipeline is not None else {"network": policy.transformer, "vae": policy.vae}
+    )
+    for name, module in parts.items():
         if isinstance(module, torch.nn.Module):
             counts[name] = sum(p.numel() for n, p in module.named_parameters() if "lora_" not in n)
+            counts[name] += 0 if pipeline is not None else sum(b.numel() for b in module.buffers())
     counts["total"] = sum(counts.values())
     return counts
 
@@ -161,7 +178,7 @@ def report(args: argparse.Namespace, recipe: FlowRun, meter: VelocityMeter, metr
     update = throughput(meter.rows["training"] * 3 * per_row, seconds["update"], peak)
     on_gpu = device.type == "cuda"
     return {
-        "variant": args.variant, "checkpoint": VARIANTS[args.variant].checkpoint,
+        "variant": args.variant, "checkpoint": VARIANTS[args.variant].checkpoint, "layers": args.layers,
         "device": torch.cuda.get_device_name(device) if on_gpu else "cpu",
         "geometry": {"height": model.height or model.resolution, "width": model.width or model.resolution,
                      "frames": model.num_frames, "steps": model.num_steps, "batch": args.batch,
@@ -190,12 +207,23 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--frames", type=int, default=None, help="video frames (Wan; default: the family's)")
     parser.add_argument("--batch", type=int, default=4, help="samples of the one prompt (the group), ≥ 2")
     parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: the family's)")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="BAGEL: MoT layers to build (default: all 28), widths as published",
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda, cuda:N")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides applied last (key=value)")
     args = parser.parse_intermixed_args(argv)
     if args.batch < 2:
         parser.error("--batch must be at least 2: GRPO normalises rewards within the group")
+    if args.layers is not None:
+        if args.variant is None or VARIANTS[args.variant].network is None:
+            parser.error("--layers applies to a BAGEL variant (bagel_7b_mot)")
+        if args.layers < 1:
+            parser.error("--layers must be at least 1")
     return args
 
 
@@ -204,7 +232,13 @@ def meta_counts() -> dict[str, dict[str, int]]:
     counts = {}
     with torch.device("meta"):
         for name in VARIANTS:
-            if name in FLOW_VARIANTS:
+            if VARIANTS[name].network is not None:  # BAGEL: its position tables are in its weight file
+                network = bagel_network(name)
+                counts[name] = {
+                    "network": count_parameters(network) + sum(b.numel() for b in network.buffers()),
+                    "vae": count_parameters(build_vae(VARIANTS[name].network.vae)),
+                }
+            elif name in FLOW_VARIANTS:
                 parts = flow_components(name, stand_in=False)
                 counts[name] = {
                     k: count_parameters(m) for k, m in parts.items() if isinstance(m, torch.nn.Module)
@@ -217,4 +251,6 @@ def meta_counts() -> dict[str, dict[str, int]]:
 
 if __name__ == "__main__":
     arguments = parse(sys.argv[1:])
+    if arguments.layers is not None:  # this process only: the variant with fewer layers
+        VARIANTS[arguments.variant] = with_layers(VARIANTS[arguments.variant], arguments.layers)
     print(json.dumps(measure(arguments) if arguments.variant else meta_counts()))

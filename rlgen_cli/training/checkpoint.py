@@ -4,7 +4,8 @@ Layout of ``run_dir/checkpoints/epoch_000012/``::
 
     weights/            what the recipe's weight writer writes (``policy.trainable.save``: LoRA safetensors
                         in diffusers format)
-    trainer_state.pt    optimizer, counters, RNG states, sampler state
+    trainer_state.pt    optimizer, counters (epochs done, optimizer steps, seconds of training and on the
+                        time limit's clock), RNG states, sampler state
     config.yaml         the resolved config that made the run (``rlgen sample checkpoint=…`` rebuilds from it)
     engine/             DeepSpeed ZeRO only: the engine's own ``save_checkpoint`` output (one optimizer-state
                         shard per rank), restored by its ``load_checkpoint``

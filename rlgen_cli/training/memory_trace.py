@@ -162,7 +162,9 @@ class _FusedAttentionOnMeta(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
-        named = dict(zip(("query", "key", "value", "attn_mask"), args, strict=False)) | kwargs  # positional or by name
+        named = (
+            dict(zip(("query", "key", "value", "attn_mask"), args, strict=False)) | kwargs
+        )  # positional or by name
         query, key, value = named["query"], named["key"], named["value"]
         if not query.is_meta:
             return func(*args, **kwargs)

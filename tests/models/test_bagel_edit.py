@@ -153,7 +153,24 @@ def test_input_errors(edit_cfg, shared):
         replace(edit_cfg, family="sd3").__post_init__()
 
 
+def test_the_training_pass_gives_the_rollout_velocity_bit_for_bit(shared):
+    """What check-onpolicy relies on: the velocity with gradients (three branches, the unconditional ones
+    without a graph) equals the rollout's no-grad velocity exactly, and gradients reach the adapter."""
+    policy, _, x, cond = shared
+    t = torch.tensor([0.9, 0.3])
+    with torch.no_grad():
+        rollout = policy.velocity(x, t, cond)
+    training = policy.velocity(x, t, cond)
+    assert torch.equal(training, rollout)
+    training.square().mean().backward()
+    grads = [p.grad for p in policy.trainable.parameters()]
+    assert any(g is not None and g.abs().sum() > 0 for g in grads)
+    for param in policy.trainable.parameters():
+        param.grad = None
+
+
 # -- the CLI ----------------------------------------------------------------------------------------------
+@pytest.mark.slow  # ~20 s on 2 cores; the test above pins the same equality in-process
 def test_check_onpolicy_is_exact_on_the_editing_set_it_picks(tmp_path: Path, cli):
     code, out = cli("check-onpolicy", "model=tiny_bagel_edit", *TINY_RUN, f"hydra.run.dir={tmp_path}")
     assert code == 0 and "PASS" in out, out
@@ -184,3 +201,15 @@ def test_flow_grpo_editing_run_changes_every_lora_tensor(tmp_path: Path, cli, ed
     trained = load_file(tmp_path / "checkpoints" / "epoch_000002" / "weights" / LORA_WEIGHTS_NAME)
     assert trained.keys() == initial.keys() and len(trained) > 0
     assert [k for k in trained if torch.equal(trained[k], initial[k])] == []
+
+
+def test_a_formatted_context_is_tokenized_as_it_is(shared):
+    """``encode_formatted`` adds no markers: the markers written out give ``encode``'s context."""
+    policy = shared[0]
+    sources = _sources(1)
+    formatted = policy.encode_formatted([f"<|im_start|>{p}<|im_end|>" for p in PROMPTS], sources)
+    plain = policy.encode(PROMPTS, sources)
+    for key in ("text_ids", "text_mask", "neg_text_ids", "neg_text_mask"):
+        assert torch.equal(formatted.tensors[key], plain.tensors[key]), key
+    bare = policy.encode_formatted(PROMPTS, sources)
+    assert torch.equal(bare.tensors["text_mask"].sum(1), plain.tensors["text_mask"].sum(1) - 2)

@@ -29,7 +29,7 @@ from tests.models.helpers import model_cfg
 ROOT = Path(__file__).resolve().parents[2]
 META = torch.device("meta")
 FLOW_VARIANTS = [name for name, v in VARIANTS.items() if v.transformer is not None]
-VLM_VARIANTS = [name for name, v in VARIANTS.items() if v.transformer is None]
+VLM_VARIANTS = list(real_size.VL_CONFIGS)
 TOLERANCE = 0.03
 
 
@@ -252,3 +252,95 @@ def test_the_benchmark_runs_one_epoch_of_sd3_5_medium_on_the_cpu():
     assert result["seconds"]["rollout"] > 0 and result["seconds"]["update"] > 0
     # 2 samples × 2 steps sampled; at 2 steps the SDE window is 1 step, trained for both samples
     assert result["velocity_rows"] == {"sampling": 2 * 2, "training": 2 * 1}
+
+
+# -- BAGEL-7B-MoT ---------------------------------------------------------------------------------------
+def bagel_release_count() -> int:
+    """BAGEL-7B-MoT's weight file by hand from its published shapes (Qwen2.5-7B per expert: width 3584,
+    MLP 18944, 28 query / 4 key-value heads of 128, vocabulary 152 064; SigLIP-so400m/14: width 1152, MLP
+    4304, 27 layers of which BAGEL runs 26; the FLUX latent's 2×2 patches of 16 channels = 64)."""
+    d, mlp, kv, vocab, layers = 3584, 18944, 4 * 128, 152064, 28
+    attention = (d * d + d) + 2 * (d * kv + kv) + d * d + 2 * 128  # q, k, v (biased), o, q/k norms
+    expert = attention + 3 * d * mlp + 2 * d  # + SwiGLU MLP, two layer norms
+    language_model = 2 * vocab * d + layers * 2 * expert + 2 * d  # embeddings, untied head, final norm ×2
+    v, v_mlp, patch = 1152, 4304, 14
+    vit_layer = 4 * (v * v + v) + (v * v_mlp + v_mlp) + (v_mlp * v + v) + 2 * 2 * v
+    vit = (3 * patch * patch * v + v) + 70 * 70 * v + 26 * vit_layer + 2 * v  # patches, positions, post norm
+    glue = (256 * d + d) + (d * d + d)  # the timestep embedder's MLP
+    glue += (64 * d + d) + (d * 64 + 64)  # vae2llm, llm2vae
+    glue += (v * d + d) + (d * d + d)  # the ViT connector
+    tables = 64 * 64 * d + 70 * 70 * d  # latent and ViT sin-cos tables, stored as frozen parameters
+    return language_model + vit + glue + tables
+
+
+@pytest.fixture
+def cheap_tables(monkeypatch):
+    """BAGEL's sin-cos position tables as zeros of their shape: their size is what these tests count, and
+    computing them in numpy takes seconds."""
+    from rlgen_cli.models.bagel import modeling
+
+    monkeypatch.setattr(modeling, "sincos_2d", lambda dim, side: torch.zeros(side * side, dim))
+
+
+def test_bagel_7b_mot_has_the_release_parameter_count_on_the_meta_device(cheap_tables):
+    with torch.device(META):
+        network = real_size.bagel_network("bagel_7b_mot")
+    built = count_parameters(network) + sum(b.numel() for b in network.buffers())
+    assert built == bagel_release_count() == 14_607_260_128
+    assert within(built, VARIANTS["bagel_7b_mot"].params)
+    # perturbation arm: one MoT layer fewer is 466 M parameters fewer, which the count sees
+    shallower = real_size.with_layers(VARIANTS["bagel_7b_mot"], 27)
+    with torch.device(META), pytest.MonkeyPatch.context() as patch:
+        patch.setitem(VARIANTS, "bagel_7b_mot", shallower)
+        assert count_parameters(real_size.bagel_network("bagel_7b_mot")) == built - 466_116_096 - 32_241_664
+
+
+def test_bagel_builds_through_the_family_entry_point_on_the_meta_device_in_the_model_dtype(cheap_tables):
+    from rlgen_cli.models import build_policy
+
+    base = model_cfg("bagel")
+    assert base.path == VARIANTS["bagel_7b_mot"].checkpoint  # model.variant=auto: what model=bagel loads
+    cfg = replace(base, weights="random_init")
+    # two of the 28 layers, so peft attaches 14 adapters rather than 196 (the full count is tested above)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(VARIANTS, "bagel_7b_mot", real_size.with_layers(VARIANTS["bagel_7b_mot"], 2))
+        policy = build_policy(cfg, META)
+    network = policy.transformer
+    frozen = [t for n, t in [*network.named_parameters(), *network.named_buffers()] if "lora_" not in n]
+    assert {t.device for t in frozen} == {META} and {t.dtype for t in frozen} == {torch.bfloat16}
+    assert {p.dtype for p in policy.vae.parameters()} == {torch.float32}  # the VAE runs in fp32
+    assert count_parameters(policy.vae) == 83_819_683  # the FLUX autoencoder
+    # rank-64 LoRA on the generation expert (conf/model/bagel.yaml): q, o (3584 → 3584), k, v (3584 → 512),
+    # gate, up (3584 → 18944), down (18944 → 3584), in each layer
+    lora = sum(p.numel() for n, p in network.named_parameters() if "lora_" in n)
+    assert lora == 2 * 64 * (2 * (3584 + 3584) + 2 * (3584 + 512) + 3 * (3584 + 18944))
+    assert all("moe_gen" in n for n, p in network.named_parameters() if p.requires_grad)
+    # the stand-in tokenizer has BAGEL's four markers; the embeddings keep the published vocabulary
+    assert len(set(policy.markers.values())) == 4
+    assert network.language_model.model.embed_tokens.weight.shape == (152064, 3584)
+    assert policy.latent_hw == (128, 128)  # 1024 px, FLUX's 8× down
+
+
+def test_bagel_random_init_takes_no_stand_in_encoders():
+    with pytest.raises(UserError, match="model.text_encoders=stand_in .* bagel reads its prompt"):
+        ModelConfig(family="bagel", weights="random_init", text_encoders="stand_in")
+
+
+@pytest.mark.slow
+def test_a_one_layer_real_width_bagel_samples_a_velocity_on_the_cpu():
+    """Every width as published, one MoT layer (2.0 B parameters, 4 GB in bf16), a 64 px image."""
+    from rlgen_cli.models import build_policy
+
+    shallower = real_size.with_layers(VARIANTS["bagel_7b_mot"], 1)
+    base = model_cfg("bagel")
+    cfg = replace(base, weights="random_init", resolution=64, max_sequence_length=32)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(VARIANTS, "bagel_7b_mot", shallower)
+        policy = build_policy(cfg, torch.device("cpu"))
+    cond = policy.encode(["a photo of a red circle"])
+    x = policy.noise(1, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        v = policy.velocity(x, torch.tensor(0.5), cond)  # in the CFG interval: both branches
+    assert v.shape == x.shape == (1, 16, 8, 8) and torch.isfinite(v).all()
+    images = policy.decode(x)
+    assert images.shape == (1, 3, 64, 64) and images.min() >= 0 and images.max() <= 1

@@ -166,15 +166,15 @@ def test_trainable_weights_round_trip(policy, tmp_path: Path):
 
 
 def test_a_bagel_without_lora_stops_with_the_fix(tmp_path: Path):
-    code, out = run_cli(
-        "train", *TINY, "r3.policy.bagel.lora.enabled=false", f"hydra.run.dir={tmp_path}"
-    )
+    code, out = run_cli("train", *TINY, "r3.policy.bagel.lora.enabled=false", f"hydra.run.dir={tmp_path}")
     assert code == 2 and "r3.policy.bagel.lora.enabled=true" in out, out
 
 
 # -- through the CLI --------------------------------------------------------------------------------------
 def _rows(out: str) -> list[str]:
-    return [line for line in out.splitlines() if line.startswith("│ ") and ("reason" in line or "refine" in line)]
+    return [
+        line for line in out.splitlines() if line.startswith("│ ") and ("reason" in line or "refine" in line)
+    ]
 
 
 @pytest.mark.slow  # two CLI checks, ~20 s
@@ -184,7 +184,9 @@ def test_check_onpolicy_passes_and_fails_when_the_weights_move(tmp_path: Path):
     rows = _rows(out)
     assert len(rows) == 4 and all(row.rstrip("│ ").endswith("ok") for row in rows), out
     assert "image, step" in out
-    code, out = run_cli("check-onpolicy", *TINY, "check.perturb_weights=1e-3", f"hydra.run.dir={tmp_path / 'moved'}")
+    code, out = run_cli(
+        "check-onpolicy", *TINY, "check.perturb_weights=1e-3", f"hydra.run.dir={tmp_path / 'moved'}"
+    )
     assert code == 1, out
     assert len(_rows(out)) == 4 and all(row.rstrip("│ ").endswith("FAIL") for row in _rows(out)), out
 
@@ -218,44 +220,37 @@ def test_train_runs_both_stages_and_moves_both_tracks(tmp_path: Path):
 
 @pytest.mark.slow  # ~15 s: the text loss alone moves the text track
 def test_the_text_loss_trains_the_understanding_expert(tmp_path: Path):
-    from rlgen_cli.models.bagel import text as bagel_text
     from rlgen_cli.r3.policy import IMAGE, TEXT
     from rlgen_cli.recipes.r3 import R3Recipe
 
-    overrides = [*TINY, "r3.tune_image_cot=false", "r3.max_output_token_n_gen=24", "r3.kl_weight_text=0"]
-    typed, raw = compose_r3("train", overrides, run_dir=tmp_path)
+    # A random network never closes a plan, so its text rewards (format × …) are all 0: the advantages of
+    # a real reason rollout are set by hand, and the recipe's update runs the text loss alone.
+    typed, raw = compose_r3(
+        "train", [*TINY, "r3.tune_image_cot=false", "r3.kl_weight_text=0"], run_dir=tmp_path
+    )
     recipe = R3Recipe(typed, raw)
     recipe.setup()
     try:
         policy = recipe.policy
-        _warm_start_plans(policy, bagel_text, [s.prompt for s in recipe.train_set])
-        before = [p.detach().clone() for p in policy.trainable_parameters(TEXT)]
+        batch = recipe.rollout_reason(0)
+        text_before = [p.detach().clone() for p in policy.trainable_parameters(TEXT)]
         image_before = [p.detach().clone() for p in policy.trainable_parameters(IMAGE)]
-        metrics = recipe.train_step(0)
+        recipe.update(batch)  # zero advantages: no text gradient
+        unchanged = all(torch.equal(a, p) for a, p in zip(text_before, policy.trainable_parameters(TEXT)))
+        batch.text_adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+        recipe.update(batch)
     finally:
         recipe.cleanup()
-    assert metrics["format_rate"] > 0 and metrics["advantage/text/abs_mean"] > 0, metrics
-    assert any(not torch.equal(a, p) for a, p in zip(before, policy.trainable_parameters(TEXT), strict=True))
-    assert all(torch.equal(a, p) for a, p in zip(image_before, policy.trainable_parameters(IMAGE), strict=True))
+    assert unchanged
+    assert any(
+        not torch.equal(a, p) for a, p in zip(text_before, policy.trainable_parameters(TEXT), strict=True)
+    )
+    assert all(
+        torch.equal(a, p) for a, p in zip(image_before, policy.trainable_parameters(IMAGE), strict=True)
+    )
 
 
-def _warm_start_plans(policy, bagel_text, prompts: list[str], steps: int = 40) -> None:
-    """Fit the text adapter to answer every reason prompt with ``<think>a cat</think>``: a random network
-    never closes a plan, so its text rewards (format × …) would all be 0."""
-    from rlgen_cli.r3.policy import TEXT
-
-    tokenizer, markers = policy.image.tokenizer, policy.image.markers
-    target = torch.tensor(tokenizer.encode("<think>a cat</think>", add_special_tokens=False) + [markers["<|im_end|>"]])
-    contexts = policy._contexts(prompts, [None] * len(prompts))
-    optimizer = torch.optim.Adam(policy.trainable_parameters(TEXT), lr=2e-2)
-    for _ in range(steps):
-        logp = bagel_text.completion_logprobs(policy.network, contexts, [target] * len(prompts))
-        (-logp.mean()).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-
-@pytest.mark.slow  # ~90 s: two processes
+@pytest.mark.slow  # ~1–3 min: a run on one process and one on two
 def test_two_processes_train_as_one(tmp_path: Path):
     one = _train(tmp_path / "one")
     two = _train(
@@ -269,6 +264,8 @@ def test_two_processes_train_as_one(tmp_path: Path):
     def rows(run: Path) -> list[tuple]:
         files = sorted((run / "samples").glob("rank_*.jsonl"))
         parsed = [json.loads(line) for f in files for line in f.read_text().splitlines()]
-        return sorted((r["step"], r["position"], r["text"], r["reward_image"], r["noise_sum"]) for r in parsed)
+        return sorted(
+            (r["step"], r["position"], r["text"], r["reward_image"], r["noise_sum"]) for r in parsed
+        )
 
     assert rows(one) == rows(two)  # the same texts, images (rewards) and noise, branch by branch

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 
 from rlgen_cli.models.shapes import MODEL_ASSETS
+from rlgen_cli.training.images import CAPTIONED_TILE, FAIL_COLOR, PASS_COLOR, caption_height
 
 SMALL = [
     "experiment=shapes_grpo_fast", "algo.prompts_per_epoch=2", "algo.group_size=4", "algo.sample_batch_size=8",
@@ -20,6 +22,17 @@ SMALL = [
 STRICT = "eval/reward/shapes_geneval/strict/mean"
 LENIENT = "eval/reward/shapes_geneval/accuracy/mean"
 EXTRA = "eval/reward/shapes_geneval/n_extra/mean"
+HELDOUT_STRICT = "eval_heldout/reward/shapes_geneval/strict/mean"
+
+
+def _green_tiles(grid_png: Path, n: int, columns: int) -> int:
+    """How many of the ``n`` tiles of a captioned grid wear the green (strict pass) border."""
+    with Image.open(grid_png) as grid:
+        pixels = grid.convert("RGB").load()
+        height = CAPTIONED_TILE + caption_height()
+        corners = [pixels[(i % columns) * CAPTIONED_TILE + 1, (i // columns) * height + 1] for i in range(n)]
+    assert set(corners) <= {PASS_COLOR, FAIL_COLOR}, set(corners)  # every tile marked, nothing else
+    return corners.count(PASS_COLOR)
 
 
 def _rows(run: Path) -> list[dict]:
@@ -35,9 +48,28 @@ def test_grpo_fast_from_the_shipped_base_changes_weights_and_reports(cli, tmp_pa
     for row in (rows[0], rows[1], rows[-1]):
         assert 0 <= row[STRICT] <= row[LENIENT] + 1e-9 <= 1 + 1e-9
         assert "eval/reward/shapes_geneval/strict/tag/counting" in row
+    # the held-out split: evaluated before and after only, 12 prompts (data.eval_num_prompts) × 1 image
+    assert [r["step"] for r in rows if HELDOUT_STRICT in r] == [-1, 2]
+    assert rows[-1]["eval_heldout/num_samples"] == 12
     table = (run / "before_after.txt").read_text().splitlines()
-    assert table[0].split()[:2] == ["tag", "strict"] and table[-1].startswith("overall")
-    assert (run / "images" / "before_after.png").is_file() and (run / "shapes_curves.png").is_file()
+    assert table[0].split()[:2] == ["tag", "strict"] and table[-3].startswith("overall")
+    strict_before, strict_after = rows[0][HELDOUT_STRICT], rows[-1][HELDOUT_STRICT]
+    assert table[-2].split()[:4] == [
+        "held-out",
+        f"{100 * strict_before:.1f}",
+        "→",
+        f"{100 * strict_after:.1f}",
+    ]
+    assert table[-1].startswith("held-out: 12 samples")
+    assert (run / "shapes_curves.png").is_file()
+    # before (top) and after (bottom) of the 12 prompts, 32-pixel samples drawn 128 wide over their captions
+    with Image.open(run / "images" / "before_after.png") as grid:
+        assert grid.size == (12 * CAPTIONED_TILE, 2 * (CAPTIONED_TILE + caption_height()))
+    # each evaluation grid (4 columns of 12) marks as many passes as its strict accuracy counts
+    images = run / "images"
+    assert _green_tiles(images / "eval_before.png", 12, 4) == round(12 * rows[0][STRICT])
+    assert _green_tiles(images / "eval_heldout_before.png", 12, 4) == round(12 * strict_before)
+    assert _green_tiles(images / "eval_heldout_epoch_00002.png", 12, 4) == round(12 * strict_after)
     trained = load_file(
         run
         / "checkpoints"
@@ -58,6 +90,7 @@ def test_time_limit_stops_after_the_epoch_that_crosses_it_and_saves(cli, tmp_pat
     assert code == 0, out
     rows = _rows(run)
     assert [r["step"] for r in rows] == [0] and STRICT in rows[0] and rows[0]["time/epoch"] > 0
+    assert HELDOUT_STRICT not in rows[0]  # the held-out split needs an evaluation before training
     assert (run / "checkpoints" / "epoch_000001").is_dir()
 
 

@@ -25,7 +25,7 @@ Conventions reproduced from the reference inference (``generate_image`` / ``_for
   expert's projections adapt both. The ViT is never adapted (excluded from every pattern).
 
 Precision: the network runs in ``model.dtype`` under autocast, the VAE in fp32; latents stay fp32 between
-steps and both CFG branches are combined in fp32.
+steps and the CFG branches are combined in fp32.
 """
 
 from __future__ import annotations
