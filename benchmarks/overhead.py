@@ -13,9 +13,12 @@ ratio below 1 is a measurement error: it is flagged (``valid: false``) and the s
 interleaved A/B/A/B, and reports ``epoch_vs_baseline`` (median of the per-repeat ratios). The old path
 of the prompt conditioning is ``model.prompt_cache_mb=0``; the old cost of ``algo.cfg_grad=conditional``
 (one CFG batch differentiated through both halves, the unconditional one detached afterwards) is what
-``algo.cfg_grad=both`` computes.
+``algo.cfg_grad=both`` computes; the old update (a transformer call and a backward per trained step) is
+``algo.timesteps_per_pass=1``, so an arm that folds steps names it in its baseline.
 
     python benchmarks/overhead.py [--geometry sd3_cfg|shapes] [--repeats 5] [--baseline K=V …] [K=V …]
+    python benchmarks/overhead.py algo.timesteps_per_pass=8 --baseline algo.cfg_grad=both \
+        --baseline model.prompt_cache_mb=0 --baseline algo.timesteps_per_pass=1
 """
 
 from __future__ import annotations

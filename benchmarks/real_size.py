@@ -44,20 +44,14 @@ from _common import compose_recipe
 from _geometry import run_epoch
 from torch.utils.flop_counter import FlopCounterMode
 
+from rlgen_cli.models.bagel.loading import RANDOM_INIT_CONFIGS, random_init_network
 from rlgen_cli.models.bagel.vae import build_vae
-from rlgen_cli.models.real_size import (
-    VARIANTS,
-    bagel_network,
-    count_parameters,
-    flow_components,
-    vlm_model,
-    with_layers,
-)
+from rlgen_cli.models.real_size import VARIANTS, count_parameters, flow_components, vlm_model, with_layers
 from rlgen_cli.models.tiny import tiny_qwen_tokenizer
 from rlgen_cli.recipes.loop import FlowRun
 from rlgen_cli.training.progress import Progress
 
-FLOW_VARIANTS = [name for name, v in VARIANTS.items() if v.transformer is not None or v.network is not None]
+FLOW_VARIANTS = [name for name, v in VARIANTS.items() if v.transformer is not None or v.native]
 EDITING = {"flux_kontext", "qwen_image_edit"}
 PEAK_TFLOPS = (("H100 PCIe", None), ("H100 NVL", None), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0),
                ("L40S", 362.0))  # fmt: skip
@@ -220,7 +214,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if args.batch < 2:
         parser.error("--batch must be at least 2: GRPO normalises rewards within the group")
     if args.layers is not None:
-        if args.variant is None or VARIANTS[args.variant].network is None:
+        if args.variant is None or not VARIANTS[args.variant].native:
             parser.error("--layers applies to a BAGEL variant (bagel_7b_mot)")
         if args.layers < 1:
             parser.error("--layers must be at least 1")
@@ -232,11 +226,11 @@ def meta_counts() -> dict[str, dict[str, int]]:
     counts = {}
     with torch.device("meta"):
         for name in VARIANTS:
-            if VARIANTS[name].network is not None:  # BAGEL: its position tables are in its weight file
-                network = bagel_network(name)
+            if VARIANTS[name].native:  # BAGEL: its position tables are in its weight file
+                network = random_init_network(name)
                 counts[name] = {
                     "network": count_parameters(network) + sum(b.numel() for b in network.buffers()),
-                    "vae": count_parameters(build_vae(VARIANTS[name].network.vae)),
+                    "vae": count_parameters(build_vae(RANDOM_INIT_CONFIGS[name].vae)),
                 }
             elif name in FLOW_VARIANTS:
                 parts = flow_components(name, stand_in=False)

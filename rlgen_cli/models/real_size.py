@@ -2,7 +2,8 @@
 
 ``model.weights=random_init`` builds the pipeline of ``model.variant`` (``model.variant=auto``: the
 checkpoint the family's ``conf/model`` option names) from the config values that checkpoint publishes in
-its diffusers / transformers ``config.json``, written out below, with random weights drawn from
+its diffusers / transformers ``config.json``, written out below (a native family's — BAGEL's — in its own
+package, which builds it: ``Variant.native``), with random weights drawn from
 ``model.tiny_seed``. Every recipe then runs at production shapes and cost — parameter counts, memory,
 FLOPs, step times — on a machine that holds no weights and reaches no hub (``benchmarks/real_size.py``,
 docs/real_size.md). The samples are noise: this measures, it does not generate.
@@ -40,7 +41,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlgen_cli.models.bagel.config import BAGEL_7B_MOT, BagelConfig
 from rlgen_cli.models.base import TORCH_DTYPES
 from rlgen_cli.models.tiny.image import QWEN_SCHEDULER, template_tokenizer
 from rlgen_cli.models.tokenizers import tiny_clip_tokenizer, tiny_t5_tokenizer, vocab_size
@@ -184,15 +184,18 @@ class Variant:
 
     ``params`` is the parameter count of its trained network as published (the transformer of a flow
     model, the whole model of a VLM, the network of a native family: every tensor its weight file holds),
-    the figure :func:`flow_components` / :func:`vlm_model` / :func:`bagel_network` must reproduce.
+    the figure :func:`flow_components` / :func:`vlm_model` / the family's builder must reproduce.
     """
 
     family: str
     checkpoint: str
     params: float
     transformer: dict[str, Any] | None = None
-    network: Any = None
-    """A native family's own config (BAGEL: a ``BagelConfig``), where diffusers has no class to build."""
+    native: bool = False
+    """Built by its family's own code from the family's published config (BAGEL:
+    ``models/bagel/loading.py``), not from a diffusers / transformers class."""
+    layers: int | None = None
+    """A native variant's decoder depth when not the published one (:func:`with_layers`)."""
 
 
 VARIANTS: dict[str, Variant] = {
@@ -208,7 +211,7 @@ VARIANTS: dict[str, Variant] = {
     "qwen2_vl_7b": Variant("qwen2_vl", "Qwen/Qwen2-VL-7B-Instruct", 8.29e9),
     "qwen2_5_vl_3b": Variant("qwen2_5_vl", "Qwen/Qwen2.5-VL-3B-Instruct", 3.75e9),
     "qwen2_5_vl_7b": Variant("qwen2_5_vl", "Qwen/Qwen2.5-VL-7B-Instruct", 8.29e9),
-    "bagel_7b_mot": Variant("bagel", "ByteDance-Seed/BAGEL-7B-MoT", 14.607e9, network=BAGEL_7B_MOT),
+    "bagel_7b_mot": Variant("bagel", "ByteDance-Seed/BAGEL-7B-MoT", 14.607e9, native=True),
 }
 """Every variant; ``params`` is the published count of what the checkpoint's weight files hold, which the
 names round (the Wan "1.3B" transformer holds 1.42 B, Wan "14B" 14.3 B, Qwen-Image's "20B" 20.4 B; BAGEL's
@@ -449,50 +452,15 @@ def build_vlm_model(cfg: ModelConfig, tokenizer: Any, device: torch.device) -> n
 
 
 # -- native families ------------------------------------------------------------------------------------
-def bagel_network(name: str) -> nn.Module:
-    """The BAGEL network of variant ``name`` (current default device and dtype); the sin-cos position
-    tables, which the model computes on the CPU in fp32, are left for :func:`build_bagel_parts` to move."""
-    from rlgen_cli.models.bagel.modeling import Bagel
-
-    config = VARIANTS[name].network
-    if not isinstance(config, BagelConfig):
-        raise UserError(f"model.variant={name} is not a BAGEL checkpoint")
-    return Bagel(config)
-
-
-def build_bagel_parts(cfg: ModelConfig, device: torch.device) -> tuple[nn.Module, Any, Any, dict[str, int]]:
-    """Network, autoencoder, tokenizer and marker ids of ``cfg``'s BAGEL variant at random init on
-    ``device``, as :func:`rlgen_cli.models.bagel.loading.load_checkpoint` returns a release's: the network
-    in ``model.dtype`` (built so, never in fp32), the FLUX VAE in fp32 (seed ``model.tiny_seed + 1``), the
-    byte-level Qwen2 stand-in tokenizer (it has BAGEL's four marker tokens; the vocabulary keeps its
-    published 152 064 embedding rows)."""
-    from rlgen_cli.models.bagel.loading import MARKER_TOKENS
-    from rlgen_cli.models.bagel.vae import build_vae
-    from rlgen_cli.models.loading import cast_as_loaded
-    from rlgen_cli.models.tiny import tiny_qwen_tokenizer
-
-    name = variant_of(cfg)
-    dtype = TORCH_DTYPES[cfg.dtype]
-    with constructing(device, dtype, cfg.tiny_seed):
-        network = bagel_network(name)
-    cast_as_loaded(network, dtype)  # the position tables: CPU fp32 → model.dtype, as a checkpoint holds them
-    network.to(device)
-    with constructing(device, torch.float32, cfg.tiny_seed + 1):
-        vae = build_vae(VARIANTS[name].network.vae)
-    tokenizer = tiny_qwen_tokenizer()
-    markers = {token: tokenizer.convert_tokens_to_ids(token) for token in MARKER_TOKENS}
-    return network.eval(), vae.eval(), tokenizer, markers
-
-
 def with_layers(variant: Variant, layers: int) -> Variant:
-    """``variant`` with ``layers`` decoder layers (BAGEL: MoT layers) and every width as published: what a
-    host too small for the whole model can still run (``benchmarks/real_size.py --layers``)."""
+    """``variant`` with ``layers`` decoder layers and every width as published: what a host too small for
+    the whole model can still run (``benchmarks/real_size.py --layers``). Native families only (BAGEL:
+    its MoT layers); a diffusers variant is cut through its ``transformer`` config."""
     from dataclasses import replace
 
-    if not isinstance(variant.network, BagelConfig):
+    if not variant.native:
         raise UserError(f"--layers applies to BAGEL variants; {variant.checkpoint} is cut by its transformer")
-    llm = replace(variant.network.llm, num_hidden_layers=layers)
-    return replace(variant, network=replace(variant.network, llm=llm))
+    return replace(variant, layers=layers)
 
 
 def count_parameters(module: nn.Module | None) -> int:

@@ -266,7 +266,7 @@ def setup(cfg: FlowRunConfig, raw_cfg: DictConfig) -> FlowRun:
     run.optimizer = dist.prepare(
         policy.trainable, optimizer, max_grad_norm=algo.max_grad_norm, micro_batch_size=algo.train_batch_size,
         compute_dtype=cfg.model.dtype,  # fp16 compute: the engine scales the loss
-        exact_reduction=cfg.launcher.exact_reduction,  # float64 gradient sums: any process count, same bits
+        exact_reduction=cfg.launcher.reduces_exactly,  # float64 gradient sums: any process count, same bits
     )  # fmt: skip
     if resumed is not None:
         ckpt, state = resumed

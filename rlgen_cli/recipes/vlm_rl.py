@@ -177,7 +177,7 @@ class VLMRLRecipe:
         resumed = self._maybe_resume()  # into the bare model, before DDP / the engine wraps it
         self.optimizer = self.dist.prepare(
             self.policy, self.optimizer, max_grad_norm=algo.max_grad_norm, micro_batch_size=algo.train_batch_size,
-            compute_dtype=cfg.model.dtype,
+            compute_dtype=cfg.model.dtype, exact_reduction=cfg.launcher.reduces_exactly,  # float64 gradient sums
         )  # fmt: skip
         if resumed is not None:  # DeepSpeed reads its optimizer shards from the checkpoint's engine/
             ckpt, state = resumed

@@ -311,11 +311,11 @@ class LauncherConfig:
     """Rank-0 port; null reads MASTER_PORT (else 29500)."""
     mixed_precision: Annotated[str, MixedPrecision] = "fp32"
     """Mixed precision of the launched workers: ``fp32`` (none), ``fp16`` or ``bf16``."""
-    exact_reduction: bool = True
+    exact_reduction: bool | None = None
     """Sum each optimizer step's micro-batch gradients in float64 over every micro-batch and process
     before one cast back (``training/dist.py``), so a run's weights do not depend on the process count
     (README: process-count invariance). Needs the gradients in rlgen's hands: local, accelerate (DDP) and
-    multinode; DeepSpeed and FSDP reduce their own (false there)."""
+    multinode; DeepSpeed and FSDP reduce their own. null = on exactly where it can be."""
     config_file: str | None = None
     """Your own accelerate config (YAML) or DeepSpeed config (JSON), passed to ``accelerate launch`` as
     with ``accelerate launch --config_file``; with launcher=accelerate or multinode. The launcher.* values
@@ -329,7 +329,7 @@ class LauncherConfig:
             f"launcher={self.name}: add launcher=accelerate (and launcher.num_processes=N)",
         )
         _require(
-            not (self.exact_reduction and self.name in ENGINE_LAUNCHERS),
+            not (self.exact_reduction is True and self.name in ENGINE_LAUNCHERS),
             f"launcher.exact_reduction=true needs the gradients in rlgen's hands, and launcher={self.name} "
             "reduces them inside its engine (results then depend on the process count to float rounding): "
             "pass launcher.exact_reduction=false, or launcher=accelerate for process-count invariant results",
@@ -342,6 +342,11 @@ class LauncherConfig:
     @property
     def world_size(self) -> int:
         return self.num_processes * self.num_machines
+
+    @property
+    def reduces_exactly(self) -> bool:
+        """``exact_reduction``, with null resolved: on unless an engine reduces the gradients."""
+        return self.name not in ENGINE_LAUNCHERS if self.exact_reduction is None else self.exact_reduction
 
     @property
     def accelerate_mixed_precision(self) -> str:

@@ -28,7 +28,7 @@ from tests.models.helpers import model_cfg
 
 ROOT = Path(__file__).resolve().parents[2]
 META = torch.device("meta")
-FLOW_VARIANTS = [name for name, v in VARIANTS.items() if v.transformer is not None]
+FLOW_VARIANTS = [name for name, v in VARIANTS.items() if v.transformer is not None]  # diffusers
 VLM_VARIANTS = list(real_size.VL_CONFIGS)
 TOLERANCE = 0.03
 
@@ -283,8 +283,10 @@ def cheap_tables(monkeypatch):
 
 
 def test_bagel_7b_mot_has_the_release_parameter_count_on_the_meta_device(cheap_tables):
+    from rlgen_cli.models.bagel.loading import random_init_network
+
     with torch.device(META):
-        network = real_size.bagel_network("bagel_7b_mot")
+        network = random_init_network("bagel_7b_mot")
     built = count_parameters(network) + sum(b.numel() for b in network.buffers())
     assert built == bagel_release_count() == 14_607_260_128
     assert within(built, VARIANTS["bagel_7b_mot"].params)
@@ -292,7 +294,7 @@ def test_bagel_7b_mot_has_the_release_parameter_count_on_the_meta_device(cheap_t
     shallower = real_size.with_layers(VARIANTS["bagel_7b_mot"], 27)
     with torch.device(META), pytest.MonkeyPatch.context() as patch:
         patch.setitem(VARIANTS, "bagel_7b_mot", shallower)
-        assert count_parameters(real_size.bagel_network("bagel_7b_mot")) == built - 466_116_096 - 32_241_664
+        assert count_parameters(random_init_network("bagel_7b_mot")) == built - 466_116_096 - 32_241_664
 
 
 def test_bagel_builds_through_the_family_entry_point_on_the_meta_device_in_the_model_dtype(cheap_tables):

@@ -216,6 +216,14 @@ def test_train_runs_both_stages_and_moves_both_tracks(tmp_path: Path):
     assert all(m["ratio_error_max"] == 0.0 for m in metrics)
     moved = _lora_b(run / WEIGHTS)
     assert moved["text"] > 0 and moved["image"] > 0, moved
+    # rlgen eval of the checkpoint: generation, then reflect → refine rounds on the trained network
+    checkpoint = run / WEIGHTS.split("/weights")[0]
+    code, out = run_cli(
+        "eval", "model=tiny_r3_bagel", f"checkpoint={checkpoint}", f"hydra.run.dir={tmp_path / 'eval'}"
+    )
+    assert code == 0, out
+    results = json.loads((tmp_path / "eval" / "results.json").read_text())
+    assert results["rounds"] == 2 and "round_2/overall" in results, results
 
 
 @pytest.mark.slow  # ~15 s: the text loss alone moves the text track

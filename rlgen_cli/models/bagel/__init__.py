@@ -15,13 +15,13 @@ import torch
 
 def build(cfg: Any, device: torch.device) -> Any:
     """The tiny BAGEL (``model.tiny``), BAGEL-7B-MoT's architecture at random init
-    (``model.weights=random_init``, ``models/real_size.py``) or the checkpoint at ``model.path``."""
+    (``model.weights=random_init``: ``loading.random_init_checkpoint``) or the checkpoint at ``model.path``."""
     from rlgen_cli.models.bagel import policy
 
     if cfg.weights == "random_init":
-        from rlgen_cli.models.real_size import build_bagel_parts
+        from rlgen_cli.models.bagel.loading import random_init_checkpoint
 
-        return policy.BagelPolicy(*build_bagel_parts(cfg, device), cfg, device)
+        return policy.BagelPolicy(*random_init_checkpoint(cfg, device), cfg, device)
     return policy.build(cfg, device)
 
 

@@ -19,6 +19,7 @@ never sits in memory twice.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +144,44 @@ def load_checkpoint(
     config = from_directory(directory, base)
     tokenizer, markers = load_tokenizer(directory)
     return load_network(directory, dtype, config), load_vae(directory, config), tokenizer, markers
+
+
+RANDOM_INIT_CONFIGS = {"bagel_7b_mot": BAGEL_7B_MOT}
+"""``model.variant`` → the released config ``model.weights=random_init`` builds (``models/real_size.py``)."""
+
+
+def random_init_network(variant: str) -> Bagel:
+    """The network of real-size ``variant`` (``model.variant``; its depth as ``real_size.VARIANTS`` says)
+    on the current default device and dtype, random weights."""
+    from rlgen_cli.models.real_size import VARIANTS
+
+    config = RANDOM_INIT_CONFIGS[variant]
+    layers = VARIANTS[variant].layers
+    if layers is not None:
+        config = replace(config, llm=replace(config.llm, num_hidden_layers=layers))
+    return Bagel(config)
+
+
+def random_init_checkpoint(cfg: Any, device: torch.device) -> tuple[Bagel, Any, Any, dict[str, int]]:
+    """What :func:`load_checkpoint` returns, for ``cfg.variant`` at random init on ``device``: the network
+    built in ``model.dtype`` (never in fp32; seed ``model.tiny_seed``), the FLUX VAE in fp32 (seed + 1),
+    the byte-level Qwen2 stand-in tokenizer (it has the four marker tokens; the embeddings keep the
+    published 152 064 rows) and the marker ids."""
+    from rlgen_cli.models.base import TORCH_DTYPES
+    from rlgen_cli.models.loading import cast_as_loaded
+    from rlgen_cli.models.real_size import constructing, variant_of
+    from rlgen_cli.models.tiny import tiny_qwen_tokenizer
+
+    variant, dtype = variant_of(cfg), TORCH_DTYPES[cfg.dtype]
+    with constructing(device, dtype, cfg.tiny_seed):
+        network = random_init_network(variant)
+    cast_as_loaded(network, dtype)  # the sin-cos tables are computed on the CPU in fp32
+    network.to(device)
+    with constructing(device, torch.float32, cfg.tiny_seed + 1):
+        vae = build_vae(RANDOM_INIT_CONFIGS[variant].vae)
+    tokenizer = tiny_qwen_tokenizer()
+    markers = {token: tokenizer.convert_tokens_to_ids(token) for token in MARKER_TOKENS}
+    return network.eval(), vae.eval(), tokenizer, markers
 
 
 def save_checkpoint(
