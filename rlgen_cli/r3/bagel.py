@@ -8,8 +8,8 @@ Contexts follow the reference's interleaved inference (``models/bagel/text.py`` 
 * **think** (reason, text) — [system prompt asking for a plan in ``<think>…</think>``] [prompt]
   ``<|im_start|>`` → the plan, sampled with the KV cache through the understanding expert.
 * **encode_generate** (reason, image) — with ``r3.policy.think`` on, the image is drawn from the same
-  context: system prompt, prompt, then the plan as a text piece (as the reference's ``think=True`` path
-  appends its generated text), and the text-CFG branch is the system prompt alone (the reference's
+  context: system prompt, prompt, then the plan as a text piece (the reference's ``think=True`` path
+  appends its generated text; here the extracted plan, without its ``<think>`` tags), and the text-CFG branch is the system prompt alone (the reference's
   ``cfg_text_precontext``). With it off, no plan is sampled (``think`` returns empty completions: the
   reason stage trains its image alone, as the reference's ``think_mode=False``) and the image is drawn from
   the prompt alone against the empty context.
@@ -18,15 +18,16 @@ Contexts follow the reference's interleaved inference (``models/bagel/text.py`` 
   sees (``to_pil``), in sampling and in scoring alike.
 * **encode_edit** — ``BagelPolicy.encode(instructions, images)``: BAGEL's editing conditioning.
 
-The wording of the system prompts and questions is R3's (``r3/prompts.py``), shared with the composite.
+The wording of the system prompts and questions is rlgen's R3 wording (``r3/prompts.py``), shared with the
+composite.
 
 **Two tracks on one network.** One LoRA adapter covers both experts; its tensors split by name: the text
 track is the understanding expert's (``q_proj``, …, ``mlp.down_proj``), the image track the generation
 expert's (``*_moe_gen``). ``token_logprobs(reference=True)`` runs with every adapter off (a text pass only
 touches the understanding expert); :meth:`BagelUnifiedPolicy.image_reference` turns off the generation
 expert's adapters only — the prompt still runs through the trained understanding expert, as the image model
-the text track shapes. Both tracks' forwards are one network: under DDP they go through one wrapper, whose
-output carries 0·Σθ over every trainable tensor so each backward reduces every parameter (a text pass
+the text track shapes. Both tracks' forwards are one network: under DDP they go through one wrapper around
+its MoT stack (:class:`_Distributed`), whose output carries 0·Σθ over every trainable tensor so each backward reduces every parameter (a text pass
 leaves the generation expert unused, an image pass the last layer's understanding projections).
 
     policy = build_bagel_unified(cfg.r3.policy, device)   # tiny BAGEL on a CPU, or model.path's checkpoint
@@ -190,7 +191,7 @@ class BagelUnifiedPolicy:
     def token_batch(self, thoughts: Thoughts, rows: slice) -> BagelTokenBatch:
         """Contexts of ``thoughts[rows]`` and their completions, right-padded."""
         completions = [c.long() for c in thoughts.completions[rows]]
-        ids = pad_stack(completions, value=0).to(self.device) if completions else torch.zeros(0, 0)
+        ids = pad_stack(completions, value=0).to(self.device)
         mask = pad_stack([torch.ones(c.numel(), dtype=torch.long) for c in completions]).to(self.device)
         contexts = self._contexts(thoughts.prompts[rows], thoughts.images[rows])
         return BagelTokenBatch(inputs={}, completion_ids=ids, completion_mask=mask, contexts=contexts)

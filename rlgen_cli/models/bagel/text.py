@@ -20,8 +20,10 @@ Every token of a context and of a completion takes the understanding expert. Two
   mask) through ``MoTModel.forward``, the training path (gradient checkpointing, DDP wrapper), at
   temperature 1.
 
-Both run the same modules in the same order; the cache only changes which products are computed when,
-so in fp32 the two agree to rounding (``rlgen check-onpolicy``; ``tests/r3/test_r3_bagel.py`` measures it).
+Both run the same modules in the same order. The full forward equals one pass of the decoding code over
+the whole row bit for bit; incremental decoding (one query per step against cached keys, matrix products
+of other shapes) rounds differently, so in fp32 the two agree to ~1e-6 in log-prob, not exactly
+(``rlgen check-onpolicy``; ``tests/r3/test_r3_bagel.py`` bounds it by 1e-5).
 """
 
 from __future__ import annotations
