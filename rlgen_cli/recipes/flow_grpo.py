@@ -228,9 +228,7 @@ def sample_rollouts(
         for part in batches(len(indices), algo.sample_batch_size):
             batch_sources = None if sources is None else sources[part]
             cond = run.policy.encode(prompts[part], None if sources is None else batch_sources.to(run.device))
-            # the CFG branches run as training will run them (cfg_grad=conditional: two passes), so the
-            # recorded log-probs are exactly what the training forward recomputes
-            with cfg_gradient(algo.cfg_grad):
+            with cfg_gradient(rollout_cfg_mode(algo)):
                 x = initial_latents(run, cond, initial[part], start, plan.num_steps)
                 trajs.append(rollout_batch(run, cond, x, plan, spec, steps[part], start))
             conds.append(cond)
@@ -245,6 +243,15 @@ def sample_rollouts(
         indices=torch.tensor(indices), prompts=prompts, metadata=metadata, cond=Cond.cat(conds), traj=traj,
         images=torch.cat(images), sources=sources,
     )  # fmt: skip
+
+
+def rollout_cfg_mode(algo: FlowGrpoAlgoConfig) -> str:
+    """How the rollout runs its CFG branches. Per-step training (``timesteps_per_pass=1``) recomputes
+    them as the rollout ran them (``cfg_grad=conditional``: two passes), so the recorded log-probs are
+    exactly what training recomputes. Folded training already relies on the network being batch-invariant
+    (its passes hold other row counts than the rollout's), so the rollout takes the cheaper single pass:
+    without gradients the two modes compute the same values."""
+    return algo.cfg_grad if algo.timesteps_per_pass == 1 else "both"
 
 
 def initial_latents(
@@ -349,7 +356,8 @@ def update(
 ) -> dict[str, float]:
     """``num_inner_epochs`` passes of the per-step policy-gradient loss over every trained step, in
     ``num_batches`` equal micro-batches (default: batches of ``algo.train_batch_size``); the optimizer
-    steps every ``gradient_accumulation_steps`` ÷ processes micro-batches."""
+    steps every ``gradient_accumulation_steps`` ÷ processes micro-batches. A micro-batch's trained steps
+    are scored ``algo.timesteps_per_pass`` per transformer call and backward (:func:`folded_logprobs`)."""
     algo, spec = run.cfg.algo, loop.step_spec(run.cfg)
     n = len(rollouts.indices)
     micro_batches = list(batches(n, math.ceil(n / num_batches) if num_batches else algo.train_batch_size))

@@ -25,14 +25,20 @@ on-policy; ``rlgen check-onpolicy model=tiny_qwen2_vl algo=step_grpo`` holds the
 the sampler's own log-probs (``vlm/onpolicy.py``).
 
 Several processes (``launcher=accelerate`` = DDP, ``launcher=deepspeed_zero2``) go through the same
-``training/dist.py`` context as the flow recipe: the global batch is split contiguously over ranks (a group
-may span ranks), each rank samples its rows with ``generate`` on the bare model under the seed of the
-rows' global rollout batch, rewards are gathered with their dataset indices before the group
-statistics, the training forwards go through the DDP wrapper / engine (gradients averaged), dapo's token
-normaliser counts the tokens of every rank, and rank 0 alone evaluates, logs and writes checkpoints.
-``algo.gradient_accumulation_steps`` counts micro-batches per optimizer step over all processes, so two
-processes equal one process running the same config, to float rounding
-(``tests/distributed/test_vlm_distributed.py``; bit for bit is the flow recipe's, docs/distributed.md).
+``training/dist.py`` context as the flow recipe, with its contract (docs/distributed.md, "process-count
+invariance"): the epoch's global batch is cut into pieces of lcm(``sample_batch_size``,
+``train_batch_size``) samples and piece b goes to rank b mod N (:func:`assignment_unit`,
+``GroupSampler.positions``), so every sample is rolled out and trained in the same batch and optimizer
+step s covers global micro-batches s·A … s·A + A − 1 on any process count (A =
+``algo.gradient_accumulation_steps``, counted over all processes); a rollout batch samples under a seed
+keyed by the global position of its first row; rewards are gathered with their positions and put back in
+global order before the group statistics (a group may span ranks); dapo's token normaliser counts the
+tokens of the whole step; gradients are summed in float64 once per step (``launcher.exact_reduction``),
+and rank 0 alone evaluates, logs and writes checkpoints. One and two processes then give bit-identical
+weights (``tests/distributed/test_vlm_process_invariance.py``). A step too small for whole rollout
+batches on every rank (e.g. R1-VL's 16 completions per step over 4 processes with rollout batches of 16)
+is dealt in training micro-batches instead, each rank sampling its own rows: the same run to sampling
+statistics, not bit for bit.
 
     rlgen train model=tiny_qwen2_vl algo=step_grpo data=tiny_vlm reward=length     # tiny CPU run
     rlgen train model=tiny_qwen2_vl algo=token_grpo launcher=accelerate launcher.num_processes=2
@@ -102,9 +108,27 @@ from rlgen_cli.vlm.training import (
     require_whole_weights,
 )
 
-__all__ = ["VLMRLRecipe", "evaluate", "run"]
+__all__ = ["VLMRLRecipe", "assignment_unit", "evaluate", "run"]
 
 log = logging.getLogger(__name__)
+
+
+def assignment_unit(algo: Any, world_size: int) -> int:
+    """Samples dealt to a process as one piece: lcm(``sample_batch_size``, ``train_batch_size``) — whole
+    rollout and training batches, so each sample is generated and trained in the same batch on any process
+    count — when an optimizer step's samples split into such pieces over ``world_size`` processes; else
+    one training micro-batch (whole steps still, the rollout batches then differ from one process's)."""
+    unit = math.lcm(algo.sample_batch_size, algo.train_batch_size)
+    per_step = algo.micro_batches_per_step(world_size) * algo.train_batch_size
+    if per_step % (unit * world_size) == 0:
+        return unit
+    log.info(
+        "an optimizer step's %d samples do not split into whole rollout batches of lcm(algo.sample_batch_size,"
+        " algo.train_batch_size) = %d over %d processes: each process takes training micro-batches and "
+        "samples them in its own batches (the same run to sampling statistics, not bit for bit)",
+        per_step, unit, world_size,
+    )  # fmt: skip
+    return algo.train_batch_size
 
 
 @dataclass
@@ -112,6 +136,7 @@ class Rollouts:
     """This rank's samples of one epoch in rollout order; N = prompts_per_epoch × group_size / processes."""
 
     indices: Tensor  # (N,) dataset indices: the group keys
+    positions: Tensor  # (N,) places in the epoch's global batch (GroupSampler.positions)
     prompts: list[str]  # chat-templated prompt strings
     images: list[Image.Image | None]
     completions: list[Tensor]  # N × (L_i,) token ids
@@ -159,6 +184,7 @@ class VLMRLRecipe:
             len(self.train_set), algo.prompts_per_epoch, algo.group_size, seed=cfg.seed,
             num_replicas=self.dist.world_size, rank=self.dist.rank,
         )  # fmt: skip
+        self.unit = assignment_unit(algo, self.dist.world_size)  # samples dealt round-robin as one piece
         self.optimizer = torch.optim.AdamW(
             self.policy.trainable_parameters(), lr=algo.lr, betas=(algo.adam_beta1, algo.adam_beta2),
             eps=algo.adam_eps, weight_decay=algo.weight_decay,
@@ -231,17 +257,19 @@ class VLMRLRecipe:
         rollouts = self.rollout(epoch, progress)
         timings["time/rollout"] = time.perf_counter() - start
         local, local_total = self.score(rollouts)
-        # every rank sees the whole batch's rewards with their dataset indices, so a group that spans
+        # every rank sees the whole batch's rewards with their dataset indices, put back in global order
+        # (the group statistics then sum in the same order on any process count), so a group that spans
         # ranks is normalised as one; each rank then keeps the advantages of its own rows
-        components = {k: self.dist.gather(v).cpu() for k, v in local.items()}
-        total, group_ids = self.dist.gather(local_total).cpu(), self.dist.gather(rollouts.indices).cpu()
+        order = self.dist.gather(rollouts.positions).cpu().argsort()  # gathered rank by rank → global
+        components = {k: self._in_global_order(v, order) for k, v in local.items()}
+        total = self._in_global_order(local_total, order)
+        group_ids = self._in_global_order(rollouts.indices, order)
         algo = self.cfg.algo
         advantages, adv_stats = combine_rewards(
             components, dict(self.cfg.reward.weights), group_ids, mode=self.cfg.reward.aggregation,
             **advantage_options(algo.token.scale_rewards, algo.token.std_estimator, algo.adv_eps), clip_max=algo.adv_clip_max,
         )  # fmt: skip
-        n = len(rollouts.indices)
-        advantages = advantages[self.dist.rank * n : (self.dist.rank + 1) * n]
+        advantages = advantages[rollouts.positions]
         start = time.perf_counter()
         micro_batches = self.prepare(rollouts)
         update_stats = self.update(micro_batches, advantages, rollouts.truncated, progress)
@@ -254,14 +282,19 @@ class VLMRLRecipe:
             **{f"reward/{k}/mean": v.mean().item() for k, v in components.items()},
             **{f"reward/{k}/std": v.std().item() for k, v in components.items()},
             "zero_std_ratio": adv_stats.zero_std_ratio, "num_groups": adv_stats.num_groups,
-            **self._completion_stats(rollouts), **local_stats, **timings,
+            **self._completion_stats(rollouts, order), **local_stats, **timings,
             "lr": self.scheduler.get_last_lr()[0], "global_step": self.global_step,
         }  # fmt: skip
 
-    def _completion_stats(self, rollouts: Rollouts) -> dict[str, float]:
-        """Completion lengths and the truncated fraction over every rank's rows."""
-        lengths = self.dist.gather(torch.tensor([float(c.numel()) for c in rollouts.completions])).cpu()
-        truncated = self.dist.gather(torch.tensor([float(t) for t in rollouts.truncated])).cpu()
+    def _in_global_order(self, local: Tensor, order: Tensor) -> Tensor:
+        """Every rank's values of this epoch, (prompts_per_epoch × group_size,), in global batch order
+        (``order``: the argsort of the gathered positions)."""
+        return self.dist.gather(local).cpu()[order]
+
+    def _completion_stats(self, rollouts: Rollouts, order: Tensor) -> dict[str, float]:
+        """Completion lengths and the truncated fraction over every rank's rows (in global order)."""
+        lengths = self._in_global_order(torch.tensor([float(c.numel()) for c in rollouts.completions]), order)
+        truncated = self._in_global_order(torch.tensor([float(t) for t in rollouts.truncated]), order)
         return {
             "completions/mean_length": lengths.mean().item(), "completions/max_length": lengths.max().item(),
             "completions/min_length": lengths.min().item(), "completions/clipped_ratio": truncated.mean().item(),
@@ -273,11 +306,12 @@ class VLMRLRecipe:
         return SamplingOptions(token.temperature, token.top_p, token.top_k, self.max_completion_tokens)
 
     def rollout(self, epoch: int, progress: Progress) -> Rollouts:
-        """Generate this rank's completions of the epoch in batches of ``sample_batch_size``; a batch's seed
-        is keyed by its global position, so the samples do not depend on the number of processes."""
+        """Generate this rank's completions of the epoch (whole pieces of :attr:`unit` samples, dealt
+        round-robin) in batches of ``sample_batch_size``; a batch's seed is keyed by the global position of
+        its first row, so the samples do not depend on the number of processes."""
         cfg, vlm = self.cfg, self.cfg.model.vlm
-        first = self.dist.rank * self.sampler.samples_per_rank // cfg.algo.sample_batch_size
-        indices = self.sampler.indices_for_epoch(epoch)
+        indices = self.sampler.indices_for_epoch(epoch, self.unit)
+        positions = self.sampler.positions(self.unit)  # places in the epoch's global batch
         examples = [self.train_set[i] for i in indices]
         prompts = [
             prompt_text(self.policy.processor, ex, vlm.prompt_format, vlm.system_prompt) for ex in examples
@@ -286,10 +320,10 @@ class VLMRLRecipe:
         options = self.sampling_options()
         ids, truncated, logprobs = [], [], []
         task = progress.task("rollout", total=len(indices))
-        for k, part in enumerate(batches(len(indices), cfg.algo.sample_batch_size)):
+        for part in batches(len(indices), cfg.algo.sample_batch_size):
             done = self.engine.generate(
                 prompts[part], images[part], options,
-                seed=stream_seed(cfg.seed, epoch, first + k, Stream.VLM_ROLLOUT),
+                seed=stream_seed(cfg.seed, epoch, positions[part.start], Stream.VLM_ROLLOUT),
                 labels=[f"#{i}" for i in indices[part]],
             )  # fmt: skip
             ids += done.ids
@@ -299,8 +333,8 @@ class VLMRLRecipe:
         progress.remove(task)
         texts = self.policy.tokenizer.batch_decode(ids, skip_special_tokens=True)
         return Rollouts(
-            torch.tensor(indices), prompts, images, ids, truncated, texts, [dict(ex.metadata) for ex in examples],
-            logprobs,
+            torch.tensor(indices), torch.tensor(positions), prompts, images, ids, truncated, texts,
+            [dict(ex.metadata) for ex in examples], logprobs,
         )  # fmt: skip
 
     @torch.no_grad()
@@ -361,7 +395,9 @@ class VLMRLRecipe:
         """Per micro-batch, dapo's ``num_items``: the loss tokens of its accumulation group on every rank,
         divided by the micro-batches they fill (accum × ranks). Averaging the backwards (1/accum each) and
         the ranks' gradients then gives Σ loss / all tokens of the optimizer step, as TRL normalises;
-        the other loss types ignore it."""
+        the other loss types ignore it. Local micro-batch k of every rank belongs to the same optimizer
+        step (the round-robin deal gives each rank accum consecutive micro-batches of each step), and
+        the integer counts sum exactly: the normaliser is the same on any process count."""
         ranks = self.dist.world_size
         accum = accumulation_per_process(self.cfg.algo, ranks)
         local = torch.tensor(

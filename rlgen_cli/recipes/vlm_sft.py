@@ -12,10 +12,16 @@ upstream runs LLaMA-Factory). Here:
 * loop — ``epochs`` passes in a seeded shuffled order, gradient accumulation, grad-norm clip, warm-up +
   cosine / linear / constant schedule, metrics.jsonl, full-state checkpoints (resume), optional accuracy
   on ``data.test`` every ``eval_every`` epochs;
-* several processes (``launcher=accelerate`` / ``deepspeed_zero2``, ``training/dist.py``) — as torch's
-  ``DistributedSampler``: the epoch's order is padded by wrapping to a multiple of the process count and
-  rank r takes every W-th conversation from position r, so every rank runs the same number of
-  micro-batches; gradients are averaged by DDP / the engine; rank 0 evaluates, logs and saves.
+* several processes (``launcher=accelerate`` / ``deepspeed_zero2``, ``training/dist.py``) — the flow
+  recipe's contract (docs/distributed.md, "process-count invariance"): the epoch's shuffled order is cut
+  into global micro-batches of ``train_batch_size`` and micro-batch b goes to rank b mod N
+  (:func:`rank_micro_batches`), so optimizer step s covers global micro-batches s·A … s·A + A − 1 on any
+  process count (A = ``algo.gradient_accumulation_steps``, counted over all processes); gradients are
+  summed in float64 once per step (``launcher.exact_reduction``; averaged by DeepSpeed's engine under
+  ZeRO-2); rank 0 evaluates, logs and saves. One and two processes give bit-identical weights when the
+  epoch's micro-batches split evenly over the processes; otherwise the order wraps to whole rounds of
+  full micro-batches (every rank runs the same number), as ``DistributedSampler`` pads
+  (``tests/distributed/test_vlm_process_invariance.py``).
 
     rlgen train model=tiny_qwen2_vl algo=vlm_sft data=tiny_vlm data.train=builtin:tiny_sft.jsonl reward=length
     rlgen train model=qwen2_vl algo=vlm_sft epochs=2 data.train=mulberry_sft.jsonl reward=r1vl
@@ -58,12 +64,11 @@ from rlgen_cli.vlm.policy import VLMPolicy, build_vlm
 from rlgen_cli.vlm.rollout import load_image
 from rlgen_cli.vlm.training import (
     SCHEDULER_KEY,
-    batches,
     make_scheduler,
     require_whole_weights,
 )
 
-__all__ = ["VLMSFTRecipe", "assistant_mask", "encode_conversations", "rank_order", "run"]
+__all__ = ["VLMSFTRecipe", "assistant_mask", "encode_conversations", "rank_micro_batches", "run"]
 
 log = logging.getLogger(__name__)
 IGNORE = -100
@@ -131,13 +136,18 @@ def sft_loss(policy: VLMPolicy, inputs: dict[str, Tensor]) -> tuple[Tensor, int]
     return loss, int((labels != IGNORE).sum())
 
 
-def rank_order(size: int, seed: int, rank: int, world_size: int) -> list[int]:
-    """This rank's conversations of one epoch: ``randperm(size)`` seeded by ``seed``, padded by wrapping to
-    a multiple of ``world_size`` (as ``DistributedSampler``), then every ``world_size``-th from ``rank``;
-    with one process, the whole permutation."""
+def rank_micro_batches(size: int, seed: int, batch_size: int, rank: int, world_size: int) -> list[list[int]]:
+    """This rank's micro-batches of one epoch (conversation indices): ``randperm(size)`` seeded by ``seed``
+    cut into global micro-batches of ``batch_size`` (the last may be shorter), micro-batch b to rank
+    b mod ``world_size``. When their count does not split evenly over the ranks, the order first wraps
+    around to whole rounds of full micro-batches, so every rank runs the same number."""
     order = torch.randperm(size, generator=torch.Generator().manual_seed(seed)).tolist()
-    padded = order + order[: -size % world_size] if size % world_size else order
-    return padded[rank::world_size]
+    count = math.ceil(size / batch_size)
+    if count % world_size:
+        padded = batch_size * world_size * math.ceil(count / world_size)
+        order = [order[i % size] for i in range(padded)]
+    everyone = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+    return everyone[rank::world_size]
 
 
 class VLMSFTRecipe:
@@ -165,10 +175,10 @@ class VLMSFTRecipe:
             self.policy.trainable_parameters(), lr=algo.lr, betas=(algo.adam_beta1, algo.adam_beta2),
             eps=algo.adam_eps, weight_decay=algo.weight_decay,
         )  # fmt: skip
-        per_rank = math.ceil(len(self.train_set) / self.dist.world_size)
-        steps_per_epoch = math.ceil(
-            math.ceil(per_rank / algo.train_batch_size) / accumulation_per_process(algo, self.dist.world_size)
+        micro_per_rank = len(  # the same every epoch and on every rank
+            rank_micro_batches(len(self.train_set), cfg.seed, algo.train_batch_size, 0, self.dist.world_size)
         )
+        steps_per_epoch = math.ceil(micro_per_rank / accumulation_per_process(algo, self.dist.world_size))
         total = cfg.epochs * steps_per_epoch
         self.scheduler = make_scheduler(
             self.optimizer, total, algo.token.warmup_ratio, algo.token.lr_schedule
@@ -177,7 +187,7 @@ class VLMSFTRecipe:
         resumed = self._maybe_resume()  # into the bare model, before DDP / the engine wraps it
         self.optimizer = self.dist.prepare(
             self.policy, self.optimizer, max_grad_norm=algo.max_grad_norm, micro_batch_size=algo.train_batch_size,
-            compute_dtype=cfg.model.dtype,
+            compute_dtype=cfg.model.dtype, exact_reduction=cfg.launcher.reduces_exactly,  # float64 gradient sums
         )  # fmt: skip
         if resumed is not None:  # DeepSpeed reads its optimizer shards from the checkpoint's engine/
             ckpt, state = resumed
@@ -224,15 +234,20 @@ class VLMSFTRecipe:
 
     def train_epoch(self, epoch: int, progress: Progress) -> dict[str, float]:
         """One shuffled pass (order seeded by (seed, epoch), so a resumed run sees the same order); this
-        rank's share of it (:func:`rank_order`), the same number of micro-batches on every rank."""
+        rank's micro-batches of it (:func:`rank_micro_batches`), the same number on every rank."""
         algo, start = self.cfg.algo, time.perf_counter()
-        order = rank_order(len(self.train_set), self.cfg.seed + epoch, self.dist.rank, self.dist.world_size)
-        parts = batches(len(order), algo.train_batch_size)
+        parts = rank_micro_batches(
+            len(self.train_set),
+            self.cfg.seed + epoch,
+            algo.train_batch_size,
+            self.dist.rank,
+            self.dist.world_size,
+        )
         accum = accumulation_per_process(algo, self.dist.world_size)  # the global count ÷ processes
         losses, tokens, norms = [], 0, []
         task = progress.task("sft", total=len(parts))
         for k, part in enumerate(parts):
-            inputs = encode_conversations(self.policy, [self.train_set[i] for i in order[part]])
+            inputs = encode_conversations(self.policy, [self.train_set[i] for i in part])
             loss, count = sft_loss(self.policy, inputs)
             steps_after = (k + 1) % accum == 0 or k + 1 == len(parts)
             self.dist.backward(loss / accum, sync=steps_after)

@@ -8,6 +8,7 @@ from omegaconf import OmegaConf
 
 from rlgen_cli._hydra import compose_verb, conf_dir, config_groups, verb_overrides
 from rlgen_cli.schema.errors import UserError
+from rlgen_cli.schema.r3 import R3_FAMILIES
 from rlgen_cli.schema.store import register_schemas
 from rlgen_cli.tasks.common import validated
 
@@ -79,7 +80,13 @@ def test_upstream_logprob_form_needs_cps():
     validated(_compose("train", ["sampler=cps", "sampler.logprob_form=upstream"]))
 
 
-R3_MODELS = ("r3_qwen", "tiny_r3")  # the R3 composite trains with its own r3.* keys: it composes no algo
+def _family(model: str) -> str | None:
+    """``model.family`` of a model option (a ``_global_`` package nests it under ``model``)."""
+    option = OmegaConf.load(conf_dir() / "model" / f"{model}.yaml")
+    return option.get("model", option).get("family")
+
+
+R3_MODELS = tuple(m for m in GROUPS["model"] if _family(m) in R3_FAMILIES)  # own r3.* keys: no algo
 FLOW_MODELS = [m for m in GROUPS["model"] if not m.endswith("_vl") and m not in R3_MODELS]  # VLMs: not flow
 FLOW_ALGOS = [a for a in GROUPS["algo"] if a not in ("token_grpo", "step_grpo", "vlm_sft")]
 

@@ -120,15 +120,6 @@ def test_deepspeed_zero2_equals_one_process(token_runs: tuple[Path, Path], tmp_p
     assert (zero2 / "checkpoints" / "epoch_000002" / "engine").is_dir()  # the ZeRO optimizer shards
 
 
-def test_sft_ranks_split_an_epoch_evenly():
-    from rlgen_cli.recipes.vlm_sft import rank_order
-
-    whole = rank_order(7, seed=3, rank=0, world_size=1)
-    halves = [rank_order(7, seed=3, rank=r, world_size=2) for r in range(2)]
-    assert sorted(whole) == list(range(7)) and [len(h) for h in halves] == [4, 4]
-    assert sorted(halves[0] + halves[1]) == sorted([*whole, whole[0]])  # one conversation wraps around
-
-
 @pytest.mark.parametrize(
     ("sharded", "world_size", "engine", "message"),
     [(True, 2, "hf", "launcher=deepspeed_zero2"), (False, 2, "vllm", "algo.token.engine=hf")],

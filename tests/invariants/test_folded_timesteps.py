@@ -96,12 +96,7 @@ SETTINGS = {
 }  # fmt: skip
 
 
-SLOW_SETTINGS = ("grpo", "grpo_kl", "grpo_guard")  # ~10 s each on two idle cores; the default suite keeps two
-
-
-@pytest.mark.parametrize(
-    "setting", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_SETTINGS else s for s in SETTINGS]
-)
+@pytest.mark.parametrize("setting", list(SETTINGS))
 def test_folded_update_has_the_per_step_gradient(tmp_path, monkeypatch, setting):
     overrides = [
         *SETTINGS[setting], "algo.prompts_per_epoch=2", "algo.group_size=2", "algo.sample_batch_size=2",
