@@ -111,8 +111,8 @@ class _View:
 class _Distributed:
     """The network as the training forwards see it under DDP: every attribute is the bare network's, except
     ``language_model.model``, whose call runs through the wrapper — the one place trained tensors live (the
-    embeddings, the ViT and the heads around it are frozen). Methods of :class:`Bagel` called on this object
-    (``generation_velocity``, and the editing and text paths that take a network) therefore reduce their
+    embeddings, the ViT and the heads around it are frozen). Passes run on this object (called with the pass,
+    as :meth:`Bagel.forward` is, or given it as their network: the text paths) therefore reduce their
     gradients. ``module`` is the bare network, which ``TrainableTransformer.forward_module`` checks."""
 
     def __init__(self, wrapped: nn.Module, network: Bagel) -> None:
@@ -125,8 +125,9 @@ class _Distributed:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.module, name)
 
-    def generation_velocity(self, *args: Any) -> Tensor:
-        return Bagel.generation_velocity(self, *args)
+    def __call__(self, method: Callable[..., Tensor], *args: Any) -> Tensor:
+        """As :meth:`Bagel.forward`: ``method`` runs on this view, so its MoT stack goes through DDP."""
+        return method(self, *args)
 
 
 class BagelUnifiedPolicy:

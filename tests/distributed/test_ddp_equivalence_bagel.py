@@ -6,9 +6,9 @@ LoRA on its generation expert. The geometry is ``test_ddp_equivalence.py``'s (a 
 deals the micro-batches between its ranks), so the per-sample noise streams, the gathered group statistics
 and the reduced gradients must agree.
 
-Expected to fail until the policy's training forward goes through the DDP wrapper: ``BagelPolicy`` calls
-``forward_module().generation_velocity(…)``, a method the ``DistributedDataParallel`` wrapper does not
-have (the network needs a ``forward`` the wrapper can call). ``strict``: the mark must go when it passes.
+The policy's training passes reach the network through ``Bagel.forward(method, …)``, the one call a
+``DistributedDataParallel`` wrapper makes: calling the pass on the wrapper itself fails with an
+``AttributeError`` in the two-process run.
 """
 
 from __future__ import annotations
@@ -23,10 +23,6 @@ BAGEL = ["model=tiny_bagel", "algo=grpo", "reward=jpeg_compressibility", "data=t
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="BagelPolicy calls generation_velocity on the DDP wrapper, which has only forward",
-)  # fmt: skip
 def test_two_processes_equal_one_for_tiny_bagel(cli, tmp_path: Path):
     single, pair = tmp_path / "single", tmp_path / "pair"
     code, out = cli("train", *BAGEL, f"hydra.run.dir={single}")

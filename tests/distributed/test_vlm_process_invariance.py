@@ -141,3 +141,24 @@ def test_sft_micro_batches_are_dealt_round_robin():
     order = [i for b in rank_micro_batches(5, seed=3, batch_size=2, rank=0, world_size=1) for i in b]
     assert [len(b) for p in padded for b in p] == [2, 2, 2, 2]
     assert padded[0][0] + padded[1][0] + padded[0][1] + padded[1][1] == [*order, *order[:3]]
+
+
+def test_token_grpo_deals_whole_rollout_batches_when_the_step_allows():
+    from rlgen_cli.recipes.vlm_rl import assignment_unit
+    from rlgen_cli.schema.algo import TokenAlgoConfig
+
+    geometry = {"prompts_per_epoch": 4, "group_size": 4}
+    small = TokenAlgoConfig(
+        **geometry, sample_batch_size=2, train_batch_size=2, gradient_accumulation_steps=4
+    )
+    assert [assignment_unit(small, n) for n in (1, 2, 4)] == [2, 2, 2]
+    mixed = TokenAlgoConfig(
+        **geometry, sample_batch_size=4, train_batch_size=2, gradient_accumulation_steps=4
+    )
+    assert [assignment_unit(mixed, n) for n in (1, 2)] == [4, 4]  # a step of 8 = 2 pieces of 4
+    # R1-VL's step: 16 completions rolled out in one batch cannot give 4 processes whole rollout batches,
+    # so each takes training micro-batches (and samples them itself)
+    r1vl = TokenAlgoConfig(
+        **geometry, sample_batch_size=16, train_batch_size=1, gradient_accumulation_steps=16
+    )
+    assert [assignment_unit(r1vl, n) for n in (1, 4)] == [16, 1]

@@ -177,7 +177,6 @@ def _rows(out: str) -> list[str]:
     ]
 
 
-@pytest.mark.slow  # two CLI checks, ~20 s
 def test_check_onpolicy_passes_and_fails_when_the_weights_move(tmp_path: Path):
     code, out = run_cli("check-onpolicy", *TINY, f"hydra.run.dir={tmp_path / 'ok'}")
     assert code == 0, out
@@ -208,7 +207,6 @@ def _train(run: Path, *extra: str) -> Path:
     return run
 
 
-@pytest.mark.slow  # ~15 s
 def test_train_runs_both_stages_and_moves_both_tracks(tmp_path: Path):
     run = _train(tmp_path)
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -226,7 +224,6 @@ def test_train_runs_both_stages_and_moves_both_tracks(tmp_path: Path):
     assert results["rounds"] == 2 and "round_2/overall" in results, results
 
 
-@pytest.mark.slow  # ~15 s: the text loss alone moves the text track
 def test_the_text_loss_trains_the_understanding_expert(tmp_path: Path):
     from rlgen_cli.r3.policy import IMAGE, TEXT
     from rlgen_cli.recipes.r3 import R3Recipe
@@ -258,7 +255,7 @@ def test_the_text_loss_trains_the_understanding_expert(tmp_path: Path):
     )
 
 
-@pytest.mark.slow  # ~1–3 min: a run on one process and one on two
+@pytest.mark.slow  # ~20 s: a run on one process and one on two
 def test_two_processes_train_as_one(tmp_path: Path):
     one = _train(tmp_path / "one")
     two = _train(

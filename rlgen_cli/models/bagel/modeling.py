@@ -23,6 +23,8 @@ enters as ``vae2llm(patch) + time_embedder(t) + latent_pos_embed(row·max + col)
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -284,6 +286,12 @@ class Bagel(nn.Module, PeftAdapterMixin):
         side = self.config.max_latent_size
         rows, cols = torch.arange(h, device=device), torch.arange(w, device=device)
         return (rows[:, None] * side + cols).flatten()
+
+    def forward(self, method: Callable[..., Tensor], *args: Any) -> Tensor:
+        """``method(self, *args)``: one of the network's passes (:meth:`generation_velocity`, editing's
+        ``edit_velocity``) run as the module's call, so that a distributed wrapper, which only ever calls
+        ``forward``, sees every training pass and reduces its gradients."""
+        return method(self, *args)
 
     def generation_velocity(
         self, text_ids: Tensor, text_mask: Tensor, markers: tuple[int, int], latents: Tensor, t: Tensor,

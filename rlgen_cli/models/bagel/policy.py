@@ -285,8 +285,8 @@ class BagelPolicy:
         tokens = patchify_latents(x, p).to(self.dtype)
         markers = (self.markers["<|vision_start|>"], self.markers["<|vision_end|>"])
         with autocast(self.device, self.dtype):
-            out = self.trainable.forward_module().generation_velocity(
-                ids, mask, markers, tokens, t, (h // p, w // p)
+            out = self.trainable.forward_module()(
+                Bagel.generation_velocity, ids, mask, markers, tokens, t, (h // p, w // p)
             )
         return unpatchify_latents(out.float(), c, h, w, p)
 
@@ -329,8 +329,8 @@ class BagelPolicy:
         source = cond.tensors[editing.SOURCE_TOKENS_KEY]
         source_grid = (source.shape[-2] // p, source.shape[-1] // p)
         with autocast(self.device, self.dtype):
-            out = editing.edit_velocity(
-                self.trainable.forward_module(), self._vision_markers(), patchify_latents(source, p).to(self.dtype),
+            out = self.trainable.forward_module()(
+                editing.edit_velocity, self._vision_markers(), patchify_latents(source, p).to(self.dtype),
                 source_grid, cond.tensors[editing.VIT_PATCHES_KEY], cond.extras[editing.VIT_GRID_KEY], ids, mask,
                 tokens.to(self.dtype), t, self._patch_grid(),
             )  # fmt: skip
@@ -339,8 +339,14 @@ class BagelPolicy:
     def _text_only_tokens(self, tokens: Tensor, t: Tensor, ids: Tensor, mask: Tensor) -> Tensor:
         """One pass with the text alone as context (the image-CFG branch); fp32 velocity tokens."""
         with autocast(self.device, self.dtype):
-            out = self.trainable.forward_module().generation_velocity(
-                ids, mask, self._vision_markers(), tokens.to(self.dtype), t, self._patch_grid()
+            out = self.trainable.forward_module()(
+                Bagel.generation_velocity,
+                ids,
+                mask,
+                self._vision_markers(),
+                tokens.to(self.dtype),
+                t,
+                self._patch_grid(),
             )
         return out.float()
 
