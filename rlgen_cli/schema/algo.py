@@ -391,8 +391,8 @@ class FlowGrpoAlgoConfig(PolicyGradientConfig):
         super().require_process_split(world_size)
         per_step = self.micro_batches_per_step(world_size) * self.train_batch_size
         unit = self.assignment_unit
-        _require(
-            per_step % (unit * world_size) == 0,
+        _require(  # one process rolls out across optimizer steps freely: nothing to deal
+            world_size == 1 or per_step % (unit * world_size) == 0,
             f"an optimizer step's {per_step} samples (algo.gradient_accumulation_steps × algo.train_batch_size) "
             f"cannot be split over {world_size} processes in whole rollout batches: a process takes "
             f"lcm(algo.sample_batch_size={self.sample_batch_size}, algo.train_batch_size={self.train_batch_size})"

@@ -139,6 +139,24 @@ def test_an_unsplittable_step_stops_with_the_reason(cli, overrides: list[str], e
     assert code == 2 and expected in out, out
 
 
+def test_one_process_rolls_out_across_optimizer_steps():
+    """A rollout batch spanning two optimizer steps has nothing to deal on one process (the fast rollout
+    of docs/memory_speed.md); two processes could not each take whole rollout batches of it."""
+    from rlgen_cli.schema.algo import FlowGrpoAlgoConfig
+    from rlgen_cli.schema.errors import UserError
+
+    algo = FlowGrpoAlgoConfig(
+        prompts_per_epoch=2,
+        group_size=4,
+        sample_batch_size=8,
+        train_batch_size=2,
+        gradient_accumulation_steps=2,
+    )
+    algo.require_process_split(1)
+    with pytest.raises(UserError, match="in whole rollout batches"):
+        algo.require_process_split(2)
+
+
 def test_exact_reduction_is_refused_where_an_engine_reduces(cli):
     code, out = cli("train", "launcher=deepspeed_zero2", "launcher.exact_reduction=true")
     assert code == 2 and "launcher.exact_reduction=false" in out, out
