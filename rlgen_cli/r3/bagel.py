@@ -21,14 +21,31 @@ Contexts follow the reference's interleaved inference (``models/bagel/text.py`` 
 The wording of the system prompts and questions is rlgen's R3 wording (``r3/prompts.py``), shared with the
 composite.
 
-**Two tracks on one network.** One LoRA adapter covers both experts; its tensors split by name: the text
-track is the understanding expert's (``q_proj``, …, ``mlp.down_proj``), the image track the generation
-expert's (``*_moe_gen``). ``token_logprobs(reference=True)`` runs with every adapter off (a text pass only
-touches the understanding expert); :meth:`BagelUnifiedPolicy.image_reference` turns off the generation
-expert's adapters only — the prompt still runs through the trained understanding expert, as the image model
-the text track shapes. Both tracks' forwards are one network: under DDP they go through one wrapper around
-its MoT stack (:class:`_Distributed`), whose output carries 0·Σθ over every trainable tensor so each backward reduces every parameter (a text pass
-leaves the generation expert unused, an image pass the last layer's understanding projections).
+**Two tracks on one network.** The trained tensors split by name (:func:`is_image_tensor`): the image
+track owns the generation expert (``*_moe_gen``: its projections, q/k norms, layer norms, MLP and final
+norm) and the generation head around it (``time_embedder``, ``vae2llm``, ``llm2vae``); the text track owns
+everything else that trains. Two ways to train (``r3.policy.bagel.lora.enabled``):
+
+* **Full fine-tuning** (``false``, upstream R3's ``train_rl.sh``: every weight but the ViT's, one optimizer):
+  the text track is the understanding expert (q/k/v/o, q/k norms, layer norms, MLP, final ``norm``), the
+  token embeddings, the LM head (untied in BAGEL) and the ViT→LLM ``connector``; the ViT and the VAE are
+  frozen, the sin-cos position tables are buffers. The reference is a frozen copy of the starting network
+  (``TrainableTransformer``'s, as the composite's full fine-tuning has it): ``token_logprobs(reference=True)``
+  runs on the copy (contexts embedded by the copy's embeddings and connector too) and
+  :meth:`BagelUnifiedPolicy.image_reference` trades the image track's tensors with the copy's (a swap of
+  storage, no copy) — the prompt still runs through the trained understanding expert. Checkpoints are the
+  whole network in the release layout (``ema.safetensors`` + configs + VAE + tokenizer,
+  ``models/bagel/loading.py``): a trained checkpoint is a ``r3.policy.bagel.path``.
+* **LoRA** (``true``): one adapter covers both experts, its tensors split the same way (the understanding
+  expert's ``q_proj``, …, ``mlp.down_proj`` / the ``*_moe_gen`` ones); the reference is every adapter off
+  (text) or the generation expert's adapters off (image); checkpoints hold the adapter alone.
+
+Both tracks' forwards are one network: under DDP they go through one wrapper around its MoT stack
+(:class:`_Distributed`), whose output carries 0·Σθ over every trainable tensor of the network (the heads and
+embeddings outside the stack included) so each backward reduces every parameter (a text pass leaves the
+generation expert unused, an image pass the last layer's understanding projections). One process takes the
+same route without the wrapper, so an unused tensor gets a zero gradient there too and AdamW's step count
+(its bias correction) is the same on one process as on many.
 
     policy = build_bagel_unified(cfg.r3.policy, device)   # tiny BAGEL on a CPU, or model.path's checkpoint
 """
@@ -48,6 +65,7 @@ from torch import Tensor, nn
 
 from rlgen_cli.models import Cond, build_policy
 from rlgen_cli.models.bagel import text as bagel_text
+from rlgen_cli.models.bagel.loading import read_weights, save_checkpoint, weight_source
 from rlgen_cli.models.bagel.modeling import Bagel
 from rlgen_cli.models.bagel.policy import BagelPolicy
 from rlgen_cli.models.trainable import autocast
@@ -65,24 +83,32 @@ __all__ = ["BagelTokenBatch", "BagelUnifiedPolicy", "build_bagel_unified", "is_i
 
 GENERATION_EXPERT = "_moe_gen"
 """Module names of the generation expert carry this suffix (``q_proj_moe_gen``, ``mlp_moe_gen.…``)."""
+GENERATION_HEAD = ("time_embedder.", "vae2llm.", "llm2vae.")
+"""The modules around the MoT stack only the image pass uses: latent patches in, velocity out, time."""
+FROZEN = ("vit_model.",)
+"""Never trained (upstream R3's ``freeze_vit``); the VAE lives outside the network."""
 
 
 def is_image_tensor(name: str) -> bool:
-    """Whether a LoRA tensor of the network belongs to the image track (the generation expert)."""
-    return GENERATION_EXPERT in name
+    """Whether a trained tensor of the network (a weight, or a LoRA tensor) belongs to the image track:
+    the generation expert or the generation head."""
+    return GENERATION_EXPERT in name or name.startswith(GENERATION_HEAD)
 
 
 @dataclass
 class BagelTokenBatch(TokenBatch):
-    """The training layout of B completions: each row's embedded context (frozen embeddings and ViT
-    tokens: nothing there trains) and the completion grid."""
+    """The training layout of B completions: each row's prompt and image (``None``: a reason row), from
+    which the scoring network embeds the context (under full fine-tuning the embeddings and the connector
+    train, and the reference embeds with its own), and the completion grid."""
 
-    contexts: list[bagel_text.Context] = None  # type: ignore[assignment]
+    prompts: list[str] = None  # type: ignore[assignment]
+    images: list[Any] = None  # type: ignore[assignment]
 
 
 class _Route(nn.Module):
     """What DDP wraps: the MoT stack (``language_model.model``), whose output carries 0·Σθ over the trainable
-    tensors so that every backward reduces every parameter."""
+    tensors of the whole network (under full fine-tuning also the LM head, embeddings, connector and
+    generation head, which run outside the stack) so that every backward reduces every parameter."""
 
     def __init__(self, network: Bagel) -> None:
         super().__init__()
@@ -110,8 +136,8 @@ class _View:
 
 class _Distributed:
     """The network as the training forwards see it under DDP: every attribute is the bare network's, except
-    ``language_model.model``, whose call runs through the wrapper — the one place trained tensors live (the
-    embeddings, the ViT and the heads around it are frozen). Passes run on this object (called with the pass,
+    ``language_model.model``, whose call runs through the wrapper (the module DDP registered every trained
+    tensor of the network with, :class:`_Route`). Passes run on this object (called with the pass,
     as :meth:`Bagel.forward` is, or given it as their network: the text paths) therefore reduce their
     gradients. ``module`` is the bare network, which ``TrainableTransformer.forward_module`` checks."""
 
@@ -138,11 +164,21 @@ class BagelUnifiedPolicy:
         self.think_mode = think
         self.device = image.device
         self.dtype = image.dtype
+        self.lora = image.trainable.lora
         named = [(n, p) for n, p in self.network.named_parameters() if p.requires_grad]
         self.tracks = {
             TEXT: [p for n, p in named if not is_image_tensor(n)],
             IMAGE: [p for n, p in named if is_image_tensor(n)],
         }
+        self._image_pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+        if not self.lora:  # each image-track weight with its frozen starting value
+            with image.trainable.reference():
+                frozen = dict(self.network.named_parameters())
+            self._image_pairs = [(p, frozen[n]) for n, p in named if is_image_tensor(n)]
+        # One process routes its training forwards as DDP does (without the wrapper): every trained tensor
+        # gets a gradient each step, zero where a stage leaves it unused (the connector in a reason step),
+        # so AdamW counts the same steps for it on one process as on many.
+        self.distribute(lambda module: module)
 
     @property
     def network(self) -> Bagel:
@@ -190,16 +226,18 @@ class BagelUnifiedPolicy:
         return Thoughts(prompts, images, out.ids, texts, out.truncated, out.logprobs)
 
     def token_batch(self, thoughts: Thoughts, rows: slice) -> BagelTokenBatch:
-        """Contexts of ``thoughts[rows]`` and their completions, right-padded."""
+        """The prompts and images of ``thoughts[rows]`` and their completions, right-padded."""
         completions = [c.long() for c in thoughts.completions[rows]]
         ids = pad_stack(completions, value=0).to(self.device)
         mask = pad_stack([torch.ones(c.numel(), dtype=torch.long) for c in completions]).to(self.device)
-        contexts = self._contexts(thoughts.prompts[rows], thoughts.images[rows])
-        return BagelTokenBatch(inputs={}, completion_ids=ids, completion_mask=mask, contexts=contexts)
+        return BagelTokenBatch(
+            inputs={}, completion_ids=ids, completion_mask=mask, prompts=list(thoughts.prompts[rows]),
+            images=list(thoughts.images[rows]),
+        )  # fmt: skip
 
     def token_logprobs(self, batch: TokenBatch, reference: bool = False) -> Tensor:
         """(B, L) completion log-probs at temperature 1, one full forward: π_θ (gradients if enabled), or
-        π_ref with every adapter off."""
+        π_ref (every adapter off, or the frozen copy: the context embedded by it too)."""
         if not isinstance(batch, BagelTokenBatch):
             raise TypeError("token_logprobs takes the BagelTokenBatch of token_batch")
         completions = [
@@ -207,10 +245,14 @@ class BagelUnifiedPolicy:
         ]
         if not reference:
             network = self.image.trainable.forward_module()  # the DDP route when gradients flow
+            # full FT: the graph reaches the embeddings and the connector through the context
+            contexts = self._contexts(batch.prompts, batch.images)
             with autocast(self.device, self.dtype):
-                return bagel_text.completion_logprobs(network, batch.contexts, completions)
-        with torch.no_grad(), self.image.trainable.reference(), autocast(self.device, self.dtype):
-            return bagel_text.completion_logprobs(self.network, batch.contexts, completions)
+                return bagel_text.completion_logprobs(network, contexts, completions)
+        with torch.no_grad(), self.image.trainable.reference():
+            contexts = self._contexts(batch.prompts, batch.images)  # self.network: the reference now
+            with autocast(self.device, self.dtype):
+                return bagel_text.completion_logprobs(self.network, contexts, completions)
 
     # -- image track --------------------------------------------------------------------------------
     def encode_generate(self, prompts: Sequence[str], plans: Sequence[str]) -> Cond:
@@ -276,14 +318,20 @@ class BagelUnifiedPolicy:
 
     # -- training -----------------------------------------------------------------------------------
     def trainable_parameters(self, track: str) -> list[nn.Parameter]:
-        """The understanding expert's LoRA tensors (text) or the generation expert's (image)."""
+        """The text track's tensors (understanding expert; with full FT also embeddings, LM head, connector)
+        or the image track's (generation expert; with full FT also the generation head): module docstring."""
         if track not in self.tracks:
             raise ValueError(f"unknown track {track!r}; tracks: {TEXT}, {IMAGE}")
         return self.tracks[track]
 
     @contextlib.contextmanager
     def image_reference(self) -> Iterator[None]:
-        """Within: the generation expert's adapters are off (the understanding expert's stay on)."""
+        """Within: the image track is its reference — the generation expert's adapters off (LoRA) or its
+        starting weights (full FT) — while the understanding expert stays trained."""
+        if not self.lora:
+            with self._image_weights_swapped():
+                yield
+            return
         from peft.tuners.tuners_utils import BaseTunerLayer
 
         layers = [
@@ -297,16 +345,48 @@ class BagelUnifiedPolicy:
             for layer in layers:
                 layer.enable_adapters(True)
 
+    @contextlib.contextmanager
+    def _image_weights_swapped(self) -> Iterator[None]:
+        """The image track's live tensors trade storage with the frozen copy's (O(1), no copy made); the
+        copy's storage returns on exit, so nothing the optimizer holds changes."""
+
+        def swap() -> None:
+            with torch.no_grad():
+                for live, frozen in self._image_pairs:
+                    live.data, frozen.data = frozen.data, live.data
+
+        swap()
+        try:
+            yield
+        finally:
+            swap()
+
     def distribute(self, wrap: Callable[[nn.Module], nn.Module]) -> None:
         """One wrapper (DDP: averaged gradients) for both tracks' training forwards on the one network."""
         self.image.trainable.distribute(lambda network: _Distributed(wrap(_Route(network)), network))
 
     def save_trainable(self, directory: Path) -> None:
-        """Both tracks in one file: the adapter of both experts (``models/bagel/policy.py``'s format)."""
-        self.image.trainable.save(Path(directory))
+        """Both tracks at once: the adapter of both experts (LoRA, ``models/bagel/policy.py``'s format), or
+        the whole network as a BAGEL checkpoint in the release layout (full FT: ``r3.policy.bagel.path``
+        can load it)."""
+        if self.lora:
+            self.image.trainable.save(Path(directory))
+            return
+        save_checkpoint(self.network, self.image.vae, self.image.tokenizer, Path(directory))
 
     def load_trainable(self, directory: Path) -> None:
-        self.image.trainable.load(Path(directory))
+        """Load what :meth:`save_trainable` wrote (full FT: every tensor of the network, strictly)."""
+        if self.lora:
+            self.image.trainable.load(Path(directory))
+            return
+        state = read_weights(weight_source(Path(directory)), torch.float32)  # trained weights are fp32
+        try:
+            self.network.load_state_dict(state)
+        except RuntimeError as error:
+            raise UserError(
+                f"the BAGEL weights in {directory} do not fit this network ({error}); was the checkpoint "
+                "made with another r3.policy.bagel model?"
+            ) from error
 
 
 def _to_tensor(image: Any) -> Tensor:
@@ -320,16 +400,17 @@ def build_bagel_unified(cfg: R3PolicyConfig, device: torch.device) -> BagelUnifi
     """The unified policy of ``r3.policy.bagel`` (tiny, or the checkpoint at its ``path``) on ``device``.
 
     Raises:
-        UserError: When the section is not a BAGEL with a LoRA adapter on both experts.
+        UserError: When the section is not a BAGEL, or its LoRA targets leave a track without tensors.
     """
     bagel = cfg.bagel
     if bagel.family != "bagel":
         raise UserError(f"model.family=r3_bagel needs r3.policy.bagel.family=bagel, got {bagel.family!r}")
-    if not bagel.lora.enabled:
-        raise UserError(
-            "model.family=r3_bagel trains LoRA adapters on BAGEL's two experts: set r3.policy.bagel.lora.enabled=true"
-        )
     image = build_policy(bagel, device)
+    if not bagel.lora.enabled:  # full fine-tuning: everything but the ViT (upstream's freeze_vit)
+        for name, param in image.transformer.named_parameters():
+            if name.startswith(FROZEN):
+                param.requires_grad_(False)
+        _share_frozen_vit(image)
     policy = BagelUnifiedPolicy(image, cfg.think)
     for track, expert in (
         (TEXT, "understanding (q_proj, …, mlp.down_proj)"),
@@ -341,8 +422,19 @@ def build_bagel_unified(cfg: R3PolicyConfig, device: torch.device) -> BagelUnifi
                 f"{expert} expert: the {track} track would have nothing to train; add its projections"
             )
     log.info(
-        "R3 on BAGEL (%s): one network, thinking %s; LoRA tensors: %d text (understanding), %d image (generation)",
-        "tiny" if bagel.tiny else bagel.path, "on" if cfg.think else "off", len(policy.tracks[TEXT]),
-        len(policy.tracks[IMAGE]),
+        "R3 on BAGEL (%s): one network, thinking %s; %s: %d text parameters (understanding), %d image "
+        "(generation)", "tiny" if bagel.tiny else bagel.path, "on" if cfg.think else "off",
+        "LoRA" if bagel.lora.enabled else "full fine-tuning", _numel(policy.tracks[TEXT]), _numel(policy.tracks[IMAGE]),
     )  # fmt: skip
     return policy
+
+
+def _numel(params: Sequence[nn.Parameter]) -> int:
+    return sum(p.numel() for p in params)
+
+
+def _share_frozen_vit(image: BagelPolicy) -> None:
+    """The reference copy uses the live ViT: frozen in both, one copy of its weights serves both."""
+    vit = image.transformer.vit_model
+    with image.trainable.reference():
+        image.transformer.vit_model = vit

@@ -63,7 +63,8 @@ class R3PolicyConfig:
     whenever the generator encodes a prompt (one copy of the 7 B weights instead of two)."""
     bagel: ModelConfig = field(default_factory=lambda: ModelConfig(family="bagel", tiny=True))
     """``model.family=r3_bagel``: the one BAGEL network that writes, draws and edits (a ``model=bagel``
-    section; its LoRA targets must name both experts: understanding = text track, ``*_moe_gen`` = image)."""
+    section). ``lora.enabled=false``: full fine-tuning of everything but the ViT (upstream R3); ``true``: one
+    adapter whose targets must name both experts (understanding = text track, ``*_moe_gen`` = image)."""
     think: bool = True
     """``model.family=r3_bagel``: reason = plan text, then the image from prompt + plan (BAGEL's thinking
     mode); false = no plan, the image from the prompt alone (the reason stage then trains its image only)."""
@@ -242,11 +243,6 @@ def _check_bagel(bagel: ModelConfig) -> None:
         bagel.family == "bagel",
         f"model.family=r3_bagel runs the BAGEL of r3.policy.bagel; its family is {bagel.family!r}: set "
         "r3.policy.bagel.family=bagel",
-    )
-    _require(
-        bagel.lora.enabled,
-        "model.family=r3_bagel trains LoRA adapters on BAGEL's two experts (text: understanding, image: "
-        "*_moe_gen): set r3.policy.bagel.lora.enabled=true",
     )
 
 
