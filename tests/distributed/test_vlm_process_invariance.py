@@ -14,8 +14,6 @@ micro-batches per step, so DDP's float32 all-reduce (the failing arm) meets them
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import run_cli
+from tests.distributed.test_process_invariance import one_thread
 
 COMMON = [
     "model=tiny_qwen2_vl",
@@ -46,17 +45,6 @@ ADAPTER = Path("checkpoints") / "epoch_000002" / "weights" / "adapter_model.safe
 TOKEN_SAME = ("reward/mean", "reward/std", "zero_std_ratio", "num_groups", "completions/mean_length",
               "policy_loss", "kl_loss", "ratio_min", "ratio_max", "grad_norm", "lr", "global_step")  # fmt: skip
 SFT_SAME = ("loss", "tokens", "grad_norm", "lr", "global_step")
-
-
-@contextmanager
-def one_thread() -> Iterator[None]:
-    """One CPU thread for the in-process run, as every launched worker has (OMP_NUM_THREADS=1)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _train(run: Path, *overrides: str) -> Path:
