@@ -35,7 +35,9 @@ import time
 from pathlib import Path
 
 CLI = "import sys; from rlgen_cli.cli import main; sys.exit(main())"
-COMMON = ["experiment=shapes_grpo_fast", "progress=false", "images_every=0", "save_every=0", "seed=0"]
+COMMON = [  # the held-out split is not part of the comparison: keep each run's budget for training
+    "experiment=shapes_grpo_fast", "progress=false", "images_every=0", "save_every=0", "seed=0", "eval_heldout=null",
+]  # fmt: skip
 GEOMETRY = [
     "algo.prompts_per_epoch=16", "algo.group_size=8", "algo.sample_batch_size=64", "algo.train_batch_size=64",
     "algo.gradient_accumulation_steps=2", "algo.lr=3e-5", "algo.kl_weight=0.0",
