@@ -173,24 +173,23 @@ def test_recompute_steps_equals_recompute_step_row_for_row():
 
 
 # -- rlgen check-onpolicy folds as the update does --------------------------------------------------------
-def test_check_onpolicy_with_folded_timesteps_stays_within_the_bound(cli, tmp_path):
-    # the tiny SD3's patch-embedding convolution is not batch invariant from 16 rows on (oneDNN picks
-    # another kernel): 4 samples × 3 steps × CFG give log-probs ≈ 1e-7 apart, inside the 1e-6 tolerance
+# the tiny SD3's patch-embedding convolution is not batch invariant from 16 rows on (oneDNN picks another
+# kernel): 4 samples × 3 steps × CFG give log-probs ≈ 1e-7 apart, inside the 1e-6 tolerance; perturbed
+# weights must fail
+@pytest.mark.parametrize(
+    ("overrides", "code_expected", "verdict"),
+    [
+        (["model.guidance_scale=4.5"], 0, "PASS max error"),
+        (["check.perturb_weights=1e-2"], 1, "FAIL max error"),
+    ],
+    ids=["stays_within_the_bound", "fails_with_perturbed_weights"],
+)
+def test_check_onpolicy_with_folded_timesteps(cli, tmp_path, overrides, code_expected, verdict):
     code, out = cli(
-        "check-onpolicy", *TINY_RUN, "model.guidance_scale=4.5", "algo.timesteps_per_pass=3",
-        f"hydra.run.dir={tmp_path}",
-    )  # fmt: skip
-    assert code == 0, out
-    assert "PASS max error" in out
-
-
-def test_check_onpolicy_with_folded_timesteps_fails_with_perturbed_weights(cli, tmp_path):
-    code, out = cli(
-        "check-onpolicy", *TINY_RUN, "algo.timesteps_per_pass=3", "check.perturb_weights=1e-2",
-        f"hydra.run.dir={tmp_path}",
-    )  # fmt: skip
-    assert code == 1, out
-    assert "FAIL max error" in out
+        "check-onpolicy", *TINY_RUN, *overrides, "algo.timesteps_per_pass=3", f"hydra.run.dir={tmp_path}"
+    )
+    assert code == code_expected, out
+    assert verdict in out
 
 
 def test_timesteps_per_pass_below_one_exits_2_naming_the_key(cli, tmp_path):
