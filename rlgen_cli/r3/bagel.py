@@ -265,28 +265,8 @@ class BagelUnifiedPolicy:
             rows.append([i for p in pieces if p for i in bagel_text.text_piece(tokenizer, markers, p)])
             negative = REASON_SYSTEM if self.think_mode else self.image.cfg.negative_prompt
             negatives.append(bagel_text.text_piece(tokenizer, markers, negative) if negative else [])
-        ids, mask = self._padded(rows)
-        tensors = {"text_ids": ids, "text_mask": mask}
-        if self.image.guidance_scale > 1.0:
-            neg_ids, neg_mask = self._padded(negatives)
-            tensors |= {"neg_text_ids": neg_ids, "neg_text_mask": neg_mask}
-        return Cond(tensors, {STAGE_KEY: GENERATE})
-
-    def _padded(self, rows: list[list[int]]) -> tuple[Tensor, Tensor]:
-        """Right-padded (B, model.max_sequence_length) ids and mask, as BagelPolicy's contexts are."""
-        length = self.image.cfg.max_sequence_length
-        longest = max(len(r) for r in rows)
-        if longest > length:
-            raise UserError(
-                f"a generation context takes {longest} tokens (system prompt, prompt and plan with their markers), "
-                f"more than r3.policy.bagel.max_sequence_length={length}; raise it or lower r3.max_output_token_n_gen"
-            )
-        ids = torch.full((len(rows), length), self.image.markers["<|im_end|>"], dtype=torch.long)
-        mask = torch.zeros((len(rows), length), dtype=torch.bool)
-        for i, row in enumerate(rows):
-            ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-            mask[i, : len(row)] = True
-        return ids.to(self.device), mask.to(self.device)
+        cond = self.image.encode_token_rows(rows, negatives)
+        return Cond(cond.tensors, {**cond.extras, STAGE_KEY: GENERATE})
 
     def encode_edit(self, images: Tensor, instructions: Sequence[str]) -> Cond:
         """BAGEL's editing conditioning on (source image resized to the image size, instruction)."""

@@ -173,17 +173,23 @@ class BagelPolicy:
         """Token ids (B, S) and mask (B, S) of each prompt's context ``<|im_start|>`` prompt ``<|im_end|>``;
         with CFG the empty (or ``model.negative_prompt``) context as ``neg_text_ids`` / ``neg_text_mask``.
         With ``images`` (B, 3, H, W) in [0, 1] the editing conditioning (:meth:`_with_sources`)."""
-        return self._encode_rows([self._marked(p) for p in prompts], images)
+        return self.encode_token_rows([self._marked(p) for p in prompts], images=images)
 
     @torch.no_grad()
     def encode_formatted(self, contexts: Sequence[str], images: Tensor | None = None) -> Cond:
         """:meth:`encode` for contexts already formatted by the caller: each string is tokenized as it is
         (its special tokens recognised, no markers added), e.g. a chat-formatted turn."""
-        return self._encode_rows(
-            [self.tokenizer.encode(c, add_special_tokens=False) for c in contexts], images
+        return self.encode_token_rows(
+            [self.tokenizer.encode(c, add_special_tokens=False) for c in contexts], images=images
         )
 
-    def _encode_rows(self, rows: list[list[int]], images: Tensor | None) -> Cond:
+    @torch.no_grad()
+    def encode_token_rows(
+        self, rows: list[list[int]], negatives: list[list[int]] | None = None, images: Tensor | None = None
+    ) -> Cond:
+        """The conditioning of contexts given as token ids (markers included), right-padded to
+        ``model.max_sequence_length``; ``negatives``: the text-CFG contexts (default: the marked
+        ``model.negative_prompt``, or no text at all when it is empty, as the reference's)."""
         if images is None and self.capabilities.takes_source_images:
             raise UserError(
                 "model.family=bagel_edit edits a source image per prompt and got none; give the data set an "
@@ -191,7 +197,10 @@ class BagelPolicy:
             )
         ids, mask = self._padded(rows)
         tensors = {"text_ids": ids, "text_mask": mask}
-        if self.guidance_scale > 1.0:
+        if self.guidance_scale > 1.0 and negatives is not None:
+            neg_ids, neg_mask = self._padded(negatives)
+            tensors |= {"neg_text_ids": neg_ids, "neg_text_mask": neg_mask}
+        elif self.guidance_scale > 1.0:
             negative = self.cfg.negative_prompt
             neg_ids, neg_mask = self._padded([self._marked(negative)] * len(rows))
             if not negative:
@@ -233,12 +242,13 @@ class BagelPolicy:
         if longest > length:
             raise UserError(
                 f"a prompt takes {longest} tokens (with its markers), more than model.max_sequence_length="
-                f"{length}; raise model.max_sequence_length or shorten the prompt"
+                f"{length} (r3.policy.bagel.max_sequence_length under R3, where the system prompt and plan count "
+                "too); raise it or shorten the prompt"
             )
         ids = torch.full((len(rows), length), end, dtype=torch.long)
         mask = torch.zeros((len(rows), length), dtype=torch.bool)
         for i, row in enumerate(rows):
-            ids[i, : len(row)] = torch.tensor(row)
+            ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
             mask[i, : len(row)] = True
         return ids.to(self.device), mask.to(self.device)
 
