@@ -7,6 +7,7 @@ saying which file is expected where and how to point ``data.train=`` / ``data.te
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 from rlgen_cli.data.edit_sets import SPLIT_SIZES as GENERATED
@@ -83,11 +84,18 @@ def not_utf8(path: Path, err: UnicodeDecodeError, key: str | None = None) -> Use
     )
 
 
-def load_prompts(spec: str, workdir: Path | None = None, key: str | None = None) -> PromptDataset:
-    """Load a prompt dataset; malformed or non-UTF-8 files raise :class:`UserError` naming the file."""
+def load_prompts(
+    spec: str,
+    workdir: Path | None = None,
+    key: str | None = None,
+    tag_repeats: Mapping[str, int] | None = None,
+) -> PromptDataset:
+    """Load a prompt dataset, each prompt of a tag repeated ``tag_repeats[tag]`` times
+    (:meth:`PromptDataset.repeated_by_tag`); malformed or non-UTF-8 files and impossible repeats raise
+    :class:`UserError` naming the file."""
     path = resolve_data_path(spec, key, workdir)
     try:
-        return PromptDataset.from_file(path)
+        return PromptDataset.from_file(path).repeated_by_tag(tag_repeats or {})
     except UnicodeDecodeError as err:
         raise not_utf8(path, err, key) from err
     except ValueError as err:

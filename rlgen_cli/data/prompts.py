@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, overload
@@ -166,6 +166,43 @@ class PromptDataset(Sequence[PromptExample]):
             if not isinstance(prompt, str):
                 raise TypeError(f"prompt {i} is a {type(prompt).__name__}, expected str.")
         return cls([PromptExample(i, prompt, {}) for i, prompt in enumerate(prompts)])
+
+    def repeated_by_tag(self, repeats: Mapping[str, int]) -> PromptDataset:
+        """Return the dataset with each example of tag ``t`` appearing ``repeats[t]`` times in a row
+        (tags not named: once; 0 leaves the tag out), re-indexed: each copy is its own group. Sampling
+        passes over the result visit the named tags that many times more (or less) often.
+
+        Args:
+            repeats: ``{GenEval tag: copies per pass}``.
+
+        Returns:
+            The expanded dataset (``self`` when ``repeats`` is empty).
+
+        Raises:
+            ValueError: On a negative or non-integer count, a tag no example carries, or nothing left.
+        """
+        if not repeats:
+            return self
+        tags = {str(example.metadata.get("tag")) for example in self._examples if "tag" in example.metadata}
+        for tag, count in repeats.items():
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise ValueError(f"data.tag_repeats[{tag!r}] = {count!r}: give a whole number of copies ≥ 0.")
+            if tag not in tags:
+                raise ValueError(
+                    f"data.tag_repeats names {tag!r}, which no prompt of {self.source} carries; its tags are "
+                    f"{sorted(tags) or 'none (GenEval .jsonl prompts carry a tag)'}."
+                )
+        copies = [
+            (example.prompt, example.metadata)
+            for example in self._examples
+            for _ in range(repeats.get(str(example.metadata.get("tag")), 1))
+        ]
+        if not copies:
+            raise ValueError(
+                f"data.tag_repeats={dict(repeats)} leaves no prompt of {self.source}; keep a count > 0."
+            )
+        examples = [PromptExample(i, prompt, metadata) for i, (prompt, metadata) in enumerate(copies)]
+        return PromptDataset(examples, source=f"{self.source} (tag_repeats {dict(repeats)})")
 
     def __len__(self) -> int:
         """Return the number of prompts."""

@@ -227,12 +227,13 @@ def setup(cfg: FlowRunConfig, raw_cfg: DictConfig) -> FlowRun:
     seeded draws (adapter init) happen in the same order in every run, resumed or not."""
     torch.manual_seed(cfg.seed)
     dist = make_dist(cfg.device)
+    run_dir = Path(cfg.run_dir)
+    # prompts first (no random draws): a bad prompt file or tag_repeats stops the run before a model loads
+    train_set = load_prompts(cfg.data.train, run_dir, "data.train", tag_repeats=cfg.data.tag_repeats)
+    test_set = load_prompts(cfg.data.test, run_dir, "data.test")
     policy = build_policy(cfg.model, dist.device)
     require_ema_engine(cfg.algo.ema.enabled, fsdp=dist.engine == "fsdp")
     reward = build_mix(dict(cfg.reward.weights), **{k: dict(v) for k, v in cfg.reward.kwargs.items()})
-    run_dir = Path(cfg.run_dir)
-    train_set = load_prompts(cfg.data.train, run_dir, "data.train")
-    test_set = load_prompts(cfg.data.test, run_dir, "data.test")
     sampler = GroupSampler(
         len(train_set), cfg.algo.prompts_per_epoch, cfg.algo.group_size, seed=cfg.seed,
         num_replicas=dist.world_size, rank=dist.rank,

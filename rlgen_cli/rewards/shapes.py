@@ -9,6 +9,9 @@ scored by :func:`~rlgen_cli.shapes.score.score_detections` against their ShapesE
   satisfy "a photo of a circle"); the penalty makes each unrequested object cost ≈ 40 % (0.5).
 * ``"partial"``: plain Flow-GRPO partial credit (shows reward hacking in benchmarks).
 * ``"strict"``: ShapesEval strict accuracy as 0/1.
+* ``"lenient"``: GenEval's original binary accuracy as 0/1, which checks only the first ``count``
+  detections of each requested class: extra copies of a requested shape and objects of other classes
+  cost nothing, so drawing more shapes is paid wherever it makes the requested ones more likely.
 
 Details (per sample): ``strict``, ``accuracy``, ``partial``, ``geneval_strict``, ``n_extra`` (float
 tensors), ``tag`` and ``reason`` (lists of str).
@@ -33,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["MODES", "ShapesGenEvalReward", "clutter_score", "shapes_geneval"]
 
-MODES = ("clutter", "partial", "strict")
+MODES = ("clutter", "partial", "strict", "lenient")
 
 
 def clutter_score(partial: float, n_extra: int, extra_penalty: float = 0.5) -> float:
@@ -109,6 +112,8 @@ class ShapesGenEvalReward:
             return result.score
         if self.mode == "strict":
             return float(result.strict)
+        if self.mode == "lenient":
+            return float(result.accuracy)
         return clutter_score(result.score, result.n_extra, self.extra_penalty)
 
     def score(self, batch: RewardBatch) -> RewardResult:
@@ -165,7 +170,8 @@ def shapes_geneval(
     """Build the ShapesEval reward.
 
     Args:
-        mode: ``"clutter"`` (partial credit × exp(−extra_penalty·n_extra)), ``"partial"`` or ``"strict"``.
+        mode: ``"clutter"`` (partial credit × exp(−extra_penalty·n_extra)), ``"partial"``, ``"strict"``
+            or ``"lenient"`` (GenEval's binary accuracy).
         extra_penalty: Log-discount per unrequested object in ``"clutter"`` mode.
         min_area: Smallest component counted as an object; ``None`` = 8 px per 32×32 (size-scaled).
         position_margin: GenEval position margin.

@@ -271,6 +271,10 @@ class DataConfig:
     eval_num_prompts: int = 8
     """Test prompts used by periodic evaluation (0 = all)."""
     eval_images_per_prompt: int = 1
+    tag_repeats: dict[str, int] = field(default_factory=dict)
+    """Sampling by tag: each training prompt of GenEval tag ``t`` appears ``tag_repeats[t]`` times per
+    pass over ``train`` (tags not named: once, 0 leaves the tag out), e.g. ``{two_object: 2}`` trains
+    twice as often on the prompts a model finds hard. Needs .jsonl prompts, which carry tags."""
 
 
 @dataclass

@@ -150,6 +150,17 @@ def test_a_missing_data_file_exits_2_before_any_model_loads(tmp_path: Path, monk
     assert "data.train=/path/to/train.txt (data.test=… likewise)" in message
 
 
+def test_a_tag_repeat_for_a_missing_tag_exits_2_before_any_model_loads(tmp_path: Path, monkeypatch, capsys):
+    def no_model(*_args, **_kwargs):
+        raise AssertionError("a model was loaded before data.tag_repeats was checked")
+
+    monkeypatch.setattr("rlgen_cli.recipes.loop.build_policy", no_model)
+    code, out = _rlgen("train", "+data.tag_repeats={colour: 2}", f"hydra.run.dir={tmp_path}")
+    message = " ".join((out + capsys.readouterr().err).split())
+    assert code == 2, message
+    assert "data.tag_repeats names 'colour', which no prompt of" in message and "'colors'," in message
+
+
 def test_an_editing_model_without_source_images_exits_2_naming_the_row(tmp_path: Path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("make it red\n")

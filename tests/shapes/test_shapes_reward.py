@@ -68,6 +68,22 @@ def test_modes_on_hand_painted_images(painter):
     assert strict.scores.tolist() == [1.0, 0.0, 0.0] and strict.scores.dtype == torch.float32
 
 
+def test_lenient_mode_pays_duplicates_that_partial_credit_and_strict_refuse(painter):
+    scenes = [
+        [("circle", "red", 4, 4, 9), ("circle", "blue", 20, 20, 8)],  # two circles for "a circle"
+        [("square", "green", 2, 2, 8), ("square", "white", 20, 2, 8)],  # exactly two squares
+        [("square", "green", 2, 2, 8), ("square", "white", 20, 2, 8), ("square", "blue", 2, 20, 8)],
+    ]
+    batch = batch_of(painter, scenes, [SINGLE, COUNT2, COUNT2])
+    lenient = build_reward("shapes_geneval", mode="lenient").score(batch)
+    # GenEval's binary rule looks at the first `count` circles only: the duplicate passes; the counting
+    # prompt's exclude clause (3 squares) still fails the third image.
+    assert lenient.scores.tolist() == [1.0, 1.0, 0.0]
+    partial = build_reward("shapes_geneval", mode="partial").score(batch)
+    assert partial.scores.tolist() == [0.0, 1.0, 0.5]  # count term 1 − |1 − 2|/1 = 0 for the duplicate
+    assert lenient.details["strict"].tolist() == [0.0, 1.0, 0.0]
+
+
 def test_ground_truth_scores_one():
     metas = build_splits()["test"][:24]
     images = render_batch(metas, list(range(24)))
@@ -87,7 +103,7 @@ def test_config_builds_the_reward():
 
 def test_bad_arguments_and_batches():
     with pytest.raises(ValueError, match="mode"):
-        build_reward("shapes_geneval", mode="lenient")
+        build_reward("shapes_geneval", mode="recall")
     with pytest.raises(ValueError, match="extra_penalty"):
         build_reward("shapes_geneval", extra_penalty=-1.0)
     reward = ShapesGenEvalReward()

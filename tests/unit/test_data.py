@@ -74,6 +74,51 @@ def test_missing_file_and_bad_suffix(tmp_path: Path) -> None:
         PromptDataset.from_file(csv)
 
 
+def _tagged(tmp_path: Path) -> PromptDataset:
+    rows = [("a", "single_object"), ("b", "counting"), ("c", "two_object"), ("d", "counting")]
+    path = tmp_path / "tagged.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p, "tag": t}) + "\n" for p, t in rows))
+    return PromptDataset.from_file(path)
+
+
+def test_repeated_by_tag_copies_each_tagged_prompt_and_reindexes(tmp_path: Path) -> None:
+    data = _tagged(tmp_path)
+    assert data.repeated_by_tag({}) is data
+    out = data.repeated_by_tag({"counting": 3, "single_object": 0})
+    assert [e.prompt for e in out] == ["b", "b", "b", "c", "d", "d", "d"]  # file order, copies in a row
+    assert [e.index for e in out] == list(range(7))  # each copy its own group
+    assert out[0].metadata == {"prompt": "b", "tag": "counting"}
+    # a pass over the expanded set visits counting prompts 3× as often as two_object ones
+    sampler = GroupSampler(len(out), prompts_per_step=7, group_size=1, seed=0)
+    assert Counter(out[i].metadata["tag"] for i in sampler.prompt_indices_for_epoch(0)) == {
+        "counting": 6, "two_object": 1,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("repeats", "match"),
+    [
+        (
+            {"colors": 2},
+            "no prompt of .* carries; its tags are \\['counting', 'single_object', 'two_object'\\]",
+        ),
+        ({"counting": -1}, "whole number of copies"),
+        ({"counting": 1.5}, "whole number of copies"),
+        ({"counting": 0, "single_object": 0, "two_object": 0}, "leaves no prompt"),
+    ],
+)
+def test_repeated_by_tag_errors(tmp_path: Path, repeats: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _tagged(tmp_path).repeated_by_tag(repeats)
+
+
+def test_repeated_by_tag_needs_tags(tmp_path: Path) -> None:
+    path = tmp_path / "plain.txt"
+    path.write_text("a\nb\n")
+    with pytest.raises(ValueError, match="GenEval .jsonl prompts carry a tag"):
+        PromptDataset.from_file(path).repeated_by_tag({"counting": 2})
+
+
 def test_from_prompts_validation() -> None:
     with pytest.raises(ValueError, match="empty"):
         PromptDataset.from_prompts([])
