@@ -18,8 +18,12 @@ the default run's decay is sized to its own epochs —, evaluated through an EMA
 
 Each run is evaluated before training and every few epochs (ODE sampling of the test prompts, the same
 noise every time). Time is the cumulative training seconds (``time/epoch``), evaluations excluded.
+``--seeds N`` repeats every algorithm with seeds 0 … N−1 (the seed draws the prompts, the noise and the
+evaluation noise, so the base itself reads differently per seed): the plot draws each algorithm's change
+from its own base, the mean over seeds as a line and the spread (min to max) as a band, and the summary
+gives the mean change with its min and max.
 
-    python benchmarks/shapes.py [--minutes 5] [--runs grpo_fast,grpo_partial] [--out benchmarks/results]
+    python benchmarks/shapes.py [--minutes 5] [--seeds 2] [--runs grpo_fast,grpo_partial] [--out benchmarks/results]
 
 Writes ``shapes.json`` and ``shapes.png`` under ``--out`` and prints the JSON summary on one line.
 """
@@ -36,7 +40,7 @@ from pathlib import Path
 
 CLI = "import sys; from rlgen_cli.cli import main; sys.exit(main())"
 COMMON = [  # the held-out split is not part of the comparison: keep each run's budget for training
-    "experiment=shapes_grpo_fast", "progress=false", "images_every=0", "save_every=0", "seed=0", "eval_heldout=null",
+    "experiment=shapes_grpo_fast", "progress=false", "images_every=0", "save_every=0", "eval_heldout=null",
 ]  # fmt: skip
 GEOMETRY = [
     "algo.prompts_per_epoch=16", "algo.group_size=8", "algo.sample_batch_size=64", "algo.train_batch_size=64",
@@ -58,6 +62,8 @@ RUNS: dict[str, list[str]] = {
         "reward.kwargs.shapes_geneval.mode=partial",
     ],
 }
+HACKABLE = ("grpo_partial",)
+"""Runs on a reward a policy can game, drawn dashed."""
 METRICS = {
     "strict": "eval/reward/shapes_geneval/strict/mean",
     "lenient": "eval/reward/shapes_geneval/accuracy/mean",
@@ -65,12 +71,14 @@ METRICS = {
 }
 
 
-def train(name: str, overrides: list[str], minutes: float, eval_every: int, root: Path) -> list[dict]:
+def train(
+    name: str, seed: int, overrides: list[str], minutes: float, eval_every: int, root: Path
+) -> list[dict]:
     """One CLI run; returns its metrics rows."""
-    run = root / name
+    run = root / f"{name}_seed{seed}"
     argv = [
-        sys.executable, "-c", CLI, "train", *COMMON, *overrides, f"time_limit_minutes={minutes}", "epochs=100000",
-        f"eval_every={eval_every}", f"hydra.run.dir={run}",
+        sys.executable, "-c", CLI, "train", *COMMON, *overrides, f"seed={seed}", f"time_limit_minutes={minutes}",
+        "epochs=100000", f"eval_every={eval_every}", f"hydra.run.dir={run}",
     ]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -91,7 +99,19 @@ def curve(rows: list[dict]) -> dict[str, list[float]]:
     return points
 
 
-def plot(curves: dict[str, dict[str, list[float]]], out: Path) -> None:
+def gain_band(seeds: dict[int, dict[str, list[float]]], metric: str) -> tuple[list[float], ...]:
+    """Each seed's change from its own base, interpolated onto the union of their evaluation minutes:
+    ``(minutes, mean, low, high)`` over seeds."""
+    import numpy as np
+
+    grid = sorted({m for points in seeds.values() for m in points["minutes"]})
+    gains = np.array([
+        np.interp(grid, points["minutes"], np.array(points[metric]) - points[metric][0]) for points in seeds.values()
+    ])  # fmt: skip
+    return grid, gains.mean(0).tolist(), gains.min(0).tolist(), gains.max(0).tolist()
+
+
+def plot(curves: dict[str, dict[int, dict[str, list[float]]]], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -101,35 +121,58 @@ def plot(curves: dict[str, dict[str, list[float]]], out: Path) -> None:
               "extra_per_image": "extra objects per image"}  # fmt: skip
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for ax, (metric, title) in zip(axes, titles.items()):
-        for name, points in curves.items():
-            ax.plot(points["minutes"], points[metric], marker="o", ms=3, label=name,
-                    linestyle="--" if name == "grpo_partial" else "-")  # fmt: skip
-        ax.set_title(title)
+        for name, seeds in curves.items():
+            grid, mean, low, high = gain_band(seeds, metric)
+            (line,) = ax.plot(grid, mean, marker="o", ms=3, label=f"{name} ({len(seeds)} seeds)",
+                              linestyle="--" if name in HACKABLE else "-")  # fmt: skip
+            ax.fill_between(grid, low, high, color=line.get_color(), alpha=0.15, linewidth=0)
+        ax.axhline(0.0, color="grey", linewidth=0.8)
+        ax.set_title(f"{title}: change from the base")
         ax.set_xlabel("training minutes (2 CPU cores)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle("ShapesEval test set: RL from the same base, same seed, same budget")
+    fig.suptitle("ShapesEval test set: RL from the same base and budget — mean over seeds, band = min…max")
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
 
 
-def summary(points: dict[str, list[float]]) -> dict[str, float]:
-    """Before, after and the change of each metric."""
-    out: dict[str, float] = {"minutes": points["minutes"][-1]}
+def summary(seeds: dict[int, dict[str, list[float]]]) -> dict[str, float]:
+    """Per metric: the mean over seeds of before, after and the change, with the change's min and max."""
+    runs = list(seeds.values())
+    out: dict[str, float] = {
+        "seeds": len(runs),
+        "minutes": round(sum(p["minutes"][-1] for p in runs) / len(runs), 3),
+    }
     for metric in METRICS:
-        before, after = points[metric][0], points[metric][-1]
+        deltas = [p[metric][-1] - p[metric][0] for p in runs]
         out |= {
-            f"{metric}_before": before,
-            f"{metric}_after": after,
-            f"{metric}_delta": round(after - before, 4),
+            f"{metric}_before": round(sum(p[metric][0] for p in runs) / len(runs), 4),
+            f"{metric}_after": round(sum(p[metric][-1] for p in runs) / len(runs), 4),
+            f"{metric}_delta": round(sum(deltas) / len(deltas), 4),
+            f"{metric}_delta_min": round(min(deltas), 4),
+            f"{metric}_delta_max": round(max(deltas), 4),
         }
     return out
+
+
+def write(
+    curves: dict[str, dict[int, dict[str, list[float]]]], args: argparse.Namespace, wall_s: float
+) -> dict:
+    """Write ``shapes.json`` and ``shapes.png`` for the runs so far; returns the JSON."""
+    result = {
+        "benchmark": "shapes", "minutes_per_run": args.minutes, "seeds": args.seeds, "wall_s": round(wall_s, 1),
+        "summary": {name: summary(seeds) for name, seeds in curves.items()}, "curves": curves,
+    }  # fmt: skip
+    (args.out / "shapes.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
+    plot(curves, args.out / "shapes.png")
+    return result
 
 
 def main() -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=5.0, help="training budget per algorithm")
+    parser.add_argument("--seeds", type=int, default=1, help="seeds per algorithm (0 … N−1)")
     parser.add_argument("--eval-every", type=int, default=10, help="epochs between evaluations")
     parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -138,18 +181,17 @@ def main() -> dict[str, object]:
     unknown = sorted(set(names) - set(RUNS))
     if unknown:
         parser.error(f"unknown runs {unknown}; choose from {list(RUNS)}")
+    if args.seeds < 1:
+        parser.error(f"--seeds {args.seeds}: give at least 1")
     started = time.perf_counter()
-    curves = {}
-    with tempfile.TemporaryDirectory(prefix="rlgen-shapes-") as tmp:
-        for name in names:
-            curves[name] = curve(train(name, RUNS[name], args.minutes, args.eval_every, Path(tmp)))
+    curves: dict[str, dict[int, dict[str, list[float]]]] = {}
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {
-        "benchmark": "shapes", "minutes_per_run": args.minutes, "wall_s": round(time.perf_counter() - started, 1),
-        "summary": {name: summary(points) for name, points in curves.items()}, "curves": curves,
-    }  # fmt: skip
-    (args.out / "shapes.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
-    plot(curves, args.out / "shapes.png")
+    with tempfile.TemporaryDirectory(prefix="rlgen-shapes-") as tmp:
+        for seed in range(args.seeds):  # seed-major, written after every run: one cut short keeps the rest
+            for name in names:
+                rows = train(name, seed, RUNS[name], args.minutes, args.eval_every, Path(tmp))
+                curves.setdefault(name, {})[seed] = curve(rows)
+                result = write(curves, args, time.perf_counter() - started)
     return result
 
 
