@@ -188,13 +188,13 @@ RANGES: dict[type, dict[str, Range | Pattern]] = {
     },
     TokenScheduleOptions: {"warmup_ratio": BELOW_ONE},
     RewardConfig: {"weights": ANY},
-    DataConfig: {"eval_num_prompts": NON_NEGATIVE, "eval_images_per_prompt": COUNT},
+    DataConfig: {"eval_num_prompts": NON_NEGATIVE, "eval_images_per_prompt": COUNT, "tag_repeats": NON_NEGATIVE},
     LauncherConfig: {
         "num_processes": COUNT, "num_machines": COUNT, "machine_rank": NON_NEGATIVE, "main_process_port": PORT,
     },
     R3Config: {
         "kl_weight_text": NON_NEGATIVE, "kl_weight_image": NON_NEGATIVE, "group_size": at_least(2),
-        "policy_group_size": COUNT, "max_output_token_n_gen": COUNT, "max_output_token_n_edit": COUNT,
+        "prompts_per_step": COUNT, "max_output_token_n_gen": COUNT, "max_output_token_n_edit": COUNT,
         "num_timesteps_gen": at_least(2), "num_timesteps_edit": at_least(2), "reward_server_port": PORT,
         "format_weight": ANY, "ce_weight": NON_NEGATIVE, "mse_weight": NON_NEGATIVE, "clip_range": POSITIVE,
         "perfect_ratio": PROBABILITY, "perfect_threshold": ANY, "buffer_size": COUNT,
