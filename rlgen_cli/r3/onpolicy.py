@@ -52,7 +52,7 @@ class CheckRow:
 
 def _text_row(recipe, batch, tolerance: float) -> CheckRow:
     thoughts, ratio_err, logp_err = batch.thoughts, 0.0, 0.0
-    for rows in micro_batches(len(thoughts), recipe.cfg.r3.micro_batch_size):
+    for rows in micro_batches(len(thoughts), recipe.geometry.micro_batch):
         tokens = recipe.policy.token_batch(thoughts, rows)
         trained = recipe.policy.token_logprobs(tokens)
         for ratio, delta in sampler_gaps(trained, tokens.completion_mask, thoughts.sampler_logprobs[rows]):
@@ -61,15 +61,19 @@ def _text_row(recipe, batch, tolerance: float) -> CheckRow:
 
 
 def _image_row(recipe, batch, tolerance: float) -> CheckRow:
-    rollout, ratio_err, logp_err = batch.images, 0.0, 0.0
-    if rollout.traj.num_steps:
-        for rows in micro_batches(len(batch.positions), recipe.cfg.r3.micro_batch_size):
+    ratio_err, logp_err = 0.0, 0.0
+    for rollout in batch.images:  # one per group this process holds, each with its own SDE step
+        if not rollout.traj.num_steps:
+            continue
+        for rows in micro_batches(len(rollout.images), recipe.geometry.micro_batch):
             traj = rollout.traj.index(rows)
             out, _ = recipe.image_step(traj, rollout.cond.index(rows), rollout.spec)
             delta = out.logprob.detach() - traj.logprobs[:, 0]
             ratio_err = max(ratio_err, (torch.exp(delta) - 1).abs().max().item())
             logp_err = max(logp_err, delta.abs().max().item())
-    track = f"image, step {rollout.sde_step}" if rollout.traj.num_steps else "image, no SDE"
+    steps = sorted({rollout.sde_step for rollout in batch.images if rollout.traj.num_steps})
+    named = f"step {steps[0]}" if len(steps) == 1 else f"steps {', '.join(map(str, steps))}"
+    track = f"image, {named}" if steps else "image, no SDE"
     return CheckRow(batch.stage, track, len(batch.positions), ratio_err, logp_err, tolerance)
 
 

@@ -29,7 +29,7 @@ from rlgen_cli.sde.rollout import StepSpec, Trajectory, rollout
 from rlgen_cli.sde.sampling import conditioned
 from rlgen_cli.sde.window import WindowPlan, plan_window
 
-__all__ = ["ImageRollout", "image_rollout", "micro_batches", "stage_plan", "text_rollout"]
+__all__ = ["ImageRollout", "image_rollout", "micro_batches", "shifted", "stage_plan", "text_rollout"]
 
 
 def micro_batches(n: int, size: int | None) -> Iterator[slice]:
@@ -37,6 +37,11 @@ def micro_batches(n: int, size: int | None) -> Iterator[slice]:
     size = size or n
     for start in range(0, n, size):
         yield slice(start, min(start + size, n))
+
+
+def shifted(rows: slice, offset: int) -> slice:
+    """``rows`` moved by ``offset``: a group's rows among all of a process's rows."""
+    return slice(rows.start + offset, rows.stop + offset)
 
 
 def stage_plan(

@@ -5,17 +5,17 @@ and draws (reason), looks at its image and writes an edit instruction or "no fur
 (reflect), then edits (refine). Text tokens train with token GRPO, image denoising with Flow-GRPO,
 jointly. Each step of the loop:
 
-1. **rollout** — even steps: the reason stage. A policy group (``policy_group_size`` consecutive ranks)
-   takes one prompt; its ``group_size`` branches each sample a plan and draw an image conditioned on prompt
-   + plan. Odd steps: the refine stage. The group draws one stage-1 image from the buffer every rank holds
+1. **rollout** — even steps: the reason stage. The step takes ``prompts_per_step`` prompts (global); each
+   prompt's ``group_size`` branches each sample a plan and draw an image conditioned on prompt + plan.
+   Odd steps: the refine stage. Each group draws one stage-1 image from the buffer every rank holds
    (``perfect_ratio`` of the draws perfect), and its branches each reflect and edit it. Every image takes
    exactly one SDE step (any step when generating, one of the first ``max_sde_timestep_idx_for_edit`` when
    editing), at the same index and from the same initial noise across the group; ``enable_sde_gen/edit``
    = false samples ODE only (that stage then trains its text alone).
 2. **score** — the reward of ``reward_fn`` (``r3/scoring.py``); reason stage images enter the buffer.
 3. **advantages** — ``r3/rewards.py``: text f·(r + w_f) / f·(w_f + Δ), image r / r_new (masked where no
-   edit happened); reward minus the group mean, per track, over the whole policy group (rewards are
-   gathered with their group ids first).
+   edit happened); reward minus the group mean, per track, over the whole group wherever its branches ran
+   (rewards are gathered with their group ids first).
 4. **update** — one on-policy step of ``ce_weight·(L_text + kl_weight_text·KL_text) + mse_weight·L_img +
    kl_weight_image·KL_img`` (``r3/loss.py``; ``tune_text_cot`` / ``tune_image_cot`` switch the tracks):
    text log-probs at temperature 1 on the rollout's own micro-batches, the image step recomputed through
@@ -23,6 +23,16 @@ jointly. Each step of the loop:
    ratios are exactly 1.
 5. **log / eval / checkpoint** — metrics.jsonl, each branch in ``samples/rank_<r>.jsonl``, periodic
    multi-round evaluation, full-state checkpoints (the buffer included).
+
+Several processes (``launcher=accelerate``; docs/distributed.md): the step's prompts_per_step ×
+group_size branches are dealt in equal consecutive shares (``schema/r3.py`` ``R3Geometry``): a process
+holds whole groups, or a group spans consecutive processes (upstream's policy group) that share its
+prompt, initial noise and SDE step. Everything a branch draws is keyed by its global position or group,
+a text micro-batch samples under the seed of its first branch's position, rewards are gathered in rank
+order (= global order) before the group statistics, each micro-batch's loss is weighted by its share of
+the step's branches over all processes, and gradients are summed in float64 once per step
+(``launcher.exact_reduction``). With the same ``micro_batch_size`` the run is then the same, bit for bit,
+on 1, 2 or 4 processes (``tests/distributed/test_r3_process_invariance.py``).
 
 Deliberate choices: the reason stage trains on the CFG-combined velocity it sampled with (upstream trains
 on the unguided one); every branch of a refine group runs the editor, even those that keep their image
@@ -64,11 +74,11 @@ from rlgen_cli.r3.rewards import (
     refine_rewards,
     track_advantages,
 )
-from rlgen_cli.r3.rollout import ImageRollout, image_rollout, micro_batches, stage_plan, text_rollout
+from rlgen_cli.r3.rollout import ImageRollout, image_rollout, micro_batches, shifted, stage_plan, text_rollout
 from rlgen_cli.r3.scoring import R3Scorer
 from rlgen_cli.recipes.loop import due, load_resume, reduce_over_ranks, save_trainer_checkpoint, summarise
 from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.r3 import R3Config, R3TrainConfig, track_models
+from rlgen_cli.schema.r3 import R3Config, R3Geometry, R3TrainConfig, r3_geometry, track_models
 from rlgen_cli.sde.rollout import StepSpec, Trajectory, recompute_step
 from rlgen_cli.sde.sampling import conditioned
 from rlgen_cli.training.checkpoint import (
@@ -103,21 +113,38 @@ class TextMicroBatch:
     ref: Tensor | None  # (B, L)
 
 
+@dataclass(frozen=True)
+class LocalGroup:
+    """One group's branches on this process: the group, its rows here and their global positions."""
+
+    group: int
+    rows: slice
+    positions: list[int]
+
+
 @dataclass
 class StageBatch:
-    """One stage's rollout on this process, ready for the update; N = group_size / policy_group_size."""
+    """One stage's rollout on this process, ready for the update; N = the process's branches of the step
+    (``R3Geometry.per_process``), one image rollout per group it holds (a group's SDE step is its own)."""
 
     stage: str
     samples: list[R3Sample]
     thoughts: Thoughts
-    images: ImageRollout
+    images: list[ImageRollout]  # one per local group
     rewards: StageRewards
     text_adv: Tensor  # (N,)
     image_adv: Tensor  # (N,), 0 where masked
-    positions: list[int]  # global branch positions
-    group: int
+    groups: list[LocalGroup]
     text_micro: list[TextMicroBatch] = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def positions(self) -> list[int]:
+        """Global branch positions of this process's rows."""
+        return [p for local in self.groups for p in local.positions]
+
+    def group_rollouts(self) -> list[tuple[LocalGroup, ImageRollout]]:
+        return list(zip(self.groups, self.images, strict=True))
 
 
 class R3Recipe:
@@ -142,11 +169,12 @@ class R3Recipe:
         self.train_set = load_r3_dataset(train_path, r3.dataset_name)
         self.val_set = load_r3_dataset(val_path, r3.dataset_name) if cfg.eval_every else []
         self.scorer = R3Scorer(r3, cfg.reward)
-        self.per_rank = r3.group_size // r3.policy_group_size
+        self.geometry: R3Geometry = r3_geometry(r3, self.dist.world_size)
+        self.groups = local_groups(self.geometry, self.dist.rank)
         self.sampler = GroupSampler(
-            len(self.train_set), self.dist.world_size // r3.policy_group_size, r3.group_size, seed=cfg.seed,
+            len(self.train_set), r3.prompts_per_step, r3.group_size, seed=cfg.seed,
             num_replicas=self.dist.world_size, rank=self.dist.rank,
-        )  # fmt: skip
+        )  # fmt: skip  # this rank's consecutive share of the step's prompts × branches
         self.buffer = StageOneBuffer(r3.buffer_size)
         self.tracks = [t for t, on in ((TEXT, r3.tune_text_cot), (IMAGE, r3.tune_image_cot)) if on]
         self.params = [p for track in self.tracks for p in self.policy.trainable_parameters(track)]
@@ -160,8 +188,10 @@ class R3Recipe:
         self.start_step, self.global_step = 0, 0
         resumed = self._maybe_resume()  # into the bare modules, before DDP wraps them
         self.optimizer = self.dist.prepare(
-            self.policy, self.optimizer, max_grad_norm=r3.max_grad_norm, micro_batch_size=self.per_rank,
+            self.policy, self.optimizer, max_grad_norm=r3.max_grad_norm,
+            micro_batch_size=self.geometry.micro_batch,
             compute_dtype=compute_dtype(r3, self.tracks, cfg.model.family),  # fp16 compute: the Dist scales the loss
+            exact_reduction=cfg.launcher.reduces_exactly,  # float64 gradient sums: same bits on any count
         )  # fmt: skip
         if resumed is not None:  # the optimizer state with the loss scaler's
             ckpt, state = resumed
@@ -173,9 +203,12 @@ class R3Recipe:
         self.sample_log = (self.run_dir / SAMPLES_DIR / f"rank_{self.dist.rank}.jsonl").open(
             "a", encoding="utf-8"
         )
+        geometry = self.geometry
         log.info(
-            "R3 on %s: %d processes, policy groups of %d, %d branches per group (%d per process), tracks %s",
-            self.device, self.dist.world_size, r3.policy_group_size, r3.group_size, self.per_rank, self.tracks,
+            "R3 on %s: %d prompts × %d branches per step over %d processes (%d per process, each group on "
+            "%d), %d per forward, tracks %s", self.device, r3.prompts_per_step, r3.group_size,
+            self.dist.world_size, geometry.per_process, geometry.ranks_per_group, geometry.micro_batch,
+            self.tracks,
         )  # fmt: skip
 
     def _maybe_resume(self) -> tuple[Checkpoint, dict[str, Any]] | None:
@@ -228,10 +261,24 @@ class R3Recipe:
         }  # fmt: skip
 
     # -- rollouts -------------------------------------------------------------------------------
-    def _positions(self) -> tuple[list[int], int]:
-        """This rank's global branch positions and its policy group."""
-        first = self.dist.rank * self.per_rank
-        return list(range(first, first + self.per_rank)), first // self.cfg.r3.group_size
+    @property
+    def first_position(self) -> int:
+        """Global position of this rank's first branch (its text micro-batches seed from there)."""
+        return self.groups[0].positions[0]
+
+    def _images(
+        self, stage: str, encode: Any, num_steps: int, sde: bool, max_index: int | None, step: int
+    ) -> list[ImageRollout]:
+        """One image rollout per local group: its own SDE step and shared initial noise; ``encode(rows)``
+        conditions rows of this process."""
+        seed, out = self.cfg.seed, []
+        for local in self.groups:
+            out.append(image_rollout(
+                self.policy, functools.partial(_encode_shifted, encode, local.rows.start), stage,
+                stage_plan(num_steps, sde, max_index, seed, step, local.group), self._spec(stage),
+                local.positions, [local.group] * len(local.positions), seed, step, self.geometry.micro_batch,
+            ))  # fmt: skip
+        return out
 
     def _spec(self, stage: str) -> StepSpec:
         r3 = self.cfg.r3
@@ -242,22 +289,21 @@ class R3Recipe:
         r3, seed = self.cfg.r3, self.cfg.seed
         samples = [self.train_set[i] for i in self.sampler.indices_for_epoch(step // 2)]
         prompts = [s.prompt for s in samples]
-        positions, group = self._positions()
         options = SamplingOptions(r3.temperature, r3.top_p, 0, r3.max_output_token_n_gen)
         thoughts = text_rollout(
-            lambda rows, s: self.policy.think(prompts[rows], options, s), len(samples), r3.micro_batch_size, seed,
-            step, positions[0],
+            lambda rows, s: self.policy.think(prompts[rows], options, s), len(samples),
+            self.geometry.micro_batch, seed, step, self.first_position,
         )  # fmt: skip
         plans = [extract_plan(text) for text in thoughts.texts]
-        images = image_rollout(
-            self.policy, lambda rows: self.policy.encode_generate(prompts[rows], plans[rows]), GENERATE,
-            stage_plan(r3.steps_gen, r3.enable_sde_gen, None, seed, step, group), self._spec(GENERATE),
-            positions, [group] * len(positions), seed, step, r3.micro_batch_size,
+        images = self._images(
+            GENERATE, lambda rows: self.policy.encode_generate(prompts[rows], plans[rows]), r3.steps_gen,
+            r3.enable_sde_gen, None, step,
         )  # fmt: skip
-        scores = self.scorer.score(images.images, samples)
-        self._fill_buffer(torch.tensor([s.index for s in samples]), images.images, scores)
+        pixels = torch.cat([rollout.images for rollout in images])
+        scores = self.scorer.score(pixels, samples)
+        self._fill_buffer(torch.tensor([s.index for s in samples]), pixels, scores)
         rewards = reason_rewards(thoughts.texts, scores, r3.format_weight)
-        return self._stage_batch(REASON, samples, thoughts, images, rewards, positions, group)
+        return self._stage_batch(REASON, samples, thoughts, images, rewards)
 
     def _fill_buffer(self, indices: Tensor, images: Tensor, scores: Tensor) -> None:
         """Every rank adds every rank's stage-1 images: the buffer is the same everywhere."""
@@ -269,65 +315,71 @@ class R3Recipe:
         )
 
     def rollout_refine(self, step: int) -> StageBatch:
-        """Reflections on, and edits of, one stage-1 image drawn by this rank's policy group."""
+        """Reflections on, and edits of, the stage-1 image each local group draws from the buffer."""
         r3, seed = self.cfg.r3, self.cfg.seed
-        positions, group = self._positions()
-        draw = self.buffer.draw(seed, step, group, r3.perfect_ratio)
-        n = len(positions)
-        samples = [self.train_set[draw.index]] * n
+        draws = [self.buffer.draw(seed, step, local.group, r3.perfect_ratio) for local in self.groups]
+        share = self.geometry.group_share
+        samples = [self.train_set[draw.index] for draw in draws for _ in range(share)]
+        n = len(samples)
         prompts = [s.prompt for s in samples]
-        sources = draw.image.expand(n, -1, -1, -1)  # (n, 3, H, W)
+        sources = torch.cat([draw.image.expand(share, -1, -1, -1) for draw in draws])  # (n, 3, H, W)
         options = SamplingOptions(r3.temperature, r3.top_p, 0, r3.max_output_token_n_edit)
         thoughts = text_rollout(
-            lambda rows, s: self.policy.reflect(sources[rows], prompts[rows], options, s), n, r3.micro_batch_size,
-            seed, step, positions[0],
+            lambda rows, s: self.policy.reflect(sources[rows], prompts[rows], options, s), n,
+            self.geometry.micro_batch, seed, step, self.first_position,
         )  # fmt: skip
         instructions = [extract_instruction(t) or NO_EDIT for t in thoughts.texts]
         kept = torch.tensor([is_no_edit(t) for t in thoughts.texts])
-        images = image_rollout(
-            self.policy, lambda rows: self.policy.encode_edit(sources[rows], instructions[rows]), EDIT,
-            stage_plan(r3.steps_edit, r3.enable_sde_edit, r3.max_sde_timestep_idx_for_edit, seed, step, group),
-            self._spec(EDIT), positions, [group] * n, seed, step, r3.micro_batch_size,
+        images = self._images(
+            EDIT, lambda rows: self.policy.encode_edit(sources[rows], instructions[rows]), r3.steps_edit,
+            r3.enable_sde_edit, r3.max_sde_timestep_idx_for_edit, step,
         )  # fmt: skip
-        prev = torch.full((n,), draw.score)
+        prev = torch.tensor([draw.score for draw in draws]).repeat_interleave(share)
+        perfect = torch.tensor([draw.perfect for draw in draws]).repeat_interleave(share)
         new = prev.clone()
         edited = (~kept).nonzero().squeeze(1)
-        new[edited] = self.scorer.score(images.images[edited], [samples[i] for i in edited.tolist()])
-        rewards = refine_rewards(thoughts.texts, prev, new, torch.full((n,), draw.perfect), r3.format_weight)
-        batch = self._stage_batch(REFINE, samples, thoughts, images, rewards, positions, group)
+        pixels = torch.cat([rollout.images for rollout in images])
+        new[edited] = self.scorer.score(pixels[edited], [samples[i] for i in edited.tolist()])
+        rewards = refine_rewards(thoughts.texts, prev, new, perfect, r3.format_weight)
+        batch = self._stage_batch(REFINE, samples, thoughts, images, rewards)
         batch.stats |= reduce_over_ranks(
             self.dist,
-            {"no_edit_rate": kept.float().mean().item(), "refine/drew_perfect": float(draw.perfect),
-             "refine/missed_kind": float(draw.missed), "delta/mean": rewards.delta.mean().item()}
+            {"no_edit_rate": kept.float().mean().item(), "delta/mean": rewards.delta.mean().item(),
+             "refine/drew_perfect": _mean(d.perfect for d in draws),
+             "refine/missed_kind": _mean(d.missed for d in draws)}
         )  # fmt: skip
         return batch
 
     # -- advantages and π_old -------------------------------------------------------------------
     def _stage_batch(
-        self, stage: str, samples: list[R3Sample], thoughts: Thoughts, images: ImageRollout,
-        rewards: StageRewards, positions: list[int], group: int,
+        self, stage: str, samples: list[R3Sample], thoughts: Thoughts, images: list[ImageRollout],
+        rewards: StageRewards,
     ) -> StageBatch:  # fmt: skip
-        """Group advantages over the whole policy group (gathered with group ids), this rank's rows kept."""
-        r3, n = self.cfg.r3, len(positions)
+        """Group advantages over every rank's branches in global order (a rank holds consecutive
+        positions, so rank order is global order: the group sums run in the same order on any process
+        count), this rank's rows kept."""
+        r3, n = self.cfg.r3, len(samples)
         gather = functools.partial(_gather, self.dist)
-        ids = gather(torch.full((n,), group))
+        ids = gather(torch.tensor([local.group for local in self.groups for _ in local.positions]))
         text, image = gather(rewards.text), gather(rewards.image)
         mask = gather(rewards.image_mask.float()) > 0.5
-        mine = slice(self.dist.rank * n, (self.dist.rank + 1) * n)
-        text_adv = track_advantages(text, ids, scale_by_std=r3.scale_by_std)[mine]
-        image_adv = track_advantages(image, ids, mask, scale_by_std=r3.scale_by_std)[mine]
-        batch = StageBatch(stage, samples, thoughts, images, rewards, text_adv, image_adv, positions, group)
+        mine = slice(self.first_position, self.first_position + n)
+        text_adv = track_advantages(text, ids, scale_by_std=r3.scale_by_std)
+        image_adv = track_advantages(image, ids, mask, scale_by_std=r3.scale_by_std)
+        batch = StageBatch(
+            stage, samples, thoughts, images, rewards, text_adv[mine], image_adv[mine], self.groups
+        )
         if TEXT in self.tracks:
             batch.text_micro = self.prepare_text(thoughts)
         lengths = torch.tensor([float(c.numel()) for c in thoughts.completions])
         batch.stats = {
             "reward/mean": image.mean().item(), "reward/std": image.std().item(),
             "reward/text/mean": text.mean().item(), "reward/text/std": text.std().item(),
-            "advantage/text/abs_mean": text_adv.abs().mean().item(),
+            "advantage/text/abs_mean": text_adv.abs().mean().item(),  # over the step's branches
             "advantage/image/abs_mean": image_adv.abs().mean().item(),
             "buffer/size": float(len(self.buffer)), "buffer/perfect_fraction": self.buffer.perfect.float().mean().item(),
             **reduce_over_ranks(self.dist, {
-                "format_rate": rewards.format.mean().item(), "sde_step": float(images.sde_step),
+                "format_rate": rewards.format.mean().item(), "sde_step": _mean(r.sde_step for r in images),
                 "completions/mean_length": lengths.mean().item(),
                 "completions/clipped_ratio": sum(thoughts.truncated) / n,
             }),
@@ -338,7 +390,7 @@ class R3Recipe:
     def prepare_text(self, thoughts: Thoughts) -> list[TextMicroBatch]:
         """π_old (the training path, right after the rollout) and π_ref on the rollout's micro-batches."""
         out = []
-        for rows in micro_batches(len(thoughts), self.cfg.r3.micro_batch_size):
+        for rows in micro_batches(len(thoughts), self.geometry.micro_batch):
             batch = self.policy.token_batch(thoughts, rows)
             old = self.policy.token_logprobs(batch)
             ref = (
@@ -358,6 +410,14 @@ class R3Recipe:
             ref = recompute_step(velocity, traj, 0, spec)
         return out, image_kl(out, ref.mean)
 
+    def step_share(self, rows: slice) -> float:
+        """What a micro-batch's row-mean loss is multiplied by before its backward: its rows' share of the
+        step's branches over all processes, times the process count (the Dist averages over processes).
+        Summed over every process's micro-batches that is the mean over the step's branches, whichever
+        process holds which branch; the factors of two process counts differ by a power of two when the
+        counts do, so the scaled gradients differ by exact powers of two."""
+        return (rows.stop - rows.start) * self.dist.world_size / self.geometry.branches_per_step
+
     def update(self, batch: StageBatch) -> dict[str, float]:
         """One optimizer step on both tracks (the tracks that are tuned and have something to train)."""
         r3, dev = self.cfg.r3, self.device
@@ -368,19 +428,20 @@ class R3Recipe:
                 logp, mb.old, batch.text_adv[mb.rows].to(dev), mb.batch.completion_mask, mb.ref,
                 clip_range=r3.clip_range, ce_weight=r3.ce_weight, kl_weight=r3.kl_weight_text,
             )  # fmt: skip
-            self.dist.backward(loss.loss / len(batch.text_micro))
+            self.dist.backward(loss.loss * self.step_share(mb.rows))
             _collect(stats, loss.stats)
-        rollout = batch.images
-        if IMAGE in self.tracks and rollout.traj.num_steps:
-            parts = list(micro_batches(len(batch.positions), r3.micro_batch_size))
-            for rows in parts:
-                traj = rollout.traj.index(rows)
+        for local, rollout in batch.group_rollouts():
+            if IMAGE not in self.tracks or not rollout.traj.num_steps:
+                continue
+            for rows in micro_batches(len(local.positions), self.geometry.micro_batch):
+                traj, mine = rollout.traj.index(rows), shifted(rows, local.rows.start)
                 out, kl = self.image_step(traj, rollout.cond.index(rows), rollout.spec)
                 loss = image_track_loss(
-                    out, traj.logprobs[:, 0], batch.image_adv[rows].to(dev), batch.rewards.image_mask[rows].to(dev),
-                    kl, clip_range=r3.clip_range, mse_weight=r3.mse_weight, kl_weight=r3.kl_weight_image,
+                    out, traj.logprobs[:, 0], batch.image_adv[mine].to(dev),
+                    batch.rewards.image_mask[mine].to(dev), kl, clip_range=r3.clip_range,
+                    mse_weight=r3.mse_weight, kl_weight=r3.kl_weight_image,
                 )  # fmt: skip
-                self.dist.backward(loss.loss / len(parts))
+                self.dist.backward(loss.loss * self.step_share(rows))
                 _collect(stats, loss.stats)
         max_norm = r3.max_grad_norm if r3.max_grad_norm > 0 else math.inf
         stats["grad_norm"].append(self.dist.clip_and_step(self.optimizer, self.params, max_norm))
@@ -395,15 +456,16 @@ class R3Recipe:
     # -- logging, evaluation, checkpoints -------------------------------------------------------
     def _log_samples(self, step: int, batch: StageBatch) -> None:
         """Each branch of this rank: what it wrote, where its image was stochastic, what it earned."""
-        for i, position in enumerate(batch.positions):
-            row = {
-                "step": step, "stage": batch.stage, "rank": self.dist.rank, "group": batch.group,
-                "position": position, "index": batch.samples[i].index, "prompt": batch.samples[i].prompt,
-                "text": batch.thoughts.texts[i], "sde_step": batch.images.sde_step,
-                "noise_sum": batch.images.noise_sum, "reward_image": float(batch.rewards.image[i]),
-                "reward_text": float(batch.rewards.text[i]), "format": float(batch.rewards.format[i]),
-            }  # fmt: skip
-            self.sample_log.write(json.dumps(row) + "\n")
+        for local, rollout in batch.group_rollouts():
+            for i, position in zip(range(local.rows.start, local.rows.stop), local.positions, strict=True):
+                row = {
+                    "step": step, "stage": batch.stage, "rank": self.dist.rank, "group": local.group,
+                    "position": position, "index": batch.samples[i].index, "prompt": batch.samples[i].prompt,
+                    "text": batch.thoughts.texts[i], "sde_step": rollout.sde_step,
+                    "noise_sum": rollout.noise_sum, "reward_image": float(batch.rewards.image[i]),
+                    "reward_text": float(batch.rewards.text[i]), "format": float(batch.rewards.format[i]),
+                }  # fmt: skip
+                self.sample_log.write(json.dumps(row) + "\n")
         self.sample_log.flush()
 
     def evaluate(self, step: int) -> dict[str, float]:
@@ -438,6 +500,26 @@ def compute_dtype(r3: R3Config, tracks: list[str], family: str = "r3_composite")
     models = track_models(family, r3.policy)
     dtypes = {model.dtype for track in tracks for model in models[track]}
     return next((d for d in ("float16", "bfloat16") if d in dtypes), "float32")
+
+
+def local_groups(geometry: R3Geometry, rank: int) -> list[LocalGroup]:
+    """The groups process ``rank`` holds, in order: its consecutive positions cut at group boundaries."""
+    first, share = geometry.first_position(rank), geometry.group_share
+    return [
+        LocalGroup(start // geometry.group_size, slice(start - first, start - first + share),
+                   list(range(start, start + share)))
+        for start in range(first, first + geometry.per_process, share)
+    ]  # fmt: skip
+
+
+def _encode_shifted(encode: Any, offset: int, rows: slice) -> Any:
+    """``encode`` of a group's ``rows``, which sit at ``offset`` among this process's rows."""
+    return encode(shifted(rows, offset))
+
+
+def _mean(values: Any) -> float:
+    values = [float(v) for v in values]
+    return sum(values) / len(values)
 
 
 def _gather(dist: Dist, values: Tensor) -> Tensor:

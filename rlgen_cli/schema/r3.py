@@ -94,9 +94,12 @@ class R3Config:
     """Train the image track (generated and edited images) with Flow-GRPO."""
     group_size: int = 16
     """Branches per prompt (reason) or per stage-1 image (refine)."""
-    policy_group_size: int = 1
-    """Consecutive processes sharing one group (prompt, initial noise, SDE step); each rolls out
-    group_size / policy_group_size branches. Upstream: 4 of 8 GPUs."""
+    prompts_per_step: int = 1
+    """Prompts (reason) or stage-1 images (refine) per optimizer step, over all processes: a step rolls out
+    prompts_per_step × group_size branches, dealt to the processes in equal consecutive shares — whole
+    groups each, or one group over num_processes / prompts_per_step consecutive processes, which then share
+    its prompt, initial noise and SDE step (:class:`R3Geometry`). Upstream: 2 (16 branches on each of 4
+    of 8 GPUs)."""
     max_output_token_n_gen: int = 196
     """Text tokens of a plan (reason stage)."""
     max_output_token_n_edit: int = 384
@@ -155,7 +158,9 @@ class R3Config:
     noise_level_edit: float = 1.0
     """η of the editing SDE step."""
     micro_batch_size: int | None = None
-    """Branches per forward on one process (rollout and training alike); null = all of them."""
+    """Branches per forward on one process (rollout and training alike; a text micro-batch samples under
+    the seed of its first branch); null = a process's share of one group. It must divide that share; a
+    number that does on every process count compared gives the same forwards, so the same run, on each."""
     # -- optimiser --------------------------------------------------------------------------------------
     lr: float = 5e-6
     warmup_steps: int = 10
@@ -174,16 +179,6 @@ class R3Config:
     offline: OfflineConfig = field(default_factory=OfflineConfig)
 
     def __post_init__(self) -> None:
-        _require(
-            self.group_size % self.policy_group_size == 0,
-            f"r3.group_size ({self.group_size}) must be divisible by r3.policy_group_size "
-            f"({self.policy_group_size}): each process rolls out group_size / policy_group_size branches",
-        )
-        per_rank = self.group_size // self.policy_group_size
-        _require(
-            self.micro_batch_size is None or per_rank % self.micro_batch_size == 0,
-            f"r3.micro_batch_size ({self.micro_batch_size}) must divide the {per_rank} branches of a process",
-        )
         _require(
             self.tune_text_cot or self.tune_image_cot, "r3.tune_text_cot and r3.tune_image_cot are both false"
         )
@@ -230,12 +225,81 @@ class R3Config:
         return self.train_data_path or path, self.val_data_path or path
 
 
-def _check_world(r3: R3Config, world_size: int) -> None:
+@dataclass(frozen=True)
+class R3Geometry:
+    """How a step's prompts_per_step × group_size branches split over ``world_size`` processes.
+
+    Process r rolls out the consecutive global positions r·per_process … r·per_process + per_process − 1
+    (branch j of prompt p sits at p·group_size + j), in pieces of ``group_share`` branches of one group
+    each; a group spans ``ranks_per_group`` consecutive processes (upstream's policy group). Everything a
+    branch draws is keyed by its global position or its group, so the run is the same on any process count
+    that keeps the forwards (``micro_batch``) the same.
+    """
+
+    prompts_per_step: int
+    group_size: int
+    world_size: int
+    micro_batch_size: int | None
+
+    @property
+    def branches_per_step(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+    @property
+    def per_process(self) -> int:
+        """Branches one process rolls out per step."""
+        return self.branches_per_step // self.world_size
+
+    @property
+    def group_share(self) -> int:
+        """Branches of one group on one process: the whole group, or its part when the group spans
+        processes."""
+        return min(self.per_process, self.group_size)
+
+    @property
+    def ranks_per_group(self) -> int:
+        return self.group_size // self.group_share
+
+    @property
+    def micro_batch(self) -> int:
+        """Branches per forward: ``micro_batch_size``, or null = a process's share of one group."""
+        return self.micro_batch_size or self.group_share
+
+    def first_position(self, rank: int) -> int:
+        return rank * self.per_process
+
+
+def r3_geometry(r3: R3Config, world_size: int) -> R3Geometry:
+    """The split of a step over ``world_size`` processes.
+
+    Raises:
+        UserError: When the step's branches cannot be dealt in equal shares of whole groups or equal parts
+            of one group, or ``r3.micro_batch_size`` does not divide a process's share of a group.
+    """
+    geometry = R3Geometry(r3.prompts_per_step, r3.group_size, world_size, r3.micro_batch_size)
+    prompts, size, branches = r3.prompts_per_step, r3.group_size, geometry.branches_per_step
     _require(
-        world_size % r3.policy_group_size == 0,
-        f"{world_size} processes cannot form policy groups of r3.policy_group_size={r3.policy_group_size}; "
-        f"use a divisor of {world_size} (1 = each process rolls out its own group)",
+        branches % world_size == 0,
+        f"r3.prompts_per_step × r3.group_size = {prompts} × {size} = {branches} branches per step cannot be "
+        f"split over {world_size} processes: every process rolls out the same number of branches. Use a "
+        f"process count that divides {branches}, or change r3.prompts_per_step (prompts per step over all "
+        "processes) or r3.group_size",
     )
+    _require(
+        prompts % world_size == 0 or world_size % prompts == 0,
+        f"{world_size} processes would each roll out {geometry.per_process} branches of a step of "
+        f"{prompts} prompts × {size}, mixing parts of different groups (r3.prompts_per_step={prompts}): a "
+        "process rolls out whole groups or an equal part of one group. Use a process count that divides or "
+        "is a multiple of r3.prompts_per_step, or set r3.prompts_per_step to a divisor or a multiple of "
+        f"{world_size}",
+    )
+    _require(
+        r3.micro_batch_size is None or geometry.group_share % r3.micro_batch_size == 0,
+        f"r3.micro_batch_size ({r3.micro_batch_size}) must divide the {geometry.group_share} branches of a "
+        f"group on each of {world_size} processes (r3.prompts_per_step={prompts}, r3.group_size={size}): a "
+        "forward holds branches of one group. Use a divisor of it, or null (that share per forward)",
+    )
+    return geometry
 
 
 def _check_bagel(bagel: ModelConfig) -> None:
@@ -255,7 +319,7 @@ class R3TrainConfig(RunConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_world(self.r3, self.launcher.world_size)
+        r3_geometry(self.r3, self.launcher.world_size)
         if self.model.family == "r3_bagel":
             _check_bagel(self.r3.policy.bagel)
         self.r3.data_paths()

@@ -75,7 +75,7 @@ VLM_RL_KNOBS: Knobs = (
 R3_KNOBS: Knobs = (
     ("r3.kl_weight_text",), ("r3.kl_weight_image",), ("r3.ce_weight",), ("r3.mse_weight",),
     ("r3.clip_range",), ("r3.scale_by_std",),
-    ("r3.group_size",), ("r3.policy_group_size",),
+    ("r3.group_size",), ("r3.prompts_per_step",),
     ("r3.tune_text_cot",), ("r3.tune_image_cot",),
     ("r3.lr",),
     ("r3.sde_kind",), ("r3.enable_sde_gen",), ("r3.enable_sde_edit",),

@@ -73,14 +73,14 @@ def test_eval_runs_rounds_and_saves_strips(tmp_path: Path):
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (["r3.group_size=4", "r3.policy_group_size=3"], "divisible by r3.policy_group_size"),
+        (["r3.group_size=4", "r3.micro_batch_size=3"], r"r3.micro_batch_size \(3\) must divide the 4"),
         (["r3.tune_text_cot=false", "r3.tune_image_cot=false"], "both false"),
         (
             ["r3.offline.enabled=false", "r3.train_data_path=null", "r3.val_data_path=null"],
             "train_data_path is not",
         ),
         (["r3.max_sde_timestep_idx_for_edit=9"], "max_sde_timestep_idx_for_edit"),
-        (["launcher=accelerate", "launcher.num_processes=2", "r3.policy_group_size=4"], "policy groups"),
+        (["launcher=accelerate", "launcher.num_processes=3"], "cannot be split over 3 processes"),
     ],
 )
 def test_bad_settings_are_user_errors(overrides, message):

@@ -20,8 +20,8 @@ def _rows(run: Path, rank: int) -> list[dict]:
 @pytest.mark.slow  # ~22 s on two processes; R3's single-process tracks run in the default suite
 def test_two_ranks_share_prompt_noise_and_sde_step(tmp_path: Path):
     overrides = [
-        *TINY_R3, "epochs=2", "launcher=accelerate", "launcher.num_processes=2", "r3.policy_group_size=2",
-        "r3.group_size=4", f"hydra.run.dir={tmp_path}",
+        *TINY_R3, "epochs=2", "launcher=accelerate", "launcher.num_processes=2", "r3.group_size=4",
+        f"hydra.run.dir={tmp_path}",
     ]  # fmt: skip
     code, out = run_cli("train", *overrides)
     assert code == 0, out
