@@ -13,8 +13,14 @@ the default run's decay is sized to its own epochs —, evaluated through an EMA
 * ``nft``        DiffusionNFT: ODE rollouts (DPM-Solver++ 2M) from the old policy, positive / negative
   implicit policies on forward-noised samples (no log-probabilities);
 * ``awm``        Advantage Weighted Matching: the flow-matching loss weighted by the advantage;
-* ``grpo_partial``  Flow-GRPO on plain GenEval partial credit (no clutter penalty): reward hacking —
-  lenient accuracy may rise while strict accuracy falls and extra objects multiply.
+* ``grpo_partial``  Flow-GRPO on plain GenEval partial credit (no clutter penalty): objects of other
+  classes are free, but duplicates of a requested shape are not, so clutter only drifts in;
+* ``grpo_lenient``  Flow-GRPO-Fast on GenEval's binary accuracy (``mode=lenient``), which ignores
+  duplicates and other classes: reward hacking — lenient accuracy rises while strict accuracy falls and
+  extra objects multiply (docs/guard.md measures it).
+
+The default ``--runs`` are the five the comparison needs plus the hacked run; ``dance``, ``nft`` and
+``awm`` run when named.
 
 Each run is evaluated before training and every few epochs (ODE sampling of the test prompts, the same
 noise every time). Time is the cumulative training seconds (``time/epoch``), evaluations excluded.
@@ -61,8 +67,10 @@ RUNS: dict[str, list[str]] = {
         "algo.clip_range=1e-3",
         "reward.kwargs.shapes_geneval.mode=partial",
     ],
+    "grpo_lenient": ["algo.lr_schedule=constant", "reward.kwargs.shapes_geneval.mode=lenient"],
 }
-HACKABLE = ("grpo_partial",)
+DEFAULT_RUNS = ("grpo", "grpo_fast", "mix_grpo", "dpo", "grpo_partial", "grpo_lenient")
+HACKABLE = ("grpo_partial", "grpo_lenient")
 """Runs on a reward a policy can game, drawn dashed."""
 METRICS = {
     "strict": "eval/reward/shapes_geneval/strict/mean",
@@ -174,7 +182,9 @@ def main() -> dict[str, object]:
     parser.add_argument("--minutes", type=float, default=5.0, help="training budget per algorithm")
     parser.add_argument("--seeds", type=int, default=1, help="seeds per algorithm (0 … N−1)")
     parser.add_argument("--eval-every", type=int, default=10, help="epochs between evaluations")
-    parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
+    parser.add_argument(
+        "--runs", default=",".join(DEFAULT_RUNS), help=f"comma-separated subset of {','.join(RUNS)}"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     names = [n for n in args.runs.split(",") if n]
