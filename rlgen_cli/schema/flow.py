@@ -425,6 +425,16 @@ def require_whole_batches(cfg: Any) -> None:
     )
 
 
+def require_no_tag_repeats(cfg: Any) -> None:
+    """``data.tag_repeats`` samples the flow recipes' GenEval prompts; a recipe that reads other data
+    must not take it silently."""
+    _require(
+        not cfg.data.tag_repeats,
+        f"data.tag_repeats={dict(cfg.data.tag_repeats)} samples the GenEval-tagged prompts of the flow recipes; "
+        f"recipe={cfg.recipe} does not read it: remove it",
+    )
+
+
 def require_sde_sampler(sampler: SamplerConfig, model: ModelConfig) -> None:
     """A recipe that trains on rollout log-probabilities needs a stochastic step."""
     _require(

@@ -30,6 +30,7 @@ from rlgen_cli.schema.flow import (
     AdvantageRewardConfig,
     EvalConfig,
     RunConfig,
+    require_no_tag_repeats,
     require_sde_sampler,
     require_whole_batches,
 )
@@ -144,6 +145,7 @@ class VlmRlTrainConfig(RunConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         require_whole_batches(self)
+        require_no_tag_repeats(self)
         self.algo.require_process_split(self.launcher.world_size)
 
 
@@ -154,6 +156,7 @@ class VlmSftTrainConfig(RunConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        require_no_tag_repeats(self)
         self.algo.require_process_split(self.launcher.world_size)
 
 

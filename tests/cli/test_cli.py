@@ -161,6 +161,14 @@ def test_a_tag_repeat_for_a_missing_tag_exits_2_before_any_model_loads(tmp_path:
     assert "data.tag_repeats names 'colour', which no prompt of" in message and "'colors'," in message
 
 
+def test_tag_repeats_on_a_vlm_run_exits_2_rather_than_being_ignored(tmp_path: Path, capsys):
+    code, out = _rlgen(
+        "train", "model=tiny_qwen2_vl", "+data.tag_repeats={counting: 2}", f"hydra.run.dir={tmp_path}"
+    )
+    message = " ".join((out + capsys.readouterr().err).split())
+    assert code == 2 and "recipe=vlm_rl does not read it" in message, message
+
+
 def test_an_editing_model_without_source_images_exits_2_naming_the_row(tmp_path: Path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("make it red\n")
