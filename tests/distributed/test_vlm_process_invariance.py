@@ -1,4 +1,4 @@
-"""Process-count invariance of the VLM recipes: the same config on 1 and 2 processes, bit for bit.
+"""Process-count invariance of the VLM recipes: the same config on 1, 2 and 4 processes, bit for bit.
 
 Token GRPO: 4 prompts × 4 completions in global micro-batches of 2 (rollout batches of 2 too), 4
 micro-batches per optimizer step → 2 steps per epoch, and on 2 processes each takes 2 micro-batches of
@@ -41,6 +41,7 @@ SFT = [
     "algo.train_batch_size=1", "algo.gradient_accumulation_steps=4", "algo.lr=1e-2",
 ]  # fmt: skip
 PAIR = ["launcher=accelerate", "launcher.num_processes=2"]
+QUAD = ["launcher=accelerate", "launcher.num_processes=4"]
 ADAPTER = Path("checkpoints") / "epoch_000002" / "weights" / "adapter_model.safetensors"
 TOKEN_SAME = ("reward/mean", "reward/std", "zero_std_ratio", "num_groups", "completions/mean_length",
               "policy_loss", "kl_loss", "ratio_min", "ratio_max", "grad_norm", "lr", "global_step")  # fmt: skip
@@ -97,6 +98,12 @@ def test_token_grpo_float32_all_reduce_breaks_bit_equality(token_runs: dict[str,
     assert not _bit_equal(_weights(token_runs["one"]), _weights(inexact))
 
 
+@pytest.mark.slow  # ~1 min: one micro-batch of every step on each of 4 processes
+def test_token_grpo_on_four_processes_is_bit_identical(token_runs: dict[str, Path], tmp_path: Path):
+    four = _train(tmp_path, *TOKEN_GRPO, *QUAD)
+    _assert_same_runs(token_runs["one"], four, TOKEN_SAME)
+
+
 @pytest.fixture(scope="module")
 def sft_runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("vlm_sft_invariance")
@@ -115,6 +122,12 @@ def test_sft_float32_all_reduce_breaks_bit_equality(sft_runs: dict[str, Path], t
     inexact = _train(tmp_path, *SFT, *PAIR, "launcher.exact_reduction=false")
     assert _metrics(inexact)[0]["tokens"] == _metrics(sft_runs["one"])[0]["tokens"]  # the same batches
     assert not _bit_equal(_weights(sft_runs["one"]), _weights(inexact))
+
+
+@pytest.mark.slow  # ~40 s
+def test_sft_on_four_processes_is_bit_identical(sft_runs: dict[str, Path], tmp_path: Path):
+    four = _train(tmp_path, *SFT, *QUAD)
+    _assert_same_runs(sft_runs["one"], four, SFT_SAME)
 
 
 def test_sft_micro_batches_are_dealt_round_robin():
