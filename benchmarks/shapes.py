@@ -108,8 +108,8 @@ def curve(rows: list[dict]) -> dict[str, list[float]]:
 
 
 def gain_band(seeds: dict[int, dict[str, list[float]]], metric: str) -> tuple[list[float], ...]:
-    """Each seed's change from its own base, interpolated onto the union of their evaluation minutes:
-    ``(minutes, mean, low, high)`` over seeds."""
+    """Each seed's change from its own base, interpolated onto the union of their evaluation minutes
+    (past a seed's last evaluation its last value holds): ``(minutes, mean, low, high)`` over seeds."""
     import numpy as np
 
     grid = sorted({m for points in seeds.values() for m in points["minutes"]})
