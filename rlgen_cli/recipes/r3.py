@@ -264,7 +264,7 @@ class R3Recipe:
     @property
     def first_position(self) -> int:
         """Global position of this rank's first branch (its text micro-batches seed from there)."""
-        return self.groups[0].positions[0]
+        return self.geometry.first_position(self.dist.rank)
 
     def _images(
         self, stage: str, encode: Any, num_steps: int, sde: bool, max_index: int | None, step: int
@@ -360,7 +360,7 @@ class R3Recipe:
         count), this rank's rows kept."""
         r3, n = self.cfg.r3, len(samples)
         gather = functools.partial(_gather, self.dist)
-        ids = gather(torch.tensor([local.group for local in self.groups for _ in local.positions]))
+        ids = torch.arange(self.geometry.branches_per_step) // r3.group_size  # group of each global position
         text, image = gather(rewards.text), gather(rewards.image)
         mask = gather(rewards.image_mask.float()) > 0.5
         mine = slice(self.first_position, self.first_position + n)

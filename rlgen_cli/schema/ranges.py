@@ -47,6 +47,7 @@ from rlgen_cli.schema.flow import (
     DataConfig,
     EvalConfig,
     ExpertsConfig,
+    FlowDataConfig,
     LauncherConfig,
     LoraConfig,
     ModelConfig,
@@ -188,7 +189,8 @@ RANGES: dict[type, dict[str, Range | Pattern]] = {
     },
     TokenScheduleOptions: {"warmup_ratio": BELOW_ONE},
     RewardConfig: {"weights": ANY},
-    DataConfig: {"eval_num_prompts": NON_NEGATIVE, "eval_images_per_prompt": COUNT, "tag_repeats": NON_NEGATIVE},
+    DataConfig: {"eval_num_prompts": NON_NEGATIVE, "eval_images_per_prompt": COUNT},
+    FlowDataConfig: {"tag_repeats": NON_NEGATIVE},
     LauncherConfig: {
         "num_processes": COUNT, "num_machines": COUNT, "machine_rank": NON_NEGATIVE, "main_process_port": PORT,
     },

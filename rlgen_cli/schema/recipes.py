@@ -29,8 +29,8 @@ from rlgen_cli.schema.choices import EvalReportKind, LrScheduleClock
 from rlgen_cli.schema.flow import (
     AdvantageRewardConfig,
     EvalConfig,
+    FlowDataConfig,
     RunConfig,
-    require_no_tag_repeats,
     require_sde_sampler,
     require_whole_batches,
 )
@@ -52,6 +52,8 @@ __all__ = [
 @dataclass
 class FlowRunConfig(RunConfig):
     """What the shared flow loop (``recipes/loop.py``) reads on top of every run's keys."""
+
+    data: FlowDataConfig = field(default_factory=FlowDataConfig)
 
     time_limit_minutes: float = 0.0
     """Stop after the first epoch that ends past this many minutes of training (then evaluate and save
@@ -145,7 +147,6 @@ class VlmRlTrainConfig(RunConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         require_whole_batches(self)
-        require_no_tag_repeats(self)
         self.algo.require_process_split(self.launcher.world_size)
 
 
@@ -156,7 +157,6 @@ class VlmSftTrainConfig(RunConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require_no_tag_repeats(self)
         self.algo.require_process_split(self.launcher.world_size)
 
 

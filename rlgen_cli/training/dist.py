@@ -11,8 +11,10 @@ The training surface is the same for every engine::
     dist.backward(loss, sync=is_last_backward_before_the_step)   # as often as the recipe needs
     grad_norm = dist.clip_and_step(optimizer, params, max_norm)
 
-* local / DDP (``launcher=accelerate``): the optimizer is torch's own; DDP averages gradients in every
-  backward; clipping is ``clip_grad_norm_`` — exactly the single-process arithmetic.
+* local / DDP (``launcher=accelerate``): the optimizer is torch's own; clipping is ``clip_grad_norm_``.
+  Exact reduction (``prepare(..., exact_reduction=True)``, ``launcher.exact_reduction``) sums gradients in
+  float64 once per optimizer step, so the weights do not depend on the process count
+  (:mod:`rlgen_cli.training.exact_reduction`); without it DDP averages them in every backward.
 * DeepSpeed ZeRO-2/3 (``launcher=deepspeed_zero2|3``): ``accelerator.prepare(model, optimizer)`` builds the
   engine, which owns gradient reduction (on the backward marked ``sync``), clipping (at ``max_grad_norm``)
   and the optimizer step.
@@ -25,10 +27,6 @@ forward (evaluation included) and in :meth:`full_weights` before rank 0 writes a
 Optimizer state in checkpoints: torch's full ``state_dict`` for local / DDP / FSDP (FSDP gathers it); under
 DeepSpeed ZeRO (:attr:`shards_optimizer`) the engine's own ``save_checkpoint`` writes one shard per rank and
 its ``load_checkpoint`` reads them back, for the same ZeRO stage and number of processes.
-
-Exact reduction (``prepare(..., exact_reduction=True)``, local and DDP; ``launcher.exact_reduction``):
-gradients summed in float64 once per optimizer step, so the weights do not depend on the process count
-(:mod:`rlgen_cli.training.exact_reduction`).
 
 fp16 compute (``prepare(..., compute_dtype="float16")``, trained weights fp32): local, DDP and FSDP scale
 the loss in :meth:`~Dist.backward` and unscale, clip and step (or skip the step on non-finite gradients)

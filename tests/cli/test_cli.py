@@ -166,7 +166,7 @@ def test_tag_repeats_on_a_vlm_run_exits_2_rather_than_being_ignored(tmp_path: Pa
         "train", "model=tiny_qwen2_vl", "+data.tag_repeats={counting: 2}", f"hydra.run.dir={tmp_path}"
     )
     message = " ".join((out + capsys.readouterr().err).split())
-    assert code == 2 and "recipe=vlm_rl does not read it" in message, message
+    assert code == 2 and "data.tag_repeats is not a setting of data" in message, message
 
 
 def test_an_editing_model_without_source_images_exits_2_naming_the_row(tmp_path: Path, capsys):
