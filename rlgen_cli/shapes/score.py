@@ -26,15 +26,17 @@ from typing import Any
 
 from torch import Tensor
 
-from rlgen_cli.geneval_rules import Detection, GenEvalResult, GenEvalThresholds, score_geneval, summarise
+from rlgen_cli.geneval_rules import (
+    Detection, GenEvalResult, GenEvalThresholds, relative_position, score_geneval, summarise,
+)  # fmt: skip
 from rlgen_cli.shapes.detect import ShapeDetector
 from rlgen_cli.shapes.vocab import COLORS, SHAPES, TAGS
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "METRICS", "ShapesResult", "check_metadata", "count_extra", "format_summary", "score_detections",
-    "score_images", "summarise_results",
+    "METRICS", "ObjectCredit", "ShapesResult", "check_metadata", "count_extra", "format_summary",
+    "object_credit", "score_detections", "score_images", "summarise_results",
 ]  # fmt: skip
 
 METRICS: dict[str, str] = {
@@ -55,13 +57,17 @@ class ShapesResult(GenEvalResult):
     Attributes:
         strict: ShapesEval strict: ``geneval_strict`` and no extra object.
         geneval_strict: GenEval's strict (exact counts, colours, positions, excludes).
-        n_extra: Detected objects beyond those requested.
+        n_extra: Detected objects beyond those requested, per shape.
         n_objects: All detected objects.
+        objects: Per-object credit (:func:`object_credit`).
+        n_surplus: Detected objects beyond the number requested, whatever their shape.
     """
 
     geneval_strict: bool = False
     n_extra: int = 0
     n_objects: int = 0
+    objects: float = 0.0
+    n_surplus: int = 0
 
     @property
     def has_extra(self) -> bool:
@@ -108,6 +114,85 @@ def count_extra(detections: Sequence[Detection], metadata: Mapping[str, Any]) ->
     return sum(max(0, n - requested[label]) for label, n in found.items())
 
 
+@dataclass(frozen=True)
+class ObjectCredit:
+    """Credit of one requested object by how well its matched detection fits it.
+
+    Attributes:
+        exact: Right shape and colour (or right shape where no colour is asked).
+        wrong_color: Right shape, another colour.
+        wrong_shape: An object drawn where one was asked, of another shape.
+    """
+
+    exact: float = 1.0
+    wrong_color: float = 0.5
+    wrong_shape: float = 0.5
+
+
+def _match_slots(slots: list[tuple[str, str | None]], detections: list, credit: ObjectCredit) -> tuple:
+    """Assign detections to requested objects, best fits first; return (per-slot credit, unmatched)."""
+    free = list(detections)
+    paid = [0.0] * len(slots)
+    tiers = (
+        (credit.exact, lambda want, det: det.label == want[0] and want[1] in (None, det.color)),
+        (credit.wrong_color, lambda want, det: det.label == want[0]),
+        (credit.wrong_shape, lambda want, det: True),
+    )
+    open_slots = list(range(len(slots)))
+    for value, fits in tiers:
+        for i in list(open_slots):
+            det = next((d for d in free if fits(slots[i], d)), None)
+            if det is not None:
+                paid[i] = value
+                free.remove(det)
+                open_slots.remove(i)
+    return paid, free
+
+
+def object_credit(
+    detections: Sequence[Detection],
+    metadata: Mapping[str, Any],
+    credit: ObjectCredit = ObjectCredit(),
+    position_margin: float = 0.1,
+) -> tuple[float, int]:
+    """Per-object credit: every requested object scored by the detection matched to it.
+
+    The ``include`` clauses expand to one slot per requested object (``count`` slots of a clause).
+    Detections fill slots in three passes — exact fits, then right shape in another colour, then any
+    object — each paying its :class:`ObjectCredit`; a slot left empty pays 0. Each relation
+    (``position``) adds one term, 1 when every object of its shape stands in the relation to every
+    object of the target's shape (GenEval's rule), else 0. The credit is the mean of those terms.
+
+    Unlike GenEval's partial credit, where a wrong second object zeroes its clause's count term and so
+    scores below leaving it out, an object drawn where one was asked always pays something, so the
+    count and the layout are rewarded before the shapes are right. Only a strictly correct image
+    scores 1. ``exclude`` clauses are not read: every object beyond the requested ones is unmatched.
+
+    Args:
+        detections: Objects found in one image.
+        metadata: Its ShapesEval GenEval dict.
+        credit: The value of each kind of match.
+        position_margin: GenEval's position margin.
+
+    Returns:
+        ``(credit in [0, 1], detections matched to no requested object)``.
+    """
+    slots = [(c["class"], c.get("color")) for c in metadata["include"] for _ in range(int(c["count"]))]
+    paid, unmatched = _match_slots(slots, list(detections), credit)
+    terms = list(paid)
+    clauses = metadata["include"]
+    for clause in clauses:
+        if "position" in clause:
+            relation, target = clause["position"]
+            placed = [d for d in detections if d.label == clause["class"]]
+            anchors = [d for d in detections if d.label == clauses[target]["class"]]
+            holds = bool(placed and anchors) and all(
+                relation in relative_position(p.box, a.box, position_margin) for p in placed for a in anchors
+            )
+            terms.append(float(holds))
+    return (sum(terms) / len(terms) if terms else 0.0), len(unmatched)
+
+
 def _detected_colors(objects: Sequence[Detection], classname: str) -> list[str]:
     """GenEval colour function reading :attr:`ShapeDetection.color`."""
     return [str(getattr(obj, "color", "")) for obj in objects]
@@ -118,6 +203,7 @@ def score_detections(
     metadata: Mapping[str, Any],
     thresholds: GenEvalThresholds = GenEvalThresholds(),
     position_credit: str = "strict",
+    credit: ObjectCredit = ObjectCredit(),
 ) -> ShapesResult:
     """Score one image's detections against its GenEval metadata.
 
@@ -127,9 +213,10 @@ def score_detections(
         thresholds: GenEval settings (position margin 0.1; detections have confidence 1).
         position_credit: Partial-credit terms of a failed position (:func:`score_geneval`); ShapesEval
             pays it a single 0 (``strict``).
+        credit: Values of :func:`object_credit`'s matches.
 
     Returns:
-        GenEval metrics plus strict accuracy and extra objects.
+        GenEval metrics plus strict accuracy, extra objects and per-object credit.
 
     Raises:
         ValueError: If the metadata is not ShapesEval metadata.
@@ -137,6 +224,7 @@ def score_detections(
     check_metadata(metadata)
     base = score_geneval(detections, metadata, _detected_colors, thresholds, position_credit=position_credit)
     n_extra = count_extra(detections, metadata)
+    objects, n_surplus = object_credit(detections, metadata, credit, thresholds.position_margin)
     reasons = list(base.reasons) + ([f"{n_extra} unrequested object(s)"] if n_extra else [])
     return ShapesResult(
         tag=base.tag,
@@ -147,6 +235,8 @@ def score_detections(
         geneval_strict=base.strict,
         n_extra=n_extra,
         n_objects=len(detections),
+        objects=objects,
+        n_surplus=n_surplus,
     )
 
 
@@ -156,6 +246,7 @@ def score_images(
     detector: ShapeDetector | None = None,
     thresholds: GenEvalThresholds = GenEvalThresholds(),
     position_credit: str = "strict",
+    credit: ObjectCredit = ObjectCredit(),
 ) -> list[ShapesResult]:
     """Detect and score a batch of images.
 
@@ -165,6 +256,7 @@ def score_images(
         detector: Default :class:`ShapeDetector` ``()``.
         thresholds: GenEval settings.
         position_credit: See :func:`score_detections`.
+        credit: See :func:`score_detections`.
 
     Returns:
         One result per image.
@@ -177,7 +269,7 @@ def score_images(
             f"got {images.shape[0]} images but {len(metadata)} metadata dicts; pass one per image."
         )
     found = (detector or ShapeDetector()).detect(images)
-    return [score_detections(dets, meta, thresholds, position_credit) for dets, meta in zip(found, metadata)]
+    return [score_detections(d, meta, thresholds, position_credit, credit) for d, meta in zip(found, metadata)]
 
 
 def summarise_results(results: Sequence[ShapesResult]) -> dict[str, dict[str, float]]:

@@ -50,7 +50,7 @@ def test_modes_on_hand_painted_images(painter):
         ],  # 3 for 2
     ]
     batch = batch_of(painter, scenes, [SINGLE, SINGLE, COUNT2])
-    clutter = build_reward("shapes_geneval").score(batch)
+    clutter = build_reward("shapes_geneval", mode="clutter").score(batch)
     # partial: [1, 1 (GenEval ignores the triangle), 1 − |2 − 3|/2 = 0.5]; n_extra [0, 1, 1].
     # clutter: [1, e^−0.5 ≈ 0.6065, 0.5·e^−0.5 ≈ 0.3033].
     expected = torch.tensor([1.0, math.exp(-0.5), 0.5 * math.exp(-0.5)])
@@ -84,11 +84,62 @@ def test_lenient_mode_pays_duplicates_that_partial_credit_and_strict_refuse(pain
     assert lenient.details["strict"].tolist() == [0.0, 1.0, 0.0]
 
 
+TWO = {
+    "tag": "two_object",
+    "include": [{"class": "triangle", "count": 1}, {"class": "square", "count": 1}],
+    "prompt": "a photo of a triangle and a square",
+}
+COUNT3 = {
+    "tag": "counting",
+    "include": [{"class": "circle", "count": 3}],
+    "exclude": [{"class": "circle", "count": 4}],
+    "prompt": "a photo of three circles",
+}
+RIGHT_OF = {
+    "tag": "position",
+    "include": [{"class": "square", "count": 1}, {"class": "triangle", "count": 1, "position": ["right of", 0]}],
+    "prompt": "a photo of a triangle right of a square",
+}
+RED = {"tag": "colors", "include": [{"class": "circle", "count": 1, "color": "red"}], "prompt": "a red circle"}
+
+
+def test_objects_mode_pays_an_attempted_object_above_a_missing_one(painter):
+    scenes = [
+        [("triangle", "red", 2, 2, 9), ("square", "blue", 20, 20, 8)],  # right
+        [("triangle", "red", 2, 2, 9)],  # the square left out
+        [("triangle", "red", 2, 2, 9), ("circle", "blue", 20, 20, 8)],  # the square drawn as a circle
+        [("circle", "red", 2, 2, 8), ("circle", "blue", 20, 2, 8), ("square", "white", 11, 20, 8)],
+        [("circle", "red", 2, 2, 8), ("circle", "blue", 20, 2, 8)],  # one circle short
+        [("circle", "red", 2, 2, 7), ("circle", "blue", 12, 2, 7), ("circle", "white", 22, 2, 7)]
+        + [("circle", "green", 12, 20, 7)],  # one circle too many
+        [("square", "red", 2, 10, 8), ("triangle", "blue", 22, 10, 8)],  # triangle right of square
+        [("triangle", "blue", 2, 10, 8), ("square", "red", 22, 10, 8)],  # the relation reversed
+        [("circle", "blue", 10, 10, 9)],  # right shape, wrong colour
+    ]
+    metas = [TWO, TWO, TWO, COUNT3, COUNT3, COUNT3, RIGHT_OF, RIGHT_OF, RED]
+    batch = batch_of(painter, scenes, metas)
+    objects = build_reward("shapes_geneval").score(batch)  # the default mode
+    # slots: 1 exact, 0.5 other colour, 0.5 other shape, 0 missing; relations 1/0; × e^(−0.5·surplus)
+    expected = [1.0, 0.5, (1 + 0.5) / 2, (1 + 1 + 0.5) / 3, 2 / 3, math.exp(-0.5), 1.0, 2 / 3, 0.5]
+    assert objects.scores.tolist() == pytest.approx(expected)
+    assert objects.details["objects"].tolist() == pytest.approx([*expected[:5], 1.0, *expected[6:]])
+    # the default (clutter) reward orders the same attempts the other way: a wrong second object
+    # zeroes its clause and counts as extra, so leaving it out pays more
+    clutter = build_reward("shapes_geneval", mode="clutter").score(batch).scores.tolist()
+    assert clutter[1] > clutter[2] and objects.scores[2] > objects.scores[1]
+    assert clutter[4] > clutter[3] and objects.scores[3] > objects.scores[4]
+    assert objects.details["strict"].tolist() == [1, 0, 0, 0, 0, 0, 1, 0, 0]
+    quarter = build_reward("shapes_geneval", wrong_shape_credit=0.25).score(batch)
+    assert quarter.scores[2] == pytest.approx((1 + 0.25) / 2)
+
+
 def test_ground_truth_scores_one():
     metas = build_splits()["test"][:24]
     images = render_batch(metas, list(range(24)))
-    result = ShapesGenEvalReward().score(RewardBatch([m["prompt"] for m in metas], images, metas))
-    assert result.scores.tolist() == [1.0] * 24 and result.details["strict"].sum() == 24
+    batch = RewardBatch([m["prompt"] for m in metas], images, metas)
+    for mode in ("clutter", "objects"):
+        result = ShapesGenEvalReward(mode).score(batch)
+        assert result.scores.tolist() == [1.0] * 24 and result.details["strict"].sum() == 24
 
 
 def test_config_builds_the_reward():
@@ -96,7 +147,7 @@ def test_config_builds_the_reward():
     assert cfg["weights"] == {"shapes_geneval": 1.0}
     reward = build_reward("shapes_geneval", **cfg["kwargs"]["shapes_geneval"])
     assert isinstance(reward, ShapesGenEvalReward)
-    assert (reward.mode, reward.extra_penalty) == ("clutter", 0.5)
+    assert (reward.mode, reward.extra_penalty, reward.credit.wrong_shape) == ("objects", 0.5, 0.5)
     data = OmegaConf.load(conf_dir() / "data" / "shapes.yaml")
     assert data.train == "builtin:shapes_train.jsonl" and data.test == "builtin:shapes_test.jsonl"
 
@@ -106,6 +157,8 @@ def test_bad_arguments_and_batches():
         build_reward("shapes_geneval", mode="recall")
     with pytest.raises(ValueError, match="extra_penalty"):
         build_reward("shapes_geneval", extra_penalty=-1.0)
+    with pytest.raises(ValueError, match="wrong_shape_credit"):
+        build_reward("shapes_geneval", wrong_shape_credit=0.7)
     reward = ShapesGenEvalReward()
     with pytest.raises(ValueError, match="RGB images"):
         reward.score(RewardBatch(["p"], images=torch.zeros(1, 3, 2, 8, 8), metadata=[SINGLE]))
