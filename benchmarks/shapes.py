@@ -1,9 +1,10 @@
 """ShapesEval: strict and lenient test accuracy vs training wall-clock, per algorithm, from one base.
 
 Every run starts from the shipped base (``model=shapes_base``) with the same seed and the same epoch
-geometry as the default ``rlgen train`` (16 prompts × 8 samples, full fine-tuning, a constant lr 3e-5 —
-the default run's decay is sized to its own epochs —, evaluated through an EMA of the weights with decay
-0.95), and trains for the same wall-clock budget (``time_limit_minutes``) through the CLI:
+geometry as the default ``rlgen train`` (16 prompts × 8 samples, two optimizer steps of 64 samples per
+epoch, full fine-tuning, a constant lr 3e-5 — the default run's decay is sized to its own epochs —,
+evaluated through an EMA of the weights with decay 0.95), and trains for the same wall-clock budget
+(``time_limit_minutes``) through the CLI:
 
 * ``grpo``       Flow-GRPO: SDE at every step, every step trained;
 * ``grpo_fast``  Flow-GRPO-Fast: SDE in a random 2-step window (the default ``rlgen train``);
@@ -13,8 +14,8 @@ the default run's decay is sized to its own epochs —, evaluated through an EMA
 * ``nft``        DiffusionNFT: ODE rollouts (DPM-Solver++ 2M) from the old policy, positive / negative
   implicit policies on forward-noised samples (no log-probabilities);
 * ``awm``        Advantage Weighted Matching: the flow-matching loss weighted by the advantage;
-* ``grpo_partial``  Flow-GRPO on plain GenEval partial credit (no clutter penalty): objects of other
-  classes are free, but duplicates of a requested shape are not, so clutter only drifts in;
+* ``grpo_partial``  Flow-GRPO on plain GenEval partial credit (no per-object credit, no penalty): objects
+  of other classes are free, but duplicates of a requested shape are not, so clutter only drifts in;
 * ``grpo_lenient``  Flow-GRPO-Fast on GenEval's binary accuracy (``mode=lenient``), which ignores
   duplicates and other classes: reward hacking — lenient accuracy rises while strict accuracy falls and
   extra objects multiply (docs/guard.md measures it).
@@ -50,7 +51,7 @@ COMMON = [  # the held-out split is not part of the comparison: keep each run's 
 ]  # fmt: skip
 GEOMETRY = [
     "algo.prompts_per_epoch=16", "algo.group_size=8", "algo.sample_batch_size=64", "algo.train_batch_size=64",
-    "algo.gradient_accumulation_steps=2", "algo.lr=3e-5", "algo.kl_weight=0.0",
+    "algo.gradient_accumulation_steps=1", "algo.lr=3e-5", "algo.kl_weight=0.0",
     "algo.ema.enabled=true", "algo.ema.decay=0.95", "algo.ema.update_every=1", "algo.lr_schedule=constant",
 ]  # fmt: skip
 RUNS: dict[str, list[str]] = {

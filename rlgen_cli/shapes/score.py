@@ -12,6 +12,7 @@ the detections): ``score`` = Flow-GRPO partial credit, ``accuracy`` = the origin
   colour, count and relation, and no unrequested object. GenEval's partial credit and accuracy ignore
   objects of other classes, which a generator can exploit by drawing clutter; strict does not.
 * ``extra_rate``: share of images with at least one extra object.
+* ``objects``: per-object credit (:func:`object_credit`), the default training signal.
 
 Summaries average per tag, then ``overall`` = mean of the tag means (GenEval's overall score).
 """
@@ -27,8 +28,13 @@ from typing import Any
 from torch import Tensor
 
 from rlgen_cli.geneval_rules import (
-    Detection, GenEvalResult, GenEvalThresholds, relative_position, score_geneval, summarise,
-)  # fmt: skip
+    Detection,
+    GenEvalResult,
+    GenEvalThresholds,
+    relative_position,
+    score_geneval,
+    summarise,
+)
 from rlgen_cli.shapes.detect import ShapeDetector
 from rlgen_cli.shapes.vocab import COLORS, SHAPES, TAGS
 
@@ -129,19 +135,27 @@ class ObjectCredit:
     wrong_shape: float = 0.5
 
 
-def _match_slots(slots: list[tuple[str, str | None]], detections: list, credit: ObjectCredit) -> tuple:
-    """Assign detections to requested objects, best fits first; return (per-slot credit, unmatched)."""
+def _fit(want: tuple[str, str | None], det: Detection) -> int:
+    """How well a detection fits a requested ``(shape, colour)``: 0 exactly, 1 right shape, 2 not."""
+    if det.label != want[0]:
+        return 2
+    return 0 if want[1] in (None, getattr(det, "color", "")) else 1
+
+
+def _match_slots(
+    slots: list[tuple[str, str | None]], detections: Sequence[Detection], credit: ObjectCredit
+) -> tuple[list[float], list[Detection]]:
+    """Assign detections to requested ``(shape, colour)`` slots, best fits first.
+
+    Returns:
+        The credit each slot earned, and the detections left unmatched.
+    """
     free = list(detections)
     paid = [0.0] * len(slots)
-    tiers = (
-        (credit.exact, lambda want, det: det.label == want[0] and want[1] in (None, det.color)),
-        (credit.wrong_color, lambda want, det: det.label == want[0]),
-        (credit.wrong_shape, lambda want, det: True),
-    )
     open_slots = list(range(len(slots)))
-    for value, fits in tiers:
+    for tier, value in enumerate((credit.exact, credit.wrong_color, credit.wrong_shape)):
         for i in list(open_slots):
-            det = next((d for d in free if fits(slots[i], d)), None)
+            det = next((d for d in free if _fit(slots[i], d) <= tier), None)
             if det is not None:
                 paid[i] = value
                 free.remove(det)
@@ -178,7 +192,7 @@ def object_credit(
         ``(credit in [0, 1], detections matched to no requested object)``.
     """
     slots = [(c["class"], c.get("color")) for c in metadata["include"] for _ in range(int(c["count"]))]
-    paid, unmatched = _match_slots(slots, list(detections), credit)
+    paid, unmatched = _match_slots(slots, detections, credit)
     terms = list(paid)
     clauses = metadata["include"]
     for clause in clauses:
@@ -269,7 +283,9 @@ def score_images(
             f"got {images.shape[0]} images but {len(metadata)} metadata dicts; pass one per image."
         )
     found = (detector or ShapeDetector()).detect(images)
-    return [score_detections(d, meta, thresholds, position_credit, credit) for d, meta in zip(found, metadata)]
+    return [
+        score_detections(d, meta, thresholds, position_credit, credit) for d, meta in zip(found, metadata)
+    ]
 
 
 def summarise_results(results: Sequence[ShapesResult]) -> dict[str, dict[str, float]]:

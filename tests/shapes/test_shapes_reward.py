@@ -97,10 +97,17 @@ COUNT3 = {
 }
 RIGHT_OF = {
     "tag": "position",
-    "include": [{"class": "square", "count": 1}, {"class": "triangle", "count": 1, "position": ["right of", 0]}],
+    "include": [
+        {"class": "square", "count": 1},
+        {"class": "triangle", "count": 1, "position": ["right of", 0]},
+    ],
     "prompt": "a photo of a triangle right of a square",
 }
-RED = {"tag": "colors", "include": [{"class": "circle", "count": 1, "color": "red"}], "prompt": "a red circle"}
+RED = {
+    "tag": "colors",
+    "include": [{"class": "circle", "count": 1, "color": "red"}],
+    "prompt": "a red circle",
+}
 
 
 def test_objects_mode_pays_an_attempted_object_above_a_missing_one(painter):

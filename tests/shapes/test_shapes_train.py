@@ -94,12 +94,17 @@ def test_time_limit_stops_after_the_epoch_that_crosses_it_and_saves(cli, tmp_pat
     assert (run / "checkpoints" / "epoch_000001").is_dir()
 
 
+TAG = "eval/reward/shapes_geneval/strict/tag/"
+TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
+
+
 @pytest.mark.slow
 def test_the_default_run_gains_strict_accuracy_unflagged(cli, tmp_path: Path):
-    """The whole default `rlgen train` (≈ 18 min on 2 idle cores; measured +7.6 strict, held-out +1.9,
-    extra objects 0.7 → 0.4, guard silent — docs/shapes.md): ≥ +5 strict points at the last evaluation,
-    no more extra objects than before, the held-out combinations not worse, and the reward-hacking guard
-    never flagged. (The hard tags are not held to a gain: they move within their evaluation noise.)"""
+    """The whole default `rlgen train` (≈ 16 min on 2 idle cores; measured +13.2 strict, two_object
+    +16.7, counting +10.4, every tag up, held-out +8.6, extra objects 0.7 → 0.5, guard silent —
+    docs/shapes.md): ≥ +10 strict points at the last evaluation, two_object and counting ≥ +8 each, no
+    tag falling, no more extra objects than before, the held-out combinations ≥ +4, and the
+    reward-hacking guard never flagged."""
     run = tmp_path / "default"
     code, out = cli("train", "experiment=shapes_grpo_fast", "progress=false", f"hydra.run.dir={run}")
     assert code == 0, out
@@ -107,9 +112,12 @@ def test_the_default_run_gains_strict_accuracy_unflagged(cli, tmp_path: Path):
     evals = [row for row in rows if STRICT in row]
     before, after = evals[0], evals[-1]
     assert before["step"] == -1
-    assert after[STRICT] - before[STRICT] >= 0.05, (before[STRICT], after[STRICT])
+    assert after[STRICT] - before[STRICT] >= 0.10, (before[STRICT], after[STRICT])
+    gains = {tag: after[TAG + tag] - before[TAG + tag] for tag in TAGS}
+    assert gains["two_object"] >= 0.08 and gains["counting"] >= 0.08, gains
+    assert min(gains.values()) >= 0, gains
     assert after[EXTRA] <= before[EXTRA], (before[EXTRA], after[EXTRA])
     heldout = [row[HELDOUT_STRICT] for row in rows if HELDOUT_STRICT in row]
-    assert len(heldout) == 2 and heldout[1] >= heldout[0], heldout
+    assert len(heldout) == 2 and heldout[1] - heldout[0] >= 0.04, heldout
     assert not [key for row in rows for key in row if key.startswith("guard/event/")]
     assert all("guard/heldout" in row for row in evals)  # the guard watched every evaluation
