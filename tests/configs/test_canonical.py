@@ -14,6 +14,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from rlgen_cli._hydra import chosen_group, compose_verb, verb_overrides
+from rlgen_cli.schema.errors import UserError
 from rlgen_cli.tasks.common import validated
 
 SHAPES = ("builtin:shapes_train.jsonl", "builtin:shapes_test.jsonl")
@@ -42,11 +43,13 @@ class Case(NamedTuple):
     algo: str | None = None  # algo.name where the model or experiment picks it
 
 
+# the default's optimizer step is one micro-batch of 64 samples: two processes need two micro-batches
+TWO_PROCESS_STEPS = "algo.gradient_accumulation_steps=2"
 SHAPES_RUN = ("shapes", {"shapes_geneval"}, SHAPES, LEN["shapes"], ("random_window", 2))
 N = LEN["neutral"]
 CASES = [
     Case("", *SHAPES_RUN),
-    Case("launcher=accelerate", *SHAPES_RUN),
+    Case(f"launcher=accelerate {TWO_PROCESS_STEPS}", *SHAPES_RUN),
     Case("algo.lr=1e-4", *SHAPES_RUN),
     Case("experiment=shapes_grpo_fast", *SHAPES_RUN),
     Case("model=flux algo=grpo_fast reward=geneval", "flux", {"geneval"}, GENEVAL, N, ("random_window", 2)),
@@ -127,16 +130,23 @@ def test_bare_train_is_exactly_the_shapes_experiment():
 
 
 @pytest.mark.parametrize(
-    ("args", "section", "key"), [("launcher=accelerate", "launcher", "name"), ("algo.lr=1e-4", "algo", "lr")]
+    ("args", "section", "key"),
+    [(f"launcher=accelerate {TWO_PROCESS_STEPS}", "launcher", "name"), ("algo.lr=1e-4", "algo", "lr")],
 )
 def test_a_launcher_or_a_key_override_keeps_shapes_eval(args, section, key):
     bare, other = OmegaConf.to_container(_train("")), OmegaConf.to_container(_train(args))
     assert other[section][key] != bare[section][key]
     if section == "launcher":  # the launcher's whole section is its own; nothing else moves
         other.pop(section), bare.pop(section)
+        other["algo"]["gradient_accumulation_steps"] = bare["algo"]["gradient_accumulation_steps"]
     else:
         other[section][key] = bare[section][key]
     assert other == bare
+
+
+def test_two_processes_without_two_micro_batches_a_step_exit_naming_the_fix():
+    with pytest.raises(UserError, match="gradient_accumulation_steps to a multiple of 2"):
+        validated(_train("launcher=accelerate"))
 
 
 def test_r3_runs_without_the_shapes_settings():
