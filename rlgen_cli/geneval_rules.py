@@ -39,7 +39,8 @@ import numpy as np
 
 __all__ = [
     "POSITION_CREDITS", "TAGS", "ColorFn", "Detection", "GenEvalResult", "GenEvalThresholds",
-    "check_position_credit", "relative_position", "score_geneval", "select_detections", "summarise",
+    "check_position_credit", "position_holds", "relative_position", "score_geneval", "select_detections",
+    "summarise",
 ]  # fmt: skip
 
 POSITION_CREDITS = ("upstream", "strict")
@@ -141,7 +142,7 @@ def relative_position(box_a: Sequence[float], box_b: Sequence[float], margin: fl
     return {name for name, holds in rules if holds}
 
 
-def _position_holds(
+def position_holds(
     objects: Sequence[Detection], targets: Sequence[Detection] | None, relation: str, margin: float
 ) -> bool:
     """True when every object stands in ``relation`` to every target (False without targets)."""
@@ -163,7 +164,7 @@ def _original_accuracy(
             matched = colors(found, req["class"]).count(req["color"]) >= req["count"]
         if matched and "position" in req:
             relation, target = req["position"]
-            matched = _position_holds(found, groups[target], relation, margin)
+            matched = position_holds(found, groups[target], relation, margin)
         groups.append(found if matched else None)
         correct = correct and matched
     return correct and _excludes_hold(objects, metadata)
@@ -227,7 +228,7 @@ def _partial_credit(
                     reasons.append(f"expected {need} {req['color']} {name}, found {with_color}")
             if "position" in req:
                 relation, target = req["position"]
-                holds = matched and _position_holds(found, groups[target], relation, margin)
+                holds = matched and position_holds(found, groups[target], relation, margin)
                 terms += _position_terms(holds, groups[target] is not None, matched, position_credit)
                 if not holds:
                     matched = False

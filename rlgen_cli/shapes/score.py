@@ -31,7 +31,7 @@ from rlgen_cli.geneval_rules import (
     Detection,
     GenEvalResult,
     GenEvalThresholds,
-    relative_position,
+    position_holds,
     score_geneval,
     summarise,
 )
@@ -200,9 +200,7 @@ def object_credit(
             relation, target = clause["position"]
             placed = [d for d in detections if d.label == clause["class"]]
             anchors = [d for d in detections if d.label == clauses[target]["class"]]
-            holds = bool(placed and anchors) and all(
-                relation in relative_position(p.box, a.box, position_margin) for p in placed for a in anchors
-            )
+            holds = bool(placed and anchors) and position_holds(placed, anchors, relation, position_margin)
             terms.append(float(holds))
     return (sum(terms) / len(terms) if terms else 0.0), len(unmatched)
 
