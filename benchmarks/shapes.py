@@ -30,7 +30,12 @@ evaluation noise, so the base itself reads differently per seed): the plot draws
 from its own base, the mean over seeds as a line and the spread (min to max) as a band, and the summary
 gives the mean change with its min and max.
 
-    python benchmarks/shapes.py [--minutes 5] [--seeds 2] [--runs grpo_fast,grpo_partial] [--out benchmarks/results]
+``--jobs 2`` trains two runs side by side, each on its share of the cores (``OMP_NUM_THREADS`` = cores / jobs):
+on a 2-core machine two one-thread runs get more epochs per core-minute than one two-thread run, so the
+whole comparison takes about half the wall-clock. The budget is then per run on one core, and the plot
+says so.
+
+    python benchmarks/shapes.py [--minutes 5] [--seeds 2] [--jobs 2] [--runs grpo_fast,grpo_partial] [--out benchmarks/results]
 
 Writes ``shapes.json`` and ``shapes.png`` under ``--out`` and prints the JSON summary on one line.
 """
@@ -39,10 +44,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 CLI = "import sys; from rlgen_cli.cli import main; sys.exit(main())"
@@ -81,15 +88,16 @@ METRICS = {
 
 
 def train(
-    name: str, seed: int, overrides: list[str], minutes: float, eval_every: int, root: Path
+    name: str, seed: int, overrides: list[str], minutes: float, eval_every: int, root: Path, threads: int
 ) -> list[dict]:
-    """One CLI run; returns its metrics rows."""
+    """One CLI run on ``threads`` intra-op threads; returns its metrics rows."""
     run = root / f"{name}_seed{seed}"
     argv = [
         sys.executable, "-c", CLI, "train", *COMMON, *overrides, f"seed={seed}", f"time_limit_minutes={minutes}",
         "epochs=100000", f"eval_every={eval_every}", f"hydra.run.dir={run}",
     ]  # fmt: skip
-    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    env = os.environ | {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    done = subprocess.run(argv, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
         raise SystemExit(f"{name} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -120,7 +128,7 @@ def gain_band(seeds: dict[int, dict[str, list[float]]], metric: str) -> tuple[li
     return grid, gains.mean(0).tolist(), gains.min(0).tolist(), gains.max(0).tolist()
 
 
-def plot(curves: dict[str, dict[int, dict[str, list[float]]]], out: Path) -> None:
+def plot(curves: dict[str, dict[int, dict[str, list[float]]]], out: Path, clock: str = "2 CPU cores") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -137,7 +145,7 @@ def plot(curves: dict[str, dict[int, dict[str, list[float]]]], out: Path) -> Non
             ax.fill_between(grid, low, high, color=line.get_color(), alpha=0.15, linewidth=0)
         ax.axhline(0.0, color="grey", linewidth=0.8)
         ax.set_title(f"{title}: change from the base")
-        ax.set_xlabel("training minutes (2 CPU cores)")
+        ax.set_xlabel(f"training minutes ({clock})")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle("ShapesEval test set: RL from the same base and budget — mean over seeds, band = min…max")
@@ -165,16 +173,27 @@ def summary(seeds: dict[int, dict[str, list[float]]]) -> dict[str, float]:
     return out
 
 
+def clock(jobs: int, threads: int) -> str:
+    """What a training minute means in this benchmark: the cores behind each run."""
+    cores = f"{threads} CPU core{'s' if threads > 1 else ''}"
+    return cores if jobs == 1 else f"{cores} per run, {jobs} runs side by side"
+
+
 def write(
-    curves: dict[str, dict[int, dict[str, list[float]]]], args: argparse.Namespace, wall_s: float
+    curves: dict[str, dict[int, dict[str, list[float]]]],
+    args: argparse.Namespace,
+    threads: int,
+    wall_s: float,
 ) -> dict:
     """Write ``shapes.json`` and ``shapes.png`` for the runs so far; returns the JSON."""
+    done = {name: seeds for name, seeds in curves.items() if seeds}
     result = {
-        "benchmark": "shapes", "minutes_per_run": args.minutes, "seeds": args.seeds, "wall_s": round(wall_s, 1),
-        "summary": {name: summary(seeds) for name, seeds in curves.items()}, "curves": curves,
+        "benchmark": "shapes", "minutes_per_run": args.minutes, "seeds": args.seeds, "jobs": args.jobs,
+        "threads_per_run": threads, "wall_s": round(wall_s, 1),
+        "summary": {name: summary(seeds) for name, seeds in done.items()}, "curves": done,
     }  # fmt: skip
     (args.out / "shapes.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
-    plot(curves, args.out / "shapes.png")
+    plot(done, args.out / "shapes.png", clock(args.jobs, threads))
     return result
 
 
@@ -186,6 +205,7 @@ def main() -> dict[str, object]:
     parser.add_argument(
         "--runs", default=",".join(DEFAULT_RUNS), help=f"comma-separated subset of {','.join(RUNS)}"
     )
+    parser.add_argument("--jobs", type=int, default=1, help="runs trained side by side, sharing the cores")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     names = [n for n in args.runs.split(",") if n]
@@ -194,15 +214,25 @@ def main() -> dict[str, object]:
         parser.error(f"unknown runs {unknown}; choose from {list(RUNS)}")
     if args.seeds < 1:
         parser.error(f"--seeds {args.seeds}: give at least 1")
+    cores = os.cpu_count() or 1
+    if not 1 <= args.jobs <= cores:
+        parser.error(f"--jobs {args.jobs}: give 1 … {cores} (this machine's cores)")
+    threads = cores // args.jobs
     started = time.perf_counter()
-    curves: dict[str, dict[int, dict[str, list[float]]]] = {}
+    curves: dict[str, dict[int, dict[str, list[float]]]] = {name: {} for name in names}
     args.out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="rlgen-shapes-") as tmp:
-        for seed in range(args.seeds):  # seed-major, written after every run: one cut short keeps the rest
-            for name in names:
-                rows = train(name, seed, RUNS[name], args.minutes, args.eval_every, Path(tmp))
-                curves.setdefault(name, {})[seed] = curve(rows)
-                result = write(curves, args, time.perf_counter() - started)
+    runs = [
+        (name, seed) for seed in range(args.seeds) for name in names
+    ]  # seed-major: a cut-short run keeps whole seeds
+    with tempfile.TemporaryDirectory(prefix="rlgen-shapes-") as tmp, ThreadPoolExecutor(args.jobs) as pool:
+        pending = {
+            pool.submit(train, name, seed, RUNS[name], args.minutes, args.eval_every, Path(tmp), threads): (name, seed)
+            for name, seed in runs
+        }  # fmt: skip
+        for future in as_completed(pending):  # written after every run: one cut short keeps the rest
+            name, seed = pending[future]
+            curves[name][seed] = curve(future.result())
+            result = write(curves, args, threads, time.perf_counter() - started)
     return result
 
 

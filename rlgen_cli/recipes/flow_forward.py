@@ -61,7 +61,6 @@ from rlgen_cli.sde.noise import Stream, randn_per_sample, sample_generators
 from rlgen_cli.sde.rollout import StepSpec, rollout
 from rlgen_cli.sde.sampling import batches, conditioned
 from rlgen_cli.training.ema import EMA
-from rlgen_cli.training.images import save_grid
 from rlgen_cli.training.progress import Progress
 from rlgen_cli.training.schedule import apply_lr_schedule
 
@@ -307,9 +306,7 @@ def forward_epoch(run: FlowRun, old: OldPolicy, epoch: int, progress: Progress) 
     with timed(timings, "time/update"):
         stats = update(run, old, rollouts, mine, epoch, progress)
     decay = old.refresh(run)
-    if run.dist.is_main and cfg.images_every and epoch % cfg.images_every == 0:
-        save_grid(rollouts.images, run.run_dir / "images" / f"train_epoch_{epoch:05d}.png", upscale=2)
-        run.logger.log_images("train/images", rollouts.images[:16], epoch)
+    loop.save_rollout_images(run, rollouts.images, epoch)
     local = reduce_over_ranks(run.dist, {**rollouts.details, **stats, "trained_samples": n})
     return {
         "lr": lr, **loop.reward_metrics(run, components), **local, "zero_std_ratio": adv_stats.zero_std_ratio,

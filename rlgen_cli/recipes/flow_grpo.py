@@ -76,7 +76,6 @@ from rlgen_cli.sde.rollout import (
 from rlgen_cli.sde.sampling import batches, conditioned
 from rlgen_cli.sde.step import StepOut
 from rlgen_cli.sde.window import WindowPlan, plan_window
-from rlgen_cli.training.images import save_grid
 from rlgen_cli.training.progress import Progress
 from rlgen_cli.training.schedule import apply_lr_schedule
 
@@ -179,9 +178,7 @@ def grpo_epoch(run: FlowRun, epoch: int, progress: Progress) -> dict[str, float]
     with timed(timings, "time/update"):
         update_stats = update(run, rollouts.select(keep), advantages[keep], progress, num_batches)
 
-    if dist.is_main and cfg.images_every and epoch % cfg.images_every == 0:
-        save_grid(rollouts.images, run.run_dir / "images" / f"train_epoch_{epoch:05d}.png", upscale=2)
-        run.logger.log_images("train/images", rollouts.images[:16], epoch)
+    loop.save_rollout_images(run, rollouts.images, epoch)
     stats = loop.reduce_over_ranks(dist, {**reward_details, **update_stats, "trained_samples": len(keep)})
     return {
         "lr": lr, **loop.reward_metrics(run, components),

@@ -99,6 +99,7 @@ def pref_epoch(run: FlowRun, pref_state: Preference, epoch: int, progress: Progr
     with timed(timings, "time/reward"):
         components, details = loop.score(run, images, prompts, metadata)
     total = loop.weighted_total(run, components)
+    loop.save_rollout_images(run, images, epoch)
     with timed(timings, "time/update"):
         cond = Cond.cat([run.policy.encode(prompts[p]) for p in parts])
         groups = torch.tensor(indices)

@@ -470,6 +470,14 @@ def evaluates_heldout(run: FlowRun) -> bool:
     return run.heldout_set is not None and bool(cfg.eval_before and cfg.eval_every) and run.start_epoch == 0
 
 
+def save_rollout_images(run: FlowRun, images: Tensor, epoch: int) -> None:
+    """Every ``images_every`` epochs rank 0 saves the epoch's rollouts as a grid and logs the first 16."""
+    every = run.cfg.images_every
+    if run.dist.is_main and every and epoch % every == 0:
+        save_grid(images, run.run_dir / "images" / f"train_epoch_{epoch:05d}.png", upscale=2)
+        run.logger.log_images("train/images", images[:16], epoch)
+
+
 def evaluate_before(run: FlowRun, progress: Progress) -> dict[str, float] | None:
     """With ``eval_before``, evaluate the starting weights of a fresh run (logged at step −1)."""
     cfg = run.cfg

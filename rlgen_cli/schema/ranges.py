@@ -59,7 +59,12 @@ from rlgen_cli.schema.forward import ForwardConfig, OldPolicyConfig
 from rlgen_cli.schema.guard import GuardConfig
 from rlgen_cli.schema.plan import PlanOptions
 from rlgen_cli.schema.r3 import R3Config
-from rlgen_cli.schema.recipes import FlowForwardTrainConfig, FlowGrpoTrainConfig, FlowRunConfig
+from rlgen_cli.schema.recipes import (
+    FlowForwardTrainConfig,
+    FlowGrpoTrainConfig,
+    FlowPrefTrainConfig,
+    FlowRunConfig,
+)
 from rlgen_cli.schema.serve import ServerConfig
 from rlgen_cli.schema.vlm import TokenGRPOOptions, TokenScheduleOptions, VLMOptions
 
@@ -137,6 +142,7 @@ RANGES: dict[type, dict[str, Range | Pattern]] = {
     },
     FlowGrpoTrainConfig: {"images_every": NON_NEGATIVE},
     FlowForwardTrainConfig: {"images_every": NON_NEGATIVE},
+    FlowPrefTrainConfig: {"images_every": NON_NEGATIVE},
     ModelConfig: {
         "tiny_seed": NON_NEGATIVE, "resolution": COUNT, "height": COUNT, "width": COUNT, "num_frames": COUNT,
         "guidance_scale": at_least(1), "image_guidance_scale": at_least(1), "shift": ANY, "num_steps": COUNT, "eval_num_steps": COUNT,

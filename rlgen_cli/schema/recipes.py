@@ -103,6 +103,8 @@ class FlowGrpoTrainConfig(FlowRunConfig):
 @dataclass
 class FlowPrefTrainConfig(FlowRunConfig):
     recipe: str = "flow_pref"
+    images_every: int = 10
+    """Epochs between saving a grid of the epoch's samples (DPO: the reference's); 0 = never."""
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     algo: FlowPrefAlgoConfig = field(default_factory=FlowPrefAlgoConfig)
 
