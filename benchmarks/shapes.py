@@ -30,12 +30,11 @@ evaluation noise, so the base itself reads differently per seed): the plot draws
 from its own base, the mean over seeds as a line and the spread (min to max) as a band, and the summary
 gives the mean change with its min and max.
 
-``--jobs 2`` trains two runs side by side, each on its share of the cores (``OMP_NUM_THREADS`` = cores / jobs):
-on a 2-core machine two one-thread runs get more epochs per core-minute than one two-thread run, so the
-whole comparison takes about half the wall-clock. The budget is then per run on one core, and the plot
-says so.
+``--jobs N`` trains N runs side by side, each on cores / N threads (``OMP_NUM_THREADS``), for machines with
+cores to spare; the budget is then per run on its share, and the plot says so. On a 2-core machine it
+gains nothing: two one-thread runs took 12 s an epoch each against 5.3 s for one two-thread run.
 
-    python benchmarks/shapes.py [--minutes 5] [--seeds 2] [--jobs 2] [--runs grpo_fast,grpo_partial] [--out benchmarks/results]
+    python benchmarks/shapes.py [--minutes 5] [--seeds 2] [--hack-minutes 5] [--jobs 1] [--runs grpo_fast,grpo_partial] [--out benchmarks/results]
 
 Writes ``shapes.json`` and ``shapes.png`` under ``--out`` and prints the JSON summary on one line.
 """
@@ -80,6 +79,10 @@ RUNS: dict[str, list[str]] = {
 DEFAULT_RUNS = ("grpo", "grpo_fast", "mix_grpo", "dpo", "grpo_partial", "grpo_lenient")
 HACKABLE = ("grpo_partial", "grpo_lenient")
 """Runs on a reward a policy can game, drawn dashed."""
+DEMO = "grpo_lenient"
+"""The reward-hacking demonstration: it shows a direction (lenient up, strict down, extra objects up), not a
+rank, so it runs once (seed 0), first, on its own ``--hack-minutes`` (it games the reward within 20–40
+epochs, docs/guard.md); the comparison's seeds and minutes go to the others."""
 METRICS = {
     "strict": "eval/reward/shapes_geneval/strict/mean",
     "lenient": "eval/reward/shapes_geneval/accuracy/mean",
@@ -189,6 +192,7 @@ def write(
     done = {name: seeds for name, seeds in curves.items() if seeds}
     result = {
         "benchmark": "shapes", "minutes_per_run": args.minutes, "seeds": args.seeds, "jobs": args.jobs,
+        "hack_run": {"name": DEMO, "seeds": 1, "minutes": args.hack_minutes or args.minutes},
         "threads_per_run": threads, "wall_s": round(wall_s, 1),
         "summary": {name: summary(seeds) for name, seeds in done.items()}, "curves": done,
     }  # fmt: skip
@@ -204,6 +208,9 @@ def main() -> dict[str, object]:
     parser.add_argument("--eval-every", type=int, default=10, help="epochs between evaluations")
     parser.add_argument(
         "--runs", default=",".join(DEFAULT_RUNS), help=f"comma-separated subset of {','.join(RUNS)}"
+    )
+    parser.add_argument(
+        "--hack-minutes", type=float, default=None, help=f"{DEMO}'s budget (default: --minutes), seed 0 only"
     )
     parser.add_argument("--jobs", type=int, default=1, help="runs trained side by side, sharing the cores")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -221,13 +228,14 @@ def main() -> dict[str, object]:
     started = time.perf_counter()
     curves: dict[str, dict[int, dict[str, list[float]]]] = {name: {} for name in names}
     args.out.mkdir(parents=True, exist_ok=True)
-    runs = [
-        (name, seed) for seed in range(args.seeds) for name in names
-    ]  # seed-major: a cut-short run keeps whole seeds
+    hack_minutes = args.minutes if args.hack_minutes is None else args.hack_minutes
+    # the demonstration first, then seed-major: a run cut short keeps whole seeds
+    runs = [(DEMO, 0, hack_minutes)] if DEMO in names else []
+    runs += [(name, seed, args.minutes) for seed in range(args.seeds) for name in names if name != DEMO]
     with tempfile.TemporaryDirectory(prefix="rlgen-shapes-") as tmp, ThreadPoolExecutor(args.jobs) as pool:
         pending = {
-            pool.submit(train, name, seed, RUNS[name], args.minutes, args.eval_every, Path(tmp), threads): (name, seed)
-            for name, seed in runs
+            pool.submit(train, name, seed, RUNS[name], minutes, args.eval_every, Path(tmp), threads): (name, seed)
+            for name, seed, minutes in runs
         }  # fmt: skip
         for future in as_completed(pending):  # written after every run: one cut short keeps the rest
             name, seed = pending[future]

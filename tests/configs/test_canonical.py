@@ -52,6 +52,10 @@ CASES = [
     Case(f"launcher=accelerate {TWO_PROCESS_STEPS}", *SHAPES_RUN),
     Case("algo.lr=1e-4", *SHAPES_RUN),
     Case("experiment=shapes_grpo_fast", *SHAPES_RUN),
+    # the ShapesEval experiment with every other algorithm of benchmarks/shapes.py (its settings, e.g.
+    # images_every, must exist in the preference and forward recipes too)
+    Case("experiment=shapes_grpo_fast algo=dpo", "shapes", {"shapes_geneval"}, SHAPES, LEN["shapes"], None, "dpo"),
+    Case("experiment=shapes_grpo_fast algo=nft", "shapes", {"shapes_geneval"}, SHAPES, LEN["shapes"], None, "nft"),
     Case("model=flux algo=grpo_fast reward=geneval", "flux", {"geneval"}, GENEVAL, N, ("random_window", 2)),
     Case("model=sd3 algo=grpo reward=pickscore", "sd3", {"pickscore"}, PICKSCORE, N, ("all", 0)),
     Case("model=qwen_image algo=mix_grpo reward=clipscore", "qwen_image", {"clipscore"}, PICKSCORE, N, ("sliding", 4)),

@@ -22,9 +22,6 @@ GEOMETRY = [
 ]
 
 
-PREF_ALGOS = ("dpo", "sft")
-
-
 @pytest.mark.parametrize(
     "algo,extra",
     [
@@ -42,10 +39,11 @@ def test_algorithm_trains_two_epochs(cli, tmp_path, algo, extra):
     run = tmp_path / algo
     code, out = cli(
         "train", *TINY_RUN, *GEOMETRY, f"algo={algo}", *extra, "algo.lr=1e-2", "model.num_steps=4", "epochs=2",
-        "save_every=1", "eval_every=0", f"hydra.run.dir={run}",
-        *([] if algo in PREF_ALGOS else ["images_every=0"]),  # the preference recipe saves no rollout grids
+        "save_every=1", "eval_every=0", "images_every=2", f"hydra.run.dir={run}",
     )  # fmt: skip
     assert code == 0, out
+    # every flow recipe saves the epoch's samples every images_every epochs: epoch 0, not epoch 1
+    assert sorted(p.name for p in (run / "images").glob("train_epoch_*.png")) == ["train_epoch_00000.png"]
     first = load_file(run / "checkpoints" / "epoch_000001" / "weights" / LORA_WEIGHTS_NAME)
     second = load_file(run / "checkpoints" / "epoch_000002" / "weights" / LORA_WEIGHTS_NAME)
     assert first.keys() == second.keys() and len(first) > 0
