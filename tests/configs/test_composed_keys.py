@@ -76,7 +76,7 @@ def test_every_composed_key_is_one_its_recipe_declares(args: str):
 @pytest.mark.parametrize(
     ("args", "recipe", "absent"),
     [
-        ("algo=dpo", "flow_pref", ["algo.window", "algo.kl_form", "algo.clip_range", "images_every"]),
+        ("algo=dpo", "flow_pref", ["algo.window", "algo.kl_form", "algo.clip_range"]),
         ("algo=sft", "flow_pref", ["algo.window", "algo.objective"]),
         ("model=tiny_qwen2_vl", "vlm_rl", ["sampler", "algo.window", "algo.ema", "time_limit_minutes"]),
         ("model=tiny_r3", "r3", ["algo", "sampler", "eval_before"]),
