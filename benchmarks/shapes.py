@@ -192,7 +192,7 @@ def write(
     done = {name: seeds for name, seeds in curves.items() if seeds}
     result = {
         "benchmark": "shapes", "minutes_per_run": args.minutes, "seeds": args.seeds, "jobs": args.jobs,
-        "hack_run": {"name": DEMO, "seeds": 1, "minutes": args.hack_minutes or args.minutes},
+        "hack_run": {"name": DEMO, "seeds": 1, "minutes": args.hack_minutes},
         "threads_per_run": threads, "wall_s": round(wall_s, 1),
         "summary": {name: summary(seeds) for name, seeds in done.items()}, "curves": done,
     }  # fmt: skip
@@ -228,9 +228,10 @@ def main() -> dict[str, object]:
     started = time.perf_counter()
     curves: dict[str, dict[int, dict[str, list[float]]]] = {name: {} for name in names}
     args.out.mkdir(parents=True, exist_ok=True)
-    hack_minutes = args.minutes if args.hack_minutes is None else args.hack_minutes
+    if args.hack_minutes is None:
+        args.hack_minutes = args.minutes
     # the demonstration first, then seed-major: a run cut short keeps whole seeds
-    runs = [(DEMO, 0, hack_minutes)] if DEMO in names else []
+    runs = [(DEMO, 0, args.hack_minutes)] if DEMO in names else []
     runs += [(name, seed, args.minutes) for seed in range(args.seeds) for name in names if name != DEMO]
     with tempfile.TemporaryDirectory(prefix="rlgen-shapes-") as tmp, ThreadPoolExecutor(args.jobs) as pool:
         pending = {

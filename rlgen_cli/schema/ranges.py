@@ -59,12 +59,7 @@ from rlgen_cli.schema.forward import ForwardConfig, OldPolicyConfig
 from rlgen_cli.schema.guard import GuardConfig
 from rlgen_cli.schema.plan import PlanOptions
 from rlgen_cli.schema.r3 import R3Config
-from rlgen_cli.schema.recipes import (
-    FlowForwardTrainConfig,
-    FlowGrpoTrainConfig,
-    FlowPrefTrainConfig,
-    FlowRunConfig,
-)
+from rlgen_cli.schema.recipes import FlowRolloutRunConfig, FlowRunConfig
 from rlgen_cli.schema.serve import ServerConfig
 from rlgen_cli.schema.vlm import TokenGRPOOptions, TokenScheduleOptions, VLMOptions
 
@@ -140,9 +135,7 @@ RANGES: dict[type, dict[str, Range | Pattern]] = {
         "monitors": ANY, "window": COUNT, "margin": NON_NEGATIVE, "rollback_lr_scale": FRACTION,
         "rollback_kl_scale": at_least(1), "max_rollbacks": NON_NEGATIVE,
     },
-    FlowGrpoTrainConfig: {"images_every": NON_NEGATIVE},
-    FlowForwardTrainConfig: {"images_every": NON_NEGATIVE},
-    FlowPrefTrainConfig: {"images_every": NON_NEGATIVE},
+    FlowRolloutRunConfig: {"images_every": NON_NEGATIVE},
     ModelConfig: {
         "tiny_seed": NON_NEGATIVE, "resolution": COUNT, "height": COUNT, "width": COUNT, "num_frames": COUNT,
         "guidance_scale": at_least(1), "image_guidance_scale": at_least(1), "shift": ANY, "num_steps": COUNT, "eval_num_steps": COUNT,

@@ -84,10 +84,16 @@ class FlowRunConfig(RunConfig):
 
 
 @dataclass
-class FlowGrpoTrainConfig(FlowRunConfig):
-    recipe: str = "flow_grpo"
+class FlowRolloutRunConfig(FlowRunConfig):
+    """A flow run that samples every epoch (GRPO, preference, forward): it can save what it sampled."""
+
     images_every: int = 10
-    """Epochs between saving a grid of rollout images; 0 = never."""
+    """Epochs between saving a grid of the epoch's samples (DPO: the reference's); 0 = never."""
+
+
+@dataclass
+class FlowGrpoTrainConfig(FlowRolloutRunConfig):
+    recipe: str = "flow_grpo"
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     reward: AdvantageRewardConfig = field(default_factory=AdvantageRewardConfig)
     algo: FlowGrpoAlgoConfig = field(default_factory=FlowGrpoAlgoConfig)
@@ -101,10 +107,8 @@ class FlowGrpoTrainConfig(FlowRunConfig):
 
 
 @dataclass
-class FlowPrefTrainConfig(FlowRunConfig):
+class FlowPrefTrainConfig(FlowRolloutRunConfig):
     recipe: str = "flow_pref"
-    images_every: int = 10
-    """Epochs between saving a grid of the epoch's samples (DPO: the reference's); 0 = never."""
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     algo: FlowPrefAlgoConfig = field(default_factory=FlowPrefAlgoConfig)
 
@@ -125,10 +129,8 @@ class FlowPretrainTrainConfig(FlowRunConfig):
 
 
 @dataclass
-class FlowForwardTrainConfig(FlowRunConfig):
+class FlowForwardTrainConfig(FlowRolloutRunConfig):
     recipe: str = "flow_forward"
-    images_every: int = 10
-    """Epochs between saving a grid of rollout images; 0 = never."""
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     """The rollout step of ``algo.forward.solver=sde`` (and the noise level of every solver)."""
     reward: AdvantageRewardConfig = field(default_factory=AdvantageRewardConfig)
