@@ -60,6 +60,11 @@ WORDS: tuple[str, ...] = (
 )  # fmt: skip
 """Token id → word. Append only: the shipped weights index this table."""
 
+MEMORY_FORMAT = torch.channels_last
+"""The UNet's weights and inputs are stored channels-last: the layout oneDNN's (and cuDNN's) fastest
+convolutions use. Measured on 2 CPU cores, an epoch of the default ShapesEval run is 10 % faster (4.9 →
+4.4 s: update 2.2 → 1.9 s, rollout 2.6 → 2.4 s); velocities move by ~1e-6 against the default layout."""
+
 
 class WordTokenizer:
     """Lower-cased whitespace words → ids, with ``<bos>`` first; the empty prompt is ``<bos>`` alone
@@ -111,7 +116,7 @@ class ShapesPolicy:
         self.tokenizer = WordTokenizer(unet.config.max_tokens)
         # TrainableTransformer only needs an owner with a ``transformer`` attribute; the checkpoint
         # format is this module's, not a diffusers pipeline's.
-        self._holder = SimpleNamespace(transformer=unet.to(device))
+        self._holder = SimpleNamespace(transformer=unet.to(device, memory_format=MEMORY_FORMAT))
         self.trainable = TrainableTransformer(self._holder, cfg, checkpoint=ShapesCheckpoint())
 
     @property
@@ -168,6 +173,7 @@ class ShapesPolicy:
 
     def _forward(self, x: Tensor, timestep: Tensor, ids: Tensor, mask: Tensor) -> Tensor:
         with autocast(self.device, self.dtype):
+            x = x.contiguous(memory_format=MEMORY_FORMAT)
             return self.trainable.forward_module()(x, timestep, ids, mask).float()
 
     @torch.no_grad()
