@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 
 from rlgen_cli._hydra import conf_dir
 from rlgen_cli.models import build_policy
-from rlgen_cli.models.shapes import BOS_ID, PAD_ID, UNK_ID, WORDS, WordTokenizer
+from rlgen_cli.models.shapes import BOS_ID, PAD_ID, UNK_ID, WORDS, WordTokenizer, resolve_model_dir
+from rlgen_cli.models.shapes_unet import ShapesUNet
 from rlgen_cli.recipes.flow_pretrain import learning_rate
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
@@ -113,6 +114,22 @@ def test_the_shipped_base_loads_and_draws_shapes():
     assert images.shape == (2, 3, 32, 32) and images.min() >= 0 and images.max() <= 1
     results = score_images(images, [{"tag": "x", "include": [{"class": "circle", "count": 1}]}] * 2)
     assert all(r.n_objects >= 1 for r in results)  # it draws objects, not noise or a blank canvas
+
+
+def test_the_channels_last_policy_computes_the_saved_models_velocity():
+    """The policy keeps the UNet channels-last (the fast convolution layout); it must be the same
+    function as the saved model in the default layout, to float rounding."""
+    base = build_policy(_model_cfg("shapes_base"), CPU)
+    assert base.unet.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+    saved = ShapesUNet.from_pretrained(resolve_model_dir("builtin:shapes_base"))
+    assert saved.conv_in.weight.is_contiguous()
+    cond = base.encode(["a photo of a red circle", "a photo of two blue squares", "a photo of a cat"])
+    x = base.noise(3, torch.Generator().manual_seed(0))
+    got = base.velocity(x, torch.tensor(0.6), cond)
+    with torch.no_grad():
+        want = saved(x, torch.full((3,), 600.0), cond.tensors["input_ids"], cond.tensors["attention_mask"])
+    assert want.abs().mean() > 0.1  # a trained velocity, not the zero-initialised output layer's
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
 def test_learning_rate_warms_up_then_decays_on_a_cosine():
