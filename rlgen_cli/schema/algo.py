@@ -268,6 +268,9 @@ class AlgoConfig:
     decay to ``lr_min_ratio``·lr at the last epoch (a time limit that stops the run first cuts it short)."""
     lr_decay_start: float = 0.0
     lr_min_ratio: float = 0.0
+    lr_warmup_epochs: int = 0
+    """Ramp the learning rate linearly over the first epochs (epoch e of W runs at (e + 1)/W of the
+    schedule's rate), whatever ``lr_schedule``; 0 = none (upstream)."""
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8

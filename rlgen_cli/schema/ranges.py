@@ -152,8 +152,9 @@ RANGES: dict[type, dict[str, Range | Pattern]] = {
     AlgoConfig: {
         "group_size": at_least(2), "prompts_per_epoch": COUNT, "sample_batch_size": COUNT,
         "train_batch_size": COUNT, "gradient_accumulation_steps": COUNT,
-        "lr": POSITIVE, "lr_decay_start": BELOW_ONE, "lr_min_ratio": PROBABILITY, "adam_beta1": BELOW_ONE,
-        "adam_beta2": BELOW_ONE, "adam_eps": POSITIVE, "weight_decay": NON_NEGATIVE, "max_grad_norm": ANY,
+        "lr": POSITIVE, "lr_decay_start": BELOW_ONE, "lr_min_ratio": PROBABILITY, "lr_warmup_epochs": NON_NEGATIVE,
+        "adam_beta1": BELOW_ONE, "adam_beta2": BELOW_ONE, "adam_eps": POSITIVE, "weight_decay": NON_NEGATIVE,
+        "max_grad_norm": ANY,
     },
     AdvantageConfig: {"adv_eps": NON_NEGATIVE, "kl_weight": NON_NEGATIVE},
     PolicyGradientConfig: {"adv_clip_max": NON_NEGATIVE},

@@ -64,6 +64,7 @@ def epoch_lr(
     decay_start: float,
     min_ratio: float,
     time_progress: float = 0.0,
+    warmup_epochs: int = 0,
 ) -> float:
     """The learning rate of ``epoch`` (0-based) of ``epochs``.
 
@@ -76,16 +77,18 @@ def epoch_lr(
         min_ratio: The last epoch's learning rate as a share of ``base_lr``.
         time_progress: Share of the time budget (:func:`time_share`); the schedule stands at
             ``max(epoch, time_progress · (epochs − 1))``. 0 = epochs alone.
+        warmup_epochs: Epochs of linear warm-up (epoch e < W runs at (e + 1)/W of the rate); 0 = none.
 
     Returns:
         The learning rate.
     """
+    warmup = min(1.0, (epoch + 1) / warmup_epochs) if warmup_epochs > 0 else 1.0
     if schedule == "constant":
-        return base_lr
+        return base_lr * warmup
     position = max(float(epoch), time_progress * (epochs - 1))
     first = math.floor(decay_start * epochs)  # the last epoch at base_lr; the decay ends at epochs - 1
     progress = min(1.0, max(0.0, (position - first) / max(1, epochs - 1 - first)))
-    return base_lr * decay_factor(progress, schedule, min_ratio)
+    return base_lr * warmup * decay_factor(progress, schedule, min_ratio)
 
 
 def apply_lr_schedule(
@@ -95,12 +98,14 @@ def apply_lr_schedule(
 
     ``time_progress``: the run's share of its time budget under ``lr_schedule_clock=time_or_epochs``
     (``FlowRun.time_progress``), 0 under the ``epochs`` clock. A ``constant`` schedule does not touch
-    the optimizer (recipes with their own per-step schedule, such as ``flow_pretrain``, keep it).
+    the optimizer unless it warms up (recipes with their own per-step schedule, such as ``flow_pretrain``,
+    keep it).
     """
     lr = epoch_lr(
-        algo.lr, algo.lr_schedule, epoch, epochs, algo.lr_decay_start, algo.lr_min_ratio, time_progress
-    )
-    if algo.lr_schedule != "constant":
+        algo.lr, algo.lr_schedule, epoch, epochs, algo.lr_decay_start, algo.lr_min_ratio, time_progress,
+        algo.lr_warmup_epochs,
+    )  # fmt: skip
+    if algo.lr_schedule != "constant" or algo.lr_warmup_epochs > 0:
         for group in optimizer.param_groups:
             group["lr"] = lr
     return lr

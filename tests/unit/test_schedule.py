@@ -39,10 +39,35 @@ def test_epochs_past_the_configured_end_stay_at_the_minimum():
 def test_apply_sets_every_param_group_and_constant_leaves_them_alone():
     params = [torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))]
     optimizer = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:], "lr": 7.0}], lr=1.0)
-    algo = SimpleNamespace(lr=1.0, lr_schedule="linear", lr_decay_start=0.0, lr_min_ratio=0.0)
+    algo = SimpleNamespace(
+        lr=1.0, lr_schedule="linear", lr_decay_start=0.0, lr_min_ratio=0.0, lr_warmup_epochs=0
+    )
     assert apply_lr_schedule(optimizer, algo, 1, 3) == pytest.approx(0.5)
     assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([0.5, 0.5])
     optimizer.param_groups[1]["lr"] = 7.0  # e.g. a recipe's own per-step schedule
     algo.lr_schedule = "constant"
     assert apply_lr_schedule(optimizer, algo, 2, 3) == 1.0
     assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([0.5, 7.0])
+
+
+def test_warmup_ramps_linearly_then_hands_over_to_the_schedule():
+    # 3 warm-up epochs: (e + 1)/3 of the rate; then constant at base, or cosine held to floor(0.5·10)
+    assert [epoch_lr(3.0, "constant", e, 10, 0.0, 0.0, warmup_epochs=3) for e in range(5)] == pytest.approx(
+        [1.0, 2.0, 3.0, 3.0, 3.0]
+    )
+    cosine = [epoch_lr(1.0, "cosine", e, 10, 0.5, 0.0, warmup_epochs=2) for e in range(10)]
+    assert cosine[:6] == pytest.approx([0.5, 1.0, 1.0, 1.0, 1.0, 1.0])
+    assert cosine[6:] == pytest.approx([epoch_lr(1.0, "cosine", e, 10, 0.5, 0.0) for e in range(6, 10)])
+
+
+def test_a_constant_schedule_with_warmup_sets_the_optimizer():
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([param], lr=1.0)
+    algo = SimpleNamespace(
+        lr=1.0, lr_schedule="constant", lr_decay_start=0.0, lr_min_ratio=0.0, lr_warmup_epochs=4
+    )
+    got = []
+    for epoch in range(6):
+        apply_lr_schedule(optimizer, algo, epoch, 6)
+        got.append(optimizer.param_groups[0]["lr"])
+    assert got == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0])
