@@ -3,8 +3,9 @@
 Every run starts from the shipped base (``model=shapes_base``) with the same seed and the same epoch
 geometry as the default ``rlgen train`` (16 prompts × 8 samples, two optimizer steps of 64 samples per
 epoch, full fine-tuning, a constant lr 3e-5 — the default run's decay is sized to its own epochs —,
-evaluated through an EMA of the weights with decay 0.95), and trains for the same wall-clock budget
-(``time_limit_minutes``) through the CLI:
+evaluated through an EMA of the weights with decay 0.95), and trains for the same budget of training
+minutes through the CLI (``time_limit_minutes`` with ``time_limit_counts=training``: evaluations do not
+eat into it, so every run trains at least ``--minutes``):
 
 * ``grpo``       Flow-GRPO: SDE at every step, every step trained;
 * ``grpo_fast``  Flow-GRPO-Fast: SDE in a random 2-step window (the default ``rlgen train``);
@@ -97,7 +98,7 @@ def train(
     run = root / f"{name}_seed{seed}"
     argv = [
         sys.executable, "-c", CLI, "train", *COMMON, *overrides, f"seed={seed}", f"time_limit_minutes={minutes}",
-        "epochs=100000", f"eval_every={eval_every}", f"hydra.run.dir={run}",
+        "time_limit_counts=training", "epochs=100000", f"eval_every={eval_every}", f"hydra.run.dir={run}",
     ]  # fmt: skip
     env = os.environ | {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     done = subprocess.run(argv, capture_output=True, text=True, check=False, env=env)

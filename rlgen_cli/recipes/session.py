@@ -79,6 +79,14 @@ class EpochClock:
         """Seconds on the clock, resumed runs' earlier seconds included."""
         return time.monotonic() - self.started
 
+    def counts_training_only(self) -> bool:
+        """``time_limit_counts=training``: the limit and the time share see the epochs' seconds alone."""
+        return self.run.cfg.time_limit_counts == "training"
+
+    def spent(self) -> float:
+        """The seconds the time limit counts."""
+        return self.run.train_seconds if self.counts_training_only() else self.elapsed()
+
     def before_epoch(self) -> None:
         """Under the time-aware schedule clock, set ``run.time_progress`` for the epoch about to run:
         the budget share it will have used when it ends, predicted from the last epoch's length. Rank 0's
@@ -86,9 +94,8 @@ class EpochClock:
         if not self.time_aware:
             return
         run = self.run
-        share = time_share(
-            run.train_seconds, self.elapsed() - run.train_seconds, self.last_epoch_seconds, self.budget
-        )
+        other_seconds = 0.0 if self.counts_training_only() else self.elapsed() - run.train_seconds
+        share = time_share(run.train_seconds, other_seconds, self.last_epoch_seconds, self.budget)
         run.time_progress = float(run.dist.gather(torch.tensor([share], dtype=torch.float64))[0])
 
     def epoch_ended(self, seconds: float) -> None:
@@ -108,7 +115,7 @@ class EpochClock:
             return True
         if self.budget == math.inf:
             return False
-        late = torch.tensor([float(self.elapsed() >= self.budget)])
+        late = torch.tensor([float(self.spent() >= self.budget)])
         return bool(self.run.dist.gather(late)[0] > 0)
 
     def advance(self, epoch: int, last: bool, headline: str) -> None:
@@ -116,7 +123,11 @@ class EpochClock:
         self.run.dist.barrier()
         self.progress.advance(self.task, description=f"epoch {epoch + 1}: {headline}")
         if last and epoch + 1 < self.run.cfg.epochs:
-            log.info("time limit (%g min) hit after epoch %d", self.run.cfg.time_limit_minutes, epoch + 1)
+            cfg = self.run.cfg
+            log.info(
+                "time limit (%g min, %s) hit after epoch %d", cfg.time_limit_minutes, cfg.time_limit_counts,
+                epoch + 1,
+            )  # fmt: skip
 
 
 @dataclass

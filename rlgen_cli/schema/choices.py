@@ -97,6 +97,8 @@ PrefLoss = Literal["dpo", "sft"]
 PretrainSource = Literal["shapes"]
 EvalReportKind = Literal["none", "shapes"]
 """``eval_report``: what a flow run writes from its evaluations at the end (``training/report.py``)."""
+TimeLimitCounts = Literal["wall", "training"]
+"""``time_limit_counts``: which seconds ``time_limit_minutes`` counts (``recipes/session.py``)."""
 LrScheduleClock = Literal["epochs", "time_or_epochs"]
 """``lr_schedule_clock``: what says where a run is in its lr schedule (``training/schedule.py``)."""
 GuardAction = Literal["warn", "stop", "rollback"]

@@ -25,7 +25,7 @@ from rlgen_cli.schema.algo import (
     VlmSftAlgoConfig,
 )
 from rlgen_cli.schema.check import CheckSection
-from rlgen_cli.schema.choices import EvalReportKind, LrScheduleClock
+from rlgen_cli.schema.choices import EvalReportKind, LrScheduleClock, TimeLimitCounts
 from rlgen_cli.schema.flow import (
     AdvantageRewardConfig,
     EvalConfig,
@@ -59,6 +59,10 @@ class FlowRunConfig(RunConfig):
     """Stop after the first epoch that ends past this many minutes of training (then evaluate and save
     as after the last epoch); 0 = no limit. The minutes count from the first epoch of a fresh run and
     carry over a resume (the clock travels in the checkpoint's counters)."""
+    time_limit_counts: Annotated[str, TimeLimitCounts] = "wall"
+    """What ``time_limit_minutes`` counts: ``wall`` (every second from the first epoch on, evaluations and
+    checkpoints included: what a user waits) or ``training`` (the epochs' seconds alone: equal training
+    budgets for runs that evaluate differently, as benchmarks compare them)."""
     lr_schedule_clock: Annotated[str, LrScheduleClock] = "epochs"
     """Where the run is in ``algo.lr_schedule``: ``epochs`` (the epoch count alone: bit-reproducible, but
     a time limit that stops the run early cuts the decay short) or ``time_or_epochs`` (the further along

@@ -30,7 +30,7 @@ JPEG = {"jpeg_compressibility"}
 R1VL_REWARDS = {"answer_accuracy", "step_rar", "step_rvr"}
 
 NO_CAP = 100000  # "train until stopped"
-LEN = {"shapes": (150, 18.0, True), "neutral": (NO_CAP, 0.0, False)}
+LEN = {"shapes": (170, 18.0, True), "neutral": (NO_CAP, 0.0, False)}
 
 
 class Case(NamedTuple):

@@ -82,11 +82,13 @@ def test_grpo_fast_from_the_shipped_base_changes_weights_and_reports(cli, tmp_pa
     assert any(not torch.equal(trained[k], base[k]) for k in base)
 
 
-def test_time_limit_stops_after_the_epoch_that_crosses_it_and_saves(cli, tmp_path: Path):
+@pytest.mark.parametrize("counts", ["wall", "training"])
+def test_time_limit_stops_after_the_epoch_that_crosses_it_and_saves(cli, tmp_path: Path, counts: str):
     run = tmp_path / "limited"
     code, out = cli(
-        "train", *SMALL, "epochs=50", "time_limit_minutes=0.0001", "eval_before=false", f"hydra.run.dir={run}"
-    )
+        "train", *SMALL, "epochs=50", "time_limit_minutes=0.0001", f"time_limit_counts={counts}",
+        "eval_before=false", f"hydra.run.dir={run}",
+    )  # fmt: skip
     assert code == 0, out
     rows = _rows(run)
     assert [r["step"] for r in rows] == [0] and STRICT in rows[0] and rows[0]["time/epoch"] > 0

@@ -53,10 +53,12 @@ class FakeTime:
 
 
 def _clock(monkeypatch, clock: str = "time_or_epochs", minutes: float = 10.0, clock_seconds: float = 0.0,
-           train_seconds: float = 0.0) -> tuple[EpochClock, SimpleNamespace, FakeTime]:  # fmt: skip
+           train_seconds: float = 0.0, counts: str = "wall") -> tuple[EpochClock, SimpleNamespace, FakeTime]:  # fmt: skip
     fake = FakeTime()
     monkeypatch.setattr(session_module.time, "monotonic", fake)
-    cfg = SimpleNamespace(epochs=100, time_limit_minutes=minutes, lr_schedule_clock=clock)
+    cfg = SimpleNamespace(
+        epochs=100, time_limit_minutes=minutes, lr_schedule_clock=clock, time_limit_counts=counts
+    )
     run = SimpleNamespace(
         cfg=cfg, start_epoch=0, dist=SimpleNamespace(gather=lambda t: t), time_progress=0.0,
         train_seconds=train_seconds, clock_seconds=clock_seconds,
@@ -81,6 +83,22 @@ def test_the_epoch_clock_feeds_the_schedule_its_time_share(monkeypatch):
     assert not clock.is_last(5)
     fake.now += 480.0
     assert clock.is_last(5)  # 600 s on the clock
+
+
+def test_a_limit_on_training_time_ignores_the_seconds_spent_elsewhere(monkeypatch):
+    clock, run, fake = _clock(monkeypatch, counts="training")  # 600 s of training
+    fake.now += 30.0  # a 30 s epoch…
+    clock.epoch_ended(30.0)
+    fake.now += 900.0  # …then 900 s of evaluation: past a wall limit, not this one
+    clock.before_epoch()
+    assert run.time_progress == pytest.approx(60 / 600)  # (30 trained + 30 expected) / 600
+    assert not clock.is_last(5)
+    fake.now += 569.0
+    clock.epoch_ended(569.0)  # 599 s of training
+    assert not clock.is_last(6)
+    fake.now += 1.0
+    clock.epoch_ended(1.0)
+    assert clock.is_last(7)  # 600 s of training
 
 
 def test_the_epochs_clock_leaves_the_schedule_to_the_epochs(monkeypatch):
