@@ -56,8 +56,8 @@ class FlowRunConfig(RunConfig):
     data: FlowDataConfig = field(default_factory=FlowDataConfig)
 
     time_limit_minutes: float = 0.0
-    """Stop after the first epoch that ends past this many minutes of training (then evaluate and save
-    as after the last epoch); 0 = no limit. The minutes count from the first epoch of a fresh run and
+    """Stop after the first epoch that ends past this many minutes (``time_limit_counts`` says which
+    seconds count; then evaluate and save as after the last epoch); 0 = no limit. The minutes count from the first epoch of a fresh run and
     carry over a resume (the clock travels in the checkpoint's counters)."""
     time_limit_counts: Annotated[str, TimeLimitCounts] = "wall"
     """What ``time_limit_minutes`` counts: ``wall`` (every second from the first epoch on, evaluations and
