@@ -106,8 +106,8 @@ def test_the_default_run_gains_strict_accuracy_unflagged(cli, tmp_path: Path):
     +8.3, counting +12.5, no tag down, held-out +0.6, extra objects 0.7 → 0.5, guard silent —
     docs/shapes.md): ≥ +10 strict points at the last evaluation, two_object and counting ≥ +8 each, no
     tag falling, no more extra objects than before, the held-out combinations not falling, and the
-    reward-hacking guard never flagged. The thresholds sit under every measured run of the recipe
-    (strict +11.1 … +16.7, the hard tags +8.3 … +20.8, held-out +0.6 … +11.1): a run is one draw."""
+    reward-hacking guard never flagged. A run is one draw (seven runs of the recipe: strict +11.5 …
+    +17.7); these thresholds hold for seed 0, the default — seed 2 gained +13.5 with two_object −2.1."""
     run = tmp_path / "default"
     code, out = cli("train", "experiment=shapes_grpo_fast", "progress=false", f"hydra.run.dir={run}")
     assert code == 0, out
