@@ -414,12 +414,38 @@ class FlowPrefAlgoConfig(AdvantageConfig):
     ema: EMAConfig = field(default_factory=EMAConfig)
 
 
+EPOCH_SCHEDULE_DEFAULTS = {
+    "lr_schedule": "constant",
+    "lr_decay_start": 0.0,
+    "lr_min_ratio": 0.0,
+    "lr_warmup_epochs": 0,
+}
+"""The flow RL loop's per-epoch schedule keys (``training/schedule.py``) at their off values."""
+
+
+def refuse_epoch_schedule(algo: AlgoConfig, recipe: str, instead: str) -> None:
+    """A recipe with its own per-step schedule refuses the per-epoch keys rather than ignore them."""
+    for key, off in EPOCH_SCHEDULE_DEFAULTS.items():
+        value = getattr(algo, key)
+        _require(
+            value == off,
+            f"algo.{key}={value!r} sets the flow RL loop's per-epoch schedule, which recipe={recipe} does not "
+            f"read; its schedule is {instead}",
+        )
+
+
 @dataclass
 class FlowPretrainAlgoConfig(AlgoConfig):
     """``recipe=flow_pretrain``: flow matching on ground-truth images."""
 
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     ema: EMAConfig = field(default_factory=EMAConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        refuse_epoch_schedule(
+            self, "flow_pretrain", "algo.pretrain.warmup_steps and algo.pretrain.min_lr_ratio (per step)"
+        )
 
 
 @dataclass
@@ -442,9 +468,19 @@ class TokenAlgoConfig(PolicyGradientConfig):
     """PPO clip ε on the importance ratio."""
     token: TokenGRPOOptions = field(default_factory=TokenGRPOOptions)
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        refuse_epoch_schedule(self, "vlm_rl", "algo.token.lr_schedule and algo.token.warmup_ratio (per step)")
+
 
 @dataclass
 class VlmSftAlgoConfig(AlgoConfig):
     """``recipe=vlm_sft``: masked cross-entropy warm-up of a multimodal LLM."""
 
     token: TokenSftOptions = field(default_factory=TokenSftOptions)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        refuse_epoch_schedule(
+            self, "vlm_sft", "algo.token.lr_schedule and algo.token.warmup_ratio (per step)"
+        )

@@ -74,6 +74,23 @@ def test_bad_lr_schedules_are_rejected(override, match):
         validated(_compose("train", [override]))
 
 
+@pytest.mark.parametrize(
+    ("recipe", "override", "own"),
+    [
+        ("model=tiny_qwen2_vl", "algo.lr_warmup_epochs=3", "algo.token.lr_schedule"),
+        ("model=tiny_qwen2_vl algo=vlm_sft", "algo.lr_min_ratio=0.1", "algo.token.lr_schedule"),
+        ("experiment=shapes_pretrain", "algo.lr_schedule=cosine", "algo.pretrain.warmup_steps"),
+    ],
+)
+def test_recipes_with_their_own_schedule_refuse_the_per_epoch_one(recipe, override, own):
+    """The VLM and pretraining recipes schedule per step; the flow RL loop's per-epoch keys would be
+    silently ignored there, so they are refused with the recipe's own keys named."""
+    validated(_compose("train", recipe.split()))
+    with pytest.raises(UserError, match=rf"{override.split('=')[0]}=.* does not read; its schedule is {own}"):
+        validated(_compose("train", [*recipe.split(), override]))
+    validated(_compose("train", ["algo=grpo", override]))  # the flow RL loop reads it
+
+
 def test_upstream_logprob_form_needs_cps():
     with pytest.raises(UserError, match="only exists for sampler.kind=cps"):
         validated(_compose("train", ["sampler.logprob_form=upstream"]))
