@@ -7,7 +7,7 @@ Single-field rules live in the annotations (choices, ``schema/choices.py``) and 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Annotated, Any
 
 from rlgen_cli.schema.choices import (
@@ -414,21 +414,20 @@ class FlowPrefAlgoConfig(AdvantageConfig):
     ema: EMAConfig = field(default_factory=EMAConfig)
 
 
-EPOCH_SCHEDULE_DEFAULTS = {
-    "lr_schedule": "constant",
-    "lr_decay_start": 0.0,
-    "lr_min_ratio": 0.0,
-    "lr_warmup_epochs": 0,
-}
-"""The flow RL loop's per-epoch schedule keys (``training/schedule.py``) at their off values."""
+EPOCH_SCHEDULE_KEYS = ("lr_schedule", "lr_decay_start", "lr_min_ratio", "lr_warmup_epochs")
+"""The flow RL loop's per-epoch schedule keys of ``AlgoConfig`` (``training/schedule.py``); their
+defaults are the off values."""
+TOKEN_SCHEDULE = "algo.token.lr_schedule and algo.token.warmup_ratio (per step)"
+"""Where the VLM recipes' own schedule is set."""
 
 
 def refuse_epoch_schedule(algo: AlgoConfig, recipe: str, instead: str) -> None:
     """A recipe with its own per-step schedule refuses the per-epoch keys rather than ignore them."""
-    for key, off in EPOCH_SCHEDULE_DEFAULTS.items():
+    defaults = {f.name: f.default for f in fields(AlgoConfig)}
+    for key in EPOCH_SCHEDULE_KEYS:
         value = getattr(algo, key)
         _require(
-            value == off,
+            value == defaults[key],
             f"algo.{key}={value!r} sets the flow RL loop's per-epoch schedule, which recipe={recipe} does not "
             f"read; its schedule is {instead}",
         )
@@ -470,7 +469,7 @@ class TokenAlgoConfig(PolicyGradientConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        refuse_epoch_schedule(self, "vlm_rl", "algo.token.lr_schedule and algo.token.warmup_ratio (per step)")
+        refuse_epoch_schedule(self, "vlm_rl", TOKEN_SCHEDULE)
 
 
 @dataclass
@@ -481,6 +480,4 @@ class VlmSftAlgoConfig(AlgoConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        refuse_epoch_schedule(
-            self, "vlm_sft", "algo.token.lr_schedule and algo.token.warmup_ratio (per step)"
-        )
+        refuse_epoch_schedule(self, "vlm_sft", TOKEN_SCHEDULE)
