@@ -30,7 +30,7 @@ install: $(STAMP)  ## create .venv and install rlgen with the pinned CPU torch
 
 install-dev: $(DEV_STAMP)  ## install plus the test and lint tools
 
-train: install  ## run the default training (ShapesEval on the CPU, ~15 min); ARGS='algo.lr=1e-3' to override
+train: install  ## run the default training (ShapesEval on the CPU, ~17 min); ARGS='algo.lr=1e-3' to override
 	$(VENV)/bin/rlgen train $(ARGS)
 
 test: install-dev  ## run the default test suite (CPU, offline, < 10 min)

@@ -1,19 +1,20 @@
 """ShapesEval: strict and lenient test accuracy vs training wall-clock, per algorithm, from one base.
 
 Every run starts from the shipped base (``model=shapes_base``) with the same seed and the same epoch
-geometry as the default ``rlgen train`` (16 prompts × 8 samples, two optimizer steps of 64 samples per
-epoch, full fine-tuning, a constant lr 3e-5 — the default run's decay is sized to its own epochs —,
-evaluated through an EMA of the weights with decay 0.95), and trains for the same budget of training
-minutes through the CLI (``time_limit_minutes`` with ``time_limit_counts=training``: evaluations do not
-eat into it, so every run trains at least ``--minutes``):
+geometry as ``rlgen train`` (16 prompts × 8 samples, two optimizer steps of 64 samples per epoch, full
+fine-tuning, a constant lr 3e-5 — the default run's decay is sized to its own epochs —, evaluated
+through an EMA of the weights with decay 0.95), and trains for the same budget of training minutes
+through the CLI (``time_limit_minutes`` with ``time_limit_counts=training``: evaluations do not eat into
+it, so every run trains at least ``--minutes``):
 
 * ``grpo``       Flow-GRPO: SDE at every step, every step trained;
-* ``grpo_fast``  Flow-GRPO-Fast: SDE in a random 2-step window (the default ``rlgen train``);
+* ``grpo_fast``  Flow-GRPO-Fast: SDE in a random 2-step window (``experiment=shapes_grpo_fast``);
 * ``mix_grpo``   MixGRPO: a sliding 4-step SDE window;
 * ``dance``      DanceGRPO-style: shared initial noise per group, a random 60 % subset of steps;
 * ``dpo``        Flow-DPO on the best-vs-worst sample of each group;
-* ``nft``        DiffusionNFT: ODE rollouts (DPM-Solver++ 2M) from the old policy, positive / negative
-  implicit policies on forward-noised samples (no log-probabilities);
+* ``nft``        DiffusionNFT as the default ``rlgen train`` runs it (``algo=nft_shapes``): ODE rollouts
+  (DPM-Solver++ 2M) from the old policy, positive / negative implicit policies on 2 forward-noised σ per
+  sample (no log-probabilities);
 * ``awm``        Advantage Weighted Matching: the flow-matching loss weighted by the advantage;
 * ``grpo_partial``  Flow-GRPO on plain GenEval partial credit (no per-object credit, no penalty): objects
   of other classes are free, but duplicates of a requested shape are not, so clutter only drifts in;
@@ -67,7 +68,7 @@ RUNS: dict[str, list[str]] = {
     "mix_grpo": ["algo=mix_grpo", *GEOMETRY, "algo.clip_range=1e-3", "algo.window.shift_every=5"],
     "dance": ["algo=dance", *GEOMETRY, "algo.clip_range=1e-3", "sampler=dance"],
     "dpo": ["algo=dpo", *GEOMETRY],
-    "nft": ["algo=nft", *GEOMETRY],
+    "nft": ["algo=nft_shapes", "algo.lr_schedule=constant"],  # the default run's algorithm
     "awm": ["algo=awm", *GEOMETRY],
     "grpo_partial": [
         "algo=grpo",

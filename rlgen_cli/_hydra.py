@@ -5,7 +5,7 @@ so every Hydra feature (overrides, ``-m`` sweeps, ``hydra/launcher=…``, ``--cf
 ``--config-dir``) works unchanged and a second call in the same process (tests) starts clean.
 
 ``rlgen train`` with no content choice runs the ShapesEval recipe: :func:`verb_overrides` adds
-``experiment=shapes_grpo_fast`` there, so ``conf/train.yaml`` itself stays neutral (no time limit, no
+``experiment=shapes_nft`` there, so ``conf/train.yaml`` itself stays neutral (no time limit, no
 evaluation before training, no epoch cap) and nothing of ShapesEval leaks into other compositions.
 """
 
@@ -22,7 +22,7 @@ EXIT_USER_ERROR = 2
 # Choosing any of these says what to train; a key override (algo.lr=…) or a launcher alone does not.
 CONTENT_GROUPS = frozenset({"model", "algo", "reward", "data", "sampler", "experiment"})
 # a verb's run when no content group is chosen (`rlgen plan` plans what `rlgen train` runs)
-DEFAULT_RUNS = {"train": "experiment=shapes_grpo_fast", "plan": "experiment=shapes_grpo_fast"}
+DEFAULT_RUNS = {"train": "experiment=shapes_nft", "plan": "experiment=shapes_nft"}
 
 
 def conf_dir() -> Path:

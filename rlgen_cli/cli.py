@@ -63,7 +63,7 @@ def train(ctx: typer.Context) -> None:
     """Train a policy online: rollout → reward → advantages → update (Hydra overrides follow).
 
     With no model=/algo=/reward=/data=/sampler=/experiment= choice it runs ShapesEval
-    (experiment=shapes_grpo_fast); any choice starts from neutral defaults instead.
+    (experiment=shapes_nft); any choice starts from neutral defaults instead.
     """
     _forward("train", "train_task", "train", ctx)
 

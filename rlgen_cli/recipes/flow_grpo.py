@@ -28,7 +28,7 @@ Deliberate choices: samples keep their rollout batches in training (no shuffle),
 position), so a resumed run draws the same noise as an uninterrupted one and the rollout batch size
 does not change the samples.
 
-    rlgen train                                     # ShapesEval: Flow-GRPO-Fast on two CPU cores
+    rlgen train experiment=shapes_grpo_fast         # ShapesEval: Flow-GRPO-Fast on two CPU cores
     rlgen train model=sd3 algo=grpo_fast reward=jpeg_compressibility
 """
 

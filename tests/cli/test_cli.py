@@ -131,7 +131,12 @@ def test_bare_train_shows_the_shapes_run():
     code, out = _rlgen("train", "--cfg", "job")
     assert code == 0, out
     assert "train: builtin:shapes_train.jsonl" in out and "path: builtin:shapes_base" in out
-    assert "epochs: 170" in out and "time_limit_minutes: 18.0" in out and "eval_before: true" in out
+    assert (
+        "epochs: 150" in out
+        and "name: nft" in out
+        and "time_limit_minutes: 18.0" in out
+        and "eval_before: true" in out
+    )
 
 
 def test_a_missing_data_file_exits_2_before_any_model_loads(tmp_path: Path, monkeypatch, capsys):

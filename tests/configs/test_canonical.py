@@ -30,7 +30,7 @@ JPEG = {"jpeg_compressibility"}
 R1VL_REWARDS = {"answer_accuracy", "step_rar", "step_rvr"}
 
 NO_CAP = 100000  # "train until stopped"
-LEN = {"shapes": (170, 18.0, True), "neutral": (NO_CAP, 0.0, False)}
+LEN = {"shapes": (150, 18.0, True), "shapes_grpo_fast": (170, 18.0, True), "neutral": (NO_CAP, 0.0, False)}
 
 
 class Case(NamedTuple):
@@ -45,17 +45,19 @@ class Case(NamedTuple):
 
 # the default's optimizer step is one micro-batch of 64 samples: two processes need two micro-batches
 TWO_PROCESS_STEPS = "algo.gradient_accumulation_steps=2"
-SHAPES_RUN = ("shapes", {"shapes_geneval"}, SHAPES, LEN["shapes"], ("random_window", 2))
+SHAPES_RUN = ("shapes", {"shapes_geneval"}, SHAPES, LEN["shapes"], None, "nft")
+SHAPES_GRPO_FAST = ("shapes", {"shapes_geneval"}, SHAPES, LEN["shapes_grpo_fast"])
 N = LEN["neutral"]
 CASES = [
     Case("", *SHAPES_RUN),
     Case(f"launcher=accelerate {TWO_PROCESS_STEPS}", *SHAPES_RUN),
     Case("algo.lr=1e-4", *SHAPES_RUN),
-    Case("experiment=shapes_grpo_fast", *SHAPES_RUN),
+    Case("experiment=shapes_nft", *SHAPES_RUN),
+    Case("experiment=shapes_grpo_fast", *SHAPES_GRPO_FAST, ("random_window", 2), "grpo"),
     # the ShapesEval experiment with every other algorithm of benchmarks/shapes.py (its settings, e.g.
     # images_every, must exist in the preference and forward recipes too)
-    Case("experiment=shapes_grpo_fast algo=dpo", "shapes", {"shapes_geneval"}, SHAPES, LEN["shapes"], None, "dpo"),
-    Case("experiment=shapes_grpo_fast algo=nft", "shapes", {"shapes_geneval"}, SHAPES, LEN["shapes"], None, "nft"),
+    Case("experiment=shapes_grpo_fast algo=dpo", *SHAPES_GRPO_FAST, None, "dpo"),
+    Case("experiment=shapes_grpo_fast algo=nft", *SHAPES_GRPO_FAST, None, "nft"),
     Case("model=flux algo=grpo_fast reward=geneval", "flux", {"geneval"}, GENEVAL, N, ("random_window", 2)),
     Case("model=sd3 algo=grpo reward=pickscore", "sd3", {"pickscore"}, PICKSCORE, N, ("all", 0)),
     Case("model=qwen_image algo=mix_grpo reward=clipscore", "qwen_image", {"clipscore"}, PICKSCORE, N, ("sliding", 4)),
@@ -128,9 +130,32 @@ def test_there_are_enough_cases():
 
 def test_bare_train_is_exactly_the_shapes_experiment():
     bare = OmegaConf.to_container(_train(""))
-    assert bare == OmegaConf.to_container(_train("experiment=shapes_grpo_fast"))
-    assert bare["algo"]["name"] == "grpo" and bare["model"]["path"] == "builtin:shapes_base"
+    assert bare == OmegaConf.to_container(_train("experiment=shapes_nft"))
+    assert bare["algo"]["name"] == "nft" and bare["model"]["path"] == "builtin:shapes_base"
     assert bare["data"]["eval_num_prompts"] == 288 and bare["launcher"]["name"] == "local"
+
+
+def test_the_default_differs_from_the_grpo_fast_recipe_in_algorithm_and_length_alone():
+    """DiffusionNFT on Flow-GRPO-Fast's geometry (16 prompts × 8, two optimizer steps of 64 an epoch),
+    each sample trained on 2 of its 10 rollout σ; everything else is the GRPO-Fast experiment's."""
+    default = validated(_train(""))
+    algo = default.algo
+    assert (algo.prompts_per_epoch, algo.group_size, algo.train_batch_size) == (16, 8, 64)
+    assert algo.gradient_accumulation_steps == 1 and (algo.lr, algo.kl_weight, algo.ema.decay) == (
+        3e-5,
+        0.0,
+        0.95,
+    )
+    assert (algo.forward.solver, algo.forward.sample_with_old, algo.forward.timestep_fraction) == (
+        "dpm2",
+        True,
+        0.2,
+    )
+    assert int(default.model.num_steps * algo.forward.timestep_fraction) == 2
+    nft, fast = (OmegaConf.to_container(_train(args)) for args in ("", "experiment=shapes_grpo_fast"))
+    for cfg in (nft, fast):
+        del cfg["algo"], cfg["recipe"], cfg["epochs"]
+    assert nft == fast
 
 
 @pytest.mark.parametrize(
@@ -218,7 +243,7 @@ def test_chosen_group(arg, group):
 
 def test_only_train_without_a_content_choice_gets_the_default_run():
     assert verb_overrides("train", ["--cfg", "job", "launcher=accelerate"]) == [
-        "experiment=shapes_grpo_fast", "--cfg", "job", "launcher=accelerate",
+        "experiment=shapes_nft", "--cfg", "job", "launcher=accelerate",
     ]  # fmt: skip
     assert verb_overrides("train", ["sampler=cps"]) == ["sampler=cps"]
     assert verb_overrides("check_onpolicy", []) == []

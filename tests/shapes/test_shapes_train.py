@@ -1,5 +1,6 @@
-"""The default `rlgen train` (ShapesEval, GRPO-Fast from the shipped base) at CI size, and the
-run-length controls it relies on (eval before training, the time limit)."""
+"""ShapesEval training from the shipped base at CI size (the GRPO-Fast recipe; the default `rlgen train`
+runs DiffusionNFT on the same task), the run-length controls it relies on (eval before training, the
+time limit), and the whole default run (slow)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from rlgen_cli.models.shapes import MODEL_ASSETS
 from rlgen_cli.training.images import CAPTIONED_TILE, FAIL_COLOR, PASS_COLOR, caption_height
 
 SMALL = [
-    "experiment=shapes_grpo_fast", "algo.prompts_per_epoch=2", "algo.group_size=4", "algo.sample_batch_size=8",
+    "algo.prompts_per_epoch=2", "algo.group_size=4", "algo.sample_batch_size=8",
     "algo.train_batch_size=8", "algo.gradient_accumulation_steps=1", "algo.lr=1e-3", "data.eval_num_prompts=12",
     "model.eval_num_steps=4", "eval_every=3", "images_every=0", "progress=false",
 ]  # fmt: skip
@@ -39,9 +40,10 @@ def _rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_grpo_fast_from_the_shipped_base_changes_weights_and_reports(cli, tmp_path: Path):
+@pytest.mark.parametrize("experiment", ["shapes_nft", "shapes_grpo_fast"])  # the default, and GRPO-Fast
+def test_training_from_the_shipped_base_changes_weights_and_reports(cli, tmp_path: Path, experiment: str):
     run = tmp_path / "shapes"
-    code, out = cli("train", *SMALL, "epochs=3", f"hydra.run.dir={run}")
+    code, out = cli("train", f"experiment={experiment}", *SMALL, "epochs=3", f"hydra.run.dir={run}")
     assert code == 0, out
     rows = _rows(run)
     assert [r["step"] for r in rows] == [-1, 0, 1, 2]  # evaluated before training, then every epoch
@@ -86,7 +88,7 @@ def test_grpo_fast_from_the_shipped_base_changes_weights_and_reports(cli, tmp_pa
 def test_time_limit_stops_after_the_epoch_that_crosses_it_and_saves(cli, tmp_path: Path, counts: str):
     run = tmp_path / "limited"
     code, out = cli(
-        "train", *SMALL, "epochs=50", "time_limit_minutes=0.0001", f"time_limit_counts={counts}",
+        "train", "experiment=shapes_grpo_fast", *SMALL, "epochs=50", "time_limit_minutes=0.0001", f"time_limit_counts={counts}",
         "eval_before=false", f"hydra.run.dir={run}",
     )  # fmt: skip
     assert code == 0, out
@@ -102,20 +104,19 @@ TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_
 
 @pytest.mark.slow
 def test_the_default_run_gains_strict_accuracy_unflagged(cli, tmp_path: Path):
-    """The whole default `rlgen train` (≈ 16 min on 2 idle cores; measured +11.8 strict, two_object
-    +8.3, counting +12.5, no tag down, held-out +0.6, extra objects 0.7 → 0.5, guard silent —
-    docs/shapes.md): ≥ +10 strict points at the last evaluation, two_object and counting ≥ +8 each, no
+    """The whole default `rlgen train` (DiffusionNFT, ≈ 16.5 min on 2 idle cores; measured +21.9 strict,
+    two_object +12.5, counting +20.8, every tag up, extra objects 0.7 → 0.4, held-out +7.4, guard silent
+    — docs/shapes.md): ≥ +15 strict points at the last evaluation, two_object and counting ≥ +8 each, no
     tag falling, no more extra objects than before, the held-out combinations not falling, and the
-    reward-hacking guard never flagged. A run is one draw (seven runs of the recipe: strict +11.5 …
-    +17.7); these thresholds hold for seed 0, the default — seed 2 gained +13.5 with two_object −2.1."""
+    reward-hacking guard never flagged. The GRPO-Fast recipe's seed-42 run (+11.8) fails it."""
     run = tmp_path / "default"
-    code, out = cli("train", "experiment=shapes_grpo_fast", "progress=false", f"hydra.run.dir={run}")
+    code, out = cli("train", "progress=false", f"hydra.run.dir={run}")
     assert code == 0, out
     rows = _rows(run)
     evals = [row for row in rows if STRICT in row]
     before, after = evals[0], evals[-1]
     assert before["step"] == -1
-    assert after[STRICT] - before[STRICT] >= 0.10, (before[STRICT], after[STRICT])
+    assert after[STRICT] - before[STRICT] >= 0.15, (before[STRICT], after[STRICT])
     gains = {tag: after[TAG + tag] - before[TAG + tag] for tag in TAGS}
     assert gains["two_object"] >= 0.08 and gains["counting"] >= 0.08, gains
     assert min(gains.values()) >= 0, gains

@@ -172,8 +172,8 @@ def test_resume_restores_the_clock_from_the_checkpoint_counters(cli, tmp_path: P
     from tests.shapes.test_shapes_train import SMALL
 
     run = tmp_path / "clock"
-    common = [*SMALL, "eval_every=0", "eval_before=false", "save_every=1", "time_limit_minutes=600",
-              f"hydra.run.dir={run}"]  # fmt: skip
+    common = ["experiment=shapes_grpo_fast", *SMALL, "eval_every=10", "eval_before=false", "save_every=1",
+              "time_limit_minutes=600", f"hydra.run.dir={run}"]  # fmt: skip (the guard evaluates the last epoch)
     code, out = cli("train", *common, "epochs=2")
     assert code == 0, out
     code, out = cli("train", *common, "epochs=3", "resume=auto")
