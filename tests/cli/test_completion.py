@@ -87,7 +87,9 @@ def test_added_group_choices_keep_their_plus():
     assert found == ["+experiment=tiny_cpu"]
 
 
-def test_install_completion_is_offered_and_shows_a_script():
+def test_install_completion_is_offered_and_shows_a_script(monkeypatch):
+    # the shell named, not detected: detection reads the parent processes, which a detached run lacks
+    monkeypatch.setenv("_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION", "1")
     result = CliRunner().invoke(app, ["--show-completion", "bash"], prog_name="rlgen")
     assert result.exit_code == 0 and "_RLGEN_COMPLETE=complete_bash" in result.output, result.output
 
