@@ -172,8 +172,9 @@ def test_resume_restores_the_clock_from_the_checkpoint_counters(cli, tmp_path: P
     from tests.shapes.test_shapes_train import SMALL
 
     run = tmp_path / "clock"
+    # eval_every=10: only the last epoch evaluates (the experiment's guard needs an evaluation)
     common = ["experiment=shapes_grpo_fast", *SMALL, "eval_every=10", "eval_before=false", "save_every=1",
-              "time_limit_minutes=600", f"hydra.run.dir={run}"]  # fmt: skip (the guard evaluates the last epoch)
+              "time_limit_minutes=600", f"hydra.run.dir={run}"]  # fmt: skip
     code, out = cli("train", *common, "epochs=2")
     assert code == 0, out
     code, out = cli("train", *common, "epochs=3", "resume=auto")
