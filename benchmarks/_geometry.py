@@ -6,8 +6,8 @@ downsampling VAE, 2×2 patches: 256 image tokens), saved with ``save_pretrained`
 4.5 and a rank-32 LoRA on 2 prompts × 4 images per epoch from the 16 tiny prompts (JPEG
 compressibility), 8 steps, sampling and training batches of 4 (one transformer batch of 8 with
 ``algo.cfg_grad=both``, two of 4 with ``conditional``): 2 optimizer steps per epoch.
-``shapes``: the ShapesEval Flow-GRPO-Fast recipe (``experiment=shapes_grpo_fast``; the default ``rlgen train``
-trains the same geometry with DiffusionNFT, which has no SDE step to profile).
+``shapes``: the ShapesEval Flow-GRPO-Fast recipe (``experiment=shapes_grpo_fast``; the default
+``rlgen train`` trains the same geometry with DiffusionNFT, which has no SDE step to profile).
 """
 
 from __future__ import annotations

@@ -79,13 +79,10 @@ class EpochClock:
         """Seconds on the clock, resumed runs' earlier seconds included."""
         return time.monotonic() - self.started
 
-    def counts_training_only(self) -> bool:
-        """``time_limit_counts=training``: the limit and the time share see the epochs' seconds alone."""
-        return self.run.cfg.time_limit_counts == "training"
-
     def spent(self) -> float:
-        """The seconds the time limit counts."""
-        return self.run.train_seconds if self.counts_training_only() else self.elapsed()
+        """The seconds the time limit counts: the epochs' alone (``time_limit_counts=training``) or the wall
+        clock's; the time share sees the same."""
+        return self.run.train_seconds if self.run.cfg.time_limit_counts == "training" else self.elapsed()
 
     def before_epoch(self) -> None:
         """Under the time-aware schedule clock, set ``run.time_progress`` for the epoch about to run:
@@ -94,7 +91,7 @@ class EpochClock:
         if not self.time_aware:
             return
         run = self.run
-        other_seconds = 0.0 if self.counts_training_only() else self.elapsed() - run.train_seconds
+        other_seconds = self.spent() - run.train_seconds  # what the limit counts beyond the epochs
         share = time_share(run.train_seconds, other_seconds, self.last_epoch_seconds, self.budget)
         run.time_progress = float(run.dist.gather(torch.tensor([share], dtype=torch.float64))[0])
 

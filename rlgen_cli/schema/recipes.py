@@ -57,8 +57,9 @@ class FlowRunConfig(RunConfig):
 
     time_limit_minutes: float = 0.0
     """Stop after the first epoch that ends past this many minutes (``time_limit_counts`` says which
-    seconds count; then evaluate and save as after the last epoch); 0 = no limit. The minutes count from the first epoch of a fresh run and
-    carry over a resume (the clock travels in the checkpoint's counters)."""
+    seconds count; then evaluate and save as after the last epoch); 0 = no limit. The minutes count from
+    the first epoch of a fresh run and carry over a resume (the clock travels in the checkpoint's
+    counters)."""
     time_limit_counts: Annotated[str, TimeLimitCounts] = "wall"
     """What ``time_limit_minutes`` counts: ``wall`` (every second from the first epoch on, evaluations and
     checkpoints included: what a user waits) or ``training`` (the epochs' seconds alone: equal training
