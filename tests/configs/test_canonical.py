@@ -141,16 +141,10 @@ def test_the_default_differs_from_the_grpo_fast_recipe_in_algorithm_and_length_a
     default = validated(_train(""))
     algo = default.algo
     assert (algo.prompts_per_epoch, algo.group_size, algo.train_batch_size) == (16, 8, 64)
-    assert algo.gradient_accumulation_steps == 1 and (algo.lr, algo.kl_weight, algo.ema.decay) == (
-        3e-5,
-        0.0,
-        0.95,
-    )
-    assert (algo.forward.solver, algo.forward.sample_with_old, algo.forward.timestep_fraction) == (
-        "dpm2",
-        True,
-        0.2,
-    )
+    optimizer = (algo.gradient_accumulation_steps, algo.lr, algo.kl_weight, algo.ema.decay)
+    assert optimizer == (1, 3e-5, 0.0, 0.95)
+    forward = algo.forward
+    assert (forward.solver, forward.sample_with_old, forward.timestep_fraction) == ("dpm2", True, 0.2)
     assert int(default.model.num_steps * algo.forward.timestep_fraction) == 2
     nft, fast = (OmegaConf.to_container(_train(args)) for args in ("", "experiment=shapes_grpo_fast"))
     for cfg in (nft, fast):
