@@ -16,6 +16,9 @@ overridden silently):
   ``launcher.num_processes × launcher.num_machines``; also ``num_machines`` and ``mixed_precision``;
 * ``machine_rank``, ``main_process_ip``, ``main_process_port``: compared only when launcher.* sets them;
   otherwise the file's values are used (before MASTER_ADDR / MASTER_PORT / the machine-rank variables);
+* ``distributed_type: MULTI_CPU`` (or ``use_cpu: true``) over several processes: accelerate would start
+  ONE process for it (MULTI_CPU needs mpirun), so rlgen launches the workers as it does on CPUs without a
+  file — N gloo ranks through ``--multi_gpu`` — and keeps them on the CPU (``ACCELERATE_USE_CPU``);
 * DeepSpeed settings rlgen owns: ``gradient_accumulation_steps`` must be 1 or ``auto`` (rlgen accumulates
   itself), ``train_micro_batch_size_per_gpu`` must equal ``algo.train_batch_size``,
   ``gradient_clipping`` ``algo.max_grad_norm``, ``fp16``/``bf16`` ``launcher.mixed_precision``; the
@@ -37,6 +40,7 @@ from typing import Any
 import torch
 import yaml
 
+from rlgen_cli.launch.world import clear_refusal, read_refusal
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import LauncherConfig
 
@@ -71,6 +75,14 @@ class LaunchFile:
             return self.settings
         nested = (self.settings.get("deepspeed_config") or {}).get("deepspeed_config_file")
         return None if nested is None else read_launch_file(str(nested)).settings
+
+    @property
+    def wants_cpu(self) -> bool:
+        """An accelerate config asking for CPU processes (``distributed_type: MULTI_CPU`` or ``use_cpu``)."""
+        return self.kind == "accelerate" and (
+            str(self.settings.get("distributed_type", "")).upper() == "MULTI_CPU"
+            or self.settings.get("use_cpu") is True
+        )
 
     @property
     def uses_deepspeed(self) -> bool:
@@ -211,8 +223,9 @@ def launch_command(launcher: LauncherConfig, resolved: Path) -> list[str]:
     elif config is not None:
         argv += ["--config_file", str(config)]
     total = launcher.world_size
-    if total > 1 and config is None and user is None:
-        # --multi_gpu also gives N gloo ranks on CPU (--cpu would silently run ONE process)
+    if total > 1 and config is None and (user is None or user.wants_cpu):
+        # --multi_gpu also gives N gloo ranks on CPU (--cpu, and a file's MULTI_CPU without mpirun, would
+        # silently run ONE process)
         argv.append("--multi_gpu")
     elif total == 1 and config is None and user is None and not torch.cuda.is_available():
         argv.append("--cpu")
@@ -228,6 +241,16 @@ def launch_command(launcher: LauncherConfig, resolved: Path) -> list[str]:
         argv += ["--main_process_port", str(port)]
     argv += ["--mixed_precision", launcher.accelerate_mixed_precision, "-m", WORKER_MODULE, str(resolved)]
     return argv
+
+
+def launch_env(launcher: LauncherConfig) -> dict[str, str]:
+    """What the workers' environment gets on top of the controller's: one CPU thread each unless the
+    caller set ``OMP_NUM_THREADS``, and CPU devices when the user's accelerate file asks for them."""
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    user = read_launch_file(launcher.config_file) if launcher.config_file else None
+    if user is not None and user.wants_cpu:
+        env["ACCELERATE_USE_CPU"] = "true"  # what accelerate's own --cpu would export
+    return env
 
 
 def _env_machine_rank() -> int:
@@ -275,10 +298,14 @@ def run_launch(launcher: LauncherConfig, resolved: Path) -> int:
     """Run the workers and return their exit code (the controller's own exit code follows it)."""
     require_engine(launcher, check_launch_file(launcher, resolved))
     argv = launch_command(launcher, resolved)
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    clear_refusal(resolved.parent)
     try:
-        return subprocess.run(argv, env=env, check=False).returncode
+        code = subprocess.run(argv, env={**os.environ, **launch_env(launcher)}, check=False).returncode
     except FileNotFoundError as err:
         raise UserError(
             f"cannot start the workers ({err}); is accelerate installed in this environment?"
         ) from err
+    refusal = read_refusal(resolved.parent)  # a worker's exit code 2 arrives as accelerate's 1
+    if code != 0 and refusal is not None:
+        raise UserError(refusal)
+    return code

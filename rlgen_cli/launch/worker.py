@@ -1,6 +1,11 @@
 """A worker process of a launched run: reads ``resolved.yaml`` and runs the recipe (never Hydra).
 
 python -m rlgen_cli.launch.worker RUN_DIR/resolved.yaml     # what the controller's launch runs
+
+Before anything else it checks that the launch started the processes the config asked for
+(``launch/world.py``). A refusal — that one, or a :class:`UserError` the recipe raises — ends the worker
+with exit code 2 and leaves the reason in the run directory, where the controller reads it (the launcher
+stops the other ranks when one exits).
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from rlgen_cli.launch.world import world_mismatch, write_refusal
+from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.recipes import TRAIN_SCHEMAS
 
 
@@ -21,9 +28,19 @@ def main(argv: list[str]) -> int:
         sys.stderr.write("usage: python -m rlgen_cli.launch.worker RUN_DIR/resolved.yaml\n")
         return 2
     resolved = Path(argv[0])
+    try:
+        return _run(resolved)
+    except UserError as err:
+        return _refuse(resolved.parent, str(err))
+
+
+def _run(resolved: Path) -> int:
     raw = OmegaConf.load(resolved)
     schema = TRAIN_SCHEMAS[raw.recipe]  # the controller wrote the composed config of this recipe
     typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), raw))
+    mismatch = world_mismatch(typed.launcher, os.environ, resolved)
+    if mismatch is not None:  # before the process group: a wrong world would hang or train silently
+        return _refuse(resolved.parent, mismatch)
     from rlgen_cli.training.dist import close_process_group
     from rlgen_cli.training.run import setup_logging
 
@@ -31,10 +48,23 @@ def main(argv: list[str]) -> int:
         setup_logging(resolved.parent)
     else:
         setup_logging(None, level=logging.WARNING)
+    logging.getLogger("rlgen_cli.launch.worker").info(  # __main__ under -m
+        "worker rank %s of %d processes (%s)",
+        os.environ.get("RANK", "0"),
+        typed.launcher.world_size,
+        resolved,
+    )
     recipe = importlib.import_module(f"rlgen_cli.recipes.{typed.recipe}")
     recipe.run(typed, raw)
     close_process_group()
     return 0
+
+
+def _refuse(run_dir: Path, message: str) -> int:
+    """Exit code 2 with ``message`` on stderr and left for the controller."""
+    sys.stderr.write(f"rlgen worker (rank {os.environ.get('RANK', '0')}): {message}\n")
+    write_refusal(run_dir, message)
+    return 2
 
 
 if __name__ == "__main__":

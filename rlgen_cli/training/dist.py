@@ -78,6 +78,7 @@ class Dist(Protocol):
     @property
     def is_main(self) -> bool: ...
     def gather(self, tensor: Tensor) -> Tensor: ...
+    def gather_object(self, obj: Any) -> list[Any]: ...
     def wrap_model(self, module: nn.Module) -> nn.Module: ...
     def no_sync(self, module: nn.Module) -> AbstractContextManager[Any]: ...
     def barrier(self) -> None: ...
@@ -120,6 +121,9 @@ class LocalDist:
 
     def gather(self, tensor: Tensor) -> Tensor:
         return tensor
+
+    def gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
 
     def wrap_model(self, module: nn.Module) -> nn.Module:
         return module
@@ -222,6 +226,12 @@ class AccelerateDist:
     def gather(self, tensor: Tensor) -> Tensor:
         """Concatenate every rank's tensor along dim 0 (equal sizes on every rank)."""
         return self.accelerator.gather(tensor.to(self.device).contiguous())
+
+    def gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable, any size), in rank order."""
+        out: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(out, obj)
+        return out
 
     def wrap_model(self, module: nn.Module) -> nn.Module:
         """DDP around the trainable module; gradients are averaged in every backward."""
@@ -595,5 +605,19 @@ def make_dist(device_name: str) -> Dist:
     from rlgen_cli.models import resolve_device
 
     if launched_world_size() > 1 or launched_engine() is not None:
-        return AccelerateDist(cpu=device_name == "cpu" or not torch.cuda.is_available())
+        return _require_launched_world(
+            AccelerateDist(cpu=device_name == "cpu" or not torch.cuda.is_available())
+        )
     return LocalDist(resolve_device(device_name))
+
+
+def _require_launched_world(dist: AccelerateDist) -> AccelerateDist:
+    """The ranks accelerate set up are the processes the launch started (``WORLD_SIZE``): accelerate counts
+    one process where it finds no backend for the device (an engine on CPUs without gloo named)."""
+    if dist.world_size != launched_world_size():
+        raise UserError(
+            f"the launch started {launched_world_size()} processes but accelerate set up {dist.world_size} "
+            f"rank(s) ({dist.engine or 'DDP'} on {dist.device}): each would train alone. Check the launch's "
+            "accelerate settings (launcher.config_file), or launch with launcher=accelerate and no file"
+        )
+    return dist
