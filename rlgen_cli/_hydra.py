@@ -59,7 +59,15 @@ def verb_overrides(config_name: str, args: Sequence[str]) -> list[str]:
     default_run = DEFAULT_RUNS.get(config_name)
     if default_run is None or any(chosen_group(arg) in CONTENT_GROUPS for arg in args):
         return list(args)
-    return [default_run, *args]
+    # beside the user's overrides: Hydra's parser takes them as one run of positionals, so one put before
+    # a flag (`--cfg job algo.lr=…`) would leave the user's unrecognised
+    first = next((i for i, arg in enumerate(args) if _is_override(arg)), len(args))
+    return [*args[:first], default_run, *args[first:]]
+
+
+def _is_override(arg: str) -> bool:
+    """A positional Hydra override (``key=value``, ``+key=value``, ``~key``), not a flag or its value."""
+    return not arg.startswith("-") and ("=" in arg or arg.startswith("~"))
 
 
 def compose_verb(config_name: str, args: Sequence[str]) -> Any:
@@ -106,11 +114,47 @@ def other_recipes_hint(config_name: str, args: Sequence[str]) -> str | None:
     return None
 
 
+def shown_config(config_name: str, args: Sequence[str]) -> Any | None:
+    """The job config ``--cfg job`` (or ``--cfg all``) printed, composed again to be checked; None when
+    ``args`` print none (a run, ``--cfg hydra``, ``--info``, ``--help``) or a sweep (``-m``: one config per
+    job). ``run_dir`` (Hydra's output directory, unset when nothing runs) is left null."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.utils import get_args_parser
+
+    parsed = get_args_parser().parse_args(verb_overrides(config_name, args))
+    if parsed.cfg not in ("job", "all") or parsed.multirun:
+        return None
+    overrides = list(parsed.overrides)
+    if parsed.config_dir:  # what --config-dir adds, as the compose API takes it
+        overrides.append(f"hydra.searchpath=[file://{os.path.abspath(parsed.config_dir)}]")
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        cfg = compose(config_name=parsed.config_name or config_name, overrides=overrides)
+    if "run_dir" in cfg:
+        cfg.run_dir = None
+    return cfg
+
+
+def check_shown_config(task: Callable[[Any], Any], config_name: str, args: Sequence[str]) -> None:
+    """After ``--cfg job``: the printed config passes the checks a run makes first (ranges, cross-field
+    rules), run by the task's ``check_config`` (``tasks/common.py``), which exits 2 naming a bad value."""
+    check = getattr(task, "check_config", None)
+    if check is None:
+        return
+    try:
+        cfg = shown_config(config_name, args)
+    except Exception as err:  # noqa: BLE001  (Hydra printed it; say it went unchecked rather than fail)
+        sys.stderr.write(f"note: the printed config was not checked: it did not compose again ({err})\n")
+        return
+    if cfg is not None:
+        check(cfg)
+
+
 def run_hydra(task: Callable[[Any], Any], config_name: str, args: Sequence[str]) -> Any:
     """Run ``task`` under ``@hydra.main`` with ``args`` as the command line.
 
     A composition error (unknown key, wrong type, missing option) exits with code 2: Hydra has already
-    printed its message, which names the key in full. The task itself turns user errors into exit 2.
+    printed its message, which names the key in full. The task itself turns user errors into exit 2, and
+    the config ``--cfg job`` prints is checked as a run would check it (:func:`check_shown_config`).
     """
     import hydra
 
@@ -128,7 +172,10 @@ def run_hydra(task: Callable[[Any], Any], config_name: str, args: Sequence[str])
     saved_argv = sys.argv
     sys.argv = [f"rlgen {config_name.replace('_', '-')}", *verb_overrides(config_name, args)]
     try:
-        return main()
+        result = main()
+        if not started:  # Hydra printed a config (or help) instead of running the task
+            check_shown_config(task, config_name, args)
+        return result
     except SystemExit as exit_:
         if exit_.code == 1 and not started and not os.environ.get("HYDRA_FULL_ERROR"):
             hint = other_recipes_hint(config_name, args)

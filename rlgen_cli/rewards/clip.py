@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from rlgen_cli.rewards.base import RewardBatch, RewardResult, all_finite, source_stack
 from rlgen_cli.rewards.registry import register
+from rlgen_cli.rewards.requirements import ModelSource
 
 logger = logging.getLogger(__name__)
 
@@ -267,6 +268,22 @@ class ClipReward:
         self.local_files_only = bool(local_files_only)
         if head is not None:
             self.head = head.to(self.device)
+
+    def requirements(self) -> list[ModelSource]:
+        """The CLIP model and processor :meth:`load` reads (``rewards/requirements.py``)."""
+        key = f"reward.kwargs.{self.name}"
+        sources = [ModelSource(f"{key}.model_path", self.model_path, local_files_only=self.local_files_only)]
+        if self.processor_path != self.model_path:
+            sources.append(
+                ModelSource(
+                    f"{key}.processor_path", self.processor_path, local_files_only=self.local_files_only
+                )
+            )
+        return sources
+
+    def load(self) -> None:
+        """Load the model and the processor now rather than on the first score (a reward server)."""
+        _ = self.model, self.processor
 
     @property
     def model(self) -> Any:

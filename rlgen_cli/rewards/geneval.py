@@ -36,6 +36,7 @@ from rlgen_cli.rewards.geneval_colour import (
 )
 from rlgen_cli.rewards.geneval_detect import Detector, TransformersDetector
 from rlgen_cli.rewards.registry import register
+from rlgen_cli.rewards.requirements import ModelSource
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,21 @@ class GenEvalReward:
         self.detector, self.color_classifier = detector, color_classifier
         self.thresholds, self.clamp_count_term, self.name = thresholds, clamp_count_term, name
         self.position_credit = position_credit
+
+    def requirements(self) -> list[ModelSource]:
+        """The detector and the colour CLIP the first score loads (``rewards/requirements.py``)."""
+        parts = (("detector_path", self.detector), ("clip_path", self.color_classifier))
+        return [
+            ModelSource(f"reward.kwargs.{self.name}.{key}", part.path, local_files_only=part.local_files_only)
+            for key, part in parts
+            if isinstance(getattr(part, "path", None), str)  # a stand-in detector (tests) reads no files
+        ]
+
+    def load(self) -> None:
+        """Load the detector and the colour CLIP now rather than on the first score (a reward server)."""
+        for part in (self.detector, self.color_classifier):
+            if hasattr(part, "_load"):
+                part._load()
 
     def _check(self, batch: RewardBatch) -> None:
         """Raise a ValueError unless the batch has RGB images and GenEval metadata."""
@@ -178,12 +194,13 @@ def geneval(**kwargs: Any) -> GenEvalReward:
     args = typed_kwargs(GenEvalKwargs, "geneval", kwargs)
     check_position_credit(args.position_credit)
     check_colour_crop(args.colour_crop)
-    for key in ("detector_path", "clip_path"):
-        if not getattr(args, key):
-            raise ValueError(
-                f"reward 'geneval' needs {key}: set reward.kwargs.geneval.{key}=<local dir or hub id> (a COCO "
-                "Mask2Former or object detector for detector_path, a CLIP one for clip_path)."
-            )
+    unset = [key for key in ("detector_path", "clip_path") if not getattr(args, key)]
+    if unset:  # both named at once: a user fixes them in one go
+        raise ValueError(
+            f"reward 'geneval' needs {' and '.join(unset)}: set "
+            f"{' '.join(f'reward.kwargs.geneval.{key}=<local dir or hub id>' for key in unset)} (a COCO "
+            "Mask2Former or object detector for detector_path, a CLIP one for clip_path)."
+        )
     thresholds = GenEvalThresholds(
         args.threshold, args.counting_threshold, args.max_objects, args.position_margin
     )

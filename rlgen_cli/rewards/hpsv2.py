@@ -45,6 +45,7 @@ from rlgen_cli.rewards.checkpoints import (
 )
 from rlgen_cli.rewards.clip import resolve_device, resolve_dtype
 from rlgen_cli.rewards.registry import register
+from rlgen_cli.rewards.requirements import ModelSource, kwargs_sources
 
 logger = logging.getLogger(__name__)
 
@@ -205,6 +206,12 @@ class HPSv2Reward:
         self.device, self.dtype = resolve_device(kwargs.device), resolve_dtype(kwargs.dtype)
         self._model: Any = None
         self._tokenizer: Any = None
+
+    def requirements(self) -> list[ModelSource]:
+        """The checkpoint, tokenizer and (when set) config :meth:`load` reads (``rewards/requirements.py``)."""
+        return kwargs_sources(
+            self.name, self.kwargs, files=("model_path",), dirs=("tokenizer_path", "config_path")
+        )
 
     def _config(self) -> Any:
         """The architecture: ``config_path`` if set, else ViT-H-14."""

@@ -47,6 +47,7 @@ from rlgen_cli.rewards.checkpoints import (
 )
 from rlgen_cli.rewards.clip import resolve_device, resolve_dtype, to_pil_images
 from rlgen_cli.rewards.registry import register
+from rlgen_cli.rewards.requirements import ModelSource, kwargs_sources
 
 logger = logging.getLogger(__name__)
 
@@ -237,6 +238,10 @@ class HPSv3Reward:
         self.device, self.dtype = resolve_device(kwargs.device), resolve_dtype(kwargs.dtype)
         self._model: HPSv3Model | None = None
         self._processor: Any = None
+
+    def requirements(self) -> list[ModelSource]:
+        """The checkpoint and the base Qwen2-VL :meth:`load` reads (``rewards/requirements.py``)."""
+        return kwargs_sources(self.name, self.kwargs, files=("model_path",), dirs=("base_path",))
 
     def _load_processor(self) -> Any:
         """The base processor with ``<|Reward|>`` added as HPSv3's training did; right padding."""

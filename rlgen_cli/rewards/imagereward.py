@@ -38,6 +38,7 @@ from rlgen_cli.rewards.checkpoints import (
 )
 from rlgen_cli.rewards.clip import AestheticHead, clip_pixel_values, resolve_device, resolve_dtype
 from rlgen_cli.rewards.registry import register
+from rlgen_cli.rewards.requirements import ModelSource, kwargs_sources
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +177,12 @@ class ImageRewardReward:
         self._model: ImageRewardModel | None = None
         self._tokenizer: Any = None
         self._image_processor: Any = None
+
+    def requirements(self) -> list[ModelSource]:
+        """The checkpoint, tokenizer and (when set) config :meth:`load` reads (``rewards/requirements.py``)."""
+        return kwargs_sources(
+            self.name, self.kwargs, files=("model_path",), dirs=("tokenizer_path", "config_path")
+        )
 
     def load(self) -> ImageRewardModel:
         """Read, convert and place the checkpoint, load the tokenizer (once)."""

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from rlgen_cli.rewards.base import RewardBatch, RewardResult
 from rlgen_cli.rewards.registry import register
+from rlgen_cli.rewards.requirements import Package
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +164,14 @@ class OcrReward:
             logger.info("creating the PP-OCR engine (rapidocr_onnxruntime) with %s", kwargs)
             self._engine = RapidOCR(**kwargs)
         return self._engine
+
+    def requirements(self) -> list[Package]:
+        """The OCR engine's package (its models ship inside it; ``rewards/requirements.py``)."""
+        return [Package(f"reward {self.name!r}", "rapidocr_onnxruntime", "pip install rapidocr-onnxruntime")]
+
+    def load(self) -> None:
+        """Create the engine now rather than on the first score (a reward server)."""
+        _ = self.engine
 
     def read(self, image: np.ndarray) -> str:
         """Return all text PP-OCR reads in an ``(H, W, 3)`` uint8 RGB image, lines concatenated.

@@ -23,6 +23,7 @@ from torch import Tensor
 from rlgen_cli.rewards.base import RewardBatch, RewardResult
 from rlgen_cli.rewards.clip import resolve_device, resolve_dtype, to_pil_images
 from rlgen_cli.rewards.registry import register
+from rlgen_cli.rewards.requirements import ModelSource
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +146,16 @@ class QwenVLJudge:
         self.max_new_tokens, self.batch_size = int(max_new_tokens), int(batch_size)
         self._model: Any = None
         self._processor: Any = None
+
+    def requirements(self) -> list[ModelSource]:
+        """The judge model :meth:`load` reads (``rewards/requirements.py``)."""
+        return [
+            ModelSource(
+                f"reward.kwargs.{self.name}.model_path",
+                self.model_path,
+                local_files_only=self.local_files_only,
+            )
+        ]
 
     def load(self) -> tuple[Any, Any]:
         """Load (once) and return ``(model, processor)``; the tokenizer pads on the left for generation."""

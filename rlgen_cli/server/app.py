@@ -397,7 +397,8 @@ async def score(request: web.Request) -> web.Response:
 
 
 async def healthz(request: web.Request) -> web.Response:
-    """``GET /healthz``: liveness (no auth)."""
+    """``GET /healthz``: liveness and readiness (no auth): ``rlgen serve-reward`` listens only after every
+    hosted reward's model has loaded (``runner.load_models``), so ``ok`` means a score will not wait on one."""
     return web.json_response({"status": "ok", "rewards": len(request.app[STATE].rewards)})
 
 

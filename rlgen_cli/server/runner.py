@@ -9,7 +9,9 @@ on its own (an error, a crash, the OOM killer's SIGKILL) is reported with its in
 status, the others are stopped, and the parent exits non-zero, so the whole group lives and dies together
 and a supervisor (systemd, Kubernetes, a shell loop) sees the failure and can restart it.
 
-Each process shuts down gracefully: it stops accepting connections, finishes in-flight requests (up to
+Each process loads its rewards' models before it listens (:func:`load_models`): a model that does not
+load stops it at start, naming the reward and what it reads, and ``/healthz`` never answers ``ok`` while a
+model is still missing. Each process shuts down gracefully: it stops accepting connections, finishes in-flight requests (up to
 ``shutdown_timeout_s``) and drains its batch queues before exiting.
 """
 
@@ -41,6 +43,7 @@ __all__ = [
     "BackgroundServer",
     "build_rewards",
     "configure_logging",
+    "load_models",
     "serve",
     "serve_workers",
     "worker_env",
@@ -69,6 +72,33 @@ def build_rewards(specs: Mapping[str, Mapping[str, Any]]) -> dict[str, Reward]:
         return {name: build_reward(name, **dict(kwargs)) for name, kwargs in specs.items()}
     except ValueError as err:
         raise UserError(str(err)) from err
+
+
+def load_models(rewards: Mapping[str, Reward]) -> None:
+    """Load every hosted reward's model now (its ``load()``), before the server listens: a reward that
+    cannot load stops the server at start, naming the reward and what it reads, and ``/healthz`` answers
+    only once every model is in memory, never while the first score request would still wait on it.
+
+    Raises:
+        UserError: For the first reward whose model does not load.
+    """
+    from rlgen_cli.rewards.requirements import requirements_of
+
+    for name, reward in rewards.items():
+        load = getattr(reward, "load", None)
+        if not callable(load):
+            continue  # nothing to load: a rule or a lightweight reward
+        logger.info("reward %r: loading its model before serving", name)
+        try:
+            load()
+        except Exception as err:  # noqa: BLE001  (any failure to load is reported the same way)
+            reads = ", ".join(f"{r.key}={r.path}" for r in requirements_of(reward) if hasattr(r, "path"))
+            first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise UserError(
+                f"reward {name!r} could not load its model{f' ({reads})' if reads else ''}: "
+                f"{type(err).__name__}: {first_line}. Fetch it (or point the reward's kwargs at a local "
+                "copy) and start the server again"
+            ) from err
 
 
 def worker_env(device: str | None) -> dict[str, str]:
@@ -137,7 +167,9 @@ def serve_workers(specs: Mapping[str, Mapping[str, Any]], settings: ServerSettin
     plan = worker_plan(settings)
     if len(plan) == 1:
         os.environ.update(worker_env(plan[0][1]))
-        serve(build_rewards(specs), settings)
+        rewards = build_rewards(specs)
+        load_models(rewards)
+        serve(rewards, settings)
         return 0
     workers: list[Worker] = []
     stopping = threading.Event()
@@ -279,7 +311,13 @@ def _worker_main(spec_path: str) -> None:
         spec = json.load(spec_file)
     configure_logging(spec.get("log_level", "INFO"))
     settings = ServerSettings(**spec["settings"])
-    serve(build_rewards(spec["rewards"]), settings)
+    try:
+        rewards = build_rewards(spec["rewards"])
+        load_models(rewards)
+    except UserError as err:  # one line, and the group's supervisor reports this worker's exit code
+        logger.error("%s", err)
+        sys.exit(2)
+    serve(rewards, settings)
 
 
 if __name__ == "__main__":

@@ -73,15 +73,23 @@ def require_known_rewards(cfg: Any) -> None:
 
 
 def require_reward_servers(cfg: Any, timeout_s: float = 5.0) -> None:
+    """Stop with the first of :func:`reward_server_problems`."""
+    problems = reward_server_problems(cfg, timeout_s)
+    if problems:
+        raise UserError(problems[0])
+
+
+def reward_server_problems(cfg: Any, timeout_s: float = 5.0) -> list[str]:
     """Each served reward of the run (the clients in ``rewards/remote/``: an rlgen reward server, a
-    Flow-GRPO-style server, an OpenAI-compatible judge) has at least one endpoint that accepts a connection,
-    so a server that is down or a mistyped address stops the run before any model loads instead of after
+    Flow-GRPO-style server, an OpenAI-compatible judge) with no endpoint that accepts a connection, so a
+    server that is down or a mistyped address stops the run before any model loads instead of after
     the first epoch's rollouts. An endpoint that does not answer while another does is only reported: the
     client fails over to the others."""
     from rlgen_cli.rewards.registry import REWARDS, build_reward
     from rlgen_cli.rewards.remote import client as remote
 
     weights, kwargs, key = rewards_of(cfg)
+    problems = []
     for name in weights:
         if getattr(REWARDS.get(name), "__module__", None) != remote.__name__:
             continue  # computed in this process
@@ -95,14 +103,16 @@ def require_reward_servers(cfg: Any, timeout_s: float = 5.0) -> None:
                 else f"reward.kwargs.{name}.endpoints (or .hosts and .ports)"
             )
             reasons = "; ".join(f"{url}: {err}" for url, err in failures.items())
-            raise UserError(
+            problems.append(
                 f"reward {name!r}: no server answers ({reasons}). Start it first (rlgen serve-reward … for "
                 f"rlgen's own), or point {where} at a running one"
             )
+            continue
         for url, err in failures.items():
             log.warning(
                 "reward %r: %s does not answer (%s); scoring with the other endpoints", name, url, err
             )
+    return problems
 
 
 def _unreachable(url: str, timeout_s: float) -> str | None:
@@ -137,7 +147,14 @@ def user_errors(task: Callable[[DictConfig], T]) -> Callable[[DictConfig], T]:
             )
             sys.exit(EXIT_USER_ERROR)
 
+    wrapper.check_config = _check_shown  # type: ignore[attr-defined]  (run by `--cfg job`, _hydra.py)
     return wrapper
+
+
+def _check_shown(cfg: DictConfig) -> None:
+    """The checks a task makes first (:func:`validated`), on the config ``--cfg job`` printed: a value
+    out of range or a cross-field mistake exits 2 there too, instead of only when the run starts."""
+    user_errors(validated)(cfg)
 
 
 def run_dir_of(cfg: Any) -> Path:

@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import torch
 from omegaconf import DictConfig
 
-from rlgen_cli.tasks.common import require_data, run_dir_of, user_errors, validated
+from rlgen_cli.tasks.common import run_dir_of, user_errors, validated
+from rlgen_cli.tasks.prerequisites import (
+    Prerequisites,
+    checkpoint_problems,
+    data_problems,
+    model_problems,
+    model_sections,
+    reward_problems,
+)
 
 RESULTS = "results.json"
 SAMPLES = "samples.jsonl"
+log = logging.getLogger(__name__)
 
 
 @user_errors
@@ -20,26 +30,27 @@ def eval_task(cfg: DictConfig) -> float:
     if typed.recipe == "r3":  # multi-round reflect → refine evaluation of a unified policy
         return _eval_r3(typed, cfg)
     if typed.recipe in ("vlm_rl", "vlm_sft"):  # benchmark accuracy of a multimodal LLM
-        from rlgen_cli.recipes.vlm_rl import evaluate
-        from rlgen_cli.training.run import prepare_run_dir, setup_logging
-
-        run_dir = prepare_run_dir(run_dir_of(typed), cfg)
-        setup_logging(run_dir)
-        require_data(typed, run_dir, ("test",))
-        return evaluate(typed, cfg)
+        return _eval_vlm(typed, cfg)
     from rlgen_cli.data.images import source_images
     from rlgen_cli.data.paths import load_prompts
     from rlgen_cli.rewards import RewardBatch, build_mix
     from rlgen_cli.sde.sampling import sample_images
-    from rlgen_cli.tasks.loading import load_policy
+    from rlgen_cli.tasks.loading import describe_model, load_policy, with_checkpoint_model
     from rlgen_cli.training.images import save_grid
     from rlgen_cli.training.progress import Progress
     from rlgen_cli.training.report import detail_summaries
     from rlgen_cli.training.run import prepare_run_dir, setup_logging
 
+    missing = Prerequisites().add(checkpoint_problems(typed.checkpoint, "checkpoint"))
+    if not missing.missing:  # the checkpoint's own model draws: resolved.yaml records it
+        cfg = with_checkpoint_model(cfg, typed.checkpoint)
+        typed = validated(cfg)
     run_dir = prepare_run_dir(run_dir_of(typed), cfg)
     setup_logging(run_dir)
-    require_data(typed, run_dir, ("test",))  # before the reward and the policy load
+    # before the reward and the policy load: every missing file, weight and server at once
+    missing.add(data_problems(typed, run_dir, ("test",))).add(model_problems(typed))
+    missing.add(reward_problems(typed)).require()
+    log.info("evaluating %s", describe_model(typed.model, typed.checkpoint))
     dataset = load_prompts(typed.data.test, run_dir, "data.test")
     examples = list(dataset)[: typed.max_prompts or len(dataset)]
     examples = [ex for ex in examples for _ in range(typed.images_per_prompt)]
@@ -62,6 +73,7 @@ def eval_task(cfg: DictConfig) -> float:
     summary = _summary(result.scores, {name: result.details[name] for name in reward.rewards})
     summary["details"] = detail_summaries(result.details, by_tag=True)
     summary |= {"checkpoint": typed.checkpoint, "num_samples": len(examples), "num_steps": num_steps}
+    summary["model"] = describe_model(typed.model, typed.checkpoint)
     (run_dir / RESULTS).write_text(json.dumps(summary, indent=2), encoding="utf-8")
     with (run_dir / SAMPLES).open("w", encoding="utf-8") as out:
         for i, ex in enumerate(examples):
@@ -75,15 +87,40 @@ def eval_task(cfg: DictConfig) -> float:
     return summary["reward"]["mean"]
 
 
+def _eval_vlm(typed, cfg: DictConfig) -> float:
+    """Benchmark accuracy of a multimodal LLM (its checkpoint's saved model, as ``load_vlm`` builds it)."""
+    from rlgen_cli.recipes.vlm_rl import evaluate
+    from rlgen_cli.tasks.loading import describe_model, with_checkpoint_model
+    from rlgen_cli.training.run import prepare_run_dir, setup_logging
+
+    missing = Prerequisites().add(checkpoint_problems(typed.checkpoint, "checkpoint"))
+    if not missing.missing:
+        cfg = with_checkpoint_model(cfg, typed.checkpoint, user_overrides=False)
+        typed = validated(cfg)
+    run_dir = prepare_run_dir(run_dir_of(typed), cfg)
+    setup_logging(run_dir)
+    missing.add(data_problems(typed, run_dir, ("test",))).add(model_problems(typed)).require()
+    log.info("evaluating %s", describe_model(typed.model, typed.checkpoint))
+    return evaluate(typed, cfg)
+
+
 def _eval_r3(typed, cfg: DictConfig) -> float:
     """Per-round accuracy by tag, change fractions and finish rate; returns the last round's overall."""
     from rich.console import Console
 
     from rlgen_cli.r3.evaluate import run_evaluation
+    from rlgen_cli.tasks.loading import describe_model, with_checkpoint_policy
     from rlgen_cli.training.run import prepare_run_dir, setup_logging
 
+    missing = Prerequisites().add(checkpoint_problems(typed.checkpoint, "checkpoint"))
+    if not missing.missing:  # the checkpoint's own policy answers: resolved.yaml records it
+        cfg = with_checkpoint_policy(cfg, typed.checkpoint)
+        typed = validated(cfg)
     run_dir = prepare_run_dir(run_dir_of(typed), cfg)
     setup_logging(run_dir)
+    missing.add(model_problems(typed)).add(reward_problems(typed)).require()
+    for key, model in model_sections(typed):
+        log.info("evaluating %s: %s", key, describe_model(model, typed.checkpoint))
     summary = run_evaluation(typed, run_dir)
     console = Console()
     console.print(summary["table"], highlight=False, markup=False)

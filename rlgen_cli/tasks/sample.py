@@ -17,6 +17,7 @@ every row with ``"image"`` pointing at that source — the format editing famili
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from rlgen_cli.tasks.common import run_dir_of, user_errors, validated
 MANIFEST = "manifest.jsonl"
 EDIT_SET = "edit_set.jsonl"
 SOURCE_PROMPT_KEY = "source_prompt"
+log = logging.getLogger(__name__)
 
 
 @user_errors
@@ -34,15 +36,22 @@ def sample_task(cfg: DictConfig) -> str:
     typed = validated(cfg)
     from rlgen_cli.sde.rollout import StepSpec
     from rlgen_cli.sde.sampling import sample_images
-    from rlgen_cli.tasks.loading import load_policy
+    from rlgen_cli.tasks.loading import describe_model, load_policy, with_checkpoint_model
+    from rlgen_cli.tasks.prerequisites import Prerequisites, checkpoint_problems, model_problems
     from rlgen_cli.training.images import to_pil
     from rlgen_cli.training.progress import Progress
     from rlgen_cli.training.run import prepare_run_dir, setup_logging
     from rlgen_cli.training.video import save_video
 
+    missing = Prerequisites().add(checkpoint_problems(typed.checkpoint, "checkpoint"))
+    if not missing.missing:  # the checkpoint's own model draws: resolved.yaml records it
+        cfg = with_checkpoint_model(cfg, typed.checkpoint)
+        typed = validated(cfg)
     run_dir = prepare_run_dir(run_dir_of(typed), cfg)
     setup_logging(run_dir)
-    dataset = _prompt_set(typed, run_dir)  # before the model loads: a bad file costs no model load
+    dataset = _prompt_set_or_problem(typed, run_dir, missing)  # a bad file costs no model load
+    missing.add(model_problems(typed)).require()
+    log.info("sampling with %s", describe_model(typed.model, typed.checkpoint))
     examples = [] if dataset is None else list(dataset)
     prompts = list(typed.prompts) or [ex.prompt for ex in examples]
     if typed.edit_set:
@@ -107,6 +116,17 @@ def initial_noise(policy: Any, row: dict[str, Any]) -> Any:
     """The initial noise x_1 rlgen sampled a manifest row's image from: (1, …) float32 on the policy's
     device, in the policy's latent layout (packed for FLUX and Qwen-Image)."""
     return policy.noise(1, [noise_generator(row)])
+
+
+def _prompt_set_or_problem(cfg, run_dir: Path, missing: Any):
+    """:func:`_prompt_set`, or None with its problem added to ``missing`` (reported with the others)."""
+    from rlgen_cli.schema.errors import UserError
+
+    try:
+        return _prompt_set(cfg, run_dir)
+    except UserError as err:
+        missing.add([str(err)])
+        return None
 
 
 def _prompt_set(cfg, run_dir: Path):

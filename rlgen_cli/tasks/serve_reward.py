@@ -20,12 +20,16 @@ def reward_specs(reward_cfg: Any) -> dict[str, dict[str, Any]]:
 
 @user_errors
 def serve_reward_task(cfg: DictConfig) -> int:
-    """Validate the config, build the rewards, and serve until SIGINT/SIGTERM.
+    """Validate the config, check what each reward loads (all missing ones reported together, exit 2),
+    build the rewards, load their models, and serve until SIGINT/SIGTERM.
 
     Returns:
         0 after a clean shutdown (a failing worker process exits with its own code).
     """
     typed = validated(cfg)
+    from rlgen_cli.tasks.prerequisites import Prerequisites, reward_problems
+
+    Prerequisites().add(reward_problems(typed)).require()
     from rlgen_cli.server.app import ServerSettings
     from rlgen_cli.server.runner import configure_logging, serve_workers
 

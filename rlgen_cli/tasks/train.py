@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from rlgen_cli.tasks.common import require_data, require_reward_servers, run_dir_of, user_errors, validated
+from rlgen_cli.tasks.common import run_dir_of, user_errors, validated
 
 
 @user_errors
@@ -23,11 +23,10 @@ def train_task(cfg: DictConfig) -> Any:
 
     print_job_header()  # a sweep job says which overrides it runs before anything can fail
     typed = validated(cfg)
-    require_reward_servers(typed)
     from rlgen_cli.training.run import RESOLVED_FILE, prepare_run_dir, setup_logging
 
-    run_dir = prepare_run_dir(run_dir_of(typed), cfg)
-    require_data(typed, run_dir, _splits_read(typed))
+    run_dir = prepare_run_dir(run_dir_of(typed), cfg)  # builtin prompt sets are generated into it
+    require_prerequisites(typed, run_dir)
     if typed.launcher.name != "local":
         from rlgen_cli.launch.commands import run_launch
 
@@ -39,6 +38,21 @@ def train_task(cfg: DictConfig) -> Any:
     recipe = importlib.import_module(f"rlgen_cli.recipes.{typed.recipe}")
     metrics = recipe.run(typed, cfg)
     return metrics.get("eval/reward/mean", metrics.get("reward/mean"))
+
+
+def require_prerequisites(cfg: Any, run_dir: Any) -> None:
+    """Prompt files, resume target, model weights, rewards and their servers: every missing one reported
+    at once, before the launcher starts workers or any model is built (``tasks/prerequisites.py``)."""
+    from rlgen_cli.tasks.prerequisites import (
+        Prerequisites,
+        data_problems,
+        model_problems,
+        resume_problems,
+        reward_problems,
+    )
+
+    missing = Prerequisites().add(data_problems(cfg, run_dir, _splits_read(cfg)))
+    missing.add(resume_problems(cfg)).add(model_problems(cfg)).add(reward_problems(cfg)).require()
 
 
 def _splits_read(cfg: Any) -> tuple[str, ...]:

@@ -237,7 +237,7 @@ def test_chosen_group(arg, group):
 
 def test_only_train_without_a_content_choice_gets_the_default_run():
     assert verb_overrides("train", ["--cfg", "job", "launcher=accelerate"]) == [
-        "experiment=shapes_nft", "--cfg", "job", "launcher=accelerate",
+        "--cfg", "job", "experiment=shapes_nft", "launcher=accelerate",
     ]  # fmt: skip
     assert verb_overrides("train", ["sampler=cps"]) == ["sampler=cps"]
     assert verb_overrides("check_onpolicy", []) == []

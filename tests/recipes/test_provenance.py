@@ -85,3 +85,82 @@ def test_no_git_state_outside_rlgens_own_checkout(tmp_path: Path, monkeypatch):
     assert run_module._git_state() == (None, None)
     _git("init", "-q", cwd=tmp_path)
     assert run_module._git_state() == (None, None)
+
+
+# -- sample / eval of a checkpoint: the run directory names the model that drew the images -------------------
+@pytest.fixture(scope="module")
+def flux_checkpoint(tmp_path_factory) -> Path:
+    """A one-epoch tiny FLUX checkpoint (FLUX: not the tiny SD3 that sample and eval default to)."""
+    from tests.conftest import run_cli
+
+    run = tmp_path_factory.mktemp("flux") / "run"
+    code, out = run_cli(
+        "train", *TINY_RUN, "model=tiny_flux", "epochs=1", "save_every=1", "eval_every=0", "images_every=0",
+        f"hydra.run.dir={run}",
+    )  # fmt: skip
+    assert code == 0, out
+    (checkpoint,) = (run / "checkpoints").iterdir()
+    return checkpoint
+
+
+def _model_written(run: Path) -> dict:
+    return OmegaConf.to_container(OmegaConf.load(run / "resolved.yaml").model)
+
+
+@pytest.mark.parametrize("verb", ["sample", "eval"])
+def test_a_checkpoints_sample_and_eval_record_the_checkpoints_model(flux_checkpoint: Path, verb, tmp_path):
+    """The verbs default to the tiny SD3 (guidance 1.0); the checkpoint is a FLUX (guidance 3.5), and
+    that FLUX draws the images, so resolved.yaml must hold its model section and run.log must name it."""
+    from tests.conftest import run_cli
+
+    run = tmp_path / verb
+    pick = ["prompts=[a red cube]"] if verb == "sample" else ["max_prompts=1"]
+    code, out = run_cli(
+        verb, f"checkpoint={flux_checkpoint}", *pick, "num_steps=2", "progress=false", f"hydra.run.dir={run}"
+    )
+    assert code == 0, out
+    trained = OmegaConf.to_container(OmegaConf.load(flux_checkpoint / "config.yaml").model)
+    assert trained["family"] == "flux" and trained["guidance_scale"] == 3.5
+    assert _model_written(run) == trained
+    log = (run / "run.log").read_text()
+    assert "model.family=flux tiny" in log and "guidance_scale=3.5" in log
+    assert f"trained weights of {flux_checkpoint}" in log and "model.family=sd3" not in log
+    provenance = json.loads((run / "provenance.json").read_text())  # the hash covers the recorded model
+    assert (
+        provenance["resolved_config_sha256"]
+        == hashlib.sha256((run / "resolved.yaml").read_bytes()).hexdigest()
+    )
+    if verb == "eval":
+        assert json.loads((run / "results.json").read_text())["model"].startswith("model.family=flux tiny")
+
+
+def test_a_model_override_on_a_checkpoint_is_recorded_on_top_of_its_model(flux_checkpoint: Path, tmp_path):
+    from tests.conftest import run_cli
+
+    run = tmp_path / "sample"
+    code, out = run_cli(
+        "sample", f"checkpoint={flux_checkpoint}", "model.guidance_scale=2.0", "prompts=[a red cube]",
+        "num_steps=2", "progress=false", f"hydra.run.dir={run}",
+    )  # fmt: skip
+    assert code == 0, out
+    trained = OmegaConf.to_container(OmegaConf.load(flux_checkpoint / "config.yaml").model)
+    assert _model_written(run) == trained | {"guidance_scale": 2.0}
+    assert "guidance_scale=2.0" in (run / "run.log").read_text()
+
+
+def test_sampling_the_base_model_records_it_and_names_it(tmp_path):
+    from tests.conftest import run_cli
+
+    run = tmp_path / "sample"
+    code, out = run_cli(
+        "sample",
+        "model=tiny_flux",
+        "prompts=[a red cube]",
+        "num_steps=2",
+        "progress=false",
+        f"hydra.run.dir={run}",
+    )
+    assert code == 0, out
+    assert _model_written(run)["family"] == "flux"
+    assert "model.family=flux tiny (random weights, tiny_seed=0)" in (run / "run.log").read_text()
+    assert "base weights" in (run / "run.log").read_text()
