@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -121,3 +122,60 @@ def test_serve_reward_verb_serves_and_shuts_down_cleanly():
         out = proc.communicate(timeout=30)[0].decode()
     assert proc.returncode == 0, out
     assert "serving rewards ['jpeg_compressibility']" in out and "drained" in out
+
+
+# -- a server whose model cannot load never answers /healthz ok ------------------------------------------------
+def _serve_until_exit_or_ready(
+    args: list[str], env: dict[str, str], timeout_s: float = 120
+) -> tuple[int | None, bool, str]:
+    """Start ``rlgen serve-reward ARGS`` on a free port and poll ``/healthz`` until the process exits or
+    answers 200: (exit code or None when it answered and was stopped, whether it answered ok, output)."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "rlgen_cli.cli", "serve-reward", *args, f"server.port={port}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ | env)
+    answered, deadline = False, time.monotonic() + timeout_s
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(OSError):  # not listening yet
+                answered = http("GET", f"http://127.0.0.1:{port}/healthz")[0] == 200
+            if answered:
+                break
+            time.sleep(0.1)
+    finally:
+        code = proc.poll()
+        if code is None:
+            proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0].decode()
+    return code, answered, " ".join(out.split())
+
+
+def test_an_offline_reward_server_fails_at_start_naming_the_models_it_lacks(tmp_path):
+    """PickScore offline with an empty hub cache: exit 2 at start naming both sources (it answered
+    /healthz ok and hung the first score on hub retries)."""
+    env = {"NO_COLOR": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    code, answered, out = _serve_until_exit_or_ready(["reward=pickscore"], env)
+    assert not answered and code == 2, out
+    assert "2 prerequisites are missing" in out
+    assert "reward.kwargs.pickscore.model_path=yuvalkirstain/PickScore_v1: not in the local hub cache" in out
+    assert "reward.kwargs.pickscore.processor_path=laion/CLIP-ViT-H-14-laion2B-s32B-b79K" in out
+
+
+def test_a_model_that_does_not_load_stops_the_server_before_it_listens(tmp_path):
+    """The directory exists (the up-front check passes) but holds no CLIP: the server loads it before
+    listening, so it exits 2 naming the reward and the path instead of answering /healthz ok."""
+    empty = tmp_path / "not_a_clip"
+    empty.mkdir()
+    env = {"NO_COLOR": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    code, answered, out = _serve_until_exit_or_ready(
+        [
+            "reward=clipscore",
+            f"reward.kwargs.clipscore.model_path={empty}",
+            "reward.kwargs.clipscore.device=cpu",
+        ],
+        env,
+    )
+    assert not answered and code == 2, out
+    assert (
+        f"error: reward 'clipscore' could not load its model (reward.kwargs.clipscore.model_path={empty})"
+        in out
+    )
