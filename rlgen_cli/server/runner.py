@@ -93,7 +93,7 @@ def load_models(rewards: Mapping[str, Reward]) -> None:
             load()
         except Exception as err:  # noqa: BLE001  (any failure to load is reported the same way)
             reads = ", ".join(f"{r.key}={r.path}" for r in requirements_of(reward) if hasattr(r, "path"))
-            first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            first_line = (str(err).strip().splitlines() or [type(err).__name__])[0].rstrip(".")
             raise UserError(
                 f"reward {name!r} could not load its model{f' ({reads})' if reads else ''}: "
                 f"{type(err).__name__}: {first_line}. Fetch it (or point the reward's kwargs at a local "
