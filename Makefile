@@ -9,7 +9,7 @@ DEV_STAMP := $(VENV)/.installed-dev
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install install-dev train test test-all bench lint clean
+.PHONY: help install install-dev train test test-kernels test-all bench lint clean
 
 help:  ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
@@ -35,6 +35,15 @@ train: install  ## run the default training (ShapesEval on the CPU, ~17 min); AR
 
 test: install-dev  ## run the default test suite (CPU, offline, < 10 min)
 	$(PY) -m pytest -q $(ARGS)
+
+# The numerics-heavy tests once more on other CPU kernels: AVX2 code paths of oneDNN, MKL and ATen, one
+# thread (other GEMM blocking and reduction splits), so a test tied to one machine's kernels fails here.
+KERNEL_TESTS := tests/models tests/invariants tests/distributed tests/recipes
+KERNEL_ENV := ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 \
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+
+test-kernels: install-dev  ## the models, invariants, distributed and recipes tests on AVX2 kernels, one thread
+	$(KERNEL_ENV) $(PY) -m pytest -q $(KERNEL_TESTS) $(ARGS)
 
 test-all: install-dev  ## run every test, the slow ones included
 	$(PY) -m pytest -q -m "not gpu" $(ARGS)

@@ -10,7 +10,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# The thread count picks CPU kernels (GEMM blocking, reduction splits): OMP_NUM_THREADS, when set (as
+# `make test-kernels` does), is honoured; otherwise two threads.
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or min(2, os.cpu_count() or 1)))
 
 # A run small enough for CI: the tiny SD3 demo, 2 prompts × 2 samples per epoch, 3 steps, no bars.
 TINY_RUN = [
