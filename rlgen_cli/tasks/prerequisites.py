@@ -2,7 +2,7 @@
 
 ``rlgen train | sample | eval | serve-reward`` collect every missing prerequisite — a prompt file, a
 checkpoint or resume target, a model's weights (a local path, or a hub id that is not cached while the
-hub is offline), a reward's settings (GenEval's ``detector_path``), files and packages
+hub is offline or does not answer), a reward's settings (GenEval's ``detector_path``), files and packages
 (``rewards/requirements.py``), a reward server that does not answer — and stop with exit code 2 listing
 all of them with what to fetch or set, so one run of the command shows everything to fix, in seconds.
 
