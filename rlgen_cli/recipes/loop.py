@@ -443,17 +443,17 @@ def evaluate(run: FlowRun, epoch: int, progress: Progress, split: str = "eval") 
         )  # fmt: skip
     components, samples = score_samples(run, images, prompts, metadata, sources)
     details = detail_summaries(samples, by_tag=True)
-    heldout = {}  # the guard's monitors on the same images (training/guard.py)
+    total = weighted_total(run, components)
+    heldout = {}  # the guard's monitors on the same images, per prompt with the trained reward (training/guard.py)
     if run.guard is not None and split == "eval":
         monitored, _ = score(run, images, prompts, metadata, sources, reward=run.guard.monitors)
-        heldout = run.guard.heldout_metrics(monitored)
+        heldout = run.guard.score_evaluation(total, monitored, cfg.data.eval_images_per_prompt)
     if split == "eval":
         run.report.evaluated(epoch, images, prompts, samples)
     if run.dist.is_main:
         name = f"{split}_before.png" if epoch < 0 else f"{split}_epoch_{epoch:05d}.png"
         labels = run.report.tile_labels(prompts, samples)  # captions and pass / fail marks, if any
         save_grid(images, run.run_dir / "images" / name, upscale=2, **labels)
-    total = weighted_total(run, components)
     return {
         f"{split}/reward/mean": total.mean().item(),
         **({f"{split}/num_samples": float(len(prompts))} if split == "eval_heldout" else {}),
@@ -514,7 +514,7 @@ def guard_evaluation(run: FlowRun, epoch: int, metrics: dict[str, float]) -> dic
     or rolls back (``training/guard.py``). Every rank enters: saving and rolling back are collective."""
     if run.guard is None:
         return metrics
-    decision = run.guard.decide(run.dist, epoch, metrics)
+    decision = run.guard.decide(run.dist, epoch)
     if decision.new_best:
         save(run, epoch + 1, name=BEST_HELDOUT)
     metrics = {**metrics, **run.guard.status_metrics()}

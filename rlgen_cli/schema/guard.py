@@ -2,9 +2,10 @@
 
 The guard watches *held-out* rewards — ordinary registered rewards the policy is not trained on — on the
 images of every evaluation, flags an evaluation where the trained reward rose while the held-out metric
-fell by more than ``margin`` over ``window`` evaluations, and then warns, stops or rolls back to the
-best checkpoint by the held-out metric (``training/guard.py`` holds the rule and its formula). No
-monitors: no guard, and nothing of it runs.
+fell by more than ``margin`` over ``window`` evaluations, the drop beyond ``noise_k`` and the rise
+beyond ``rise_k`` standard errors of the evaluation's own noise, and then warns, stops or rolls back
+to the best checkpoint by the held-out metric (``training/guard.py`` holds the rule and its formula).
+No monitors: no guard, and nothing of it runs.
 
 Checked here, at the config boundary (exit code 2): what the guard's own fields allow and what it needs
 from the rest of the run (evaluations, a KL weight to raise, a launcher whose weights can be reloaded).
@@ -44,6 +45,13 @@ class GuardConfig:
     """W: evaluations the rule looks back over (the current one and the W before it)."""
     margin: float = 0.05
     """δ: how far, in the held-out metric's units, it must fall below its best of the window to flag."""
+    noise_k: float = 3.0
+    """k: standard errors of the evaluation's own noise (from the spread over its prompts) that the
+    held-out drop must exceed as well as δ; with ``rise_k`` = 1 it flags 0.5–3 % of 40-evaluation runs
+    on pure noise with W = 3 (tests/training/test_guard_noise.py). 0 = δ alone."""
+    rise_k: float = 1.0
+    """k_r: standard errors the trained reward's rise over the window must exceed (1: beyond its own
+    noise; 0 = any rise)."""
     action: Annotated[str, GuardAction] = "warn"
     """On a flagged evaluation: ``warn`` (log it), ``stop`` (end the run after this epoch, saving as
     after a last epoch), ``rollback`` (load ``checkpoints/best_heldout``'s weights, EMA and optimizer
@@ -81,6 +89,11 @@ def check_guard(cfg: Any) -> None:
     _require(
         cfg.eval_every > 0,
         "guard.monitors are scored at evaluations, and eval_every=0 never evaluates: set eval_every=N",
+    )
+    _require(
+        cfg.data.eval_num_prompts != 1,
+        "the guard estimates an evaluation's noise from the spread over its prompts, and "
+        "data.eval_num_prompts=1 evaluates one: set data.eval_num_prompts ≥ 2 (0 = the whole test split)",
     )
     if guard.action != "rollback":
         return

@@ -132,8 +132,8 @@ RANGES: dict[type, dict[str, Range | Pattern]] = {
     },
     FlowRunConfig: {"time_limit_minutes": NON_NEGATIVE},
     GuardConfig: {
-        "monitors": ANY, "window": COUNT, "margin": NON_NEGATIVE, "rollback_lr_scale": FRACTION,
-        "rollback_kl_scale": at_least(1), "max_rollbacks": NON_NEGATIVE,
+        "monitors": ANY, "window": COUNT, "margin": NON_NEGATIVE, "noise_k": NON_NEGATIVE, "rise_k": NON_NEGATIVE,
+        "rollback_lr_scale": FRACTION, "rollback_kl_scale": at_least(1), "max_rollbacks": NON_NEGATIVE,
     },
     FlowRolloutRunConfig: {"images_every": NON_NEGATIVE},
     ModelConfig: {
@@ -210,7 +210,7 @@ RANGES: dict[type, dict[str, Range | Pattern]] = {
         "tolerance": POSITIVE, "text_tolerance": POSITIVE, "train_noise_level": NON_NEGATIVE,
         "train_batch_size": COUNT, "perturb_weights": NON_NEGATIVE,
     },
-    PlanOptions: {"device_memory_gb": POSITIVE, "headroom": BELOW_ONE},
+    PlanOptions: {"device_memory_gb": POSITIVE, "headroom": BELOW_ONE, "reward_memory_gb": POSITIVE},
     SampleConfig: {
         "seed": NON_NEGATIVE, "images_per_prompt": COUNT, "batch_size": COUNT, "num_steps": COUNT,
         "device": DEVICE,

@@ -12,16 +12,27 @@ as ``reward.kwargs``) — and records, at evaluation n,
 Both come from the same images, so their changes are paired: the noisier mean of the epoch's rollouts
 (other prompts, stochastic steps) plays no part.
 
-**Rule.** With W = ``guard.window`` and δ = ``guard.margin``, evaluation n is *flagged* when W
-evaluations precede it in the guard's history and
+**Rule.** With W = ``guard.window``, δ = ``guard.margin``, k = ``guard.noise_k`` and k_r =
+``guard.rise_k``, evaluation n is *flagged* when W evaluations precede it in the guard's history and
 
-    r_n − r_{n−W} > 0                       the trained reward rose over the window, and
-    max_{n−W ≤ k ≤ n} h_k − h_n > δ          the held-out metric is more than δ below its best in the window.
+    r_n − r_{n−W} > k_r · se(r_n − r_{n−W})          the trained reward rose beyond its noise, and
+    h_b − h_n > max(δ, k · se(h_b − h_n))            the held-out metric fell more than δ and beyond its
+                                                     noise below its best in the window, h_b = max_{n−W ≤ j ≤ n} h_j
+
+(both changes > 0 as well, so k = k_r = 0 is the bare sign and margin rule). se is the standard error
+of a change between two evaluations, estimated from the evaluations themselves: both score the same
+prompts with the same noise, so it is the spread of the per-prompt changes d_i (a prompt's images
+averaged) over the n prompts, se = std(d) / √n — for an accuracy (scores 0 or 1) the binomial error of
+the prompts that changed outcome. Prompt-to-prompt differences cancel in d; what is left is how much
+the evaluation moves by chance. On pure noise (every evaluation an independent draw) the defaults k = 3,
+k_r = 1 flag 0.5–3 % of 40-evaluation runs with W = 3, the bare rule nearly all of them
+(tests/training/test_guard_noise.py).
 
 The best of the window rather than its first value, so a rise and fall inside the window counts; the
 window rather than the whole run, so an old peak does not flag a run that has since recovered. The
 history is every evaluation since the start (the one before training included, with ``eval_before``)
-or since the last rollback.
+or since the last rollback. An evaluation with a non-finite score is logged and left out of it: the
+window is the last W + 1 finite evaluations, whatever order they came in.
 
 **Best checkpoint.** Whenever h_n exceeds every earlier value, the run's full state (weights, EMA,
 optimizer, counters) is saved to ``checkpoints/best_heldout``, which ``keep_last`` never deletes and
@@ -39,8 +50,9 @@ optimizer, counters) is saved to ``checkpoints/best_heldout``, which ``keep_last
 
 **Logs.** Every evaluation logs ``guard/heldout``, ``guard/reward/<monitor>/mean``, ``guard/best`` and
 ``guard/best_step`` (the metrics.jsonl step of the best evaluation, −1 = before training), and once
-the window is full ``guard/train_rise`` (r_n − r_{n−W}) and ``guard/heldout_drop`` (the window's best
-− h_n) — what δ is compared with, so a run shows how close it came; a flagged evaluation adds
+the window is full ``guard/train_rise`` (r_n − r_{n−W}), ``guard/heldout_drop`` (h_b − h_n) and their
+standard errors ``guard/train_rise_se`` and ``guard/heldout_drop_se`` — what δ and k are compared
+with, so a run shows how close it came; a skipped evaluation ``guard/skipped`` = 1; a flagged evaluation adds
 ``guard/event/<warn|stop|rollback>`` = 1, a rollback ``guard/lr_scale`` and ``guard/kl_scale``
 (cumulative); the console gets one warning line per event. ``guard_curves.png`` draws r and h with the
 events at the end of the run.
@@ -61,8 +73,10 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, get_args
 
@@ -79,7 +93,7 @@ from rlgen_cli.training.metrics import read_metrics
 
 __all__ = [
     "BEST_HELDOUT", "GUARD_CURVES", "GUARD_KEY", "HELDOUT", "TRAINED", "Decision", "Evaluation", "GuardEvent",
-    "HackingGuard", "RunGuard", "plot_guard", "require_known_monitors",
+    "HackingGuard", "RunGuard", "WindowChange", "change_standard_error", "plot_guard", "require_known_monitors",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -96,19 +110,65 @@ _ACTIONS = get_args(GuardAction)  # warn, stop, rollback: codes 1, 2, 3 when sha
 
 @dataclass(frozen=True)
 class Evaluation:
-    """One evaluation as the rule sees it: 0-based epoch (−1 before training), r and h."""
+    """One evaluation as the rule sees it: 0-based epoch (−1 before training) and, per evaluation prompt
+    (its images averaged), the trained reward and the held-out metric; r and h are their means."""
 
     epoch: int
-    trained: float
-    heldout: float
+    trained_scores: tuple[float, ...]
+    heldout_scores: tuple[float, ...]
 
-    def as_list(self) -> list[float]:
-        return [self.epoch, self.trained, self.heldout]
+    @cached_property
+    def trained(self) -> float:
+        return math.fsum(self.trained_scores) / len(self.trained_scores)
+
+    @cached_property
+    def heldout(self) -> float:
+        return math.fsum(self.heldout_scores) / len(self.heldout_scores)
+
+    def as_dict(self) -> dict[str, Any]:
+        scores = {"trained": list(self.trained_scores), "heldout": list(self.heldout_scores)}
+        return {"epoch": self.epoch, **scores}
 
     @classmethod
-    def from_list(cls, values: Sequence[float]) -> Evaluation:
-        epoch, trained, heldout = values
-        return cls(int(epoch), float(trained), float(heldout))
+    def from_dict(cls, values: Mapping[str, Any]) -> Evaluation:
+        return cls(int(values["epoch"]), _floats(values["trained"]), _floats(values["heldout"]))
+
+
+def _floats(values: Sequence[float] | Tensor) -> tuple[float, ...]:
+    if isinstance(values, Tensor):
+        return tuple(values.detach().double().flatten().tolist())
+    return tuple(map(float, values))
+
+
+def change_standard_error(before: Sequence[float], after: Sequence[float]) -> float:
+    """Standard error of mean(after) − mean(before) over the same n prompts: std(d) / √n of the
+    per-prompt changes d (Bessel-corrected). The same prompts and noise give both evaluations, so
+    prompt-to-prompt differences cancel; for 0/1 scores this is the binomial error of the prompts that
+    changed outcome, √((b + c − (b − c)² / n) / (n − 1)) / √n with b up and c down."""
+    assert len(before) == len(after) >= 2
+    changes = list(map(operator.sub, after, before))
+    n = len(changes)
+    mean = math.fsum(changes) / n
+    deviations = [d - mean for d in changes]
+    return math.sqrt(math.fsum(map(operator.mul, deviations, deviations)) / (n - 1) / n)
+
+
+@dataclass(frozen=True)
+class WindowChange:
+    """The window's two changes and their standard errors (:func:`change_standard_error`)."""
+
+    train_rise: float
+    """r_n − r_{n−W}."""
+    train_rise_se: float
+    heldout_drop: float
+    """h_b − h_n, h_b the best held-out value of the window."""
+    heldout_drop_se: float
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "guard/train_rise": self.train_rise, "guard/train_rise_se": self.train_rise_se,
+            "guard/heldout_drop": self.heldout_drop, "guard/heldout_drop_se": self.heldout_drop_se,
+        }  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -117,12 +177,17 @@ class GuardEvent:
 
     epoch: int
     action: str
-    train_rise: float
-    """r_n − r_{n−W}."""
-    heldout_drop: float
-    """max_{n−W ≤ k ≤ n} h_k − h_n."""
+    change: WindowChange
     best: Evaluation
     """The run's best evaluation by the held-out metric (what a rollback restores)."""
+
+    @property
+    def train_rise(self) -> float:
+        return self.change.train_rise
+
+    @property
+    def heldout_drop(self) -> float:
+        return self.change.heldout_drop
 
     def metrics(self) -> dict[str, float]:
         return {f"guard/event/{self.action}": 1.0}
@@ -134,11 +199,13 @@ class GuardEvent:
             "rollback": f"rolling back to checkpoints/{BEST_HELDOUT} ({_when(self.best.epoch)}, held-out "
             f"{self.best.heldout:.4g})",
         }[self.action]
+        change = self.change
         return (
             f"guard: reward hacking suspected after epoch {self.epoch}: the trained reward rose "
-            f"{self.train_rise:+.4g} over {window} evaluation{'s' if window > 1 else ''} while the held-out "
-            f"metric fell "
-            f"{self.heldout_drop:.4g} below its best of the window (margin {margin:g}); {then}"
+            f"{change.train_rise:+.4g} ({_in_errors(change.train_rise, change.train_rise_se)}) over {window} "
+            f"evaluation{'s' if window > 1 else ''} while the held-out metric fell {change.heldout_drop:.4g} "
+            f"({_in_errors(change.heldout_drop, change.heldout_drop_se)}) below its best of the window "
+            f"(margin {margin:g}); {then}"
         )
 
 
@@ -146,14 +213,19 @@ def _when(epoch: int) -> str:
     return "before training" if epoch < 0 else f"after epoch {epoch}"
 
 
+def _in_errors(change: float, standard_error: float) -> str:
+    return "no spread" if standard_error == 0 else f"{change / standard_error:.1f} standard errors"
+
+
 @dataclass(frozen=True)
 class Verdict:
-    """What one observation found: a new best held-out value, the event if the rule fired, and the
-    window's (train rise, held-out drop) once the window is full."""
+    """What one observation found: a new best held-out value, the event if the rule fired, the window's
+    change once the window is full, and whether the evaluation was skipped (a non-finite score)."""
 
     new_best: bool
     event: GuardEvent | None
-    change: tuple[float, float] | None = None
+    change: WindowChange | None = None
+    skipped: bool = False
 
 
 class HackingGuard:
@@ -164,59 +236,133 @@ class HackingGuard:
         margin: δ ≥ 0, in the held-out metric's units.
         action: ``warn``, ``stop`` or ``rollback``.
         max_rollbacks: Rollbacks allowed before a flag stops instead.
+        noise_k: k ≥ 0, standard errors the held-out drop must exceed (0: the margin alone).
+        rise_k: k_r ≥ 0, standard errors the trained reward's rise must exceed (0: any rise).
     """
 
-    def __init__(self, window: int, margin: float, action: str = "warn", max_rollbacks: int = 3) -> None:
+    def __init__(
+        self,
+        window: int,
+        margin: float,
+        action: str = "warn",
+        max_rollbacks: int = 3,
+        noise_k: float = 3.0,
+        rise_k: float = 1.0,
+    ) -> None:
         assert window >= 1 and margin >= 0 and action in _ACTIONS and max_rollbacks >= 0
+        assert noise_k >= 0 and rise_k >= 0
         self.window, self.margin, self.action, self.max_rollbacks = window, margin, action, max_rollbacks
+        self.noise_k, self.rise_k = noise_k, rise_k
         self.history: list[Evaluation] = []
-        """The last W + 1 evaluations since the start or the last rollback, oldest first."""
+        """The last W + 1 finite evaluations since the start or the last rollback, oldest first."""
         self.best: Evaluation | None = None
         self.rollbacks = 0
 
-    def observe(self, epoch: int, trained: float, heldout: float) -> Verdict:
-        """Record the evaluation after ``epoch`` (−1: before training) and judge it."""
-        current = Evaluation(epoch, float(trained), float(heldout))
+    def observe(
+        self, epoch: int, trained: Sequence[float] | Tensor, heldout: Sequence[float] | Tensor
+    ) -> Verdict:
+        """Record the evaluation after ``epoch`` (−1: before training) and judge it. ``trained`` and
+        ``heldout``: each evaluation prompt's trained reward and held-out metric, in the same prompt
+        order at every evaluation. One with a non-finite score is logged and skipped.
+
+        Raises:
+            UserError: Fewer than 2 prompts (no spread to estimate the noise from), or another number of
+                prompts than the evaluations in the history (a resumed run that evaluates other prompts).
+        """
+        current = Evaluation(epoch, _floats(trained), _floats(heldout))
+        self._require_comparable(current)
+        if not all(map(math.isfinite, current.trained_scores + current.heldout_scores)):
+            log.warning(
+                "guard: the evaluation after epoch %d has non-finite scores (trained %s, held-out %s): "
+                "skipped, the window is the finite evaluations around it", epoch,
+                _count_non_finite(current.trained_scores), _count_non_finite(current.heldout_scores),
+            )  # fmt: skip
+            return Verdict(False, None, skipped=True)
         new_best = self.best is None or current.heldout > self.best.heldout
         if new_best:
             self.best = current
         self.history = [*self.history, current][-(self.window + 1) :]
         change = self._window_change()
-        event = None if change is None else self._judge(*change)
+        event = None if change is None else self._judge(change)
         if event is not None and event.action == "rollback":
             self.rollbacks += 1
             self.history = [self.best]  # the restored state's evaluation opens the next window
         return Verdict(new_best, event, change)
 
-    def _window_change(self) -> tuple[float, float] | None:
-        """(r_n − r_{n−W}, max_{n−W ≤ k ≤ n} h_k − h_n) once W evaluations precede the current one."""
+    def _require_comparable(self, current: Evaluation) -> None:
+        n = len(current.trained_scores)
+        if n != len(current.heldout_scores):
+            raise ValueError(f"{n} trained scores but {len(current.heldout_scores)} held-out scores")
+        if n < 2:
+            raise UserError(
+                f"the guard estimates an evaluation's noise from the spread over its prompts, and this one "
+                f"has {n}: evaluate at least 2 (data.eval_num_prompts, or a longer data.test)"
+            )
+        recorded = self.history[-1] if self.history else self.best
+        if recorded is not None and len(recorded.trained_scores) != n:
+            raise UserError(
+                f"the guard's history was recorded on {len(recorded.trained_scores)} evaluation prompts and "
+                f"this evaluation has {n}: resume with the data.eval_num_prompts and "
+                "data.eval_images_per_prompt the run started with"
+            )
+
+    def _window_change(self) -> WindowChange | None:
+        """r_n − r_{n−W}, h_b − h_n and their standard errors once W evaluations precede the current one."""
         if len(self.history) <= self.window:
             return None
         start, current = self.history[0], self.history[-1]
-        return current.trained - start.trained, max(e.heldout for e in self.history) - current.heldout
+        best = max(reversed(self.history), key=lambda e: e.heldout)  # the latest of equal bests
+        return WindowChange(
+            current.trained - start.trained,
+            change_standard_error(start.trained_scores, current.trained_scores),
+            best.heldout - current.heldout,
+            change_standard_error(best.heldout_scores, current.heldout_scores),
+        )
 
-    def _judge(self, train_rise: float, heldout_drop: float) -> GuardEvent | None:
-        if not (train_rise > 0 and heldout_drop > self.margin):
+    def _judge(self, change: WindowChange) -> GuardEvent | None:
+        rose = _beyond(change.train_rise, self.rise_k, change.train_rise_se)
+        drop, drop_se = change.heldout_drop, change.heldout_drop_se
+        fell = drop > self.margin and _beyond(drop, self.noise_k, drop_se)
+        if not (rose and fell):
             return None
         current = self.history[-1]
         action = self.action
         if action == "rollback" and self.rollbacks >= self.max_rollbacks:
             action = "stop"
         assert self.best is not None
-        return GuardEvent(current.epoch, action, train_rise, heldout_drop, self.best)
+        return GuardEvent(current.epoch, action, change, self.best)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain lists and numbers (``torch.load(weights_only=True)`` reads them back)."""
         return {
-            "history": [e.as_list() for e in self.history],
-            "best": None if self.best is None else self.best.as_list(),
+            "history": [e.as_dict() for e in self.history],
+            "best": None if self.best is None else self.best.as_dict(),
             "rollbacks": self.rollbacks,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.history = [Evaluation.from_list(e) for e in state["history"]]
-        self.best = None if state["best"] is None else Evaluation.from_list(state["best"])
+        """
+        Raises:
+            UserError: A guard state without per-prompt scores (written before the guard kept them).
+        """
+        if not all(isinstance(e, Mapping) for e in [*state["history"], state["best"] or {}]):
+            raise UserError(
+                "the checkpoint's guard state has no per-prompt scores (an earlier rlgen wrote it), so the "
+                "guard cannot estimate the noise of its window: start the run afresh, or resume without "
+                "the guard (guard.monitors={})"
+            )
+        self.history = [Evaluation.from_dict(e) for e in state["history"]]
+        self.best = None if state["best"] is None else Evaluation.from_dict(state["best"])
         self.rollbacks = int(state["rollbacks"])
+
+
+def _beyond(change: float, k: float, standard_error: float) -> bool:
+    """A positive change of more than k standard errors."""
+    return change > 0 and change > k * standard_error
+
+
+def _count_non_finite(scores: Sequence[float]) -> str:
+    return f"{sum(not math.isfinite(v) for v in scores)} of {len(scores)}"
 
 
 @dataclass(frozen=True)
@@ -238,13 +384,16 @@ class RunGuard:
 
     def __init__(self, cfg: GuardConfig, monitors: WeightedMix) -> None:
         self.cfg, self.monitors = cfg, monitors
-        self.rule = HackingGuard(cfg.window, cfg.margin, cfg.action, cfg.max_rollbacks)
+        rule = HackingGuard(cfg.window, cfg.margin, cfg.action, cfg.max_rollbacks, cfg.noise_k, cfg.rise_k)
+        self.rule = rule
         self.lr_scale = 1.0
         self.kl_scale = 1.0
         self.stop_requested = False
         """Set by a ``stop`` decision: the recipe's loop ends after this epoch."""
         self.verdict: Verdict | None = None
         """Rank 0's latest observation."""
+        self.pending: tuple[Tensor, Tensor] | None = None
+        """The latest evaluation's per-prompt trained reward and held-out metric, for :meth:`decide`."""
 
     @classmethod
     def build(
@@ -271,21 +420,30 @@ class RunGuard:
             guard.load_state_dict(state)
             guard._scale(algo, guard.lr_scale, guard.kl_scale)
         log.info(
-            "guard: monitors %s, window W=%d, margin δ=%g, action %s",
-            dict(cfg.monitors), cfg.window, cfg.margin, cfg.action,
+            "guard: monitors %s, window W=%d, margin δ=%g, noise_k k=%g, rise_k k_r=%g, action %s",
+            dict(cfg.monitors), cfg.window, cfg.margin, cfg.noise_k, cfg.rise_k, cfg.action,
         )  # fmt: skip
         return guard
 
-    def heldout_metrics(self, components: Mapping[str, Tensor]) -> dict[str, float]:
-        """``guard/heldout`` (h: Σ weight · mean) and each monitor's mean, from per-sample scores."""
-        means = {name: float(scores.mean()) for name, scores in components.items()}
-        heldout = sum(self.monitors.weights[name] * mean for name, mean in means.items())
-        return {HELDOUT: heldout, **{f"guard/reward/{name}/mean": m for name, m in means.items()}}
+    def score_evaluation(
+        self, trained: Tensor, components: Mapping[str, Tensor], images_per_prompt: int
+    ) -> dict[str, float]:
+        """An evaluation's per-sample trained reward ``trained`` and monitor scores ``components`` (the
+        ``images_per_prompt`` images of each prompt consecutive): each prompt's mean of both is kept for
+        :meth:`decide`; returns ``guard/heldout`` (h: Σ weight · mean) and each monitor's mean."""
+        heldout = sum(self.monitors.weights[name] * scores.double() for name, scores in components.items())
+        self.pending = (_per_prompt(trained, images_per_prompt), _per_prompt(heldout, images_per_prompt))
+        means = {f"guard/reward/{name}/mean": float(scores.mean()) for name, scores in components.items()}
+        return {HELDOUT: float(self.pending[1].mean()), **means}
 
-    def decide(self, dist: Any, epoch: int, metrics: Mapping[str, float]) -> Decision:
-        """Rank 0 observes the evaluation ``metrics`` (r and h); every rank gets its decision.
+    def decide(self, dist: Any, epoch: int) -> Decision:
+        """Rank 0 observes the evaluation :meth:`score_evaluation` kept; every rank gets its decision.
         Collective: every rank calls it after every evaluation."""
-        verdict = self.rule.observe(epoch, metrics[TRAINED], metrics[HELDOUT]) if dist.is_main else None
+        verdict = None
+        if dist.is_main:
+            assert self.pending is not None, "score_evaluation before decide"
+            verdict = self.rule.observe(epoch, *self.pending)
+            self.pending = None
         self.verdict = verdict
         local = [0.0, 0.0]
         if verdict is not None:
@@ -298,14 +456,16 @@ class RunGuard:
         return Decision(bool(new_best), action, verdict.event if verdict is not None else None)
 
     def status_metrics(self) -> dict[str, float]:
-        """The best held-out value so far and its step, and the window's change once it is full (rank 0,
-        after :meth:`decide`)."""
+        """The best held-out value so far and its step, the window's change and its standard errors once
+        the window is full, ``guard/skipped`` for a skipped evaluation (rank 0, after :meth:`decide`)."""
         best, verdict = self.rule.best, self.verdict
-        if best is None or verdict is None:
+        if verdict is None:
             return {}
-        metrics = {"guard/best": best.heldout, "guard/best_step": float(best.epoch)}
+        metrics = {} if best is None else {"guard/best": best.heldout, "guard/best_step": float(best.epoch)}
+        if verdict.skipped:
+            metrics["guard/skipped"] = 1.0
         if verdict.change is not None:
-            metrics["guard/train_rise"], metrics["guard/heldout_drop"] = verdict.change
+            metrics |= verdict.change.metrics()
         return metrics
 
     def require_best_state(self, epochs_done: int) -> None:
@@ -348,6 +508,11 @@ class RunGuard:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.rule.load_state_dict(state)
         self.lr_scale, self.kl_scale = float(state["lr_scale"]), float(state["kl_scale"])
+
+
+def _per_prompt(scores: Tensor, images_per_prompt: int) -> Tensor:
+    """Each prompt's mean of its ``images_per_prompt`` consecutive per-sample ``scores``."""
+    return scores.detach().double().reshape(-1, images_per_prompt).mean(dim=1)
 
 
 def require_known_monitors(guard: GuardConfig) -> None:

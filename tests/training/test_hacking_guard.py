@@ -1,17 +1,23 @@
 """The reward-hacking guard (``guard:``; rlgen_cli/training/guard.py, docs/guard.md).
 
 The rule on hand-made curves (flag / no flag, the margin and window edges, the window's best against its
-start, rollbacks and their cap, a state round trip), the run-level pieces (held-out metric, scaling,
-monitor checks, config checks), and tiny SD3 runs: a reward the monitor disagrees with is flagged and
+start, rollbacks and their cap, a state round trip), the noise estimate (standard errors by hand, a
+change within its noise not flagged, non-finite scores skipped), the run-level pieces (held-out metric,
+scaling, monitor checks, config checks), and tiny SD3 runs: a reward the monitor disagrees with is flagged and
 rolled back to ``checkpoints/best_heldout`` with the learning rate halved; a monitor that agrees is not.
 
-Curves use binary fractions (0.25, 0.5, 0.75, …) so the margin edges are exact in floating point.
+Curves use binary fractions (0.25, 0.5, 0.75, …) so the margin edges are exact in floating point. A
+curve point (r, h) is an evaluation on which every prompt scored r and h: every prompt changes alike, the
+standard errors are 0, and the margin alone decides; tests/training/test_guard_noise.py measures the
+rule on noise.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import logging
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,13 +29,16 @@ from rlgen_cli._hydra import compose_verb
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.guard import GuardConfig
 from rlgen_cli.tasks.common import validated
-from rlgen_cli.training.guard import HackingGuard, RunGuard, require_known_monitors
+from rlgen_cli.training.guard import HackingGuard, RunGuard, change_standard_error, require_known_monitors
 from tests.conftest import run_cli
+
+PROMPTS = 4
 
 
 def _observe(guard: HackingGuard, curve: list[tuple[float, float]], first_epoch: int = -1) -> list:
-    """Feed ``(trained, heldout)`` pairs as evaluations ``first_epoch``, ``first_epoch + 1``, …; the verdicts."""
-    return [guard.observe(first_epoch + i, r, h) for i, (r, h) in enumerate(curve)]
+    """Feed ``(trained, heldout)`` pairs as evaluations ``first_epoch``, ``first_epoch + 1``, … on which
+    every one of ``PROMPTS`` prompts scored the pair; the verdicts."""
+    return [guard.observe(first_epoch + i, [r] * PROMPTS, [h] * PROMPTS) for i, (r, h) in enumerate(curve)]
 
 
 def _events(verdicts: list) -> list[tuple[int, str] | None]:
@@ -107,6 +116,93 @@ def test_a_rollback_is_followed_by_a_fresh_window():
     assert _events(verdicts) == [None, None, (1, "rollback"), None, (3, "rollback")]
 
 
+# -- the noise estimate -----------------------------------------------------------------------------------
+def test_standard_error_of_a_change_by_hand():
+    # changes d = after − before = [1, 0, 0, −1]: mean 0, Σ(d − 0)² = 2, / (n − 1) = 2/3, se = √(2/3) / √4
+    assert change_standard_error([0, 1, 0, 1], [1, 1, 0, 0]) == pytest.approx(math.sqrt(2 / 3) / 2)
+    # d = [1, 1, 0, 0]: mean 0.5, Σ(d − 0.5)² = 1, / 3, se = √(1/3) / 2; binomially b = 2 up, c = 0 down:
+    # √((b + c − (b − c)² / n) / (n − 1)) / √n = √((2 − 1) / 3) / 2, the same
+    assert change_standard_error([0, 0, 1, 1], [1, 1, 1, 1]) == pytest.approx(math.sqrt(1 / 3) / 2)
+    assert change_standard_error([0.25, 0.5, 0.75, 1.0], [0.0, 0.25, 0.5, 0.75]) == 0.0  # every prompt alike
+
+
+# every prompt's trained reward up 0.25 (no spread); the held-out metric down 0.25 on average, as
+# d = [−1, 0.5, −0.5, 0] (deviations ±0.75, ±0.25: Σ = 1.25, / 3, se = √(1.25 / 3) / 2 = 0.3227) or as
+# d = −0.25 on every prompt (se 0)
+FLAT, RISEN = [0.0] * 4, [0.25] * 4
+HELDOUT_BEFORE = [0.5] * 4
+SPREAD_DROP, EVEN_DROP = [-0.5, 1.0, 0.0, 0.5], [0.25] * 4
+SPREAD_DROP_SE = math.sqrt(1.25 / 3) / 2
+
+
+def test_a_drop_within_its_noise_is_not_flagged_and_the_same_mean_drop_on_every_prompt_is():
+    within = HackingGuard(window=1, margin=0.125, noise_k=3.0)
+    verdicts = [within.observe(-1, FLAT, HELDOUT_BEFORE), within.observe(0, RISEN, SPREAD_DROP)]
+    assert verdicts[1].event is None  # 0.25 < 3 · 0.3227
+    assert verdicts[1].change.heldout_drop == 0.25
+    assert verdicts[1].change.heldout_drop_se == pytest.approx(SPREAD_DROP_SE)
+    assert (verdicts[1].change.train_rise, verdicts[1].change.train_rise_se) == (0.25, 0.0)
+
+    even = HackingGuard(window=1, margin=0.125, noise_k=3.0)
+    even.observe(-1, FLAT, HELDOUT_BEFORE)
+    assert even.observe(0, RISEN, EVEN_DROP).event is not None
+    # k = 0.7 puts the spread drop's threshold at 0.7 · 0.3227 = 0.226 < 0.25; k = 0 is the bare rule
+    for noise_k in (0.7, 0.0):
+        looser = HackingGuard(window=1, margin=0.125, noise_k=noise_k)
+        looser.observe(-1, FLAT, HELDOUT_BEFORE)
+        assert looser.observe(0, RISEN, SPREAD_DROP).event is not None, noise_k
+
+
+def test_a_trained_reward_rise_within_its_noise_is_not_flagged():
+    """The held-out metric fell on every prompt; the trained reward rose 0.25 on average, as the spread
+    changes [1, −0.5, 0.5, 0] (se 0.3227 as above): within one standard error, past 0.7 of one."""
+    spread_rise = [1.0, -0.5, 0.5, 0.0]
+    guard = HackingGuard(window=1, margin=0.125, rise_k=1.0)
+    guard.observe(-1, FLAT, HELDOUT_BEFORE)
+    verdict = guard.observe(0, spread_rise, EVEN_DROP)
+    assert verdict.event is None
+    assert verdict.change.train_rise_se == pytest.approx(SPREAD_DROP_SE)
+    looser = HackingGuard(window=1, margin=0.125, rise_k=0.7)
+    looser.observe(-1, FLAT, HELDOUT_BEFORE)
+    assert looser.observe(0, spread_rise, EVEN_DROP).event is not None
+
+
+def test_a_non_finite_evaluation_is_skipped_and_does_not_hide_the_next_drop(caplog):
+    """W = 1: the evaluation after the skipped one is judged against the one before it."""
+    guard = HackingGuard(window=1, margin=0.125)
+    first = guard.observe(-1, FLAT, [0.75] * 4)
+    with caplog.at_level(logging.WARNING, logger="rlgen_cli.training.guard"):
+        skipped = guard.observe(0, [0.25] * 4, [0.5, math.nan, 0.5, 0.5])
+    assert "after epoch 0 has non-finite scores (trained 0 of 4, held-out 1 of 4): skipped" in caplog.text
+    assert (skipped.skipped, skipped.new_best, skipped.event) == (True, False, None)
+    flagged = guard.observe(1, [0.5] * 4, [0.25] * 4)
+    assert _events([first, skipped, flagged]) == [None, None, (1, "warn")]
+    assert flagged.change.heldout_drop == 0.5  # from 0.75, before the skipped evaluation
+
+
+def test_a_non_finite_evaluation_flags_alike_wherever_it_falls_in_the_window():
+    """W = 2: a NaN evaluation first, in the middle or last-but-one of the history gives the same verdict
+    on the last evaluation, and never becomes the best."""
+    nan = ([math.nan] * 4, [math.nan] * 4)
+    finite = [(FLAT, [0.75] * 4), ([0.25] * 4, [0.5] * 4), ([0.5] * 4, [0.25] * 4)]
+    for at in range(3):
+        evaluations = [*finite[:at], nan, *finite[at:]]
+        guard = HackingGuard(window=2, margin=0.125)
+        verdicts = [guard.observe(i - 1, r, h) for i, (r, h) in enumerate(evaluations)]
+        assert verdicts[-1].event is not None, at
+        assert (verdicts[-1].change.train_rise, verdicts[-1].change.heldout_drop) == (0.5, 0.5), at
+        assert guard.best.heldout == 0.75, at
+
+
+def test_too_few_prompts_or_a_changed_prompt_count_are_refused():
+    with pytest.raises(UserError, match="has 1: evaluate at least 2"):
+        HackingGuard(window=1, margin=0.0).observe(-1, [0.5], [0.5])
+    guard = HackingGuard(window=1, margin=0.0)
+    guard.observe(-1, FLAT, FLAT)
+    with pytest.raises(UserError, match="recorded on 4 evaluation prompts and this evaluation has 3"):
+        guard.observe(0, [0.0] * 3, [0.0] * 3)
+
+
 def test_state_round_trip_through_torch_save_continues_as_uninterrupted():
     curve = [(0.0, 0.75), (0.25, 0.5), (0.5, 0.75), (0.625, 0.625), (0.75, 0.5), (1.0, 0.25)]
     straight = HackingGuard(window=2, margin=0.125, action="rollback")
@@ -127,6 +223,12 @@ def test_state_round_trip_through_torch_save_continues_as_uninterrupted():
     assert _observe(fresh, curve[3:], first_epoch=2) != expected[3:]
 
 
+def test_a_state_without_per_prompt_scores_is_refused():
+    old = {"history": [[-1, 0.0, 0.75]], "best": [-1, 0.0, 0.75], "rollbacks": 0}
+    with pytest.raises(UserError, match="has no per-prompt scores"):
+        HackingGuard(window=1, margin=0.0).load_state_dict(old)
+
+
 # -- the run-level guard -------------------------------------------------------------------------------
 class _OneProcess:
     is_main, sharded, shards_optimizer, engine = True, False, False, None
@@ -141,23 +243,36 @@ def _run_guard(**settings) -> RunGuard:
     return RunGuard.build(cfg, _OneProcess(), algo, state=None)
 
 
-def test_heldout_metric_is_the_weighted_sum_of_monitor_means():
-    guard = _run_guard()
-    metrics = guard.heldout_metrics({"brightness": torch.tensor([0.25, 0.75, 0.5, 0.5])})
+def test_heldout_metric_is_the_weighted_sum_of_monitor_means_and_is_kept_per_prompt():
+    guard = _run_guard()  # brightness, weight −2
+    trained = torch.tensor([0.0, 1.0, 1.0, 1.0])
+    metrics = guard.score_evaluation(trained, {"brightness": torch.tensor([0.25, 0.75, 0.5, 0.5])}, 2)
     assert metrics == {"guard/heldout": -1.0, "guard/reward/brightness/mean": 0.5}
+    # 2 images a prompt: trained (0 + 1) / 2, (1 + 1) / 2; held-out −2 · (0.25 + 0.75) / 2, −2 · (0.5 + 0.5) / 2
+    assert [t.tolist() for t in guard.pending] == [[0.5, 1.0], [-1.0, -1.0]]
+
+
+def _decide(guard: RunGuard, epoch: int, trained: float, heldout: float):
+    """An evaluation of 2 prompts that scored ``trained`` and ``heldout`` (weight −2: brightness −h/2)."""
+    guard.score_evaluation(torch.full((2,), trained), {"brightness": torch.full((2,), -heldout / 2)}, 1)
+    return guard.decide(_OneProcess(), epoch)
 
 
 def test_decide_stops_and_reports_best():
     guard = _run_guard(window=1, margin=0.125, action="stop")
-    first = guard.decide(_OneProcess(), -1, {"eval/reward/mean": 0.0, "guard/heldout": 0.5})
+    first = _decide(guard, -1, trained=0.0, heldout=0.5)
     assert (first.new_best, first.action, guard.stop_requested) == (True, None, False)
     assert guard.status_metrics() == {"guard/best": 0.5, "guard/best_step": -1.0}  # the window is not full
-    second = guard.decide(_OneProcess(), 0, {"eval/reward/mean": 0.25, "guard/heldout": 0.25})
+    second = _decide(guard, 0, trained=0.25, heldout=0.25)
     assert (second.new_best, second.action, guard.stop_requested) == (False, "stop", True)
     assert second.event.metrics() == {"guard/event/stop": 1.0}
     assert guard.status_metrics() == {
-        "guard/best": 0.5, "guard/best_step": -1.0, "guard/train_rise": 0.25, "guard/heldout_drop": 0.25,
+        "guard/best": 0.5, "guard/best_step": -1.0, "guard/train_rise": 0.25, "guard/train_rise_se": 0.0,
+        "guard/heldout_drop": 0.25, "guard/heldout_drop_se": 0.0,
     }  # fmt: skip
+    assert "rose +0.25 (no spread) over 1 evaluation while the held-out metric fell 0.25 (no spread)" in (
+        second.event.describe(1, 0.125)
+    )
 
 
 def test_rollback_scales_the_optimizer_lr_and_the_config_each_time():
@@ -189,7 +304,7 @@ class _DeepSpeed(_OneProcess):
 def test_a_best_checkpoint_the_guard_did_not_choose_is_refused():
     """A crashed attempt can leave a later best_heldout than the resumed guard's best."""
     guard = _run_guard(action="rollback")
-    guard.decide(_OneProcess(), 4, {"eval/reward/mean": 0.0, "guard/heldout": 0.5})  # best: after 5 epochs
+    _decide(guard, 4, trained=0.0, heldout=0.5)  # best: after 5 epochs
     guard.require_best_state(5)
     with pytest.raises(
         UserError, match="holds the state after 9 epochs, but the guard's best is the state after 5"
@@ -238,6 +353,9 @@ MONITOR = "+guard.monitors.brightness=1.0"
         ([MONITOR, "guard.action=undo"], "guard.action='undo' is not valid; choose one of warn, stop, rollback"),
         ([MONITOR, "guard.margin=-0.1"], "guard.margin must be ≥ 0, got -0.1"),
         ([MONITOR, "guard.window=0"], "guard.window must be ≥ 1, got 0"),
+        ([MONITOR, "guard.noise_k=-1"], "guard.noise_k must be ≥ 0, got -1"),
+        ([MONITOR, "guard.rise_k=-0.5"], "guard.rise_k must be ≥ 0, got -0.5"),
+        ([MONITOR, "data.eval_num_prompts=1"], "data.eval_num_prompts=1 evaluates one: set data.eval_num_prompts ≥ 2"),
         ([MONITOR, "guard.rollback_lr_scale=2"], r"guard.rollback_lr_scale must be in \(0, 1\], got 2"),
         ([MONITOR, "+guard.kwargs.jpeg_compressibility={quality: 90}"], r"guard.kwargs names rewards not in guard.monitors: \['jpeg_compressibility'\]"),
         (["+guard.monitors.clipscroe=1.0"], "guard.monitors names unknown reward 'clipscroe'"),
