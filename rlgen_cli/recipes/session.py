@@ -43,6 +43,7 @@ from rlgen_cli.recipes.loop import (
 )
 from rlgen_cli.schema.recipes import FlowRunConfig
 from rlgen_cli.training.guard import GUARD_CURVES, plot_guard
+from rlgen_cli.training.interrupt import on_interrupt
 from rlgen_cli.training.plots import plot_runs
 from rlgen_cli.training.progress import Progress
 from rlgen_cli.training.schedule import time_share
@@ -138,6 +139,8 @@ class Session:
     metrics: dict[str, float] = field(default_factory=dict)
     """The latest epoch's metrics (what the run returns and the report compares with ``before``)."""
     epoch_started: float = 0.0
+    completed: int = 0
+    """Epochs trained and logged, resumed ones included (what a Ctrl-C reports)."""
 
     def epochs(self) -> Iterator[int]:
         """The epochs left to run (after a resume, from the first not yet done), each one timed."""
@@ -162,6 +165,7 @@ class Session:
         stopped = self.run.guard is not None and self.run.guard.stop_requested and not last
         last = last or stopped
         log_epoch(self.run, epoch, metrics, console(metrics))
+        self.completed = epoch + 1  # its row is in metrics.jsonl: a Ctrl-C from here on counts it done
         self.clock.stamp()  # the evaluation's seconds too, for the checkpoint's counters
         save_if_due(self.run, epoch, last, extra_state)
         self.clock.advance(epoch, last and not stopped, headline)
@@ -172,23 +176,39 @@ class Session:
 @contextmanager
 def session(cfg: FlowRunConfig, raw_cfg: DictConfig) -> Iterator[Session]:
     """:func:`setup`, the progress bars and the evaluation before training; on a normal exit the report
-    (:func:`finish`); the loggers are closed either way."""
+    (:func:`finish`); on Ctrl-C the plots and a line saying how to resume (``training/interrupt.py``);
+    the loggers are closed either way."""
     run = setup(cfg, raw_cfg)
+    current: Session | None = None
+
+    def completed() -> int:
+        return current.completed if current is not None else run.start_epoch
+
     try:
-        with Progress(enabled=cfg.progress and run.dist.is_main) as progress:
+        with (
+            on_interrupt(run.run_dir, run.dist.is_main, completed, lambda: draw_curves(run)),
+            Progress(enabled=cfg.progress and run.dist.is_main) as progress,
+        ):
             before = evaluate_before(run, progress)
-            current = Session(run, progress, before, EpochClock.start(run, progress))
+            current = Session(
+                run, progress, before, EpochClock.start(run, progress), completed=run.start_epoch
+            )
             yield current
         finish(run, current.before, current.metrics)
     finally:
         run.logger.close()
 
 
+def draw_curves(run: FlowRun) -> None:
+    """The reward curve, and the guard's when it watches the run, from what ``metrics.jsonl`` holds."""
+    plot_runs([run.run_dir], run.run_dir / REWARD_CURVE)
+    if run.guard is not None:
+        plot_guard(run.run_dir, run.run_dir / GUARD_CURVES)
+
+
 def finish(run: FlowRun, before: dict[str, float] | None, after: dict[str, float]) -> None:
-    """Rank 0 draws the reward curve and writes the evaluation report; every rank closes its loggers."""
+    """Rank 0 draws the curves and writes the evaluation report; every rank closes its loggers."""
     if run.dist.is_main:
-        plot_runs([run.run_dir], run.run_dir / REWARD_CURVE)
-        if run.guard is not None:
-            plot_guard(run.run_dir, run.run_dir / GUARD_CURVES)
+        draw_curves(run)
         run.report.write(before, after)
     run.logger.close()

@@ -2,11 +2,8 @@
 Weights & Biases. Each imports its package only when enabled and says how to install it when missing.
 W&B's ``offline`` mode writes runs under ``run_dir/wandb`` with no network (``wandb sync`` uploads later).
 
-Their x-axis counts epochs completed (:func:`epochs_completed`), as the checkpoint folders and
-``rlgen plot`` do: the evaluation before training is step 0 and the metrics of the loop's epoch ``e``
-(``step`` ``e`` in ``metrics.jsonl``, 0-based, −1 before training) are step ``e + 1``, the number of
-the checkpoint saved after that epoch. W&B keeps only increasing steps, so a baseline at −1 would be
-dropped.
+Both take ``metrics.jsonl``'s step unchanged: epochs completed, the evaluation before training at 0
+(:mod:`rlgen_cli.training.metrics`). It never decreases within a run, as W&B requires.
 
 A W&B run is named after its experiment and overrides (``shapes_grpo_fast algo.lr=3e-4``) unless
 ``logging.wandb.name`` is set, and the jobs of one ``-m`` sweep share a group: their sweep directory.
@@ -21,11 +18,6 @@ from typing import Any
 from torch import Tensor
 
 from rlgen_cli.schema.errors import UserError
-
-
-def epochs_completed(step: int) -> int:
-    """The backends' step for the loop's 0-based ``step`` (−1: before training): epochs completed."""
-    return step + 1
 
 
 class TensorBoardLogger:
@@ -43,12 +35,12 @@ class TensorBoardLogger:
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         for key, value in metrics.items():
             if value is not None:
-                self.writer.add_scalar(key, float(value), epochs_completed(step))
+                self.writer.add_scalar(key, float(value), step)
         self.writer.flush()
 
     def log_images(self, key: str, images: Tensor, step: int) -> None:
         """(B, 3, H, W) in [0, 1]."""
-        self.writer.add_images(key, images, epochs_completed(step))
+        self.writer.add_images(key, images, step)
 
     def close(self) -> None:
         self.writer.close()
@@ -74,11 +66,11 @@ class WandbLogger:
         )  # fmt: skip
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        self.run.log({k: v for k, v in metrics.items() if v is not None}, step=epochs_completed(step))
+        self.run.log({k: v for k, v in metrics.items() if v is not None}, step=step)
 
     def log_images(self, key: str, images: Tensor, step: int) -> None:
         frames = [self._wandb.Image(img.permute(1, 2, 0).cpu().numpy()) for img in images]
-        self.run.log({key: frames}, step=epochs_completed(step))
+        self.run.log({key: frames}, step=step)
 
     def close(self) -> None:
         self.run.finish()

@@ -26,6 +26,13 @@ BORDER = 3  # width of the pass / fail frame
 PASS_COLOR, FAIL_COLOR = (0, 170, 0), (220, 0, 0)
 
 
+def grid_name(kind: str, step: int) -> str:
+    """The file of a run's ``kind`` grid (``eval``, ``eval_heldout``, ``train``) at ``step``, numbered as
+    ``metrics.jsonl`` and the checkpoints are (epochs completed): ``eval_epoch_000010.png`` sits beside
+    ``checkpoints/epoch_000010``; the evaluation before training is ``eval_epoch_000000.png``."""
+    return f"{kind}_epoch_{step:06d}.png"
+
+
 def to_pil(image: Tensor) -> Image.Image:
     """(3, H, W) float in [0, 1] → RGB PIL image."""
     array = (image.detach().float().clamp(0, 1).permute(1, 2, 0).cpu().numpy() * 255).round().astype(np.uint8)

@@ -2,6 +2,12 @@
 
 ``metrics.jsonl`` is always written (one JSON object per line, ``step`` included) so runs can be
 plotted and compared without any service; other backends add themselves to :class:`MultiLogger`.
+
+One step numbering for every output of a run: the ``step`` is the number of epochs completed (R3: of
+optimizer steps). The evaluation before training is step 0; the metrics, evaluation and image grids
+of the first epoch are step 1, and so is the checkpoint written after it (``checkpoints/epoch_000001``).
+``metrics.jsonl``, the image files (``images/eval_epoch_000001.png``), TensorBoard, W&B and the plots
+all use it; recipes turn their 0-based loop index into it with :func:`step_after`.
 """
 
 from __future__ import annotations
@@ -14,6 +20,14 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 METRICS_FILE = "metrics.jsonl"
+BEFORE_TRAINING = 0
+"""The step of the evaluation before training: no epoch completed yet."""
+
+
+def step_after(epoch: int) -> int:
+    """The step of what 0-based ``epoch`` produced (its metrics, evaluation and grids, the checkpoint
+    written after it): the epochs completed, ``epoch + 1``."""
+    return epoch + 1
 
 
 class MetricLogger(Protocol):

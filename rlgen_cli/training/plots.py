@@ -1,8 +1,8 @@
 """Curves people would rather look at than read: reward and KL of one or several runs, as a PNG.
 
-The x-axis counts epochs completed, as the checkpoint folders do (``checkpoints/epoch_000010`` holds the
-weights after 10 epochs): ``metrics.jsonl``'s 0-based ``step`` plus one, so the evaluation before
-training sits at 0. Train curves are noisy, so they are drawn as faint points under their exponential
+The x-axis is ``metrics.jsonl``'s ``step``: epochs completed, as the checkpoint folders count
+(``checkpoints/epoch_000010`` holds the weights after 10 epochs), so the evaluation before training sits
+at 0. Train curves are noisy, so they are drawn as faint points under their exponential
 moving average; evaluations are few and drawn as they are. Each panel's y-axis names its metric, and
 several runs are told apart by the overrides that differ between them (``algo.lr=1e-4`` /
 ``algo.lr=3e-4``), not by their folder names (``0``, ``1`` for a sweep).
@@ -24,11 +24,6 @@ CURVES = (
 SMOOTHING = 0.6
 """Weight of the past in the moving average of train curves (TensorBoard's default)."""
 RAW_ALPHA = 0.3  # opacity of the raw points under a smoothed curve
-
-
-def epoch_axis(step: int) -> int:
-    """Epochs completed when ``metrics.jsonl``'s ``step`` was logged (−1 before training → 0)."""
-    return step + 1
 
 
 def smoothed(values: Sequence[float], weight: float = SMOOTHING) -> list[float]:
@@ -66,7 +61,7 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, keys: Sequence[tuple[str, str
     fig, axes = plt.subplots(1, len(present), figsize=(5 * len(present), 3.8), squeeze=False, sharex=True)
     for ax, (key, title) in zip(axes[0], present):
         for color, (run_dir, rows) in enumerate(runs.items()):
-            points = [(epoch_axis(r["step"]), r[key]) for r in rows if r.get(key) is not None]
+            points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
             if points:
                 _draw(ax, points, f"C{color % 10}", labels[run_dir], smooth=is_train_curve(key))
         ax.set_title(title)

@@ -27,7 +27,7 @@ def test_two_ranks_share_prompt_noise_and_sde_step(tmp_path: Path):
     assert code == 0, out
     rank0, rank1 = _rows(tmp_path, 0), _rows(tmp_path, 1)
     assert [r["position"] for r in rank0] == [0, 1] * 2 and [r["position"] for r in rank1] == [2, 3] * 2
-    for step, stage in ((0, "reason"), (1, "refine")):
+    for step, stage in ((1, "reason"), (2, "refine")):  # steps completed, as metrics.jsonl
         rows = [r for r in rank0 + rank1 if r["step"] == step]
         assert {r["stage"] for r in rows} == {stage} and {r["group"] for r in rows} == {0}
         shared = {(r["index"], r["prompt"], r["sde_step"], r["noise_sum"]) for r in rows}

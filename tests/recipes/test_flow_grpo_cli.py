@@ -42,15 +42,15 @@ def trained_run(tmp_path_factory) -> Path:
 def test_run_dir_has_config_metrics_images_curve_and_checkpoints(trained_run: Path):
     for name in ("resolved.yaml", "provenance.json", "metrics.jsonl", "reward_curve.png", "run.log"):
         assert (trained_run / name).is_file(), name
-    assert (trained_run / "images" / "train_epoch_00000.png").is_file()
-    assert (trained_run / "images" / "eval_epoch_00001.png").is_file()
+    assert (trained_run / "images" / "train_epoch_000001.png").is_file()
+    assert (trained_run / "images" / "eval_epoch_000002.png").is_file()
     ckpts = sorted(p.name for p in (trained_run / "checkpoints").iterdir())
     assert ckpts == ["epoch_000001", "epoch_000002"]
 
 
 def test_losses_finite_and_metrics_complete(trained_run: Path):
     rows = [json.loads(line) for line in (trained_run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
         for key in ("reward/mean", "reward/std", "reward/jpeg_compressibility/mean", "approx_kl", "clipfrac",
                     "ratio_min", "ratio_mean", "ratio_max", "zero_std_ratio", "policy_loss", "kl_loss",

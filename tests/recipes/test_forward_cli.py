@@ -37,7 +37,7 @@ def test_two_epochs_change_every_lora_tensor_and_log_the_loss(
     unchanged = [k for k in first if torch.equal(first[k], second[k])]
     assert unchanged == [], f"{algo}: {len(unchanged)} of {len(first)} unchanged, e.g. {unchanged[:3]}"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == [0, 1]
+    assert [row["step"] for row in rows] == [1, 2]
     for row in rows:
         assert {"reward/mean", "policy_loss", "grad_norm", "old_decay", "trained_samples"} <= row.keys()
     # the old policy's decay min(1e-3·step, max) after one and two optimizer steps

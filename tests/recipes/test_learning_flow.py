@@ -102,7 +102,7 @@ def brightness_change(run: Path, overrides: list[str], weight: float) -> float:
     assert code == 0, out
     rows = {row["step"]: row for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
     key = "eval/reward/brightness/mean"  # the raw score, whatever the weight
-    return rows[epochs - 1][key] - rows[-1][key]
+    return rows[epochs][key] - rows[0][key]  # steps count epochs completed
 
 
 @pytest.mark.parametrize("algo", sorted(ALGORITHMS))

@@ -1,6 +1,7 @@
 """Metric backends: TensorBoard event files and an offline W&B run, from a real training run; the W&B run
-is named after the experiment and overrides, grouped by its sweep, and holds the evaluation before
-training at step 0 (epochs completed, like the checkpoint folders)."""
+is named after the experiment and overrides, grouped by its sweep. One step numbering: metrics.jsonl,
+the image grids' names, the checkpoint folders, TensorBoard and W&B number the same evaluation alike
+(epochs completed, the evaluation before training at 0)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 import struct
 from pathlib import Path
 
+import pytest
+import torch
 import yaml
 
 from tests.conftest import TINY_RUN
@@ -51,37 +54,63 @@ def wandb_records(run: Path) -> tuple[dict[str, str], list[dict]]:
     return identity, rows
 
 
-def test_tensorboard_and_offline_wandb(cli, tmp_path: Path, monkeypatch):
+def _step_in_name(path: Path) -> int:
+    """``eval_epoch_000002.png`` → 2."""
+    return int(path.stem.rsplit("_", 1)[1])
+
+
+def test_every_output_numbers_the_same_evaluation_alike(cli, tmp_path: Path, monkeypatch):
+    """Two epochs, evaluated before training and after each, a grid and a checkpoint after each: the
+    steps of metrics.jsonl, of the grids' names, of the checkpoints, of TensorBoard and of the offline
+    W&B run are 0 (before training), 1 and 2, and each holds the same numbers under the same step."""
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_DISABLE_SERVICE", "false")
     run = tmp_path / "run"
     code, out = cli(
-        "train", *TINY_RUN, "epochs=1", "eval_every=1", "eval_before=true", "images_every=1",
+        "train", *TINY_RUN, "epochs=2", "eval_every=1", "eval_before=true", "images_every=1", "save_every=1",
         "logging.tensorboard=true", "logging.wandb.enabled=true", "logging.wandb.mode=offline",
         f"hydra.run.dir={run}",
     )  # fmt: skip
     assert code == 0, out
-    events = list((run / "tensorboard").glob("events.out.tfevents.*"))
-    assert events and events[0].stat().st_size > 0
+    jsonl = {row["step"]: row for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(jsonl) == [0, 1, 2]
+    evaluated = sorted(step for step, row in jsonl.items() if "eval/reward/mean" in row)
+    trained = sorted(step for step, row in jsonl.items() if "reward/mean" in row)
+    assert (evaluated, trained) == ([0, 1, 2], [1, 2])
+    images = run / "images"
+    assert sorted(_step_in_name(p) for p in images.glob("eval_epoch_*.png")) == evaluated
+    assert sorted(_step_in_name(p) for p in images.glob("train_epoch_*.png")) == trained
+    checkpoints = sorted((run / "checkpoints").glob("epoch_*"))
+    assert [_step_in_name(p) for p in checkpoints] == trained
+    for checkpoint in checkpoints:  # the state after the epoch logged under the checkpoint's number
+        counters = torch.load(checkpoint / "trainer_state.pt", weights_only=True)["counters"]
+        assert counters["global_step"] == jsonl[_step_in_name(checkpoint)]["global_step"]
+    assert "epoch 1  reward" in (run / "run.log").read_text()  # the console counts as well
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     accumulator = EventAccumulator(str(run / "tensorboard"))
     accumulator.Reload()
-    assert "reward/mean" in accumulator.Tags()["scalars"]
-    assert [e.step for e in accumulator.Scalars("eval/reward/mean")] == [0, 1]  # before training, epoch 1
+    for key, steps in (("eval/reward/mean", evaluated), ("reward/mean", trained)):
+        scalars = accumulator.Scalars(key)
+        assert [e.step for e in scalars] == steps, key
+        assert [e.value for e in scalars] == pytest.approx([jsonl[s][key] for s in steps], rel=1e-6), key
+    assert [e.step for e in accumulator.Images("train/images")] == trained
 
     import wandb
 
     wandb.teardown()  # the W&B service writes the run file asynchronously: wait for it to finish
-    jsonl = {row["step"]: row for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
     identity, rows = wandb_records(run)
     assert identity["name"].startswith("tiny_cpu algo.prompts_per_epoch=2 algo.group_size=2"), identity
     assert identity["group"] == ""  # a single run: no sweep group
-    by_step = {row["_step"]: row for row in rows}
-    assert by_step[0]["eval/reward/mean"] == jsonl[-1]["eval/reward/mean"]  # the baseline evaluation
-    assert by_step[1]["reward/mean"] == jsonl[0]["reward/mean"]
-    assert by_step[1]["eval/reward/mean"] == jsonl[0]["eval/reward/mean"]
+    logged = {}
+    for row in rows:  # a step's images and metrics are separate history rows
+        logged.setdefault(row["_step"], {}).update(row)
+    assert sorted(logged) == evaluated
+    for step in evaluated:
+        assert logged[step]["eval/reward/mean"] == jsonl[step]["eval/reward/mean"], step
+    for step in trained:
+        assert logged[step]["reward/mean"] == jsonl[step]["reward/mean"], step
 
 
 def test_a_sweep_job_is_named_after_its_overrides_and_grouped_by_its_sweep(tmp_path: Path, monkeypatch):
@@ -97,8 +126,8 @@ def test_a_sweep_job_is_named_after_its_overrides_and_grouped_by_its_sweep(tmp_p
     (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
     (job / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump({"hydra": {"mode": "MULTIRUN"}}))
     logger = WandbLogger(job, "rlgen", "offline", {"epochs": 1})
-    logger.log({"eval/reward/mean": 0.25}, step=-1)  # the loop's step before training
-    logger.log({"reward/mean": 0.5}, step=0)
+    logger.log({"eval/reward/mean": 0.25}, step=0)  # the evaluation before training
+    logger.log({"reward/mean": 0.5}, step=1)
     logger.close()
     wandb.teardown()  # the W&B service writes the run file asynchronously: wait for it to finish
     identity, rows = wandb_records(job)

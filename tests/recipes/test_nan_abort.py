@@ -63,7 +63,7 @@ def _assert_stopped_after_first_epoch(run: Path, code: int, out: str, what: str)
     on_disk = sorted(p.name for p in (run / CHECKPOINTS_DIR).iterdir())
     assert on_disk == ["epoch_000001"]  # no half-written checkpoint or temporary directory left behind
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0] and rows[0]["reward/mean"] == rows[0]["reward/mean"]
+    assert [r["step"] for r in rows] == [1] and rows[0]["reward/mean"] == rows[0]["reward/mean"]
     ckpt = open_checkpoint(run / CHECKPOINTS_DIR / "epoch_000001")
     assert ckpt.state()[COUNTERS_KEY]["epoch"] == 1
     weights = _lora(run, 1)
@@ -85,7 +85,7 @@ def _abort_then_resume(crashed: Path) -> None:
     last_good = crashed / CHECKPOINTS_DIR / "epoch_000001"
     assert f"resumed from {last_good} at epoch 1" in (crashed / "run.log").read_text()
     rows = [json.loads(line) for line in (crashed / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1]  # epoch 1 logged once, by the resumed run
+    assert [r["step"] for r in rows] == [1, 2]  # epoch 2 logged once, by the resumed run
 
 
 def test_nan_reward_stops_the_run_and_resume_auto_finishes_it(tmp_path: Path):

@@ -150,7 +150,7 @@ def test_pretraining_through_the_cli_changes_the_weights(cli, tmp_path: Path):
     )  # fmt: skip
     assert code == 0, out
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1] and all(r["loss"] > 0 for r in rows)
+    assert [r["step"] for r in rows] == [1, 2] and all(r["loss"] > 0 for r in rows)
     assert "eval/reward/shapes_geneval/strict/mean" in rows[-1]
     assert "eval/reward/shapes_geneval/strict/tag/counting" in rows[-1]
     saved = load_file(

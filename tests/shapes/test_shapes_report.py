@@ -127,7 +127,7 @@ def test_the_train_reward_panel_draws_a_smoothed_line_over_faint_raw_points(tmp_
     from rlgen_cli.training.report import SHAPES_CURVE, SHAPES_CURVES
 
     rewards = [0.1, 0.5, 0.2, 0.6, 0.3]
-    rows = [{"step": i, "reward/mean": r} for i, r in enumerate(rewards)]
+    rows = [{"step": i, "reward/mean": r} for i, r in enumerate(rewards, start=1)]
     rows[-1] |= _metrics("eval/", 0.5, 0.5, 0.5)
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     figures = []

@@ -46,12 +46,12 @@ def test_training_from_the_shipped_base_changes_weights_and_reports(cli, tmp_pat
     code, out = cli("train", f"experiment={experiment}", *SMALL, "epochs=3", f"hydra.run.dir={run}")
     assert code == 0, out
     rows = _rows(run)
-    assert [r["step"] for r in rows] == [-1, 0, 1, 2]  # evaluated before training, then every epoch
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]  # epochs completed: evaluated before training, then every epoch
     for row in (rows[0], rows[1], rows[-1]):
         assert 0 <= row[STRICT] <= row[LENIENT] + 1e-9 <= 1 + 1e-9
         assert "eval/reward/shapes_geneval/strict/tag/counting" in row
     # the held-out split: evaluated before and after only, 12 prompts (data.eval_num_prompts) × 1 image
-    assert [r["step"] for r in rows if HELDOUT_STRICT in r] == [-1, 2]
+    assert [r["step"] for r in rows if HELDOUT_STRICT in r] == [0, 3]
     assert rows[-1]["eval_heldout/num_samples"] == 12
     table = (run / "before_after.txt").read_text().splitlines()
     assert table[0].split()[:2] == ["tag", "strict"] and table[-3].startswith("overall")
@@ -69,9 +69,9 @@ def test_training_from_the_shipped_base_changes_weights_and_reports(cli, tmp_pat
         assert grid.size == (12 * CAPTIONED_TILE, 2 * (CAPTIONED_TILE + caption_height()))
     # each evaluation grid (4 columns of 12) marks as many passes as its strict accuracy counts
     images = run / "images"
-    assert _green_tiles(images / "eval_before.png", 12, 4) == round(12 * rows[0][STRICT])
-    assert _green_tiles(images / "eval_heldout_before.png", 12, 4) == round(12 * strict_before)
-    assert _green_tiles(images / "eval_heldout_epoch_00002.png", 12, 4) == round(12 * strict_after)
+    assert _green_tiles(images / "eval_epoch_000000.png", 12, 4) == round(12 * rows[0][STRICT])
+    assert _green_tiles(images / "eval_heldout_epoch_000000.png", 12, 4) == round(12 * strict_before)
+    assert _green_tiles(images / "eval_heldout_epoch_000003.png", 12, 4) == round(12 * strict_after)
     trained = load_file(
         run
         / "checkpoints"
@@ -93,7 +93,7 @@ def test_time_limit_stops_after_the_epoch_that_crosses_it_and_saves(cli, tmp_pat
     )  # fmt: skip
     assert code == 0, out
     rows = _rows(run)
-    assert [r["step"] for r in rows] == [0] and STRICT in rows[0] and rows[0]["time/epoch"] > 0
+    assert [r["step"] for r in rows] == [1] and STRICT in rows[0] and rows[0]["time/epoch"] > 0
     assert HELDOUT_STRICT not in rows[0]  # the held-out split needs an evaluation before training
     assert (run / "checkpoints" / "epoch_000001").is_dir()
 
@@ -115,7 +115,7 @@ def test_the_default_run_gains_strict_accuracy_unflagged(cli, tmp_path: Path):
     rows = _rows(run)
     evals = [row for row in rows if STRICT in row]
     before, after = evals[0], evals[-1]
-    assert before["step"] == -1
+    assert before["step"] == 0
     assert after[STRICT] - before[STRICT] >= 0.15, (before[STRICT], after[STRICT])
     gains = {tag: after[TAG + tag] - before[TAG + tag] for tag in TAGS}
     assert gains["two_object"] >= 0.08 and gains["counting"] >= 0.08, gains

@@ -180,7 +180,7 @@ def test_resume_restores_the_clock_from_the_checkpoint_counters(cli, tmp_path: P
     code, out = cli("train", *common, "epochs=3", "resume=auto")
     assert code == 0, out
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     first, second, third = (_counters(run, n) for n in (1, 2, 3))
     assert first["train_seconds"] == rows[0]["time/epoch"]
     assert second["train_seconds"] == first["train_seconds"] + rows[1]["time/epoch"]

@@ -206,16 +206,16 @@ def test_a_resumed_run_logs_each_step_once(tmp_path: Path):
     from rlgen_cli.training.metrics import JsonlLogger, read_metrics
 
     first = JsonlLogger(tmp_path)
-    for step in (-1, 0, 1, 2):  # the evaluation before training, then epochs 0–2
+    for step in (0, 1, 2, 3):  # the evaluation before training, then epochs 1–3
         first.log({"x": step}, step)
     first.close()
     with (tmp_path / "metrics.jsonl").open("a") as f:
-        f.write('{"step": 3, "x"')  # killed mid-write
-    resumed = JsonlLogger(tmp_path)  # from the checkpoint after epoch 0: epochs 1 and 2 are redone
-    resumed.log({"x": 10}, 1)
+        f.write('{"step": 4, "x"')  # killed mid-write
+    resumed = JsonlLogger(tmp_path)  # from the checkpoint after epoch 1: epochs 2 and 3 are redone
     resumed.log({"x": 20}, 2)
+    resumed.log({"x": 30}, 3)
     resumed.close()
     assert read_metrics(tmp_path) == [
-        {"step": -1, "x": -1}, {"step": 0, "x": 0}, {"step": 1, "x": 10}, {"step": 2, "x": 20}
+        {"step": 0, "x": 0}, {"step": 1, "x": 1}, {"step": 2, "x": 20}, {"step": 3, "x": 30}
     ]  # fmt: skip
     assert not list(tmp_path.glob(".metrics.jsonl.tmp-*"))

@@ -11,14 +11,14 @@ import pytest
 import yaml
 
 from rlgen_cli.training.labels import differing, legend_labels, run_name
-from rlgen_cli.training.plots import epoch_axis, is_train_curve, plot_runs, smoothed
+from rlgen_cli.training.plots import is_train_curve, plot_runs, smoothed
 
 
 def _run(root: Path, name: str, overrides: list[str] | None = None, resolved: dict | None = None) -> Path:
     run = root / name
     run.mkdir(parents=True)
-    rows = [{"step": -1, "eval/reward/mean": 0.1}] + [
-        {"step": i, "reward/mean": 0.1 * i + 0.05 * (-1) ** i, "kl_loss": 0.01 * i} for i in range(12)
+    rows = [{"step": 0, "eval/reward/mean": 0.1}] + [  # the evaluation before training, then 12 epochs
+        {"step": i, "reward/mean": 0.1 * i + 0.05 * (-1) ** i, "kl_loss": 0.01 * i} for i in range(1, 13)
     ]
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     if overrides is not None:
@@ -68,8 +68,19 @@ def test_a_run_is_named_after_its_experiment_then_its_overrides(tmp_path: Path):
     assert len(long) == 128 and long.endswith("…")
 
 
-def test_epochs_count_epochs_completed():
-    assert [epoch_axis(s) for s in (-1, 0, 9)] == [0, 1, 10]  # checkpoints/epoch_000010 after step 9
+def test_the_x_axis_is_the_logged_step(tmp_path: Path, monkeypatch):
+    """metrics.jsonl's step is epochs completed already: the evaluation before training sits at 0, the
+    twelfth epoch at 12 (beside checkpoints/epoch_000012), nothing shifted."""
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at its artists
+    plot_runs([_run(tmp_path, "run")], tmp_path / "curves.png")
+    panels = {ax.get_ylabel(): ax for ax in figures[0].axes}
+    (evaluation,) = panels["eval/reward/mean"].get_lines()
+    assert list(evaluation.get_xdata()) == [0]
+    (smoothed_line,) = panels["reward/mean"].get_lines()
+    assert list(smoothed_line.get_xdata()) == list(range(1, 13))
 
 
 def test_smoothing_is_a_debiased_moving_average():

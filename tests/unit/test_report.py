@@ -89,7 +89,7 @@ def _write_metrics(run_dir: Path, rows: list[dict[str, float]]) -> None:
 def test_the_shapes_report_writes_curves_table_and_the_grid_of_the_first_and_last_evaluation(tmp_path: Path):
     before = _metrics({"counting": 0.25}, extra=1.0) | {"eval/reward/mean": 0.2}
     after = _metrics({"counting": 0.5}, extra=0.5) | {"eval/reward/mean": 0.4, "reward/mean": 0.3}
-    _write_metrics(tmp_path, [before | {"step": -1}, after | {"step": 0}])
+    _write_metrics(tmp_path, [before | {"step": 0}, after | {"step": 1}])
     report = eval_report("shapes", tmp_path)
     first, middle, last = torch.zeros(2, 3, 8, 8), torch.full((2, 3, 8, 8), 0.5), torch.ones(2, 3, 8, 8)
     for epoch, images in ((-1, first), (0, middle), (1, last)):
@@ -105,7 +105,7 @@ def test_the_shapes_report_writes_curves_table_and_the_grid_of_the_first_and_las
 
 def test_the_shapes_report_without_an_evaluation_before_draws_only_the_curves(tmp_path: Path):
     after = _metrics({"counting": 0.5}, extra=0.5) | {"eval/reward/mean": 0.4}
-    _write_metrics(tmp_path, [after | {"step": 0}])
+    _write_metrics(tmp_path, [after | {"step": 1}])
     eval_report("shapes", tmp_path).write(None, after)
     assert (tmp_path / SHAPES_CURVE).is_file() and not (tmp_path / BEFORE_AFTER_TABLE).exists()
 
