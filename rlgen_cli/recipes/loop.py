@@ -60,8 +60,8 @@ from rlgen_cli.training.checkpoint import (
 from rlgen_cli.training.dist import Dist, make_dist
 from rlgen_cli.training.ema import EMA
 from rlgen_cli.training.guard import BEST_HELDOUT, GUARD_KEY, RunGuard
-from rlgen_cli.training.images import save_grid
-from rlgen_cli.training.metrics import NullLogger, build_loggers
+from rlgen_cli.training.images import grid_name, save_grid
+from rlgen_cli.training.metrics import BEFORE_TRAINING, NullLogger, build_loggers, step_after
 from rlgen_cli.training.progress import Progress
 from rlgen_cli.training.report import EvalReport, detail_summaries, eval_report
 
@@ -451,9 +451,8 @@ def evaluate(run: FlowRun, epoch: int, progress: Progress, split: str = "eval") 
     if split == "eval":
         run.report.evaluated(epoch, images, prompts, samples)
     if run.dist.is_main:
-        name = f"{split}_before.png" if epoch < 0 else f"{split}_epoch_{epoch:05d}.png"
         labels = run.report.tile_labels(prompts, samples)  # captions and pass / fail marks, if any
-        save_grid(images, run.run_dir / "images" / name, upscale=2, **labels)
+        save_grid(images, run.run_dir / "images" / grid_name(split, step_after(epoch)), upscale=2, **labels)
     return {
         f"{split}/reward/mean": total.mean().item(),
         **({f"{split}/num_samples": float(len(prompts))} if split == "eval_heldout" else {}),
@@ -474,12 +473,12 @@ def save_rollout_images(run: FlowRun, images: Tensor, epoch: int) -> None:
     """Every ``images_every`` epochs rank 0 saves the epoch's rollouts as a grid and logs the first 16."""
     every = run.cfg.images_every
     if run.dist.is_main and every and epoch % every == 0:
-        save_grid(images, run.run_dir / "images" / f"train_epoch_{epoch:05d}.png", upscale=2)
-        run.logger.log_images("train/images", images[:16], epoch)
+        save_grid(images, run.run_dir / "images" / grid_name("train", step_after(epoch)), upscale=2)
+        run.logger.log_images("train/images", images[:16], step_after(epoch))
 
 
 def evaluate_before(run: FlowRun, progress: Progress) -> dict[str, float] | None:
-    """With ``eval_before``, evaluate the starting weights of a fresh run (logged at step −1)."""
+    """With ``eval_before``, evaluate the starting weights of a fresh run (logged at step 0)."""
     cfg = run.cfg
     if not (cfg.eval_before and cfg.eval_every and run.start_epoch == 0):
         return None
@@ -490,7 +489,7 @@ def evaluate_before(run: FlowRun, progress: Progress) -> dict[str, float] | None
             metrics |= evaluate(run, -1, progress, split="eval_heldout")
     metrics = guard_evaluation(run, -1, metrics)
     if run.dist.is_main:
-        run.logger.log(metrics, step=-1)
+        run.logger.log(metrics, step=BEFORE_TRAINING)
         log.info("before training: eval %+.4g", metrics["eval/reward/mean"])
     run.dist.barrier()
     return metrics
@@ -541,10 +540,11 @@ def roll_back(run: FlowRun) -> dict[str, float]:
 
 
 def log_epoch(run: FlowRun, epoch: int, metrics: dict[str, float], console: str) -> None:
-    """``metrics`` to every logger (rank 0), and ``epoch N  <console>`` to the console and run.log."""
-    run.logger.log(metrics, step=epoch)
+    """``metrics`` to every logger (rank 0), and ``epoch N  <console>`` to the console and run.log, both
+    at the step the epoch completes (N = ``epoch + 1``, as the epochs bar and the checkpoints count)."""
+    run.logger.log(metrics, step=step_after(epoch))
     if run.dist.is_main:
-        log.info("epoch %d  %s", epoch, console)
+        log.info("epoch %d  %s", step_after(epoch), console)
 
 
 def eval_suffix(metrics: dict[str, float]) -> str:

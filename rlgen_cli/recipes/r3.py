@@ -88,7 +88,9 @@ from rlgen_cli.training.checkpoint import (
     set_rng_state,
 )
 from rlgen_cli.training.dist import Dist, launched_engine, make_dist
-from rlgen_cli.training.metrics import NullLogger, build_loggers
+from rlgen_cli.training.images import grid_name
+from rlgen_cli.training.interrupt import on_interrupt
+from rlgen_cli.training.metrics import NullLogger, build_loggers, step_after
 from rlgen_cli.training.plots import plot_runs
 from rlgen_cli.training.progress import Progress
 from rlgen_cli.vlm.rollout import SamplingOptions, TokenBatch
@@ -226,15 +228,20 @@ class R3Recipe:
     # -- the loop -------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
         cfg, metrics, main = self.cfg, {}, self.dist.is_main
-        with Progress(enabled=cfg.progress and main) as progress:
+        completed = self.start_step
+        with (
+            on_interrupt(self.run_dir, main, lambda: completed, self.draw_curve, unit="step"),
+            Progress(enabled=cfg.progress and main) as progress,
+        ):
             bar = progress.task("steps", total=cfg.epochs, completed=self.start_step)
             for step in range(self.start_step, cfg.epochs):
                 metrics = self.train_step(step)
                 if main and cfg.eval_every and due(step, cfg.eval_every, cfg.epochs):
                     metrics |= self.evaluate(step)  # whole weights on every rank: rank 0 evaluates alone
-                self.logger.log(metrics, step=step)
+                self.logger.log(metrics, step=step_after(step))
+                completed = step + 1  # logged: what a Ctrl-C from here on counts as done
                 log.info(
-                    "step %d %-6s reward %+.4g  text %+.4g  format %.2f  |ratio-1| %.1e  %.1fs", step,
+                    "step %d %-6s reward %+.4g  text %+.4g  format %.2f  |ratio-1| %.1e  %.1fs", step_after(step),
                     STAGE_NAMES[int(metrics["stage"])], metrics["reward/mean"], metrics["reward/text/mean"],
                     metrics["format_rate"], metrics["ratio_error_max"], metrics["time/step"],
                 )  # fmt: skip
@@ -243,8 +250,11 @@ class R3Recipe:
                 self.dist.barrier()
                 progress.advance(bar, description=f"step {step + 1}: reward {metrics['reward/mean']:+.4g}")
         if main:
-            plot_runs([self.run_dir], self.run_dir / "reward_curve.png")
+            self.draw_curve()
         return metrics
+
+    def draw_curve(self) -> None:
+        plot_runs([self.run_dir], self.run_dir / "reward_curve.png")
 
     def train_step(self, step: int) -> dict[str, float]:
         """Even steps the reason stage, odd steps reflect + refine; one optimizer step each."""
@@ -455,11 +465,12 @@ class R3Recipe:
 
     # -- logging, evaluation, checkpoints -------------------------------------------------------
     def _log_samples(self, step: int, batch: StageBatch) -> None:
-        """Each branch of this rank: what it wrote, where its image was stochastic, what it earned."""
+        """Each branch of this rank: what it wrote, where its image was stochastic, what it earned; under
+        the ``step`` its metrics are logged at (steps completed, :func:`step_after`)."""
         for local, rollout in batch.group_rollouts():
             for i, position in zip(range(local.rows.start, local.rows.stop), local.positions, strict=True):
                 row = {
-                    "step": step, "stage": batch.stage, "rank": self.dist.rank, "group": local.group,
+                    "step": step_after(step), "stage": batch.stage, "rank": self.dist.rank, "group": local.group,
                     "position": position, "index": batch.samples[i].index, "prompt": batch.samples[i].prompt,
                     "text": batch.thoughts.texts[i], "sde_step": rollout.sde_step,
                     "noise_sum": rollout.noise_sum, "reward_image": float(batch.rewards.image[i]),
@@ -473,7 +484,7 @@ class R3Recipe:
         r3 = self.cfg.r3
         samples = self.val_set[: r3.eval_max_prompts or len(self.val_set)]
         result = evaluate_rounds(self.policy, samples, self.scorer, r3, self.cfg.seed)
-        save_strips(result, self.run_dir / "images" / f"eval_step_{step:05d}.png")
+        save_strips(result, self.run_dir / "images" / grid_name("eval", step_after(step)))
         return {f"eval/{k}": float(v) for k, v in result.metrics.to_dict().items()}
 
     def save(self, steps_done: int) -> None:

@@ -85,7 +85,8 @@ from rlgen_cli.training.checkpoint import (
     set_rng_state,
 )
 from rlgen_cli.training.dist import Dist, make_dist
-from rlgen_cli.training.metrics import JsonlLogger, NullLogger
+from rlgen_cli.training.interrupt import on_interrupt
+from rlgen_cli.training.metrics import JsonlLogger, NullLogger, step_after
 from rlgen_cli.training.plots import plot_runs
 from rlgen_cli.training.progress import Progress
 from rlgen_cli.vlm.data import load_vlm_examples, prompt_text
@@ -228,16 +229,21 @@ class VLMRLRecipe:
     # -- the loop -------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
         cfg, metrics, main = self.cfg, {}, self.dist.is_main
-        with Progress(enabled=cfg.progress and main) as progress:
+        completed = self.start_epoch
+        with (
+            on_interrupt(self.run_dir, main, lambda: completed, self.draw_curve),
+            Progress(enabled=cfg.progress and main) as progress,
+        ):
             epochs = progress.task("epochs", total=cfg.epochs, completed=self.start_epoch)
             for epoch in range(self.start_epoch, cfg.epochs):
                 metrics = self.train_epoch(epoch, progress) | self.dist.loss_scale_metrics()
                 # whole weights on every rank (require_whole_weights): rank 0 evaluates alone
                 if main and cfg.eval_every and due(epoch, cfg.eval_every, cfg.epochs):
                     metrics |= self.evaluate(progress)
-                self.logger.log(metrics, step=epoch)
+                self.logger.log(metrics, step=step_after(epoch))
+                completed = epoch + 1  # logged: what a Ctrl-C from here on counts as done
                 log.info(
-                    "epoch %d  reward %+.4g±%.3g  kl %.2e  clipfrac %.3f  len %.1f  %.1fs", epoch,
+                    "epoch %d  reward %+.4g±%.3g  kl %.2e  clipfrac %.3f  len %.1f  %.1fs", step_after(epoch),
                     metrics["reward/mean"], metrics["reward/std"], metrics["kl_loss"], metrics["clipfrac"],
                     metrics["completions/mean_length"], metrics["time/rollout"] + metrics["time/update"],
                 )  # fmt: skip
@@ -248,8 +254,11 @@ class VLMRLRecipe:
                     epochs, description=f"epoch {epoch + 1}: reward {metrics['reward/mean']:+.4g}"
                 )
         if main:
-            plot_runs([self.run_dir], self.run_dir / REWARD_CURVE)
+            self.draw_curve()
         return metrics
+
+    def draw_curve(self) -> None:
+        plot_runs([self.run_dir], self.run_dir / REWARD_CURVE)
 
     def train_epoch(self, epoch: int, progress: Progress) -> dict[str, float]:
         timings: dict[str, float] = {}

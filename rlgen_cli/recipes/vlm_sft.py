@@ -56,7 +56,8 @@ from rlgen_cli.training.checkpoint import (
     set_rng_state,
 )
 from rlgen_cli.training.dist import Dist, make_dist
-from rlgen_cli.training.metrics import JsonlLogger, NullLogger
+from rlgen_cli.training.interrupt import on_interrupt
+from rlgen_cli.training.metrics import JsonlLogger, NullLogger, step_after
 from rlgen_cli.training.progress import Progress
 from rlgen_cli.vlm.data import SFTExample, drop_reflective, load_sft, load_vlm_examples
 from rlgen_cli.vlm.evaluate import answer_examples, summarise
@@ -209,7 +210,11 @@ class VLMSFTRecipe:
 
     def train(self) -> dict[str, float]:
         cfg, metrics, main = self.cfg, {}, self.dist.is_main
-        with Progress(enabled=cfg.progress and main) as progress:
+        completed = self.start_epoch
+        with (
+            on_interrupt(self.run_dir, main, lambda: completed, draw=lambda: None),  # SFT draws no curve
+            Progress(enabled=cfg.progress and main) as progress,
+        ):
             for epoch in range(self.start_epoch, cfg.epochs):
                 metrics = self.train_epoch(epoch, progress) | self.dist.loss_scale_metrics()
                 due = epoch + 1 == cfg.epochs or (epoch + 1) % max(cfg.eval_every, 1) == 0
@@ -219,10 +224,11 @@ class VLMSFTRecipe:
                         self.policy, self.test_set[:n], cfg.algo.train_batch_size, cfg.seed, progress
                     )
                     metrics["eval/accuracy"] = summarise(answers)["accuracy"]
-                self.logger.log(metrics, step=epoch)
+                self.logger.log(metrics, step=step_after(epoch))
+                completed = epoch + 1  # logged: what a Ctrl-C from here on counts as done
                 log.info(
                     "epoch %d  loss %.4f  lr %.2e  %.1fs",
-                    epoch,
+                    step_after(epoch),
                     metrics["loss"],
                     metrics["lr"],
                     metrics["time/epoch"],

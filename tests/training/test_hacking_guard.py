@@ -434,7 +434,7 @@ def test_one_flagged_epoch_rolls_back_to_the_weights_before_training(tmp_path: P
     code, out = run_cli("train", *GUARDED_RUN, "epochs=1", "guard.margin=0", f"hydra.run.dir={run}")
     assert code == 0, out
     rows = _rows(run)
-    assert _guard_events(rows) == {0: ["rollback"]}
+    assert _guard_events(rows) == {1: ["rollback"]}  # metrics.jsonl steps: epochs completed
     row = rows[-1]
     assert row["guard/train_rise"] > 0 and row["guard/heldout_drop"] == pytest.approx(row["guard/train_rise"])
     assert (row["guard/lr_scale"], row["guard/best_step"]) == (0.5, -1.0)
@@ -459,10 +459,10 @@ def test_a_disagreeing_monitor_is_flagged_rolled_back_then_stopped(tmp_path: Pat
     )  # fmt: skip
     assert code == 0, out
     rows = _rows(run)
-    assert _guard_events(rows) == {1: ["rollback"], 2: ["stop"]}
+    assert _guard_events(rows) == {2: ["rollback"], 3: ["stop"]}  # metrics.jsonl steps: epochs completed
     by_step = {row["step"]: row for row in rows}
-    assert max(by_step) == 2
-    assert (by_step[1]["lr"], by_step[2]["lr"]) == (pytest.approx(3e-2), pytest.approx(1.5e-2))
+    assert max(by_step) == 3
+    assert (by_step[2]["lr"], by_step[3]["lr"]) == (pytest.approx(3e-2), pytest.approx(1.5e-2))
     checkpoints = run / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == [
         "best_heldout", "epoch_000001", "epoch_000002", "epoch_000003",
@@ -483,15 +483,13 @@ def test_an_agreeing_monitor_is_never_flagged_and_keeps_its_best_evaluation(tmp_
     assert code == 0, out
     rows = _rows(run)
     assert _guard_events(rows) == {}
-    assert max(row["step"] for row in rows) == 2  # every epoch ran
+    assert max(row["step"] for row in rows) == 3  # every epoch ran
     heldout = {row["step"]: row["guard/heldout"] for row in rows}
-    best_step = max(heldout, key=heldout.get)
-    assert best_step >= 0  # training raised it: the kept state is a trained one
-    assert _state(run / "checkpoints" / "best_heldout")["counters"]["epoch"] == best_step + 1
-    _assert_same_weights(
-        run / "checkpoints" / f"epoch_{best_step + 1:06d}", run / "checkpoints" / "best_heldout"
-    )
-    assert rows[-1]["guard/best_step"] == best_step
+    best_step = max(heldout, key=heldout.get)  # epochs completed, as the checkpoint names count
+    assert best_step >= 1  # training raised it: the kept state is a trained one
+    assert _state(run / "checkpoints" / "best_heldout")["counters"]["epoch"] == best_step
+    _assert_same_weights(run / "checkpoints" / f"epoch_{best_step:06d}", run / "checkpoints" / "best_heldout")
+    assert rows[-1]["guard/best_step"] == best_step - 1  # training/guard.py logs its 0-based epoch
 
 
 @pytest.mark.slow
