@@ -7,6 +7,7 @@ fields live in ``__post_init__``; ``OmegaConf.to_object`` runs them at task star
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -421,13 +422,13 @@ def require_whole_batches(cfg: Any) -> None:
     """Every process gets a whole number of sample and train batches (``algo.*_batch_size`` per process)."""
     world, algo = cfg.launcher.world_size, cfg.algo
     total = algo.prompts_per_epoch * algo.group_size
+    step = world * math.lcm(algo.sample_batch_size, algo.train_batch_size)  # whole batches on every process
     _require(
-        total % world == 0
-        and (total // world) % algo.sample_batch_size == 0
-        and (total // world) % algo.train_batch_size == 0,
+        total % step == 0,
         f"{total} samples per epoch over {world} processes must give every process a whole number of "
         f"sample/train batches (algo.sample_batch_size={algo.sample_batch_size}, "
-        f"algo.train_batch_size={algo.train_batch_size} are per process)",
+        f"algo.train_batch_size={algo.train_batch_size} are per process): set algo.prompts_per_epoch to a "
+        f"multiple of {step // math.gcd(step, algo.group_size)}, or smaller batches",
     )
 
 

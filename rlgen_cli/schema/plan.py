@@ -24,10 +24,13 @@ class PlanOptions:
     device_memory_gb: float = 80.0
     """Memory of one device in GiB (2³⁰ bytes), e.g. 80 for an 80 GB A100 / H100, 141 for an H200."""
     headroom: float = 0.1
-    """Share of the device kept free for what the plan does not count: the CUDA context, the allocator's
-    fragmentation, the backward's transient buffers."""
+    """Share of the device kept free for what the plan does not count: the CUDA context and the
+    allocator's fragmentation."""
     format: Annotated[str, PlanFormat] = "table"
     """``table`` (rich, per component) or ``json`` (one object on stdout)."""
+    reward_memory_gb: dict[str, float] = field(default_factory=dict)
+    """{reward name: GiB it keeps on the device}: the size of a reward model the plan cannot build to
+    count (one that loads on its first score), declared so the plan counts it instead of refusing."""
 
 
 @dataclass

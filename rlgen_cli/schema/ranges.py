@@ -210,7 +210,7 @@ RANGES: dict[type, dict[str, Range | Pattern]] = {
         "tolerance": POSITIVE, "text_tolerance": POSITIVE, "train_noise_level": NON_NEGATIVE,
         "train_batch_size": COUNT, "perturb_weights": NON_NEGATIVE,
     },
-    PlanOptions: {"device_memory_gb": POSITIVE, "headroom": BELOW_ONE},
+    PlanOptions: {"device_memory_gb": POSITIVE, "headroom": BELOW_ONE, "reward_memory_gb": POSITIVE},
     SampleConfig: {
         "seed": NON_NEGATIVE, "images_per_prompt": COUNT, "batch_size": COUNT, "num_steps": COUNT,
         "device": DEVICE,

@@ -6,30 +6,38 @@ pretrained family is built as its real-size architecture, ``models/real_size.py`
 then
 
 1. counts parameters and buffers per component (transformer, text encoders, VAE, …), dtype, frozen or
-   trainable, LoRA or base, and the local reward models;
-2. traces one training forward of the trained model at the configured resolution, frames, prompt length
-   and micro-batch (``training/memory_trace.py``: exact saved-for-backward bytes, attributed to blocks, so
-   the same trace gives the figure with gradient checkpointing), at micro-batches 1 and
-   ``algo.train_batch_size`` so a smaller micro-batch can be priced;
-3. adds gradients, optimizer states, EMA, reference copy and the launcher's own buffers, sharded as the
-   launcher shards them (``training/memory_plan.py``), and checks ``plan.device_memory_gb`` less
-   ``plan.headroom``; when it does not fit, searches the cheapest change that does.
+   trainable, LoRA or base; the local reward models (or refuses a reward whose model it cannot build,
+   naming it), the prompt caches at their cap, the float64 gradient sums of ``launcher.exact_reduction``;
+2. runs the recipe's own code on the meta device and traces the peak of each phase of an epoch
+   (``training/memory_trace.py``, :class:`EpochTracer`): one rollout batch of ``algo.sample_batch_size``
+   (the sampling forwards, the trajectory it keeps, the decode), and one training step at
+   ``algo.train_batch_size`` — the recipe's update itself, with its folds of ``algo.timesteps_per_pass``,
+   its KL reference forward, its CFG branches, the backward and the optimizer step — so the saved
+   activations, the gradients, the backward's buffers and the optimizer's temporaries are all counted;
+3. also traces the saved activations of one training forward, attributed to blocks (the figure with and
+   without gradient checkpointing, for the table);
+4. adds the launcher's own buffers, sharded as the launcher shards them (``training/memory_plan.py``), and
+   checks ``plan.device_memory_gb`` less ``plan.headroom``; when it does not fit, searches the cheapest
+   change that does.
 
 It prints a table (or ``plan.format=json``), writes ``plan.json`` into its run directory, and exits 0
-when the run fits, 1 when it does not. What it cannot count (a reward model loaded on its first score)
-is named under the table, never left out silently. The conditioning of a tiny family is encoded by a
-CPU twin (its encoders read their masks' values); a real one's on the meta device, where integer tensors
-stay on the CPU (``training/memory_trace.py``). Flow recipes only: VLM and R3 runs stop with exit code 2.
+when the run fits, 1 when it does not. An option whose memory it does not model stops it with exit code 2
+naming the option (:func:`refuse_unmodelled`): it never says "fits" on a guess. The conditioning of a
+tiny family is encoded by a CPU twin (its encoders read their masks' values); a real one's on the meta
+device, where integer tensors stay on the CPU (``training/memory_trace.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
+import math
 import os
 import sys
-from collections.abc import Iterator
+import types
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -43,6 +51,7 @@ log = logging.getLogger(__name__)
 
 EXIT_DOES_NOT_FIT = 1
 FLOW_RECIPES = ("flow_grpo", "flow_pref", "flow_pretrain", "flow_forward")
+MODELLED_RECIPES = ("flow_grpo",)
 LAUNCH_KINDS = {
     "local": "local", "accelerate": "ddp", "multinode": "ddp", "deepspeed_zero2": "zero2",
     "deepspeed_zero3": "zero3", "fsdp": "fsdp",
@@ -75,45 +84,83 @@ def plan_task(cfg: DictConfig) -> dict[str, Any]:
     return report
 
 
+def refuse_unmodelled(cfg: Any) -> None:
+    """Stops the plan (exit code 2) on every setting whose memory it does not model, naming each."""
+    unmodelled = []
+    if cfg.recipe not in MODELLED_RECIPES:
+        unmodelled.append(
+            f"algo={cfg.algo.name} (recipe={cfg.recipe}): rlgen plan runs the training step of "
+            f"recipe={', '.join(MODELLED_RECIPES)} only (algo=grpo, grpo_fast, mix_grpo, dance, grpo_guard, …)"
+        )
+    if cfg.model.compile:
+        unmodelled.append(
+            "model.compile=true: a compiled step keeps other buffers than the eager step the plan runs; "
+            "plan without it"
+        )
+    if cfg.launcher.mixed_precision != "fp32":
+        unmodelled.append(
+            f"launcher.mixed_precision={cfg.launcher.mixed_precision}: the launcher's 16-bit copies of the "
+            "trained weights are not modelled; plan with launcher.mixed_precision=fp32 (model.dtype sets "
+            "the compute dtype the plan does model)"
+        )
+    if cfg.launcher.config_file:
+        unmodelled.append(
+            f"launcher.config_file={cfg.launcher.config_file}: the plan models the launcher configs rlgen "
+            "ships (launcher=accelerate, deepspeed_zero2, deepspeed_zero3, fsdp), not a file's"
+        )
+    if unmodelled:
+        raise UserError("rlgen plan does not model the memory of:\n  " + "\n  ".join(unmodelled))
+
+
 def plan_run(cfg: Any) -> dict[str, Any]:
     """The plan of the training run ``cfg`` describes (a validated flow training config), as a dict."""
-    from rlgen_cli.training.memory_plan import GIB, plan_memory, smallest_fix
+    from rlgen_cli.training.memory_plan import GIB, Epoch, plan_memory, smallest_fix
 
+    refuse_unmodelled(cfg)
+    held, reward_notes = reward_rows(cfg)  # a reward it cannot count stops the plan before any build
     model_cfg, model_note = planned_model(cfg.model)
     policy = build_on_meta(model_cfg)
     components = components_of(policy)
     groups = param_groups(components)
     trained = tuple(name for name, module in components.items() if _trains(module))
-    training = training_of(cfg, components, trained)
+    encode = conditioning_of(policy, cfg)
+    tracer = EpochTracer(cfg, policy, [components[name] for name in trained], encode)
     try:
-        activations = trace_activations(policy, cfg, [components[name] for name in trained])
+        training = training_of(cfg, components, trained, held=(*held, *cache_rows(policy, tracer)))
+        activations = trace_activations(policy, cfg, [components[name] for name in trained], encode)
+        epoch = Epoch(
+            cfg.algo.prompts_per_epoch * cfg.algo.group_size, tracer.kept_per_sample(),
+            tracer.rollout_peak, tracer.step_peak,
+        )  # fmt: skip
+        launch = launch_of(cfg.launcher)
+        plan = plan_memory(groups, activations, launch, training, epoch)
+        device_bytes = int(cfg.plan.device_memory_gb * GIB)
+        fix = smallest_fix(groups, activations, launch, training, epoch, device_bytes, cfg.plan.headroom)
     except (RuntimeError, NotImplementedError) as err:
         raise UserError(
-            f"model.family={cfg.model.family}: its training forward reads tensor values the meta device does "
+            f"model.family={cfg.model.family}: its training step reads tensor values the meta device does "
             f"not have ({str(err).splitlines()[0]}); plan its tiny variant (model.tiny=true) at the run's "
             "resolution instead"
         ) from err
-    rewards, not_counted = reward_groups(cfg)
-    not_counted = [model_note, *not_counted] if model_note else not_counted
-    groups += rewards
-    launch = launch_of(cfg.launcher)
-    plan = plan_memory(groups, activations, launch, training)
-    device_bytes = int(cfg.plan.device_memory_gb * GIB)
-    fix = smallest_fix(groups, activations, launch, training, device_bytes, cfg.plan.headroom)
-    activation_bytes = activations.at(training.micro_batch, training.gradient_checkpointing)
+    notes = [note for note in (model_note, *reward_notes) if note]
     how = [] if fix is None else [_setting_or_note(step) for step in fix.how]
     return {
         "model": cfg.model.family, "recipe": cfg.recipe, "launcher": cfg.launcher.name,
         "processes": cfg.launcher.world_size, "micro_batch": training.micro_batch,
+        "sample_batch": training.sample_batch, "timesteps_per_pass": cfg.algo.timesteps_per_pass,
         "resolution": [*_size(cfg.model), cfg.model.num_frames],
         "gradient_checkpointing": training.gradient_checkpointing,
         "rows": [{"what": r.what, "bytes": r.nbytes, "note": r.note} for r in plan.rows],
-        "notes": not_counted,
+        "peaks": [{"what": r.what, "bytes": r.nbytes, "note": r.note} for r in plan.peaks],
+        "notes": notes,
         "activations": {
             "plain_bytes": activations.at(training.micro_batch, False),
             "checkpointed_bytes": activations.at(training.micro_batch, True),
         },
-        "state_bytes": plan.total - activation_bytes,
+        "step_peak_bytes": tracer.step_peak(training.micro_batch, training.gradient_checkpointing),
+        "rollout_peak_bytes": tracer.rollout_peak(training.sample_batch),
+        "kept_per_sample_bytes": epoch.kept_per_sample,
+        "state_bytes": plan.state,
         "total_bytes": plan.total, "device_bytes": device_bytes,
         "usable_bytes": int(device_bytes * (1 - cfg.plan.headroom)),
         "fits": plan.fits(device_bytes, cfg.plan.headroom),
@@ -252,8 +299,11 @@ def _module_bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def training_of(cfg: Any, components: dict[str, nn.Module], trained: tuple[str, ...]) -> Any:
-    """What the recipe keeps besides weights and optimizer, and its micro-batch per process."""
+def training_of(
+    cfg: Any, components: dict[str, nn.Module], trained: tuple[str, ...], held: tuple[Any, ...] = ()
+) -> Any:
+    """What the recipe keeps besides weights and optimizer, its micro-batch and sampling batch per
+    process; ``held``: other rows kept whatever the phase (prompt caches, declared reward models)."""
     from rlgen_cli.training.memory_plan import Training
 
     modules = [components[name] for name in trained]
@@ -264,6 +314,8 @@ def training_of(cfg: Any, components: dict[str, nn.Module], trained: tuple[str, 
         copies = ("old policy",)
     elif cfg.recipe == "flow_pref" and cfg.algo.pref.loss == "dpo" and cfg.algo.pref.ref_update_step > 0:
         copies = ("online DPO reference",)
+    exact = cfg.launcher.reduces_exactly and LAUNCH_KINDS[cfg.launcher.name] in ("local", "ddp")
+    trainable_tensors = sum(p.requires_grad for m in modules for p in m.parameters())
     return Training(
         micro_batch=batch,
         gradient_checkpointing=any(getattr(m, "gradient_checkpointing", False) for m in modules),
@@ -274,6 +326,9 @@ def training_of(cfg: Any, components: dict[str, nn.Module], trained: tuple[str, 
         accumulation=cfg.algo.micro_batches_per_step(cfg.launcher.world_size) // cfg.launcher.world_size,
         micro_batch_setting=setting,
         weight_copies=copies,
+        sample_batch=cfg.algo.sample_batch_size,
+        exact_sum_tensors=trainable_tensors if exact else 0,
+        held=held,
     )
 
 
@@ -299,25 +354,45 @@ def launch_of(launcher: Any) -> Any:
 
 
 # -- activations ---------------------------------------------------------------------------------------
-def trace_activations(policy: Any, cfg: Any, trained: list[nn.Module]) -> Any:
-    """Saved-for-backward bytes of one training forward at micro-batch 1 and ``algo.train_batch_size``,
-    with gradient checkpointing off (the trace attributes them to blocks; the checkpointed figure follows)."""
+Encode = Callable[[int], Any]
+"""Batch size → the conditioning of that many prompts (and source images) on the meta device."""
+
+
+def trace_activations(policy: Any, cfg: Any, trained: list[nn.Module], encode: Encode) -> Any:
+    """Saved-for-backward bytes of one training forward at ``algo.train_batch_size`` (each sample as many
+    rows as one call folds of its trained steps, ``algo.timesteps_per_pass``), with gradient checkpointing
+    off (the trace attributes them to blocks; the checkpointed figure follows). For the table: the plan's
+    total comes from the traced step (:class:`EpochTracer`)."""
     from rlgen_cli.training.memory_plan import Activations
 
     batch, _ = micro_batch_of(cfg)
-    with _checkpointing_off(trained):
-        one = _trace(policy, cfg, 1, trained)
-        many = one if batch == 1 else _trace(policy, cfg, batch, trained)
-    return Activations.from_two(1, (one.total, one.checkpointed), batch, (many.total, many.checkpointed))
+    with _checkpointing(trained, False):
+        saved = _trace(policy, cfg, batch * folded_steps(cfg), trained, encode)
+    return Activations.from_two(
+        batch, (saved.total, saved.checkpointed), batch, (saved.total, saved.checkpointed)
+    )
 
 
-def _trace(policy: Any, cfg: Any, batch: int, trained: list[nn.Module]) -> Any:
+def folded_steps(cfg: Any) -> int:
+    """Trained steps one training forward scores per sample: ``algo.timesteps_per_pass``, at most the
+    steps the window trains."""
+    return min(cfg.algo.timesteps_per_pass, len(window_of(cfg, 1).train_steps))
+
+
+def window_of(cfg: Any, batch: int) -> Any:
+    """The first epoch's window (which steps are stochastic and trained), as the recipe plans it."""
+    from rlgen_cli.recipes import flow_grpo
+
+    return flow_grpo.plan_for(types.SimpleNamespace(cfg=cfg), 0, batch)
+
+
+def _trace(policy: Any, cfg: Any, rows: int, trained: list[nn.Module], encode: Encode) -> Any:
     from rlgen_cli.models.base import cfg_gradient
     from rlgen_cli.training.memory_trace import trace_saved
 
-    cond = conditioning(policy, cfg, batch)
-    x = policy.noise(batch)
-    sigma = torch.full((batch,), TRACE_SIGMA, device=META)
+    cond = encode(rows)
+    x = policy.noise(rows)
+    sigma = torch.full((rows,), TRACE_SIGMA, device=META)
     cfg_grad = getattr(cfg.algo, "cfg_grad", "both")
 
     def forward() -> Tensor:
@@ -331,25 +406,34 @@ def _trace(policy: Any, cfg: Any, batch: int, trained: list[nn.Module]) -> Any:
     return trace_saved(forward, weights, blocks)
 
 
-def conditioning(policy: Any, cfg: Any, batch: int) -> Any:
-    """The conditioning of ``batch`` prompts (and source images) on the meta device, shaped as the run's:
-    a tiny family encodes on the CPU (its encoders are small, and they read their masks' values, which meta
-    tensors do not have); a real one on the meta device."""
+def conditioning_of(policy: Any, cfg: Any) -> Encode:
+    """How the plan encodes ``batch`` prompts (and source images) on the meta device, shaped as the run's:
+    a tiny family encodes on the CPU (its encoders are small, and they read their masks' values, which
+    meta tensors do not have) with one CPU twin; a real one on the meta device."""
     from rlgen_cli.training.memory_trace import autocast_on_meta, meta_values
 
-    prompts = [TRACE_PROMPT] * batch
     if not cfg.model.tiny:
-        images = torch.zeros(batch, 3, *_size(cfg.model), device=META) if _takes_images(policy) else None
-        with autocast_on_meta(), meta_values():
-            return policy.encode(prompts, images)
+
+        def encode_on_meta(batch: int) -> Any:
+            prompts = [TRACE_PROMPT] * batch
+            images = torch.zeros(batch, 3, *_size(cfg.model), device=META) if _takes_images(policy) else None
+            with autocast_on_meta(), meta_values():
+                return policy.encode(prompts, images)
+
+        return encode_on_meta
     from rlgen_cli.models import build_policy
 
-    twin = build_policy(cfg.model, torch.device("cpu"))
-    images = torch.rand(batch, 3, *_size(cfg.model)) if _takes_images(policy) else None
-    cond = twin.encode(prompts, images)
-    # integer tensors (masks, source shapes) stay on the CPU: the model reads their values
-    tensors = {k: v.to(META) if v.is_floating_point() else v for k, v in cond.tensors.items()}
-    return type(cond)(tensors, dict(cond.extras))
+    twin = build_policy(dataclasses.replace(cfg.model, prompt_cache_mb=0.0), torch.device("cpu"))
+
+    def encode_on_cpu(batch: int) -> Any:
+        images = torch.rand(batch, 3, *_size(cfg.model)) if _takes_images(policy) else None
+        with torch.no_grad():
+            cond = twin.encode([TRACE_PROMPT] * batch, images)
+        # integer tensors (masks, source shapes) stay on the CPU: the model reads their values
+        tensors = {k: v.to(META) if v.is_floating_point() else v for k, v in cond.tensors.items()}
+        return type(cond)(tensors, dict(cond.extras))
+
+    return encode_on_cpu
 
 
 def _takes_images(policy: Any) -> bool:
@@ -357,50 +441,273 @@ def _takes_images(policy: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _checkpointing_off(modules: list[nn.Module]) -> Iterator[None]:
-    """Trace the blocks' own saved tensors (checkpointing would hide them); the plan prices both."""
-    switched = [m for m in modules if getattr(m, "gradient_checkpointing", False)]
+def _checkpointing(modules: list[nn.Module], on: bool) -> Iterator[None]:
+    """Gradient checkpointing of the trained modules switched ``on`` or off inside, as configured after."""
+    switched = [m for m in modules if getattr(m, "gradient_checkpointing", False) != on]
     for module in switched:
-        module.disable_gradient_checkpointing()
+        module.enable_gradient_checkpointing() if on else module.disable_gradient_checkpointing()
     try:
         yield
     finally:
         for module in switched:
-            module.enable_gradient_checkpointing()
+            module.disable_gradient_checkpointing() if on else module.enable_gradient_checkpointing()
 
 
 def _size(model_cfg: Any) -> tuple[int, int]:
     return model_cfg.height or model_cfg.resolution, model_cfg.width or model_cfg.resolution
 
 
+# -- the epoch, run on the meta device -------------------------------------------------------------------
+class EpochTracer:
+    """Runs the recipe's own rollout and training step on the meta device and traces their peaks
+    (``memory_trace.trace_peak``), each setting once.
+
+    The run it drives is the recipe's: ``flow_grpo.rollout_batch`` and ``policy.decode`` for one rollout
+    batch; ``flow_grpo.update`` for one training step — its folds of ``algo.timesteps_per_pass`` steps,
+    the KL reference forward, the CFG branches as ``algo.cfg_grad`` takes them, the backward through
+    ``Dist.backward`` (float64 gradient sums under ``launcher.exact_reduction``), the clip and AdamW step
+    as a GPU runs it (``foreach``) with its moments already there, the EMA. The step scores two folds of
+    trained steps (the second one runs with the first one's gradients alive, as every later fold does), or
+    two micro-batches when one fold holds every trained step and gradients accumulate over micro-batches.
+    """
+
+    def __init__(self, cfg: Any, policy: Any, trained: list[nn.Module], encode: Encode) -> None:
+        self.cfg = cfg
+        self.policy = policy
+        self.trained = trained
+        self.encode = encode
+        self.run = _meta_run(cfg, policy)
+        self._rollouts: dict[int, int] = {}
+        self._steps: dict[tuple[int, bool], int] = {}
+        self._kept: tuple[Any, Any] | None = None  # one rollout batch's trajectory and conditioning
+
+    def rollout_peak(self, batch: int) -> int:
+        """The peak of rolling out and decoding one batch of ``batch`` samples (encode included)."""
+        if batch not in self._rollouts:
+            self._rollouts[batch] = self._trace(lambda: self._rollout(batch))
+        return self._rollouts[batch]
+
+    def kept_per_sample(self) -> int:
+        """Bytes of one sample's trajectory and conditioning, kept from its rollout to the update."""
+        self.rollout_peak(self.cfg.algo.sample_batch_size)
+        traj, cond = self._kept
+        tensors = [getattr(traj, k) for k in traj._PER_SAMPLE] + list(cond.tensors.values())
+        kept = [t for t in tensors if isinstance(t, Tensor)]
+        return math.ceil(_distinct_bytes(kept) / len(cond))
+
+    def negative_per_sample(self) -> int:
+        """Bytes of one sample's negative-prompt conditioning (none without CFG)."""
+        self.rollout_peak(self.cfg.algo.sample_batch_size)
+        _, cond = self._kept
+        negatives = [t for k, t in cond.tensors.items() if k.startswith("neg_")]
+        return math.ceil(_distinct_bytes(negatives) / len(cond))
+
+    def largest_encode(self) -> int:
+        """The most prompts the run encodes at once: a rollout batch, or a training call's rows (its
+        samples × the steps one call folds)."""
+        algo = self.cfg.algo
+        return max(algo.sample_batch_size, algo.train_batch_size * folded_steps(self.cfg))
+
+    def step_peak(self, micro_batch: int, checkpointing: bool) -> int:
+        """The peak of one training step on ``micro_batch`` samples, checkpointing on or off."""
+        key = (micro_batch, checkpointing)
+        if key not in self._steps:
+            self.kept_per_sample()  # the trajectory's shapes come from a rollout
+            update = self._update_of(micro_batch)
+            with _checkpointing(self.trained, checkpointing):
+                self._steps[key] = self._trace(update)
+        return self._steps[key]
+
+    def _trace(self, work: Callable[[], Any]) -> int:
+        from rlgen_cli.training.memory_trace import (
+            autocast_on_meta,
+            fused_attention_on_meta,
+            meta_scalars,
+            meta_values,
+            recomputed_in_modes,
+            trace_peak,
+        )
+
+        blocks = [block for module in self.trained for block in repeated_blocks(module)]
+        with (
+            autocast_on_meta(), meta_values(), fused_attention_on_meta(), meta_scalars(),
+            recomputed_in_modes(blocks),
+        ):  # fmt: skip
+            return trace_peak(work)
+
+    def _rollout(self, batch: int) -> None:
+        from rlgen_cli.models.base import cfg_gradient
+        from rlgen_cli.recipes import flow_grpo, loop
+
+        run, algo = self.run, self.cfg.algo
+        cond = self.encode(batch)
+        with cfg_gradient(flow_grpo.rollout_cfg_mode(algo)):
+            x = run.policy.noise(batch)
+            traj = flow_grpo.rollout_batch(
+                run, cond, x, window_of(self.cfg, batch), loop.step_spec(self.cfg), None
+            )
+        run.policy.decode(traj.final)  # the images go to host memory
+        if batch == algo.sample_batch_size:
+            self._kept = (traj, cond)
+
+    def _update_of(self, micro_batch: int) -> Callable[[], Any]:
+        """The recipe's update of one optimizer step, ready to run (its inputs made outside the trace:
+        they are the rollout's samples, counted as kept)."""
+        from rlgen_cli.recipes import flow_grpo
+        from rlgen_cli.training.progress import Progress
+
+        traj, _ = self._kept
+        per_pass = self.cfg.algo.timesteps_per_pass
+        steps = min(traj.num_steps, 2 * per_pass)
+        micro_batches = 2 if steps <= per_pass and self._accumulates() else 1
+        rows = micro_batch * micro_batches
+        samples = types.SimpleNamespace(
+            indices=torch.arange(rows), traj=_resized(traj, rows, steps), cond=self.encode(rows)
+        )
+        algo = types.SimpleNamespace(
+            **{
+                **vars(self.cfg.algo),
+                "train_batch_size": micro_batch,
+                "gradient_accumulation_steps": micro_batches,
+            }
+        )
+        run = types.SimpleNamespace(**{**vars(self.run), "cfg": _with(self.cfg, algo=algo)})
+        advantages = torch.zeros(rows, device=META)
+        return lambda: flow_grpo.update(run, samples, advantages, Progress(False))
+
+    def _accumulates(self) -> bool:
+        """Whether gradients stay alive from one micro-batch to the next (no float64 sums clearing them)."""
+        algo, launcher = self.cfg.algo, self.cfg.launcher
+        per_process = algo.micro_batches_per_step(launcher.world_size) // launcher.world_size
+        return per_process > 1 and self.run.dist.exact is None
+
+
+def _with(cfg: Any, **sections: Any) -> Any:
+    """``cfg`` with some sections replaced, unvalidated (the trace steps through other batch sizes)."""
+    return types.SimpleNamespace(**{**vars(cfg), **sections})
+
+
+def _resized(traj: Any, rows: int, steps: int) -> Any:
+    """A trajectory of ``rows`` samples and its first ``steps`` trained steps, shaped as ``traj``'s."""
+    per_sample = {}
+    for key in traj._PER_SAMPLE:
+        value = getattr(traj, key)
+        if isinstance(value, Tensor):
+            shape = (
+                (rows, steps, *value.shape[2:])
+                if key in ("latents", "next_latents", "logprobs", "stds", "means", "train_mask")
+                else (rows, *value.shape[1:])
+            )
+            per_sample[key] = value.new_empty(shape)
+    per_step = {k: getattr(traj, k)[:steps] for k in ("sigmas", "sigmas_next", "step_indices")}
+    return dataclasses.replace(traj, **per_sample, **per_step)
+
+
+def _distinct_bytes(tensors: list[Tensor]) -> int:
+    from rlgen_cli.training.memory_trace import storage_key
+
+    return sum({storage_key(t): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def _meta_run(cfg: Any, policy: Any) -> Any:
+    """What the recipe's functions read of a ``FlowRun``, on the meta device: the policy, a local
+    ``Dist`` prepared as the run prepares it, AdamW (``foreach``, as on a GPU) with its moments made, the
+    EMA."""
+    from rlgen_cli.training.dist import LocalDist
+    from rlgen_cli.training.ema import EMA
+
+    algo = cfg.algo
+    params = policy.trainable.parameters()
+    optimizer = torch.optim.AdamW(params, lr=algo.lr, weight_decay=algo.weight_decay, foreach=True)
+    for param in params:  # one step makes the moments: the traced steps find them, as every later step does
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    dist = LocalDist(META)
+    exact = cfg.launcher.reduces_exactly and LAUNCH_KINDS[cfg.launcher.name] in ("local", "ddp")
+    dist.prepare(
+        policy.trainable, optimizer, max_grad_norm=algo.max_grad_norm, micro_batch_size=algo.train_batch_size,
+        compute_dtype=cfg.model.dtype, exact_reduction=exact,
+    )  # fmt: skip
+    ema = None
+    if algo.ema.enabled:
+        ema = EMA(params, decay=algo.ema.decay, update_every=algo.ema.update_every, warmup=algo.ema.warmup)
+    return types.SimpleNamespace(
+        cfg=cfg, policy=policy, dist=dist, optimizer=optimizer, ema=ema, global_step=0, device=META
+    )
+
+
+def cache_rows(policy: Any, tracer: EpochTracer) -> list[Any]:
+    """The policy's prompt caches: the prompts' at its cap (``model.prompt_cache_mb``: a long run sees
+    enough prompts to fill it); the negative prompt's, keyed by batch size, at most one entry per size
+    up to the largest batch the run encodes (sampling, or a training call's rows)."""
+    from rlgen_cli.models.prompt_cache import PromptCache
+    from rlgen_cli.training.memory_plan import Row
+
+    prompts = getattr(policy.encode, "cache", None)
+    holders = [policy, *(v for v in vars(policy).values() if hasattr(v, "__dict__"))]
+    negatives = {
+        id(v): v for h in holders for v in vars(h).values() if isinstance(v, PromptCache) and v is not prompts
+    }
+    rows = []
+    if isinstance(prompts, PromptCache):
+        rows.append(
+            Row("prompt cache", prompts.max_bytes, "model.prompt_cache_mb: its cap, which a long run fills")
+        )
+    largest = tracer.largest_encode()
+    for cache in negatives.values():
+        sizes = largest * (largest + 1) // 2  # one entry of n rows for every n ≤ largest
+        nbytes = min(cache.max_bytes, sizes * tracer.negative_per_sample())
+        rows.append(Row("negative-prompt cache", nbytes, f"an entry per batch size, up to {largest} rows"))
+    return rows
+
+
 # -- reward models ---------------------------------------------------------------------------------------
-def reward_groups(cfg: Any) -> tuple[list[Any], list[str]]:
-    """The weights of the rewards scored in the training process (served ones live elsewhere), built with
-    empty weights and no network; and what could not be counted, with why."""
+def reward_rows(cfg: Any) -> tuple[list[Any], list[str]]:
+    """What the rewards scored in the training process keep on the device (served ones live elsewhere):
+    the declared size (``plan.reward_memory_gb``) of a reward, else the weights of the modules it builds
+    with empty weights and no network. A reward that runs a model the plan cannot build, or that does not
+    build offline, stops the plan (exit code 2) naming it, with what to do; plus notes for the table."""
     from rlgen_cli.rewards.registry import REWARDS, build_reward
     from rlgen_cli.rewards.remote import client as remote
-    from rlgen_cli.training.memory_plan import ParamGroup
+    from rlgen_cli.training.memory_plan import GIB, Row
 
-    groups, not_counted = [], []
+    declared = dict(cfg.plan.reward_memory_gb)
+    unknown = sorted(set(declared) - set(cfg.reward.weights))
+    if unknown:
+        raise UserError(
+            f"plan.reward_memory_gb names rewards that are not in reward.weights: {unknown}; "
+            f"the run scores {sorted(cfg.reward.weights)}"
+        )
+    rows, notes, refused = [], [], []
     for name in cfg.reward.weights:
         if getattr(REWARDS.get(name), "__module__", None) == remote.__name__:
+            notes.append(f"reward {name} is served (its model lives in the reward server)")
             continue
+        if name in declared:
+            rows.append(Row(f"reward {name}", int(declared[name] * GIB), f"plan.reward_memory_gb.{name}"))
+            continue
+        kwargs = dict(cfg.reward.kwargs.get(name, {}))
         try:
             with _empty_weights(True), _offline():
-                reward = build_reward(name, **dict(cfg.reward.kwargs.get(name, {})))
+                reward = build_reward(name, **kwargs)
         except (OSError, ValueError, ImportError, RuntimeError) as err:
-            not_counted.append(f"reward {name}: not built offline ({str(err).splitlines()[0]})")
+            refused.append(f"reward {name} does not build offline ({str(err).splitlines()[0]})")
             continue
         modules = _modules_in(reward)
-        if not modules and hasattr(reward, "device"):  # a model-based reward (runs on a device)
-            not_counted.append(
-                f"reward {name} loads its model on the first score: its weights are not counted (lower "
-                "plan.device_memory_gb by their size, or serve it: rlgen serve-reward)"
-            )
+        if not modules and hasattr(reward, "device") and str(kwargs.get("device", "")) != "cpu":
+            refused.append(f"reward {name} loads its model on the device at its first score")
         for module in modules:
-            for dtype, numel in _dtype_counts(module).items():
-                groups.append(ParamGroup(f"reward {name}", dtype, numel))
-    return groups, not_counted
+            rows.append(
+                Row(f"reward {name} weights", _module_state_bytes(module), "built with empty weights")
+            )
+    if refused:
+        raise UserError(
+            "rlgen plan cannot count the memory of:\n  " + "\n  ".join(refused) + "\nserve such a reward "
+            "(rlgen serve-reward; its model then lives in the server), or declare its memory on the device "
+            "with plan.reward_memory_gb={NAME: GiB}"
+        )
+    return rows, notes
 
 
 @contextlib.contextmanager
@@ -426,12 +733,8 @@ def _modules_in(obj: Any) -> list[nn.Module]:
     )
 
 
-def _dtype_counts(module: nn.Module) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for tensor in (*module.parameters(), *module.buffers()):
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        counts[dtype] = counts.get(dtype, 0) + tensor.numel()
-    return counts
+def _module_state_bytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
 
 # -- output ----------------------------------------------------------------------------------------------
@@ -448,7 +751,8 @@ def print_report(report: dict[str, Any]) -> None:
     height, width, frames = report["resolution"]
     title = (
         f"{report['model']} · {report['recipe']} · launcher={report['launcher']} × {report['processes']} · "
-        f"micro-batch {report['micro_batch']} · {height}×{width}"
+        f"micro-batch {report['micro_batch']} × {report['timesteps_per_pass']} steps per pass · "
+        f"sample batch {report['sample_batch']} · {height}×{width}"
         + (f"×{frames} frames" if frames > 1 else "")
     )
     table = Table(title=f"memory per process — {title}", title_justify="left")
@@ -457,6 +761,12 @@ def print_report(report: dict[str, Any]) -> None:
     table.add_column("note", style="dim")
     for row in report["rows"]:
         table.add_row(row["what"], _gib(row["bytes"]), row["note"])
+    table.add_section()
+    largest = max(report["peaks"], key=lambda row: row["bytes"])
+    for row in report["peaks"]:
+        counted = row is largest
+        note = ("the larger phase: counted; " if counted else "the smaller phase; ") + row["note"]
+        table.add_row(row["what"], _gib(row["bytes"]), note, style=None if counted else "dim")
     table.add_section()
     table.add_row("total", _gib(report["total_bytes"]), f"device {_gib(report['device_bytes'])} GiB, "
                   f"usable {_gib(report['usable_bytes'])} GiB", style="bold")  # fmt: skip

@@ -1,42 +1,61 @@
 """The memory a training process needs, per component, and the cheapest change that makes it fit a device.
 
-Pure arithmetic over three descriptions, so every number can be checked by hand:
+Arithmetic over four descriptions, so every number can be checked by hand:
 
 * :class:`ParamGroup` — parameters of one component (``transformer``, ``text_encoder``, ``vae``, a reward
   model) with one dtype, trainable or frozen, LoRA or base (``tasks/plan.py`` counts them on a model built
   on the meta device, without allocating);
 * :class:`Activations` — bytes autograd keeps for the backward of one training forward, as a line in the
   micro-batch, without and with gradient checkpointing (``training/memory_trace.py`` traces them);
+* :class:`Epoch` — what an epoch adds on top of the state, phase by phase: the rollout (batches of
+  ``algo.sample_batch_size`` sampled without gradients, each sample's trajectory and conditioning kept
+  for the update) and the update (one training step at a time: forward, backward, optimizer step). Its
+  two peak functions are the peaks ``tasks/plan.py`` traces by running the recipe's own code on the meta
+  device (``memory_trace.trace_peak``);
 * :class:`Launch` and :class:`Training` — how the run spreads over processes and what it keeps besides
-  the weights (micro-batch, checkpointing, EMA, a full-fine-tuning reference copy).
+  the weights (micro-batch, checkpointing, EMA, a full-fine-tuning reference copy, float64 gradient sums,
+  prompt caches).
 
-What each launcher keeps on one process (N processes; trainable weights are fp32 in every rlgen run):
+What each launcher keeps on one process between steps (N processes; trainable weights are fp32 in every
+rlgen run):
 
 =====================  =========  =========  ==================  ==================
 state                  local/DDP  ZeRO-2     ZeRO-3              FSDP2
 =====================  =========  =========  ==================  ==================
 frozen weights         whole      whole      trained model / N   trained model / N
 trainable weights      4 B        4 B        4 B / N             4 B / N
-gradients              4 B        4 B / N    4 B / N             4 B / N
+gradients              (step)     4 B / N    4 B / N             4 B / N
 DDP gradient buckets   4 B (N>1)  —          —                   —
+float64 gradient sums  8 B        —          —                   —
 AdamW states           8 B        8 B / N    8 B / N             8 B / N
 fp32 master copy       —          4 B / N    4 B / N             —
 reduce bucket          —          ≤ 4 B      ≤ 4 B               —
 gathered blocks        —          —          2 × largest block   2 × largest block
 =====================  =========  =========  ==================  ==================
 
-(bytes per trainable parameter unless said otherwise). Optimizer offload moves the AdamW states and the
-master copy to host memory. Everything else is whole on every process: the EMA shadows (fp32), the
-frozen reference of full fine-tuning (an fp32 copy of the trained model; LoRA's reference is the adapter
-switched off: nothing), text encoders, VAE and local reward models. Not counted: the rollout buffer
-(latents and conditioning of an epoch's samples, small next to the weights), the backward's transient
-working set (the gradients of the activations in flight) and the allocator's fragmentation and CUDA
-context — ``plan.headroom`` keeps a share of the device free for them.
+(bytes per trainable parameter unless said otherwise; the float64 sums are ``launcher.exact_reduction``,
+on by default where rlgen reduces the gradients itself). Under local / DDP the gradients exist only inside
+the training step — they are made by the backward and freed by the optimizer step — so the step's traced
+peak holds them. Optimizer offload moves the AdamW states and the master copy to host memory. Everything
+else is whole on every process: the EMA shadows (fp32), the frozen reference of full fine-tuning (an fp32
+copy of the trained model; LoRA's reference is the adapter switched off: nothing), text encoders, VAE,
+local reward models and the prompt caches (each at its ``model.prompt_cache_mb`` cap). Not counted: the
+allocator's fragmentation and the CUDA context — ``plan.headroom`` keeps a share of the device free for them.
+
+The peak of an epoch on one process (n samples, batches of b, micro-batches of B, kept per sample: s bytes):
+
+* rollout — the batches before the last one keep their samples while the last one samples, and the
+  concatenation at its end holds every sample twice: ``max((n − b)·s + rollout_peak(b), 2·n·s)``;
+* update — the epoch's samples and the copy the update trains on (the samples it keeps) stay while each
+  step runs: ``2·n·s + step_peak(B, checkpointing)``.
+
+The total is the state plus the larger of the two.
 
 :func:`smallest_fix` tries changes in a fixed order of cost — ZeRO-2 (same processes, no extra compute),
 gradient checkpointing (≈ one more forward), a smaller micro-batch with more accumulation (same optimizer
-batch, less parallelism), ZeRO-3 / FSDP (more communication), optimizer offload (host transfers every
-step), then more processes — first alone, then accumulated in that order, and returns the first that fits.
+batch, less parallelism), a smaller sampling batch, ZeRO-3 / FSDP (more communication), optimizer offload
+(host transfers every step), then more processes — first alone, then accumulated in that order, and
+returns the first that fits.
 """
 
 from __future__ import annotations
@@ -51,6 +70,7 @@ __all__ = [
     "CHANGES_BY_COST",
     "Activations",
     "Change",
+    "Epoch",
     "Fix",
     "Launch",
     "MemoryPlan",
@@ -69,12 +89,22 @@ GRAD_BYTES = 4  # trainable weights are fp32, so are their gradients
 ADAM_BYTES = 8  # exp_avg + exp_avg_sq in fp32
 MASTER_BYTES = 4  # DeepSpeed's fp32 partition of the trained weights
 EMA_BYTES = 4
+EXACT_SUM_BYTES = 8  # launcher.exact_reduction: a float64 sum per trainable element (and per tensor)
 DEEPSPEED_REDUCE_BUCKET = 500_000_000  # elements: DeepSpeed's default reduce_bucket_size
 SHARDED_KINDS = ("zero3", "fsdp")  # the trained model's weights are partitioned
 PARTITIONED_KINDS = ("zero2", "zero3", "fsdp")  # gradients and optimizer states are partitioned
 DEEPSPEED_KINDS = ("zero2", "zero3")
 MAX_PROCESSES = 1024
 GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the plan: what, bytes on one process, and how it was counted."""
+
+    what: str
+    nbytes: int
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -156,26 +186,58 @@ class Training:
     largest_block_bytes: int = 0
     """The biggest repeated block of the trained model (ZeRO-3 / FSDP gather one at a time, plus one
     prefetched)."""
+    sample_batch: int = 1
+    """Samples per rollout forward (``algo.sample_batch_size``)."""
+    exact_sum_tensors: int = 0
+    """Trainable tensors whose gradients are summed in float64 (``launcher.exact_reduction``); 0: off."""
+    held: tuple[Row, ...] = ()
+    """Other state the run keeps on the device whatever the phase (prompt caches at their cap, reward
+    models whose size the user declared)."""
 
 
 @dataclass(frozen=True)
-class Row:
-    """One line of the plan: what, bytes on one process, and how it was counted."""
+class Epoch:
+    """What an epoch adds on top of the state, on one process (see the module docstring)."""
 
-    what: str
-    nbytes: int
-    note: str = ""
+    samples: int
+    """Rollout samples of an epoch over all processes (``algo.prompts_per_epoch × algo.group_size``)."""
+    kept_per_sample: int
+    """Bytes one sample keeps on the device from its rollout until the update ends (its trajectory and
+    conditioning)."""
+    rollout_peak: Callable[[int], int]
+    """Sample batch → the peak of rolling one batch out: the sampling forwards, the batch's trajectory and
+    conditioning, the decode."""
+    step_peak: Callable[[int, bool], int]
+    """(micro-batch, gradient checkpointing) → the peak of one training step: saved activations, the
+    forward's intermediates, the gradients, the backward's buffers, the optimizer step's temporaries."""
+
+    @staticmethod
+    def of_activations(activations: Activations) -> Epoch:
+        """An epoch whose only cost is a step's saved activations (for arithmetic by hand)."""
+        return Epoch(0, 0, lambda batch: 0, activations.at)
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
     rows: tuple[Row, ...]
+    """The state kept whatever the phase."""
+    peaks: tuple[Row, ...]
+    """Each phase of an epoch above the state (rollout, update); the largest counts."""
     launch: Launch
     training: Training
 
     @property
-    def total(self) -> int:
+    def state(self) -> int:
         return sum(row.nbytes for row in self.rows)
+
+    @property
+    def peak(self) -> Row:
+        """The phase that needs the most."""
+        return max(self.peaks, key=lambda row: row.nbytes)
+
+    @property
+    def total(self) -> int:
+        return self.state + self.peak.nbytes
 
     def fits(self, device_bytes: int, headroom: float) -> bool:
         """Whether the total leaves ``headroom`` (a share of the device) free."""
@@ -213,12 +275,17 @@ def _weight_rows(groups: Iterable[ParamGroup], launch: Launch, training: Trainin
 
 
 def _state_rows(trainable_numel: int, trained_numel: int, launch: Launch, training: Training) -> list[Row]:
-    """Gradients, optimizer states and the copies the launcher and the recipe keep."""
+    """Gradients (where an engine keeps them between steps), optimizer states and the copies the launcher
+    and the recipe keep."""
     n, kind = launch.processes, launch.kind
     partitioned = kind in PARTITIONED_KINDS
     grads = trainable_numel * GRAD_BYTES
-    rows = [Row("gradients (float32)", _share(grads, n) if partitioned else grads,
-                f"partitioned over {n}" if partitioned else "")]  # fmt: skip
+    rows = []
+    if partitioned:
+        rows.append(Row("gradients (float32)", _share(grads, n), f"partitioned over {n}"))
+    elif training.exact_sum_tensors:
+        rows.append(Row("float64 gradient sums", (trainable_numel + training.exact_sum_tensors) * EXACT_SUM_BYTES,
+                        "launcher.exact_reduction: one float64 per trainable element"))  # fmt: skip
     if kind == "ddp" and n > 1:
         rows.append(
             Row("DDP gradient buckets (float32)", grads, "a flat copy of the gradients to all-reduce")
@@ -245,26 +312,40 @@ def _state_rows(trainable_numel: int, trained_numel: int, launch: Launch, traini
     if kind in SHARDED_KINDS:
         rows.append(Row("gathered blocks", 2 * training.largest_block_bytes,
                         "the largest block, in use and prefetched"))  # fmt: skip
-    return rows
+    return rows + list(training.held)
+
+
+def _peak_rows(activations: Activations, epoch: Epoch, launch: Launch, training: Training) -> tuple[Row, Row]:
+    """The rollout's and the update's peaks above the state (see the module docstring)."""
+    samples = math.ceil(epoch.samples / launch.processes)
+    batch = min(training.sample_batch, samples) if samples else training.sample_batch
+    kept = samples * epoch.kept_per_sample
+    rollout = max((samples - batch) * epoch.kept_per_sample + epoch.rollout_peak(batch), 2 * kept)
+    checkpointing = training.gradient_checkpointing
+    step = epoch.step_peak(training.micro_batch, checkpointing)
+    saved = activations.at(training.micro_batch, checkpointing)
+    other = activations.at(training.micro_batch, not checkpointing)
+    return (
+        Row(f"rollout peak (sample batch {batch})", rollout,
+            f"{samples} samples kept ({kept / GIB:.2f} GiB) + one batch sampled and decoded"),
+        Row(f"training step peak (micro-batch {training.micro_batch})", 2 * kept + step,
+            f"saved activations {saved / GIB:.2f} GiB (gradient checkpointing {'on' if checkpointing else 'off'}; "
+            f"{'off' if checkpointing else 'on'}: {other / GIB:.2f}) + gradients and the backward's buffers "
+            f"{(step - saved) / GIB:.2f} GiB + the samples and the copy trained on {2 * kept / GIB:.2f} GiB"),
+    )  # fmt: skip
 
 
 def plan_memory(
-    groups: Iterable[ParamGroup], activations: Activations, launch: Launch, training: Training
+    groups: Iterable[ParamGroup], activations: Activations, launch: Launch, training: Training, epoch: Epoch
 ) -> MemoryPlan:
-    """Bytes on one process of a training run, per component (see the module docstring)."""
+    """Bytes on one process of a training run: the state per component, and each phase's peak above it
+    (see the module docstring)."""
     groups = list(groups)
     trainable_numel = sum(g.numel for g in groups if g.trainable)
     trained_numel = sum(g.numel for g in groups if g.component in training.trained and not g.lora)
     rows = _weight_rows(groups, launch, training)
     rows += _state_rows(trainable_numel, trained_numel, launch, training)
-    checkpointing = training.gradient_checkpointing
-    rows.append(Row(
-        f"activations (micro-batch {training.micro_batch})",
-        activations.at(training.micro_batch, checkpointing),
-        f"gradient checkpointing {'on' if checkpointing else 'off'}; "
-        f"{'off' if checkpointing else 'on'}: {activations.at(training.micro_batch, not checkpointing) / GIB:.2f} GiB",
-    ))  # fmt: skip
-    return MemoryPlan(tuple(rows), launch, training)
+    return MemoryPlan(tuple(rows), _peak_rows(activations, epoch, launch, training), launch, training)
 
 
 @dataclass(frozen=True)
@@ -287,18 +368,28 @@ class Fix:
     fits: bool = True
 
 
-Fits = Callable[[Launch, Training], bool]
+@dataclass(frozen=True)
+class Judge:
+    """Plans a changed run and tells whether it fits the device."""
+
+    plan: Callable[[Launch, Training], MemoryPlan]
+    usable_bytes: float
+
+    def fits(self, launch: Launch, training: Training) -> bool:
+        return self.plan(launch, training).total <= self.usable_bytes
+
+
 LAUNCHER_NAMES = {"zero2": "deepspeed_zero2", "zero3": "deepspeed_zero3", "fsdp": "fsdp"}
 
 
-def _zero2(launch: Launch, training: Training, fits: Fits) -> Change | None:
+def _zero2(launch: Launch, training: Training, judge: Judge) -> Change | None:
     if launch.processes == 1 or launch.kind in PARTITIONED_KINDS:
         return None
     return Change(dataclasses.replace(launch, kind="zero2"), training,
                   "DeepSpeed ZeRO-2: gradients and optimizer states partitioned", ("launcher=deepspeed_zero2",))  # fmt: skip
 
 
-def _checkpointing(launch: Launch, training: Training, fits: Fits) -> Change | None:
+def _checkpointing(launch: Launch, training: Training, judge: Judge) -> Change | None:
     if training.gradient_checkpointing:
         return None
     return Change(launch, dataclasses.replace(training, gradient_checkpointing=True),
@@ -306,14 +397,16 @@ def _checkpointing(launch: Launch, training: Training, fits: Fits) -> Change | N
                   ("model.gradient_checkpointing=true",))  # fmt: skip
 
 
-def _micro_batch(launch: Launch, training: Training, fits: Fits) -> Change | None:
+def _micro_batch(launch: Launch, training: Training, judge: Judge) -> Change | None:
     """The largest divisor of the micro-batch below it that fits (else 1), with the accumulation that
     keeps the optimizer batch."""
     batch = training.micro_batch
     if batch == 1 or training.micro_batch_setting is None:
         return None
     divisors = sorted((d for d in range(1, batch) if batch % d == 0), reverse=True)
-    smaller = next((d for d in divisors if fits(launch, dataclasses.replace(training, micro_batch=d))), 1)
+    smaller = next(
+        (d for d in divisors if judge.fits(launch, dataclasses.replace(training, micro_batch=d))), 1
+    )
     factor = batch // smaller
     candidate = dataclasses.replace(
         training, micro_batch=smaller, accumulation=training.accumulation * factor
@@ -322,7 +415,22 @@ def _micro_batch(launch: Launch, training: Training, fits: Fits) -> Change | Non
                   (f"{training.micro_batch_setting}={smaller}", f"algo.gradient_accumulation_steps={candidate.accumulation * launch.processes}"))  # fmt: skip
 
 
-def _zero3(launch: Launch, training: Training, fits: Fits) -> Change | None:
+def _sample_batch(launch: Launch, training: Training, judge: Judge) -> Change | None:
+    """The largest divisor of the sampling batch below it that fits (else 1): more, smaller rollout
+    batches, the same samples. None when the rollout is not what needs the most."""
+    batch = training.sample_batch
+    plan = judge.plan(launch, training)
+    if batch == 1 or not plan.peak.what.startswith("rollout"):
+        return None
+    divisors = sorted((d for d in range(1, batch) if batch % d == 0), reverse=True)
+    smaller = next(
+        (d for d in divisors if judge.fits(launch, dataclasses.replace(training, sample_batch=d))), 1
+    )
+    return Change(launch, dataclasses.replace(training, sample_batch=smaller),
+                  f"sampling batch {smaller}", (f"algo.sample_batch_size={smaller}",))  # fmt: skip
+
+
+def _zero3(launch: Launch, training: Training, judge: Judge) -> Change | None:
     if launch.processes == 1 or launch.kind in SHARDED_KINDS:
         return None
     return Change(dataclasses.replace(launch, kind="zero3", offload_optimizer=False), training,
@@ -330,7 +438,7 @@ def _zero3(launch: Launch, training: Training, fits: Fits) -> Change | None:
                   ("launcher=deepspeed_zero3",))  # fmt: skip
 
 
-def _offload(launch: Launch, training: Training, fits: Fits) -> Change | None:
+def _offload(launch: Launch, training: Training, judge: Judge) -> Change | None:
     if launch.offload_optimizer or launch.kind == "fsdp":
         return None
     kind = launch.kind if launch.kind in DEEPSPEED_KINDS else "zero2"
@@ -340,11 +448,11 @@ def _offload(launch: Launch, training: Training, fits: Fits) -> Change | None:
                    f"{kind[-1]} and offload_optimizer.device=cpu"))  # fmt: skip
 
 
-def _more_processes(launch: Launch, training: Training, fits: Fits) -> Change | None:
+def _more_processes(launch: Launch, training: Training, judge: Judge) -> Change | None:
     """The fewest processes (doubling) that fit with sharded weights (ZeRO-3 unless already sharded)."""
     kind = launch.kind if launch.kind in SHARDED_KINDS else "zero3"
     processes = launch.processes * 2
-    while processes < MAX_PROCESSES and not fits(
+    while processes < MAX_PROCESSES and not judge.fits(
         dataclasses.replace(launch, kind=kind, processes=processes), training
     ):
         processes *= 2
@@ -354,7 +462,7 @@ def _more_processes(launch: Launch, training: Training, fits: Fits) -> Change | 
                   (f"launcher={LAUNCHER_NAMES[kind]}", f"launcher.num_processes × launcher.num_machines = {processes}"))  # fmt: skip
 
 
-CHANGES_BY_COST = (_zero2, _checkpointing, _micro_batch, _zero3, _offload, _more_processes)
+CHANGES_BY_COST = (_zero2, _checkpointing, _micro_batch, _sample_batch, _zero3, _offload, _more_processes)
 """The changes :func:`smallest_fix` tries, cheapest first (see the module docstring)."""
 
 
@@ -363,6 +471,7 @@ def smallest_fix(
     activations: Activations,
     launch: Launch,
     training: Training,
+    epoch: Epoch,
     device_bytes: int,
     headroom: float,
 ) -> Fix | None:
@@ -372,26 +481,24 @@ def smallest_fix(
     groups = list(groups)
 
     def plan(launch_: Launch, training_: Training) -> MemoryPlan:
-        return plan_memory(groups, activations, launch_, training_)
+        return plan_memory(groups, activations, launch_, training_, epoch)
 
-    def fits(launch_: Launch, training_: Training) -> bool:
-        return plan(launch_, training_).fits(device_bytes, headroom)
-
-    if fits(launch, training):
+    judge = Judge(plan, device_bytes * (1 - headroom))
+    if judge.fits(launch, training):
         return None
     for step in CHANGES_BY_COST:
-        change = step(launch, training, fits)
-        if change is not None and fits(change.launch, change.training):
+        change = step(launch, training, judge)
+        if change is not None and judge.fits(change.launch, change.training):
             return Fix((change.what,), change.how, plan(change.launch, change.training))
     whats: list[str] = []
     hows: list[str] = []
     for step in CHANGES_BY_COST:
-        change = step(launch, training, fits)
+        change = step(launch, training, judge)
         if change is None:
             continue
         launch, training = change.launch, change.training
         whats.append(change.what)
         hows += change.how
-        if fits(launch, training):
+        if judge.fits(launch, training):
             return Fix(tuple(whats), tuple(hows), plan(launch, training))
     return Fix(tuple(whats), tuple(hows), plan(launch, training), fits=False)

@@ -19,6 +19,13 @@ fused (flash / memory-efficient) kernels save — query, key, value, output, the
 mask's additive bias — and not the L × L attention matrix of the math kernel meta tensors would otherwise
 be dispatched to: a GPU (and PyTorch's CPU kernel) never materialises that matrix for training.
 
+:func:`trace_peak` follows every storage a function allocates, from the op that makes it to the moment the
+last tensor over it dies (a finalizer on the storage), and returns the most that were alive at once: the
+peak a caching allocator's ``max_memory_allocated`` reports for the same work, above what existed before.
+Run around a training step (forward, backward, optimizer step) it prices what the saved activations leave
+out — the intermediates of the forward, the gradients of the activations in flight, the gradients
+themselves and the optimizer's temporaries — on any device, the meta device included.
+
 Meta tensors have no values, so code that branches on them (a padding mask's length, a batch's source
 shape, which expert runs) cannot run as it is: :class:`_MetaWithCpuValues` keeps integer tensors on the
 CPU with their values and moves them to meta only where an op mixes them with meta tensors, and reads
@@ -28,6 +35,7 @@ a truth test over meta values as True.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,8 +44,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-__all__ = ["SavedTrace", "autocast_on_meta", "meta_values", "storage_key", "trace_saved"]
+__all__ = [
+    "SavedTrace",
+    "autocast_on_meta",
+    "fused_attention_on_meta",
+    "meta_scalars",
+    "meta_values",
+    "recomputed_in_modes",
+    "storage_key",
+    "trace_peak",
+    "trace_saved",
+]
 
 
 def storage_key(tensor: Tensor) -> int:
@@ -75,14 +95,13 @@ class SavedTrace:
 class _FusedAttentionSaves(torch.autograd.Function):
     """Attention whose backward would need what the fused kernels save: q, k, v, output, log-sum-exp, and
     the additive bias of a mask. A boolean mask is turned into a new bias in the query's dtype by every
-    call (each layer keeps its own copy, of the mask's unexpanded shape), a floating one is kept as it is."""
+    call (each layer keeps its own copy, of the mask's unexpanded shape), a floating one is kept as it is.
+    The output is made as the fused kernels make it — one tensor of the query's shape with the value's
+    width — never by the math kernel, whose L × L scores would count as a peak no GPU reaches."""
 
     @staticmethod
-    def forward(
-        ctx: Any, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, call: Callable[[], Tensor]
-    ) -> Tensor:
-        with torch.no_grad():
-            out = call()
+    def forward(ctx: Any, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None) -> Tensor:
+        out = query.new_empty((*query.shape[:-1], value.shape[-1]))
         logsumexp = query.new_empty(query.shape[:-1], dtype=torch.float32)
         saved = [query, key, value, out, logsumexp]
         if mask is not None:
@@ -93,7 +112,7 @@ class _FusedAttentionSaves(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         query, key, value, *_ = ctx.saved_tensors
-        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), None, None
+        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), None
 
 
 LOWER_PRECISION_OPS = frozenset({
@@ -123,9 +142,19 @@ class _MetaAutocast(TorchFunctionMode):
     the dtypes a GPU run gives them (and the cast copies of fp32 LoRA weights are counted, as autocast's
     cache holds them)."""
 
+    active: list[torch.dtype] = []  # the dtypes of the instances entered, innermost last
+
     def __init__(self, dtype: torch.dtype) -> None:
         super().__init__()
         self.dtype = dtype
+
+    def __enter__(self) -> _MetaAutocast:
+        _MetaAutocast.active.append(self.dtype)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        _MetaAutocast.active.pop()
+        super().__exit__(*exc)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -168,8 +197,7 @@ class _FusedAttentionOnMeta(TorchFunctionMode):
         query, key, value = named["query"], named["key"], named["value"]
         if not query.is_meta:
             return func(*args, **kwargs)
-        mask = named.get("attn_mask")
-        return _FusedAttentionSaves.apply(query, key, value, mask, lambda: func(*args, **kwargs))
+        return _FusedAttentionSaves.apply(query, key, value, named.get("attn_mask"))
 
 
 _TRUTH_TESTS = frozenset({Tensor.all, Tensor.any, torch.all, torch.any, Tensor.__bool__})
@@ -183,7 +211,7 @@ def _is_cpu_array(value: Any) -> bool:
 
 class _MetaWithCpuValues(TorchFunctionMode):
     """Lets a model on the meta device read the values it branches on. Integer tensors (token ids, masks,
-    source shapes) stay on the CPU (``.to("meta")`` keeps them there), so ``int(mask.sum(1).max())`` and ``e[mask]`` see real values;
+    source shapes) and floating ones of at most one dimension (σ schedules, timesteps) stay on the CPU (``.to("meta")`` keeps them there), so ``int(mask.sum(1).max())`` and ``e[mask]`` see real values;
     so do boolean masks a model creates on its own device (``torch.zeros(…, dtype=torch.bool, device=…)``,
     then filled by slices: BAGEL's which-expert-per-token mask), which are made on the CPU. An op that
     mixes them with meta tensors gets them moved to meta (indexing keeps its CPU index). A truth test over
@@ -211,9 +239,13 @@ def _on_meta(device: Any) -> bool:
 
 
 def _keeps_values(args: tuple, kwargs: dict) -> bool:
-    """``integer_cpu_tensor.to("meta")`` (token ids, masks): kept on the CPU, with its values."""
+    """``cpu_tensor.to("meta")`` of an integer tensor (token ids, masks) or of a floating one of at most
+    one dimension (a schedule's σ, per-sample σ and timesteps, which samplers check): kept on the CPU,
+    with its values."""
     tensor = args[0] if args else None
-    if not (isinstance(tensor, Tensor) and tensor.device.type == "cpu") or tensor.is_floating_point():
+    if not (isinstance(tensor, Tensor) and tensor.device.type == "cpu"):
+        return False
+    if tensor.is_floating_point() and tensor.dim() > 1:
         return False
     targets = [v for v in [*args[1:], *kwargs.values()] if isinstance(v, torch.device | str)]
     return any(torch.device(t).type == "meta" for t in targets)
@@ -232,9 +264,103 @@ def _to_meta(value: Any) -> Any:
     return value
 
 
+@contextlib.contextmanager
+def recomputed_in_modes(blocks: Sequence[nn.Module]) -> Iterator[None]:
+    """Inside, each of ``blocks`` runs under this module's modes whenever it runs — also when gradient
+    checkpointing recomputes it in the backward, where the modes of the forward are not active: fused
+    attention, values on the CPU, scalar reads, and the meta autocast the block last ran under."""
+    originals = []
+    for block in blocks:
+        dtypes: list[torch.dtype | None] = [None]
+
+        def forward(
+            *args: Any, _forward: Callable[..., Any] = block.forward, _dtypes: list = dtypes, **kwargs: Any
+        ) -> Any:
+            if _MetaAutocast.active:
+                _dtypes[0] = _MetaAutocast.active[-1]
+            autocast = _MetaAutocast(_dtypes[0]) if _dtypes[0] is not None else contextlib.nullcontext()
+            with _FusedAttentionOnMeta(), _MetaWithCpuValues(), _MetaScalars(), autocast:
+                return _forward(*args, **kwargs)
+
+        originals.append((block, block.__dict__.get("forward")))
+        block.forward = forward
+    try:
+        yield
+    finally:
+        for block, original in originals:
+            if original is None:
+                del block.forward
+            else:
+                block.forward = original
+
+
+def fused_attention_on_meta() -> TorchFunctionMode:
+    """The mode in which attention on the meta device is counted as the fused kernels keep it
+    (:class:`_FusedAttentionSaves`)."""
+    return _FusedAttentionOnMeta()
+
+
 def meta_values() -> TorchFunctionMode:
     """The mode in which a model on the meta device may branch on values (:class:`_MetaWithCpuValues`)."""
     return _MetaWithCpuValues()
+
+
+_SCALAR_READS = {Tensor.item: 0.0, Tensor.__float__: 0.0, Tensor.__int__: 0}
+
+
+class _MetaScalars(TorchFunctionMode):
+    """Reads of a meta tensor's value as a Python number (``loss.item()``, ``float(norm)``) give 0: a
+    training step logs its statistics that way, and memory does not depend on them."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func in _SCALAR_READS and args and isinstance(args[0], Tensor) and args[0].is_meta:
+            return _SCALAR_READS[func]
+        if func is Tensor.tolist and args and isinstance(args[0], Tensor) and args[0].is_meta:
+            return torch.zeros(args[0].shape).tolist()
+        return func(*args, **(kwargs or {}))
+
+
+def meta_scalars() -> TorchFunctionMode:
+    """The mode in which a step on the meta device may log statistics (:class:`_MetaScalars`)."""
+    return _MetaScalars()
+
+
+class _PeakCounter(TorchDispatchMode):
+    """Counts the bytes of every storage an op makes (not one of its inputs'), until the storage dies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._sizes: dict[int, int] = {}
+
+    def _free(self, key: int) -> None:
+        self.live -= self._sizes.pop(key, 0)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
+        for tensor in tree_leaves(out):
+            if not isinstance(tensor, Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            key = storage._cdata
+            if key in inputs or key in self._sizes:  # a view, an in-place op, or counted already
+                continue
+            self._sizes[key] = storage.nbytes()
+            self.live += self._sizes[key]
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._free, key)
+        return out
+
+
+def trace_peak(work: Callable[[], Any]) -> int:
+    """The most bytes that storages made by ``work()`` held at one time (allocator semantics: a storage
+    counts from the op that makes it until its last tensor dies). What existed before is not counted."""
+    counter = _PeakCounter()
+    with counter:
+        work()
+    return counter.peak
 
 
 class _Counter:

@@ -11,6 +11,7 @@ import pytest
 from rlgen_cli.training.memory_plan import (
     GIB,
     Activations,
+    Epoch,
     Launch,
     ParamGroup,
     Training,
@@ -20,6 +21,7 @@ from rlgen_cli.training.memory_plan import (
 
 BILLION = 1_000_000_000
 NO_ACTIVATIONS = Activations(0, 0, 0, 0)
+NO_EPOCH = Epoch.of_activations(NO_ACTIVATIONS)
 
 
 def _rows(plan) -> dict[str, int]:
@@ -33,7 +35,9 @@ def _full_ft_1b() -> list[ParamGroup]:
 def test_1b_full_fine_tuning_with_adamw_under_zero2_on_4_processes():
     # weights 4 GB whole; gradients 4 GB / 4 = 1 GB; AdamW 8 GB / 4 = 2 GB; fp32 master 4 GB / 4 = 1 GB;
     # reduce bucket min(1e9, 5e8) × 4 B = 2 GB; KL reference 4 GB (full FT): 4 + 1 + 2 + 1 + 2 + 4 = 14 GB
-    plan = plan_memory(_full_ft_1b(), NO_ACTIVATIONS, Launch("zero2", 4), Training(1, full_reference=True))
+    plan = plan_memory(
+        _full_ft_1b(), NO_ACTIVATIONS, Launch("zero2", 4), Training(1, full_reference=True), NO_EPOCH
+    )
     rows = _rows(plan)
     assert rows["trainable weights"] == 4 * BILLION
     assert rows["gradients"] == BILLION
@@ -45,12 +49,20 @@ def test_1b_full_fine_tuning_with_adamw_under_zero2_on_4_processes():
 
 
 def test_the_same_run_under_ddp_keeps_everything_whole_plus_buckets():
-    # 4 weights + 4 gradients + 4 DDP buckets + 8 AdamW + 4 reference = 24 GB
-    plan = plan_memory(_full_ft_1b(), NO_ACTIVATIONS, Launch("ddp", 4), Training(1, full_reference=True))
-    assert plan.total == 24 * BILLION
-    # one process: no buckets (no all-reduce), 20 GB
-    alone = plan_memory(_full_ft_1b(), NO_ACTIVATIONS, Launch("local", 1), Training(1, full_reference=True))
-    assert alone.total == 20 * BILLION
+    # 4 weights + 4 DDP buckets + 8 AdamW + 4 reference = 20 GB between steps (the gradients live in the
+    # step, whose peak this epoch leaves at 0)
+    full_ft = Training(1, full_reference=True)
+    plan = plan_memory(_full_ft_1b(), NO_ACTIVATIONS, Launch("ddp", 4), full_ft, NO_EPOCH)
+    assert plan.total == 20 * BILLION
+    assert "gradients" not in _rows(plan)
+    # one process: no buckets (no all-reduce), 16 GB
+    alone = plan_memory(_full_ft_1b(), NO_ACTIVATIONS, Launch("local", 1), full_ft, NO_EPOCH)
+    assert alone.total == 16 * BILLION
+    # float64 gradient sums over 3 tensors: 8 B × (1e9 + 3) more
+    exact = plan_memory(_full_ft_1b(), NO_ACTIVATIONS, Launch("local", 1),
+                        Training(1, full_reference=True, exact_sum_tensors=3), NO_EPOCH)  # fmt: skip
+    assert _rows(exact)["float64 gradient sums"] == 8 * (BILLION + 3)
+    assert exact.total == 24 * BILLION + 24
 
 
 def test_zero3_shards_the_trained_model_but_not_the_text_encoder():
@@ -61,7 +73,7 @@ def test_zero3_shards_the_trained_model_but_not_the_text_encoder():
         ParamGroup("text_encoder", "bfloat16", BILLION),
     ]
     training = Training(1, trained=("transformer",), largest_block_bytes=100_000_000)
-    rows = _rows(plan_memory(groups, NO_ACTIVATIONS, Launch("zero3", 8), training))
+    rows = _rows(plan_memory(groups, NO_ACTIVATIONS, Launch("zero3", 8), training, NO_EPOCH))
     assert rows["transformer weights"] == 4 * BILLION // 8
     assert rows["text_encoder weights"] == 2 * BILLION
     assert rows["LoRA weights"] == 400_000_000 // 8
@@ -73,7 +85,13 @@ def test_zero3_shards_the_trained_model_but_not_the_text_encoder():
 def test_ema_is_whole_on_every_process_and_offload_empties_the_optimizer():
     groups = [ParamGroup("transformer", "float32", 1000, trainable=True, lora=True)]
     rows = _rows(
-        plan_memory(groups, NO_ACTIVATIONS, Launch("zero2", 4, offload_optimizer=True), Training(1, ema=True))
+        plan_memory(
+            groups,
+            NO_ACTIVATIONS,
+            Launch("zero2", 4, offload_optimizer=True),
+            Training(1, ema=True),
+            NO_EPOCH,
+        )
     )
     assert rows["EMA shadows"] == 4000
     assert rows["optimizer states"] == 0
@@ -91,9 +109,42 @@ def test_activations_follow_the_micro_batch_and_checkpointing():
         10,
     )
     groups = [ParamGroup("transformer", "float32", 10, trainable=True)]
-    plain = plan_memory(groups, acts, Launch("local"), Training(8))
-    checkpointed = plan_memory(groups, acts, Launch("local"), Training(8, gradient_checkpointing=True))
+    epoch = Epoch.of_activations(acts)
+    plain = plan_memory(groups, acts, Launch("local"), Training(8), epoch)
+    checkpointed = plan_memory(groups, acts, Launch("local"), Training(8, gradient_checkpointing=True), epoch)
     assert plain.total - checkpointed.total == (100 + 50 * 8) - (40 + 10 * 8)
+
+
+def test_the_epoch_peaks_at_the_larger_of_its_rollout_and_its_update():
+    # 16 samples over 2 processes: 8 each, kept 100 B each; rollout batches of 4 peak at 1000 + 10·b,
+    # a training step at 50·B. Rollout: max((8 − 4)·100 + 1040, 2·8·100) = 1600 (the concatenation);
+    # update: 2·8·100 + 50·2 = 1700. State: 40 B of LoRA + 80 B of AdamW + 40 B of DDP buckets
+    groups = [ParamGroup("transformer", "float32", 10, trainable=True, lora=True)]
+    epoch = Epoch(16, 100, lambda b: 1000 + 10 * b, lambda b, ckpt: 50 * b)
+    plan = plan_memory(groups, NO_ACTIVATIONS, Launch("ddp", 2), Training(2, sample_batch=4), epoch)
+    rollout, update = (row.nbytes for row in plan.peaks)
+    assert (rollout, update) == (1600, 1700)
+    assert plan.state == 40 + 80 + 40
+    assert plan.total == plan.state + 1700 and plan.peak.what.startswith("training step")
+    # one process, batches of 8: rollout max((16 − 8)·100 + 1080, 2·16·100) = 3200, update 3200 + 100 = 3300
+    alone = plan_memory(groups, NO_ACTIVATIONS, Launch("local"), Training(2, sample_batch=8), epoch)
+    assert [row.nbytes for row in alone.peaks] == [3200, 3300]
+
+
+def test_a_rollout_that_does_not_fit_gets_a_smaller_sampling_batch():
+    # kept samples cost nothing; a rollout batch of b peaks at b GiB, a training step at 1 GiB; 10 GiB with
+    # 10 % headroom leaves 9 GiB: batches of 16 do not fit, of 8 they do (the largest divisor of 16 that fits)
+    groups = [ParamGroup("transformer", "float32", 10, trainable=True, lora=True)]
+    epoch = Epoch(16, 0, lambda b: b * GIB, lambda b, ckpt: GIB)
+    fix = smallest_fix(groups, NO_ACTIVATIONS, Launch("local"), Training(1, sample_batch=16), epoch,
+                       10 * GIB, 0.1)  # fmt: skip
+    assert fix is not None and fix.fits
+    assert fix.how == ("algo.sample_batch_size=8",)
+    # perturbation arm: when the training step is what does not fit, the sampling batch is not offered
+    heavy_step = Epoch(16, 0, lambda b: b * GIB // 4, lambda b, ckpt: 20 * GIB)
+    fix = smallest_fix(groups, NO_ACTIVATIONS, Launch("local"), Training(1, sample_batch=16), heavy_step,
+                       10 * GIB, 0.1)  # fmt: skip
+    assert fix is not None and not any("sample_batch_size" in how for how in fix.how)
 
 
 def _lora_run(activation_per_sample: int) -> tuple[list[ParamGroup], Activations]:
@@ -106,36 +157,41 @@ def _lora_run(activation_per_sample: int) -> tuple[list[ParamGroup], Activations
 
 def test_a_run_that_fits_needs_no_change():
     groups, acts = _lora_run(GIB)
-    assert smallest_fix(groups, acts, Launch("local"), Training(4), 80 * GIB, 0.1) is None
+    assert (
+        smallest_fix(groups, acts, Launch("local"), Training(4), Epoch.of_activations(acts), 80 * GIB, 0.1)
+        is None
+    )
 
 
 def test_checkpointing_is_tried_before_a_smaller_micro_batch():
     # 8 GB + 0.2 + 0.2 grads + 0.4 AdamW ≈ 8.8 GB of state; 8 samples × 10 GiB = 80 GiB of activations:
     # checkpointing keeps 8 GiB of them, which fits 40 GiB with 10 % headroom
     groups, acts = _lora_run(10 * GIB)
-    fix = smallest_fix(groups, acts, Launch("local"), Training(8), 40 * GIB, 0.1)
+    fix = smallest_fix(groups, acts, Launch("local"), Training(8), Epoch.of_activations(acts), 40 * GIB, 0.1)
     assert fix is not None and fix.fits
     assert fix.how == ("model.gradient_checkpointing=true",)
     # already checkpointed: the largest micro-batch that fits, with the accumulation keeping the batch
-    fix = smallest_fix(groups, Activations(0, 10 * GIB, 0, 10 * GIB), Launch("local"),
-                       Training(8, accumulation=2), 40 * GIB, 0.1)  # fmt: skip
+    flat = Activations(0, 10 * GIB, 0, 10 * GIB)
+    fix = smallest_fix(groups, flat, Launch("local"), Training(8, accumulation=2), Epoch.of_activations(flat),
+                       40 * GIB, 0.1)  # fmt: skip
     assert fix is not None and fix.fits
     assert fix.how == ("algo.train_batch_size=2", "algo.gradient_accumulation_steps=8")
 
 
 def test_several_processes_take_the_first_change_that_fits_in_order_of_cost():
-    # full FT of 1e9 params under DDP on 2 processes: 4 weights + 4 grads + 4 buckets + 8 AdamW + 4 reference
-    # = 24e9 B > 14.4 GiB usable of 16. ZeRO-2: 4 + 2 + 2 bucket + 4 + 2 master + 4 = 18e9 (16.8 GiB), no;
+    # full FT of 1e9 params under DDP on 2 processes: 4 weights + 4 buckets + 8 AdamW + 4 reference
+    # = 20e9 B > 14.4 GiB usable of 16 (the gradients are the step's). ZeRO-2: 4 + 2 gradients (a partition
+    # kept between steps) + 2 bucket + 4 + 2 master + 4 = 18e9 (16.8 GiB), no;
     # no activations to checkpoint, micro-batch 1 already; ZeRO-3: 2 + 2 + 2 + 4 + 2 + 4 = 16e9 (14.9 GiB),
     # no; offload under ZeRO-2: 4 + 2 + 2 + 0 + 0 + 4 = 12e9 (11.2 GiB): fits
     fix = smallest_fix(_full_ft_1b(), NO_ACTIVATIONS, Launch("ddp", 2), Training(1, full_reference=True),
-                       16 * GIB, 0.1)  # fmt: skip
+                       NO_EPOCH, 16 * GIB, 0.1)  # fmt: skip
     assert fix is not None and fix.fits
     assert fix.plan.launch == Launch("zero2", 2, offload_optimizer=True)
     assert fix.plan.total == 12 * BILLION
-    # with 20 GiB, ZeRO-2 alone (18e9 B = 16.8 GiB ≤ 18 GiB usable) is the cheapest
+    # with 20 GiB (18 usable): DDP's 20e9 B (18.6 GiB) does not fit, ZeRO-2 alone (16.8 GiB) does
     fix = smallest_fix(_full_ft_1b(), NO_ACTIVATIONS, Launch("ddp", 2), Training(1, full_reference=True),
-                       20 * GIB, 0.1)  # fmt: skip
+                       NO_EPOCH, 20 * GIB, 0.1)  # fmt: skip
     assert fix is not None and fix.how == ("launcher=deepspeed_zero2",)
     assert fix.plan.total == 18 * BILLION
 
@@ -143,7 +199,9 @@ def test_several_processes_take_the_first_change_that_fits_in_order_of_cost():
 @pytest.mark.parametrize("device_gib", [1, 4])
 def test_nothing_fits_a_too_small_device_and_says_so(device_gib):
     groups, acts = _lora_run(GIB)
-    fix = smallest_fix(groups, acts, Launch("local"), Training(4), device_gib * GIB, 0.1)
+    fix = smallest_fix(
+        groups, acts, Launch("local"), Training(4), Epoch.of_activations(acts), device_gib * GIB, 0.1
+    )
     # 8 GB of frozen weights on one process: only more processes (with ZeRO-3) can help
     assert fix is not None
     assert any("processes" in change for change in fix.changes)
