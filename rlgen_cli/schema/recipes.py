@@ -70,7 +70,7 @@ class FlowRunConfig(RunConfig):
     of the epoch count and the share of ``time_limit_minutes`` used, so the decay ends where the limit
     stops the run; not reproducible across machines once the time share takes over)."""
     eval_before: bool = False
-    """Also evaluate before the first epoch (logged at step −1): the run ends with a before → after
+    """Also evaluate before the first epoch (logged at step 0): the run ends with a before → after
     table per prompt tag (``before_after.txt``) and sample grid when the reward reports tags."""
     eval_heldout: str | None = None
     """A second test split (e.g. ``builtin:shapes_heldout.jsonl``: combinations never trained on),
