@@ -39,7 +39,8 @@ def no_model(monkeypatch):
     def refuse(*_args, **_kwargs):
         raise AssertionError("a model was built before the prerequisites were checked")
 
-    for where in ("rlgen_cli.models.build_policy", "rlgen_cli.recipes.loop.build_policy"):
+    # the recipe loop first: importing it binds the models' build_policy, which must not be the stand-in yet
+    for where in ("rlgen_cli.recipes.loop.build_policy", "rlgen_cli.models.build_policy"):
         monkeypatch.setattr(where, refuse)
 
 
