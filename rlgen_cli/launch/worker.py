@@ -54,8 +54,11 @@ def _run(resolved: Path) -> int:
         typed.launcher.world_size,
         resolved,
     )
+    from rlgen_cli.training.checkpoint import stop_cleanly
+
     recipe = importlib.import_module(f"rlgen_cli.recipes.{typed.recipe}")
-    recipe.run(typed, raw)
+    with stop_cleanly(resolved.parent):  # a full disk or a non-finite reward: one line, exit code 2
+        recipe.run(typed, raw)
     close_process_group()
     return 0
 

@@ -25,6 +25,7 @@ from rlgen_cli.rewards import RewardBatch, build_mix
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import RewardConfig
 from rlgen_cli.schema.r3 import SERVED_REWARDS, R3Config
+from rlgen_cli.training.checkpoint import NonFiniteRewards
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class R3Scorer:
         """(N,) rewards of (N, 3, H, W) images in [0, 1].
 
         Raises:
-            RuntimeError: When a reward returns NaN for some sample.
+            NonFiniteRewards: When a reward returns NaN for some sample (the run stops: exit code 2).
         """
         if not len(samples):
             return torch.zeros(0)
@@ -90,7 +91,7 @@ class R3Scorer:
         )
         scores = torch.as_tensor(self.mix.score(batch).scores, dtype=torch.float32).cpu()
         if not torch.isfinite(scores).all():
-            raise RuntimeError(
+            raise NonFiniteRewards(
                 f"the reward failed for {int((~torch.isfinite(scores)).sum())} of {len(samples)} samples; a failed "
                 "score is never replaced by 0 (check the reward server or judge)"
             )

@@ -397,7 +397,10 @@ class RunConfig:
     keep_last: int = 3
     """Checkpoints kept on disk (older ones are deleted)."""
     resume: str | None = None
-    """``auto`` (latest checkpoint of run_dir) or a checkpoint directory."""
+    """``auto`` (latest intact checkpoint of run_dir) or a checkpoint directory."""
+    resume_unverified: bool = False
+    """Resume from a checkpoint without ``manifest.json`` (its files cannot be checked: damaged, or saved by
+    an rlgen before manifests); ``resume=auto`` skips such checkpoints unless this is true."""
     device: str = "auto"
     """``auto`` (cuda if available), ``cpu``, ``cuda``, ``cuda:N``."""
     run_dir: str | None = "${hydra:runtime.output_dir}"

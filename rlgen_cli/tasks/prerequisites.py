@@ -61,19 +61,27 @@ def data_problems(cfg: Any, run_dir: Path, splits: Iterable[str]) -> list[str]:
     return [p for split in splits for p in _problem(lambda split=split: require_data(cfg, run_dir, (split,)))]
 
 
-def checkpoint_problems(path: str | None, key: str) -> list[str]:
-    """``path`` (the value of ``key``) is a complete checkpoint: its files there with their saved sizes."""
+def checkpoint_problems(path: str | None, key: str, require_manifest: bool = False) -> list[str]:
+    """``path`` (the value of ``key``) is a complete checkpoint: its files there with their saved sizes
+    (and, with ``require_manifest``, a manifest that records them)."""
     if path is None:
         return []
     from rlgen_cli.training.checkpoint import open_checkpoint
 
-    return _problem(lambda: open_checkpoint(path), prefix=f"{key}={path}: ")
+    return _problem(
+        lambda: open_checkpoint(path, require_manifest=require_manifest), prefix=f"{key}={path}: "
+    )
 
 
 def resume_problems(cfg: Any) -> list[str]:
-    """An explicit ``resume=PATH`` is a complete checkpoint (``auto`` finds one, or starts afresh)."""
+    """An explicit ``resume=PATH`` is a complete checkpoint with a manifest, or one without it when
+    ``resume_unverified=true`` (``auto`` finds one, or starts afresh)."""
     resume = getattr(cfg, "resume", None)
-    return [] if resume in (None, "auto") else checkpoint_problems(resume, "resume")
+    if resume in (None, "auto"):
+        return []
+    return checkpoint_problems(
+        resume, "resume", require_manifest=not getattr(cfg, "resume_unverified", False)
+    )
 
 
 def model_problems(cfg: Any) -> list[str]:

@@ -23,20 +23,24 @@ def train_task(cfg: DictConfig) -> Any:
 
     print_job_header()  # a sweep job says which overrides it runs before anything can fail
     typed = validated(cfg)
+    from rlgen_cli.training.checkpoint import stop_cleanly, sweep_stale_temporaries
     from rlgen_cli.training.run import RESOLVED_FILE, prepare_run_dir, setup_logging
 
-    run_dir = prepare_run_dir(run_dir_of(typed), cfg)  # builtin prompt sets are generated into it
-    require_prerequisites(typed, run_dir)
-    if typed.launcher.name != "local":
-        from rlgen_cli.launch.commands import run_launch
+    run_dir = run_dir_of(typed)
+    with stop_cleanly(run_dir):  # a full disk or a non-finite reward: one line naming the last checkpoint
+        sweep_stale_temporaries(run_dir)  # before anything is written: a killed save's space comes back
+        prepare_run_dir(run_dir, cfg)  # builtin prompt sets are generated into it
+        require_prerequisites(typed, run_dir)
+        if typed.launcher.name != "local":
+            from rlgen_cli.launch.commands import run_launch
 
-        code = run_launch(typed.launcher, run_dir / RESOLVED_FILE)
-        if code != 0:
-            sys.exit(code)
-        return None
-    setup_logging(run_dir)
-    recipe = importlib.import_module(f"rlgen_cli.recipes.{typed.recipe}")
-    metrics = recipe.run(typed, cfg)
+            code = run_launch(typed.launcher, run_dir / RESOLVED_FILE)
+            if code != 0:
+                sys.exit(code)
+            return None
+        setup_logging(run_dir)
+        recipe = importlib.import_module(f"rlgen_cli.recipes.{typed.recipe}")
+        metrics = recipe.run(typed, cfg)
     return metrics.get("eval/reward/mean", metrics.get("reward/mean"))
 
 

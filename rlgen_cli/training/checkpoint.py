@@ -12,28 +12,43 @@ Layout of ``run_dir/checkpoints/epoch_000012/``::
     README.txt          which folder holds the weights (weights/) and how to load it outside rlgen
     manifest.json       every other file's size and SHA-256, written last
 
-Writes are atomic: everything goes to a temporary sibling directory that is renamed into place, so a
-crash mid-save never corrupts the last good checkpoint. Older checkpoints beyond ``keep_last`` are deleted.
+Writes are atomic: everything goes to a temporary sibling directory (``.epoch_000012.tmp-HOST-PID``)
+that is renamed into place, so a crash mid-save never corrupts the last good checkpoint. Every file and
+folder of it is fsynced before the rename and the ``checkpoints/`` folder after it, so a power loss
+leaves either the old state or the whole new checkpoint, never a renamed folder of empty files. A save
+that fails removes its temporary directory; one left by a killed process is removed by
+:func:`sweep_stale_temporaries` when the next run starts (never one whose process is still alive).
+Older checkpoints beyond ``keep_last`` are deleted.
+
 A file damaged later (a full disk, a copy cut short, a bad sector) no longer matches the manifest:
 ``resume=auto`` then skips that checkpoint for the one before it, naming the file, and an explicit
-``resume=PATH`` stops with exit code 2. Hashing reads the files back right after writing them, from the
-page cache, one thread per file: SHA-256 runs at about 0.9 GB/s per core (x86 SHA extensions), so a
-700 MB checkpoint costs under a second more to save and to check at resume.
+``resume=PATH`` stops with exit code 2. The manifest is written before the rename, so a checkpoint
+without one is damaged (or was saved by an rlgen before manifests): ``resume=auto`` skips it too, naming
+it, and ``resume=PATH`` to it needs ``resume_unverified=true``. Hashing reads the files back right after
+writing them, from the page cache, one thread per file: SHA-256 runs at about 0.9 GB/s per core (x86 SHA
+extensions), so a 700 MB checkpoint costs under a second more to save and to check at resume.
+
+A full disk while the run saves its config or a checkpoint, and a non-finite reward
+(:class:`NonFiniteRewards`), stop the run with one line naming the last good checkpoint
+(:func:`stop_cleanly`).
 An engine's shards are written by every rank into :func:`engine_staging` first (a path all ranks know
 without talking) and moved into the temporary directory by rank 0 before the rename.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
 import pickle
+import platform
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +69,9 @@ ENGINE_DIR = "engine"
 MANIFEST_FILE = "manifest.json"
 OPTIMIZER_KEY, COUNTERS_KEY, RNG_KEY, SAMPLER_KEY = "optimizer", "counters", "rng", "sampler"
 _NAME = re.compile(r"^epoch_(\d+)$")
+_TEMPORARY = re.compile(r"^\.(?P<name>.+)\.tmp-(?:(?P<host>.+)-)?(?P<pid>\d+)$")  # no host: older rlgen
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+_DISK_FULL_TEXT = (os.strerror(errno.ENOSPC), f"os error {errno.ENOSPC}")  # writers that wrap the OSError
 _OLDER = "use an older checkpoint"
 _HASH_BUFFER = 1 << 20  # bytes read per hashing call: large enough that SHA-256 itself is the cost
 
@@ -89,16 +107,23 @@ class Checkpoint:
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise UserError(f"{path} is unreadable ({err}); {_OLDER}") from err
 
-    def verify(self, hashes: bool = True) -> None:
+    def verify(self, hashes: bool = True, require_manifest: bool = False) -> None:
         """Every file of the manifest is there with its saved size (and, with ``hashes``, its SHA-256).
 
-        A checkpoint without ``manifest.json`` (written by an rlgen before manifests) is accepted with a
-        warning: its files cannot be checked.
+        A checkpoint without ``manifest.json`` cannot be checked: with ``require_manifest`` (what a resume
+        asks unless ``resume_unverified=true``) that is an error, else it is accepted with a warning.
 
         Raises:
-            UserError: Naming the first damaged file.
+            UserError: Naming the first damaged file, or the missing manifest.
         """
         if not (self.path / MANIFEST_FILE).exists():
+            if require_manifest:
+                raise UserError(
+                    f"{self.path} has no {MANIFEST_FILE}, so its files cannot be checked: every checkpoint "
+                    "this rlgen saves has one (written before the folder is renamed into place), so this one "
+                    "is damaged or was saved by an older rlgen; use an older checkpoint, or add "
+                    "resume_unverified=true to resume from it unchecked"
+                )
             log.warning("%s has no %s: its files are not verified", self.path, MANIFEST_FILE)
             return
         saved = self.manifest()
@@ -173,22 +198,139 @@ def save_checkpoint(
     """
     root = Path(run_dir) / CHECKPOINTS_DIR
     final = root / (name or f"epoch_{epoch:06d}")
-    tmp = root / f".{final.name}.tmp-{os.getpid()}"
+    tmp = root / f".{final.name}.tmp-{platform.node()}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_weights(tmp / WEIGHTS_DIR)
-    if engine_state is not None:
-        os.replace(engine_state, tmp / ENGINE_DIR)
-    torch.save({**trainer_state, RNG_KEY: rng_state()}, tmp / STATE_FILE)
-    OmegaConf.save(config, tmp / CONFIG_FILE, resolve=True)
-    write_checkpoint_readme(tmp, final.name, OmegaConf.select(config, "model.family"), epochs=epoch)
-    write_manifest(tmp)
+    try:
+        tmp.mkdir(parents=True)
+        save_weights(tmp / WEIGHTS_DIR)
+        if engine_state is not None:
+            os.replace(engine_state, tmp / ENGINE_DIR)
+        with (tmp / STATE_FILE).open("wb") as f:  # through Python's file: a full disk raises ENOSPC
+            torch.save({**trainer_state, RNG_KEY: rng_state()}, f)
+        OmegaConf.save(config, tmp / CONFIG_FILE, resolve=True)
+        write_checkpoint_readme(tmp, final.name, OmegaConf.select(config, "model.family"), epochs=epoch)
+        write_manifest(tmp)
+        fsync_tree(tmp)  # the data on disk before the rename can make the folder visible
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)  # on a full disk, the space it held
+        if isinstance(err, Exception) and is_disk_full(err):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(final)) from err
+        raise
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
+    fsync_directory(root)  # the rename itself on disk
     for old in list_checkpoints(run_dir)[:-keep_last]:
         shutil.rmtree(old.path, ignore_errors=True)
     return Checkpoint(final)
+
+
+def fsync_directory(path: Path) -> None:
+    """Flush a directory's entries (names created, renamed or removed in it) to disk."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(directory: Path) -> None:
+    """Flush every file under ``directory`` to disk, then every folder's entries, deepest first."""
+    paths = sorted(directory.rglob("*"))
+    for path in paths:
+        if path.is_file() and not path.is_symlink():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for folder in sorted((p for p in paths if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+        fsync_directory(folder)
+    fsync_directory(directory)
+
+
+def sweep_stale_temporaries(run_dir: Path) -> list[Path]:
+    """Remove the temporary checkpoint folders (``checkpoints/.NAME.tmp-HOST-PID``) that a killed process
+    left behind — each held a checkpoint's worth of disk. One whose process is alive on this host, or
+    that another host wrote, is left alone (it may still be renamed into place). Returns those removed."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    removed = []
+    for path in sorted(root.iterdir()):
+        match = _TEMPORARY.match(path.name)
+        if match is None or not path.is_dir():
+            continue
+        host, pid = match["host"], int(match["pid"])
+        if (host is not None and host != platform.node()) or _process_alive(pid):
+            log.info("left %s in place: its process %s is alive or on another host", path, pid)
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        log.info("removed %s, left by process %d, which is gone", path, pid)
+        removed.append(path)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)  # signal 0: existence and permission only, nothing is sent
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, owned by another user
+        return True
+    return True
+
+
+class NonFiniteRewards(UserError):
+    """A reward returned NaN or infinity: the run stops rather than train on it; :func:`stop_cleanly`
+    adds which checkpoint is the last good one."""
+
+
+def last_good_line(run_dir: Path) -> str:
+    """Which checkpoint a resume continues from (the newest whose files have their saved sizes), or that
+    none was saved yet, and how to continue."""
+    for ckpt in reversed(list_checkpoints(run_dir)):
+        try:
+            open_checkpoint(ckpt.path, require_manifest=True)
+        except UserError:
+            continue
+        return f"the last good checkpoint is {ckpt.path} (resume=auto continues from it)"
+    return f"no checkpoint was saved in {Path(run_dir) / CHECKPOINTS_DIR} yet"
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """``err``, or an error it was raised from or while handling, is a full disk or quota: an ``OSError``
+    ENOSPC / EDQUOT, or a writer's own error that says so (safetensors: "os error 28")."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in _DISK_FULL:
+            return True
+        if any(text in str(current) for text in _DISK_FULL_TEXT):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+@contextmanager
+def stop_cleanly(run_dir: Path) -> Iterator[None]:
+    """Turn a full disk (:func:`is_disk_full`: saving the config, a checkpoint, a log) and a non-finite
+    reward into one :class:`UserError` line (exit code 2) that names the last good checkpoint. A failed
+    checkpoint save has already removed its temporary folder, so the checkpoints on disk are complete."""
+    try:
+        yield
+    except NonFiniteRewards as err:
+        raise UserError(f"{err}; {last_good_line(run_dir)}") from err
+    except Exception as err:
+        if not is_disk_full(err):
+            raise
+        where = f" writing {err.filename}" if isinstance(err, OSError) and err.filename else ""
+        raise UserError(
+            f"the disk is full{where}; {last_good_line(run_dir)}; free space and run it again"
+        ) from err
 
 
 def file_sha256(path: Path) -> str:
@@ -229,9 +371,10 @@ def list_checkpoints(run_dir: Path) -> list[Checkpoint]:
     return [Checkpoint(p) for _, p in sorted(found)]
 
 
-def open_checkpoint(path: str | Path, hashes: bool = False) -> Checkpoint:
+def open_checkpoint(path: str | Path, hashes: bool = False, require_manifest: bool = False) -> Checkpoint:
     """A checkpoint directory, validated: it holds weights, trainer state and config, and every file has
-    the size its manifest recorded (and, with ``hashes``, its SHA-256).
+    the size its manifest recorded (and, with ``hashes``, its SHA-256); with ``require_manifest`` one
+    without a manifest is refused (:meth:`Checkpoint.verify`).
 
     Raises:
         UserError: Naming what is missing or damaged.
@@ -243,26 +386,28 @@ def open_checkpoint(path: str | Path, hashes: bool = False) -> Checkpoint:
             f"{ckpt.path} is not a complete rlgen checkpoint (missing {', '.join(missing)}); "
             "pass a directory like RUN_DIR/checkpoints/epoch_000010"
         )
-    ckpt.verify(hashes)
+    ckpt.verify(hashes, require_manifest)
     return ckpt
 
 
-def _intact(path: Path) -> Checkpoint:
-    """The checkpoint at ``path`` after checking every file against its manifest (one without a manifest:
-    after loading its trainer state, the one file whose damage shows when read)."""
-    ckpt = open_checkpoint(path, hashes=True)
+def _intact(path: Path, unverified: bool) -> Checkpoint:
+    """The checkpoint at ``path`` after checking every file against its manifest (one without a manifest,
+    accepted only when ``unverified``: after loading its trainer state, the one file whose damage shows
+    when read)."""
+    ckpt = open_checkpoint(path, hashes=True, require_manifest=not unverified)
     if not (ckpt.path / MANIFEST_FILE).exists():
         ckpt.state()
     return ckpt
 
 
-def resolve_resume(resume: str | None, run_dir: Path) -> Checkpoint | None:
+def resolve_resume(resume: str | None, run_dir: Path, unverified: bool = False) -> Checkpoint | None:
     """``None`` → fresh start; ``auto`` → the newest *intact* checkpoint in ``run_dir`` (a fresh start when
     there is none yet); else that path, which must be intact.
 
-    Intact: every file matches the size and SHA-256 in the checkpoint's manifest. With ``auto`` a damaged
-    checkpoint (a weights file truncated by a full disk, a missing engine shard) is reported, naming the
-    file, and skipped for the one before it, so a crash never strands a run.
+    Intact: a manifest, and every file matches the size and SHA-256 it records. With ``auto`` a damaged
+    checkpoint (a weights file truncated by a full disk, a missing engine shard, no manifest) is
+    reported, naming the file, and skipped for the one before it, so a crash never strands a run.
+    ``unverified`` (``resume_unverified=true``) accepts a checkpoint without a manifest, with a warning.
 
     Raises:
         UserError: An explicit checkpoint is damaged, or ``auto`` found checkpoints but none intact.
@@ -270,12 +415,12 @@ def resolve_resume(resume: str | None, run_dir: Path) -> Checkpoint | None:
     if resume is None:
         return None
     if resume != "auto":
-        return _intact(Path(resume))
+        return _intact(Path(resume), unverified)
     checkpoints = list_checkpoints(run_dir)
     damaged = []
     for ckpt in reversed(checkpoints):
         try:
-            return _intact(ckpt.path)
+            return _intact(ckpt.path, unverified)
         except UserError as err:
             log.warning("resume=auto skips a damaged checkpoint: %s", err)
             damaged.append(str(err))

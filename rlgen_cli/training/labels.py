@@ -20,7 +20,7 @@ HYDRA_DIR = ".hydra"
 MAX_NAME = 128  # W&B's limit for run names and groups
 MAX_LEGEND_KEYS = 3  # differing resolved.yaml keys shown in a legend when the overrides say nothing
 _UNSET = "∅"  # an override one run has and another has not
-_BOOKKEEPING = ("run_dir", "resume")  # differ between runs without changing what they train
+_BOOKKEEPING = ("run_dir", "resume", "resume_unverified")  # differ between runs, train the same
 
 
 def _read_yaml(path: Path) -> Any:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
+import os
+import platform
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,12 +22,15 @@ from rlgen_cli.schema.errors import UserError
 from rlgen_cli.training.checkpoint import (
     MANIFEST_FILE,
     Checkpoint,
+    NonFiniteRewards,
     engine_staging,
     file_sha256,
     list_checkpoints,
     open_checkpoint,
     resolve_resume,
     save_checkpoint,
+    stop_cleanly,
+    sweep_stale_temporaries,
 )
 
 WEIGHTS = "weights/w.safetensors"
@@ -193,29 +201,204 @@ def test_auto_resume_refuses_when_every_checkpoint_is_damaged(tmp_path: Path):
         resolve_resume("auto", tmp_path)
 
 
-def test_a_checkpoint_without_a_manifest_resumes_with_a_warning(tmp_path: Path, caplog):
-    ckpt = _save(tmp_path, 1)
-    (ckpt.path / MANIFEST_FILE).unlink()  # as written before checkpoints carried one
+def _without_manifest(ckpt: Checkpoint) -> None:
+    """A manifest deleted, and a byte of the weights flipped: nothing can tell the damage any more."""
+    (ckpt.path / MANIFEST_FILE).unlink()
+    _flip_last_byte(ckpt.path / WEIGHTS)
+
+
+def test_auto_resume_skips_a_checkpoint_without_a_manifest_and_names_it(tmp_path: Path, caplog):
+    _save(tmp_path, 1, keep_last=3)
+    newest = _save(tmp_path, 2, keep_last=3)
+    _without_manifest(newest)
     with caplog.at_level(logging.WARNING, logger="rlgen_cli.training.checkpoint"):
-        assert resolve_resume("auto", tmp_path).path == ckpt.path
-    assert "not verified" in caplog.text
+        assert resolve_resume("auto", tmp_path).path.name == "epoch_000001"
+    assert f"skips a damaged checkpoint: {newest.path} has no {MANIFEST_FILE}" in caplog.text
 
 
-# -- metrics.jsonl after a resume ------------------------------------------------------------------------
-def test_a_resumed_run_logs_each_step_once(tmp_path: Path):
-    from rlgen_cli.training.metrics import JsonlLogger, read_metrics
+def test_auto_resume_refuses_when_the_only_checkpoint_has_no_manifest(tmp_path: Path):
+    _without_manifest(_save(tmp_path, 1))
+    with pytest.raises(
+        UserError, match=f"no intact checkpoint.*has no {MANIFEST_FILE}.*resume_unverified=true"
+    ):
+        resolve_resume("auto", tmp_path)
 
-    first = JsonlLogger(tmp_path)
-    for step in (0, 1, 2, 3):  # the evaluation before training, then epochs 1–3
-        first.log({"x": step}, step)
-    first.close()
-    with (tmp_path / "metrics.jsonl").open("a") as f:
-        f.write('{"step": 4, "x"')  # killed mid-write
-    resumed = JsonlLogger(tmp_path)  # from the checkpoint after epoch 1: epochs 2 and 3 are redone
-    resumed.log({"x": 20}, 2)
-    resumed.log({"x": 30}, 3)
-    resumed.close()
-    assert read_metrics(tmp_path) == [
-        {"step": 0, "x": 0}, {"step": 1, "x": 1}, {"step": 2, "x": 20}, {"step": 3, "x": 30}
-    ]  # fmt: skip
-    assert not list(tmp_path.glob(".metrics.jsonl.tmp-*"))
+
+def test_an_explicit_checkpoint_without_a_manifest_needs_resume_unverified(tmp_path: Path, caplog):
+    ckpt = _save(tmp_path, 1)
+    _without_manifest(ckpt)
+    with pytest.raises(UserError, match=f"{ckpt.path} has no {MANIFEST_FILE}.*add resume_unverified=true"):
+        resolve_resume(str(ckpt.path), tmp_path)
+    with caplog.at_level(logging.WARNING, logger="rlgen_cli.training.checkpoint"):
+        assert resolve_resume(str(ckpt.path), tmp_path, unverified=True).path == ckpt.path
+    assert f"{ckpt.path} has no {MANIFEST_FILE}: its files are not verified" in caplog.text
+    assert resolve_resume("auto", tmp_path, unverified=True).path == ckpt.path  # opted in for auto too
+
+
+def test_the_resume_prerequisite_refuses_a_checkpoint_without_a_manifest(tmp_path: Path):
+    from types import SimpleNamespace
+
+    from rlgen_cli.tasks.prerequisites import resume_problems
+
+    ckpt = _save(tmp_path, 1)
+    assert resume_problems(SimpleNamespace(resume=str(ckpt.path), resume_unverified=False)) == []
+    _without_manifest(ckpt)
+    (problem,) = resume_problems(SimpleNamespace(resume=str(ckpt.path), resume_unverified=False))
+    assert problem.startswith(f"resume={ckpt.path}: {ckpt.path} has no {MANIFEST_FILE}")
+    assert resume_problems(SimpleNamespace(resume=str(ckpt.path), resume_unverified=True)) == []
+
+
+# -- durability: fsync before and after the rename, and the temporaries a killed save leaves ----------
+def test_every_file_is_fsynced_before_the_rename_and_the_folder_after(tmp_path: Path, monkeypatch):
+    import rlgen_cli.training.checkpoint as module
+
+    events: list[tuple[str, str]] = []
+    fsync, replace = os.fsync, os.replace
+
+    def recording_fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def recording_replace(src, dst) -> None:
+        events.append(("rename", str(src)))
+        replace(src, dst)
+
+    monkeypatch.setattr(module.os, "fsync", recording_fsync)
+    monkeypatch.setattr(module.os, "replace", recording_replace)
+    ckpt = _save(tmp_path, 1)
+    (rename,) = [i for i, (what, _) in enumerate(events) if what == "rename"]
+    tmp = Path(events[rename][1])
+    synced_before = {Path(path).relative_to(tmp).as_posix() for _, path in events[:rename]}
+    on_disk = {p.relative_to(ckpt.path).as_posix() for p in ckpt.path.rglob("*")}
+    assert synced_before == on_disk | {"."}  # every file and folder, and the folder itself
+    assert events[rename + 1 :] == [("fsync", str(tmp_path / "checkpoints"))]  # the rename, made durable
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_the_startup_sweep_removes_only_temporaries_of_dead_processes(tmp_path: Path):
+    _save(tmp_path, 1)
+    root, host = tmp_path / "checkpoints", platform.node()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        dead_pid = _dead_pid()
+        folders = {
+            "dead": root / f".epoch_000002.tmp-{host}-{dead_pid}",
+            "dead, older name": root / f".epoch_000003.tmp-{dead_pid}",
+            "alive": root / f".epoch_000004.tmp-{host}-{alive.pid}",
+            "this process": root / f".epoch_000005.tmp-{host}-{os.getpid()}",
+            "another host": root / f".epoch_000006.tmp-elsewhere.example-{dead_pid}",
+            "engine staging": engine_staging(tmp_path, 7),
+        }
+        for folder in folders.values():
+            (folder / "weights").mkdir(parents=True)
+        removed = sweep_stale_temporaries(tmp_path)
+        assert sorted(removed) == sorted([folders["dead"], folders["dead, older name"]])
+        assert {name for name, folder in folders.items() if folder.exists()} == {
+            "alive", "this process", "another host", "engine staging"
+        }  # fmt: skip
+        assert [c.path.name for c in list_checkpoints(tmp_path)] == ["epoch_000001"]
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+def test_a_failed_save_removes_its_temporary_folder(tmp_path: Path):
+    def crash(directory: Path) -> None:
+        _weight_writer(2)(directory)
+        raise RuntimeError("killed mid-save")
+
+    with pytest.raises(RuntimeError, match="killed mid-save"):
+        save_checkpoint(tmp_path, 2, crash, {}, OmegaConf.create({}), keep_last=3)
+    assert list((tmp_path / "checkpoints").iterdir()) == []
+
+
+# -- a full disk: one line naming the last good checkpoint ------------------------------------------
+FULL = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def _full_disk_writer(directory: Path) -> None:
+    directory.mkdir(parents=True)
+    raise FULL
+
+
+def _safetensors_full_disk(directory: Path) -> None:  # what safetensors raises: its own type, errno in text
+    directory.mkdir(parents=True)
+    raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+@pytest.mark.parametrize(
+    "writer", [_full_disk_writer, _safetensors_full_disk], ids=["OSError", "safetensors"]
+)
+def test_a_full_disk_mid_save_is_one_line_naming_the_last_good_checkpoint(tmp_path: Path, writer):
+    good = _save(tmp_path, 1, keep_last=3)
+    with pytest.raises(UserError) as caught, stop_cleanly(tmp_path):
+        save_checkpoint(tmp_path, 2, writer, {}, OmegaConf.create({}), keep_last=3)
+    message = str(caught.value)
+    assert message == (
+        f"the disk is full writing {tmp_path / 'checkpoints' / 'epoch_000002'}; the last good checkpoint is "
+        f"{good.path} (resume=auto continues from it); free space and run it again"
+    )
+    assert "\n" not in message
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["epoch_000001"]  # no temporary
+
+
+def test_a_full_disk_before_any_checkpoint_says_none_was_saved(tmp_path: Path):
+    none_yet = r"the disk is full; no checkpoint was saved in .*checkpoints yet"
+    with pytest.raises(UserError, match=none_yet), stop_cleanly(tmp_path):
+        raise FULL
+
+
+def test_stop_cleanly_names_the_last_good_checkpoint_after_non_finite_rewards(tmp_path: Path):
+    _save(tmp_path, 1, keep_last=3)
+    damaged = _save(tmp_path, 2, keep_last=3)
+    _truncate(damaged.path / WEIGHTS)  # not good: the line names the one before it
+    with pytest.raises(UserError) as caught, stop_cleanly(tmp_path):
+        raise NonFiniteRewards("non-finite rewards {'r': '4 NaN, 0 inf'} out of 4 samples")
+    last_good = tmp_path / "checkpoints" / "epoch_000001"
+    assert str(caught.value) == (
+        "non-finite rewards {'r': '4 NaN, 0 inf'} out of 4 samples; "
+        f"the last good checkpoint is {last_good} (resume=auto continues from it)"
+    )
+
+
+def test_stop_cleanly_lets_other_errors_through(tmp_path: Path):
+    with pytest.raises(PermissionError), stop_cleanly(tmp_path):
+        raise PermissionError(errno.EACCES, "denied")
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+    )
+    return mounted.returncode == 0
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux" or os.geteuid() != 0, reason="mounting a tmpfs needs root on Linux"
+)
+def test_a_really_full_disk_mid_save_is_caught_and_cleaned_up(tmp_path: Path):
+    """A 1 MiB tmpfs: the first checkpoint (256 KiB of trainer state) fits, the second (1 MiB) does not;
+    torch.save reports that as a RuntimeError raised while handling the ENOSPC."""
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "1m"):
+        pytest.skip("tmpfs could not be mounted here")
+    try:
+        small, large = {"optimizer": torch.zeros(1 << 16)}, {"optimizer": torch.zeros(1 << 18)}
+        first = save_checkpoint(disk, 1, _weight_writer(1), small, OmegaConf.create({}), keep_last=3)
+        expected = (
+            f"the disk is full writing {disk / 'checkpoints' / 'epoch_000002'}; the last good checkpoint is "
+            f"{first.path} (resume=auto continues from it); free space and run it again"
+        )
+        with pytest.raises(UserError) as caught, stop_cleanly(disk):
+            save_checkpoint(disk, 2, _weight_writer(2), large, OmegaConf.create({}), keep_last=3)
+        assert str(caught.value) == expected
+        assert sorted(p.name for p in (disk / "checkpoints").iterdir()) == ["epoch_000001"]
+        assert resolve_resume("auto", disk).path == first.path
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
