@@ -223,7 +223,9 @@ RANGES: dict[type, dict[str, Range | Pattern]] = {
         "port": Range(0, 65535), "max_batch": COUNT, "max_wait_ms": NON_NEGATIVE, "max_request_mb": POSITIVE,
         "max_image_pixels": COUNT, "max_image_side": COUNT, "max_decoded_mb": POSITIVE,
         "max_request_items": COUNT, "max_metadata_depth": COUNT, "workers": COUNT,
-        "shutdown_timeout_s": NON_NEGATIVE,
+        "shutdown_timeout_s": NON_NEGATIVE, "max_inflight_requests": COUNT, "max_inflight_decoded_mb": POSITIVE,
+        "admission_wait_s": NON_NEGATIVE, "max_connections": COUNT, "header_timeout_s": POSITIVE,
+        "body_timeout_s": POSITIVE,
     },
 }  # fmt: skip
 """{schema class: {field: its valid values}}; a list or map field's range applies to each element."""

@@ -47,6 +47,18 @@ class ServerConfig:
     """Devices given round-robin to the workers (cuda:0, 1, cpu) via CUDA_VISIBLE_DEVICES; [] = inherit."""
     shutdown_timeout_s: float = 30.0
     """On SIGINT/SIGTERM, how long to wait for in-flight requests before closing."""
+    max_inflight_requests: int = 64
+    """Most score requests handled at once; more wait up to admission_wait_s, then 503 + Retry-After."""
+    max_inflight_decoded_mb: float = 1024.0
+    """Memory all requests in flight may hold, MiB: 2× body + decoded pixels (5× for float rewards) (→ 503)."""
+    admission_wait_s: float = 5.0
+    """How long a request waits for room under the two in-flight budgets before its 503."""
+    max_connections: int = 256
+    """Most open connections per server process; one more gets 503 and is closed."""
+    header_timeout_s: float = 15.0
+    """Longest wait for a request head after connecting or after the previous reply (idle keep-alive too)."""
+    body_timeout_s: float = 60.0
+    """Longest time a request may take to send its body (→ 408)."""
 
     def __post_init__(self) -> None:
         _require(

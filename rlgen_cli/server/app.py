@@ -9,9 +9,18 @@ The cost of a request is bounded before it is paid: the body size (``max_request
 parsing may build (``max_request_items``, counted while parsing, :mod:`rlgen_cli.server.limits`), the
 nesting of its metadata (``max_metadata_depth``), each image's pixels and sides, and the decoded size of
 all its images together (``max_decoded_mb``, summed from raw shapes and PNG/JPEG headers before anything
-is decoded); each answers 413 naming its key. Parsing and PNG/JPEG decoding run in a thread pool (one
-thread per core), so the event loop — and ``/healthz`` — keeps answering during a large request; raw
-pixels are validated and viewed in place.
+is decoded), and the structure of each PNG/JPEG file (chunk count, ancillary bytes, text), pre-scanned
+before Pillow sees it; each answers 413 naming its key or cap. A JSON body's items are counted as it
+arrives, so an oversized one is refused before the rest of it is read. Parsing and PNG/JPEG decoding run
+in a thread pool (one thread per core), so the event loop — and ``/healthz`` — keeps answering during a
+large request; raw pixels are validated and viewed in place.
+
+Across requests, :mod:`rlgen_cli.server.admission` bounds what all requests in flight may hold together
+(``max_inflight_requests``, ``max_inflight_decoded_mb``): a request that does not fit waits at most
+``admission_wait_s``, then gets 503 with ``Retry-After``. Connections are bounded by
+:mod:`rlgen_cli.server.connections` (``max_connections``, ``header_timeout_s``); a body that does not
+arrive within ``body_timeout_s`` gets 408. ``Expect: 100-continue`` is answered 401/403/413 before any
+``100 Continue`` when the token or the declared size already fails.
 
 Every client mistake is a JSON ``{"error": "..."}`` with a 4xx status that names the problem; a reward
 failure is 422 (the reward rejected the input) or 500. A client that disconnects before sending its whole
@@ -35,10 +44,11 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from rlgen_cli.rewards.base import Reward
+from rlgen_cli.rewards.base import Reward, accepts_uint8
 from rlgen_cli.rewards.remote import wire
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.server import limits
+from rlgen_cli.server.admission import Budget
 from rlgen_cli.server.batcher import MicroBatcher, ScoringError
 from rlgen_cli.server.metrics import ServerMetrics
 
@@ -69,6 +79,15 @@ class ServerSettings:
         workers: Server processes; each listens on its own port (see ``server/runner.py``).
         devices: Devices given round-robin to the workers (``cuda:0``, ``1``, ``cpu``); empty = inherit.
         shutdown_timeout_s: How long a shutdown waits for in-flight requests.
+        max_inflight_requests: Most score requests handled at once (the rest wait, then 503).
+        max_inflight_decoded_mb: Memory all requests in flight may hold together, in MiB: each counts
+            twice its body and its decoded pixels (five times for a reward taking float pixels); see
+            :mod:`rlgen_cli.server.admission`.
+        admission_wait_s: How long a request waits for room under those two budgets before its 503.
+        max_connections: Most open connections; one more gets 503 and is closed.
+        header_timeout_s: Longest a connection may take to send a request head (after connecting or
+            after its previous reply, so also the idle keep-alive time).
+        body_timeout_s: Longest a request may take to send its body (408 after).
     """
 
     host: str = "127.0.0.1"
@@ -85,6 +104,12 @@ class ServerSettings:
     workers: int = 1
     devices: list[str] = field(default_factory=list)
     shutdown_timeout_s: float = 30.0
+    max_inflight_requests: int = 64
+    max_inflight_decoded_mb: float = 1024.0
+    admission_wait_s: float = 5.0
+    max_connections: int = 256
+    header_timeout_s: float = 15.0
+    body_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         """Check ranges; raise :class:`UserError` naming the ``server.`` key to fix."""
@@ -105,6 +130,18 @@ class ServerSettings:
                 f"server.max_metadata_depth must be ≥ 1, got {self.max_metadata_depth}",
             ),
             (self.workers >= 1, f"server.workers must be ≥ 1, got {self.workers}"),
+            (
+                self.max_inflight_requests >= 1,
+                f"server.max_inflight_requests must be ≥ 1, got {self.max_inflight_requests}",
+            ),
+            (
+                self.max_inflight_decoded_mb > 0,
+                f"server.max_inflight_decoded_mb must be > 0, got {self.max_inflight_decoded_mb}",
+            ),
+            (self.admission_wait_s >= 0, f"server.admission_wait_s must be ≥ 0, got {self.admission_wait_s}"),
+            (self.max_connections >= 1, f"server.max_connections must be ≥ 1, got {self.max_connections}"),
+            (self.header_timeout_s > 0, f"server.header_timeout_s must be > 0, got {self.header_timeout_s}"),
+            (self.body_timeout_s > 0, f"server.body_timeout_s must be > 0, got {self.body_timeout_s}"),
             (self.token != "", "server.token is empty; give a secret or null for no auth"),
         ]
         for ok, message in checks:
@@ -121,14 +158,28 @@ class ServerSettings:
         """``max_decoded_mb`` in bytes."""
         return int(self.max_decoded_mb * 1024 * 1024)
 
+    @property
+    def max_inflight_decoded_bytes(self) -> int:
+        """``max_inflight_decoded_mb`` in bytes."""
+        return int(self.max_inflight_decoded_mb * 1024 * 1024)
+
 
 class ApiError(Exception):
     """A request the server refuses: HTTP ``status``, a message naming the problem, a metrics ``kind``;
-    ``close`` ends the connection after the reply (its framing can no longer be trusted)."""
+    ``close`` ends the connection after the reply (its framing can no longer be trusted); ``headers``
+    are added to the reply (``Retry-After``)."""
 
-    def __init__(self, status: int, message: str, kind: str = "validation", close: bool = False) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "validation",
+        close: bool = False,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.close = status, message, kind, close
+        self.headers = headers or {}
 
 
 class ClientDisconnected(Exception):
@@ -136,6 +187,7 @@ class ClientDisconnected(Exception):
 
 
 _DISCONNECTED = 499  # the metrics' status label of a request whose client went away (nginx's convention)
+_KNOWN_ENCODINGS = frozenset(("gzip", "deflate", "br", "identity"))  # named back in errors; nothing else is
 _INLINE_PARSE_BYTES = 4096  # smaller bodies parse on the event loop (≤ ~2 ms, no thread hand-off)
 
 
@@ -152,13 +204,19 @@ class ServerState:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     batchers: dict[str, MicroBatcher] = field(default_factory=dict)
     decoder: ThreadPoolExecutor | None = None  # PNG/JPEG decoding, float conversion; one thread per core
+    slots: Budget = field(init=False)  # score requests in flight (max_inflight_requests)
+    memory: Budget = field(init=False)  # bytes they may hold (max_inflight_decoded_mb)
+
+    def __post_init__(self) -> None:
+        self.slots = Budget(self.settings.max_inflight_requests)
+        self.memory = Budget(self.settings.max_inflight_decoded_bytes)
 
 
 STATE = web.AppKey("rlgen_state", ServerState)
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status)
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response({"error": message}, status=status, headers=headers)
 
 
 def _route(request: web.Request) -> str:
@@ -182,7 +240,7 @@ async def _observe(request: web.Request, handler: Handler) -> web.StreamResponse
         response = web.Response(status=_DISCONNECTED)
     except ApiError as err:
         metrics.errors.inc(kind=err.kind)
-        response = _error(err.status, err.message)
+        response = _error(err.status, err.message, err.headers)
         if err.close:
             response.force_close()
     except web.HTTPException as err:  # aiohttp's own: unknown route, wrong method, body too large
@@ -200,12 +258,11 @@ async def _observe(request: web.Request, handler: Handler) -> web.StreamResponse
     return response
 
 
-@web.middleware
-async def _authorize(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Require ``Authorization: Bearer <token>`` on every route but ``/healthz`` when a token is set."""
+def _check_token(request: web.Request) -> None:
+    """Raise 401/403 unless the request carries the server's bearer token (no-op without a token)."""
     token = request.app[STATE].settings.token
     if token is None or request.path == "/healthz":
-        return await handler(request)
+        return
     header = request.headers.get("Authorization", "")
     if not header.startswith("Bearer "):
         raise ApiError(401, "missing bearer token: send 'Authorization: Bearer <token>'", kind="auth")
@@ -213,17 +270,17 @@ async def _authorize(request: web.Request, handler: Handler) -> web.StreamRespon
     sent = header[len("Bearer ") :].encode("utf-8", "surrogateescape")
     if not hmac.compare_digest(sent, token.encode()):
         raise ApiError(403, "wrong bearer token: use the server's token (server.token)", kind="auth")
+
+
+@web.middleware
+async def _authorize(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Require ``Authorization: Bearer <token>`` on every route but ``/healthz`` when a token is set."""
+    _check_token(request)
     return await handler(request)
 
 
-async def _read_body(request: web.Request) -> bytes:
-    """The request body, after checking its declared length.
-
-    Raises:
-        ApiError: 413 above ``max_request_mb``; 400 for a body that cannot be decoded (a bad
-            ``Content-Encoding`` or chunked framing).
-        ClientDisconnected: The client hung up before the whole body arrived.
-    """
+def _check_declared_size(request: web.Request) -> None:
+    """413 when the declared ``Content-Length`` is above ``max_request_mb``."""
     limit = request.app[STATE].settings.max_request_bytes
     if request.content_length is not None and request.content_length > limit:
         raise ApiError(
@@ -232,33 +289,103 @@ async def _read_body(request: web.Request) -> bytes:
             f"({limit} bytes); send fewer images per request (client batch_size)",
             kind="too_large",
         )
+
+
+async def _expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """``Expect: 100-continue``: refuse a request whose token or declared size already fails before
+    asking for its body; else answer ``100 Continue`` as aiohttp does."""
     try:
-        return await request.read()
+        _check_token(request)
+        _check_declared_size(request)
+    except ApiError as err:
+        metrics = request.app[STATE].metrics
+        metrics.errors.inc(kind=err.kind)
+        metrics.requests.inc(route=_route(request), status=str(err.status))
+        response = _error(err.status, err.message)
+        response.force_close()  # the client may send the body anyway: never read it as a request
+        return response
+    if request.headers.get("Expect", "").lower() != "100-continue":
+        raise web.HTTPExpectationFailed(text="only 'Expect: 100-continue' is understood")
+    if request.version >= (1, 1):
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the reply proper has not started
+    return None
+
+
+async def _receive(request: web.Request, counter: limits.JsonItemCounter | None) -> bytearray:
+    """Read the body chunk by chunk, up to ``max_request_mb``, feeding ``counter`` as it arrives."""
+    limit = request.app[STATE].settings.max_request_bytes
+    body = bytearray()
+    while chunk := await request.content.readany():
+        body += chunk
+        if len(body) > limit:  # a chunked body declares no length
+            raise ApiError(
+                413,
+                f"request body is above server.max_request_mb ({limit} bytes); send fewer images per "
+                "request (client batch_size)",
+                kind="too_large",
+                close=True,
+            )
+        if counter is not None:
+            counter.feed(chunk)
+    return body
+
+
+async def _read_body(request: web.Request, counter: limits.JsonItemCounter | None = None) -> bytearray:
+    """The request body, after checking its declared length, within ``body_timeout_s``.
+
+    Raises:
+        ApiError: 413 above ``max_request_mb`` or, from ``counter``, ``max_request_items``; 408 when the
+            body takes longer than ``body_timeout_s``; 400 for a body that cannot be decoded (a bad
+            ``Content-Encoding`` or chunked framing).
+        ClientDisconnected: The client hung up before the whole body arrived.
+    """
+    _check_declared_size(request)
+    timeout_s = request.app[STATE].settings.body_timeout_s
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _receive(request, counter)
+    except TimeoutError as err:
+        raise ApiError(
+            408,
+            f"request body not received within server.body_timeout_s={timeout_s:g} s; send it faster or "
+            "raise server.body_timeout_s",
+            kind="timeout",
+            close=True,
+        ) from err
+    except wire.WireError as err:
+        raise _wire_error(err) from err
     except ConnectionResetError as err:
         raise ClientDisconnected(f"{err} after the headers, before the whole body") from err
     except web.RequestPayloadError as err:
-        detail = getattr(err.__cause__, "message", "") or str(err)
-        encoding = request.headers.get("Content-Encoding", "identity")
         request.content.feed_eof()  # nothing more to read: aiohttp would re-raise the error after the reply
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        named = encoding if encoding in _KNOWN_ENCODINGS else "not gzip, deflate, br or identity"
         raise ApiError(
-            400, f"request body could not be read (Content-Encoding: {encoding:.40}): {detail}", close=True
+            400,
+            f"request body could not be read (Content-Encoding: {named}): its chunked framing or encoding "
+            "is invalid",
+            close=True,
         ) from err
 
 
 async def _read_payload(request: web.Request, state: ServerState) -> tuple[dict[str, Any], bool]:
     """Read and parse the body (bounded, see :mod:`limits`); returns it and whether it was msgpack.
 
-    A body above ``_INLINE_PARSE_BYTES`` is parsed in the decode pool, so the event loop keeps serving.
+    A JSON body's items are counted while it arrives; a body above ``_INLINE_PARSE_BYTES`` is parsed in
+    the decode pool, so the event loop keeps serving.
     """
-    body = await _read_body(request)
     binary = request.content_type == wire.MSGPACK_TYPE
     max_items = state.settings.max_request_items
+    body = await _read_body(request, None if binary else limits.JsonItemCounter(max_items))
     try:
         if len(body) <= _INLINE_PARSE_BYTES:
-            payload = limits.parse_body(body, binary, max_items)
+            payload = limits.parse_body(body, binary, max_items, counted=True)
         else:
             loop = asyncio.get_running_loop()
-            payload = await loop.run_in_executor(state.decoder, limits.parse_body, body, binary, max_items)
+            payload = await loop.run_in_executor(
+                state.decoder, limits.parse_body, body, binary, max_items, True
+            )
     except wire.WireError as err:
         raise _wire_error(err) from err
     return payload, binary
@@ -317,7 +444,8 @@ def _validate(payload: dict[str, Any], state: ServerState, binary: bool) -> tupl
 
 
 def _checked_entry(data: Any, index: int, settings: ServerSettings) -> tuple[Any, int]:
-    """Validate one ``images`` entry without decoding it: ``(raw view | (file bytes, header), C·H·W)``."""
+    """Validate one ``images`` entry without decoding it: ``(raw view | (file bytes, header), C·H·W)``;
+    a PNG/JPEG's chunk/segment headers are pre-scanned against the structure caps."""
     max_pixels, max_side = settings.max_image_pixels, settings.max_image_side
     if isinstance(data, dict):
         view = wire.decode_raw_image(data, index, max_pixels, max_side)
@@ -326,15 +454,16 @@ def _checked_entry(data: Any, index: int, settings: ServerSettings) -> tuple[Any
         data = wire.b64_to_bytes(data, index)
     header = wire.read_image_header(data, index)
     wire.check_image_size(index, header.height, header.width, max_pixels, max_side)
+    limits.scan_image_structure(data, header.format, index)
     return (data, header), header.nbytes
 
 
-def _decode_all(raw: list[Any], settings: ServerSettings) -> list[np.ndarray]:
-    """Turn every entry into ``(C, H, W)`` uint8 pixels; the batcher converts to float once per batch.
+Checked = list[tuple[Any, int]]  # per entry: (raw view | (file bytes, header), C·H·W)
 
-    Every entry's size is checked (raw shapes, PNG/JPEG headers) and summed against ``max_decoded_mb``
-    before the first file is decoded.
-    """
+
+def _check_all(raw: list[Any], settings: ServerSettings) -> tuple[Checked, int]:
+    """Check every entry's size (raw shapes, PNG/JPEG headers and structure) and sum it against
+    ``max_decoded_mb`` before anything is decoded; returns the entries and their decoded bytes."""
     checked = [_checked_entry(data, i, settings) for i, data in enumerate(raw)]
     total = sum(nbytes for _, nbytes in checked)
     if total > settings.max_decoded_bytes:
@@ -344,6 +473,12 @@ def _decode_all(raw: list[Any], settings: ServerSettings) -> list[np.ndarray]:
             "fewer or smaller images per request (client batch_size) or raise server.max_decoded_mb",
             status=413,
         )
+    return checked, total
+
+
+def _decode_checked(checked: Checked) -> list[np.ndarray]:
+    """Turn every checked entry into ``(C, H, W)`` uint8 pixels; the batcher converts to float once per
+    batch."""
     out = []
     for i, (entry, _) in enumerate(checked):
         if isinstance(entry, np.ndarray):
@@ -353,15 +488,34 @@ def _decode_all(raw: list[Any], settings: ServerSettings) -> list[np.ndarray]:
     return out
 
 
-async def _decode(raw: list[Any], state: ServerState) -> list[np.ndarray]:
-    """Decode a request's images: raw pixels inline (cheap checks and views), PNG/JPEG in the decode pool."""
+async def _in_pool(state: ServerState, inline: bool, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` here when ``inline``, else in the decode pool; a WireError becomes its ApiError."""
     try:
-        if all(isinstance(data, dict) for data in raw):
-            return _decode_all(raw, state.settings)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(state.decoder, _decode_all, raw, state.settings)
+        if inline:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(state.decoder, fn, *args)
     except wire.WireError as err:
         raise _wire_error(err) from err
+
+
+async def _admit(state: ServerState, budget: Budget, amount: int, what: str, held: int = 0) -> None:
+    """Take ``amount`` more of ``budget`` (the request holds ``held``) within ``admission_wait_s``, else
+    503 with ``Retry-After``."""
+    wait_s = state.settings.admission_wait_s
+    if not await budget.acquire(amount, wait_s, held):
+        raise ApiError(
+            503,
+            f"the server is busy: {what} stayed full for server.admission_wait_s={wait_s:g} s; retry later "
+            "or on another endpoint",
+            kind="busy",
+            headers={"Retry-After": "1"},
+        )
+
+
+def _memory_cost(body_bytes: int, decoded_bytes: int, reward: Reward) -> int:
+    """What a request holds at most: its body and its parse; its uint8 pixels and, for a reward that takes
+    float pixels, their float32 copy (4 bytes each)."""
+    return 2 * body_bytes + decoded_bytes * (1 if accepts_uint8(reward) else 5)
 
 
 def _reply(body: dict[str, Any], binary: bool) -> web.Response:
@@ -373,15 +527,30 @@ def _reply(body: dict[str, Any], binary: bool) -> web.Response:
 
 
 async def score(request: web.Request) -> web.Response:
-    """``POST /v1/score``: validate, decode, micro-batch, score, reply."""
+    """``POST /v1/score``: admit, read, validate, check sizes, admit the pixels, decode, batch, score, reply."""
     state = request.app[STATE]
+    await _admit(
+        state, state.slots, 1, f"server.max_inflight_requests={state.settings.max_inflight_requests}"
+    )
+    held = 0
     state.metrics.in_flight.inc()
     try:
+        declared = request.content_length
+        body_cost = 2 * (state.settings.max_request_bytes if declared is None else declared)
+        budget_key = f"server.max_inflight_decoded_mb={state.settings.max_inflight_decoded_mb:g}"
+        await _admit(state, state.memory, body_cost, budget_key)
+        held = body_cost
         payload, binary = await _read_payload(request, state)
         name, raw, prompts, metadata = _validate(payload, state, binary)
         if not prompts:
             return _reply({"scores": [], "details": {}}, binary)
-        images = await _decode(raw, state)
+        inline = all(isinstance(data, dict) for data in raw)  # raw pixels: cheap checks and views
+        checked, decoded = await _in_pool(state, inline, _check_all, raw, state.settings)
+        more = _memory_cost(0, decoded, state.rewards[name])
+        await _admit(state, state.memory, more, budget_key, held)
+        held += more
+        images = await _in_pool(state, inline, _decode_checked, checked)
+        del checked
         try:
             scored = await state.batchers[name].submit(images, prompts, metadata)
         except ScoringError as err:
@@ -394,6 +563,8 @@ async def score(request: web.Request) -> web.Response:
         return _reply({"scores": scores, "details": scored.details}, binary)
     finally:
         state.metrics.in_flight.dec()
+        state.memory.release(held)
+        state.slots.release(1)
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -425,6 +596,9 @@ async def list_rewards(request: web.Request) -> web.Response:
                 "max_decoded_mb": settings.max_decoded_mb,
                 "max_request_items": settings.max_request_items,
                 "max_metadata_depth": settings.max_metadata_depth,
+                "max_inflight_requests": settings.max_inflight_requests,
+                "max_inflight_decoded_mb": settings.max_inflight_decoded_mb,
+                "max_connections": settings.max_connections,
             },
             "wire_formats": list(wire.FORMATS),
         }
@@ -474,7 +648,7 @@ def build_app(rewards: dict[str, Reward], settings: ServerSettings | None = None
     app = web.Application(client_max_size=settings.max_request_bytes, middlewares=[_observe, _authorize])
     app[STATE] = ServerState(rewards=dict(rewards), settings=settings)
     app.cleanup_ctx.append(_batchers)
-    app.router.add_post("/v1/score", score)
+    app.router.add_post("/v1/score", score, expect_handler=_expect_continue)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/v1/rewards", list_rewards)
     app.router.add_get("/metrics", metrics)

@@ -6,9 +6,17 @@ so the body size alone bounds nothing. Every list element, map entry and contain
 * **msgpack** is parsed with a hook on every list and map that adds its length, so parsing stops at
   the first container past ``max_items``; no single list or map may even declare more (msgpack's own
   ``max_array_len``/``max_map_len``, checked from the header before allocating);
-* **JSON** has no such hooks, so its items are counted before parsing: every ``[``, ``{`` and ``,``
-  outside strings (a ``bytes.count`` when the whole body has few enough of them, else a scan that
-  skips strings first).
+* **JSON** has no such hooks, so its items are counted while the body arrives, before parsing: every
+  ``[``, ``{`` and ``,`` outside strings, by :class:`JsonItemCounter` — a numpy scan of each chunk as
+  it is received (linear, no per-string work, a few milliseconds of event loop per chunk), so a body of
+  millions of empty strings is refused after its first ``max_items`` items, not after it all arrived.
+
+PNG and JPEG files are pre-scanned (:func:`scan_image_structure`: chunk and marker headers only) before
+Pillow sees them: Pillow walks every PNG chunk and JPEG segment in Python and keeps text and private
+chunks, so a small image followed by millions of empty chunks costs seconds and hundreds of MB. Each file
+may hold at most ``MAX_IMAGE_CHUNKS`` chunks/segments, ``MAX_ANCILLARY_BYTES`` of ancillary chunks
+(PNG chunks whose type starts lower-case, JPEG APPn/COM segments) and ``MAX_TEXT_BYTES`` of text keys
+and values (PNG ``tEXt``/``zTXt``/``iTXt``, compressed text counted once inflated).
 
 :func:`check_depth` bounds how deeply free-form fields (``metadata``) nest. Each function raises a
 :class:`~rlgen_cli.rewards.remote.wire.WireError` naming the limit and its ``server.`` key.
@@ -17,15 +25,33 @@ so the body size alone bounds nothing. Every list element, map entry and contain
 from __future__ import annotations
 
 import json
-import re
+import struct
+import zlib
 from typing import Any
+
+import numpy as np
 
 from rlgen_cli.rewards.remote.wire import WireError
 
-__all__ = ["check_depth", "count_json_items", "parse_body"]
+__all__ = [
+    "MAX_ANCILLARY_BYTES",
+    "MAX_IMAGE_CHUNKS",
+    "MAX_TEXT_BYTES",
+    "JsonItemCounter",
+    "check_depth",
+    "parse_body",
+    "scan_image_structure",
+]
 
-_JSON_MARKS = (b"[", b"{", b",")
-_JSON_STRING = re.compile(rb'"[^"]*"')  # a string once its escaped quotes and backslashes are gone
+_QUOTE, _BACKSLASH = ord('"'), ord("\\")
+_COMMA, _BRACKET, _BRACE = ord(","), ord("["), ord("{")
+_SLICE = 256 * 1024  # bytes scanned per numpy pass: bounds the scan's temporaries to a few MiB
+
+# Per PNG/JPEG file. A 4096² RGB PNG written with libpng's 8 KiB IDAT chunks has ≈ 6 000 chunks; real
+# files carry a few KiB of metadata (an ICC profile is the largest, ≤ ~600 KiB).
+MAX_IMAGE_CHUNKS = 16_384
+MAX_ANCILLARY_BYTES = 1024 * 1024
+MAX_TEXT_BYTES = 64 * 1024
 
 
 def _too_many(limit: int, detail: str) -> WireError:
@@ -36,20 +62,47 @@ def _too_many(limit: int, detail: str) -> WireError:
     )
 
 
-def count_json_items(body: bytes, limit: int) -> int:
-    """The items of a JSON body: its ``[``, ``{`` and ``,`` outside strings (exact when above ``limit``).
+class JsonItemCounter:
+    """Counts the ``[``, ``{`` and ``,`` outside strings of a JSON body fed chunk by chunk.
 
-    The quick count over the whole body also counts commas and brackets inside strings (prompts), so
-    only when it is above ``limit`` are the strings removed and the rest counted exactly.
+    A quote delimits a string unless an odd run of backslashes precedes it (in valid JSON a backslash
+    only appears inside strings). The state carried between chunks is whether the scan is inside a string
+    and the length of the backslash run the last chunk ended with, so any split of the body gives the same
+    count. Each chunk costs a few vectorised passes; nothing is kept per string.
     """
-    quick = sum(body.count(mark) for mark in _JSON_MARKS)
-    if quick <= limit:
-        return quick
-    # In valid JSON a backslash only starts an escape inside a string: drop escaped backslashes first,
-    # then escaped quotes, and every quote left delimits a string.
-    unescaped = body.replace(b"\\\\", b"").replace(b'\\"', b"")
-    outside = _JSON_STRING.sub(b"", unescaped)
-    return sum(outside.count(mark) for mark in _JSON_MARKS)
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.count = limit, 0
+        self._in_string = False
+        self._backslashes = 0  # length of the backslash run at the end of what was fed
+
+    def feed(self, chunk: bytes | bytearray | memoryview) -> None:
+        """Count ``chunk``; raises a 413 :class:`WireError` as soon as the count passes ``limit``."""
+        data = np.frombuffer(chunk, dtype=np.uint8)
+        for start in range(0, len(data), _SLICE):
+            self._scan(data[start : start + _SLICE])
+            if self.count > self.limit:
+                raise _too_many(self.limit, f"more than {self.limit} counted before the body ended")
+
+    def _scan(self, data: np.ndarray) -> None:
+        quotes = np.flatnonzero(data == _QUOTE)
+        delimiters = self._delimiters(data, quotes) if self._backslashes or _BACKSLASH in data else quotes
+        marks = np.flatnonzero((data == _COMMA) | (data == _BRACKET) | (data == _BRACE))
+        quotes_before = np.searchsorted(delimiters, marks) + self._in_string
+        self.count += int(np.count_nonzero(quotes_before % 2 == 0))
+        self._in_string ^= bool(len(delimiters) % 2)
+
+    def _delimiters(self, data: np.ndarray, quotes: np.ndarray) -> np.ndarray:
+        """The quotes not escaped by an odd run of backslashes; remembers the run this slice ends with."""
+        index = np.arange(len(data), dtype=np.int64)
+        # last position ≤ i that is not a backslash (-1: every byte of this slice up to i is one)
+        last_other = np.maximum.accumulate(np.where(data == _BACKSLASH, -1, index))
+        before = quotes - 1
+        last = np.where(before >= 0, last_other[np.maximum(before, 0)], -1)
+        run = before - last + np.where(last < 0, self._backslashes, 0)  # backslashes right before each quote
+        tail_other = int(last_other[-1])
+        self._backslashes = self._backslashes + len(data) if tail_other < 0 else len(data) - 1 - tail_other
+        return quotes[run % 2 == 0]
 
 
 class _ItemCounter:
@@ -79,8 +132,12 @@ def _parse_msgpack(body: bytes, max_items: int) -> Any:
     )
 
 
-def parse_body(body: bytes, binary: bool, max_items: int) -> dict[str, Any]:
+def parse_body(
+    body: bytes | bytearray, binary: bool, max_items: int, counted: bool = False
+) -> dict[str, Any]:
     """Parse a request body (msgpack when ``binary``, else JSON) holding at most ``max_items`` items.
+
+    ``counted``: a JSON body's items were already counted as it arrived (:class:`JsonItemCounter`).
 
     Raises:
         WireError: 413 above ``max_items``; 400 for a body that is not valid msgpack/JSON or not a map.
@@ -90,9 +147,8 @@ def parse_body(body: bytes, binary: bool, max_items: int) -> dict[str, Any]:
         if binary:
             payload = _parse_msgpack(body, max_items)
         else:
-            counted = count_json_items(body, max_items)
-            if counted > max_items:
-                raise _too_many(max_items, f"{counted} counted")
+            if not counted:
+                JsonItemCounter(max_items).feed(body)
             payload = json.loads(body)
     except WireError:
         raise
@@ -126,3 +182,115 @@ def check_depth(value: Any, limit: int, field: str) -> None:
             )
         children = item.values() if isinstance(item, dict) else item
         stack.extend((child, depth + 1) for child in children)
+
+
+# --------------------------------------------------------------------------------- PNG/JPEG structure
+_PNG_TEXT = frozenset((b"tEXt", b"zTXt", b"iTXt"))
+_JPEG_ANCILLARY = frozenset(range(0xE0, 0xF0)) | {0xFE}  # APP0–APP15, COM
+MAX_JPEG_SCANS = 256  # start-of-scan markers per JPEG: a progressive file has about ten
+
+
+def _structure_error(index: int, what: str, cap: str) -> WireError:
+    return WireError(
+        f"images[{index}] {what}, above the server's cap of {cap} per image; send the image without "
+        "extra metadata chunks (re-encode it: PIL's save writes none)",
+        status=413,
+    )
+
+
+def _inflated_size(data: bytes, budget: int) -> int:
+    """Bytes ``data`` (zlib) inflates to, stopping once past ``budget``; undecodable data counts as 0
+    (Pillow then refuses the file)."""
+    inflater = zlib.decompressobj()
+    try:
+        return len(inflater.decompress(data, budget + 1))
+    except zlib.error:
+        return 0
+
+
+def _png_text_bytes(kind: bytes, body: bytes, budget: int) -> int:
+    """Key + value bytes of one text chunk, compressed text counted once inflated (up to ``budget`` + 1)."""
+    key, _, rest = body.partition(b"\0")
+    if kind == b"tEXt":
+        return len(body)
+    if kind == b"zTXt":  # key \0 method compressed-text
+        return len(key) + _inflated_size(rest[1:], budget)
+    # iTXt: key \0 flag method language \0 translated-key \0 text (compressed when flag == 1)
+    flag, texts = rest[:1], rest[2:]
+    language, _, texts = texts.partition(b"\0")
+    translated, _, text = texts.partition(b"\0")
+    fixed = len(key) + len(language) + len(translated)
+    return fixed + (_inflated_size(text, budget) if flag == b"\1" else len(text))
+
+
+def _scan_png(data: bytes, index: int) -> None:
+    chunks = ancillary = text = 0
+    pos = 8
+    while pos + 8 <= len(data):
+        length, kind = struct.unpack(">I4s", data[pos : pos + 8])
+        chunks += 1
+        if chunks > MAX_IMAGE_CHUNKS:
+            raise _structure_error(index, f"has more than {MAX_IMAGE_CHUNKS} PNG chunks", "MAX_IMAGE_CHUNKS")
+        if kind[0] & 0x20:  # lower-case first letter: an ancillary chunk
+            ancillary += length
+            if ancillary > MAX_ANCILLARY_BYTES:
+                raise _structure_error(
+                    index, f"has more than {MAX_ANCILLARY_BYTES} bytes of ancillary PNG chunks",
+                    "MAX_ANCILLARY_BYTES",
+                )  # fmt: skip
+            if kind in _PNG_TEXT:
+                text += _png_text_bytes(kind, data[pos + 8 : pos + 8 + length], MAX_TEXT_BYTES - text)
+                if text > MAX_TEXT_BYTES:
+                    raise _structure_error(
+                        index, f"has more than {MAX_TEXT_BYTES} bytes of PNG text (keys + values)",
+                        "MAX_TEXT_BYTES",
+                    )  # fmt: skip
+        if kind == b"IEND":
+            return
+        pos += 12 + length
+
+
+def _scan_jpeg(data: bytes, index: int) -> None:
+    segments = ancillary = 0
+    pos = 2
+    while pos + 4 <= len(data) and data[pos] == 0xFF:
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        segments += 1
+        if segments > MAX_IMAGE_CHUNKS:
+            raise _structure_error(
+                index,
+                f"has more than {MAX_IMAGE_CHUNKS} JPEG segments before its image data",
+                "MAX_IMAGE_CHUNKS",
+            )
+        if marker == 0xDA:  # start of scan: the entropy-coded data (and later scans) follow
+            break
+        length = int.from_bytes(data[pos + 2 : pos + 4], "big")
+        if marker in _JPEG_ANCILLARY:
+            ancillary += length
+            if ancillary > MAX_ANCILLARY_BYTES:
+                raise _structure_error(
+                    index, f"has more than {MAX_ANCILLARY_BYTES} bytes of JPEG APPn/COM segments",
+                    "MAX_ANCILLARY_BYTES",
+                )  # fmt: skip
+        pos += 2 + length
+    # 0xFF inside entropy-coded data is always followed by 0x00, so every FF DA is a real scan
+    if data.count(b"\xff\xda", pos) > MAX_JPEG_SCANS:
+        raise _structure_error(index, f"has more than {MAX_JPEG_SCANS} JPEG scans", "MAX_JPEG_SCANS")
+
+
+def scan_image_structure(data: bytes, fmt: str, index: int) -> None:
+    """Walk a PNG's chunk headers or a JPEG's segment headers (no pixel data) and refuse, with a 413
+    naming the cap, a file with too many chunks or segments, ancillary bytes or text.
+
+    Args:
+        data: The file bytes (its header already read: ``fmt`` is ``"PNG"`` or ``"JPEG"``).
+        fmt: The format.
+        index: Position in the request, used in errors.
+    """
+    if fmt == "PNG":
+        _scan_png(data, index)
+    else:
+        _scan_jpeg(data, index)

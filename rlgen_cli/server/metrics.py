@@ -143,7 +143,8 @@ class ServerMetrics:
         requests: ``rlgen_requests_total{route,status}``.
         latency: ``rlgen_request_seconds{route}`` histogram.
         errors: ``rlgen_errors_total{kind}`` (auth, validation, too_large, not_found, scoring, http,
-            disconnect — a client gone before its body arrived —, internal).
+            disconnect — a client gone before its body arrived —, timeout — a body slower than
+            ``body_timeout_s`` —, busy — a 503 from admission —, internal).
         batch_size: ``rlgen_batch_size{reward}``: images per call of ``Reward.score``.
         batch_requests: ``rlgen_batch_requests{reward}``: requests merged into one micro-batch.
         score_seconds: ``rlgen_score_seconds{reward}``: time inside ``Reward.score``.

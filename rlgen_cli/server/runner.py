@@ -36,6 +36,7 @@ from aiohttp import web
 from rlgen_cli.rewards.base import Reward
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.server.app import ServerSettings, build_app
+from rlgen_cli.server.connections import ServerRunner
 
 logger = logging.getLogger("rlgen_cli.server.runner")  # also when run as __main__ (a worker)
 
@@ -127,7 +128,7 @@ def worker_plan(settings: ServerSettings) -> list[tuple[int, str | None]]:
 
 async def _serve_async(rewards: dict[str, Reward], settings: ServerSettings) -> None:
     """Serve until SIGINT/SIGTERM, then shut down gracefully."""
-    runner = web.AppRunner(build_app(rewards, settings), shutdown_timeout=settings.shutdown_timeout_s)
+    runner = ServerRunner(build_app(rewards, settings), shutdown_timeout=settings.shutdown_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port)
     await site.start()
@@ -266,7 +267,7 @@ class BackgroundServer:
         self, app: web.Application, host: str = "127.0.0.1", port: int = 0, shutdown_timeout_s: float = 30.0
     ):
         self.app, self.host, self.port = app, host, port
-        self._runner = web.AppRunner(app, shutdown_timeout=shutdown_timeout_s)
+        self._runner = ServerRunner(app, shutdown_timeout=shutdown_timeout_s)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="rlgen-reward-server", daemon=True
