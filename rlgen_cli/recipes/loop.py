@@ -52,6 +52,7 @@ from rlgen_cli.training.checkpoint import (
     RNG_KEY,
     SAMPLER_KEY,
     Checkpoint,
+    NonFiniteRewards,
     engine_staging,
     resolve_resume,
     save_checkpoint,
@@ -133,13 +134,13 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 def load_resume(
-    resume: str | None, run_dir: Path, load_weights: Callable[[Path], None]
+    resume: str | None, run_dir: Path, load_weights: Callable[[Path], None], unverified: bool = False
 ) -> tuple[Checkpoint, dict[str, Any]] | None:
     """The checkpoint ``resume`` names (``auto``: the run's latest intact one), its trained weights
     loaded by ``load_weights`` (what wrote them, read back: e.g. a VLM policy's ``load_trainable``), and
     its trainer state; ``None`` for a fresh run. Each recipe restores the rest of the state (optimizer,
-    sampler, counters, …) itself."""
-    ckpt = resolve_resume(resume, run_dir)
+    sampler, counters, …) itself. ``unverified``: ``resume_unverified`` (a checkpoint without a manifest)."""
+    ckpt = resolve_resume(resume, run_dir, unverified)
     if ckpt is None:
         return None
     state = ckpt.state()
@@ -299,7 +300,7 @@ def require_ema_engine(ema: bool, fsdp: bool) -> None:
 def _resume_weights(run: FlowRun) -> tuple[Checkpoint, dict[str, Any]] | None:
     """Weights, EMA, sampler and counters of the checkpoint to resume (if any); returns it and its state,
     whose optimizer and RNG entries :func:`setup` restores once the engine has the optimizer."""
-    ckpt = resolve_resume(run.cfg.resume, run.run_dir)
+    ckpt = resolve_resume(run.cfg.resume, run.run_dir, run.cfg.resume_unverified)
     if ckpt is None:
         return None
     state = ckpt.state()
@@ -400,10 +401,9 @@ def score_samples(
         if not torch.isfinite(v).all()
     }
     if bad:
-        raise RuntimeError(
+        raise NonFiniteRewards(
             f"non-finite rewards {bad} out of {len(prompts)} samples: the run stops rather than train on "
-            "them (a failed score is never replaced by 0); fix the reward, then resume=auto continues "
-            "from the last checkpoint"
+            "them (a failed score is never replaced by 0); fix the reward"
         )
     return components, result.details
 

@@ -214,7 +214,9 @@ class R3Recipe:
         )  # fmt: skip
 
     def _maybe_resume(self) -> tuple[Checkpoint, dict[str, Any]] | None:
-        resumed = load_resume(self.cfg.resume, self.run_dir, self.policy.load_trainable)
+        resumed = load_resume(
+            self.cfg.resume, self.run_dir, self.policy.load_trainable, self.cfg.resume_unverified
+        )
         if resumed is None:
             return None
         state = resumed[1]

@@ -82,6 +82,7 @@ from rlgen_cli.training.checkpoint import (
     OPTIMIZER_KEY,
     SAMPLER_KEY,
     Checkpoint,
+    NonFiniteRewards,
     set_rng_state,
 )
 from rlgen_cli.training.dist import Dist, make_dist
@@ -215,7 +216,9 @@ class VLMRLRecipe:
     def _maybe_resume(self) -> tuple[Checkpoint, dict[str, Any]] | None:
         """Weights, scheduler, sampler, RNG and counters of the checkpoint to resume (if any); returns it and
         its state, whose optimizer entry ``setup`` restores once the optimizer is prepared."""
-        resumed = load_resume(self.cfg.resume, self.run_dir, self.policy.load_trainable)
+        resumed = load_resume(
+            self.cfg.resume, self.run_dir, self.policy.load_trainable, self.cfg.resume_unverified
+        )
         if resumed is None:
             return None
         state = resumed[1]
@@ -355,7 +358,9 @@ class VLMRLRecipe:
             name: torch.as_tensor(result.details[name], dtype=torch.float32) for name in self.reward.rewards
         }
         if not torch.isfinite(result.scores).all():
-            raise RuntimeError("rewards failed for some samples (NaN); a failed score is never replaced by 0")
+            raise NonFiniteRewards(
+                "rewards failed for some samples (NaN); a failed score is never replaced by 0"
+            )
         return components, result.scores
 
     @torch.no_grad()

@@ -198,7 +198,9 @@ class VLMSFTRecipe:
     def _maybe_resume(self) -> tuple[Checkpoint, dict[str, Any]] | None:
         """Weights, scheduler, RNG and counters of the checkpoint to resume (if any); returns it and its
         state, whose optimizer entry ``setup`` restores once the optimizer is prepared."""
-        resumed = load_resume(self.cfg.resume, self.run_dir, self.policy.load_trainable)
+        resumed = load_resume(
+            self.cfg.resume, self.run_dir, self.policy.load_trainable, self.cfg.resume_unverified
+        )
         if resumed is None:
             return None
         state = resumed[1]

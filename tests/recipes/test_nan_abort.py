@@ -1,6 +1,6 @@
-"""A reward that turns NaN (or infinite) mid-run stops the run with a clear message and exit code 1; the
-checkpoint written before it is intact, and ``resume=auto`` continues from it exactly as an uninterrupted
-run would have."""
+"""A reward that turns NaN (or infinite) mid-run stops the run with one line and exit code 2, naming the
+last good checkpoint; that checkpoint is intact, and ``resume=auto`` continues from it exactly as an
+uninterrupted run would have."""
 
 from __future__ import annotations
 
@@ -55,10 +55,14 @@ def _lora(run: Path, epoch: int) -> dict[str, torch.Tensor]:
 
 
 def _assert_stopped_after_first_epoch(run: Path, code: int, out: str, what: str) -> None:
-    """Exit 1 with the message naming the reward and the count; epoch 1's checkpoint alone, complete."""
-    assert code == 1, out
-    assert f"non-finite rewards {{'{NAME}': '{what}'}} out of 4 samples" in out, out
-    assert "resume=auto continues from the last checkpoint" in out
+    """Exit 2 with one line naming the reward, the count and the last good checkpoint (no traceback);
+    epoch 1's checkpoint alone, complete."""
+    assert code == 2, out
+    assert "Traceback" not in out, out
+    last_good = run / CHECKPOINTS_DIR / "epoch_000001"
+    (line,) = [line for line in out.splitlines() if line.startswith("error:")]
+    assert line.startswith(f"error: non-finite rewards {{'{NAME}': '{what}'}} out of 4 samples"), out
+    assert line.endswith(f"the last good checkpoint is {last_good} (resume=auto continues from it)"), out
     assert [c.path.name for c in list_checkpoints(run)] == ["epoch_000001"]
     on_disk = sorted(p.name for p in (run / CHECKPOINTS_DIR).iterdir())
     assert on_disk == ["epoch_000001"]  # no half-written checkpoint or temporary directory left behind
