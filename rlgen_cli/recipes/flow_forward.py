@@ -51,7 +51,7 @@ from rlgen_cli.algos.nft import (
 )
 from rlgen_cli.models import Cond, cfg_gradient
 from rlgen_cli.recipes import loop
-from rlgen_cli.recipes.loop import FlowRun, reduce_over_ranks, summarise, timed
+from rlgen_cli.recipes.loop import FlowRun, reduce_over_ranks, timed
 from rlgen_cli.recipes.session import session
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.forward import ForwardConfig, check_forward_steps
@@ -72,12 +72,13 @@ class Rollouts:
     """This rank's samples of one epoch, in rollout order (N = its prompts × group_size)."""
 
     indices: Tensor  # (N,) dataset indices: the group keys
+    positions: Tensor  # (N,) places in the epoch's global batch (the noise streams' keys)
     cond: Cond  # (N, ...)
     x0: Tensor  # (N, ...) clean latents
     sigmas: Tensor  # (T + 1,) the rollout schedule (one for the whole epoch)
     images: Tensor  # (N, 3, H, W) in [0, 1]
     components: dict[str, Tensor]  # reward name → (N,)
-    details: dict[str, float]
+    details: dict[str, loop.Weighted]  # each rollout batch's detail summaries, weighted by its size
 
 
 @dataclass
@@ -144,11 +145,14 @@ def solve(
 
 
 def sample_epoch(run: FlowRun, old: OldPolicy, epoch: int, progress: Progress) -> Rollouts:
-    """K samples per prompt in batches of ``sample_batch_size``, each scored as it is decoded."""
+    """This process's share of the epoch's samples in batches of ``sample_batch_size``, each scored as it
+    is decoded. The share: whole pieces of ``algo.assignment_unit`` samples dealt round-robin over
+    processes (``data/sampler.py``), as flow GRPO deals them, so every sample is rolled out and trained in
+    the same batch, and optimizer step s covers the same global micro-batches, on any process count."""
     cfg, algo = run.cfg, run.cfg.algo
-    indices = run.sampler.indices_for_epoch(epoch)
+    indices = run.sampler.indices_for_epoch(epoch, algo.assignment_unit)
     examples, prompts, metadata = loop.examples_of(run.train_set, indices)
-    positions = range(run.dist.rank * len(indices), (run.dist.rank + 1) * len(indices))  # in the global batch
+    positions = run.sampler.positions(algo.assignment_unit)  # places in the epoch's global batch
     initial = sample_generators(cfg.seed, epoch, positions, run.device, salt=Stream.INITIAL_NOISE)
     steps = sample_generators(cfg.seed, epoch, positions, run.device, salt=Stream.STEP_NOISE)
     sources = loop.sources_of(run, examples, run.train_set)
@@ -167,11 +171,11 @@ def sample_epoch(run: FlowRun, old: OldPolicy, epoch: int, progress: Progress) -
             images.append(run.policy.decode(x0s[-1]).cpu())
             scores.append(loop.score(run, images[-1], prompts[part], metadata[part], src))
             advance(part.stop - part.start)
-    sizes = [len(img) for img in images]
-    details = {k: sum(n * s[1][k] for n, s in zip(sizes, scores)) / sum(sizes) for k in scores[0][1]}
+    sizes = [float(len(img)) for img in images]
+    details = {k: loop.Weighted([s[1][k] for s in scores], sizes) for k in scores[0][1]}
     x0 = torch.cat(x0s)
     return Rollouts(
-        indices=torch.tensor(indices), cond=Cond.cat(conds), x0=x0,
+        indices=torch.tensor(indices), positions=torch.tensor(positions), cond=Cond.cat(conds), x0=x0,
         sigmas=run.policy.schedule(cfg.model.num_steps, x0[:1]), images=torch.cat(images),
         components={k: torch.cat([s[0][k] for s in scores]) for k in scores[0][0]}, details=details,
     )  # fmt: skip
@@ -268,12 +272,13 @@ def train_micro_batch(
 
 def update(
     run: FlowRun, old: OldPolicy, rollouts: Rollouts, weights: Tensor, epoch: int, progress: Progress
-) -> dict[str, float]:
+) -> dict[str, list[float]]:
     """``num_inner_epochs`` passes over this rank's samples in micro-batches of ``train_batch_size``; each
-    sample's σ draws and ε come from its own stream (seed, epoch, position), fresh for every pass."""
+    sample's σ draws and ε come from its own stream (seed, epoch, global position), fresh for every pass.
+    Returns the statistics per micro-batch (``loop.reduce_over_ranks`` pools them over processes)."""
     algo = run.cfg.algo
     n = len(rollouts.indices)
-    positions = range(run.dist.rank * n, (run.dist.rank + 1) * n)
+    positions = rollouts.positions.tolist()
     draws = sample_generators(run.cfg.seed, epoch, positions, run.device, salt=Stream.FORWARD_NOISE)
     micro_batches = list(batches(n, algo.train_batch_size))
     stats: dict[str, list[float]] = defaultdict(list)
@@ -286,7 +291,7 @@ def update(
                 if steps_after:
                     stats["grad_norm"].append(loop.optimizer_step(run))
                 advance(1)
-    return summarise(stats)
+    return stats
 
 
 def forward_epoch(run: FlowRun, old: OldPolicy, epoch: int, progress: Progress) -> dict[str, float]:
@@ -296,13 +301,15 @@ def forward_epoch(run: FlowRun, old: OldPolicy, epoch: int, progress: Progress) 
     timings: dict[str, float] = {}
     with timed(timings, "time/rollout"):  # scoring runs batch by batch inside it
         rollouts = sample_epoch(run, old, epoch, progress)
-    # every rank sees the whole batch's rewards with their dataset indices, so a group that spans ranks
-    # is normalised as one; each rank then keeps the weights of its own samples
-    components = {k: run.dist.gather(v.to(run.device)).cpu() for k, v in rollouts.components.items()}
-    group_ids = run.dist.gather(rollouts.indices.to(run.device)).cpu()
+    # every rank sees the whole batch's rewards with their dataset indices, put back in global order (so
+    # group statistics sum in the same order on any process count), and a group that spans ranks is
+    # normalised as one; each rank then keeps the weights of its own samples
+    order = run.dist.gather(rollouts.positions.to(run.device)).cpu().argsort()  # rank by rank → global
+    components = {k: run.dist.gather(v.to(run.device)).cpu()[order] for k, v in rollouts.components.items()}
+    group_ids = run.dist.gather(rollouts.indices.to(run.device)).cpu()[order]
     weights, adv_stats = loss_weights(run, components, group_ids)
     n = len(rollouts.indices)
-    mine = weights[run.dist.rank * n : (run.dist.rank + 1) * n]
+    mine = weights[rollouts.positions]
     with timed(timings, "time/update"):
         stats = update(run, old, rollouts, mine, epoch, progress)
     decay = old.refresh(run)

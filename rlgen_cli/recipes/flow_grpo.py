@@ -129,12 +129,13 @@ class RewardScoring:
     ) -> None:
         self.pending.append(self.worker.submit(loop.score, self.run, images, prompts, metadata, sources))
 
-    def results(self) -> tuple[dict[str, Tensor], dict[str, float]]:
-        """Components (N,) in rollout order, and the detail summaries averaged over batches by size."""
+    def results(self) -> tuple[dict[str, Tensor], dict[str, loop.Weighted]]:
+        """Components (N,) in rollout order, and each batch's detail summaries weighted by its size (their
+        run-wide mean: ``loop.reduce_over_ranks``)."""
         results = [future.result() for future in self.pending]
         components = {k: torch.cat([r[0][k] for r in results]) for k in results[0][0]}
-        sizes = [len(next(iter(r[0].values()))) for r in results]
-        summaries = {k: sum(n * r[1][k] for n, r in zip(sizes, results)) / sum(sizes) for k in results[0][1]}
+        sizes = [float(len(next(iter(r[0].values())))) for r in results]
+        summaries = {k: loop.Weighted([r[1][k] for r in results], sizes) for k in results[0][1]}
         return components, summaries
 
 
@@ -176,7 +177,7 @@ def grpo_epoch(run: FlowRun, epoch: int, progress: Progress) -> dict[str, float]
 
     # 4. update
     with timed(timings, "time/update"):
-        update_stats = update(run, rollouts.select(keep), advantages[keep], progress, num_batches)
+        update_stats = update_values(run, rollouts.select(keep), advantages[keep], progress, num_batches)
 
     loop.save_rollout_images(run, rollouts.images, epoch)
     stats = loop.reduce_over_ranks(dist, {**reward_details, **update_stats, "trained_samples": len(keep)})
@@ -351,6 +352,13 @@ def step_folds(trained: list[tuple[int, Tensor | slice]], per_pass: int) -> list
 def update(
     run: FlowRun, rollouts: Rollouts, advantages: Tensor, progress: Progress, num_batches: int | None = None
 ) -> dict[str, float]:
+    """:func:`update_values`, each statistic summarised over this process's micro-batches."""
+    return summarise(update_values(run, rollouts, advantages, progress, num_batches))
+
+
+def update_values(
+    run: FlowRun, rollouts: Rollouts, advantages: Tensor, progress: Progress, num_batches: int | None = None
+) -> dict[str, list[float]]:
     """``num_inner_epochs`` passes of the per-step policy-gradient loss over every trained step, in
     ``num_batches`` equal micro-batches (default: batches of ``algo.train_batch_size``); the optimizer
     steps every ``gradient_accumulation_steps`` ÷ processes micro-batches. A micro-batch's trained steps
@@ -386,7 +394,7 @@ def update(
                 if steps_after:
                     stats["grad_norm"].append(loop.optimizer_step(run))
                 advance(1)
-    return summarise(stats)
+    return stats  # per micro-batch and step: reduced over processes by loop.reduce_over_ranks
 
 
 def trained_rows(traj: Trajectory) -> list[tuple[int, Tensor | slice]]:

@@ -20,7 +20,10 @@ wraps the epochs in the shared loop (``recipes/loop.py``): evaluation, logs, che
 from __future__ import annotations
 
 import functools
+import logging
+import math
 from collections import defaultdict
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -38,16 +41,17 @@ from rlgen_cli.algos import (
     select_best,
     sft_loss,
 )
-from rlgen_cli.models import Cond
 from rlgen_cli.recipes import loop
-from rlgen_cli.recipes.loop import FlowRun, summarise, timed
+from rlgen_cli.recipes.loop import FlowRun, reduce_over_ranks, timed
 from rlgen_cli.recipes.session import session
 from rlgen_cli.schema.recipes import FlowPrefTrainConfig
-from rlgen_cli.sde.noise import Stream, stream_seed
+from rlgen_cli.sde.noise import Stream, randn_per_sample, sample_generators
 from rlgen_cli.sde.sampling import batches, conditioned, sample_latents
 from rlgen_cli.training.ema import EMA
 from rlgen_cli.training.progress import Progress
 from rlgen_cli.training.schedule import apply_lr_schedule
+
+log = logging.getLogger(__name__)
 
 TRAIN_SCHEDULE_STEPS = 1000
 
@@ -80,11 +84,44 @@ class Preference:
         )
 
 
+@dataclass
+class EpochSamples:
+    """The epoch's samples over every process, in global order (B = prompts_per_epoch × group_size)."""
+
+    x0: Tensor  # (B, ...) clean latents
+    prompts: list[str]
+    rewards: Tensor  # (B,) the mix's total
+    groups: Tensor  # (B,) dataset indices: the group keys
+
+
+@dataclass
+class TrainingUnits:
+    """What one optimizer step trains over all processes: DPO's pairs or SFT's kept samples, as rows of
+    :class:`EpochSamples` (``rejected`` for DPO only), with SFT's per-sample weights."""
+
+    rows: Tensor  # (U,) the chosen / kept samples
+    rejected: Tensor | None = None  # (U,) DPO: the rejected sample of each pair
+    weights: Tensor | None = None  # (U,) SFT: the non-negative advantages
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def select(self, part: slice) -> TrainingUnits:
+        """The units in ``part``."""
+        return TrainingUnits(
+            *(None if v is None else v[part] for v in (self.rows, self.rejected, self.weights))
+        )
+
+
 def pref_epoch(run: FlowRun, pref_state: Preference, epoch: int, progress: Progress) -> dict[str, float]:
-    """sample (DPO: from the reference) → reward → DPO or SFT update; the epoch's metrics."""
+    """sample (DPO: from the reference) → reward → DPO or SFT update; the epoch's metrics. Every process
+    rolls out whole rollout batches dealt round-robin, its noise keyed by global position; the samples are
+    gathered in global order, the pairs (or kept samples) chosen from all of them, and every optimizer step
+    trains them in global micro-batches (:func:`train_units`): the run does not depend on the process count."""
     cfg, algo = run.cfg, run.cfg.algo
     lr = apply_lr_schedule(run.optimizer, algo, epoch, cfg.epochs, run.time_progress)
-    indices = run.sampler.indices_for_epoch(epoch)
+    positions = run.sampler.positions(algo.sample_batch_size)  # this process's places in the global batch
+    indices = run.sampler.indices_for_epoch(epoch, algo.sample_batch_size)
     _, prompts, metadata = loop.examples_of(run.train_set, indices)
     timings: dict[str, float] = {}
     with timed(timings, "time/rollout"):
@@ -92,109 +129,194 @@ def pref_epoch(run: FlowRun, pref_state: Preference, epoch: int, progress: Progr
         with sampler, loop.progress_task(progress, "sampling", len(prompts)) as advance:
             x0 = sample_latents(
                 run.policy, prompts, cfg.model.num_steps, algo.sample_batch_size, cfg.seed,
-                spec=loop.step_spec(cfg), epoch=epoch, on_batch=advance,
+                spec=loop.step_spec(cfg), epoch=epoch, on_batch=advance, keys=positions,
             )  # fmt: skip
         parts = list(batches(len(x0), algo.sample_batch_size))
         images = torch.cat([run.policy.decode(x0[p]).cpu() for p in parts])
-    with timed(timings, "time/reward"):
-        components, details = loop.score(run, images, prompts, metadata)
-    total = loop.weighted_total(run, components)
+    with timed(timings, "time/reward"):  # batch by batch, as on any process count
+        scores = [loop.score(run, images[p], prompts[p], metadata[p]) for p in parts]
     loop.save_rollout_images(run, images, epoch)
+    samples, components = gather_samples(run, epoch, torch.tensor(positions), x0, scores)
+    sizes = [float(p.stop - p.start) for p in parts]
+    details = {k: loop.Weighted([s[1][k] for s in scores], sizes) for k in scores[0][1]}
     with timed(timings, "time/update"):
-        cond = Cond.cat([run.policy.encode(prompts[p]) for p in parts])
-        groups = torch.tensor(indices)
         if algo.pref.loss == "dpo":
-            stats = dpo_update(run, pref_state, epoch, x0, cond, total, groups)
+            stats, counts = dpo_update(run, pref_state, epoch, samples)
         else:
-            stats = sft_update(run, pref_state, epoch, x0, cond, total, groups)
+            stats, counts = sft_update(run, pref_state, epoch, samples)
     return {
-        "lr": lr, **loop.reward_metrics(run, components), **details, **stats, **timings,
-        "global_step": run.global_step, **run.dist.loss_scale_metrics(),
+        "lr": lr, **loop.reward_metrics(run, components), **reduce_over_ranks(run.dist, {**details, **stats}),
+        **counts, **timings, "global_step": run.global_step, **run.dist.loss_scale_metrics(),
     }  # fmt: skip
 
 
+def gather_samples(
+    run: FlowRun, epoch: int, positions: Tensor, x0: Tensor, scores: list[tuple[dict[str, Tensor], Any]]
+) -> tuple[EpochSamples, dict[str, Tensor]]:
+    """Every process's latents and rewards of the epoch, put back in global order; and the reward
+    components (B,) in that order."""
+    dist = run.dist
+    order = dist.gather(positions.to(run.device)).cpu().argsort()  # gathered rank by rank → global order
+    local = {k: torch.cat([s[0][k] for s in scores]) for k in scores[0][0]}
+    components = {k: dist.gather(v.to(run.device)).cpu()[order] for k, v in local.items()}
+    everyone = run.sampler.global_indices_for_epoch(epoch)
+    _, prompts, _ = loop.examples_of(run.train_set, everyone)
+    samples = EpochSamples(
+        x0=dist.gather(x0).to(run.device)[order.to(run.device)], prompts=prompts,
+        rewards=loop.weighted_total(run, components), groups=torch.tensor(everyone),
+    )  # fmt: skip
+    return samples, components
+
+
 def noised(
-    run: FlowRun, pref_state: Preference, epoch: int, x0: Tensor, t: int
+    run: FlowRun, pref_state: Preference, epoch: int, x0: Tensor, t: int, keys: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """σ (B,), ε (B, ...) and x_σ for every row of ``x0`` — rows passed together share nothing."""
-    generator = torch.Generator(device=run.device).manual_seed(
-        stream_seed(run.cfg.seed, epoch, t, Stream.PREF_SIGMA)
+    """σ (B,), ε (B, ...) and x_σ for every row of ``x0``: row i draws them from its own stream keyed by
+    (seed, epoch, training σ ``t``, ``keys[i]`` — its sample's place in the global batch), so neither the
+    micro-batch nor the process that trains it changes them."""
+    per_epoch = run.sampler.global_batch_size
+    draws = sample_generators(
+        run.cfg.seed, epoch, [t * per_epoch + int(k) for k in keys], run.device, salt=Stream.PREF_SIGMA
     )
-    sigma = sample_dpo_sigmas(x0.shape[0], pref_state.sigma_table, generator)
-    noise = torch.randn(x0.shape, generator=generator, device=run.device)
+    sigma = torch.cat([sample_dpo_sigmas(1, pref_state.sigma_table, g) for g in draws]).to(x0.dtype)
+    noise = randn_per_sample(x0.shape[1:], draws, run.device).to(x0.dtype)
     s = sigma.view(-1, *([1] * (x0.dim() - 1)))
     return sigma, noise, (1 - s) * x0 + s * noise
 
 
+def micro_batches(run: FlowRun, count: int) -> list[tuple[slice, float]]:
+    """This process's micro-batches of one optimizer step over ``count`` units: the units cut into global
+    micro-batches of ``algo.train_batch_size``, micro-batch b to process b mod N, each with the weight
+    that makes the step's gradient the mean over all ``count`` units (its share × N: processes average
+    their gradients). When the micro-batches do not fill every process's last round, the short processes
+    repeat their first one with weight 0: every process runs the same forwards and backwards."""
+    size, ranks = run.cfg.algo.train_batch_size, run.dist.world_size
+    everyone = list(batches(count, size))
+    rounds = math.ceil(len(everyone) / ranks)
+    mine = []
+    for b in range(run.dist.rank, rounds * ranks, ranks):
+        part = everyone[b] if b < len(everyone) else everyone[0]
+        weight = (part.stop - part.start) * ranks / count if b < len(everyone) else 0.0
+        mine.append((part, weight))
+    return mine
+
+
 def dpo_update(
-    run: FlowRun, pref_state: Preference, epoch: int, x0: Tensor, cond: Cond, rewards: Tensor, groups: Tensor
-) -> dict[str, float]:
-    """One optimizer step per training σ on the best-vs-worst pair of every group."""
-    pairs = preference_pairs(rewards, groups)
-    chosen, rejected = pairs.chosen.to(x0.device), pairs.rejected.to(x0.device)
-    stats: dict[str, list[float]] = defaultdict(list)
-    for t in range(run.cfg.algo.pref.timesteps_per_sample):
-        sigma, noise, _ = noised(run, pref_state, epoch, x0[chosen], t)  # one σ, ε per pair
-        s = sigma.view(-1, *([1] * (x0.dim() - 1)))
-        errors = {}
-        # reference first: the online reference swaps weights in place, which must not happen between
-        # the policy's forward and its backward
-        for owner in ("ref", "policy"):
-            for name, rows in (("w", chosen), ("l", rejected)):
-                velocity = functools.partial(conditioned, run.policy, cond.index(rows))
-                frozen = torch.no_grad() if owner == "ref" else nullcontext()
-                weights = pref_state.reference(run) if owner == "ref" else nullcontext()
-                with frozen, weights:
-                    v = velocity((1 - s) * x0[rows] + s * noise, sigma)
-                    errors[f"{owner}_{name}"] = flow_matching_error(v, x0[rows], noise)
-        out = dpo_loss(
-            errors["policy_w"], errors["policy_l"], errors["ref_w"], errors["ref_l"],
-            beta=run.cfg.algo.pref.dpo_beta,
-        )  # fmt: skip
-        run.dist.backward(out.loss)
-        stats["grad_norm"].append(loop.optimizer_step(run))
-        if pref_state.reference_copy is not None:
-            pref_state.reference_copy.step(run.global_step)
-        for key, value in {**out.stats, "dpo_loss": out.loss.item()}.items():
-            stats[key].append(float(value))
-    stats["pairs"].append(float(len(chosen)))
-    stats["skipped_groups"].append(float(pairs.num_skipped))
-    return summarise(stats)
+    run: FlowRun, pref_state: Preference, epoch: int, samples: EpochSamples
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """One optimizer step per training σ on the best-vs-worst pair of every group (over all processes);
+    the per-micro-batch statistics (weighted by their pairs) and the epoch's pair counts."""
+    pairs = preference_pairs(samples.rewards, samples.groups)
+    units = TrainingUnits(pairs.chosen, rejected=pairs.rejected)
+    counts = {"pairs": float(len(units)), "skipped_groups": float(pairs.num_skipped)}
+    loss = functools.partial(_dpo_loss, run, pref_state, samples)
+    return train_units(
+        run, epoch, units, loss, after_step=functools.partial(_refresh_reference, run, pref_state)
+    ), counts
+
+
+def _refresh_reference(run: FlowRun, pref_state: Preference) -> None:
+    """Online DPO: the reference becomes a copy of the policy every ``ref_update_step`` steps."""
+    if pref_state.reference_copy is not None:
+        pref_state.reference_copy.step(run.global_step)
+
+
+def _dpo_loss(
+    run: FlowRun, pref_state: Preference, samples: EpochSamples, units: TrainingUnits, epoch: int, t: int
+) -> tuple[Tensor, dict[str, float]]:
+    """The mean DPO loss of ``units``' pairs at their training σ ``t`` (one σ and ε per pair)."""
+    chosen, rejected = units.rows.to(run.device), units.rejected.to(run.device)
+    cond = run.policy.encode([samples.prompts[i] for i in units.rows.tolist()])  # a pair shares its prompt
+    sigma, noise, _ = noised(run, pref_state, epoch, samples.x0[chosen], t, units.rows)
+    s = sigma.view(-1, *([1] * (noise.dim() - 1)))
+    velocity = functools.partial(conditioned, run.policy, cond)
+    errors = {}
+    # reference first: the online reference swaps weights in place, which must not happen between the
+    # policy's forward and its backward
+    for owner in ("ref", "policy"):
+        for name, rows in (("w", chosen), ("l", rejected)):
+            frozen = torch.no_grad() if owner == "ref" else nullcontext()
+            weights = pref_state.reference(run) if owner == "ref" else nullcontext()
+            with frozen, weights:
+                x0 = samples.x0[rows]
+                errors[f"{owner}_{name}"] = flow_matching_error(
+                    velocity((1 - s) * x0 + s * noise, sigma), x0, noise
+                )
+    out = dpo_loss(
+        errors["policy_w"],
+        errors["policy_l"],
+        errors["ref_w"],
+        errors["ref_l"],
+        beta=run.cfg.algo.pref.dpo_beta,
+    )
+    return out.loss, {**out.stats, "dpo_loss": out.loss.item()}
 
 
 def sft_update(
-    run: FlowRun, pref_state: Preference, epoch: int, x0: Tensor, cond: Cond, rewards: Tensor, groups: Tensor
-) -> dict[str, float]:
-    """One optimizer step per training σ on the ``top_k`` best of every group, weighted by advantage."""
+    run: FlowRun, pref_state: Preference, epoch: int, samples: EpochSamples
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """One optimizer step per training σ on the ``top_k`` best of every group (over all processes),
+    weighted by advantage; the per-micro-batch statistics and the epoch's count of trained samples."""
     algo, pref = run.cfg.algo, run.cfg.algo.pref
-    keep = select_best(rewards, groups, top_k=pref.top_k)
+    keep = select_best(samples.rewards, samples.groups, top_k=pref.top_k)
     advantages, _ = group_advantages(
-        rewards, groups, global_std=algo.global_std, std_estimator=algo.std_estimator, eps=algo.adv_eps
-    )
-    weights = advantages[keep].clamp(min=0).to(x0.device)
-    rows = keep.to(x0.device)
-    velocity = functools.partial(conditioned, run.policy, cond.index(rows))
-    stats: dict[str, list[float]] = defaultdict(list)
-    for t in range(pref.timesteps_per_sample):
-        sigma, noise, x_sigma = noised(run, pref_state, epoch, x0[rows], t)
-        v_base = None
-        if pref.anchor_weight > 0:
-            with torch.no_grad(), run.policy.trainable.reference():
-                v_base = velocity(x_sigma, sigma)
-        out = sft_loss(
-            velocity(x_sigma, sigma),
-            x0[rows],
-            noise,
-            v_base=v_base,
-            anchor_weight=pref.anchor_weight,
-            weights=weights,
-        )
-        run.dist.backward(out.loss)
-        stats["grad_norm"].append(loop.optimizer_step(run))
-        for key, value in {**out.stats, "sft_loss": out.loss.item()}.items():
-            stats[key].append(float(value))
-    stats["trained_samples"].append(float(len(keep)))
-    return summarise(stats)
+        samples.rewards, samples.groups, global_std=algo.global_std, std_estimator=algo.std_estimator,
+        eps=algo.adv_eps,
+    )  # fmt: skip
+    units = TrainingUnits(keep, weights=advantages[keep].clamp(min=0))
+    loss = functools.partial(_sft_loss, run, pref_state, samples)
+    return train_units(run, epoch, units, loss), {"trained_samples": float(len(units))}
+
+
+def _sft_loss(
+    run: FlowRun, pref_state: Preference, samples: EpochSamples, units: TrainingUnits, epoch: int, t: int
+) -> tuple[Tensor, dict[str, float]]:
+    """The advantage-weighted flow-matching loss (+ the anchor) of ``units``' samples at training σ ``t``."""
+    pref = run.cfg.algo.pref
+    rows = units.rows.to(run.device)
+    x0 = samples.x0[rows]
+    cond = run.policy.encode([samples.prompts[i] for i in units.rows.tolist()])
+    velocity = functools.partial(conditioned, run.policy, cond)
+    sigma, noise, x_sigma = noised(run, pref_state, epoch, x0, t, units.rows)
+    v_base = None
+    if pref.anchor_weight > 0:
+        with torch.no_grad(), run.policy.trainable.reference():
+            v_base = velocity(x_sigma, sigma)
+    out = sft_loss(
+        velocity(x_sigma, sigma), x0, noise, v_base=v_base, anchor_weight=pref.anchor_weight,
+        weights=units.weights.to(run.device),
+    )  # fmt: skip
+    return out.loss, {**out.stats, "sft_loss": out.loss.item()}
+
+
+def train_units(
+    run: FlowRun,
+    epoch: int,
+    units: TrainingUnits,
+    loss_of: Callable[[TrainingUnits, int, int], tuple[Tensor, dict[str, float]]],
+    after_step: Callable[[], None] = lambda: None,
+) -> dict[str, Any]:
+    """``algo.pref.timesteps_per_sample`` optimizer steps, each over every unit at its own training σ, in
+    this process's micro-batches (:func:`micro_batches`); ``loss_of(units, epoch, t)`` is a micro-batch's
+    mean loss and its statistics. Returns each statistic per micro-batch, weighted by its units."""
+    if len(units) == 0:  # every group tied: nothing to prefer or to keep
+        log.info("epoch %d: no group has a preference; no update", epoch)
+        return {}
+    values: dict[str, list[float]] = defaultdict(list)
+    sizes: list[float] = []
+    norms: list[float] = []
+    for t in range(run.cfg.algo.pref.timesteps_per_sample):
+        for part, weight in micro_batches(run, len(units)):
+            piece = units.select(part)
+            loss, stats = loss_of(piece, epoch, t)
+            run.dist.backward(loss * weight)
+            if weight > 0:  # a repeated micro-batch (weight 0) only keeps the processes in step
+                sizes.append(float(len(piece)))
+                for key, value in stats.items():
+                    values[key].append(float(value))
+        norms.append(loop.optimizer_step(run))
+        after_step()
+    return {**{k: loop.Weighted(v, sizes) for k, v in values.items()}, "grad_norm": norms}
 
 
 def console_line(m: dict[str, float]) -> str:

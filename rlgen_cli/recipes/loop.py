@@ -73,6 +73,8 @@ EXTREMES: dict[str, Callable[[Sequence[float]], float]] = {
     "ratio_min": min, "ratio_max": max, "logp_gap_max": max,
 }  # fmt: skip
 COUNTS = ("trained_samples", "tokens")
+REPLICATED = ("grad_norm",)
+"""Statistics every rank computes alike (the norm of the reduced gradient): rank 0's are the run's."""
 REWARD_CURVE = "reward_curve.png"
 EMA_KEY, RAW_KEY = "ema", "raw_trainable"
 LOOP_STATE_KEYS = (OPTIMIZER_KEY, SAMPLER_KEY, COUNTERS_KEY, RNG_KEY, EMA_KEY, RAW_KEY, GUARD_KEY)
@@ -100,21 +102,64 @@ def _base(key: str) -> str:
 def summarise(stats: dict[str, list[float]]) -> dict[str, float]:
     """Micro-batch statistics → one value each: the extremes of :data:`EXTREMES`, else the mean."""
     return {
-        key: EXTREMES[_base(key)](values) if _base(key) in EXTREMES else sum(values) / len(values)
+        key: EXTREMES[_base(key)](values) if _base(key) in EXTREMES else _mean(values)
         for key, values in stats.items()
     }
 
 
-def reduce_over_ranks(dist: Any, stats: dict[str, float]) -> dict[str, float]:
-    """Per-rank scalars → run-wide ones: extremes for :data:`EXTREMES`, sums for :data:`COUNTS`, else the
-    mean (ranks hold equal numbers of samples)."""
-    if dist.world_size == 1 or not stats:
-        return stats
+@dataclass(frozen=True)
+class Weighted:
+    """Values that stand for different numbers of samples (a rollout batch's mean and its size): their
+    run-wide mean is Σ weight·value / Σ weight."""
+
+    values: list[float]
+    weights: list[float]
+
+
+Pooled = float | Sequence[float] | Weighted
+"""One rank's share of a statistic: a list of per-micro-batch (or per-sample) values, a :class:`Weighted`
+list, or one number (a count, an extreme, a value every rank holds)."""
+
+
+def reduce_over_ranks(dist: Any, stats: dict[str, Pooled]) -> dict[str, float]:
+    """Every rank's values → run-wide numbers, the same on any process count: the ranks' values are pooled
+    (one gather) and reduced once — extremes for :data:`EXTREMES`, sums for :data:`COUNTS`, rank 0's
+    value for :data:`REPLICATED`, else the mean over ALL values (``math.fsum`` / their count or weight:
+    the exactly rounded sum, so the order the ranks' values meet in changes no bit). A rank's mean of
+    its own values would make the logged number depend on how the values were split over ranks."""
     keys = sorted(stats)
-    table = dist.gather(torch.tensor([[float(stats[k]) for k in keys]], dtype=torch.float64)).cpu()  # (W, K)
-    reducers = {"ratio_min": torch.min, "ratio_max": torch.max, "logp_gap_max": torch.max}
-    reducers |= dict.fromkeys(COUNTS, torch.sum)
-    return {k: float(reducers.get(_base(k), torch.mean)(table[:, i])) for i, k in enumerate(keys)}
+    local = [_as_weighted(stats[k]) for k in keys]
+    shares = dist.gather_object(local) if dist.world_size > 1 else [local]
+    out = {}
+    for i, key in enumerate(keys):
+        if _base(key) in REPLICATED:
+            out[key] = _weighted_mean(shares[0][i])
+            continue
+        values = [v for share in shares for v in share[i].values]
+        weights = [w for share in shares for w in share[i].weights]
+        if _base(key) in EXTREMES:
+            out[key] = float(EXTREMES[_base(key)](values))
+        elif _base(key) in COUNTS:
+            out[key] = math.fsum(values)
+        else:
+            out[key] = _weighted_mean(Weighted(values, weights))
+    return out
+
+
+def _as_weighted(value: Pooled) -> Weighted:
+    if isinstance(value, Weighted):
+        return Weighted([float(v) for v in value.values], [float(w) for w in value.weights])
+    values = [float(value)] if isinstance(value, int | float) else [float(v) for v in value]
+    return Weighted(values, [1.0] * len(values))
+
+
+def _weighted_mean(pooled: Weighted) -> float:
+    total = math.fsum(pooled.weights)
+    return math.fsum(w * v for v, w in zip(pooled.values, pooled.weights, strict=True)) / total
+
+
+def _mean(values: Sequence[float]) -> float:
+    return math.fsum(values) / len(values)
 
 
 def accumulation_per_process(algo: Any, world_size: int) -> int:

@@ -76,7 +76,7 @@ from rlgen_cli.r3.rewards import (
 )
 from rlgen_cli.r3.rollout import ImageRollout, image_rollout, micro_batches, shifted, stage_plan, text_rollout
 from rlgen_cli.r3.scoring import R3Scorer
-from rlgen_cli.recipes.loop import due, load_resume, reduce_over_ranks, save_trainer_checkpoint, summarise
+from rlgen_cli.recipes.loop import due, load_resume, reduce_over_ranks, save_trainer_checkpoint
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.r3 import R3Config, R3Geometry, R3TrainConfig, r3_geometry, track_models
 from rlgen_cli.sde.rollout import StepSpec, Trajectory, recompute_step
@@ -354,11 +354,11 @@ class R3Recipe:
         new[edited] = self.scorer.score(pixels[edited], [samples[i] for i in edited.tolist()])
         rewards = refine_rewards(thoughts.texts, prev, new, perfect, r3.format_weight)
         batch = self._stage_batch(REFINE, samples, thoughts, images, rewards)
-        batch.stats |= reduce_over_ranks(
+        batch.stats |= reduce_over_ranks(  # per branch: a draw counts for each branch of its group
             self.dist,
-            {"no_edit_rate": kept.float().mean().item(), "delta/mean": rewards.delta.mean().item(),
-             "refine/drew_perfect": _mean(d.perfect for d in draws),
-             "refine/missed_kind": _mean(d.missed for d in draws)}
+            {"no_edit_rate": kept.float().tolist(), "delta/mean": rewards.delta.tolist(),
+             "refine/drew_perfect": perfect.float().tolist(),
+             "refine/missed_kind": [float(d.missed) for d in draws for _ in range(share)]}
         )  # fmt: skip
         return batch
 
@@ -390,10 +390,11 @@ class R3Recipe:
             "advantage/text/abs_mean": text_adv.abs().mean().item(),  # over the step's branches
             "advantage/image/abs_mean": image_adv.abs().mean().item(),
             "buffer/size": float(len(self.buffer)), "buffer/perfect_fraction": self.buffer.perfect.float().mean().item(),
-            **reduce_over_ranks(self.dist, {
-                "format_rate": rewards.format.mean().item(), "sde_step": _mean(r.sde_step for r in images),
-                "completions/mean_length": lengths.mean().item(),
-                "completions/clipped_ratio": sum(thoughts.truncated) / n,
+            **reduce_over_ranks(self.dist, {  # per branch, pooled over ranks
+                "format_rate": rewards.format.tolist(),
+                "sde_step": [float(r.sde_step) for r in images for _ in range(len(r.images))],
+                "completions/mean_length": lengths.tolist(),
+                "completions/clipped_ratio": [float(t) for t in thoughts.truncated],
             }),
         }  # fmt: skip
         return batch
@@ -459,11 +460,11 @@ class R3Recipe:
         stats["grad_norm"].append(self.dist.clip_and_step(self.optimizer, self.params, max_norm))
         self.scheduler.step()
         self.global_step += 1
-        summary = summarise(stats)
+        summary = reduce_over_ranks(self.dist, stats)  # per micro-batch values pooled over ranks
         extremes = [
             abs(summary.get(f"{t}/ratio_{e}", 1.0) - 1) for t in (TEXT, IMAGE) for e in ("min", "max")
         ]
-        return reduce_over_ranks(self.dist, summary) | {"ratio_error_max": max(extremes)}
+        return summary | {"ratio_error_max": max(extremes)}
 
     # -- logging, evaluation, checkpoints -------------------------------------------------------
     def _log_samples(self, step: int, batch: StageBatch) -> None:
@@ -528,11 +529,6 @@ def local_groups(geometry: R3Geometry, rank: int) -> list[LocalGroup]:
 def _encode_shifted(encode: Any, offset: int, rows: slice) -> Any:
     """``encode`` of a group's ``rows``, which sit at ``offset`` among this process's rows."""
     return encode(shifted(rows, offset))
-
-
-def _mean(values: Any) -> float:
-    values = [float(v) for v in values]
-    return sum(values) / len(values)
 
 
 def _gather(dist: Dist, values: Tensor) -> Tensor:

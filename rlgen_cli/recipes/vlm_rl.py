@@ -71,7 +71,6 @@ from rlgen_cli.recipes.loop import (
     reduce_over_ranks,
     save_trainer_checkpoint,
 )
-from rlgen_cli.recipes.loop import summarise as summarise_stats
 from rlgen_cli.rewards import RewardBatch, build_mix
 from rlgen_cli.rewards.r1vl import TEXT_REWARDS
 from rlgen_cli.schema.errors import UserError
@@ -384,9 +383,10 @@ class VLMRLRecipe:
 
     def update(
         self, micro_batches: list[MicroBatch], advantages: Tensor, truncated: list[bool], progress: Progress
-    ) -> dict[str, float]:
+    ) -> dict[str, list[float]]:
         """``num_iterations`` passes of the token loss over the micro-batches, stepping every accumulation;
-        each backward carries 1/accum of its micro-batch's loss (the engine averages over ranks)."""
+        each backward carries 1/accum of its micro-batch's loss (the engine averages over ranks). Returns
+        each statistic per micro-batch (``reduce_over_ranks`` pools them over ranks)."""
         algo, token = self.cfg.algo, self.cfg.algo.token
         accum = accumulation_per_process(algo, self.dist.world_size)  # the global count ÷ processes
         num_items = self.token_normalisers(micro_batches, truncated)
@@ -403,7 +403,7 @@ class VLMRLRecipe:
                     stats["grad_norm"].append(self.optimizer_step())
                 progress.advance(task)
         progress.remove(task)
-        return summarise_stats(stats)
+        return stats
 
     def token_normalisers(self, micro_batches: list[MicroBatch], truncated: list[bool]) -> list[float]:
         """Per micro-batch, dapo's ``num_items``: the loss tokens of its accumulation group on every rank,

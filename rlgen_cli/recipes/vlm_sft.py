@@ -151,6 +151,21 @@ def rank_micro_batches(size: int, seed: int, batch_size: int, rank: int, world_s
     return everyone[rank::world_size]
 
 
+def require_whole_rounds(size: int, batch_size: int, launcher: Any) -> None:
+    """Under ``launcher.exact_reduction`` (the same run on any process count) the epoch's micro-batches
+    must split evenly over the processes: :func:`rank_micro_batches` would otherwise wrap the order
+    around, and the padded epoch differs from one process's."""
+    count, world = math.ceil(size / batch_size), launcher.world_size
+    if world > 1 and launcher.reduces_exactly and count % world:
+        raise UserError(
+            f"{size} conversations make {count} micro-batches of algo.train_batch_size={batch_size}, which do "
+            f"not split evenly over {world} processes: the epoch would wrap around (repeating conversations) "
+            "and differ from one process's, and launcher.exact_reduction promises the same run. Pick "
+            f"algo.train_batch_size so that the micro-batches are a multiple of {world}, or pass "
+            "launcher.exact_reduction=false"
+        )
+
+
 class VLMSFTRecipe:
     """setup → train (shuffled epochs of masked cross-entropy → log → eval → checkpoint) → cleanup."""
 
@@ -170,6 +185,7 @@ class VLMSFTRecipe:
                 f"every SFT sample of {cfg.data.train} was dropped by algo.token.sft_drop_markers"
             )
         log.info("SFT on %d conversations (%d reflective ones dropped)", len(self.train_set), dropped)
+        require_whole_rounds(len(self.train_set), algo.train_batch_size, cfg.launcher)
         self.dropped = dropped
         self.test_set = load_vlm_examples(cfg.data.test) if cfg.eval_every else []
         self.optimizer = torch.optim.AdamW(
@@ -265,9 +281,10 @@ class VLMSFTRecipe:
                 norms.append(self.optimizer_step())
             progress.advance(task)
         progress.remove(task)
-        stats = reduce_over_ranks(self.dist, {"loss": sum(losses) / len(losses), "tokens": float(tokens)})
+        # per micro-batch losses pooled over ranks: the logged mean does not depend on the process count
+        stats = reduce_over_ranks(self.dist, {"loss": losses, "tokens": float(tokens), "grad_norm": norms})
         return {
-            **stats, "grad_norm": sum(norms) / len(norms),
+            **stats,
             "lr": self.scheduler.get_last_lr()[0], "dropped_reflective": float(self.dropped),
             "time/epoch": time.perf_counter() - start, "global_step": self.global_step,
         }  # fmt: skip

@@ -392,16 +392,46 @@ class FlowGrpoAlgoConfig(PolicyGradientConfig):
         """On top of :meth:`AlgoConfig.require_process_split`: every optimizer step's samples split into
         whole :attr:`assignment_unit` pieces, the same number on every process."""
         super().require_process_split(world_size)
-        per_step = self.micro_batches_per_step(world_size) * self.train_batch_size
-        unit = self.assignment_unit
-        _require(  # one process rolls out across optimizer steps freely: nothing to deal
-            world_size == 1 or per_step % (unit * world_size) == 0,
-            f"an optimizer step's {per_step} samples (algo.gradient_accumulation_steps × algo.train_batch_size) "
-            f"cannot be split over {world_size} processes in whole rollout batches: a process takes "
-            f"lcm(algo.sample_batch_size={self.sample_batch_size}, algo.train_batch_size={self.train_batch_size})"
-            f" = {unit} samples at a time. Make algo.sample_batch_size divide algo.train_batch_size, or raise "
-            f"algo.gradient_accumulation_steps to a multiple of {unit * world_size // math.gcd(unit * world_size, self.train_batch_size)}",
+        require_whole_rollout_pieces(self, world_size)
+
+    def require_process_invariance(self, world_size: int, exact: bool) -> None:
+        """What several processes cannot run (per-sample step subsets, best-of-N: processes would run
+        different numbers of backward passes), and, under ``launcher.exact_reduction`` (the promise of the
+        same run on any process count), what would make the run depend on the process count."""
+        if world_size == 1:
+            return
+        _require(
+            self.window.kind != "random_subset" and self.best_of_n == 0,
+            "algo.window.kind=random_subset and algo.best_of_n are single-process for now (processes would "
+            "run different numbers of backward passes): use launcher=local, or another window and "
+            "algo.best_of_n=0",
         )
+        _require(
+            not (exact and self.drop_zero_advantage),
+            "algo.drop_zero_advantage=true packs each process's kept samples into its own micro-batches, so "
+            "which samples share a micro-batch depends on the process count, and launcher.exact_reduction "
+            "promises a run that does not: pass algo.drop_zero_advantage=false (every sample trains; "
+            "zero-advantage ones add no policy gradient), or launcher.exact_reduction=false (the same run "
+            "statistically, not bit for bit)",
+        )
+
+
+def require_whole_rollout_pieces(algo: AlgoConfig, world_size: int, otherwise: str = "") -> None:
+    """A recipe that deals rollouts in pieces of lcm(sample, train batch) round-robin (flow GRPO,
+    DiffusionNFT / AWM, token GRPO under exact reduction): every optimizer step's samples split into whole
+    pieces, the same number on every process, so step s covers the same samples on any process count.
+    ``otherwise``: a further way out, appended to the message."""
+    per_step = algo.micro_batches_per_step(world_size) * algo.train_batch_size
+    unit = math.lcm(algo.sample_batch_size, algo.train_batch_size)
+    _require(  # one process rolls out across optimizer steps freely: nothing to deal
+        world_size == 1 or per_step % (unit * world_size) == 0,
+        f"an optimizer step's {per_step} samples (algo.gradient_accumulation_steps × algo.train_batch_size) "
+        f"cannot be split over {world_size} processes in whole rollout batches: a process takes "
+        f"lcm(algo.sample_batch_size={algo.sample_batch_size}, algo.train_batch_size={algo.train_batch_size})"
+        f" = {unit} samples at a time. Make algo.sample_batch_size divide algo.train_batch_size, or raise "
+        f"algo.gradient_accumulation_steps to a multiple of {unit * world_size // math.gcd(unit * world_size, algo.train_batch_size)}"
+        f"{otherwise}",
+    )
 
 
 @dataclass
@@ -457,6 +487,16 @@ class FlowForwardAlgoConfig(PolicyGradientConfig):
     """See ``FlowGrpoAlgoConfig.cfg_grad``."""
     forward: ForwardConfig = field(default_factory=ForwardConfig)
     ema: EMAConfig = field(default_factory=EMAConfig)
+
+    @property
+    def assignment_unit(self) -> int:
+        """See :attr:`FlowGrpoAlgoConfig.assignment_unit`."""
+        return math.lcm(self.sample_batch_size, self.train_batch_size)
+
+    def require_process_split(self, world_size: int) -> None:
+        """See :meth:`FlowGrpoAlgoConfig.require_process_split`."""
+        super().require_process_split(world_size)
+        require_whole_rollout_pieces(self, world_size)
 
 
 @dataclass

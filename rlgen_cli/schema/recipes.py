@@ -23,6 +23,7 @@ from rlgen_cli.schema.algo import (
     SamplerConfig,
     TokenAlgoConfig,
     VlmSftAlgoConfig,
+    require_whole_rollout_pieces,
 )
 from rlgen_cli.schema.check import CheckSection
 from rlgen_cli.schema.choices import EvalReportKind, LrScheduleClock, TimeLimitCounts
@@ -109,6 +110,7 @@ class FlowGrpoTrainConfig(FlowRolloutRunConfig):
         require_sde_sampler(self.sampler, self.model)
         require_whole_batches(self)
         self.algo.require_process_split(self.launcher.world_size)
+        self.algo.require_process_invariance(self.launcher.world_size, self.launcher.reduces_exactly)
 
 
 @dataclass
@@ -157,6 +159,13 @@ class VlmRlTrainConfig(RunConfig):
         super().__post_init__()
         require_whole_batches(self)
         self.algo.require_process_split(self.launcher.world_size)
+        # without exact reduction a step too small for whole rollout batches is dealt in micro-batches
+        if self.launcher.reduces_exactly:
+            require_whole_rollout_pieces(
+                self.algo, self.launcher.world_size,
+                otherwise=", or pass launcher.exact_reduction=false (each process then samples its training "
+                "micro-batches in its own rollout batches: the same run statistically, not bit for bit)",
+            )  # fmt: skip
 
 
 @dataclass

@@ -62,14 +62,17 @@ def sample_latents(
     epoch: int = 0,
     sources: Tensor | None = None,
     on_batch: Callable[[int], None] | None = None,
+    keys: Sequence[int] | None = None,
 ) -> Tensor:
     """Final latents x_0 for ``prompts`` (ODE unless ``spec`` says otherwise), batch by batch; sample i's
-    noise comes from stream (seed, epoch, i) whatever the batch size. ``sources``: editing families' source
-    images, row i for prompt i; ``on_batch(n)`` is called after each batch of n samples."""
+    noise comes from stream (seed, epoch, keys[i]) whatever the batch size (``keys``: default 0 … n − 1; a
+    process of a launched run passes its samples' places in the global batch). ``sources``: editing
+    families' source images, row i for prompt i; ``on_batch(n)`` is called after each batch of n samples."""
     spec = spec or StepSpec("ode", 0.0)
     plan = plan_window("all", num_steps, timestep_fraction=1.0)
-    initial = sample_generators(seed, epoch, range(len(prompts)), policy.device, salt=Stream.INITIAL_NOISE)
-    steps = sample_generators(seed, epoch, range(len(prompts)), policy.device, salt=Stream.STEP_NOISE)
+    keys = range(len(prompts)) if keys is None else keys
+    initial = sample_generators(seed, epoch, keys, policy.device, salt=Stream.INITIAL_NOISE)
+    steps = sample_generators(seed, epoch, keys, policy.device, salt=Stream.STEP_NOISE)
     latents = []
     for part in batches(len(prompts), batch_size):
         cond = policy.encode(prompts[part], None if sources is None else sources[part].to(policy.device))
