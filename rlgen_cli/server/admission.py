@@ -1,13 +1,15 @@
 """Server-wide admission: a budget of requests in flight and of the memory they may hold together.
 
-Each request takes one slot of ``max_inflight_requests`` before its body is read, and reserves its
-expected memory against ``max_inflight_decoded_mb`` twice over: its body (read and parsed: counted
-twice) before reading it, then its decoded pixels (``Σ C·H·W``, five times for a reward that gets float
-pixels: the uint8 arrays and their float32 batch) once the image headers have been read and before
-anything is decoded. A request that does not fit waits, in arrival order, at most
-``admission_wait_s`` and is then answered 503 with ``Retry-After``; the remote clients retry it (on
-another endpoint when there is one). A request alone on the server is always admitted, so a budget
-below one cap-sized request slows requests down but never refuses them all.
+Each request takes one slot of ``max_inflight_requests`` before its body is read.
+``max_inflight_decoded_mb`` is split in two halves: a request reserves twice its declared body size (the
+bytes and their parse; ``max_request_mb`` for a chunked body) from the first before reading it, then,
+once its image headers are read and before anything is decoded, its decoded pixels (``Σ C·H·W``, five
+times for a reward that gets float pixels: the uint8 arrays and their float32 batch) from the second, and
+holds both until it is answered. A request holding a body share waits only for pixel shares, and pixel
+holders wait for nothing, so requests can never block each other for good. A request that does not fit
+waits, in arrival order, at most ``admission_wait_s`` and is then answered 503 with ``Retry-After``; the
+remote clients retry it (on another endpoint when there is one). A request alone in a budget is always
+admitted, so a budget below one cap-sized request slows requests down but never refuses them all.
 """
 
 from __future__ import annotations
@@ -24,34 +26,34 @@ class Budget:
 
     def __init__(self, capacity: int) -> None:
         self.capacity, self.used = capacity, 0
-        self._waiters: deque[tuple[int, int, asyncio.Future[None]]] = deque()
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
 
-    def _fits(self, amount: int, held: int) -> bool:
-        return self.used == held or self.used + amount <= self.capacity
+    def _fits(self, amount: int) -> bool:
+        return self.used == 0 or self.used + amount <= self.capacity
 
-    async def acquire(self, amount: int, timeout_s: float, held: int = 0) -> bool:
-        """Take ``amount`` more for a request already holding ``held``; False when it did not fit within
-        ``timeout_s`` (nothing more taken then). A request holding all that is taken always fits."""
-        if not self._waiters and self._fits(amount, held):
+    async def acquire(self, amount: int, timeout_s: float) -> bool:
+        """Take ``amount``; False when it did not fit within ``timeout_s`` (nothing taken then). Anything
+        fits an empty budget."""
+        if not self._waiters and self._fits(amount):
             self.used += amount
             return True
-        entry = (amount, held, asyncio.get_running_loop().create_future())
+        entry = (amount, asyncio.get_running_loop().create_future())
         self._waiters.append(entry)
         try:
-            await asyncio.wait_for(asyncio.shield(entry[2]), timeout_s)
+            await asyncio.wait_for(asyncio.shield(entry[1]), timeout_s)
         except TimeoutError:
             pass
         except asyncio.CancelledError:
             self._abandon(entry)
             raise
-        if entry[2].done():
+        if entry[1].done():
             return True
         self._abandon(entry)
         return False
 
-    def _abandon(self, entry: tuple[int, int, asyncio.Future[None]]) -> None:
+    def _abandon(self, entry: tuple[int, asyncio.Future[None]]) -> None:
         """Give up a wait: drop it from the queue, or hand back what it was granted meanwhile."""
-        amount, _, granted = entry
+        amount, granted = entry
         if granted.done():
             self.release(amount)
             return
@@ -65,7 +67,7 @@ class Budget:
         self._wake()
 
     def _wake(self) -> None:
-        while self._waiters and self._fits(*self._waiters[0][:2]):
-            amount, _, granted = self._waiters.popleft()
+        while self._waiters and self._fits(self._waiters[0][0]):
+            amount, granted = self._waiters.popleft()
             self.used += amount
             granted.set_result(None)

@@ -205,11 +205,13 @@ class ServerState:
     batchers: dict[str, MicroBatcher] = field(default_factory=dict)
     decoder: ThreadPoolExecutor | None = None  # PNG/JPEG decoding, float conversion; one thread per core
     slots: Budget = field(init=False)  # score requests in flight (max_inflight_requests)
-    memory: Budget = field(init=False)  # bytes they may hold (max_inflight_decoded_mb)
+    bodies: Budget = field(init=False)  # bytes of their bodies, read and parsed: half the memory budget
+    pixels: Budget = field(init=False)  # bytes of their decoded pixels: the other half
 
     def __post_init__(self) -> None:
         self.slots = Budget(self.settings.max_inflight_requests)
-        self.memory = Budget(self.settings.max_inflight_decoded_bytes)
+        self.bodies = Budget(self.settings.max_inflight_decoded_bytes // 2)
+        self.pixels = Budget(self.settings.max_inflight_decoded_bytes // 2)
 
 
 STATE = web.AppKey("rlgen_state", ServerState)
@@ -498,11 +500,10 @@ async def _in_pool(state: ServerState, inline: bool, fn: Callable[..., Any], *ar
         raise _wire_error(err) from err
 
 
-async def _admit(state: ServerState, budget: Budget, amount: int, what: str, held: int = 0) -> None:
-    """Take ``amount`` more of ``budget`` (the request holds ``held``) within ``admission_wait_s``, else
-    503 with ``Retry-After``."""
+async def _admit(state: ServerState, budget: Budget, amount: int, what: str) -> None:
+    """Take ``amount`` of ``budget`` within ``admission_wait_s``, else 503 with ``Retry-After``."""
     wait_s = state.settings.admission_wait_s
-    if not await budget.acquire(amount, wait_s, held):
+    if not await budget.acquire(amount, wait_s):
         raise ApiError(
             503,
             f"the server is busy: {what} stayed full for server.admission_wait_s={wait_s:g} s; retry later "
@@ -512,10 +513,10 @@ async def _admit(state: ServerState, budget: Budget, amount: int, what: str, hel
         )
 
 
-def _memory_cost(body_bytes: int, decoded_bytes: int, reward: Reward) -> int:
-    """What a request holds at most: its body and its parse; its uint8 pixels and, for a reward that takes
-    float pixels, their float32 copy (4 bytes each)."""
-    return 2 * body_bytes + decoded_bytes * (1 if accepts_uint8(reward) else 5)
+def _pixel_cost(decoded_bytes: int, reward: Reward) -> int:
+    """What a request's pixels hold at most: the uint8 arrays and, for a reward that takes float pixels,
+    their float32 copy (4 bytes each)."""
+    return decoded_bytes * (1 if accepts_uint8(reward) else 5)
 
 
 def _reply(body: dict[str, Any], binary: bool) -> web.Response:
@@ -532,23 +533,25 @@ async def score(request: web.Request) -> web.Response:
     await _admit(
         state, state.slots, 1, f"server.max_inflight_requests={state.settings.max_inflight_requests}"
     )
-    held = 0
+    body_cost = pixel_cost = 0
     state.metrics.in_flight.inc()
     try:
+        # Bodies and pixels are two halves of the budget: a request holding its body's share waits only
+        # for pixel shares, whose holders never wait, so requests cannot block each other for good.
         declared = request.content_length
-        body_cost = 2 * (state.settings.max_request_bytes if declared is None else declared)
         budget_key = f"server.max_inflight_decoded_mb={state.settings.max_inflight_decoded_mb:g}"
-        await _admit(state, state.memory, body_cost, budget_key)
-        held = body_cost
+        cost = 2 * (state.settings.max_request_bytes if declared is None else declared)  # body + parse
+        await _admit(state, state.bodies, cost, budget_key + " (request bodies: half of it)")
+        body_cost = cost
         payload, binary = await _read_payload(request, state)
         name, raw, prompts, metadata = _validate(payload, state, binary)
         if not prompts:
             return _reply({"scores": [], "details": {}}, binary)
         inline = all(isinstance(data, dict) for data in raw)  # raw pixels: cheap checks and views
         checked, decoded = await _in_pool(state, inline, _check_all, raw, state.settings)
-        more = _memory_cost(0, decoded, state.rewards[name])
-        await _admit(state, state.memory, more, budget_key, held)
-        held += more
+        cost = _pixel_cost(decoded, state.rewards[name])
+        await _admit(state, state.pixels, cost, budget_key + " (decoded pixels: half of it)")
+        pixel_cost = cost
         images = await _in_pool(state, inline, _decode_checked, checked)
         del checked
         try:
@@ -563,7 +566,8 @@ async def score(request: web.Request) -> web.Response:
         return _reply({"scores": scores, "details": scored.details}, binary)
     finally:
         state.metrics.in_flight.dec()
-        state.memory.release(held)
+        state.bodies.release(body_cost)
+        state.pixels.release(pixel_cost)
         state.slots.release(1)
 
 

@@ -128,7 +128,9 @@ ATTACKS = {
 }
 
 
-def _attack(worker: tuple[subprocess.Popen, int], case: str, body_mb: float, rss_bound_mb: float) -> None:
+def _attack(
+    worker: tuple[subprocess.Popen, int], case: str, body_mb: float, rss_bound_mb: float, healthz_ms: float
+) -> None:
     proc, port = worker
     build, cap = ATTACKS[case]
     body, ctype = build(body_mb)
@@ -143,19 +145,21 @@ def _attack(worker: tuple[subprocess.Popen, int], case: str, body_mb: float, rss
     )
     assert status == 413 and cap in reply["error"], reply
     assert rss.growth_mb <= rss_bound_mb
-    assert health.answers >= 1 and health.worst_ms <= HEALTHZ_MS
+    assert health.answers >= 1 and health.worst_ms <= healthz_ms
     assert proc.poll() is None and http("GET", f"http://127.0.0.1:{port}/healthz")[0] == 200
 
 
 @pytest.mark.parametrize("case", list(ATTACKS))
 def test_an_attack_body_is_refused_naming_its_cap_with_bounded_memory_and_a_live_healthz(worker, case):
-    _attack(worker, case, body_mb=6, rss_bound_mb=RSS_BOUND_MB)
+    _attack(worker, case, body_mb=6, rss_bound_mb=RSS_BOUND_MB, healthz_ms=HEALTHZ_MS)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(ATTACKS))
 def test_full_size_attack_bodies_are_refused_with_bounded_memory(worker, case):
-    # the JSON body is refused while it arrives; a msgpack body is parsed whole (its bytes and their copy)
+    # The JSON body is refused while it arrives. A msgpack body is read and parsed whole (its bytes and
+    # their copy: 2 × 63 MB): the bound is on what it costs beyond that. While it is parsed, /healthz
+    # answered within 61–127 ms on 2 loaded cores (load 8–9), hence 250 ms here.
     body_mb = 62 if case.startswith("json") else 60
     buffered_mb = 0 if case.startswith("json") else 2 * body_mb * MIB / 1e6
-    _attack(worker, case, body_mb=body_mb, rss_bound_mb=RSS_BOUND_MB + buffered_mb)
+    _attack(worker, case, body_mb=body_mb, rss_bound_mb=RSS_BOUND_MB + buffered_mb, healthz_ms=250)

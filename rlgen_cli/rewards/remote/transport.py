@@ -12,7 +12,9 @@
 * **cool-down** — a refused connection, a timeout (a frozen server that accepts connections but never
   answers), a 503 or a failed health check takes the endpoint out of rotation for ``health_interval_s``,
   doubled after each further consecutive failure (up to ``max(health_interval_s, 300 s)``) and reset by a
-  success, so a dead or frozen endpoint costs a timeout now and then, not on every call;
+  success, so a dead or frozen endpoint costs a timeout now and then, not on every call. A 503 with
+  ``Retry-After`` (a busy reward server) takes it out for that long instead (at most 30 s), and when no
+  other endpoint is left to fail over to, the next attempt waits for it;
 * **no silent failures** — every failure is logged and counted (:meth:`EndpointPool.stats`); a 4xx
   reply (a client or configuration mistake) is raised at once with the server's message.
 
@@ -44,6 +46,7 @@ __all__ = ["EndpointPool", "RemoteRewardError", "RequestRefusedError", "parse_en
 
 T = TypeVar("T")
 _MAX_IDLE = 64  # idle keep-alive connections kept per endpoint
+_MAX_BACKOFF_S = 30.0  # longest wait before a retry (doubling backoff, or a server's Retry-After)
 _MAX_COOLDOWN_S = 300.0  # cap of the doubling cool-down (unless health_interval_s is longer)
 # Errors of a reused keep-alive connection that the server closed while it sat idle: retried once, fresh.
 _STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
@@ -55,6 +58,14 @@ class RemoteRewardError(RuntimeError):
 
 class RequestRefusedError(RemoteRewardError):
     """The server answered 4xx: a client or configuration mistake that no retry (and no NaN) can hide."""
+
+
+def _seconds(value: str | None) -> float | None:
+    """A ``Retry-After`` in delay-seconds form (an HTTP date is ignored), capped at the longest backoff."""
+    try:
+        return min(max(float(value), 0.0), _MAX_BACKOFF_S) if value else None
+    except ValueError:
+        return None
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -135,8 +146,9 @@ class _Connections:
 
     def exchange(
         self, method: str, path: str, body: bytes | None, headers: dict[str, str], timeout: float
-    ) -> tuple[int, bytes, str]:
-        """One HTTP exchange on a kept-alive connection; returns ``(status, body, content_type)``.
+    ) -> tuple[int, bytes, str, float | None]:
+        """One HTTP exchange on a kept-alive connection; returns ``(status, body, content_type,
+        retry_after_s)`` (the reply's ``Retry-After`` in seconds, when it gives one).
 
         Raises:
             OSError, http.client.HTTPException: On connection failures and timeouts (the connection is
@@ -161,7 +173,8 @@ class _Connections:
                 conn.close()
             else:
                 self._give_back(conn)
-            return response.status, data, response.getheader("Content-Type", "")
+            retry_after = _seconds(response.getheader("Retry-After"))
+            return response.status, data, response.getheader("Content-Type", ""), retry_after
 
     def close(self) -> None:
         """Close every idle connection."""
@@ -256,15 +269,17 @@ class EndpointPool:
         body: bytes | None,
         headers: dict[str, str],
         timeout: float,
-    ) -> tuple[int, bytes, str]:
-        """One HTTP exchange on a kept-alive connection; ``(status, body, content_type)`` for any status."""
+    ) -> tuple[int, bytes, str, float | None]:
+        """One HTTP exchange on a kept-alive connection; ``(status, body, content_type, retry_after_s)``."""
         return endpoint.connections.exchange(method, path, body, self.headers | headers, timeout)
 
     def _probe(self, endpoint: _Endpoint) -> bool:
         """``GET health_path``; True when it answers 2xx."""
         self.count("health_checks")
         try:
-            status, _, _ = self._http("GET", endpoint, self.health_path, None, {}, min(self.timeout_s, 5.0))
+            status, _, _, _ = self._http(
+                "GET", endpoint, self.health_path, None, {}, min(self.timeout_s, 5.0)
+            )
         except (OSError, http.client.HTTPException) as err:
             status, reason = 0, str(err)
         else:
@@ -306,17 +321,28 @@ class EndpointPool:
             self._release(endpoint, ok=False, down=True)
             skipped.add(endpoint.url)
 
+    def _other_usable(self, tried: set[str]) -> bool:
+        """Whether an endpoint not tried in this call is in rotation now (somewhere to fail over to)."""
+        with self._lock:
+            now = time.monotonic()
+            return any(e.url not in tried and (e.healthy or now >= e.retry_at) for e in self._endpoints)
+
     def _cooldown_s(self, streak: int) -> float:
         """Cool-down after the ``streak``-th consecutive failure: ``health_interval_s`` doubling, capped."""
         cap = max(self.health_interval_s, _MAX_COOLDOWN_S)
         return min(self.health_interval_s * 2.0 ** min(streak - 1, 32), cap)
 
-    def _release(self, endpoint: _Endpoint, ok: bool, down: bool = False) -> None:
+    def _release(
+        self, endpoint: _Endpoint, ok: bool, down: bool = False, retry_after: float | None = None
+    ) -> None:
         with self._lock:
             endpoint.in_flight -= 1
             if ok:
                 endpoint.healthy, endpoint.checked_at = True, time.monotonic()
                 endpoint.down_streak = 0
+            elif down and retry_after is not None:  # busy, not broken: out for as long as it asked
+                endpoint.healthy = False
+                endpoint.retry_at = time.monotonic() + retry_after
             elif down:
                 endpoint.down_streak += 1
                 endpoint.healthy = False
@@ -340,44 +366,52 @@ class EndpointPool:
         body: bytes | None,
         headers: dict[str, str],
         parse: Callable,
-    ) -> tuple[bool, Any]:
-        """One attempt on a reserved endpoint: ``(True, result)`` or ``(False, error message)``.
+    ) -> tuple[bool, Any, float | None]:
+        """One attempt on a reserved endpoint: ``(True, result, None)`` or ``(False, error message,
+        Retry-After of a 503 or None)``.
 
-        The endpoint is always released; a connection failure, a timeout or a 503 puts it in cool-down.
+        The endpoint is always released; a connection failure, a timeout or a 503 puts it in cool-down
+        (a 503's ``Retry-After`` long when it gives one).
 
         Raises:
             RequestRefusedError: On a 4xx reply (retrying cannot help).
         """
         ok = down = False
+        retry_after = None
         try:
             try:
-                status, data, ctype = self._http(method, endpoint, path, body, headers, self.timeout_s)
+                status, data, ctype, retry_after = self._http(
+                    method, endpoint, path, body, headers, self.timeout_s
+                )
             except TimeoutError as err:
                 down = True  # frozen or overloaded: the next calls should not wait for it again
-                return False, self._failure(endpoint, "timeouts", str(err) or "timed out")
+                return False, self._failure(endpoint, "timeouts", str(err) or "timed out"), None
             except (OSError, http.client.HTTPException) as err:
                 down = True
                 if isinstance(getattr(err, "reason", None), TimeoutError):
-                    return False, self._failure(endpoint, "timeouts", str(err))
-                return False, self._failure(endpoint, "connection_errors", f"{type(err).__name__}: {err}")
+                    return False, self._failure(endpoint, "timeouts", str(err)), None
+                message = self._failure(endpoint, "connection_errors", f"{type(err).__name__}: {err}")
+                return False, message, None
             if 200 <= status < 300:
                 try:
                     result = parse(data, ctype)
                 except WireError as err:
-                    return False, self._failure(endpoint, "bad_replies", str(err))
+                    return False, self._failure(endpoint, "bad_replies", str(err)), None
                 ok = True
                 self.count("ok")
-                return True, result
+                return True, result, None
             detail = f"HTTP {status}: {data[:500].decode('utf-8', 'replace')}"
             if status >= 500 or status == 429:
                 down = status == 503
-                return False, self._failure(endpoint, "http_5xx", detail)
+                if not down:
+                    retry_after = None
+                return False, self._failure(endpoint, "http_5xx", detail), retry_after
             self._failure(endpoint, "http_4xx", detail)
             raise RequestRefusedError(
                 f"reward server {endpoint.url}{path} refused the request ({detail}); fix the request or config"
             )
         finally:
-            self._release(endpoint, ok=ok, down=down)
+            self._release(endpoint, ok=ok, down=down, retry_after=retry_after if down else None)
 
     def request(
         self,
@@ -405,11 +439,15 @@ class EndpointPool:
         """
         tried: set[str] = set()
         errors: list[str] = []
+        retry_after: float | None = None
         self.count("requests")
         for attempt in range(self.retries + 1):
             if attempt:
                 self.count("retries")
-                time.sleep(min(self.backoff_s * 2 ** (attempt - 1), 30.0))
+                delay = min(self.backoff_s * 2 ** (attempt - 1), _MAX_BACKOFF_S)
+                if retry_after is not None and not self._other_usable(tried):
+                    delay = max(delay, retry_after)  # the busy server said when; nowhere else to go
+                time.sleep(delay)
             endpoint = self._acquire(tried)
             if endpoint is None:
                 self.count("no_endpoint")
@@ -420,7 +458,7 @@ class EndpointPool:
             tried.add(endpoint.url)
             with self._lock:
                 endpoint.requests += 1
-            ok, outcome = self._attempt(endpoint, method, path, body, headers, parse)
+            ok, outcome, retry_after = self._attempt(endpoint, method, path, body, headers, parse)
             if ok:
                 return outcome
             errors.append(outcome)
