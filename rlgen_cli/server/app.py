@@ -245,6 +245,10 @@ async def _observe(request: web.Request, handler: Handler) -> web.StreamResponse
         response = _error(err.status, err.message, err.headers)
         if err.close:
             response.force_close()
+        if err.kind == "timeout":  # a slow client: answer, then close now instead of reading on
+            await response.prepare(request)
+            await response.write_eof()
+            request.protocol.force_close()
     except web.HTTPException as err:  # aiohttp's own: unknown route, wrong method, body too large
         kind = "too_large" if err.status == 413 else "http"
         metrics.errors.inc(kind=kind)
