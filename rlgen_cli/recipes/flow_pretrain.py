@@ -69,8 +69,9 @@ def pretrain_epoch(run: FlowRun, epoch: int, progress: Progress) -> dict[str, fl
         losses.append(pretrain_step(run, epoch, step))
         progress.advance(task, description=f"pretrain loss {losses[-1]:.4f}")
     progress.remove(task)
+    loss = loop.reduce_over_ranks(run.dist, {"loss": losses})["loss"]  # every process's steps, pooled
     return {
-        "lr": run.optimizer.param_groups[0]["lr"], "loss": sum(losses) / len(losses),
+        "lr": run.optimizer.param_groups[0]["lr"], "loss": loss,
         "global_step": run.global_step, **run.dist.loss_scale_metrics(),
     }  # fmt: skip
 
