@@ -57,7 +57,6 @@ LAUNCH_KINDS = {
     "deepspeed_zero3": "zero3", "fsdp": "fsdp",
 }  # fmt: skip
 META = torch.device("meta")
-TRACE_PROMPT = "a photo of a red cube to the left of a blue sphere"
 TRACE_SIGMA = 0.5
 
 
@@ -118,12 +117,13 @@ def plan_run(cfg: Any) -> dict[str, Any]:
 
     refuse_unmodelled(cfg)
     held, reward_notes = reward_rows(cfg)  # a reward it cannot count stops the plan before any build
+    prompt = planning_prompt(cfg)
     model_cfg, model_note = planned_model(cfg.model)
     policy = build_on_meta(model_cfg)
     components = components_of(policy)
     groups = param_groups(components)
     trained = tuple(name for name, module in components.items() if _trains(module))
-    encode = conditioning_of(policy, cfg)
+    encode = conditioning_of(policy, cfg, prompt)
     tracer = EpochTracer(cfg, policy, [components[name] for name in trained], encode)
     try:
         training = training_of(cfg, components, trained, held=(*held, *cache_rows(policy, tracer)))
@@ -406,16 +406,29 @@ def _trace(policy: Any, cfg: Any, rows: int, trained: list[nn.Module], encode: E
     return trace_saved(forward, weights, blocks)
 
 
-def conditioning_of(policy: Any, cfg: Any) -> Encode:
-    """How the plan encodes ``batch`` prompts (and source images) on the meta device, shaped as the run's:
-    a tiny family encodes on the CPU (its encoders are small, and they read their masks' values, which
-    meta tensors do not have) with one CPU twin; a real one on the meta device."""
+def planning_prompt(cfg: Any) -> str:
+    """The prompt the plan encodes: the longest of the run's training and test prompts (families that trim
+    the text padding keep as many tokens as a batch's longest prompt). An unreadable prompt file stops the
+    plan as it would stop the run, naming the setting."""
+    from pathlib import Path
+
+    from rlgen_cli.data.paths import load_prompts
+
+    workdir = Path(cfg.run_dir) if cfg.run_dir else None  # where a generated set (tiny_edit) is written
+    sets = ((cfg.data.train, "data.train"), (cfg.data.test, "data.test"))
+    return max((ex.prompt for spec, key in sets for ex in load_prompts(spec, workdir, key)), key=len)
+
+
+def conditioning_of(policy: Any, cfg: Any, prompt: str) -> Encode:
+    """How the plan encodes ``batch`` copies of ``prompt`` (and source images) on the meta device, shaped
+    as the run's: a tiny family encodes on the CPU (its encoders are small, and they read their masks'
+    values, which meta tensors do not have) with one CPU twin; a real one on the meta device."""
     from rlgen_cli.training.memory_trace import autocast_on_meta, meta_values
 
     if not cfg.model.tiny:
 
         def encode_on_meta(batch: int) -> Any:
-            prompts = [TRACE_PROMPT] * batch
+            prompts = [prompt] * batch
             images = torch.zeros(batch, 3, *_size(cfg.model), device=META) if _takes_images(policy) else None
             with autocast_on_meta(), meta_values():
                 return policy.encode(prompts, images)
@@ -428,7 +441,7 @@ def conditioning_of(policy: Any, cfg: Any) -> Encode:
     def encode_on_cpu(batch: int) -> Any:
         images = torch.rand(batch, 3, *_size(cfg.model)) if _takes_images(policy) else None
         with torch.no_grad():
-            cond = twin.encode([TRACE_PROMPT] * batch, images)
+            cond = twin.encode([prompt] * batch, images)
         # integer tensors (masks, source shapes) stay on the CPU: the model reads their values
         tensors = {k: v.to(META) if v.is_floating_point() else v for k, v in cond.tensors.items()}
         return type(cond)(tensors, dict(cond.extras))
@@ -442,8 +455,12 @@ def _takes_images(policy: Any) -> bool:
 
 @contextlib.contextmanager
 def _checkpointing(modules: list[nn.Module], on: bool) -> Iterator[None]:
-    """Gradient checkpointing of the trained modules switched ``on`` or off inside, as configured after."""
-    switched = [m for m in modules if getattr(m, "gradient_checkpointing", False) != on]
+    """Gradient checkpointing of the trained modules switched ``on`` or off inside (a module without it
+    stays as it is), as configured after."""
+    switched = [
+        m for m in modules
+        if getattr(m, "gradient_checkpointing", False) != on and getattr(m, "_supports_gradient_checkpointing", False)
+    ]  # fmt: skip
     for module in switched:
         module.enable_gradient_checkpointing() if on else module.disable_gradient_checkpointing()
     try:
@@ -588,17 +605,17 @@ def _with(cfg: Any, **sections: Any) -> Any:
 
 
 def _resized(traj: Any, rows: int, steps: int) -> Any:
-    """A trajectory of ``rows`` samples and its first ``steps`` trained steps, shaped as ``traj``'s."""
-    per_sample = {}
-    for key in traj._PER_SAMPLE:
-        value = getattr(traj, key)
-        if isinstance(value, Tensor):
-            shape = (
-                (rows, steps, *value.shape[2:])
-                if key in ("latents", "next_latents", "logprobs", "stds", "means", "train_mask")
-                else (rows, *value.shape[1:])
-            )
-            per_sample[key] = value.new_empty(shape)
+    """A trajectory of ``rows`` samples (the rollout's, repeated) and its first ``steps`` trained steps:
+    shaped as the run's, and with the values the rollout left on the CPU (per-step σ, stds, a train mask),
+    which the loss reads."""
+    samples = torch.arange(rows) % len(traj.final)
+    per_sample = {
+        key: value[samples.to(value.device)][:, :steps]
+        if value.dim() > 1 and key != "final"
+        else value[samples.to(value.device)]
+        for key in traj._PER_SAMPLE
+        if isinstance(value := getattr(traj, key), Tensor)
+    }
     per_step = {k: getattr(traj, k)[:steps] for k in ("sigmas", "sigmas_next", "step_indices")}
     return dataclasses.replace(traj, **per_sample, **per_step)
 
@@ -705,7 +722,7 @@ def reward_rows(cfg: Any) -> tuple[list[Any], list[str]]:
         raise UserError(
             "rlgen plan cannot count the memory of:\n  " + "\n  ".join(refused) + "\nserve such a reward "
             "(rlgen serve-reward; its model then lives in the server), or declare its memory on the device "
-            "with plan.reward_memory_gb={NAME: GiB}"
+            "with +plan.reward_memory_gb.NAME=GiB"
         )
     return rows, notes
 

@@ -47,9 +47,12 @@ The peak of an epoch on one process (n samples, batches of b, micro-batches of B
 * rollout — the batches before the last one keep their samples while the last one samples, and the
   concatenation at its end holds every sample twice: ``max((n − b)·s + rollout_peak(b), 2·n·s)``;
 * update — the epoch's samples and the copy the update trains on (the samples it keeps) stay while each
-  step runs: ``2·n·s + step_peak(B, checkpointing)``.
+  step runs: ``2·n·s + step_peak(B, checkpointing)``;
+* evaluation, with EMA — the live trainable weights backed up while the EMA weights sample (4 B per
+  trainable parameter; a checkpoint clones the shadows: as much) + ``rollout_peak(b)``, a bound from
+  above (an evaluation keeps no trajectory).
 
-The total is the state plus the larger of the two.
+The total is the state plus the largest.
 
 :func:`smallest_fix` tries changes in a fixed order of cost — ZeRO-2 (same processes, no extra compute),
 gradient checkpointing (≈ one more forward), a smaller micro-batch with more accumulation (same optimizer
@@ -315,8 +318,11 @@ def _state_rows(trainable_numel: int, trained_numel: int, launch: Launch, traini
     return rows + list(training.held)
 
 
-def _peak_rows(activations: Activations, epoch: Epoch, launch: Launch, training: Training) -> tuple[Row, Row]:
-    """The rollout's and the update's peaks above the state (see the module docstring)."""
+def _peak_rows(
+    activations: Activations, epoch: Epoch, launch: Launch, training: Training, trainable_numel: int
+) -> tuple[Row, ...]:
+    """The rollout's and the update's peaks above the state, and with EMA the evaluation's (see the module
+    docstring)."""
     samples = math.ceil(epoch.samples / launch.processes)
     batch = min(training.sample_batch, samples) if samples else training.sample_batch
     kept = samples * epoch.kept_per_sample
@@ -329,10 +335,22 @@ def _peak_rows(activations: Activations, epoch: Epoch, launch: Launch, training:
         Row(f"rollout peak (sample batch {batch})", rollout,
             f"{samples} samples kept ({kept / GIB:.2f} GiB) + one batch sampled and decoded"),
         Row(f"training step peak (micro-batch {training.micro_batch})", 2 * kept + step,
-            f"saved activations {saved / GIB:.2f} GiB (gradient checkpointing {'on' if checkpointing else 'off'}; "
-            f"{'off' if checkpointing else 'on'}: {other / GIB:.2f}) + gradients and the backward's buffers "
-            f"{(step - saved) / GIB:.2f} GiB + the samples and the copy trained on {2 * kept / GIB:.2f} GiB"),
-    )  # fmt: skip
+            f"one step {step / GIB:.2f} GiB (activations, gradients, the backward's buffers; saved "
+            f"activations {saved / GIB:.2f} GiB with gradient checkpointing {'on' if checkpointing else 'off'}, "
+            f"{other / GIB:.2f} {'off' if checkpointing else 'on'}) + the samples and the copy trained on "
+            f"{2 * kept / GIB:.2f} GiB"),
+    ) + _evaluation_rows(epoch, training, trainable_numel, batch)  # fmt: skip
+
+
+def _evaluation_rows(epoch: Epoch, training: Training, trainable_numel: int, batch: int) -> tuple[Row, ...]:
+    """With EMA, an evaluation swaps the shadows in and backs the live weights up (a checkpoint clones the
+    shadows: as much), then samples in batches of ``batch``: at most one rollout batch's peak on top."""
+    if not training.ema:
+        return ()
+    backup = trainable_numel * EMA_BYTES
+    return (Row(f"evaluation peak (sample batch {batch})", backup + epoch.rollout_peak(batch),
+                f"the live weights backed up while the EMA weights sample ({backup / GIB:.2f} GiB) + one "
+                "batch sampled and decoded, its trajectory included (an evaluation keeps none)"),)  # fmt: skip
 
 
 def plan_memory(
@@ -345,7 +363,8 @@ def plan_memory(
     trained_numel = sum(g.numel for g in groups if g.component in training.trained and not g.lora)
     rows = _weight_rows(groups, launch, training)
     rows += _state_rows(trainable_numel, trained_numel, launch, training)
-    return MemoryPlan(tuple(rows), _peak_rows(activations, epoch, launch, training), launch, training)
+    peaks = _peak_rows(activations, epoch, launch, training, trainable_numel)
+    return MemoryPlan(tuple(rows), peaks, launch, training)
 
 
 @dataclass(frozen=True)
@@ -417,10 +436,10 @@ def _micro_batch(launch: Launch, training: Training, judge: Judge) -> Change | N
 
 def _sample_batch(launch: Launch, training: Training, judge: Judge) -> Change | None:
     """The largest divisor of the sampling batch below it that fits (else 1): more, smaller rollout
-    batches, the same samples. None when the rollout is not what needs the most."""
+    batches, the same samples. None when no sampling phase is what needs the most."""
     batch = training.sample_batch
     plan = judge.plan(launch, training)
-    if batch == 1 or not plan.peak.what.startswith("rollout"):
+    if batch == 1 or not plan.peak.what.startswith(("rollout", "evaluation")):
         return None
     divisors = sorted((d for d in range(1, batch) if batch % d == 0), reverse=True)
     smaller = next(

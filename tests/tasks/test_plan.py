@@ -106,7 +106,7 @@ DOCS_ROWS = [
 """docs/plan.md's rows: every tiny family as ``rlgen plan model=…`` composes it."""
 MORE_ROWS = [
     "model=tiny_sd3 algo.timesteps_per_pass=4",
-    "model=tiny_flux algo.sample_batch_size=16",
+    "model=tiny_flux algo.sample_batch_size=16 algo.train_batch_size=2",
     "model=tiny_sd3 model.guidance_scale=4.5 algo.cfg_grad=conditional",
     "model=tiny_flux model.lora.enabled=false algo.ema.enabled=true",
     "model=tiny_sd3 model.gradient_checkpointing=true",
@@ -126,7 +126,7 @@ def test_every_docs_row_is_predicted_within_15_percent_of_a_real_epoch(row):
 
 
 def test_the_checkpointed_activations_are_within_15_percent_of_a_checkpointed_step():
-    cfg = _typed(["model=tiny_flux", "model.lora.enabled=false"])
+    cfg = _typed(["model=tiny_flux", "model.lora.enabled=false", *SMALL_EPOCH, "model.num_steps=4"])
     from rlgen_cli.tasks.plan import plan_run
 
     activations = plan_run(cfg)["activations"]
@@ -149,8 +149,8 @@ def test_plan_prints_the_table_and_exits_0_when_it_fits(cli, tmp_path: Path):
 
 def test_a_too_small_device_gets_the_change_that_makes_it_fit(cli, tmp_path: Path):
     # the tiny SD3's training step needs a few MiB: 1e-4 GiB (≈ 105 kB) cannot hold it on one process
-    code, out = cli("plan", "model=tiny_sd3", "plan.device_memory_gb=0.0001", "plan.format=json",
-                    f"hydra.run.dir={tmp_path}")  # fmt: skip
+    code, out = cli("plan", "model=tiny_sd3", *SMALL_EPOCH, "model.num_steps=4", "plan.device_memory_gb=0.0001",
+                    "plan.format=json", f"hydra.run.dir={tmp_path}")  # fmt: skip
     assert code == 1, out
     report = json.loads((tmp_path / "plan.json").read_text())
     assert not report["fits"]
@@ -178,11 +178,11 @@ def test_plan_composes_what_train_composes_plus_the_plan_section(args):
 
 
 def test_a_reward_model_the_plan_cannot_build_is_refused_by_name_or_counted_as_declared(cli, tmp_path: Path):
-    code, out = cli("plan", "model=tiny_flux", "reward=pickscore", f"hydra.run.dir={tmp_path}")
+    code, out = cli("plan", "model=tiny_flux", "reward=pickscore", "data=tiny", f"hydra.run.dir={tmp_path}")
     assert code == 2, out
     assert "reward pickscore" in out and "plan.reward_memory_gb" in out and "fits" not in out
     # declared, it is counted at that size in every phase
-    code, out = cli("plan", "model=tiny_flux", "reward=pickscore", "+plan.reward_memory_gb.pickscore=1.5",
+    code, out = cli("plan", "model=tiny_flux", "reward=pickscore", "data=tiny", "+plan.reward_memory_gb.pickscore=1.5",
                     "plan.format=json", f"hydra.run.dir={tmp_path}")  # fmt: skip
     assert code == 0, out
     rows = {row["what"]: row["bytes"] for row in json.loads((tmp_path / "plan.json").read_text())["rows"]}

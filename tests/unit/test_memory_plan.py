@@ -131,6 +131,19 @@ def test_the_epoch_peaks_at_the_larger_of_its_rollout_and_its_update():
     assert [row.nbytes for row in alone.peaks] == [3200, 3300]
 
 
+def test_with_ema_an_evaluation_backs_the_live_weights_up_while_it_samples():
+    # 10 trainable fp32 parameters: the backup is 40 B; a rollout batch of 4 peaks at 1040 B: 1080 B
+    groups = [ParamGroup("transformer", "float32", 10, trainable=True, lora=True)]
+    epoch = Epoch(16, 100, lambda b: 1000 + 10 * b, lambda b, ckpt: 50 * b)
+    plan = plan_memory(groups, NO_ACTIVATIONS, Launch("local"), Training(2, sample_batch=4, ema=True), epoch)
+    assert [row.nbytes for row in plan.peaks][2] == 40 + 1040
+    # perturbation arm: without EMA there is no third phase
+    assert (
+        len(plan_memory(groups, NO_ACTIVATIONS, Launch("local"), Training(2, sample_batch=4), epoch).peaks)
+        == 2
+    )
+
+
 def test_a_rollout_that_does_not_fit_gets_a_smaller_sampling_batch():
     # kept samples cost nothing; a rollout batch of b peaks at b GiB, a training step at 1 GiB; 10 GiB with
     # 10 % headroom leaves 9 GiB: batches of 16 do not fit, of 8 they do (the largest divisor of 16 that fits)
