@@ -291,8 +291,8 @@ def _check_declared_size(request: web.Request) -> None:
     if request.content_length is not None and request.content_length > limit:
         raise ApiError(
             413,
-            f"request body is {request.content_length} bytes, above server.max_request_mb "
-            f"({limit} bytes); send fewer images per request (client batch_size)",
+            f"the declared Content-Length is above server.max_request_mb ({limit} bytes); send fewer "
+            "images per request (client batch_size)",  # no header value is echoed, not even this one
             kind="too_large",
         )
 
