@@ -133,7 +133,7 @@ def _parse_msgpack(body: bytes, max_items: int) -> Any:
 
 
 def parse_body(
-    body: bytes | bytearray, binary: bool, max_items: int, counted: bool = False
+    body: bytes | bytearray | memoryview, binary: bool, max_items: int, counted: bool = False
 ) -> dict[str, Any]:
     """Parse a request body (msgpack when ``binary``, else JSON) holding at most ``max_items`` items.
 

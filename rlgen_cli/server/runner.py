@@ -18,6 +18,7 @@ model is still missing. Each process shuts down gracefully: it stops accepting c
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import logging
 import os
@@ -45,6 +46,7 @@ __all__ = [
     "build_rewards",
     "configure_logging",
     "load_models",
+    "return_large_frees_to_the_os",
     "serve",
     "serve_workers",
     "worker_env",
@@ -144,6 +146,24 @@ async def _serve_async(rewards: dict[str, Reward], settings: ServerSettings) -> 
         await runner.cleanup()
 
 
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+
+
+def return_large_frees_to_the_os() -> None:
+    """Make every allocation of 1 MiB or more its own mapping, unmapped as soon as it is freed (glibc).
+
+    glibc otherwise raises its mmap threshold to the largest block freed (up to 32 MiB), so request bodies
+    and pixel batches come from heaps that keep their freed pages: the process's RSS then follows the
+    largest past load, not what the requests in flight hold (``server.max_inflight_decoded_mb``). A no-op
+    where the C library is not glibc.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+    except (OSError, AttributeError):
+        logger.debug("not glibc: freed request memory is returned as the C library decides")
+
+
 def serve(rewards: dict[str, Reward], settings: ServerSettings) -> None:
     """Serve ``rewards`` in this process (blocks until SIGINT/SIGTERM).
 
@@ -151,6 +171,7 @@ def serve(rewards: dict[str, Reward], settings: ServerSettings) -> None:
         rewards: Rewards to host, by name.
         settings: Server settings; ``workers`` is ignored here (see :func:`serve_workers`).
     """
+    return_large_frees_to_the_os()
     asyncio.run(_serve_async(rewards, settings))
 
 

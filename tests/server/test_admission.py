@@ -20,6 +20,7 @@ import pytest
 
 from rlgen_cli.rewards.remote import wire
 from rlgen_cli.rewards.remote.transport import EndpointPool
+from rlgen_cli.server.runner import return_large_frees_to_the_os
 from tests.server.helpers import MeanReward, constant_images
 from tests.server.test_limits import PeakRss
 
@@ -34,9 +35,15 @@ def _raw_body(value: int) -> bytes:
 
 
 def _score(port: int, body: bytes) -> tuple[int, dict]:
+    """POST ``body``; the head and the body are sent apart (``request`` would copy the body into the head
+    in this process, and the test measures this process)."""
     conn = httpclient.HTTPConnection("127.0.0.1", port, timeout=300)
     try:
-        conn.request("POST", "/v1/score", body=body, headers={"Content-Type": wire.MSGPACK_TYPE})
+        conn.putrequest("POST", "/v1/score")
+        conn.putheader("Content-Type", wire.MSGPACK_TYPE)
+        conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders()
+        conn.send(body)
         response = conn.getresponse()
         data, ctype = response.read(), response.getheader("Content-Type", "")
     finally:
@@ -49,6 +56,7 @@ def test_concurrent_cap_sized_requests_stay_within_the_inflight_budget(serve):
     # In this process (the reward is a test double), the request bodies are built before measuring.
     server = serve({"mean": MeanReward()}, max_decoded_mb=4, max_request_mb=8,
                    max_inflight_decoded_mb=BUDGET_MB, admission_wait_s=120)  # fmt: skip
+    return_large_frees_to_the_os()  # what every server process does at start (rlgen serve-reward)
     values = [10 * i + 5 for i in range(16)]
     bodies = [_raw_body(value) for value in values]
     assert _score(server.port, bodies[0])[0] == 200  # first-use costs (imports, torch) are not a request's
