@@ -335,7 +335,8 @@ async def _receive_declared(request: web.Request, declared: int) -> memoryview:
 async def _receive(request: web.Request, counter: limits.JsonItemCounter | None) -> bytearray | memoryview:
     """Read the body chunk by chunk, up to ``max_request_mb``, feeding ``counter`` as it arrives."""
     limit = request.app[STATE].settings.max_request_bytes
-    if counter is None and request.content_length is not None:
+    identity = request.headers.get("Content-Encoding", "identity").strip().lower() == "identity"
+    if counter is None and request.content_length is not None and identity:  # else it inflates past it
         return await _receive_declared(request, request.content_length)
     body = bytearray()
     while chunk := await request.content.readany():

@@ -9,6 +9,7 @@ client's retries (honouring ``Retry-After``) still get every score.
 
 from __future__ import annotations
 
+import gzip
 import http.client as httpclient
 import json
 import os
@@ -102,3 +103,19 @@ def _post_raw(port: int, body: bytes, ctype: str) -> int:
         return response.status
     finally:
         conn.close()
+
+
+def test_a_gzip_msgpack_body_is_read_past_its_declared_length_and_bounded_after_inflating(serve):
+    # a msgpack body is read into a buffer of its Content-Length, which counts the compressed bytes
+    server = serve({"mean": MeanReward()}, max_request_mb=1)
+    entry = {"shape": [3, 8, 8], "dtype": "uint8", "data": bytes([51]) * 192}
+    headers = {"Content-Type": wire.MSGPACK_TYPE, "Content-Encoding": "gzip"}
+    for n, expected in ((4, 200), (20_000, 413)):  # 20 000 entries inflate to ~4.6 MB from ~17 KB
+        body = gzip.compress(msgpack.packb({"reward": "mean", "images": [entry] * n, "prompts": ["p"] * n}))
+        conn = httpclient.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        conn.request("POST", "/v1/score", body=body, headers=headers)
+        response = conn.getresponse()
+        data = response.read()
+        conn.close()
+        assert response.status == expected, data[:300]
+    assert b"server.max_request_mb" in data
