@@ -2,7 +2,7 @@
 
 Each request takes one slot of ``max_inflight_requests`` before its body is read.
 ``max_inflight_decoded_mb`` is split in two halves: a request reserves twice its declared body size (the
-bytes and their parse; ``max_request_mb`` for a chunked body) from the first before reading it, then,
+bytes and their parse; ``max_request_mb`` for a chunked or ``Content-Encoding`` body, which may inflate) from the first before reading it, then,
 once its image headers are read and before anything is decoded, its decoded pixels (``Σ C·H·W``, five
 times for a reward that gets float pixels: the uint8 arrays and their float32 batch) from the second, and
 holds both until it is answered. A request holding a body share waits only for pixel shares, and pixel

@@ -318,6 +318,11 @@ async def _expect_continue(request: web.Request) -> web.StreamResponse | None:
     return None
 
 
+def _identity(request: web.Request) -> bool:
+    """Whether the body is sent as it is (no ``Content-Encoding``): its length is then the declared one."""
+    return request.headers.get("Content-Encoding", "identity").strip().lower() == "identity"
+
+
 async def _receive_declared(request: web.Request, declared: int) -> memoryview:
     """Read a body of ``declared`` bytes into one buffer allocated up front: no growing buffer's
     reallocations (each a transient second copy) while many bodies arrive at once. Its pages are touched
@@ -335,8 +340,7 @@ async def _receive_declared(request: web.Request, declared: int) -> memoryview:
 async def _receive(request: web.Request, counter: limits.JsonItemCounter | None) -> bytearray | memoryview:
     """Read the body chunk by chunk, up to ``max_request_mb``, feeding ``counter`` as it arrives."""
     limit = request.app[STATE].settings.max_request_bytes
-    identity = request.headers.get("Content-Encoding", "identity").strip().lower() == "identity"
-    if counter is None and request.content_length is not None and identity:  # else it inflates past it
+    if counter is None and request.content_length is not None and _identity(request):
         return await _receive_declared(request, request.content_length)
     body = bytearray()
     while chunk := await request.content.readany():
@@ -561,7 +565,7 @@ async def score(request: web.Request) -> web.Response:
     try:
         # Bodies and pixels are two halves of the budget: a request holding its body's share waits only
         # for pixel shares, whose holders never wait, so requests cannot block each other for good.
-        declared = request.content_length
+        declared = request.content_length if _identity(request) else None  # encoded: inflates past it
         budget_key = f"server.max_inflight_decoded_mb={state.settings.max_inflight_decoded_mb:g}"
         cost = 2 * (state.settings.max_request_bytes if declared is None else declared)  # body + parse
         await _admit(state, state.bodies, cost, budget_key + " (request bodies: half of it)")
