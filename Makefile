@@ -38,11 +38,11 @@ test: install-dev  ## run the default test suite (CPU, offline, < 10 min)
 
 # The numerics-heavy tests once more on other CPU kernels: AVX2 code paths of oneDNN, MKL and ATen, one
 # thread (other GEMM blocking and reduction splits), so a test tied to one machine's kernels fails here.
-KERNEL_TESTS := tests/models tests/invariants tests/distributed tests/recipes
+KERNEL_TESTS := tests/models tests/invariants tests/distributed tests/recipes tests/shapes
 KERNEL_ENV := ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 \
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 
-test-kernels: install-dev  ## the models, invariants, distributed and recipes tests on AVX2 kernels, one thread
+test-kernels: install-dev  ## the models, invariants, distributed, recipes and shapes tests on AVX2 kernels, one thread
 	$(KERNEL_ENV) $(PY) -m pytest -q $(KERNEL_TESTS) $(ARGS)
 
 test-all: install-dev  ## run every test, the slow ones included
