@@ -7,12 +7,17 @@ standard errors for the held-out drop, ``guard.rise_k`` = 1 for the trained rewa
 share of runs flagged at least once at or under 5 % even with no margin; the bare rule (k = 0: any rise
 of the trained reward, any drop past δ) flags most runs even with δ at twice the held-out metric's own
 standard error. The generator is seeded, so the shares are the same on every machine.
+
+And on a real hacked run: the recorded evaluations of docs/guard.md's ShapesEval lenient-accuracy run
+(data/guard_shapes_lenient.json), replayed through the rule, are rolled back where that run was.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,3 +83,23 @@ def test_a_held_out_metric_that_falls_beyond_its_noise_is_still_flagged():
             events.append(guard.observe(n - 1, trained.double(), heldout.double()).event)
         flagged += any(event is not None for event in events)
     assert flagged >= 95
+
+
+def test_the_recorded_shapes_lenient_run_is_rolled_back_at_epochs_39_and_159():
+    """docs/guard.md's run, as its guard saw it (288 prompts, 0/1 scores; after each rollback the run
+    went on from the restored weights, so the evaluations that follow are the rolled-back run's). With the
+    defaults: rollbacks at 39 (lenient +1.6 se, strict −8.3 se) and 159 (+1.4 se, −5.3 se); at 139
+    strict fell 4.2 se but lenient rose only 0.75 se, where the bare rule would already have acted."""
+    recorded = json.loads((Path(__file__).parent / "data" / "guard_shapes_lenient.json").read_text())
+    evaluations = [
+        (e["epoch"], [float(c) for c in e["trained"]], [float(c) for c in e["heldout"]])
+        for e in recorded["evaluations"]
+    ]
+
+    def rollbacks(noise_k: float, rise_k: float) -> list[int]:
+        guard = HackingGuard(window=3, margin=0.05, action="rollback", noise_k=noise_k, rise_k=rise_k)
+        verdicts = [guard.observe(*evaluation) for evaluation in evaluations]
+        return [v.event.epoch for v in verdicts if v.event is not None and v.event.action == "rollback"]
+
+    assert rollbacks(DEFAULT.noise_k, DEFAULT.rise_k) == [39, 159]
+    assert rollbacks(0.0, 0.0)[:2] == [39, 139]  # where the bare rule would have rolled back instead
