@@ -49,7 +49,7 @@ optimizer, counters) is saved to ``checkpoints/best_heldout``, which ``keep_last
   needs W new evaluations. A flag after ``max_rollbacks`` rollbacks stops the run.
 
 **Logs.** Every evaluation logs ``guard/heldout``, ``guard/reward/<monitor>/mean``, ``guard/best`` and
-``guard/best_step`` (the metrics.jsonl step of the best evaluation, −1 = before training), and once
+``guard/best_step`` (the metrics.jsonl step of the best evaluation, 0 = before training), and once
 the window is full ``guard/train_rise`` (r_n − r_{n−W}), ``guard/heldout_drop`` (h_b − h_n) and their
 standard errors ``guard/train_rise_se`` and ``guard/heldout_drop_se`` — what δ and k are compared
 with, so a run shows how close it came; a skipped evaluation ``guard/skipped`` = 1; a flagged evaluation adds
@@ -201,7 +201,7 @@ class GuardEvent:
         }[self.action]
         change = self.change
         return (
-            f"guard: reward hacking suspected after epoch {self.epoch}: the trained reward rose "
+            f"guard: reward hacking suspected after epoch {self.epoch + 1}: the trained reward rose "
             f"{change.train_rise:+.4g} ({_in_errors(change.train_rise, change.train_rise_se)}) over {window} "
             f"evaluation{'s' if window > 1 else ''} while the held-out metric fell {change.heldout_drop:.4g} "
             f"({_in_errors(change.heldout_drop, change.heldout_drop_se)}) below its best of the window "
@@ -210,7 +210,7 @@ class GuardEvent:
 
 
 def _when(epoch: int) -> str:
-    return "before training" if epoch < 0 else f"after epoch {epoch}"
+    return "before training" if epoch < 0 else f"after epoch {epoch + 1}"  # epochs completed
 
 
 def _in_errors(change: float, standard_error: float) -> str:
@@ -274,7 +274,7 @@ class HackingGuard:
         if not all(map(math.isfinite, current.trained_scores + current.heldout_scores)):
             log.warning(
                 "guard: the evaluation after epoch %d has non-finite scores (trained %s, held-out %s): "
-                "skipped, the window is the finite evaluations around it", epoch,
+                "skipped, the window is the finite evaluations around it", epoch + 1,
                 _count_non_finite(current.trained_scores), _count_non_finite(current.heldout_scores),
             )  # fmt: skip
             return Verdict(False, None, skipped=True)
@@ -461,7 +461,9 @@ class RunGuard:
         best, verdict = self.rule.best, self.verdict
         if verdict is None:
             return {}
-        metrics = {} if best is None else {"guard/best": best.heldout, "guard/best_step": float(best.epoch)}
+        metrics = (
+            {} if best is None else {"guard/best": best.heldout, "guard/best_step": float(best.epoch + 1)}
+        )
         if verdict.skipped:
             metrics["guard/skipped"] = 1.0
         if verdict.change is not None:
@@ -548,7 +550,7 @@ def plot_guard(run_dir: Path, out: Path) -> Path | None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    x = [row["step"] + 1 for row in rows]  # epochs completed, as plots.py and the checkpoint names count
+    x = [row["step"] for row in rows]  # epochs completed, as every output of a run counts
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for ax, key, label in (
         (axes[0], TRAINED, "trained reward (eval images)"),
@@ -563,7 +565,7 @@ def plot_guard(run_dir: Path, out: Path) -> Path | None:
                 if row.get(f"guard/event/{action}"):
                     ax.axvline(at, color=colour, ls="--", lw=1, label=action)
     best = max(rows, key=lambda row: row[HELDOUT])
-    axes[1].plot([best["step"] + 1], [best[HELDOUT]], marker="*", ms=12, color="gold", ls="", label="best")
+    axes[1].plot([best["step"]], [best[HELDOUT]], marker="*", ms=12, color="gold", ls="", label="best")
     handles = dict(zip(*reversed(axes[1].get_legend_handles_labels()), strict=True))
     axes[1].legend(handles.values(), handles.keys(), fontsize=8)
     monitors = ", ".join(

@@ -85,10 +85,10 @@ def test_a_held_out_metric_that_falls_beyond_its_noise_is_still_flagged():
     assert flagged >= 95
 
 
-def test_the_recorded_shapes_lenient_run_is_rolled_back_at_epochs_39_and_159():
+def test_the_recorded_shapes_lenient_run_is_rolled_back_after_epochs_40_and_160():
     """docs/guard.md's run, as its guard saw it (288 prompts, 0/1 scores; after each rollback the run
     went on from the restored weights, so the evaluations that follow are the rolled-back run's). With the
-    defaults: rollbacks at 39 (lenient +1.6 se, strict −8.3 se) and 159 (+1.4 se, −5.3 se); at 139
+    defaults: rollbacks after epochs 40 (lenient +1.6 se, strict −8.3 se) and 160 (+1.4 se, −5.3 se); at 140
     strict fell 4.2 se but lenient rose only 0.75 se, where the bare rule would already have acted."""
     recorded = json.loads((Path(__file__).parent / "data" / "guard_shapes_lenient.json").read_text())
     evaluations = [
@@ -99,7 +99,8 @@ def test_the_recorded_shapes_lenient_run_is_rolled_back_at_epochs_39_and_159():
     def rollbacks(noise_k: float, rise_k: float) -> list[int]:
         guard = HackingGuard(window=3, margin=0.05, action="rollback", noise_k=noise_k, rise_k=rise_k)
         verdicts = [guard.observe(*evaluation) for evaluation in evaluations]
-        return [v.event.epoch for v in verdicts if v.event is not None and v.event.action == "rollback"]
+        # epochs completed, as every output counts (the guard itself takes the 0-based epoch index)
+        return [v.event.epoch + 1 for v in verdicts if v.event is not None and v.event.action == "rollback"]
 
-    assert rollbacks(DEFAULT.noise_k, DEFAULT.rise_k) == [39, 159]
-    assert rollbacks(0.0, 0.0)[:2] == [39, 139]  # where the bare rule would have rolled back instead
+    assert rollbacks(DEFAULT.noise_k, DEFAULT.rise_k) == [40, 160]
+    assert rollbacks(0.0, 0.0)[:2] == [40, 140]  # where the bare rule would have rolled back instead

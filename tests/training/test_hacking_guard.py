@@ -173,7 +173,7 @@ def test_a_non_finite_evaluation_is_skipped_and_does_not_hide_the_next_drop(capl
     first = guard.observe(-1, FLAT, [0.75] * 4)
     with caplog.at_level(logging.WARNING, logger="rlgen_cli.training.guard"):
         skipped = guard.observe(0, [0.25] * 4, [0.5, math.nan, 0.5, 0.5])
-    assert "after epoch 0 has non-finite scores (trained 0 of 4, held-out 1 of 4): skipped" in caplog.text
+    assert "after epoch 1 has non-finite scores (trained 0 of 4, held-out 1 of 4): skipped" in caplog.text
     assert (skipped.skipped, skipped.new_best, skipped.event) == (True, False, None)
     flagged = guard.observe(1, [0.5] * 4, [0.25] * 4)
     assert _events([first, skipped, flagged]) == [None, None, (1, "warn")]
@@ -262,12 +262,12 @@ def test_decide_stops_and_reports_best():
     guard = _run_guard(window=1, margin=0.125, action="stop")
     first = _decide(guard, -1, trained=0.0, heldout=0.5)
     assert (first.new_best, first.action, guard.stop_requested) == (True, None, False)
-    assert guard.status_metrics() == {"guard/best": 0.5, "guard/best_step": -1.0}  # the window is not full
+    assert guard.status_metrics() == {"guard/best": 0.5, "guard/best_step": 0.0}  # the window is not full
     second = _decide(guard, 0, trained=0.25, heldout=0.25)
     assert (second.new_best, second.action, guard.stop_requested) == (False, "stop", True)
     assert second.event.metrics() == {"guard/event/stop": 1.0}
     assert guard.status_metrics() == {
-        "guard/best": 0.5, "guard/best_step": -1.0, "guard/train_rise": 0.25, "guard/train_rise_se": 0.0,
+        "guard/best": 0.5, "guard/best_step": 0.0, "guard/train_rise": 0.25, "guard/train_rise_se": 0.0,
         "guard/heldout_drop": 0.25, "guard/heldout_drop_se": 0.0,
     }  # fmt: skip
     assert "rose +0.25 (no spread) over 1 evaluation while the held-out metric fell 0.25 (no spread)" in (
@@ -437,13 +437,13 @@ def test_one_flagged_epoch_rolls_back_to_the_weights_before_training(tmp_path: P
     assert _guard_events(rows) == {1: ["rollback"]}  # metrics.jsonl steps: epochs completed
     row = rows[-1]
     assert row["guard/train_rise"] > 0 and row["guard/heldout_drop"] == pytest.approx(row["guard/train_rise"])
-    assert (row["guard/lr_scale"], row["guard/best_step"]) == (0.5, -1.0)
+    assert (row["guard/lr_scale"], row["guard/best_step"]) == (0.5, 0.0)
     checkpoints = run / "checkpoints"
     assert _state(checkpoints / "best_heldout")["counters"]["epoch"] == 0  # saved before training
     _assert_same_weights(checkpoints / "epoch_000001", checkpoints / "best_heldout")
     lrs = [g["lr"] for g in _state(checkpoints / "epoch_000001")["optimizer"]["param_groups"]]
     assert lrs == [pytest.approx(1.5e-2)]
-    assert "guard: reward hacking suspected after epoch 0" in (run / "run.log").read_text()
+    assert "guard: reward hacking suspected after epoch 1" in (run / "run.log").read_text()
     assert (run / "guard_curves.png").is_file()
 
 
@@ -489,7 +489,7 @@ def test_an_agreeing_monitor_is_never_flagged_and_keeps_its_best_evaluation(tmp_
     assert best_step >= 1  # training raised it: the kept state is a trained one
     assert _state(run / "checkpoints" / "best_heldout")["counters"]["epoch"] == best_step
     _assert_same_weights(run / "checkpoints" / f"epoch_{best_step:06d}", run / "checkpoints" / "best_heldout")
-    assert rows[-1]["guard/best_step"] == best_step - 1  # training/guard.py logs its 0-based epoch
+    assert rows[-1]["guard/best_step"] == best_step
 
 
 @pytest.mark.slow
