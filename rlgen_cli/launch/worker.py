@@ -32,6 +32,8 @@ def main(argv: list[str]) -> int:
         return _run(resolved)
     except UserError as err:
         return _refuse(resolved.parent, str(err))
+    except KeyboardInterrupt:  # rank 0's recipe already said where the run stopped; no traceback per rank
+        return 130
 
 
 def _run(resolved: Path) -> int:
