@@ -12,7 +12,7 @@ float64 gradient sums. The update runs once before it is measured, so its moment
 after the first.
 
 Two kinds of tensor are left out of the measurement, by the allocations that made them: the decoded
-images, which a GPU run moves to host memory, and the prompt caches' entries, which the plan counts at
+images and an editing set's source images, which a GPU run keeps in host memory, and the prompt caches' entries, which the plan counts at
 their cap (a one-epoch run fills them with its few prompts only); the compared plan leaves the caches out.
 So are oneDNN's private buffers — what a CPU convolution allocates for itself besides the tensors it
 returns (its layout reorders and scratchpad): kernels' workspaces, which a GPU's kernels have too, of
@@ -158,7 +158,8 @@ def measure(args: list[str]) -> Epoch:
         run.policy.decode = lambda x0: images.append(decode(x0)) or images[-1]
         progress = Progress(False)
         rollouts, events = _allocations(lambda: flow_grpo.sample_rollouts(run, 0, progress))
-        rollout_all, rollout = peak_above_start(events, [*images, rollouts.images, *_cached(run.policy)])
+        host = [*images, rollouts.images, *([] if rollouts.sources is None else [rollouts.sources])]
+        rollout_all, rollout = peak_above_start(events, [*host, *_cached(run.policy)])
         samples = rollouts.select(torch.arange(len(rollouts.indices)))  # the copy the update trains on
         advantages = torch.linspace(-1, 1, len(rollouts.indices))
         flow_grpo.update(run, samples, advantages, progress)  # the moments exist from the first step on

@@ -239,9 +239,11 @@ def test_a_boolean_attention_mask_is_counted_as_the_bias_each_call_keeps():
 
 
 @pytest.mark.slow
-def test_bagel_7b_mot_plans_on_the_meta_device_and_needs_checkpointing_on_80_gib():
+def test_bagel_7b_mot_plans_on_the_meta_device_and_needs_checkpointing_and_smaller_micro_batches_on_80_gib():
     """BAGEL-7B-MoT at 1024 px, micro-batch 8 with both CFG branches differentiated (16 sequences of a
-    512-token prompt + 4096 latent tokens + 2 markers), LoRA rank 64 on the generation expert."""
+    512-token prompt + 4096 latent tokens + 2 markers), LoRA rank 64 on the generation expert. With
+    checkpointing (conf/model/bagel.yaml) the step still recomputes one layer of 16 sequences (1.16 GiB
+    each) on top of every layer's inputs: over 72 of 80 GiB; micro-batches of 4 fit."""
     from rlgen_cli.tasks.plan import plan_run
 
     report = plan_run(_typed(["model=bagel"]))
@@ -252,14 +254,16 @@ def test_bagel_7b_mot_plans_on_the_meta_device_and_needs_checkpointing_on_80_gib
     assert rows["LoRA weights (float32)"] == 4 * lora
     # launcher.exact_reduction: a float64 per trainable element and per tensor (A and B of 7 projections)
     assert rows["float64 gradient sums"] == 8 * (lora + 28 * 7 * 2)
-    assert report["gradient_checkpointing"] and report["fits"]  # conf/model/bagel.yaml checkpoints
+    assert report["gradient_checkpointing"] and not report["fits"]  # conf/model/bagel.yaml checkpoints
+    assert report["fix"]["how"] == ["algo.train_batch_size=4", "algo.gradient_accumulation_steps=2"]
+    assert report["fix"]["fits"] and report["fix"]["total_bytes"] < 0.9 * 80 * 2**30
     # checkpointed: at least every layer's input, (16, 4610, 3584) in bf16
     layer_inputs = 28 * 16 * (512 + 4096 + 2) * 3584 * 2
     assert layer_inputs < report["activations"]["checkpointed_bytes"] < 3 * layer_inputs
     assert report["activations"]["plain_bytes"] > 10 * report["activations"]["checkpointed_bytes"]
     off = plan_run(_typed(["model=bagel", "model.gradient_checkpointing=false"]))
-    assert not off["fits"] and off["fix"]["how"] == ["model.gradient_checkpointing=true"]
-    assert off["fix"]["total_bytes"] == report["total_bytes"]
+    assert not off["fits"] and off["fix"]["how"][0] == "model.gradient_checkpointing=true"
+    assert off["fix"]["total_bytes"] == report["fix"]["total_bytes"]  # the same run, priced by the same trace
 
 
 @pytest.mark.slow
