@@ -144,14 +144,6 @@ HYDRA_VERBS = {
 }  # fmt: skip
 RUN_AS_WRITTEN = ("ls", "plan", "check-onpolicy", "eval", "sample")
 KNOWN_FAILURES = {
-    "README.md: rlgen train launcher=accelerate launcher.num_processes=8":
-        "the default ShapesEval run (128 samples per epoch, batches of 64) cannot be split over 8 processes",
-    "README.md: rlgen train launcher=deepspeed_zero2 launcher.num_processes=8":
-        "the default ShapesEval run (128 samples per epoch, batches of 64) cannot be split over 8 processes",
-    "README.md: rlgen train launcher=accelerate launcher.config_file=my.yaml":
-        "the default ShapesEval run's one micro-batch per optimizer step cannot be split over 2 processes",
-    "docs/distributed.md: rlgen train algo.gradient_accumulation_steps=3 launcher=accelerate launcher.num_processes=2":
-        "the default ShapesEval run stops first on its 2 micro-batches per epoch, not with the message shown",
     "docs/plan.md: rlgen plan model=wan2_1 launcher=deepspeed_zero2 launcher.num_processes=8 plan.device_memory_gb=141":
         "16 samples per epoch cannot be split over 8 processes: exit 2 naming no setting to change",
     "docs/rewards.md: rlgen train experiment=geneval_sd3 reward=geneval_remote 'reward.kwargs.remote.hosts=[gpu-host]' "
