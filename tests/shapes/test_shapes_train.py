@@ -46,7 +46,8 @@ def test_training_from_the_shipped_base_changes_weights_and_reports(cli, tmp_pat
     code, out = cli("train", f"experiment={experiment}", *SMALL, "epochs=3", f"hydra.run.dir={run}")
     assert code == 0, out
     rows = _rows(run)
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]  # epochs completed: evaluated before training, then every epoch
+    # epochs completed: evaluated before training, then after every epoch
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
     for row in (rows[0], rows[1], rows[-1]):
         assert 0 <= row[STRICT] <= row[LENIENT] + 1e-9 <= 1 + 1e-9
         assert "eval/reward/shapes_geneval/strict/tag/counting" in row
