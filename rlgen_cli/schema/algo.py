@@ -6,6 +6,7 @@ Single-field rules live in the annotations (choices, ``schema/choices.py``) and 
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field, fields
 from typing import Annotated, Any
@@ -29,6 +30,8 @@ from rlgen_cli.schema.choices import (
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.forward import ForwardConfig
 from rlgen_cli.schema.vlm import TokenGRPOOptions, TokenSftOptions
+
+log = logging.getLogger(__name__)
 
 WINDOW_OPTIONS = {
     "all": ("timestep_fraction",),
@@ -394,10 +397,11 @@ class FlowGrpoAlgoConfig(PolicyGradientConfig):
         super().require_process_split(world_size)
         require_whole_rollout_pieces(self, world_size)
 
-    def require_process_invariance(self, world_size: int, exact: bool) -> None:
+    def require_process_invariance(self, world_size: int, exact: bool | None) -> None:
         """What several processes cannot run (per-sample step subsets, best-of-N: processes would run
-        different numbers of backward passes), and, under ``launcher.exact_reduction`` (the promise of the
-        same run on any process count), what would make the run depend on the process count."""
+        different numbers of backward passes), and what makes the run depend on the process count:
+        refused under ``launcher.exact_reduction=true`` (the promise of the same run on any process count),
+        a warning under null (on where it can be: the run is upstream's, per-process packing included)."""
         if world_size == 1:
             return
         _require(
@@ -406,6 +410,14 @@ class FlowGrpoAlgoConfig(PolicyGradientConfig):
             "run different numbers of backward passes): use launcher=local, or another window and "
             "algo.best_of_n=0",
         )
+        if exact is None and self.drop_zero_advantage:
+            log.warning(
+                "algo.drop_zero_advantage=true packs each process's kept samples into its own micro-batches: "
+                "this run differs from one on another process count (statistically the same, not bit for "
+                "bit). launcher.exact_reduction=true refuses this; algo.drop_zero_advantage=false keeps "
+                "the process-count invariance"
+            )
+            return
         _require(
             not (exact and self.drop_zero_advantage),
             "algo.drop_zero_advantage=true packs each process's kept samples into its own micro-batches, so "

@@ -326,7 +326,9 @@ class LauncherConfig:
     """Sum each optimizer step's micro-batch gradients in float64 over every micro-batch and process
     before one cast back (``training/dist.py``), so a run's weights do not depend on the process count
     (README: process-count invariance). Needs the gradients in rlgen's hands: local, accelerate (DDP) and
-    multinode; DeepSpeed and FSDP reduce their own. null = on exactly where it can be."""
+    multinode; DeepSpeed and FSDP reduce their own. null (the default) = on where it can be, and an option
+    that packs samples per process (``algo.drop_zero_advantage``) runs as upstream runs it, with a warning
+    that the run depends on the process count; true refuses such an option."""
     config_file: str | None = None
     """Your own accelerate config (YAML) or DeepSpeed config (JSON), passed to ``accelerate launch`` as
     with ``accelerate launch --config_file``; with launcher=accelerate or multinode. The launcher.* values

@@ -110,7 +110,7 @@ class FlowGrpoTrainConfig(FlowRolloutRunConfig):
         require_sde_sampler(self.sampler, self.model)
         require_whole_batches(self)
         self.algo.require_process_split(self.launcher.world_size)
-        self.algo.require_process_invariance(self.launcher.world_size, self.launcher.reduces_exactly)
+        self.algo.require_process_invariance(self.launcher.world_size, self.launcher.exact_reduction)
 
 
 @dataclass

@@ -64,7 +64,7 @@ R3_STEPS = {  # one step per epoch (two epochs: a reason and a refine step), one
     "one": ["epochs=2", "r3.prompts_per_step=2", "r3.group_size=4", "r3.micro_batch_size=4"],
     "several": ["epochs=2", "r3.prompts_per_step=2", "r3.group_size=4", "r3.micro_batch_size=2"],
 }
-KEEP_ZERO = ("algo.drop_zero_advantage=false",)  # the upstream default packs per process: refused below
+KEEP_ZERO = ("algo.drop_zero_advantage=false",)  # the upstream default packs per process: not exact (below)
 UNLOGGED = ("time/", "peak_memory_mb")  # wall-clock and memory: properties of the machine, not the run
 
 
@@ -93,7 +93,9 @@ RECIPES = {
 # combinations refused before anything runs, and the reason the refusal names
 REFUSED = {
     "dance": ((*FLOW, "algo=dance", *FLOW_STEPS["one"]), "algo.window.kind=random_subset and algo.best_of_n are single-process"),
-    "grpo (drop_zero_advantage)": ((*FLOW, "algo=grpo", *FLOW_STEPS["one"]), "algo.drop_zero_advantage=true packs each process"),
+    "grpo (drop_zero_advantage, exactness insisted on)": (
+        (*FLOW, "algo=grpo", *FLOW_STEPS["one"], "launcher.exact_reduction=true"), "algo.drop_zero_advantage=true packs each process",
+    ),
     "token_grpo (a step smaller than whole rollout batches)": (
         (*TOKEN, "algo=token_grpo", "algo.prompts_per_epoch=4", "algo.sample_batch_size=8", "algo.train_batch_size=1",
          "algo.gradient_accumulation_steps=8"),

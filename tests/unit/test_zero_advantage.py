@@ -118,3 +118,34 @@ def test_a_run_with_equal_rewards_trains_one_sample_per_micro_batch(cli, tmp_pat
     assert code == 0, out
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [row["trained_samples"] for row in rows if "trained_samples" in row] == [1]  # of 4 sampled
+
+
+TWO_PROCESSES = (
+    "model=tiny_sd3 algo=grpo launcher=accelerate launcher.num_processes=2 algo.gradient_accumulation_steps=2"
+)
+
+
+def _composed(args: str):
+    from omegaconf import OmegaConf
+
+    from rlgen_cli._hydra import compose_verb
+
+    cfg = compose_verb("train", args.split())
+    OmegaConf.set_struct(cfg, False)
+    cfg.run_dir = "/tmp/unused"
+    return cfg
+
+
+def test_per_process_packing_runs_with_a_warning_unless_exactness_is_insisted_on(caplog):
+    """Several processes, algo=grpo's upstream packing: under the default launcher.exact_reduction (null,
+    on where it can be) the run goes ahead and says it depends on the process count; under true it is
+    refused naming the fix."""
+    from rlgen_cli.schema.errors import UserError
+    from rlgen_cli.tasks.common import validated
+
+    with caplog.at_level("WARNING", logger="rlgen_cli.schema.algo"):
+        typed = validated(_composed(TWO_PROCESSES))
+    assert typed.algo.drop_zero_advantage and typed.launcher.reduces_exactly
+    assert "this run differs from one on another process count" in caplog.text
+    with pytest.raises(UserError, match="pass algo.drop_zero_advantage=false"):
+        validated(_composed(f"{TWO_PROCESSES} launcher.exact_reduction=true"))
