@@ -144,8 +144,6 @@ HYDRA_VERBS = {
 }  # fmt: skip
 RUN_AS_WRITTEN = ("ls", "plan", "check-onpolicy", "eval", "sample")
 KNOWN_FAILURES = {
-    "docs/plan.md: rlgen plan model=wan2_1 launcher=deepspeed_zero2 launcher.num_processes=8 plan.device_memory_gb=141":
-        "16 samples per epoch cannot be split over 8 processes: exit 2 naming no setting to change",
     "docs/rewards.md: rlgen train experiment=geneval_sd3 reward=geneval_remote 'reward.kwargs.remote.hosts=[gpu-host]' "
     "'reward.kwargs.remote.ports=[8765,8766]' reward.kwargs.remote.token=SECRET":
         "the experiment's reward.kwargs.geneval stays while reward=geneval_remote drops geneval from the weights",
