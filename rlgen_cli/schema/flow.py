@@ -244,7 +244,14 @@ class RewardConfig:
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.kwargs) - set(self.weights))
-        _require(not unknown, f"reward.kwargs names rewards not in reward.weights: {unknown}")
+        drop = " ".join(f"'~reward.kwargs.{name}'" for name in unknown)
+        _require(
+            not unknown,
+            f"reward.kwargs names rewards not in reward.weights: {unknown}. Settings an experiment gave a "
+            f"reward that another reward= option replaced are not used: a served reward takes them on its "
+            f"server (rlgen serve-reward reward.kwargs.NAME.…); drop them here with {drop}, or weight the "
+            f"reward (+reward.weights.NAME=W)",
+        )
 
 
 @dataclass

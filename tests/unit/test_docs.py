@@ -144,9 +144,6 @@ HYDRA_VERBS = {
 }  # fmt: skip
 RUN_AS_WRITTEN = ("ls", "plan", "check-onpolicy", "eval", "sample")
 KNOWN_FAILURES = {
-    "docs/rewards.md: rlgen train experiment=geneval_sd3 reward=geneval_remote 'reward.kwargs.remote.hosts=[gpu-host]' "
-    "'reward.kwargs.remote.ports=[8765,8766]' reward.kwargs.remote.token=SECRET":
-        "the experiment's reward.kwargs.geneval stays while reward=geneval_remote drops geneval from the weights",
     "docs/vlm.md: rlgen train model=qwen2_vl model.path=Qwen/Qwen2-VL-2B-Instruct algo=vlm_sft epochs=2 "
     "data.train=/data/mulberry_sft.jsonl reward=r1vl algo.train_batch_size=4 algo.gradient_accumulation_steps=32":
         "2 training micro-batches per epoch are not divisible by algo.gradient_accumulation_steps=32",
