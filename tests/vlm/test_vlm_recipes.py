@@ -30,7 +30,7 @@ def test_two_step_grpo_steps_change_every_trainable_tensor(step_grpo_run: Path):
     from rlgen_cli.vlm.policy import build_vlm
 
     rows = [json.loads(line) for line in (step_grpo_run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1] and rows[-1]["global_step"] == 2
+    assert [r["step"] for r in rows] == [1, 2] and rows[-1]["global_step"] == 2  # epochs completed
     for row in rows:  # a reward that varies: every group carries signal
         assert row["reward/std"] > 0 and row["zero_std_ratio"] == 0.0
         for key in ("policy_loss", "kl_loss", "clipfrac", "ratio_min", "ratio_max", "grad_norm",
