@@ -15,12 +15,15 @@ is logged at start; ``r3.offline.enabled=false`` turns it off.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Annotated, get_args
 
 from rlgen_cli.schema.choices import R3Dataset, SdeKind
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig, RunConfig
+
+log = logging.getLogger(__name__)
 
 R3_FAMILIES = ("r3_composite", "r3_bagel")
 """``model.family`` values that run the R3 recipe: the composite of three models (``r3.policy.text`` /
@@ -302,6 +305,23 @@ def r3_geometry(r3: R3Config, world_size: int) -> R3Geometry:
     return geometry
 
 
+def require_same_forwards(geometry: R3Geometry, exact_reduction: bool | None) -> None:
+    """``r3.micro_batch_size=null`` (a process's share of a group per forward) with a group spread over
+    processes: the forwards hold fewer branches than on one process and round differently, so the run
+    depends on the process count in the last bits. Refused under ``launcher.exact_reduction=true`` (the
+    promise of the same run on any process count), a warning under null (on where it can be)."""
+    if geometry.micro_batch_size is not None or geometry.ranks_per_group == 1:
+        return
+    message = (
+        f"r3.micro_batch_size=null runs {geometry.group_share} branches per forward on {geometry.world_size} "
+        f"processes and {geometry.group_size} on one: forwards of other sizes round differently, so this run "
+        "differs from one on another process count in the last bits. Set "
+        f"r3.micro_batch_size={geometry.group_share} for the same run on any process count that divides it"
+    )
+    _require(exact_reduction is not True, message)
+    log.warning(message)
+
+
 def _check_bagel(bagel: ModelConfig) -> None:
     _require(
         bagel.family == "bagel",
@@ -319,7 +339,7 @@ class R3TrainConfig(RunConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        r3_geometry(self.r3, self.launcher.world_size)
+        require_same_forwards(r3_geometry(self.r3, self.launcher.world_size), self.launcher.exact_reduction)
         if self.model.family == "r3_bagel":
             _check_bagel(self.r3.policy.bagel)
         self.r3.data_paths()

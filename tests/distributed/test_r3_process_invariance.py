@@ -170,3 +170,27 @@ def test_each_process_holds_consecutive_whole_groups_or_part_of_one():
     geometry = r3_geometry(r3, 4)
     shape = (geometry.per_process, geometry.group_share, geometry.ranks_per_group, geometry.micro_batch)
     assert shape == (2, 2, 2, 2)  # micro-batch null = a process's part of a group
+
+
+def test_a_null_micro_batch_over_a_split_group_warns_or_is_refused(caplog):
+    """Null micro-batches hold a process's part of a group: 2 branches per forward on 4 processes, 4 on
+    one, so the run is not the one-process run. A warning under the default exact_reduction (null), a
+    refusal naming the micro-batch that fixes it under true; whole groups per process say nothing."""
+    from rlgen_cli.schema.errors import UserError
+    from rlgen_cli.schema.r3 import R3Config, r3_geometry, require_same_forwards
+
+    split = r3_geometry(R3Config(prompts_per_step=2, group_size=4), 4)
+    with caplog.at_level("WARNING", logger="rlgen_cli.schema.r3"):
+        require_same_forwards(split, None)
+    assert "Set r3.micro_batch_size=2 for the same run" in caplog.text
+    with pytest.raises(UserError, match="Set r3.micro_batch_size=2 for the same run"):
+        require_same_forwards(split, True)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rlgen_cli.schema.r3"):
+        require_same_forwards(
+            r3_geometry(R3Config(prompts_per_step=2, group_size=4), 2), True
+        )  # whole groups
+        require_same_forwards(
+            r3_geometry(R3Config(prompts_per_step=2, group_size=4, micro_batch_size=2), 4), True
+        )
+    assert caplog.text == ""
