@@ -198,6 +198,12 @@ def _structure_error(index: int, what: str, cap: str) -> WireError:
     )
 
 
+def _require_under_cap(index: int, count: int, cap: int, name: str, what: str) -> None:
+    """Refuse image ``index`` with a 413 naming ``name`` once ``count`` of ``what`` passes ``cap``."""
+    if count > cap:
+        raise _structure_error(index, f"has more than {cap} {what}", name)
+
+
 def _inflated_size(data: bytes, budget: int) -> int:
     """Bytes ``data`` (zlib) inflates to, stopping once past ``budget``; undecodable data counts as 0
     (Pillow then refuses the file)."""
@@ -229,22 +235,17 @@ def _scan_png(data: bytes, index: int) -> None:
     while pos + 8 <= len(data):
         length, kind = struct.unpack(">I4s", data[pos : pos + 8])
         chunks += 1
-        if chunks > MAX_IMAGE_CHUNKS:
-            raise _structure_error(index, f"has more than {MAX_IMAGE_CHUNKS} PNG chunks", "MAX_IMAGE_CHUNKS")
+        _require_under_cap(index, chunks, MAX_IMAGE_CHUNKS, "MAX_IMAGE_CHUNKS", "PNG chunks")
         if kind[0] & 0x20:  # lower-case first letter: an ancillary chunk
             ancillary += length
-            if ancillary > MAX_ANCILLARY_BYTES:
-                raise _structure_error(
-                    index, f"has more than {MAX_ANCILLARY_BYTES} bytes of ancillary PNG chunks",
-                    "MAX_ANCILLARY_BYTES",
-                )  # fmt: skip
+            _require_under_cap(
+                index, ancillary, MAX_ANCILLARY_BYTES, "MAX_ANCILLARY_BYTES", "bytes of ancillary PNG chunks"
+            )
             if kind in _PNG_TEXT:
                 text += _png_text_bytes(kind, data[pos + 8 : pos + 8 + length], MAX_TEXT_BYTES - text)
-                if text > MAX_TEXT_BYTES:
-                    raise _structure_error(
-                        index, f"has more than {MAX_TEXT_BYTES} bytes of PNG text (keys + values)",
-                        "MAX_TEXT_BYTES",
-                    )  # fmt: skip
+                _require_under_cap(
+                    index, text, MAX_TEXT_BYTES, "MAX_TEXT_BYTES", "bytes of PNG text (keys + values)"
+                )
         if kind == b"IEND":
             return
         pos += 12 + length
@@ -259,26 +260,25 @@ def _scan_jpeg(data: bytes, index: int) -> None:
             pos += 1
             continue
         segments += 1
-        if segments > MAX_IMAGE_CHUNKS:
-            raise _structure_error(
-                index,
-                f"has more than {MAX_IMAGE_CHUNKS} JPEG segments before its image data",
-                "MAX_IMAGE_CHUNKS",
-            )
+        _require_under_cap(
+            index, segments, MAX_IMAGE_CHUNKS, "MAX_IMAGE_CHUNKS", "JPEG segments before its image data"
+        )
         if marker == 0xDA:  # start of scan: the entropy-coded data (and later scans) follow
             break
         length = int.from_bytes(data[pos + 2 : pos + 4], "big")
         if marker in _JPEG_ANCILLARY:
             ancillary += length
-            if ancillary > MAX_ANCILLARY_BYTES:
-                raise _structure_error(
-                    index, f"has more than {MAX_ANCILLARY_BYTES} bytes of JPEG APPn/COM segments",
-                    "MAX_ANCILLARY_BYTES",
-                )  # fmt: skip
+            _require_under_cap(
+                index,
+                ancillary,
+                MAX_ANCILLARY_BYTES,
+                "MAX_ANCILLARY_BYTES",
+                "bytes of JPEG APPn/COM segments",
+            )
         pos += 2 + length
     # 0xFF inside entropy-coded data is always followed by 0x00, so every FF DA is a real scan
-    if data.count(b"\xff\xda", pos) > MAX_JPEG_SCANS:
-        raise _structure_error(index, f"has more than {MAX_JPEG_SCANS} JPEG scans", "MAX_JPEG_SCANS")
+    scans = data.count(b"\xff\xda", pos)
+    _require_under_cap(index, scans, MAX_JPEG_SCANS, "MAX_JPEG_SCANS", "JPEG scans")
 
 
 def scan_image_structure(data: bytes, fmt: str, index: int) -> None:
