@@ -26,7 +26,7 @@ $(DEV_STAMP): $(STAMP)
 	DS_BUILD_OPS=0 $(PIP) install -e ".[ocr,dev]"
 	touch $@
 
-install: $(STAMP)  ## create .venv and install rlgen with the pinned CPU torch
+install: $(STAMP)  ## create .venv and install rlgen with the torch pinned in requirements/cpu.txt (README: Install)
 
 install-dev: $(DEV_STAMP)  ## install plus the test and lint tools
 
