@@ -25,8 +25,9 @@ from detection:
   verdict skips the ``exclude`` clauses; on GenEval's prompts, whose only excludes are the counting
   prompts' ``count + 1``, exact counts imply them and the two agree.
 
-Thresholds: confidence > 0.3 (> 0.9 for ``counting``), at most 16 objects per class, position margin
-0.1 of the summed box sizes, relations on box centres as in the original.
+Thresholds: confidence > 0.3 (> 0.9 for ``counting``; compared in float32 as upstream), at most 16
+objects per class, position margin 0.1 of the summed box sizes, relations on box centres as in the
+original.
 """
 
 from __future__ import annotations
@@ -100,6 +101,10 @@ def select_detections(
 ) -> dict[str, list[Detection]]:
     """Group detections by class, keeping those above the tag's threshold, most confident first.
 
+    As GenEval's ``evaluate_images.py``: scores and threshold are compared in float32 (its detector's
+    score array is float32, so a score of exactly ``float32(0.3)`` is not above 0.3), and among equal
+    scores the later-listed detection comes first (``np.argsort(scores)[::-1]``).
+
     Args:
         detections: All detections of one image.
         tag: GenEval tag; ``"counting"`` uses the stricter threshold.
@@ -108,13 +113,19 @@ def select_detections(
     Returns:
         ``{class: detections}`` sorted by descending score, at most ``max_objects`` per class.
     """
-    cutoff = thresholds.counting_confidence if tag == "counting" else thresholds.confidence
+    cutoff = np.float32(thresholds.counting_confidence if tag == "counting" else thresholds.confidence)
     grouped: dict[str, list[Detection]] = {}
-    for det in sorted(detections, key=lambda d: d.score, reverse=True):
+    for det in _most_confident_first(detections):
         kept = grouped.setdefault(det.label, [])
-        if det.score > cutoff and len(kept) < thresholds.max_objects:
+        if np.float32(det.score) > cutoff and len(kept) < thresholds.max_objects:
             kept.append(det)
     return {label: dets for label, dets in grouped.items() if dets}
+
+
+def _most_confident_first(detections: Sequence[Detection]) -> list[Detection]:
+    """Descending float32 score; ties keep upstream's order: a stable ascending sort, reversed."""
+    ascending = sorted(detections, key=lambda d: np.float32(d.score))
+    return ascending[::-1]
 
 
 def relative_position(box_a: Sequence[float], box_b: Sequence[float], margin: float = 0.1) -> set[str]:
