@@ -12,9 +12,11 @@ the estimator: ``population`` (divide by n; Flow-GRPO's ``np.std``, eps 1e-4) or
 n − 1; MixGRPO's and DanceGRPO's ``torch.std``, eps 1e-8). At group size G the unbiased std is
 √(G/(G−1)) times the population one.
 
-Multi-reward aggregation (``combine_rewards``) offers Flow-GRPO's ``sum_then_normalize`` and MixGRPO's
+Multi-reward aggregation (``combine_rewards``) offers Flow-GRPO's ``sum_then_normalize``, MixGRPO's
 ``advantage_aggr`` (``normalize_then_sum``: normalise each reward within its group, then sum the
-weighted advantages).
+weighted advantages) and GDPO (``gdpo``; NVlabs 2026, "GDPO: Group reward-Decoupled Normalization Policy
+Optimization for Multi-reward RL Optimization", arXiv 2601.05242, github.com/NVlabs/GDPO:
+``normalize_then_sum``, then the sum normalised over the whole batch).
 
 All group statistics come from :func:`group_moments`, the single place a distributed version (group
 statistics all-reduced over a policy group of ranks) will replace. Options arrive checked from the config
@@ -305,15 +307,20 @@ def combine_rewards(
     * ``sum_then_normalize`` (Flow-GRPO): ``r = Σ_k w_k·r_k``, then :func:`group_advantages`.
     * ``normalize_then_sum`` (MixGRPO ``advantage_aggr``): ``A = Σ_k w_k·A_k`` with ``A_k`` the
       unclipped group advantages of component k; the clip is applied once, after the sum.
+    * ``gdpo`` (GDPO): the ``normalize_then_sum`` sum, then ``(A − mean(A)) / (std(A) + eps)`` over the
+      whole batch (``std_estimator``, ``eps``), then the clip. Each reward then moves the policy by its
+      rank within the group, not by its scale, and the sum keeps a batch-wide scale however many rewards
+      it adds.
 
-    Stats describe the weighted-sum reward ``Σ_k w_k·r_k`` in both modes; in ``normalize_then_sum`` a
-    group counts as zero-variance only when every component is constant within it (no signal at all).
+    Stats describe the weighted-sum reward ``Σ_k w_k·r_k`` in every mode; in ``normalize_then_sum`` and
+    ``gdpo`` a group counts as zero-variance only when every component is constant within it (no signal
+    at all), and its advantages stay exactly 0 (the batch mean removed by ``gdpo`` is 0 but for rounding).
 
     Args:
         components: ``{name: (N,) float rewards}``.
         weights: ``{name: weight}``, exactly the keys of ``components``.
         group_ids: (N,) integer group ids.
-        mode: ``"sum_then_normalize"`` or ``"normalize_then_sum"``.
+        mode: ``"sum_then_normalize"``, ``"normalize_then_sum"`` or ``"gdpo"``.
         **adv_kwargs: ``global_std``, ``eps``, ``clip_max``, ``scale``, ``std_estimator`` of
             :func:`group_advantages`.
 
@@ -329,7 +336,7 @@ def combine_rewards(
     total = sum(float(weights[k]) * components[k] for k in names)  # (N,)
     if mode == "sum_then_normalize":
         return group_advantages(total, group_ids, **adv_kwargs)
-    assert mode == "normalize_then_sum", mode
+    assert mode in ("normalize_then_sum", "gdpo"), mode
     clip_max = adv_kwargs.pop("clip_max", 5.0)
     opts = {"global_std": False, "eps": 1e-4, "scale": "std", "std_estimator": "population", **adv_kwargs}
     adv = torch.zeros_like(total)  # (N,)
@@ -338,7 +345,20 @@ def combine_rewards(
         adv_k, zero_k = _normalize(components[k], group_ids, **opts)
         adv = adv + float(weights[k]) * adv_k
         zero_var = zero_var & zero_k
+    if mode == "gdpo":
+        adv = _batch_normalize(adv, zero_var, eps=opts["eps"], std_estimator=opts["std_estimator"])
     return _clip(adv, clip_max), _advantage_stats(total, group_ids, zero_var)
+
+
+def _batch_normalize(advantages: Tensor, zero_var: Tensor, *, eps: float, std_estimator: str) -> Tensor:
+    """GDPO's last step: ``(A − mean(A)) / (std(A) + eps)`` over all N samples, in float64.
+
+    ``advantages`` and ``zero_var`` are (N,); samples of a group with no signal stay exactly 0, so the
+    zero-advantage filter still finds them.
+    """
+    x = advantages.double()  # (N,)
+    scaled = (x - x.mean()) / (_batch_std(x, std_estimator) + eps)
+    return torch.where(zero_var, torch.zeros_like(scaled), scaled).to(advantages.dtype)
 
 
 def best_and_worst(rewards: Tensor, group_ids: Tensor, k: int) -> Tensor:
