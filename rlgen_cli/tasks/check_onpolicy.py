@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.sde.noise import Stream
-from rlgen_cli.tasks.common import require_data, run_dir_of, user_errors, validated
+from rlgen_cli.tasks.common import run_dir_of, user_errors, validated
 
 log = logging.getLogger(__name__)
 EXIT_MISMATCH = 1
@@ -75,7 +75,7 @@ def check_onpolicy_task(cfg: DictConfig) -> float:
         )
     run_dir = prepare_run_dir(run_dir_of(typed), cfg)
     setup_logging(run_dir)
-    require_data(typed, run_dir, ("train",) if text else ("train", "test"))
+    require_prerequisites(typed, run_dir, ("train",) if text else ("train", "test"))
     if typed.recipe == "vlm_rl":
         worst, passed = _check_vlm(typed, cfg, perturb)
     elif typed.recipe == "r3":
@@ -85,6 +85,15 @@ def check_onpolicy_task(cfg: DictConfig) -> float:
     if not passed:
         sys.exit(EXIT_MISMATCH)
     return worst
+
+
+def require_prerequisites(cfg, run_dir, splits: tuple[str, ...]) -> None:
+    """The prompt files it rolls out and the weights of every model it builds, all reported together
+    with exit code 2 before any model is built (``tasks/prerequisites.py``, as ``rlgen train`` does).
+    Rewards are not checked: the check scores nothing."""
+    from rlgen_cli.tasks.prerequisites import Prerequisites, data_problems, model_problems
+
+    Prerequisites().add(data_problems(cfg, run_dir, splits)).add(model_problems(cfg)).require()
 
 
 def _check_flow(typed, cfg: DictConfig, perturb: Perturb) -> tuple[float, bool]:
