@@ -120,9 +120,24 @@ def serve_reward(ctx: typer.Context) -> None:
 
 @app.command(name="ls")
 def list_configs(
-    group: str = typer.Argument(None, help="Only this group.", autocompletion=complete_group_name),
+    group: str = typer.Argument(
+        None, help="Only this group (with --keys: this section).", autocompletion=complete_group_name
+    ),
+    keys: bool = typer.Option(
+        False, "--keys", help="Every key with its type, default, valid values and docstring."
+    ),
+    recipe: str = typer.Option(
+        None, "--recipe", help="With --keys: the recipe whose keys to list (flow_grpo)."
+    ),
+    markdown: bool = typer.Option(
+        False, "--markdown", help="As Markdown: the groups' table of README, with --keys docs/settings.md."
+    ),
 ) -> None:
-    """List the config groups and their options, the model families and the reward names."""
+    """List the config groups and their options, the model families and the reward names; with --keys,
+    every setting (rlgen ls --keys model, rlgen ls --keys --recipe vlm_rl algo)."""
+    if keys or markdown or recipe:
+        _list_keys(group, recipe, keys, markdown)
+        return
     groups = config_groups()
     if group is not None and group not in groups:
         typer.secho(f"no config group {group!r}; groups: {', '.join(groups)}", fg="red", err=True)
@@ -133,6 +148,27 @@ def list_configs(
             typer.echo(f"{name}: {', '.join(options) or '(none)'}")
             for key, names in registries.get(name, {}).items():
                 typer.echo(f"{key}: {', '.join(names)}")
+
+
+def _list_keys(group: str | None, recipe: str | None, keys: bool, markdown: bool) -> None:
+    """``rlgen ls --keys`` / ``--markdown``: what they print comes from ``tasks/ls.py``."""
+    from rlgen_cli.schema.errors import UserError
+    from rlgen_cli.tasks.ls import keys_markdown, keys_text, options_table
+
+    try:
+        if recipe and not keys:
+            raise UserError(f"--recipe {recipe} chooses whose keys --keys lists: add --keys")
+        if markdown and keys and (group or recipe):
+            raise UserError(
+                "--keys --markdown prints every recipe's keys (docs/settings.md): drop GROUP and --recipe"
+            )
+        if keys:
+            typer.echo(keys_markdown() if markdown else keys_text(recipe, group), nl=False)
+        else:
+            typer.echo(options_table(group), nl=False)
+    except UserError as e:
+        typer.secho(str(e), fg="red", err=True)
+        raise typer.Exit(EXIT_USER_ERROR) from None
 
 
 def _registries() -> dict[str, dict[str, list[str]]]:
