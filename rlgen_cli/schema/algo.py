@@ -231,6 +231,7 @@ class PretrainConfig:
     warmup_steps: int = 200
     """Linear learning-rate warm-up; then a cosine decay to ``min_lr_ratio``·lr at the last step."""
     min_lr_ratio: float = 0.1
+    """Where the cosine decay ends: ``min_lr_ratio``·lr at the last step."""
 
 
 @dataclass
@@ -238,6 +239,7 @@ class EMAConfig:
     enabled: bool = False
     """Keep an exponential moving average of the trainable weights, used for eval and saving."""
     decay: float = 0.9
+    """Each update: shadow ← decay·shadow + (1 − decay)·weights."""
     update_every: int = 8
     """Optimizer steps between EMA updates."""
     warmup: bool = False
@@ -266,18 +268,26 @@ class AlgoConfig:
     covers the same samples on any process count. null = one micro-batch per process (then a step's
     samples grow with the process count)."""
     lr: float = 3e-4
+    """AdamW's learning rate (the rate ``lr_schedule`` starts from)."""
     lr_schedule: Annotated[str, LrSchedule] = "constant"
     """``constant``, or ``cosine`` / ``linear``: ``lr`` for the ``lr_decay_start`` share of ``epochs``, then a
     decay to ``lr_min_ratio``·lr at the last epoch (a time limit that stops the run first cuts it short)."""
     lr_decay_start: float = 0.0
+    """Share of ``epochs`` trained at ``lr`` before the ``cosine`` / ``linear`` decay starts (0 = from the
+    first epoch)."""
     lr_min_ratio: float = 0.0
+    """Where the decay ends: ``lr_min_ratio``·lr at the last epoch."""
     lr_warmup_epochs: int = 0
     """Ramp the learning rate linearly over the first epochs (epoch e of W runs at (e + 1)/W of the
     schedule's rate), whatever ``lr_schedule``; 0 = none (upstream)."""
     adam_beta1: float = 0.9
+    """AdamW's β₁ (decay of the gradient's running mean)."""
     adam_beta2: float = 0.999
+    """AdamW's β₂ (decay of the squared gradient's running mean)."""
     adam_eps: float = 1e-8
+    """AdamW's ε (added to the root of the second moment)."""
     weight_decay: float = 1e-4
+    """AdamW's decoupled weight decay."""
     max_grad_norm: float = 1.0
     """Gradient-norm clip; ≤ 0 disables it."""
 

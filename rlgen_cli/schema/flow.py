@@ -279,6 +279,7 @@ class DataConfig:
     eval_num_prompts: int = 8
     """Test prompts used by periodic evaluation (0 = all)."""
     eval_images_per_prompt: int = 1
+    """Images drawn per test prompt at each evaluation."""
 
 
 @dataclass
@@ -294,10 +295,13 @@ class FlowDataConfig(DataConfig):
 @dataclass
 class WandbConfig:
     enabled: bool = False
+    """Also log to Weights & Biases (needs the wandb package)."""
     project: str = "rlgen"
+    """The W&B project."""
     mode: Annotated[str, WandbMode] = "offline"
     """online | offline (no network; ``wandb sync`` later) | disabled."""
     name: str | None = None
+    """The W&B run's name; null = the experiment and its overrides (``shapes_grpo_fast algo.lr=3e-4``)."""
 
 
 @dataclass
@@ -321,6 +325,7 @@ class LauncherConfig:
     num_processes: int = 1
     """Processes per machine (one per GPU)."""
     num_machines: int = 1
+    """Machines of one run (launcher=multinode); its processes: num_processes × num_machines."""
     machine_rank: int | None = None
     """This machine's rank; null reads MACHINE_RANK / NODE_RANK / SLURM_NODEID (else 0)."""
     main_process_ip: str | None = None
@@ -397,6 +402,8 @@ class RunConfig:
     (policy gradient on SDE rollouts), ``flow_pref`` (DPO / SFT), ``flow_pretrain``, ``flow_forward``
     (DiffusionNFT / AWM), ``vlm_rl`` (token GRPO), ``vlm_sft``, ``r3``. Each composes only its own keys."""
     seed: int = 42
+    """The run's random streams (torch's global seed, each sample's initial and step noise, every epoch's
+    draws) derive from it."""
     epochs: int = 100
     """Sampling rounds; each is rollout → reward → advantages → update."""
     eval_every: int = 10

@@ -78,6 +78,8 @@ class OfflineConfig:
     """A model's offline stand-in for data and reward (see the module docstring)."""
 
     enabled: bool = False
+    """Read the packaged prompts of ``data`` and score with ``reward`` instead of the experiment's data
+    and reward server (the model option sets it)."""
     reward: str = "jpeg_compressibility"
     """Local reward that replaces ``reward_fn``: it must score any prompt set, so not a GenEval detector."""
     data: dict[str, str] = field(default_factory=lambda: dict(TINY_DATA))
@@ -152,6 +154,7 @@ class R3Config:
     temperature: float = 0.9
     """Text sampling temperature (log-probs are always taken at temperature 1)."""
     top_p: float = 0.9
+    """Nucleus (top-p) of text sampling."""
     sde_kind: Annotated[str, SdeKind] = "dance"
     """Stochastic step: dance (score form, constant η) | flow_sde | cps. Upstream's score-form step scales
     η with time, η·sqrt(t / (1 − min(t, 0.95))), which none of these is exactly (the r3_* experiments'
@@ -166,11 +169,15 @@ class R3Config:
     number that does on every process count compared gives the same forwards, so the same run, on each."""
     # -- optimiser --------------------------------------------------------------------------------------
     lr: float = 5e-6
+    """AdamW's learning rate (both tracks)."""
     warmup_steps: int = 10
     """Linear learning-rate warm-up, then constant."""
     adam_beta1: float = 0.9
+    """AdamW's β₁ (decay of the gradient's running mean)."""
     adam_beta2: float = 0.95
+    """AdamW's β₂ (decay of the squared gradient's running mean)."""
     weight_decay: float = 0.0
+    """AdamW's decoupled weight decay."""
     max_grad_norm: float = 1.0
     """Global grad-norm clip over both tracks; ≤ 0 disables it."""
     # -- evaluation -------------------------------------------------------------------------------------

@@ -64,7 +64,9 @@ class VLMOptions:
     eval_temperature: float = 0.01
     """Near-greedy evaluation decoding (Qwen2-VL's generation config: 0.01 / top-p 0.001 / top-k 1)."""
     eval_top_p: float = 0.001
+    """Nucleus (top-p) of evaluation decoding."""
     eval_top_k: int = 1
+    """Top-k of evaluation decoding (0 = no top-k filtering)."""
 
     def __post_init__(self) -> None:
         if self.min_pixels > self.max_pixels:
@@ -110,9 +112,11 @@ class TokenGRPOOptions(TokenScheduleOptions):
     temperature: float = 1.2
     """Rollout sampling temperature (log-probs are always taken at temperature 1)."""
     top_p: float = 1.0
+    """Nucleus (top-p) of rollout sampling; 1 = off."""
     top_k: int = 0
     """0 = no top-k filtering (generate's default of 50 is overridden explicitly)."""
     max_completion_tokens: int = 1024
+    """Most tokens a rollout completion generates (``model.vlm.completion_cap`` may lower it)."""
     num_iterations: int = 1
     """Updates per rollout batch (μ in GRPO)."""
     old_logprobs: Annotated[str, TokenOldLogprobs] = "recompute"
