@@ -22,6 +22,13 @@ in either layout (``visual.*`` + ``model.layers.*`` of older transformers, or ``
 ``model.language_model.*``) are renamed to it, ``lm_head.*`` is dropped. Images are resized (bicubic)
 to exactly ``image_pixels`` pixels on the processor's patch grid (HPSv3 uses 256·28·28, 256 visual tokens),
 keeping the aspect ratio, as HPSv3's own preprocessing does.
+
+Positions: HPSv3's model calls its Qwen2-VL decoder with ``position_ids=None`` under the transformers it
+pins (4.45), where the decoder numbers the tokens ``0 … L−1`` on all three rotary axes — plain 1-D
+positions, image tokens included; Qwen2-VL's multimodal (M-RoPE) positions are computed only by the
+generation wrapper HPSv3 bypasses. ``positions="sequential"`` (the default) passes exactly those positions;
+``positions="mrope"`` lets transformers compute M-RoPE positions as Qwen2-VL's own chat model does (scores
+then differ from HPSv3's by a few hundredths).
 """
 
 from __future__ import annotations
@@ -52,15 +59,16 @@ from rlgen_cli.rewards.requirements import ModelSource, kwargs_sources
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "HPSV3_BASE", "HPSV3_CHECKPOINT", "INSTRUCTION_SOURCE", "PLACEHOLDER", "REWARD_TOKEN", "HPSv3Kwargs",
-    "HPSv3Model", "HPSv3Reward", "chat_texts", "fixed_pixel_size", "hpsv3", "hpsv3_state_dict",
-    "read_instruction",
+    "HPSV3_BASE", "HPSV3_CHECKPOINT", "INSTRUCTION_SOURCE", "PLACEHOLDER", "POSITIONS", "REWARD_TOKEN",
+    "HPSv3Kwargs", "HPSv3Model", "HPSv3Reward", "chat_texts", "fixed_pixel_size", "hpsv3", "hpsv3_state_dict",
+    "read_instruction", "sequential_position_ids",
 ]  # fmt: skip
 
 HPSV3_CHECKPOINT = "MizzenAI/HPSv3/HPSv3.safetensors"
 HPSV3_BASE = "Qwen/Qwen2-VL-7B-Instruct"
 REWARD_TOKEN = "<|Reward|>"
 HPSV3_PIXELS = 256 * 28 * 28
+POSITIONS = ("sequential", "mrope")
 _DOWNLOAD_HINT = (
     "download HPSv3.safetensors from https://huggingface.co/MizzenAI/HPSv3 "
     "and set model_path to the local file"
@@ -81,6 +89,15 @@ _RENAMES = (
     ("model.", "backbone.language_model."),
     ("rm_head.", "rm_head."),
 )
+
+
+def check_positions(positions: str) -> None:
+    """Raise a ValueError naming the choices for an unknown ``positions``."""
+    if positions not in POSITIONS:
+        raise ValueError(
+            f"reward.kwargs.hpsv3.positions={positions!r}; choose 'sequential' (HPSv3's scores: 0 … L−1 "
+            "on every rotary axis) or 'mrope' (Qwen2-VL's multimodal positions)."
+        )
 
 
 def fixed_pixel_size(height: int, width: int, factor: int, pixels: int) -> tuple[int, int]:
@@ -162,14 +179,25 @@ def chat_texts(processor: Any, prompts: list[str], instruction: str) -> list[str
     return texts
 
 
+def sequential_position_ids(input_ids: Tensor) -> Tensor:
+    """``(3, B, L)`` positions ``0 … L−1`` on every rotary axis: what HPSv3's decoder call uses."""
+    batch, length = input_ids.shape
+    return torch.arange(length, device=input_ids.device).view(1, 1, length).expand(3, batch, length)
+
+
 class HPSv3Model(nn.Module):
     """Qwen2-VL backbone + HPSv3's ``(μ, σ)`` head at the reward token."""
 
-    def __init__(self, config: Any) -> None:
-        """Build the backbone (``transformers.Qwen2VLModel``) and the float32 head for ``config``."""
+    def __init__(self, config: Any, positions: str = "sequential") -> None:
+        """Build the backbone (``transformers.Qwen2VLModel``) and the float32 head for ``config``.
+
+        ``positions``: ``"sequential"`` (HPSv3's) or ``"mrope"`` rotary positions (module docstring).
+        """
         from transformers import Qwen2VLModel
 
         super().__init__()
+        check_positions(positions)
+        self.positions = positions
         self.backbone = Qwen2VLModel(config)
         width = int(config.text_config.hidden_size)
         self.rm_head = nn.Sequential(
@@ -193,6 +221,8 @@ class HPSv3Model(nn.Module):
                 f"every HPSv3 input needs exactly one {REWARD_TOKEN} token, got {at_token.sum(-1).tolist()}; "
                 f"remove {REWARD_TOKEN} from the prompts."
             )
+        if self.positions == "sequential":
+            inputs = inputs | {"position_ids": sequential_position_ids(inputs["input_ids"])}
         hidden = self.backbone(**inputs, use_cache=False).last_hidden_state
         return self.rm_head.float()(hidden[at_token].float())
 
@@ -209,6 +239,7 @@ class HPSv3Kwargs:
         device: ``None`` = CUDA when available, else CPU.
         dtype: Backbone dtype (HPSv3 runs in bfloat16; the head is always float32).
         local_files_only: Never reach the hub.
+        positions: Rotary positions: ``"sequential"`` as HPSv3 runs, or ``"mrope"`` (module docstring).
     """
 
     instruction_path: str | None = None
@@ -218,6 +249,7 @@ class HPSv3Kwargs:
     device: str | None = None
     dtype: str = "bfloat16"
     local_files_only: bool = False
+    positions: str = "sequential"
 
 
 class HPSv3Reward:
@@ -233,6 +265,7 @@ class HPSv3Reward:
         check_checkpoint_path(kwargs.model_path, self.name, "model_path", _DOWNLOAD_HINT)
         if kwargs.image_pixels <= 0:
             raise ValueError(f"reward.kwargs.hpsv3.image_pixels={kwargs.image_pixels}; use a positive count.")
+        check_positions(kwargs.positions)
         self.instruction = read_instruction(kwargs.instruction_path)
         self.kwargs = kwargs
         self.device, self.dtype = resolve_device(kwargs.device), resolve_dtype(kwargs.dtype)
@@ -271,7 +304,9 @@ class HPSv3Reward:
             embed = state.get("backbone.language_model.embed_tokens.weight")
             if embed is not None:  # the checkpoint grew the vocabulary by the reward token
                 config.text_config.vocab_size = int(embed.shape[0])
-            model = materialise(lambda: HPSv3Model(config), state, self.dtype, self.device, str(path))
+            model = materialise(
+                lambda: HPSv3Model(config, self.kwargs.positions), state, self.dtype, self.device, str(path)
+            )
             model.rm_head.float()
             self._model = model
         return self._model

@@ -82,12 +82,15 @@ def test_mu_is_the_head_at_the_reward_token(tiny, instruction_file):
     result = reward.score(RewardBatch(prompts=prompts, images=images))
     assert result.scores.shape == (2,) and result.scores.dtype == torch.float32
     assert result.details["sigma"].shape == (2,) and torch.isfinite(result.scores).all()
-    # By hand: the original model's last hidden state at each row's single reward token, through the head.
+    # By hand: the original model's last hidden state at each row's single reward token, through the head,
+    # with HPSv3's positions 0 … L−1 on every rotary axis.
     inputs = reward.inputs(prompts, images)
     token = reward.reward_token_id
     assert (inputs["input_ids"] == token).sum(-1).tolist() == [1, 1]
+    length = inputs["input_ids"].shape[1]
+    positions = torch.arange(length).expand(3, 2, length)
     with torch.no_grad():
-        hidden = model.backbone(**inputs, use_cache=False).last_hidden_state
+        hidden = model.backbone(**inputs, position_ids=positions, use_cache=False).last_hidden_state
         expected = model.rm_head(hidden[inputs["input_ids"] == token])
     torch.testing.assert_close(result.scores, expected[:, 0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(result.details["sigma"], expected[:, 1], atol=1e-5, rtol=1e-5)
