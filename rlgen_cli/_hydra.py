@@ -11,6 +11,7 @@ evaluation before training, no epoch cap) and nothing of ShapesEval leaks into o
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -51,6 +52,46 @@ def chosen_group(arg: str) -> str | None:
         return None
     group = arg.split("=", 1)[0].lstrip("+~").split("@", 1)[0]
     return group if group and "." not in group else None
+
+
+# Flags and overrides that add config directories: an option may then live outside conf/.
+_SEARCH_PATH_ARGS = ("--config-dir", "-cd", "--config-path", "-cp", "hydra.searchpath")
+# Sweep values other than a comma list (glob(…), range(…), choice(…)), interpolations, quoting.
+_NOT_PLAIN_OPTION = set("()[]{}$'\"")
+
+
+def unknown_option_error(args: Sequence[str]) -> str | None:
+    """What is wrong when an override chooses an option its config group under ``conf/`` lacks
+    (``model=flux_dve``), with the closest names; None when every option exists. Hydra's own message
+    lists every option of the group; this one names the few that were likely meant."""
+    if any(arg.split("=", 1)[0] in _SEARCH_PATH_ARGS for arg in args):
+        return None
+    groups = config_groups()
+    for arg in args:
+        group = chosen_group(arg)
+        if group not in groups or arg.startswith("~") or "=" not in arg:
+            continue
+        value = arg.split("=", 1)[1]
+        if _NOT_PLAIN_OPTION & set(value):
+            continue
+        for option in (o.strip() for o in value.split(",")):  # a sweep: model=sd3,flux
+            if option and option != "null" and option not in groups[group]:
+                return _unknown_option_message(group, option, groups[group])
+    return None
+
+
+def _unknown_option_message(group: str, option: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(option, options, n=3, cutoff=0.6)
+    guess = f" Did you mean {_either(close)}?" if close else ""
+    return (
+        f"{group}={option}: config group {group} has no option {option!r}.{guess} "
+        f"(rlgen ls {group} lists all {len(options)})"
+    )
+
+
+def _either(names: list[str]) -> str:
+    """``a``, ``a or b``, ``a, b or c``."""
+    return " or ".join([", ".join(names[:-1]), names[-1]]) if len(names) > 1 else names[0]
 
 
 def verb_overrides(config_name: str, args: Sequence[str]) -> list[str]:
@@ -160,6 +201,10 @@ def run_hydra(task: Callable[[Any], Any], config_name: str, args: Sequence[str])
 
     from rlgen_cli.schema.store import register_schemas
 
+    typo = unknown_option_error(args)
+    if typo:
+        sys.stderr.write(typo + "\n")
+        raise SystemExit(EXIT_USER_ERROR)
     register_schemas(config_name)
     started = False
 
