@@ -194,9 +194,8 @@ def options_table(only: str | None = None) -> str:
 def _md(text: str) -> str:
     """``text`` as one Markdown table cell: pipes escaped; ``<`` escaped outside code spans (so ``<think>``
     shows instead of becoming an HTML tag)."""
-    parts = _plain(text).split("`")
-    return "`".join(p.replace("|", "\\|") if i % 2 else p.replace("|", "\\|").replace("<", "&lt;")
-                    for i, p in enumerate(parts))  # fmt: skip
+    parts = _plain(text).replace("|", "\\|").split("`")
+    return "`".join(part if i % 2 else part.replace("<", "&lt;") for i, part in enumerate(parts))
 
 
 def _merged_rows(group: str) -> list[tuple[KeyRow, list[str]]]:
@@ -216,22 +215,23 @@ def _recipes_cell(recipes: list[str]) -> str:
     return "all" if set(recipes) == set(TRAIN_SCHEMAS) else ", ".join(recipes)
 
 
-def _key_table(rows: Iterable[tuple[KeyRow, list[str]]]) -> list[str]:
-    lines = ["| key | type | default | valid | recipes | what it does |", "|---|---|---|---|---|---|"]
+def _key_table(rows: Iterable[tuple[KeyRow, list[str]]], by_recipe: bool) -> list[str]:
+    """A Markdown table of ``rows``; ``by_recipe`` adds the column of the recipes that have each row (the
+    other verbs' sections have none: they are the same whatever the recipe)."""
+    head = ["key", "type", "default", "valid", *(["recipes"] if by_recipe else []), "what it does"]
+    lines = [f"| {' | '.join(head)} |", "|" + "---|" * len(head)]
     for row, recipes in rows:
-        if row.is_section:
-            lines.append(f"| `{row.key}` | section | | | {_recipes_cell(recipes)} | {_md(row.doc)} |")
-            continue
-        default = row.default if row.default == _RECIPE_NAME else f"`{_md(row.default)}`"
-        cells = [
-            f"`{row.key}`",
-            row.type.replace("|", "\\|"),
-            default,
-            _md(row.valid),
-            _recipes_cell(recipes),
-        ]
+        cells = [f"`{row.key}`", *_described(row), *([_recipes_cell(recipes)] if by_recipe else [])]
         lines.append(f"| {' | '.join(cells)} | {_md(row.doc)} |")
     return lines
+
+
+def _described(row: KeyRow) -> list[str]:
+    """The type, default and valid-values cells of ``row`` (blank but the type for a section)."""
+    if row.is_section:
+        return ["section", "", ""]
+    default = row.default if row.default == _RECIPE_NAME else f"`{_md(row.default)}`"
+    return [row.type.replace("|", "\\|"), default, _md(row.valid)]
 
 
 def _all_groups() -> list[str]:
@@ -272,5 +272,10 @@ def keys_markdown() -> str:
         "exit code 2. *valid* is what the one validation pass accepts (of each element, for lists and maps).",
     ]
     for group in _all_groups():
-        lines += ["", f"### {_group_label(group)}", "", *_key_table(_merged_rows(group))]
+        lines += [
+            "",
+            f"### {_group_label(group)}",
+            "",
+            *_key_table(_merged_rows(group), group not in VERB_SECTIONS),
+        ]
     return "\n".join(lines) + "\n"
