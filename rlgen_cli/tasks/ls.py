@@ -46,6 +46,7 @@ def _plain(text: str) -> str:
 
 
 def require_recipe(recipe: str) -> None:
+    """A recipe of ``schema/recipes.py``, else a refusal naming them."""
     if recipe not in TRAIN_SCHEMAS:
         raise UserError(f"no recipe {recipe!r}; recipes: {', '.join(TRAIN_SCHEMAS)}")
 
@@ -54,6 +55,7 @@ def require_group(recipe: str, group: str) -> list[KeyRow]:
     """The rows of ``group`` for ``recipe``; a group this recipe lacks is refused with the valid names
     (and the recipes that have it)."""
     require_recipe(recipe)
+    group = group.removesuffix(".*")  # the section rows' own spelling
     rows = group_rows(recipe, group)
     if rows:
         return rows
@@ -97,7 +99,7 @@ def keys_text(recipe: str | None = None, group: str | None = None, width: int | 
     recipe = recipe or DEFAULT_RECIPE
     require_recipe(recipe)
     width = width or min(max(shutil.get_terminal_size((100, 24)).columns, 60), 120)
-    groups = [group] if group else group_names(recipe)
+    groups = [group.removesuffix(".*")] if group else group_names(recipe)
     rows = [require_group(recipe, name) for name in groups]  # a bad name stops before any output
     others = " | ".join(r for r in TRAIN_SCHEMAS if r != recipe)
     blocks = [
