@@ -118,16 +118,34 @@ def serve_reward(ctx: typer.Context) -> None:
     _forward("serve_reward", "serve_reward_task", "serve_reward", ctx)
 
 
+def _complete_ls_argument(ctx: typer.Context, incomplete: str) -> list[str]:
+    """``rlgen ls <TAB>``: the config groups; after --keys, the recipe's sections."""
+    if not ctx.params.get("keys"):
+        return complete_group_name(incomplete)
+    from rlgen_cli.tasks.ls import complete_section
+
+    return complete_section(ctx.params.get("recipe"), incomplete)
+
+
+def _complete_recipe(incomplete: str) -> list[str]:
+    from rlgen_cli.schema.recipes import TRAIN_SCHEMAS
+
+    return [recipe for recipe in TRAIN_SCHEMAS if recipe.startswith(incomplete)]
+
+
 @app.command(name="ls")
 def list_configs(
     group: str = typer.Argument(
-        None, help="Only this group (with --keys: this section).", autocompletion=complete_group_name
+        None, help="Only this group (with --keys: this section).", autocompletion=_complete_ls_argument
     ),
     keys: bool = typer.Option(
         False, "--keys", help="Every key with its type, default, valid values and docstring."
     ),
     recipe: str = typer.Option(
-        None, "--recipe", help="With --keys: the recipe whose keys to list (flow_grpo)."
+        None,
+        "--recipe",
+        help="With --keys: the recipe whose keys to list (flow_grpo).",
+        autocompletion=_complete_recipe,
     ),
     markdown: bool = typer.Option(
         False, "--markdown", help="As Markdown: the groups' table of README, with --keys docs/settings.md."

@@ -28,7 +28,14 @@ from rlgen_cli.schema.describe import (
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.recipes import TRAIN_SCHEMAS
 
-__all__ = ["keys_markdown", "keys_text", "option_summaries", "options_table", "require_group"]
+__all__ = [
+    "complete_section",
+    "keys_markdown",
+    "keys_text",
+    "option_summaries",
+    "options_table",
+    "require_group",
+]
 
 REGENERATE = "rlgen ls --keys --markdown > docs/settings.md"
 _ROLE = re.compile(r":\w+:`")  # Sphinx roles (:data:`X`) read as plain code
@@ -72,6 +79,16 @@ def require_group(recipe: str, group: str) -> list[KeyRow]:
         f"no section or key {group!r} in recipe {recipe}'s keys; {hint + ' ' if hint else ''}sections: "
         f"{', '.join(group_names(recipe))} (or a nested one such as model.lora, or one key)"
     )
+
+
+def complete_section(recipe: str | None, incomplete: str) -> list[str]:
+    """``rlgen ls --keys <TAB>``: the sections of ``recipe`` (a bad recipe completes to nothing), nested
+    ones once a dot is typed (``model.`` → ``model.lora``, ``model.vlm``, …)."""
+    recipe = recipe or DEFAULT_RECIPE
+    if recipe not in TRAIN_SCHEMAS:
+        return []
+    names = sorted(_section_paths(recipe)) if "." in incomplete else group_names(recipe)
+    return [name for name in names if name.startswith(incomplete)]
 
 
 def _section_paths(recipe: str) -> set[str]:

@@ -155,3 +155,25 @@ def test_option_summary_is_the_header_comment_first_sentence(tmp_path):
     assert _summary(yaml) == "the smallest demo: a tiny model (random weights) learning."
     yaml.write_text("# Flow-DPO (Wallace et al. 2023). More.\nalgo: {}\n")
     assert _summary(yaml) == "Flow-DPO (Wallace et al. 2023)."
+
+
+def _bash_completes(line: str) -> list[str]:
+    from typer.testing import CliRunner
+
+    from rlgen_cli.cli import app
+
+    words = line.split()
+    current = len(words) if line.endswith(" ") else len(words) - 1
+    env = {"_RLGEN_COMPLETE": "complete_bash", "COMP_WORDS": " ".join(words), "COMP_CWORD": str(current)}
+    result = CliRunner().invoke(app, [], prog_name="rlgen", env=env)
+    assert result.exit_code == 0, result.output
+    return result.output.split()
+
+
+def test_tab_completes_sections_after_keys_and_the_recipes():
+    assert {"run", "guard", "sampler"} <= set(_bash_completes("rlgen ls --keys "))
+    assert {"run", "guard"}.isdisjoint(_bash_completes("rlgen ls "))  # without --keys: config groups
+    assert "r3" in _bash_completes("rlgen ls --keys --recipe r3 ")
+    nested = _bash_completes("rlgen ls --keys model.")
+    assert "model.lora" in nested and all(name.startswith("model.") for name in nested)
+    assert _bash_completes("rlgen ls --keys --recipe v") == ["vlm_rl", "vlm_sft"]
