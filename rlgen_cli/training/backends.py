@@ -5,8 +5,9 @@ W&B's ``offline`` mode writes runs under ``run_dir/wandb`` with no network (``wa
 Both take ``metrics.jsonl``'s step unchanged: epochs completed, the evaluation before training at 0
 (:mod:`rlgen_cli.training.metrics`). It never decreases within a run, as W&B requires.
 
-A W&B run is named after its experiment and overrides (``shapes_grpo_fast algo.lr=3e-4``) unless
-``logging.wandb.name`` is set, and the jobs of one ``-m`` sweep share a group: their sweep directory.
+A W&B run is named after its experiment and overrides (``shapes_grpo_fast algo.lr=3e-4``; not its
+``logging.*`` switches) unless ``logging.wandb.name`` is set, and the jobs of one ``-m`` sweep share a
+group: their sweep directory.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ MAX_NAME = 128  # W&B's limit for run names and groups
 MAX_LEGEND_KEYS = 3  # differing resolved.yaml keys shown in a legend when the overrides say nothing
 _UNSET = "∅"  # an override one run has and another has not
 _BOOKKEEPING = ("run_dir", "resume", "resume_unverified")  # differ between runs, train the same
+_WHERE_METRICS_GO = "logging."  # logging.wandb.enabled=true, logging.tensorboard=…: not what trains
 
 
 def _read_yaml(path: Path) -> Any:
@@ -44,10 +45,21 @@ def override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
+def names_the_run(key: str) -> bool:
+    """Whether an override or setting ``key`` says what the run trains: not a logging switch
+    (``logging.wandb.enabled``) nor bookkeeping (``resume``), which name nothing a reader compares."""
+    return not key.startswith(_WHERE_METRICS_GO) and key.split(".")[-1] not in _BOOKKEEPING
+
+
+def naming_overrides(run_dir: Path) -> list[str]:
+    """:func:`run_overrides` that say what the run trains (:func:`names_the_run`)."""
+    return [o for o in run_overrides(run_dir) if names_the_run(override_key(o))]
+
+
 def run_name(run_dir: Path) -> str:
-    """``EXPERIMENT key=value …``: the chosen experiment first, then the other overrides; the run
-    directory's name when there are none. At most :data:`MAX_NAME` characters."""
-    overrides = run_overrides(run_dir)
+    """``EXPERIMENT key=value …``: the chosen experiment first, then the other overrides but logging
+    switches and bookkeeping (:func:`names_the_run`); the run directory's name when there are none. At most :data:`MAX_NAME` characters."""
+    overrides = naming_overrides(run_dir)
     experiment = [o.split("=", 1)[1] for o in overrides if override_key(o) == "experiment" and "=" in o]
     rest = [o for o in overrides if override_key(o) != "experiment"]
     name = " ".join(experiment[-1:] + rest) or Path(run_dir).resolve().name
@@ -99,14 +111,14 @@ def legend_labels(run_dirs: Sequence[Path]) -> dict[Path, str]:
     if len(runs) < 2:
         return {run: run_name(run) for run in runs}
     overrides = {
-        run: {override_key(o): o.split("=", 1)[1] if "=" in o else "deleted" for o in run_overrides(run)}
+        run: {override_key(o): o.split("=", 1)[1] if "=" in o else "deleted" for o in naming_overrides(run)}
         for run in runs
     }
     labels = differing(overrides)
     if not any(labels.values()):
         resolved = {run: _flatten(_read_yaml(run / "resolved.yaml") or {}) for run in runs}
         for values in resolved.values():
-            for key in [k for k in values if k.split(".")[-1] in _BOOKKEEPING]:
+            for key in [k for k in values if not names_the_run(k)]:
                 del values[key]
         labels = {run: pairs[:MAX_LEGEND_KEYS] for run, pairs in differing(resolved).items()}
     named = {run: " ".join(labels[run]) or run.name for run in runs}
