@@ -30,10 +30,20 @@ from torch import Tensor
 
 from rlgen_cli.algos.dpo import flow_matching_error
 
-__all__ = ["AWM_WEIGHTINGS", "GHUBER_DELTA", "AWMLossOut", "awm_loss", "stratified_timestep_indices", "weigh"]
+__all__ = [
+    "AWM_WEIGHTINGS",
+    "GHUBER_DELTA",
+    "TIMESTEP_DRAWS",
+    "AWMLossOut",
+    "awm_loss",
+    "micro_batch_timestep_indices",
+    "stratified_timestep_indices",
+    "weigh",
+]
 
 AWM_WEIGHTINGS = ("uniform", "t", "t2", "ghuber")
 GHUBER_DELTA = 1e-10  # keeps the generalised Huber's gradient finite at e = 0 (upstream's constant)
+TIMESTEP_DRAWS = ("per_sample", "per_microbatch")
 
 
 @dataclass(frozen=True)
@@ -148,3 +158,21 @@ def stratified_timestep_indices(
     lower, upper = bounds[:-1], bounds[1:]
     u = torch.rand(count, generator=generator, device=generator.device, dtype=torch.float64).cpu()
     return lower + (u * (upper - lower)).long()
+
+
+def micro_batch_timestep_indices(per_sample: Tensor, draw: str) -> Tensor:
+    """The σ positions a micro-batch trains on, from each sample's own draw ``per_sample`` (B, K).
+
+    ``per_sample`` keeps every sample's draw; ``per_microbatch`` gives the first sample's draw to every
+    sample, as AWM's script draws its strata once per micro-batch. Both have the same expectation; a
+    shared draw makes the micro-batch's σ move together (more variance between micro-batches). The first
+    sample's stream is keyed by its global position, so the shared draw is the same on any process count.
+
+    Returns:
+        (B, K) indices.
+    """
+    assert draw in TIMESTEP_DRAWS, f"timestep draw {draw!r}; one of {TIMESTEP_DRAWS}"
+    assert per_sample.dim() == 2 and len(per_sample) >= 1, per_sample.shape
+    if draw == "per_sample":
+        return per_sample
+    return per_sample[:1].expand_as(per_sample)

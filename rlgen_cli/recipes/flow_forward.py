@@ -41,7 +41,12 @@ from omegaconf import DictConfig
 from torch import Tensor
 
 from rlgen_cli.algos import combine_rewards
-from rlgen_cli.algos.awm import AWMLossOut, awm_loss, stratified_timestep_indices
+from rlgen_cli.algos.awm import (
+    AWMLossOut,
+    awm_loss,
+    micro_batch_timestep_indices,
+    stratified_timestep_indices,
+)
 from rlgen_cli.algos.nft import (
     NFTLossOut,
     nft_loss,
@@ -250,9 +255,8 @@ def train_micro_batch(
     ``draws[i]``. ``steps_after``: the optimizer steps after it (its last backward syncs gradients)."""
     algo = run.cfg.algo
     x0, cond = rollouts.x0[part], rollouts.cond.index(part)
-    positions = torch.stack(
-        [trained_indices(algo.forward, run.cfg.model.num_steps, g) for g in draws]
-    )  # (B, K)
+    per_sample = torch.stack([trained_indices(algo.forward, run.cfg.model.num_steps, g) for g in draws])
+    positions = micro_batch_timestep_indices(per_sample, algo.forward.timestep_draw)  # (B, K)
     num_sigmas = positions.shape[1]
     for j in range(num_sigmas):
         sigma = rollouts.sigmas[positions[:, j].to(rollouts.sigmas.device)].to(x0.dtype)  # (B,)

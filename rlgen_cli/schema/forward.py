@@ -18,6 +18,7 @@ from rlgen_cli.schema.errors import UserError
 ForwardLoss = Literal["nft", "awm"]
 RolloutSolver = Literal["dpm2", "euler", "sde"]
 TimestepSampling = Literal["subset", "stratified"]
+TimestepDraw = Literal["per_sample", "per_microbatch"]
 AWMWeighting = Literal["uniform", "t", "t2", "ghuber"]
 
 
@@ -56,6 +57,10 @@ class ForwardConfig:
     """Which rollout σ each sample trains on, drawn afresh per sample and inner epoch: ``subset``
     (int(T·timestep_fraction) distinct σ of the T, DiffusionNFT) or ``stratified`` (one σ in each of
     ``num_timesteps`` strata of the indices [1, int(T·timestep_fraction)], AWM)."""
+    timestep_draw: Annotated[str, TimestepDraw] = "per_sample"
+    """Whose draw those σ are: ``per_sample`` (every sample its own, from its own stream: the σ of one
+    micro-batch spread out, less variance between micro-batches) or ``per_microbatch`` (the micro-batch's
+    first sample draws, every sample trains on those σ: AWM's script). Same expectation."""
     timestep_fraction: float = 0.99
     """``subset``: share of the T rollout σ trained; ``stratified``: the strata end at int(T·fraction)."""
     num_timesteps: int = 6
