@@ -22,8 +22,9 @@ $(STAMP): $(PY) pyproject.toml requirements/cpu.txt
 	$(PIP) install -e ".[ocr]"
 	touch $@
 
-$(DEV_STAMP): $(STAMP)
+$(DEV_STAMP): $(STAMP) requirements/reference.txt
 	DS_BUILD_OPS=0 $(PIP) install -e ".[ocr,dev]"
+	$(PIP) install --no-deps -r requirements/reference.txt
 	touch $@
 
 install: $(STAMP)  ## create .venv and install rlgen with the torch pinned in requirements/cpu.txt (README: Install)

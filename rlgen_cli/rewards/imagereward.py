@@ -13,8 +13,13 @@ Weights: the published ``ImageReward.pt`` (a state dict). Its ``blip.visual_enco
 ``attn.qkv`` → ``self_attn.qkv``, ``attn.proj`` → ``self_attn.projection``, ``mlp`` as is, ``norm`` →
 ``post_layernorm``); ``blip.text_encoder.*`` keeps its names in ``BlipTextModel`` (both come from the
 same BERT code); ``mlp.*`` is the head. BLIP's contrastive projections (``vision_proj``,
-``text_proj``) are not part of the score and are dropped. Images are preprocessed as CLIP's (bicubic
-short side to 224, centre crop, OpenAI mean/std).
+``text_proj``) are not part of the score and are dropped.
+
+Images are preprocessed as ImageReward's ``_transform(224)`` does on the PIL images its callers (Flow-GRPO's
+scorer among them) hand it: quantised to uint8, short side to 224 with PIL's bicubic (long side
+``int(224 · long / short)``, truncated as torchvision computes it), centre crop of 224 with its offsets
+rounded half-to-even (``round((w − 224) / 2)``: 84 px, not 83, for a 391 px side), then ``/ 255`` and the
+OpenAI mean/std.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -36,7 +42,7 @@ from rlgen_cli.rewards.checkpoints import (
     resolve_checkpoint,
     typed_kwargs,
 )
-from rlgen_cli.rewards.clip import AestheticHead, clip_pixel_values, resolve_device, resolve_dtype
+from rlgen_cli.rewards.clip import AestheticHead, resolve_device, resolve_dtype, to_pil_images
 from rlgen_cli.rewards.registry import register
 from rlgen_cli.rewards.requirements import ModelSource, kwargs_sources
 
@@ -44,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "IMAGEREWARD_CHECKPOINT", "IMAGEREWARD_MEAN", "IMAGEREWARD_STD", "ImageRewardKwargs", "ImageRewardModel",
-    "ImageRewardReward", "imagereward", "imagereward_config", "imagereward_state_dict",
+    "ImageRewardReward", "imagereward", "imagereward_config", "imagereward_pixel_values", "imagereward_state_dict",
 ]  # fmt: skip
 
 IMAGEREWARD_CHECKPOINT = "THUDM/ImageReward/ImageReward.pt"
@@ -114,6 +120,37 @@ def imagereward_state_dict(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
+def _short_side_size(height: int, width: int, size: int) -> tuple[int, int]:
+    """``(h, w)`` with the short side ``size`` and the long side ``int(size · long / short)`` (torchvision's
+    ``Resize(size)`` rule, which truncates)."""
+    if height <= width:
+        return size, int(size * width / height)
+    return int(size * height / width), size
+
+
+def imagereward_pixel_values(images: Tensor, size: int) -> Tensor:
+    """ImageReward's ``_transform(size)`` on ``(B, C, H, W)`` floats in [0, 1]: ``(B, 3, size, size)`` float32.
+
+    Each image is quantised to uint8 (``round(x·255)``), resized with PIL's bicubic so its short side is
+    ``size``, centre-cropped with offsets ``round((side − size) / 2)`` (Python's half-to-even, as
+    torchvision's ``CenterCrop``), scaled by 1/255 and normalised with the OpenAI mean/std.
+    """
+    from PIL import Image
+
+    mean = torch.tensor(OPENAI_MEAN).view(3, 1, 1)
+    std = torch.tensor(OPENAI_STD).view(3, 1, 1)
+    out = []
+    for image in to_pil_images(images):
+        height, width = _short_side_size(image.height, image.width, size)
+        if (height, width) != (image.height, image.width):
+            image = image.resize((width, height), Image.Resampling.BICUBIC)
+        top, left = int(round((height - size) / 2)), int(round((width - size) / 2))
+        crop = np.asarray(image.crop((left, top, left + size, top + size)), dtype=np.uint8)
+        pixels = torch.from_numpy(crop.copy()).permute(2, 0, 1).float() / 255
+        out.append((pixels - mean) / std)
+    return torch.stack(out).to(images.device)
+
+
 class ImageRewardModel(nn.Module):
     """BLIP vision + cross-attending text encoder + ImageReward's MLP head (raw, unstandardised output)."""
 
@@ -176,7 +213,7 @@ class ImageRewardReward:
         self.device, self.dtype = resolve_device(kwargs.device), resolve_dtype(kwargs.dtype)
         self._model: ImageRewardModel | None = None
         self._tokenizer: Any = None
-        self._image_processor: Any = None
+        self._image_size: int | None = None
 
     def requirements(self) -> list[ModelSource]:
         """The checkpoint, tokenizer and (when set) config :meth:`load` reads (``rewards/requirements.py``)."""
@@ -187,7 +224,7 @@ class ImageRewardReward:
     def load(self) -> ImageRewardModel:
         """Read, convert and place the checkpoint, load the tokenizer (once)."""
         if self._model is None:
-            from transformers import AutoTokenizer, BlipConfig, CLIPImageProcessor
+            from transformers import AutoTokenizer, BlipConfig
 
             kw = self.kwargs
             path = resolve_checkpoint(
@@ -205,18 +242,14 @@ class ImageRewardReward:
             self._tokenizer = AutoTokenizer.from_pretrained(
                 kw.tokenizer_path, local_files_only=kw.local_files_only
             )
-            size = int(config.vision_config.image_size)
-            self._image_processor = CLIPImageProcessor(
-                size={"shortest_edge": size}, crop_size={"height": size, "width": size},
-                image_mean=list(OPENAI_MEAN), image_std=list(OPENAI_STD),
-            )  # fmt: skip
+            self._image_size = int(config.vision_config.image_size)
             self._model = model
         return self._model
 
     def raw_scores(self, prompts: list[str], images: Tensor) -> Tensor:
         """``(B,)`` float32 head outputs before standardisation."""
         model = self.load()
-        pixels = clip_pixel_values(images.to(self.device), self._image_processor).to(self.dtype)
+        pixels = imagereward_pixel_values(images, self._image_size).to(self.device, self.dtype)
         tokens = self._tokenizer(
             prompts, padding="max_length", truncation=True, max_length=PROMPT_TOKENS, return_tensors="pt"
         )

@@ -94,7 +94,7 @@ def test_scores_are_the_standardised_head_on_cls(tiny):
     result = reward.score(RewardBatch(prompts=prompts, images=images))
     assert result.scores.shape == (2,) and result.scores.dtype == torch.float32
     # By hand with the original model's towers: image tokens, cross-attending text, [CLS], head, standardise.
-    from rlgen_cli.rewards.clip import clip_pixel_values
+    from rlgen_cli.rewards.imagereward import imagereward_pixel_values
 
     tokens = reward._tokenizer(
         prompts, padding="max_length", max_length=35, truncation=True, return_tensors="pt"
@@ -104,7 +104,7 @@ def test_scores_are_the_standardised_head_on_cls(tiny):
     )  # [CLS] first
     with torch.no_grad():
         image_tokens = model.vision_model(
-            clip_pixel_values(images, reward._image_processor)
+            imagereward_pixel_values(images, reward._image_size)
         ).last_hidden_state
         cls = model.text_encoder(
             input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"],
