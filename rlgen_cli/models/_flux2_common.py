@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from rlgen_cli.models.base import TORCH_DTYPES
+from rlgen_cli.models.loading import cast_as_loaded, vae_dtype
 from rlgen_cli.models.trainable import DiffusersCheckpoint, TrainableTransformer, autocast
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
@@ -130,6 +131,7 @@ class Flux2Model:
         self.device = device
         self.dtype = TORCH_DTYPES[cfg.dtype]
         pipeline.to(device)
+        cast_as_loaded(pipeline.vae, vae_dtype(cfg, fp32_by_default=False))
         pipeline.set_progress_bar_config(disable=True)
         for part in (pipeline.vae, pipeline.text_encoder):
             part.requires_grad_(False).eval()

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from rlgen_cli.models.base import TORCH_DTYPES, Cond
-from rlgen_cli.models.loading import pack, prepare_pipeline, unpack
+from rlgen_cli.models.loading import pack, prepare_pipeline, unpack, vae_dtype
 from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME as LORA_WEIGHTS_NAME  # re-exported
 from rlgen_cli.models.trainable import DiffusersCheckpoint, TrainableTransformer, autocast
 from rlgen_cli.schema.errors import UserError
@@ -100,7 +100,8 @@ class FluxModel:
         self.cfg = cfg
         self.device = device
         self.dtype = TORCH_DTYPES[cfg.dtype]
-        prepare_pipeline(pipeline, device, ("vae", "text_encoder", "text_encoder_2"))
+        encoders = ("vae", "text_encoder", "text_encoder_2")
+        prepare_pipeline(pipeline, device, encoders, vae_dtype(cfg, fp32_by_default=False))
         self.pipeline = pipeline
         height, width = cfg.height or cfg.resolution, cfg.width or cfg.resolution
         self.latent_hw = (self.latent_side(height, "height"), self.latent_side(width, "width"))

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rlgen_cli.models.base import TORCH_DTYPES, Cond, cfg_combine, uncond_takes_grad
-from rlgen_cli.models.loading import pack, prepare_pipeline, unpack
+from rlgen_cli.models.loading import pack, prepare_pipeline, unpack, vae_dtype
 from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME as LORA_WEIGHTS_NAME  # re-exported
 from rlgen_cli.models.trainable import TRANSFORMER_DIR as TRANSFORMER_DIR  # re-exported
 from rlgen_cli.models.trainable import DiffusersCheckpoint, TrainableTransformer, autocast
@@ -129,7 +129,8 @@ class QwenModel:
         self.cfg = cfg
         self.device = device
         self.dtype = TORCH_DTYPES[cfg.dtype]
-        prepare_pipeline(pipeline, device, ("vae", "text_encoder"), fp32_vae=True)  # upstream: fp32 VAE
+        fp32_vae = vae_dtype(cfg, fp32_by_default=True)  # upstream: fp32 VAE
+        prepare_pipeline(pipeline, device, ("vae", "text_encoder"), fp32_vae)
         self.pipeline = pipeline
         height, width = cfg.height or cfg.resolution, cfg.width or cfg.resolution
         self.latent_hw = (self.latent_side(height, "height"), self.latent_side(width, "width"))

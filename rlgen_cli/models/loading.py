@@ -13,12 +13,45 @@ from rlgen_cli.models.base import TORCH_DTYPES
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
 
+TRANSFORMERS = ("transformer", "transformer_2")
+"""The pipeline components ``model.frozen_dtype`` applies to (Wan2.2's second expert included)."""
+
+
+def frozen_dtype(cfg: ModelConfig) -> torch.dtype:
+    """The dtype of the transformer's frozen weights: ``model.frozen_dtype``, null = ``model.dtype``."""
+    return TORCH_DTYPES[cfg.frozen_dtype or cfg.dtype]
+
+
+def vae_dtype(cfg: ModelConfig, fp32_by_default: bool) -> torch.dtype:
+    """The VAE's dtype: ``model.vae_dtype``, null = the family's own (fp32 where ``fp32_by_default``, else
+    ``model.dtype``)."""
+    if cfg.vae_dtype is not None:
+        return TORCH_DTYPES[cfg.vae_dtype]
+    return torch.float32 if fp32_by_default else TORCH_DTYPES[cfg.dtype]
+
+
+def set_dtypes(cfg: ModelConfig) -> dict[str, torch.dtype]:
+    """The components whose dtype the model section sets explicitly: the transformers for
+    ``model.frozen_dtype``, the VAE for ``model.vae_dtype``. They are loaded straight in it, so fp32 weights
+    never pass through ``model.dtype`` (a round trip would round them)."""
+    dtypes = {name: TORCH_DTYPES[cfg.frozen_dtype] for name in TRANSFORMERS} if cfg.frozen_dtype else {}
+    if cfg.vae_dtype is not None:
+        dtypes["vae"] = TORCH_DTYPES[cfg.vae_dtype]
+    return dtypes
+
+
+def load_dtypes(cfg: ModelConfig) -> torch.dtype | dict[str, torch.dtype]:
+    """``torch_dtype`` for ``from_pretrained``: ``model.dtype``, per component where :func:`set_dtypes`
+    names one (diffusers' ``{component: dtype, "default": dtype}``)."""
+    explicit = set_dtypes(cfg)
+    return {"default": TORCH_DTYPES[cfg.dtype], **explicit} if explicit else TORCH_DTYPES[cfg.dtype]
+
 
 def load_pipeline(pipeline_cls: type, cfg: ModelConfig, what: str) -> Any:
-    """``pipeline_cls.from_pretrained(cfg.path)`` in ``cfg.dtype``; a failure is a :class:`UserError`."""
+    """``pipeline_cls.from_pretrained(cfg.path)`` in :func:`load_dtypes`; a failure is a :class:`UserError`."""
     try:
         return pipeline_cls.from_pretrained(
-            cfg.path, torch_dtype=TORCH_DTYPES[cfg.dtype], local_files_only=cfg.local_files_only,
+            cfg.path, torch_dtype=load_dtypes(cfg), local_files_only=cfg.local_files_only,
             revision=cfg.revision,
         )  # fmt: skip
     except (OSError, ValueError) as err:
@@ -28,15 +61,12 @@ def load_pipeline(pipeline_cls: type, cfg: ModelConfig, what: str) -> Any:
         ) from err
 
 
-def prepare_pipeline(
-    pipeline: Any, device: torch.device, frozen: tuple[str, ...], fp32_vae: bool = False
-) -> None:
+def prepare_pipeline(pipeline: Any, device: torch.device, frozen: tuple[str, ...], vae: torch.dtype) -> None:
     """``pipeline`` on ``device`` for rollouts: its progress bar off, the components named in ``frozen``
-    (absent ones skipped) without gradients and in eval mode; with ``fp32_vae`` the VAE in fp32, so decoded
-    images do not depend on ``model.dtype``. The transformer is left to ``TrainableTransformer``."""
+    (absent ones skipped) without gradients and in eval mode, the VAE in ``vae`` (:func:`vae_dtype`). The
+    transformer is left to ``TrainableTransformer``."""
     pipeline.to(device)
-    if fp32_vae:
-        pipeline.vae.float()
+    cast_as_loaded(pipeline.vae, vae)
     pipeline.set_progress_bar_config(disable=True)
     for name in frozen:
         part = getattr(pipeline, name, None)
@@ -70,12 +100,13 @@ def cast_as_loaded(module: nn.Module, dtype: torch.dtype) -> None:
 def in_model_dtype(pipeline: Any, cfg: ModelConfig, keep_fp32: tuple[str, ...] = ()) -> Any:
     """A tiny pipeline (built in fp32) as :func:`load_pipeline` gives a real one: every module cast by
     :func:`cast_as_loaded` to ``model.dtype``, except the components ``keep_fp32`` that the family's loader
-    moves back to fp32 (Wan's VAE). So the tiny models run the low-precision paths of real runs
-    (docs/precision.md)."""
-    dtype = TORCH_DTYPES[cfg.dtype]
+    moves back to fp32 (Wan's VAE) and those :func:`set_dtypes` names. So the tiny models run the
+    low-precision paths of real runs (docs/precision.md)."""
+    dtype, explicit = TORCH_DTYPES[cfg.dtype], set_dtypes(cfg)
     for name, component in pipeline.components.items():
         if isinstance(component, nn.Module):
-            cast_as_loaded(component, torch.float32 if name in keep_fp32 else dtype)
+            default = torch.float32 if name in keep_fp32 else dtype
+            cast_as_loaded(component, explicit.get(name, default))
     return pipeline
 
 

@@ -22,7 +22,7 @@ from rlgen_cli.models.base import (
     cfg_combine,
     uncond_takes_grad,
 )
-from rlgen_cli.models.loading import in_model_dtype, load_pipeline, prepare_pipeline
+from rlgen_cli.models.loading import in_model_dtype, load_pipeline, prepare_pipeline, vae_dtype
 from rlgen_cli.models.prompt_cache import PromptCache, cache_prompt_embeddings
 from rlgen_cli.models.real_size import flow_pipeline
 from rlgen_cli.models.tiny import tiny_sd3_pipeline
@@ -66,7 +66,8 @@ class SD3Policy:
         self.guidance_scale = cfg.guidance_scale
         self.capabilities = Capabilities(has_cfg=cfg.guidance_scale > 1.0)
         self._negatives = PromptCache(int(cfg.prompt_cache_mb * 2**20)) if cfg.prompt_cache_mb > 0 else None
-        prepare_pipeline(pipeline, device, ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"))
+        encoders = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
+        prepare_pipeline(pipeline, device, encoders, vae_dtype(cfg, fp32_by_default=False))
         self.pipeline = pipeline
         self.trainable = TrainableTransformer(
             pipeline, cfg, checkpoint=DiffusersCheckpoint("StableDiffusion3Pipeline", "SD3Transformer2DModel"),

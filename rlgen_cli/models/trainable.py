@@ -24,7 +24,7 @@ from torch import nn
 
 from rlgen_cli.models.acceleration import compile_module, prepare_transformer
 from rlgen_cli.models.base import TORCH_DTYPES, ReferenceSwitch, add_lora, lora_parameters
-from rlgen_cli.models.loading import cast_as_loaded
+from rlgen_cli.models.loading import cast_as_loaded, frozen_dtype
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
 
@@ -158,7 +158,7 @@ class TrainableTransformer:
         transformer = owner.transformer.eval()
         dtype = TORCH_DTYPES[cfg.dtype]
         if self.lora:
-            cast_as_loaded(transformer, dtype)  # frozen weights in model.dtype, as a real load has them
+            cast_as_loaded(transformer, frozen_dtype(cfg))  # frozen weights as a real load has them
             transformer.requires_grad_(False)
             lora = cfg.lora
             add_lora(transformer, lora.rank, lora.alpha, lora.target_modules, lora.init, exclude=exclude)

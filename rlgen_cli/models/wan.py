@@ -43,7 +43,7 @@ from rlgen_cli.models.base import (
     cfg_combine,
     uncond_takes_grad,
 )
-from rlgen_cli.models.loading import in_model_dtype
+from rlgen_cli.models.loading import cast_as_loaded, in_model_dtype, load_dtypes, vae_dtype
 from rlgen_cli.models.prompt_cache import cache_prompt_embeddings
 from rlgen_cli.models.real_size import flow_pipeline
 from rlgen_cli.models.tiny import tiny_wan_pipeline
@@ -100,7 +100,7 @@ def load_wan_pipeline(cfg: ModelConfig):  # -> diffusers.WanPipeline
     path = cfg.path or DEFAULT_PATH
     try:
         pipeline = WanPipeline.from_pretrained(
-            path, torch_dtype=TORCH_DTYPES[cfg.dtype], local_files_only=cfg.local_files_only,
+            path, torch_dtype=load_dtypes(cfg), local_files_only=cfg.local_files_only,
             revision=cfg.revision,
         )  # fmt: skip
     except (OSError, ValueError) as err:
@@ -108,7 +108,9 @@ def load_wan_pipeline(cfg: ModelConfig):  # -> diffusers.WanPipeline
             f"could not load a Wan pipeline from model.path={path!r}: {err}. Pass a local directory saved "
             "with save_pretrained, or a hub id with network access (model.local_files_only=false)"
         ) from err
-    pipeline.vae.to(torch.float32)  # Wan's VAE is numerically fragile in bf16; upstream keeps it fp32
+    cast_as_loaded(
+        pipeline.vae, vae_dtype(cfg, fp32_by_default=True)
+    )  # fragile in bf16; upstream keeps it fp32
     _warn_on_shift_mismatch(pipeline, cfg.shift)
     return pipeline
 

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from rlgen_cli.models.acceleration import prepare_frozen_transformer
 from rlgen_cli.models.base import TORCH_DTYPES, Capabilities, Cond, cfg_combine, uncond_takes_grad
-from rlgen_cli.models.loading import cast_as_loaded, in_model_dtype, load_pipeline
+from rlgen_cli.models.loading import cast_as_loaded, frozen_dtype, in_model_dtype, load_pipeline, vae_dtype
 from rlgen_cli.models.prompt_cache import cache_prompt_embeddings
 from rlgen_cli.models.tiny.wan22 import tiny_wan22_pipeline
 from rlgen_cli.models.trainable import DiffusersCheckpoint, TrainableTransformer, autocast
@@ -68,7 +68,7 @@ def load_wan22_pipeline(cfg: ModelConfig, image_to_video: bool):  # -> WanPipeli
 
     pipeline_cls = WanImageToVideoPipeline if image_to_video else WanPipeline
     pipeline = load_pipeline(pipeline_cls, cfg, "Wan2.2")
-    pipeline.vae.to(torch.float32)
+    cast_as_loaded(pipeline.vae, vae_dtype(cfg, fp32_by_default=True))
     return pipeline
 
 
@@ -91,7 +91,7 @@ class _Slot:
 
 
 class FrozenExpert:
-    """An expert that is not trained: weights in ``model.dtype`` as loaded, no gradient, eval mode."""
+    """An expert that is not trained: weights in ``model.frozen_dtype`` as loaded, no gradient, eval mode."""
 
     def __init__(self, transformer: nn.Module, dtype: torch.dtype) -> None:
         cast_as_loaded(transformer, dtype)
@@ -116,7 +116,7 @@ class ExpertPair:
                     checkpoint=DiffusersCheckpoint(type(pipeline).__name__, "WanTransformer3DModel"),
                 )  # fmt: skip
             else:
-                self.experts[name] = FrozenExpert(transformer, TORCH_DTYPES[cfg.dtype])
+                self.experts[name] = FrozenExpert(transformer, frozen_dtype(cfg))
                 prepare_frozen_transformer(transformer, cfg)  # the trained expert's attention and compile
         self.trained = {n: e for n, e in self.experts.items() if isinstance(e, TrainableTransformer)}
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rlgen_cli.models.base import TORCH_DTYPES, Capabilities, Cond, cfg_combine, uncond_takes_grad
-from rlgen_cli.models.loading import in_model_dtype, load_pipeline, prepare_pipeline
+from rlgen_cli.models.loading import in_model_dtype, load_pipeline, prepare_pipeline, vae_dtype
 from rlgen_cli.models.prompt_cache import cache_prompt_embeddings
 from rlgen_cli.models.tiny import tiny_z_image_pipeline
 from rlgen_cli.models.trainable import DiffusersCheckpoint, TrainableTransformer, autocast
@@ -104,7 +104,7 @@ class ZImagePolicy:
         self.dtype = TORCH_DTYPES[cfg.dtype]
         self.guidance_scale = cfg.guidance_scale
         self.capabilities = Capabilities(has_cfg=cfg.guidance_scale > 1.0)
-        prepare_pipeline(pipeline, device, ("vae", "text_encoder"), fp32_vae=True)
+        prepare_pipeline(pipeline, device, ("vae", "text_encoder"), vae_dtype(cfg, fp32_by_default=True))
         self.pipeline = pipeline
         height, width = cfg.height or cfg.resolution, cfg.width or cfg.resolution
         self.latent_hw = (self._latent_side(height, "height"), self._latent_side(width, "width"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from rlgen_cli.schema.algo import SamplerConfig
 from rlgen_cli.schema.choices import (
@@ -101,6 +101,22 @@ def check_real_size(cfg: ModelConfig) -> None:
     )
 
 
+OptionalDtype = Literal[None, "float32", "float16", "bfloat16"]
+"""A dtype, or null for the default a field names."""
+
+
+def check_frozen_dtype(cfg: ModelConfig) -> None:
+    """Frozen weights in fp32 or in the forward's dtype: below fp32 the forward runs under autocast, which
+    takes fp32 weights; an fp32 forward has no autocast to take weights of a lower dtype, and weights of
+    another low dtype would be rounded twice."""
+    _require(
+        cfg.frozen_dtype in (None, "float32", cfg.dtype),
+        f"model.frozen_dtype={cfg.frozen_dtype} with model.dtype={cfg.dtype}: frozen weights are kept in "
+        f"float32 (upstream's choice) or in model.dtype (null, the memory-saving one); set "
+        f"model.frozen_dtype=float32 or null, or model.dtype={cfg.frozen_dtype}",
+    )
+
+
 IMAGE_GUIDANCE_FAMILIES = ("bagel", "bagel_edit", "r3_bagel")
 """Families whose velocity has an image-guidance branch (``model.image_guidance_scale``)."""
 
@@ -178,7 +194,19 @@ class ModelConfig:
     revision: str | None = None
     """Hub revision of ``path``."""
     dtype: Annotated[str, Dtype] = "float32"
-    """Dtype of the frozen weights and of the transformer's forward (trainable weights stay fp32)."""
+    """Dtype of the transformer's forward (``torch.autocast`` below fp32) and of the frozen weights unless
+    ``frozen_dtype`` says otherwise; the text encoders are kept in it (trainable weights stay fp32)."""
+    frozen_dtype: Annotated[str | None, OptionalDtype] = None
+    """Dtype the transformer is loaded in and its frozen weights kept in (the base under LoRA, an untrained
+    expert). null = ``dtype``: half of fp32's bytes (rlgen's memory-saving choice). ``float32``: the
+    weights as loaded, as Flow-GRPO's SD3 / FLUX / Kontext / Wan scripts keep them; the forward still runs
+    under ``torch.autocast(dtype)``, which rounds each matrix product's operands to ``dtype`` on the fly
+    (docs/precision.md). Under full fine-tuning ``float32`` loads the trained weights without a round trip
+    through ``dtype``. Either null, ``float32`` or ``dtype``."""
+    vae_dtype: Annotated[str | None, OptionalDtype] = None
+    """Dtype of the VAE (decoding, and encoding the source images of editing families). null = the family's
+    own: fp32 for Qwen-Image, Wan, Z-Image and BAGEL, ``dtype`` for SD3, FLUX.1, FLUX.1-Kontext and FLUX.2
+    (docs/precision.md)."""
     resolution: int = 512
     """Image side in pixels (square images; ``height``/``width`` override it)."""
     height: int | None = None
@@ -232,6 +260,7 @@ class ModelConfig:
         )
         check_real_size(self)
         check_image_guidance(self)
+        check_frozen_dtype(self)
 
 
 @dataclass

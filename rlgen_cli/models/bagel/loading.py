@@ -175,7 +175,9 @@ def random_init_checkpoint(cfg: Any, device: torch.device) -> tuple[Bagel, Any, 
     variant, dtype = variant_of(cfg), TORCH_DTYPES[cfg.dtype]
     with constructing(device, dtype, cfg.tiny_seed):
         network = random_init_network(variant)
-    cast_as_loaded(network, dtype)  # the sin-cos tables are computed on the CPU in fp32
+    cast_as_loaded(
+        network, TORCH_DTYPES[cfg.frozen_dtype or cfg.dtype]
+    )  # the sin-cos tables are computed on the CPU in fp32
     network.to(device)
     with constructing(device, torch.float32, cfg.tiny_seed + 1):
         vae = build_vae(RANDOM_INIT_CONFIGS[variant].vae)

@@ -44,7 +44,7 @@ from rlgen_cli.models.bagel.config import EDITING, GENERATION
 from rlgen_cli.models.bagel.loading import load_checkpoint
 from rlgen_cli.models.bagel.modeling import Bagel
 from rlgen_cli.models.base import TORCH_DTYPES, Capabilities, Cond, cfg_combine, uncond_takes_grad
-from rlgen_cli.models.loading import cast_as_loaded
+from rlgen_cli.models.loading import cast_as_loaded, frozen_dtype, vae_dtype
 from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME, TrainableTransformer, autocast, load_lora_state
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
@@ -141,7 +141,7 @@ class BagelPolicy:
         self.config = network.config
         self.tokenizer = tokenizer
         self.markers = markers
-        self.vae = vae.to(device).float().requires_grad_(False).eval()
+        self.vae = vae.to(device, vae_dtype(cfg, fp32_by_default=True)).requires_grad_(False).eval()
         self.owner = _Owner(network.to(device))
         height, width = cfg.height or cfg.resolution, cfg.width or cfg.resolution
         self.latent_hw = (self._latent_side(height, "height"), self._latent_side(width, "width"))
@@ -376,7 +376,7 @@ class BagelPolicy:
 
 def build(cfg: ModelConfig, device: torch.device) -> BagelPolicy:
     """The registry's entry point: the tiny BAGEL when ``cfg.tiny``, else the checkpoint at ``model.path``."""
-    dtype = TORCH_DTYPES[cfg.dtype]
+    dtype = frozen_dtype(cfg)  # the network holds the text model too: all of it frozen under LoRA
     if cfg.tiny:
         from rlgen_cli.models.bagel.tiny import tiny_bagel
 
