@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import logging
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -21,9 +22,29 @@ from rlgen_cli.rewards.registry import register
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["JpegKwargs", "JpegReward", "jpeg_compressibility", "jpeg_incompressibility", "jpeg_size_kb"]
+__all__ = [
+    "READABLE", "JpegKwargs", "JpegReward", "ReadableDetail", "jpeg_compressibility", "jpeg_incompressibility",
+    "jpeg_size_kb",
+]  # fmt: skip
 
 KB_SCALE = 500.0  # upstream divides the size in kB by 500
+
+
+class ReadableDetail(NamedTuple):
+    """A detail a reward logs that reads better than its score (−0.00299 is a 1.5 kB image): console
+    lines and plot axes show it (``training/labels.py``)."""
+
+    detail: str
+    """The key of the reward's ``details``, logged as ``[eval/]reward/<reward>/<detail>/mean``."""
+    unit: str
+    """Written after the value on a console line."""
+    axis: str
+    """A plot axis's title."""
+
+
+JPEG_SIZE = ReadableDetail("jpeg_kb", "kB/img", "JPEG size (kB per image)")
+READABLE = {"jpeg_compressibility": JPEG_SIZE, "jpeg_incompressibility": JPEG_SIZE}
+"""Reward name → the detail shown in place of (plots) or beside (console) its score."""
 
 
 def _to_uint8_hwc(image: Tensor) -> np.ndarray:

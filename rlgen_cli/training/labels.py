@@ -103,18 +103,45 @@ def _flatten(node: Any, prefix: str = "") -> dict[str, str]:
     return {prefix[:-1]: str(node)}
 
 
-def legend_labels(run_dirs: Sequence[Path]) -> dict[Path, str]:
-    """A legend entry per run: the overrides that differ between the runs; else up to
-    :data:`MAX_LEGEND_KEYS` differing keys of their ``resolved.yaml``; else the directory name. Runs
-    whose entries would coincide get their directory name added."""
-    runs = [Path(d) for d in run_dirs]
-    if len(runs) < 2:
-        return {run: run_name(run) for run in runs}
+def group_choices(run_dir: Path) -> dict[str, str]:
+    """The option each config group of the run composed from (``model`` → ``tiny_sd3``), chosen on the
+    command line or by an experiment; Hydra's own groups left out, unset groups (no experiment) too."""
+    hydra = _read_yaml(Path(run_dir) / HYDRA_DIR / "hydra.yaml")
+    runtime = hydra.get("hydra", {}).get("runtime", {}) if isinstance(hydra, dict) else {}
+    choices = runtime.get("choices") if isinstance(runtime, dict) else None
+    if not isinstance(choices, dict):
+        return {}
+    return {str(k): str(v) for k, v in choices.items() if v is not None and not str(k).startswith("hydra")}
+
+
+def _override_settings(runs: Sequence[Path]) -> dict[Path, dict[str, str]]:
+    """Per run, ``key → value`` of every key some run overrides: the run's own override, else what the
+    run composed for it (the group option an experiment chose, the resolved value), so a model chosen
+    through ``experiment=`` shows as that model and not as unset."""
     overrides = {
         run: {override_key(o): o.split("=", 1)[1] if "=" in o else "deleted" for o in naming_overrides(run)}
         for run in runs
     }
-    labels = differing(overrides)
+    keys = {key for values in overrides.values() for key in values}
+    settings = {}
+    for run, values in overrides.items():
+        missing = keys - set(values)
+        composed = (
+            {**_flatten(_read_yaml(run / "resolved.yaml") or {}), **group_choices(run)} if missing else {}
+        )
+        settings[run] = {**values, **{k: composed[k] for k in sorted(missing) if k in composed}}
+    return settings
+
+
+def legend_labels(run_dirs: Sequence[Path]) -> dict[Path, str]:
+    """A legend entry per run: the overrides that differ between the runs (a run without one of them
+    shows what it composed instead); else up to :data:`MAX_LEGEND_KEYS` differing keys of their
+    ``resolved.yaml``; else the directory name. Runs whose entries would coincide get their directory
+    name added."""
+    runs = [Path(d) for d in run_dirs]
+    if len(runs) < 2:
+        return {run: run_name(run) for run in runs}
+    labels = differing(_override_settings(runs))
     if not any(labels.values()):
         resolved = {run: _flatten(_read_yaml(run / "resolved.yaml") or {}) for run in runs}
         for values in resolved.values():
@@ -126,3 +153,38 @@ def legend_labels(run_dirs: Sequence[Path]) -> dict[Path, str]:
     for label in named.values():
         counts[label] = counts.get(label, 0) + 1
     return {run: label if counts[label] == 1 else f"{label} ({run.name})" for run, label in named.items()}
+
+
+# -- how a reward reads --------------------------------------------------------------------------------
+def reward_names(metrics: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """The rewards of the mix that ``metrics`` logged (``[prefix]reward/<name>/mean``)."""
+    head = f"{prefix}reward/"
+    return [
+        key[len(head) : -len("/mean")]
+        for key in metrics
+        if key.startswith(head) and key.endswith("/mean") and key.count("/") == head.count("/") + 1
+    ]
+
+
+def readable_key(metrics: Mapping[str, Any], prefix: str = "") -> tuple[str, Any] | None:
+    """``([prefix]reward/<reward>/<detail>/mean, its ReadableDetail)`` when the run's only reward
+    provides a detail that reads better than its score (JPEG compressibility: the size in kB); None
+    otherwise (a mix, or a reward without one)."""
+    from rlgen_cli.rewards.jpeg import READABLE
+
+    names = reward_names(metrics, prefix)
+    if len(names) != 1 or names[0] not in READABLE:
+        return None
+    readable = READABLE[names[0]]
+    key = f"{prefix}reward/{names[0]}/{readable.detail}/mean"
+    return (key, readable) if key in metrics else None
+
+
+def readable_reward(metrics: Mapping[str, Any], prefix: str = "") -> str:
+    """`` (1.50 kB/img)`` to follow a reward on a console line when :func:`readable_key` finds a
+    detail; empty otherwise."""
+    found = readable_key(metrics, prefix)
+    if found is None:
+        return ""
+    key, readable = found
+    return f" ({float(metrics[key]):.3g} {readable.unit})"

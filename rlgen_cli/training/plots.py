@@ -10,10 +10,11 @@ several runs are told apart by the overrides that differ between them (``algo.lr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import textwrap
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from rlgen_cli.training.labels import legend_labels
+from rlgen_cli.training.labels import legend_labels, readable_key
 from rlgen_cli.training.metrics import read_metrics
 
 CURVES = (
@@ -24,6 +25,11 @@ CURVES = (
 SMOOTHING = 0.6
 """Weight of the past in the moving average of train curves (TensorBoard's default)."""
 RAW_ALPHA = 0.3  # opacity of the raw points under a smoothed curve
+REWARD_KEY = "reward/mean"  # the end of a reward panel's key (train and eval/)
+PANEL_WIDTH, PANEL_HEIGHT, DPI = 5.0, 3.8, 100  # inches per panel; a legend adds to the height
+LEGEND_FONT = 8  # points
+CHAR_WIDTH_EM = 0.62  # a legend character's mean width in ems of DejaVu Sans, generous for digits
+LEGEND_MARGIN_CHARS = 8  # the entry's colour handle and the padding around it, in characters
 
 
 def smoothed(values: Sequence[float], weight: float = SMOOTHING) -> list[float]:
@@ -42,8 +48,9 @@ def is_train_curve(key: str) -> bool:
 
 
 def plot_runs(run_dirs: Sequence[Path], out: Path, keys: Sequence[tuple[str, str]] = CURVES) -> Path:
-    """Draw each ``key`` against epochs completed for every run into one PNG with a panel per key;
-    returns ``out``."""
+    """Draw each ``key`` against epochs completed for every run into one PNG with a panel per key (a
+    reward whose detail reads better, JPEG's kB per image, drawn as that detail); returns ``out``.
+    Several runs share one legend under the panels, its entries wrapped to the figure's width."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -58,24 +65,61 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, keys: Sequence[tuple[str, str
         if any(row.get(k) is not None for rows in runs.values() for row in rows)
     ]
     present = present or [(keys[0][0], keys[0][1])]
-    fig, axes = plt.subplots(1, len(present), figsize=(5 * len(present), 3.8), squeeze=False, sharex=True)
+    fig, axes = plt.subplots(
+        1, len(present), figsize=(PANEL_WIDTH * len(present), PANEL_HEIGHT), squeeze=False, sharex=True,
+        layout="constrained",
+    )  # fmt: skip
     for ax, (key, title) in zip(axes[0], present):
+        drawn, axis_title = shown_metric(runs, key)
         for color, (run_dir, rows) in enumerate(runs.items()):
-            points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+            points = [(r["step"], r[drawn[run_dir]]) for r in rows if r.get(drawn[run_dir]) is not None]
             if points:
                 _draw(ax, points, f"C{color % 10}", labels[run_dir], smooth=is_train_curve(key))
         ax.set_title(title)
         ax.set_xlabel("epochs completed")
-        ax.set_ylabel(key)
+        ax.set_ylabel(axis_title)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     if len(runs) > 1:
-        axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
+        _legend_below(fig, [labels[run] for run in runs])
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
+    fig.savefig(out, dpi=DPI)
     plt.close(fig)
     return out
+
+
+def shown_metric(runs: Mapping[Path, list[dict[str, float]]], key: str) -> tuple[dict[Path, str], str]:
+    """Per run the metric a ``key`` panel draws, and the panel's y-axis title: a reward's readable detail
+    (``reward/jpeg_compressibility/jpeg_kb/mean``, "JPEG size (kB per image)") when every run that
+    logged ``key`` has the same one; else ``key`` itself for every run."""
+    plain = ({run: key for run in runs}, key)
+    if not key.endswith(REWARD_KEY):
+        return plain
+    prefix = key[: -len(REWARD_KEY)]
+    found = {}
+    for run, rows in runs.items():
+        logged = {k: v for row in rows for k, v in row.items()}
+        if key in logged:
+            found[run] = readable_key(logged, prefix)
+    if not found or None in found.values() or len({readable for _, readable in found.values()}) > 1:
+        return plain
+    (readable,) = {readable for _, readable in found.values()}
+    return {run: found[run][0] if run in found else key for run in runs}, readable.axis
+
+
+def _legend_below(fig, labels: Sequence[str]) -> None:  # type: ignore[no-untyped-def]
+    """One legend entry per run (colour ``C<i>``) under the panels: entries wrapped to the figure's width,
+    in as many columns as fit, and the figure made taller by the legend so the panels keep their size."""
+    from matplotlib.lines import Line2D
+
+    width_chars = max(20, int(fig.get_figwidth() * 72 / (LEGEND_FONT * CHAR_WIDTH_EM)) - LEGEND_MARGIN_CHARS)
+    wrapped = [textwrap.fill(label, width_chars, break_on_hyphens=False) for label in labels]
+    widest = max(len(line) for label in wrapped for line in label.splitlines())
+    columns = max(1, min(len(wrapped), width_chars // (widest + LEGEND_MARGIN_CHARS)))
+    handles = [Line2D([], [], color=f"C{i % 10}", label=label) for i, label in enumerate(wrapped)]
+    legend = fig.legend(handles=handles, loc="outside lower center", ncols=columns, fontsize=LEGEND_FONT)
+    height = legend.get_window_extent(fig.canvas.get_renderer()).height / fig.dpi
+    fig.set_figheight(fig.get_figheight() + height)
 
 
 def _draw(ax, points: list[tuple[int, float]], color: str, label: str, smooth: bool) -> None:  # type: ignore[no-untyped-def]

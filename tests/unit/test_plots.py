@@ -97,4 +97,4 @@ def test_plot_writes_a_png_with_a_panel_per_metric(tmp_path: Path):
     one = _run(tmp_path, "1", ["algo.lr=3e-4"])
     out = plot_runs([zero, one], tmp_path / "plots" / "curves.png")
     width, height = Image.open(out).size
-    assert (width, height) == (1500, 380)  # three panels of 5 × 3.8 inches at 100 dpi
+    assert width == 1500 and height > 380  # three panels of 5 × 3.8 inches at 100 dpi, the legend below
