@@ -62,6 +62,7 @@ from rlgen_cli.training.dist import Dist, make_dist
 from rlgen_cli.training.ema import EMA
 from rlgen_cli.training.guard import BEST_HELDOUT, GUARD_KEY, RunGuard
 from rlgen_cli.training.images import grid_name, save_grid
+from rlgen_cli.training.labels import readable_reward
 from rlgen_cli.training.metrics import BEFORE_TRAINING, NullLogger, build_loggers, step_after
 from rlgen_cli.training.progress import Progress
 from rlgen_cli.training.report import EvalReport, detail_summaries, eval_report
@@ -535,7 +536,7 @@ def evaluate_before(run: FlowRun, progress: Progress) -> dict[str, float] | None
     metrics = guard_evaluation(run, -1, metrics)
     if run.dist.is_main:
         run.logger.log(metrics, step=BEFORE_TRAINING)
-        log.info("before training: eval %+.4g", metrics["eval/reward/mean"])
+        log.info("before training: eval %+.4g%s", metrics["eval/reward/mean"], readable_reward(metrics))
     run.dist.barrier()
     return metrics
 
@@ -593,12 +594,14 @@ def log_epoch(run: FlowRun, epoch: int, metrics: dict[str, float], console: str)
 
 
 def eval_suffix(metrics: dict[str, float]) -> str:
-    """`` eval +0.123`` when the epoch evaluated (`` held-out +0.456`` with the guard), else empty (for
-    console lines)."""
+    """`` eval +0.123`` when the epoch evaluated (`` held-out +0.456`` with the guard), then the reward's
+    readable detail if it has one (``  1.5 kB/img (eval 1.48)``, ``training/labels.py``), for console
+    lines."""
+    readable = readable_reward(metrics)
     if "eval/reward/mean" not in metrics:
-        return ""
+        return readable
     heldout = f" held-out {metrics['guard/heldout']:+.4g}" if "guard/heldout" in metrics else ""
-    return f" eval {metrics['eval/reward/mean']:+.4g}{heldout}"
+    return f" eval {metrics['eval/reward/mean']:+.4g}{heldout}{readable}"
 
 
 def save(

@@ -180,11 +180,15 @@ def readable_key(metrics: Mapping[str, Any], prefix: str = "") -> tuple[str, Any
     return (key, readable) if key in metrics else None
 
 
-def readable_reward(metrics: Mapping[str, Any], prefix: str = "") -> str:
-    """`` (1.50 kB/img)`` to follow a reward on a console line when :func:`readable_key` finds a
-    detail; empty otherwise."""
-    found = readable_key(metrics, prefix)
-    if found is None:
+def readable_reward(metrics: Mapping[str, Any]) -> str:
+    """What follows the rewards on a console line when the run's reward has a readable detail
+    (:func:`readable_key`): ``  1.5 kB/img``, ``  1.5 kB/img (eval 1.48)`` when the line holds an
+    evaluation, ``  eval 1.48 kB/img`` for an evaluation alone; empty otherwise."""
+    train, evaluation = readable_key(metrics), readable_key(metrics, "eval/")
+    if train is None and evaluation is None:
         return ""
-    key, readable = found
-    return f" ({float(metrics[key]):.3g} {readable.unit})"
+    unit = (train or evaluation)[1].unit
+    if train is None:
+        return f"  eval {float(metrics[evaluation[0]]):.3g} {unit}"
+    shown = f"  {float(metrics[train[0]]):.3g} {unit}"
+    return shown + (f" (eval {float(metrics[evaluation[0]]):.3g})" if evaluation else "")
