@@ -19,12 +19,16 @@ its own ViT-H-14 in both formats. :func:`open_clip_to_clip` converts the keys on
   ``Linear`` weights are their transposes; ``logit_scale`` is kept.
 
 Preprocessing is HPSv2's evaluation transform: resize the long side to 224 (bicubic, antialiased, no
-clamp), zero-pad to a centred square, normalise with the OpenAI CLIP mean and std. Prompts use the CLIP
-BPE tokenizer (LAION's ViT-H-14 repository ships it), truncated to 77 tokens.
+clamp), zero-pad to a centred square, normalise with the OpenAI CLIP mean and std. Prompts are cleaned as
+OpenCLIP's tokenizer cleans them (:func:`openclip_clean`: ``ftfy.fix_text``, HTML entities unescaped, runs of
+whitespace to one space, lower case: "don’t" becomes "don't", "&amp;" "&", "ﬁ" "fi", full-width letters
+ASCII), then go through the CLIP BPE tokenizer (LAION's ViT-H-14 repository ships it), truncated to 77
+tokens.
 """
 
 from __future__ import annotations
 
+import html
 import logging
 import re
 from dataclasses import dataclass
@@ -51,7 +55,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "HPSV2_CHECKPOINTS", "HPSv2Kwargs", "HPSv2Reward", "hps_pixel_values", "hpsv2", "hpsv2_1",
-    "open_clip_to_clip", "vit_h_14_config",
+    "open_clip_to_clip", "openclip_clean", "vit_h_14_config",
 ]  # fmt: skip
 
 HPSV2_CHECKPOINTS = {
@@ -166,6 +170,19 @@ def hps_pixel_values(images: Tensor, size: int, mean: tuple[float, ...], std: tu
     return (images - mean_t) / std_t
 
 
+def openclip_clean(text: str) -> str:
+    """A prompt as OpenCLIP's ``SimpleTokenizer.encode`` sees it before BPE: ``ftfy.fix_text``, HTML
+    entities unescaped twice, whitespace runs collapsed to one space, stripped, lower-cased.
+
+    The transformers CLIP tokenizer does none of the first two (it normalises NFC, whitespace and case
+    only), so without this "don’t", "&amp;" or "ﬁ" tokenise differently from what HPSv2 was trained on.
+    """
+    import ftfy
+
+    text = html.unescape(html.unescape(ftfy.fix_text(text))).strip()
+    return re.sub(r"\s+", " ", text).strip().lower()
+
+
 def _unit(output: Any) -> Tensor:
     """L2-normalised float32 projected features (a tensor, or an output with ``pooler_output``)."""
     features = output if isinstance(output, Tensor) else output.pooler_output
@@ -248,12 +265,14 @@ class HPSv2Reward:
         return _unit(model.get_image_features(pixel_values=pixels.to(self.dtype)))
 
     def text_embeddings(self, prompts: list[str]) -> Tensor:
-        """Unit prompt embeddings ``(B, D)``, prompts truncated to the model's context (77)."""
+        """Unit prompt embeddings ``(B, D)``: prompts cleaned as OpenCLIP's (:func:`openclip_clean`),
+        truncated to the model's context (77)."""
         model = self.load()
         context = int(model.config.text_config.max_position_embeddings)
         tokens = self._tokenizer(
-            prompts, padding=True, truncation=True, max_length=context, return_tensors="pt"
-        )
+            [openclip_clean(p) for p in prompts], padding=True, truncation=True, max_length=context,
+            return_tensors="pt",
+        )  # fmt: skip
         return _unit(
             model.get_text_features(
                 input_ids=tokens["input_ids"].to(self.device),

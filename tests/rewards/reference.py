@@ -10,8 +10,10 @@ the reason when a reference is absent.
 from __future__ import annotations
 
 import ast
+import importlib
 import importlib.util
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -34,6 +36,9 @@ ODD_SIZES = [(224, 224), (300, 524), (517, 333), (97, 131)]
 
 def package_dir(package: str) -> Path:
     """Folder of an installed top-level ``package`` (its ``__init__`` is not run); skips when absent."""
+    loaded = sys.modules.get(package)
+    if loaded is not None and getattr(loaded, "__path__", None):  # e.g. emptied by import_past_inits
+        return Path(loaded.__path__[0])
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         pytest.skip(f"reference package {package!r} is not installed; {INSTALL_HINT}")
@@ -52,6 +57,41 @@ def load_file(package: str, relative: str, name: str) -> ModuleType:
     except ImportError as err:
         sys.modules.pop(name, None)
         pytest.skip(f"{package}/{relative} cannot be imported here: {err}")
+    return module
+
+
+def import_past_inits(module: str, packages: Sequence[str]) -> ModuleType:
+    """Import ``module`` with the ``__init__`` of each of ``packages`` (outermost first) replaced by an
+    empty package, so its relative imports work while those files' imports of training code never run;
+    skips with the import error when the module itself needs something not installed."""
+    for name in packages:
+        if name in sys.modules:  # emptied by an earlier call (or really imported): either serves
+            continue
+        parent, _, leaf = name.rpartition(".")
+        folder = Path(sys.modules[parent].__path__[0]) / leaf if parent else package_dir(name)
+        bare = ModuleType(name)
+        bare.__path__ = [str(folder)]
+        sys.modules[name] = bare
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        pytest.skip(f"{module} cannot be imported here: {err}")
+
+
+def load_file_except(package: str, relative: str, name: str, skipped: Sequence[str]) -> ModuleType:
+    """``package/relative`` executed as module ``name`` less its top-level assignments to ``skipped`` (e.g.
+    a module-level object built from a data file the published package lacks); the file's own relative
+    imports must already resolve (see :func:`import_past_inits`)."""
+    path = package_dir(package.split(".")[0]) / relative
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    tree.body = [
+        node
+        for node in tree.body
+        if not (isinstance(node, ast.Assign) and any(getattr(t, "id", None) in skipped for t in node.targets))
+    ]
+    module = ModuleType(name)
+    module.__file__ = str(path)
+    exec(compile(tree, str(path), "exec"), module.__dict__)  # noqa: S102 - the installed reference's own file
     return module
 
 
