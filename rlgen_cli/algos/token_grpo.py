@@ -9,7 +9,9 @@ token t of sequence i, with r = exp(log π_θ − log π_old) and group advantag
     KL_{i,t} = exp(log π_ref − log π_θ) − (log π_ref − log π_θ) − 1        (k3, Schulman's estimator)
 
 ``importance_level="sequence"`` replaces r by exp(mean_t log-ratio) of the sequence (GSPO), shared by its
-tokens. Aggregation over the (B, T) token grid with completion mask m (TRL's names):
+tokens. ``bias_correction_kl`` (TRL ≥ 1.16's ``use_bias_correction_kl``, DeepSeek-V3.2) weights the KL by
+the ratio, β·r·KL_{i,t} with r not detached: the KL's gradient then estimates the reverse KL's without
+bias when the samples come from π_old; on policy r = 1 in value but its gradient adds KL·∇log π_θ. Aggregation over the (B, T) token grid with completion mask m (TRL's names):
 
 * ``grpo``    — mean_i( Σ_t m·ℓ / Σ_t m ): per-sequence token mean, then batch mean (DeepSeekMath, R1-VL);
 * ``bnpo``    — Σ m·ℓ / Σ m over this micro-batch;
@@ -152,6 +154,7 @@ def token_grpo_loss(
     ref_logp: Tensor | None = None,
     max_completion_length: int | None = None,
     num_items: float | None = None,
+    bias_correction_kl: bool = False,
 ) -> TokenLossOut:
     """The clipped token-level GRPO surrogate with an optional k3 KL penalty.
 
@@ -168,6 +171,8 @@ def token_grpo_loss(
         ref_logp: (B, T) log π_ref (no gradients).
         max_completion_length: For ``dr_grpo``.
         num_items: For ``dapo``.
+        bias_correction_kl: Multiply the per-token KL by the (differentiable) ratio r, as TRL's
+            ``use_bias_correction_kl``; with ``importance_level="sequence"`` the sequence's r.
 
     Returns:
         :class:`TokenLossOut`.
@@ -191,7 +196,8 @@ def token_grpo_loss(
     adv = advantages.to(logp.dtype).unsqueeze(-1)  # (B, 1)
     surrogate = -torch.min(coef * adv, torch.clamp(coef, 1 - epsilon, 1 + eps_high) * adv).expand_as(logp)
     kl = k3_kl(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)
-    per_token = surrogate + kl_weight * kl if kl_weight > 0 else surrogate
+    penalty = kl * coef if bias_correction_kl else kl  # (B, T)
+    per_token = surrogate + kl_weight * penalty if kl_weight > 0 else surrogate
     options = {"max_completion_length": max_completion_length, "num_items": num_items}
     loss = aggregate(per_token, mask, loss_type, **options)
     stats = _clip_stats(coef.detach(), adv, mask, epsilon, eps_high)

@@ -436,6 +436,7 @@ class VLMRLRecipe:
             logp, mb.old, adv, self._loss_mask(mb, truncated), loss_type=algo.token.loss_type,
             importance_level=algo.token.importance_level, epsilon=algo.clip_range, epsilon_high=algo.token.epsilon_high,
             kl_weight=algo.kl_weight, ref_logp=mb.ref, max_completion_length=self.max_completion_tokens, num_items=num_items,
+            bias_correction_kl=algo.token.use_bias_correction_kl,
         )  # fmt: skip
 
     def optimizer_step(self) -> float:

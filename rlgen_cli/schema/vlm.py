@@ -131,6 +131,10 @@ class TokenGRPOOptions(TokenScheduleOptions):
     """``engine=vllm``: fraction of the GPU's memory vLLM takes (weights + KV cache); training needs the rest."""
     mask_truncated_completions: bool = False
     """Completions that hit max_completion_tokens without EOS get no loss (TRL's option)."""
+    use_bias_correction_kl: bool = False
+    """Weight each token's KL by its importance ratio (not detached), as TRL ≥ 1.16's option of that name
+    (its default, on in ``algo=token_grpo``): an unbiased reverse-KL gradient from π_old's samples. Off =
+    the k3 KL alone, as R1-VL's trl 0.14 and earlier TRL; it changes the gradient only when β > 0."""
 
     def __post_init__(self) -> None:
         if self.engine == "vllm":
