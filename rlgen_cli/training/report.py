@@ -176,21 +176,100 @@ def write_before_after(
     table = before_after_table(before, after, reward, columns)
     (run_dir / BEFORE_AFTER_TABLE).write_text(table + "\n", encoding="utf-8")
     if images_before is not None and images_after is not None:
-        from rlgen_cli.training.images import save_grid
+        save_before_after_grid(run_dir, images_before, images_after, labels_before, labels_after)
+    return table
 
-        n = min(len(images_before), len(images_after), 16)
-        labels = {
-            key: [*labels_before[key][:n], *labels_after[key][:n]]
-            for key in (labels_before or {})
-            if key in (labels_after or {})
-        }
-        save_grid(
-            torch.cat([images_before[:n], images_after[:n]]),
-            run_dir / BEFORE_AFTER_GRID,
-            columns=n,
-            upscale=2,
-            **labels,
+
+ROW_LABELS = ("before", "after")
+ROW_LABEL_WIDTH = 56  # pixels of the strip left of the grid that names each row
+
+
+def save_before_after_grid(
+    run_dir: Path,
+    images_before: Tensor,
+    images_after: Tensor,
+    labels_before: Mapping[str, Sequence[Any]] | None = None,
+    labels_after: Mapping[str, Sequence[Any]] | None = None,
+) -> Path:
+    """``images/before_after.png``: up to 16 samples before training (top row) above the same prompts and
+    noise after it (bottom row), each row named in a strip on the left; tiles captioned by
+    ``labels_before`` / ``labels_after`` (``save_grid``'s ``captions`` and ``passed``) when given. A
+    video model's grid is a video, left without the strip."""
+    from rlgen_cli.training.images import save_grid
+
+    n = min(len(images_before), len(images_after), 16)
+    labels = {
+        key: [*labels_before[key][:n], *labels_after[key][:n]]
+        for key in (labels_before or {})
+        if key in (labels_after or {})
+    }
+    path = save_grid(
+        torch.cat([images_before[:n], images_after[:n]]), run_dir / BEFORE_AFTER_GRID, columns=n, upscale=2,
+        **labels,
+    )  # fmt: skip
+    if path.suffix == ".png":
+        name_rows(path, ROW_LABELS)
+    return path
+
+
+def name_rows(path: Path, names: Sequence[str]) -> None:
+    """Rewrite the grid PNG at ``path`` with a white strip of :data:`ROW_LABEL_WIDTH` pixels on its left
+    that writes ``names[i]`` level with the middle of row i (rows of equal height)."""
+    from PIL import Image, ImageDraw
+
+    from rlgen_cli.training.images import FONT_SIZE
+
+    with Image.open(path) as grid:
+        grid = grid.convert("RGB")
+    out = Image.new("RGB", (grid.width + ROW_LABEL_WIDTH, grid.height), "white")
+    out.paste(grid, (ROW_LABEL_WIDTH, 0))
+    draw, row = ImageDraw.Draw(out), grid.height / len(names)
+    for i, name in enumerate(names):
+        draw.text(
+            (ROW_LABEL_WIDTH / 2, row * (i + 0.5)), name, fill="black", anchor="mm", font_size=FONT_SIZE
         )
+    out.save(path)
+
+
+REWARD_PREFIX = "eval/reward/"
+
+
+def reward_before_after_table(before: Mapping[str, float], after: Mapping[str, float]) -> str | None:
+    """The evaluation reward, each reward of the mix and each of their details (JPEG's ``jpeg_kb``)
+    as ``before → after (Δ)``; None when either side has no evaluation reward."""
+    total = f"{REWARD_PREFIX}mean"
+    if total not in before or total not in after:
+        return None
+    parts = sorted(
+        (key for key in after
+         if key.startswith(REWARD_PREFIX) and key.endswith("/mean") and key != total and key in before),
+        key=lambda key: key[: -len("/mean")].split("/"),  # a reward, then its details
+    )  # fmt: skip
+    rows = [("reward", total)] + [(key[len(REWARD_PREFIX) : -len("/mean")], key) for key in parts]
+    width = max(len(name) for name, _ in rows) + 2
+    lines = [f"{'eval (test split)':<{width}}before → after (Δ)"]
+    for name, key in rows:
+        old, new = float(before[key]), float(after[key])
+        lines.append(f"{name:<{width}}{old:.4g} → {new:.4g} ({new - old:+.3g})")
+    return "\n".join(lines)
+
+
+def write_reward_before_after(
+    run_dir: Path,
+    before: Mapping[str, float],
+    after: Mapping[str, float],
+    images_before: Tensor | None = None,
+    images_after: Tensor | None = None,
+) -> str | None:
+    """Any run evaluated before and after training: :func:`reward_before_after_table` to
+    ``before_after.txt`` (returned) and the before / after grid; None (nothing written) without both
+    evaluations."""
+    table = reward_before_after_table(before, after)
+    if table is None:
+        return None
+    (run_dir / BEFORE_AFTER_TABLE).write_text(table + "\n", encoding="utf-8")
+    if images_before is not None and images_after is not None:
+        save_before_after_grid(run_dir, images_before, images_after)
     return table
 
 
@@ -211,22 +290,32 @@ class EvalReport(Protocol):
 
 
 class NoReport:
-    """``eval_report=none``: the metrics and bare eval grids every run writes, nothing more."""
+    """``eval_report=none``: the metrics and bare eval grids every run writes; after an ``eval_before``
+    run also the reward's before → after (``before_after.txt``, also logged) and the grid of the same
+    prompts and noise before and after (:func:`write_reward_before_after`)."""
 
     def __init__(self, run_dir: Path) -> None:
-        del run_dir  # nothing to write
+        self.run_dir = Path(run_dir)
+        self.images_before: Tensor | None = None
+        self.images_last: Tensor | None = None
 
     def evaluated(
         self, epoch: int, images: Tensor, prompts: Sequence[str] | None = None,
         details: Mapping[str, Any] | None = None,
     ) -> None:  # fmt: skip
-        return None
+        if epoch < 0:
+            self.images_before = images
+        self.images_last = images
 
     def tile_labels(self, prompts: Sequence[str], details: Mapping[str, Any]) -> dict[str, list]:
         return {}
 
     def write(self, before: Mapping[str, float] | None, after: Mapping[str, float]) -> None:
-        return None
+        if not before:
+            return
+        table = write_reward_before_after(self.run_dir, before, after, self.images_before, self.images_last)
+        if table:
+            log.info("evaluation before → after training (%s):\n%s", self.run_dir, table)
 
 
 class ShapesReport:
@@ -272,6 +361,12 @@ class ShapesReport:
             )  # fmt: skip
             if table:
                 log.info("test accuracy before → after training (%s):\n%s", self.run_dir, table)
+                return
+            table = write_reward_before_after(
+                self.run_dir, before, after, self.images_before, self.images_last
+            )
+            if table:  # a reward without a per-tag breakdown
+                log.info("evaluation before → after training (%s):\n%s", self.run_dir, table)
 
 
 def strict_marks(strict: Tensor) -> list[bool | None]:

@@ -22,6 +22,7 @@ from rlgen_cli.training.images import (
 from rlgen_cli.training.report import (
     BEFORE_AFTER_GRID,
     BEFORE_AFTER_TABLE,
+    ROW_LABEL_WIDTH,
     before_after_table,
     eval_report,
     strict_marks,
@@ -110,11 +111,12 @@ def test_the_shapes_report_captions_the_before_after_grid_from_each_evaluation(t
     assert (tmp_path / BEFORE_AFTER_TABLE).is_file()
     grid = tmp_path / BEFORE_AFTER_GRID
     row = CAPTIONED_TILE + caption_height()
-    with Image.open(grid) as image:
-        assert image.size == (2 * CAPTIONED_TILE, 2 * row)
+    with Image.open(grid) as image:  # the rows' names in a strip on the left
+        assert image.size == (ROW_LABEL_WIDTH + 2 * CAPTIONED_TILE, 2 * row)
     # before: fail, pass; after: pass, pass
-    assert _pixel(grid, 1, 1) == FAIL_COLOR and _pixel(grid, CAPTIONED_TILE + 1, 1) == PASS_COLOR
-    assert _pixel(grid, 1, row + 1) == PASS_COLOR and _pixel(grid, CAPTIONED_TILE + 1, row + 1) == PASS_COLOR
+    x0, x1 = ROW_LABEL_WIDTH + 1, ROW_LABEL_WIDTH + CAPTIONED_TILE + 1
+    assert _pixel(grid, x0, 1) == FAIL_COLOR and _pixel(grid, x1, 1) == PASS_COLOR
+    assert _pixel(grid, x0, row + 1) == PASS_COLOR and _pixel(grid, x1, row + 1) == PASS_COLOR
     assert report.tile_labels(prompts, {}) == {"captions": prompts}  # another reward: captions alone
 
 

@@ -13,6 +13,7 @@ from PIL import Image
 from rlgen_cli.training.report import (
     BEFORE_AFTER_GRID,
     BEFORE_AFTER_TABLE,
+    ROW_LABEL_WIDTH,
     SHAPES_CURVE,
     before_after_table,
     detail_summaries,
@@ -98,7 +99,7 @@ def test_the_shapes_report_writes_curves_table_and_the_grid_of_the_first_and_las
     assert (tmp_path / SHAPES_CURVE).is_file()
     table = (tmp_path / BEFORE_AFTER_TABLE).read_text().splitlines()
     assert table[1].split()[:4] == ["counting", "25.0", "→", "50.0"]
-    grid = np.asarray(Image.open(tmp_path / BEFORE_AFTER_GRID))
+    grid = np.asarray(Image.open(tmp_path / BEFORE_AFTER_GRID))[:, ROW_LABEL_WIDTH:]  # right of the row names
     # top row: the evaluation before training (black), bottom row: the last one (white), not the middle
     assert grid[: grid.shape[0] // 2].max() == 0 and grid[grid.shape[0] // 2 :].min() == 255
 
@@ -110,10 +111,9 @@ def test_the_shapes_report_without_an_evaluation_before_draws_only_the_curves(tm
     assert (tmp_path / SHAPES_CURVE).is_file() and not (tmp_path / BEFORE_AFTER_TABLE).exists()
 
 
-def test_no_report_writes_nothing(tmp_path: Path):
-    before = _metrics({"counting": 0.25}, extra=1.0) | {"eval/reward/mean": 0.2}
+def test_no_report_without_an_evaluation_before_writes_nothing(tmp_path: Path):
     after = _metrics({"counting": 0.5}, extra=0.5) | {"eval/reward/mean": 0.4}
     report = eval_report("none", tmp_path)
-    report.evaluated(-1, torch.zeros(2, 3, 8, 8))
-    report.write(before, after)
+    report.evaluated(0, torch.zeros(2, 3, 8, 8))
+    report.write(None, after)
     assert list(tmp_path.iterdir()) == []
