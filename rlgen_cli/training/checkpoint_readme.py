@@ -14,18 +14,56 @@ README_FILE = "README.txt"
 LORA_FILE = "pytorch_lora_weights.safetensors"
 PEFT_ADAPTER = "adapter_config.json"
 FULL_TRANSFORMER = "transformer"
-# families whose LoRA file diffusers' pipelines load as it is
-DIFFUSERS_FAMILIES = ("sd3", "flux", "flux_kontext", "qwen_image", "qwen_image_edit", "wan2_1")
+# The diffusers pipeline whose LoRA loader (``load_lora_weights``) reads each family's checkpoint: the
+# pipeline class the family's ``DiffusersCheckpoint`` saves through (tests/unit/test_checkpoint_readme.py
+# checks both against every family of models/registry.py). A family not here loads through rlgen only.
+DIFFUSERS_PIPELINES: dict[str, str] = {
+    "sd3": "StableDiffusion3Pipeline",
+    "flux": "FluxPipeline",
+    "flux_kontext": "FluxKontextPipeline",
+    "flux2": "Flux2Pipeline",
+    "flux2_klein": "Flux2KleinPipeline",
+    "qwen_image": "QwenImagePipeline",
+    "qwen_image_edit": "QwenImageEditPipeline",
+    "qwen_image_edit_plus": "QwenImageEditPlusPipeline",
+    "qwen_image_2": "QwenImage21Pipeline",
+    "wan2_1": "WanPipeline",
+    "wan2_2": "WanPipeline",
+    "wan2_2_i2v": "WanImageToVideoPipeline",
+    "z_image": "ZImagePipeline",
+}
+DIFFUSERS_FAMILIES = tuple(DIFFUSERS_PIPELINES)
+# Pipelines whose guidance_scale is not rlgen's g of u + g·(c − u) (docs/maths.md §4.6).
+PIPELINE_GUIDANCE = {"z_image": "sample with guidance_scale = model.guidance_scale - 1 (config.yaml)"}
+# Two-expert families (Wan2.2) save one folder per expert; diffusers loads the low-noise one into
+# ``transformer_2``.
+EXPERT_LOAD_ARGS = {"high_noise": "", "low_noise": ", load_into_transformer_2=True"}
+
+
+def _diffusers_hint(weights: Path, family: str, shown: str) -> str | None:
+    """The diffusers lines that load ``weights`` of ``family``; None when the folder holds no diffusers
+    format (a LoRA file, per-expert LoRA files, or a full ``transformer/``)."""
+    pipeline = DIFFUSERS_PIPELINES[family]
+    on_base = f"pipe = diffusers.{pipeline}.from_pretrained(<base model>)"
+    if (weights / LORA_FILE).is_file():
+        guidance = f"; {PIPELINE_GUIDANCE[family]}" if family in PIPELINE_GUIDANCE else ""
+        return f'diffusers: {on_base}; pipe.load_lora_weights("{shown}"){guidance}'
+    experts = [name for name in EXPERT_LOAD_ARGS if (weights / name / LORA_FILE).is_file()]
+    if experts:
+        loads = [f'pipe.load_lora_weights("{shown}/{name}"{EXPERT_LOAD_ARGS[name]})' for name in experts]
+        return f"diffusers: {on_base}; " + "; ".join(loads)
+    if (weights / FULL_TRANSFORMER).is_dir():
+        return f'diffusers: the transformer class\'s from_pretrained("{shown}/{FULL_TRANSFORMER}")'
+    return None
 
 
 def load_hint(weights: Path, family: str | None, shown: str) -> str:
     """How to load the ``weights`` folder (named ``shown`` in the note) outside rlgen, from what it holds."""
-    if (weights / LORA_FILE).is_file() and family in DIFFUSERS_FAMILIES:
-        return f'diffusers: pipe.load_lora_weights("{shown}") on the base model\'s pipeline'
+    hint = _diffusers_hint(weights, family, shown) if family in DIFFUSERS_PIPELINES else None
+    if hint:
+        return hint
     if (weights / PEFT_ADAPTER).is_file():
         return f'peft: PeftModel.from_pretrained(base_model, "{shown}")'
-    if (weights / FULL_TRANSFORMER).is_dir() and family in DIFFUSERS_FAMILIES:
-        return f'diffusers: the transformer class\'s from_pretrained("{shown}/{FULL_TRANSFORMER}")'
     return "rlgen: rlgen sample checkpoint=<this folder> (rebuilds the model from config.yaml)"
 
 
