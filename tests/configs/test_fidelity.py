@@ -9,7 +9,9 @@ under an experiment, or a knob nobody audited, fails here.
 Derived keys (no single config key holds them):
 * ``geometry.samples_per_optimizer_step`` = algo.train_batch_size × algo.gradient_accumulation_steps
   (global; null = one per process: × launcher world size) — the samples one optimizer step averages over (drop_zero_advantage only shrinks it);
-* ``geometry.optimizer_steps_per_epoch`` = prompts_per_epoch × group_size × num_inner_epochs / the above.
+* ``geometry.optimizer_steps_per_epoch`` = prompts_per_epoch × group_size × num_inner_epochs / the above;
+* ``precision.autocast`` = the dtype the transformer's forward autocasts to: model.dtype below fp32, else
+  null (no autocast; docs/precision.md).
 """
 
 from __future__ import annotations
@@ -126,6 +128,8 @@ def _value(cfg: Any, key: str) -> Any:
     """The composed value at ``key`` (derived keys included), plain Python; _MISSING when absent."""
     if key.startswith("geometry."):  # only runs with an ``algo`` section have a geometry
         return _geometry(cfg).get(key, _MISSING) if "algo" in cfg else _MISSING
+    if key == "precision.autocast":
+        return None if cfg.model.dtype == "float32" else cfg.model.dtype
     node = OmegaConf.select(cfg, key, default=_MISSING)
     return OmegaConf.to_container(node) if OmegaConf.is_config(node) else node
 
