@@ -58,9 +58,10 @@ def test_tie_order_decides_which_object_the_colour_check_reads():
     assert score_geneval(tied[::-1], meta, colours).accuracy is True
 
 
-def test_tie_order_is_numpys_reversed_argsort_on_a_small_class():
-    scores = np.array([0.5, 0.7, 0.5, 0.7, 0.5], dtype=np.float32)
-    dets = [Detection("cat", (i, 0, i + 1, 1), float(s)) for i, s in enumerate(scores)]
+def test_ties_come_latest_listed_first_within_each_score():
+    # upstream's np.argsort(scores)[::-1] on [0.5, 0.7, 0.5, 0.7, 0.5] with ties kept in listed order
+    # (the insertion sort NumPy uses on short arrays), reversed: 0.7s as 3, 1, then 0.5s as 4, 2, 0
+    scores = [0.5, 0.7, 0.5, 0.7, 0.5]
+    dets = [Detection("cat", (i, 0, i + 1, 1), s) for i, s in enumerate(scores)]
     kept = [int(d.box[0]) for d in select_detections(dets, "single_object")["cat"]]
     assert kept == [3, 1, 4, 2, 0]
-    assert np.argsort(scores)[::-1].tolist() == kept  # what upstream's expression gives on this array
