@@ -105,10 +105,29 @@ OptionalDtype = Literal[None, "float32", "float16", "bfloat16"]
 """A dtype, or null for the default a field names."""
 
 
+WITHOUT_VAE = ("shapes", *VLM_FAMILIES, "r3_composite", "r3_bagel")
+"""Families with no VAE of their own: the pixel-space ShapesEval models, the VLMs, and the R3 families,
+whose models (``r3.policy.*``) carry their own settings."""
+WITHOUT_FROZEN_DTYPE = (*VLM_FAMILIES, "r3_composite", "r3_bagel")
+"""Families whose frozen weights ``model.frozen_dtype`` does not place (the VLM policy keeps them in
+``model.dtype``)."""
+
+
 def check_frozen_dtype(cfg: ModelConfig) -> None:
     """Frozen weights in fp32 or in the forward's dtype: below fp32 the forward runs under autocast, which
     takes fp32 weights; an fp32 forward has no autocast to take weights of a lower dtype, and weights of
-    another low dtype would be rounded twice."""
+    another low dtype would be rounded twice. A family the setting would not reach refuses it."""
+    _require(
+        cfg.vae_dtype is None or cfg.family not in WITHOUT_VAE,
+        f"model.vae_dtype={cfg.vae_dtype}: model.family={cfg.family} has no VAE; drop model.vae_dtype"
+        + (" (set it on r3.policy.generator / editor / bagel)" if cfg.family.startswith("r3_") else ""),
+    )
+    _require(
+        cfg.frozen_dtype is None or cfg.family not in WITHOUT_FROZEN_DTYPE,
+        f"model.frozen_dtype={cfg.frozen_dtype}: model.family={cfg.family} keeps its frozen weights in "
+        "model.dtype; drop model.frozen_dtype"
+        + (" (set it on r3.policy.generator / editor / bagel)" if cfg.family.startswith("r3_") else ""),
+    )
     _require(
         cfg.frozen_dtype in (None, "float32", cfg.dtype),
         f"model.frozen_dtype={cfg.frozen_dtype} with model.dtype={cfg.dtype}: frozen weights are kept in "

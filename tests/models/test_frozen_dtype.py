@@ -175,3 +175,19 @@ def test_plan_counts_fp32_frozen_weights_at_twice_their_bf16_bytes(tmp_path: Pat
     assert _row(upstream, "transformer weights (float32, frozen)") == 2 * bf16
     assert upstream["state_bytes"] - saving["state_bytes"] == bf16  # nothing else moved
     assert upstream["total_bytes"] >= saving["total_bytes"] + bf16  # the planned peak grows with it
+
+
+@pytest.mark.parametrize(
+    ("family", "setting", "match"),
+    [
+        ("shapes", {"vae_dtype": "float32"}, "model.family=shapes has no VAE"),
+        ("qwen2_vl", {"vae_dtype": "float32"}, "model.family=qwen2_vl has no VAE"),
+        ("qwen2_vl", {"frozen_dtype": "float32"}, "model.family=qwen2_vl keeps its frozen weights"),
+        ("r3_composite", {"frozen_dtype": "float32"}, "set it on r3.policy.generator"),
+    ],
+)
+def test_a_setting_the_family_would_not_read_is_refused(family, setting, match):
+    from rlgen_cli.schema.flow import ModelConfig
+
+    with pytest.raises(UserError, match=match):
+        ModelConfig(family=family, tiny=True, **setting)
