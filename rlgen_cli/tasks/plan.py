@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -51,7 +52,7 @@ log = logging.getLogger(__name__)
 
 EXIT_DOES_NOT_FIT = 1
 FLOW_RECIPES = ("flow_grpo", "flow_pref", "flow_pretrain", "flow_forward")
-MODELLED_RECIPES = ("flow_grpo",)
+MODELLED_RECIPES = FLOW_RECIPES
 LAUNCH_KINDS = {
     "local": "local", "accelerate": "ddp", "multinode": "ddp", "deepspeed_zero2": "zero2",
     "deepspeed_zero3": "zero3", "fsdp": "fsdp",
@@ -89,7 +90,7 @@ def refuse_unmodelled(cfg: Any) -> None:
     if cfg.recipe not in MODELLED_RECIPES:
         unmodelled.append(
             f"algo={cfg.algo.name} (recipe={cfg.recipe}): rlgen plan runs the training step of "
-            f"recipe={', '.join(MODELLED_RECIPES)} only (algo=grpo, grpo_fast, mix_grpo, dance, grpo_guard, …)"
+            f"recipe={', '.join(MODELLED_RECIPES)} only"
         )
     if cfg.model.compile:
         unmodelled.append(
@@ -113,7 +114,7 @@ def refuse_unmodelled(cfg: Any) -> None:
 
 def plan_run(cfg: Any) -> dict[str, Any]:
     """The plan of the training run ``cfg`` describes (a validated flow training config), as a dict."""
-    from rlgen_cli.training.memory_plan import GIB, Epoch, plan_memory, smallest_fix
+    from rlgen_cli.training.memory_plan import GIB, Epoch, plan_memory, smallest_device, smallest_fix
 
     refuse_unmodelled(cfg)
     held, reward_notes = reward_rows(cfg)  # a reward it cannot count stops the plan before any build
@@ -124,18 +125,21 @@ def plan_run(cfg: Any) -> dict[str, Any]:
     groups = param_groups(components)
     trained = tuple(name for name, module in components.items() if _trains(module))
     encode = conditioning_of(policy, cfg, prompt)
-    tracer = EpochTracer(cfg, policy, [components[name] for name in trained], encode)
+    require_plannable(cfg, policy)
+    tracer = tracer_for(cfg, policy, [components[name] for name in trained], encode)
     try:
         training = training_of(cfg, components, trained, held=(*held, *cache_rows(policy, tracer)))
         activations = trace_activations(policy, cfg, [components[name] for name in trained], encode)
         epoch = Epoch(
-            cfg.algo.prompts_per_epoch * cfg.algo.group_size, tracer.kept_per_sample(),
-            tracer.rollout_peak, tracer.step_peak,
+            samples_per_epoch(cfg), tracer.kept_per_sample(), tracer.rollout_peak, tracer.step_peak,
+            update_copies=tracer.update_copies, update_global_copies=tracer.update_global_copies,
+            phase=tracer.phase,
         )  # fmt: skip
         launch = launch_of(cfg.launcher)
         plan = plan_memory(groups, activations, launch, training, epoch)
         device_bytes = int(cfg.plan.device_memory_gb * GIB)
         fix = smallest_fix(groups, activations, launch, training, epoch, device_bytes, cfg.plan.headroom)
+        device = smallest_device(groups, activations, launch, training, epoch, cfg.plan.headroom)
     except (RuntimeError, NotImplementedError) as err:
         raise UserError(
             f"model.family={cfg.model.family}: its training step reads tensor values the meta device does "
@@ -147,7 +151,8 @@ def plan_run(cfg: Any) -> dict[str, Any]:
     return {
         "model": cfg.model.family, "recipe": cfg.recipe, "launcher": cfg.launcher.name,
         "processes": cfg.launcher.world_size, "micro_batch": training.micro_batch,
-        "sample_batch": training.sample_batch, "timesteps_per_pass": cfg.algo.timesteps_per_pass,
+        "micro_batch_unit": micro_batch_unit(cfg),
+        "sample_batch": training.sample_batch, "timesteps_per_pass": getattr(cfg.algo, "timesteps_per_pass", 1),
         "resolution": [*_size(cfg.model), cfg.model.num_frames],
         "gradient_checkpointing": training.gradient_checkpointing,
         "rows": [{"what": r.what, "bytes": r.nbytes, "note": r.note} for r in plan.rows],
@@ -164,6 +169,10 @@ def plan_run(cfg: Any) -> dict[str, Any]:
         "total_bytes": plan.total, "device_bytes": device_bytes,
         "usable_bytes": int(device_bytes * (1 - cfg.plan.headroom)),
         "fits": plan.fits(device_bytes, cfg.plan.headroom),
+        "smallest_device": None if device is None else {
+            "device_gb": device.device_gb, "changes": list(device.changes),
+            "how": [_setting_or_note(step) for step in device.how], "total_bytes": device.plan.total,
+        },
         "fix": None if fix is None else {
             "changes": list(fix.changes), "how": how, "total_bytes": fix.plan.total, "fits": fix.fits,
         },
@@ -181,6 +190,20 @@ def _setting_or_note(override: str) -> str:
     ):
         return "(gradient checkpointing: enable_gradient_checkpointing() on the transformer; no setting yet)"
     return override
+
+
+def require_plannable(cfg: Any, policy: Any) -> None:
+    """What the recipe itself refuses before it trains, refused before the plan traces it (exit code 2)."""
+    if cfg.recipe == "flow_pretrain":
+        from rlgen_cli.recipes.flow_pretrain import require_pretrainable
+
+        dist = types.SimpleNamespace(world_size=cfg.launcher.world_size)
+        require_pretrainable(types.SimpleNamespace(cfg=cfg, policy=policy, dist=dist))
+
+
+def samples_per_epoch(cfg: Any) -> int:
+    """Samples an epoch rolls out over every process (pretraining rolls none out)."""
+    return 0 if cfg.recipe == "flow_pretrain" else cfg.algo.prompts_per_epoch * cfg.algo.group_size
 
 
 # -- the model on the meta device ----------------------------------------------------------------------
@@ -323,8 +346,9 @@ def training_of(
         full_reference=not cfg.model.lora.enabled,
         trained=trained,
         largest_block_bytes=max((_module_bytes(b) for b in blocks), default=0),
-        accumulation=cfg.algo.micro_batches_per_step(cfg.launcher.world_size) // cfg.launcher.world_size,
+        accumulation=micro_batches_per_process(cfg),
         micro_batch_setting=setting,
+        accumulation_setting=None if cfg.recipe == "flow_pref" else "algo.gradient_accumulation_steps",
         weight_copies=copies,
         sample_batch=cfg.algo.sample_batch_size,
         exact_sum_tensors=trainable_tensors if exact else 0,
@@ -332,19 +356,49 @@ def training_of(
     )
 
 
+def micro_batch_unit(cfg: Any) -> str:
+    """What a micro-batch counts: samples, or DPO's pairs and SFT's kept samples."""
+    if cfg.recipe == "flow_pref":
+        return "pairs" if cfg.algo.pref.loss == "dpo" else "kept samples"
+    return "samples"
+
+
 def micro_batch_of(cfg: Any) -> tuple[int, str | None]:
-    """Samples in one gradient-carrying forward on one process, and the setting that chooses it (None when
-    the recipe derives it): GRPO, NFT / AWM ``algo.train_batch_size``; DPO every pair's winner and loser at
-    once; SFT the ``top_k`` of every group; pretraining its per-process share of the batch."""
+    """Units in one gradient-carrying training call on one process, and the setting that chooses it (None
+    when the recipe derives it): GRPO, NFT / AWM ``algo.train_batch_size`` samples; DPO / SFT
+    ``algo.train_batch_size`` units (a DPO pair, whose winner and loser each take a forward; SFT's kept
+    samples), at most the epoch's; pretraining its per-process share of ``algo.pretrain.batch_size``."""
     world = cfg.launcher.world_size
     if cfg.recipe == "flow_pref":
-        prompts = max(cfg.algo.prompts_per_epoch // world, 1)
-        if cfg.algo.pref.loss == "dpo":
-            return 2 * prompts, None
-        return cfg.algo.pref.top_k * prompts, None
+        return min(cfg.algo.train_batch_size, pref_units(cfg)), "algo.train_batch_size"
     if cfg.recipe == "flow_pretrain":
         return max(cfg.algo.pretrain.batch_size // world, 1), None
     return cfg.algo.train_batch_size, "algo.train_batch_size"
+
+
+def pref_units(cfg: Any) -> int:
+    """What one DPO / SFT optimizer step trains over every process: a pair per group (DPO; a group whose
+    rewards tie has none: at most), the ``top_k`` best of each (SFT)."""
+    groups = cfg.algo.prompts_per_epoch
+    return groups if cfg.algo.pref.loss == "dpo" else cfg.algo.pref.top_k * groups
+
+
+def rows_per_unit(cfg: Any) -> int:
+    """Rows of a micro-batch unit in the training forwards whose graphs live together: a DPO pair's winner
+    and loser (two forwards, both kept for the backward); one sample otherwise."""
+    return 2 if cfg.recipe == "flow_pref" and cfg.algo.pref.loss == "dpo" else 1
+
+
+def micro_batches_per_process(cfg: Any) -> int:
+    """Micro-batches one process trains per optimizer step: ``algo.gradient_accumulation_steps`` over the
+    processes; DPO / SFT every unit of the epoch in micro-batches of ``algo.train_batch_size`` dealt over
+    the processes; pretraining one."""
+    world = cfg.launcher.world_size
+    if cfg.recipe == "flow_pref":
+        return math.ceil(math.ceil(pref_units(cfg) / cfg.algo.train_batch_size) / world)
+    if cfg.recipe == "flow_pretrain":
+        return 1
+    return cfg.algo.micro_batches_per_step(world) // world
 
 
 def launch_of(launcher: Any) -> Any:
@@ -367,15 +421,17 @@ def trace_activations(policy: Any, cfg: Any, trained: list[nn.Module], encode: E
 
     batch, _ = micro_batch_of(cfg)
     with _checkpointing(trained, False):
-        saved = _trace(policy, cfg, batch * folded_steps(cfg), trained, encode)
+        saved = _trace(policy, cfg, batch * rows_per_unit(cfg) * folded_steps(cfg), trained, encode)
     return Activations.from_two(
         batch, (saved.total, saved.checkpointed), batch, (saved.total, saved.checkpointed)
     )
 
 
 def folded_steps(cfg: Any) -> int:
-    """Trained steps one training forward scores per sample: ``algo.timesteps_per_pass``, at most the
-    steps the window trains."""
+    """Trained steps one training forward scores per sample: Flow-GRPO's ``algo.timesteps_per_pass``, at
+    most the steps the window trains; one in the other recipes."""
+    if cfg.recipe != "flow_grpo":
+        return 1
     return min(cfg.algo.timesteps_per_pass, len(window_of(cfg, 1).train_steps))
 
 
@@ -476,81 +532,122 @@ def _size(model_cfg: Any) -> tuple[int, int]:
 
 # -- the epoch, run on the meta device -------------------------------------------------------------------
 class EpochTracer:
-    """Runs the recipe's own rollout and training step on the meta device and traces their peaks
-    (``memory_trace.trace_peak``), each setting once.
+    """Runs the recipe's own sampling and training step on the meta device and traces their peaks
+    (``memory_trace.trace_peak``), each setting once. One subclass per recipe (:func:`tracer_for`); this
+    base holds what they share: the meta run, the trace's modes, the caches of each traced setting.
 
-    The run it drives is the recipe's: ``flow_grpo.rollout_batch`` and ``policy.decode`` for one rollout
-    batch; ``flow_grpo.update`` for one training step — its folds of ``algo.timesteps_per_pass`` steps,
-    the KL reference forward, the CFG branches as ``algo.cfg_grad`` takes them, the backward through
-    ``Dist.backward`` (float64 gradient sums under ``launcher.exact_reduction``), the clip and AdamW step
-    as a GPU runs it (``foreach``) with its moments already there, the EMA. The step scores two folds of
-    trained steps (the second one runs with the first one's gradients alive, as every later fold does), or
-    two micro-batches when one fold holds every trained step and gradients accumulate over micro-batches.
+    The run it drives is the recipe's, as a :class:`FlowRun` on the meta device (:func:`_meta_run`): the
+    policy (its ``encode`` the plan's, :class:`_PlannedPolicy`), a local ``Dist`` prepared as the run
+    prepares it (float64 gradient sums under ``launcher.exact_reduction``), AdamW as a GPU runs it
+    (``foreach``) with its moments already there, the EMA. A step's peak is traced over two backwards
+    where gradients stay alive from one to the next (the second runs with the first one's gradients, as
+    every later one does), so later backwards peak as high as the traced ones.
     """
+
+    phase = "rollout"
+    """What the sampling phase of an epoch is (pretraining samples only to evaluate)."""
+    update_copies = 2
+    """Copies of this process's samples the update holds (Flow-GRPO: the epoch's and the one trained on)."""
+    update_global_copies = 0
+    """Copies of the whole epoch's samples, over every process, the update holds (DPO / SFT gather them)."""
 
     def __init__(self, cfg: Any, policy: Any, trained: list[nn.Module], encode: Encode) -> None:
         self.cfg = cfg
         self.policy = policy
         self.trained = trained
         self.encode = encode
-        self.run = _meta_run(cfg, policy)
+        self.run = _meta_run(cfg, _PlannedPolicy(policy, encode))
         self._rollouts: dict[int, int] = {}
         self._steps: dict[tuple[int, bool], int] = {}
-        self._kept: tuple[Any, Any] | None = None  # one rollout batch's trajectory and conditioning
+        self._kept: tuple[Tensor, ...] | None = None  # one sampling batch's tensors kept for the update
+        self._cond: Any = None  # one sampling batch's conditioning
 
     def rollout_peak(self, batch: int) -> int:
-        """The peak of rolling out and decoding one batch of ``batch`` samples (encode included)."""
+        """The peak of sampling and decoding one batch of ``batch`` samples (encode included)."""
         if batch not in self._rollouts:
             self._rollouts[batch] = self._trace(lambda: self._rollout(batch))
         return self._rollouts[batch]
 
     def kept_per_sample(self) -> int:
-        """Bytes of one sample's trajectory and conditioning, kept from its rollout to the update."""
-        self.rollout_peak(self.cfg.algo.sample_batch_size)
-        traj, cond = self._kept
-        tensors = [getattr(traj, k) for k in traj._PER_SAMPLE] + list(cond.tensors.values())
-        kept = [t for t in tensors if isinstance(t, Tensor)]
-        return math.ceil(_distinct_bytes(kept) / len(cond))
+        """Bytes of one sample's tensors kept from its rollout to the update (trajectory, conditioning)."""
+        batch = self.cfg.algo.sample_batch_size
+        self.rollout_peak(batch)
+        return math.ceil(_distinct_bytes(list(self._kept)) / batch)
 
     def negative_per_sample(self) -> int:
         """Bytes of one sample's negative-prompt conditioning (none without CFG)."""
         self.rollout_peak(self.cfg.algo.sample_batch_size)
-        _, cond = self._kept
-        negatives = [t for k, t in cond.tensors.items() if k.startswith("neg_")]
-        return math.ceil(_distinct_bytes(negatives) / len(cond))
+        negatives = [t for k, t in self._cond.tensors.items() if k.startswith("neg_")]
+        return math.ceil(_distinct_bytes(negatives) / len(self._cond))
 
     def largest_encode(self) -> int:
-        """The most prompts the run encodes at once: a rollout batch, or a training call's rows (its
-        samples × the steps one call folds)."""
-        algo = self.cfg.algo
-        return max(algo.sample_batch_size, algo.train_batch_size * folded_steps(self.cfg))
+        """The most prompts the run encodes at once: a sampling batch, or a training call's rows."""
+        batch, _ = micro_batch_of(self.cfg)
+        return max(self.cfg.algo.sample_batch_size, batch * rows_per_unit(self.cfg) * folded_steps(self.cfg))
 
     def step_peak(self, micro_batch: int, checkpointing: bool) -> int:
         """The peak of one training step on ``micro_batch`` samples, checkpointing on or off."""
         key = (micro_batch, checkpointing)
         if key not in self._steps:
-            self.kept_per_sample()  # the trajectory's shapes come from a rollout
+            self.kept_per_sample()  # the samples' shapes come from a rollout
             update = self._update_of(micro_batch)
             with _checkpointing(self.trained, checkpointing):
                 self._steps[key] = self._trace(update)
         return self._steps[key]
 
     def _trace(self, work: Callable[[], Any]) -> int:
+        from rlgen_cli.training.memory_trace import trace_peak
+
+        with self._modes():
+            return trace_peak(work)
+
+    @contextlib.contextmanager
+    def _modes(self) -> Iterator[None]:
         from rlgen_cli.training.memory_trace import (
             autocast_on_meta,
             fused_attention_on_meta,
+            generators_on_meta,
             meta_scalars,
             meta_values,
             recomputed_in_modes,
-            trace_peak,
         )
 
         blocks = [block for module in self.trained for block in repeated_blocks(module)]
         with (
-            autocast_on_meta(), meta_values(), fused_attention_on_meta(), meta_scalars(),
+            autocast_on_meta(), meta_values(), fused_attention_on_meta(), meta_scalars(), generators_on_meta(),
             recomputed_in_modes(blocks),
         ):  # fmt: skip
-            return trace_peak(work)
+            yield
+
+    def _keep(self, batch: int, kept: tuple[Tensor, ...], cond: Any) -> None:
+        if batch == self.cfg.algo.sample_batch_size:
+            self._kept, self._cond = kept, cond
+
+    def _accumulates(self) -> bool:
+        """Whether gradients stay alive from one micro-batch to the next (no float64 sums clearing them)."""
+        return micro_batches_per_process(self.cfg) > 1 and self.run.dist.exact is None
+
+    def _rollout(self, batch: int) -> None:
+        raise NotImplementedError
+
+    def _update_of(self, micro_batch: int) -> Callable[[], Any]:
+        raise NotImplementedError
+
+
+class GrpoTracer(EpochTracer):
+    """Flow-GRPO (``recipe=flow_grpo``): ``flow_grpo.rollout_batch`` and ``policy.decode`` for one rollout
+    batch, its trajectory and conditioning kept; ``flow_grpo.update`` for one optimizer step — its folds of
+    ``algo.timesteps_per_pass`` steps, the KL reference forward, the CFG branches as ``algo.cfg_grad``
+    takes them, the backward, the clip, the AdamW step and the EMA. The step scores two folds of trained
+    steps, or two micro-batches when one fold holds every trained step and gradients accumulate over
+    micro-batches."""
+
+    def kept_per_sample(self) -> int:
+        batch = self.cfg.algo.sample_batch_size
+        self.rollout_peak(batch)
+        traj, cond = self._kept
+        tensors = [getattr(traj, k) for k in traj._PER_SAMPLE] + list(cond.tensors.values())
+        return math.ceil(_distinct_bytes([t for t in tensors if isinstance(t, Tensor)]) / batch)
 
     def _rollout(self, batch: int) -> None:
         from rlgen_cli.models.base import cfg_gradient
@@ -564,8 +661,7 @@ class EpochTracer:
                 run, cond, x, window_of(self.cfg, batch), loop.step_spec(self.cfg), None
             )
         run.policy.decode(traj.final)  # the images go to host memory
-        if batch == algo.sample_batch_size:
-            self._kept = (traj, cond)
+        self._keep(batch, (traj, cond), cond)
 
     def _update_of(self, micro_batch: int) -> Callable[[], Any]:
         """The recipe's update of one optimizer step, ready to run (its inputs made outside the trace:
@@ -581,27 +677,219 @@ class EpochTracer:
         samples = types.SimpleNamespace(
             indices=torch.arange(rows), traj=_resized(traj, rows, steps), cond=self.encode(rows)
         )
-        algo = types.SimpleNamespace(
-            **{
-                **vars(self.cfg.algo),
-                "train_batch_size": micro_batch,
-                "gradient_accumulation_steps": micro_batches,
-            }
-        )
-        run = types.SimpleNamespace(**{**vars(self.run), "cfg": _with(self.cfg, algo=algo)})
+        algo = _with(self.cfg.algo, train_batch_size=micro_batch, gradient_accumulation_steps=micro_batches)
+        run = _with(self.run, cfg=_with(self.cfg, algo=algo))
         advantages = torch.zeros(rows, device=META)
         return lambda: flow_grpo.update(run, samples, advantages, Progress(False))
 
-    def _accumulates(self) -> bool:
-        """Whether gradients stay alive from one micro-batch to the next (no float64 sums clearing them)."""
-        algo, launcher = self.cfg.algo, self.cfg.launcher
-        per_process = algo.micro_batches_per_step(launcher.world_size) // launcher.world_size
-        return per_process > 1 and self.run.dist.exact is None
+
+class ForwardTracer(EpochTracer):
+    """DiffusionNFT and AWM (``recipe=flow_forward``): ``flow_forward.solve`` and the decode for one
+    rollout batch (under the old policy's weights when it samples), its x₀ and conditioning kept;
+    ``flow_forward.update`` for one optimizer step — per trained σ the old policy's and the reference's
+    velocities without gradients (the old policy swapped in: a backup of the trained weights), the
+    trained forward, the loss and its backward, then the clip, the AdamW step and the EMA. The update
+    trains on slices of the rollout's samples (no copy). It traces two trained σ of a micro-batch, or two
+    micro-batches when a sample trains one σ and gradients accumulate over micro-batches."""
+
+    update_copies = 1
+
+    def __init__(self, cfg: Any, policy: Any, trained: list[nn.Module], encode: Encode) -> None:
+        from rlgen_cli.recipes import flow_forward
+
+        super().__init__(cfg, policy, trained, encode)
+        self.old = flow_forward.OldPolicy.build(self.run)
+        self._sigmas: Tensor | None = None
+
+    def _rollout(self, batch: int) -> None:
+        from rlgen_cli.recipes import flow_forward, loop
+        from rlgen_cli.sde.noise import Stream, sample_generators
+
+        cfg, run, forward = self.cfg, self.run, self.cfg.algo.forward
+        weights = self.old.swap() if forward.sample_with_old else contextlib.nullcontext()
+        with weights:
+            cond = self.encode(batch)
+            x = run.policy.noise(batch)
+            steps = sample_generators(cfg.seed, 0, range(batch), META, salt=Stream.STEP_NOISE)
+            x0 = flow_forward.solve(
+                run.policy, cond, x, cfg.model.num_steps, forward.solver, loop.step_spec(cfg), steps
+            )
+            run.policy.decode(x0)  # the images go to host memory
+        self._sigmas = run.policy.schedule(cfg.model.num_steps, x0[:1])
+        self._keep(batch, (x0, *cond.tensors.values()), cond)
+
+    def _update_of(self, micro_batch: int) -> Callable[[], Any]:
+        from rlgen_cli.recipes import flow_forward
+        from rlgen_cli.training.progress import Progress
+
+        algo, num_steps = self.cfg.algo, self.cfg.model.num_steps
+        per_sample = len(
+            flow_forward.trained_indices(algo.forward, num_steps, torch.Generator().manual_seed(0))
+        )
+        sigmas = min(per_sample, 2)
+        micro_batches = 2 if sigmas < 2 and self._accumulates() else 1
+        rows = micro_batch * micro_batches
+        x0 = self._kept[0]
+        rollouts = types.SimpleNamespace(
+            indices=torch.arange(rows), positions=torch.arange(rows), x0=_rows_of(x0, rows),
+            cond=self.encode(rows), sigmas=self._sigmas,
+        )  # fmt: skip
+        # ``sigmas`` σ a sample: drawn from the rollout's schedule as the run draws them (which ones does
+        # not change the memory)
+        forward = _with(
+            algo.forward, timestep_sampling="subset", timestep_fraction=(sigmas + 0.5) / num_steps
+        )
+        algo = _with(
+            algo, train_batch_size=micro_batch, gradient_accumulation_steps=micro_batches, num_inner_epochs=1,
+            forward=forward,
+        )  # fmt: skip
+        run = _with(self.run, cfg=_with(self.cfg, algo=algo))
+        weights = torch.zeros(rows, device=META)
+        return lambda: flow_forward.update(run, self.old, rollouts, weights, 0, Progress(False))
 
 
-def _with(cfg: Any, **sections: Any) -> Any:
-    """``cfg`` with some sections replaced, unvalidated (the trace steps through other batch sizes)."""
-    return types.SimpleNamespace(**{**vars(cfg), **sections})
+class PrefTracer(EpochTracer):
+    """Flow-DPO and reward-filtered SFT (``recipe=flow_pref``): ``sample_latents`` (DPO: under the
+    reference's weights) and the decode for one batch, its x₀ kept; ``flow_pref.train_units`` for one
+    optimizer step over its micro-batches of ``algo.train_batch_size`` units — DPO: a pair's reference
+    velocities without gradients, then the policy's on the winner and on the loser, both graphs alive until
+    the backward; SFT: the kept samples (and the base model's velocity for the anchor) — the backward, the
+    clip, the AdamW step, the EMA, the online reference's refresh. The update holds this process's x₀ and
+    the epoch's, gathered from every process. Two micro-batches are traced when gradients accumulate over
+    them."""
+
+    update_copies = 1
+    update_global_copies = 1
+
+    def __init__(self, cfg: Any, policy: Any, trained: list[nn.Module], encode: Encode) -> None:
+        from rlgen_cli.recipes import flow_pref
+
+        super().__init__(cfg, policy, trained, encode)
+        with self._modes():
+            self.pref = flow_pref.Preference.build(self.run)
+
+    def _rollout(self, batch: int) -> None:
+        from rlgen_cli.recipes import loop
+        from rlgen_cli.sde.sampling import sample_latents
+
+        cfg, run = self.cfg, self.run
+        weights = self.pref.reference(run) if cfg.algo.pref.loss == "dpo" else contextlib.nullcontext()
+        with weights:
+            x0 = sample_latents(
+                run.policy, [""] * batch, cfg.model.num_steps, batch, cfg.seed, spec=loop.step_spec(cfg),
+                keys=range(batch),
+            )  # fmt: skip
+        run.policy.decode(x0)  # the images go to host memory
+        self._keep(batch, (x0,), run.policy.last_cond)
+
+    def _update_of(self, micro_batch: int) -> Callable[[], Any]:
+        from rlgen_cli.recipes import flow_pref
+
+        dpo = self.cfg.algo.pref.loss == "dpo"
+        units = micro_batch * (2 if self._accumulates() else 1)
+        rows = units * rows_per_unit(self.cfg)
+        chosen = torch.arange(0, rows, rows_per_unit(self.cfg))
+        training = flow_pref.TrainingUnits(
+            chosen, rejected=chosen + 1 if dpo else None, weights=None if dpo else torch.ones(units)
+        )
+        samples = flow_pref.EpochSamples(
+            x0=_rows_of(self._kept[0], rows), prompts=[""] * rows, rewards=torch.zeros(rows),
+            groups=torch.arange(rows),
+        )  # fmt: skip
+        algo = _with(
+            self.cfg.algo,
+            train_batch_size=micro_batch,
+            pref=_with(self.cfg.algo.pref, timesteps_per_sample=1),
+        )
+        run = _with(
+            self.run, cfg=_with(self.cfg, algo=algo), sampler=types.SimpleNamespace(global_batch_size=rows)
+        )
+        loss = flow_pref._dpo_loss if dpo else flow_pref._sft_loss
+        after = functools.partial(flow_pref._refresh_reference, run, self.pref)
+        return lambda: flow_pref.train_units(
+            run, 0, training, functools.partial(loss, run, self.pref, samples), after
+        )
+
+
+class PretrainTracer(EpochTracer):
+    """Flow-matching pretraining (``recipe=flow_pretrain``): no rollout — its sampling phase is the
+    evaluation, one batch of ``algo.sample_batch_size`` sampled (ODE) and decoded; and
+    ``flow_pretrain.pretrain_step`` for one optimizer step on this process's share of
+    ``algo.pretrain.batch_size``: the batch's ground-truth images rendered and encoded, the unguided
+    forward, the loss, the backward, the clip, the AdamW step and the EMA. Nothing is kept from one phase
+    to the other."""
+
+    phase = "evaluation"
+    update_copies = 0
+
+    def kept_per_sample(self) -> int:
+        return 0
+
+    def _rollout(self, batch: int) -> None:
+        from rlgen_cli.sde.sampling import sample_latents
+
+        cfg, run = self.cfg, self.run
+        x0 = sample_latents(run.policy, [""] * batch, cfg.model.eval_num_steps, batch, cfg.seed)
+        run.policy.decode(x0)  # the images go to host memory
+        self._keep(batch, (), run.policy.last_cond)
+
+    def _update_of(self, micro_batch: int) -> Callable[[], Any]:
+        from rlgen_cli.recipes import flow_pretrain
+
+        algo = _with(self.cfg.algo, pretrain=_with(self.cfg.algo.pretrain, batch_size=micro_batch))
+        run = _with(self.run, cfg=_with(self.cfg, algo=algo), train_set=self._train_set())
+        return lambda: flow_pretrain.pretrain_step(run, 0, 0)
+
+    def _train_set(self) -> Any:
+        from pathlib import Path
+
+        from rlgen_cli.data.paths import load_prompts
+
+        workdir = Path(self.cfg.run_dir) if self.cfg.run_dir else None
+        return load_prompts(self.cfg.data.train, workdir, "data.train")
+
+
+TRACERS = {"flow_grpo": GrpoTracer, "flow_forward": ForwardTracer, "flow_pref": PrefTracer,
+           "flow_pretrain": PretrainTracer}  # fmt: skip
+
+
+def tracer_for(cfg: Any, policy: Any, trained: list[nn.Module], encode: Encode) -> EpochTracer:
+    """The tracer of ``cfg.recipe``'s epoch."""
+    return TRACERS[cfg.recipe](cfg, policy, trained, encode)
+
+
+class _PlannedPolicy:
+    """The policy, with the plan's ``encode`` (:data:`Encode`: the planning prompt, shaped as the run's,
+    whatever the prompts asked for): a recipe that encodes inside its step (DPO's and SFT's losses,
+    pretraining) gets the same conditioning as one handed the plan's. Everything else — attributes set
+    included (pretraining's unguided forward sets ``guidance_scale``) — is the policy's own."""
+
+    def __init__(self, policy: Any, encode: Encode) -> None:
+        object.__setattr__(self, "_policy", policy)
+        object.__setattr__(self, "_encode", encode)
+        object.__setattr__(self, "last_cond", None)
+
+    def encode(self, prompts: list[str], images: Any = None) -> Any:
+        cond = self._encode(len(prompts))
+        object.__setattr__(self, "last_cond", cond)
+        return cond
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._policy, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._policy, name, value)
+
+
+def _rows_of(tensor: Tensor, rows: int) -> Tensor:
+    """``rows`` rows of ``tensor`` (its own, repeated)."""
+    return tensor[torch.arange(rows) % len(tensor)]
+
+
+def _with(obj: Any, /, **fields: Any) -> Any:
+    """``obj`` (a config section or the meta run) with some fields replaced, unvalidated (the trace steps
+    through other batch sizes)."""
+    return types.SimpleNamespace(**{**vars(obj), **fields})
 
 
 def _resized(traj: Any, rows: int, steps: int) -> Any:
@@ -650,7 +938,14 @@ def _meta_run(cfg: Any, policy: Any) -> Any:
     if algo.ema.enabled:
         ema = EMA(params, decay=algo.ema.decay, update_every=algo.ema.update_every, warmup=algo.ema.warmup)
     return types.SimpleNamespace(
-        cfg=cfg, policy=policy, dist=dist, optimizer=optimizer, ema=ema, global_step=0, device=META
+        cfg=cfg,
+        policy=policy,
+        dist=dist,
+        optimizer=optimizer,
+        ema=ema,
+        global_step=0,
+        device=META,
+        resumed_extra={},
     )
 
 
@@ -759,8 +1054,51 @@ def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f}"
 
 
+def table_unit(report: dict[str, Any]) -> tuple[str, int]:
+    """The table's unit: GiB, or MiB for a run under 1 GiB (a tiny model's rows all read 0.00 GiB)."""
+    return ("GiB", 2**30) if report["total_bytes"] >= 2**30 else ("MiB", 2**20)
+
+
+def folded_rows(rows: list[dict[str, Any]], unit: int) -> list[dict[str, Any]]:
+    """``rows`` with those that print as 0.00 in ``unit`` (an encoder's int64 position ids, …) folded into
+    one "other" row after the rest, naming them; the JSON keeps every row."""
+    small = [row for row in rows if round(row["bytes"] / unit, 2) == 0]
+    kept = [row for row in rows if row not in small]
+    if len(small) < 2:
+        return rows
+    names = ", ".join(row["what"] for row in small)
+    return [
+        *kept,
+        {"what": f"other ({len(small)} rows)", "bytes": sum(r["bytes"] for r in small), "note": names},
+    ]
+
+
+def _in_unit(nbytes: int, unit: int) -> str:
+    return f"{nbytes / unit:.2f}"
+
+
+def smallest_device_line(report: dict[str, Any]) -> str:
+    """Which of the common devices (24 / 40 / 48 / 80 / 141 GB) is the smallest that holds the run on as
+    many processes, and with which settings."""
+    from rlgen_cli.training.memory_plan import COMMON_DEVICES_GB
+
+    sizes = " / ".join(map(str, COMMON_DEVICES_GB))
+    device = report["smallest_device"]
+    if device is None:
+        return (
+            f"smallest common device ({sizes} GB): none holds one process of this run; it needs more "
+            "processes"
+        )
+    how = "as configured" if not device["how"] else "with " + " ".join(device["how"])
+    return (
+        f"smallest common device ({sizes} GB): {device['device_gb']} GB, {how} "
+        f"({_gib(device['total_bytes'])} GiB, {100 * (1 - report['usable_bytes'] / report['device_bytes']):.0f} % kept free)"
+    )
+
+
 def print_report(report: dict[str, Any]) -> None:
-    """The plan as a rich table, whether it fits, and the change that makes it fit."""
+    """The plan as a rich table, whether it fits, the smallest common device that holds it, and the
+    change that makes it fit."""
     from rich.table import Table
 
     from rlgen_cli.training.console import new_console
@@ -768,29 +1106,34 @@ def print_report(report: dict[str, Any]) -> None:
     height, width, frames = report["resolution"]
     title = (
         f"{report['model']} · {report['recipe']} · launcher={report['launcher']} × {report['processes']} · "
-        f"micro-batch {report['micro_batch']} × {report['timesteps_per_pass']} steps per pass · "
-        f"sample batch {report['sample_batch']} · {height}×{width}"
+        f"micro-batch {report['micro_batch']}"
+        + (f" {report['micro_batch_unit']}" if report.get("micro_batch_unit", "samples") != "samples" else "")
+        + (f" × {report['timesteps_per_pass']} steps per pass" if report["recipe"] == "flow_grpo" else "")
+        + f" · sample batch {report['sample_batch']} · {height}×{width}"
         + (f"×{frames} frames" if frames > 1 else "")
     )
+    name, unit = table_unit(report)
+    amount = functools.partial(_in_unit, unit=unit)
     table = Table(title=f"memory per process — {title}", title_justify="left")
     table.add_column("what")
-    table.add_column("GiB", justify="right")
+    table.add_column(name, justify="right")
     table.add_column("note", style="dim")
-    for row in report["rows"]:
-        table.add_row(row["what"], _gib(row["bytes"]), row["note"])
+    for row in folded_rows(report["rows"], unit):
+        table.add_row(row["what"], amount(row["bytes"]), row["note"])
     table.add_section()
     largest = max(report["peaks"], key=lambda row: row["bytes"])
     for row in report["peaks"]:
         counted = row is largest
         note = ("the larger phase: counted; " if counted else "the smaller phase; ") + row["note"]
-        table.add_row(row["what"], _gib(row["bytes"]), note, style=None if counted else "dim")
+        table.add_row(row["what"], amount(row["bytes"]), note, style=None if counted else "dim")
     table.add_section()
-    table.add_row("total", _gib(report["total_bytes"]), f"device {_gib(report['device_bytes'])} GiB, "
+    table.add_row("total", amount(report["total_bytes"]), f"device {_gib(report['device_bytes'])} GiB, "
                   f"usable {_gib(report['usable_bytes'])} GiB", style="bold")  # fmt: skip
     console = new_console()
     console.print(table)
     for line in report["notes"]:
         console.print(f"[yellow]note[/]: {line}", highlight=False)
+    console.print(smallest_device_line(report), highlight=False, markup=False)
     if report["fits"]:
         console.print(
             f"[bold green]fits[/]: {_gib(report['total_bytes'])} of {_gib(report['usable_bytes'])} GiB"

@@ -71,8 +71,10 @@ from dataclasses import dataclass
 __all__ = [
     "DTYPE_BYTES",
     "CHANGES_BY_COST",
+    "COMMON_DEVICES_GB",
     "Activations",
     "Change",
+    "DeviceFit",
     "Epoch",
     "Fix",
     "Launch",
@@ -81,6 +83,7 @@ __all__ = [
     "Row",
     "Training",
     "plan_memory",
+    "smallest_device",
     "smallest_fix",
 ]
 
@@ -184,6 +187,9 @@ class Training:
     """Micro-batches per optimizer step on one process (``algo.gradient_accumulation_steps`` ÷ processes)."""
     micro_batch_setting: str | None = "algo.train_batch_size"
     """The setting that chooses the micro-batch (None: the recipe derives it, no smaller one to offer)."""
+    accumulation_setting: str | None = "algo.gradient_accumulation_steps"
+    """The setting that keeps the optimizer batch when the micro-batch shrinks (None: the recipe trains
+    every micro-batch of the epoch before it steps, whatever their size)."""
     weight_copies: tuple[str, ...] = ()
     """Further fp32 copies of the trainable weights the recipe keeps (DiffusionNFT's old policy, …)."""
     largest_block_bytes: int = 0
@@ -213,6 +219,13 @@ class Epoch:
     step_peak: Callable[[int, bool], int]
     """(micro-batch, gradient checkpointing) → the peak of one training step: saved activations, the
     forward's intermediates, the gradients, the backward's buffers, the optimizer step's temporaries."""
+    update_copies: int = 2
+    """Copies of this process's kept samples the update holds (Flow-GRPO: the epoch's and the copy it
+    trains on; NFT / AWM, DPO / SFT: one)."""
+    update_global_copies: int = 0
+    """Copies of the whole epoch's samples, over every process, the update holds (DPO / SFT gather them)."""
+    phase: str = "rollout"
+    """What the sampling phase is: ``rollout``, or ``evaluation`` (pretraining samples only to evaluate)."""
 
     @staticmethod
     def of_activations(activations: Activations) -> Epoch:
@@ -331,14 +344,20 @@ def _peak_rows(
     step = epoch.step_peak(training.micro_batch, checkpointing)
     saved = activations.at(training.micro_batch, checkpointing)
     other = activations.at(training.micro_batch, not checkpointing)
-    return (
+    held = epoch.update_copies * kept + epoch.update_global_copies * epoch.samples * epoch.kept_per_sample
+    sampling = (
         Row(f"rollout peak (sample batch {batch})", rollout,
             f"{samples} samples kept ({kept / GIB:.2f} GiB) + one batch sampled and decoded"),
-        Row(f"training step peak (micro-batch {training.micro_batch})", 2 * kept + step,
+    ) if epoch.phase == "rollout" else () if training.ema else (
+        Row(f"evaluation peak (sample batch {batch})", epoch.rollout_peak(batch),
+            "one batch sampled and decoded"),
+    )  # fmt: skip
+    return sampling + (
+        Row(f"training step peak (micro-batch {training.micro_batch})", held + step,
             f"one step {step / GIB:.2f} GiB (activations, gradients, the backward's buffers; saved "
             f"activations {saved / GIB:.2f} GiB with gradient checkpointing {'on' if checkpointing else 'off'}, "
-            f"{other / GIB:.2f} {'off' if checkpointing else 'on'}) + the samples and the copy trained on "
-            f"{2 * kept / GIB:.2f} GiB"),
+            f"{other / GIB:.2f} {'off' if checkpointing else 'on'}) + the samples it trains on "
+            f"{held / GIB:.2f} GiB"),
     ) + _evaluation_rows(epoch, training, trainable_numel, batch)  # fmt: skip
 
 
@@ -430,8 +449,11 @@ def _micro_batch(launch: Launch, training: Training, judge: Judge) -> Change | N
     candidate = dataclasses.replace(
         training, micro_batch=smaller, accumulation=training.accumulation * factor
     )
+    how = [f"{training.micro_batch_setting}={smaller}"]
+    if training.accumulation_setting is not None:
+        how.append(f"{training.accumulation_setting}={candidate.accumulation * launch.processes}")
     return Change(launch, candidate, f"micro-batch {smaller} with {factor}× the gradient accumulation",
-                  (f"{training.micro_batch_setting}={smaller}", f"algo.gradient_accumulation_steps={candidate.accumulation * launch.processes}"))  # fmt: skip
+                  tuple(how))  # fmt: skip
 
 
 def _sample_batch(launch: Launch, training: Training, judge: Judge) -> Change | None:
@@ -521,3 +543,40 @@ def smallest_fix(
         if judge.fits(launch, training):
             return Fix(tuple(whats), tuple(hows), plan(launch, training))
     return Fix(tuple(whats), tuple(hows), plan(launch, training), fits=False)
+
+
+COMMON_DEVICES_GB = (24, 40, 48, 80, 141)
+"""The memory of the common training devices, smallest first: 24 GB (RTX 4090, L4, A10), 40 GB (A100
+40 GB), 48 GB (L40S, RTX 6000 Ada, A6000), 80 GB (A100 / H100 80 GB), 141 GB (H200)."""
+
+
+@dataclass(frozen=True)
+class DeviceFit:
+    """The smallest common device a run fits, and how: ``how`` empty when as configured."""
+
+    device_gb: int
+    changes: tuple[str, ...]
+    how: tuple[str, ...]
+    plan: MemoryPlan
+
+
+def smallest_device(
+    groups: Iterable[ParamGroup],
+    activations: Activations,
+    launch: Launch,
+    training: Training,
+    epoch: Epoch,
+    headroom: float,
+    devices: Iterable[int] = COMMON_DEVICES_GB,
+) -> DeviceFit | None:
+    """The smallest of ``devices`` (GB, counted as ``plan.device_memory_gb`` counts them: 2³⁰ bytes each)
+    on which the run fits on as many processes as configured: as it is, else after :func:`smallest_fix`'s
+    change; None when none holds it without more processes."""
+    groups = list(groups)
+    for size in sorted(devices):
+        fix = smallest_fix(groups, activations, launch, training, epoch, int(size * GIB), headroom)
+        if fix is None:
+            return DeviceFit(size, (), (), plan_memory(groups, activations, launch, training, epoch))
+        if fix.fits and fix.plan.launch.processes == launch.processes:
+            return DeviceFit(size, fix.changes, fix.how, fix.plan)
+    return None

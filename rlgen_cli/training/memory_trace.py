@@ -51,6 +51,7 @@ __all__ = [
     "SavedTrace",
     "autocast_on_meta",
     "fused_attention_on_meta",
+    "generators_on_meta",
     "meta_scalars",
     "meta_values",
     "recomputed_in_modes",
@@ -202,6 +203,7 @@ class _FusedAttentionOnMeta(TorchFunctionMode):
 
 _TRUTH_TESTS = frozenset({Tensor.all, Tensor.any, torch.all, torch.any, Tensor.__bool__})
 _FACTORIES = frozenset({torch.zeros, torch.ones, torch.full, torch.empty, torch.eye})
+_JOINS = frozenset({torch.cat, torch.stack, torch.concat, torch.concatenate})
 _INDEXING = frozenset({Tensor.__getitem__, Tensor.__setitem__, Tensor.index_put_, Tensor.index_put})
 
 
@@ -227,7 +229,10 @@ class _MetaWithCpuValues(TorchFunctionMode):
         if func is Tensor.to and _keeps_values(args, kwargs):
             dtype = next((v for v in [*args[1:], *kwargs.values()] if isinstance(v, torch.dtype)), None)
             return args[0] if dtype is None else args[0].to(dtype)
-        mixed = any(isinstance(v, Tensor) and v.is_meta for v in values) and any(map(_is_cpu_array, values))
+        on_meta = any(isinstance(v, Tensor) and v.is_meta for v in values)
+        if on_meta and func in _JOINS:  # a CPU scalar (a statistic of values kept on the CPU) joins meta ones
+            return func(_to_meta(args[0], scalars=True), *args[1:], **kwargs)
+        mixed = on_meta and any(map(_is_cpu_array, values))
         if mixed and func not in _INDEXING:
             args = _to_meta(args)
             kwargs = {k: _to_meta(v) for k, v in kwargs.items()}
@@ -256,11 +261,12 @@ def _flat(values: Iterable[Any]) -> list[Any]:
     return [item for v in values for item in (v if isinstance(v, list | tuple) else (v,))]
 
 
-def _to_meta(value: Any) -> Any:
-    if _is_cpu_array(value):
+def _to_meta(value: Any, scalars: bool = False) -> Any:
+    """``value``'s CPU arrays (and with ``scalars`` its CPU 0-d tensors) on the meta device."""
+    if _is_cpu_array(value) or (scalars and isinstance(value, Tensor) and value.device.type == "cpu"):
         return value.to("meta")
     if isinstance(value, list | tuple):
-        return type(value)(_to_meta(v) for v in value)
+        return type(value)(_to_meta(v, scalars) for v in value)
     return value
 
 
@@ -303,6 +309,27 @@ def fused_attention_on_meta() -> TorchFunctionMode:
 def meta_values() -> TorchFunctionMode:
     """The mode in which a model on the meta device may branch on values (:class:`_MetaWithCpuValues`)."""
     return _MetaWithCpuValues()
+
+
+class _CpuGenerator(torch.Generator):
+    """A generator asked for on the meta device, made on the CPU: the meta device has none, and a draw
+    on the meta device (``torch.randn(…, generator=g, device="meta")``) reads no state."""
+
+    def __new__(cls, device: Any = "cpu") -> _CpuGenerator:
+        on_meta = torch.device(device).type == "meta"
+        return super().__new__(cls, device="cpu" if on_meta else device)  # type: ignore[call-arg]
+
+
+@contextlib.contextmanager
+def generators_on_meta() -> Iterator[None]:
+    """Inside, ``torch.Generator(device="meta")`` (a recipe's per-sample noise streams on the run's
+    device) gives a CPU generator (:class:`_CpuGenerator`) instead of failing. Restored on exit."""
+    real = torch.Generator
+    torch.Generator = _CpuGenerator  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        torch.Generator = real  # type: ignore[misc]
 
 
 _SCALAR_READS = {Tensor.item: 0.0, Tensor.__float__: 0.0, Tensor.__int__: 0}

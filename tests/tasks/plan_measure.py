@@ -124,8 +124,9 @@ def _cached(policy: Any) -> list[torch.Tensor]:
     return [t for c in caches.values() for cond, _ in c._entries.values() for t in cond.tensors.values()]
 
 
-def _state(run: Any) -> int:
-    """Bytes of the weights, optimizer moments, EMA shadows and float64 gradient sums of ``run``."""
+def _state(run: Any, copies: list[torch.Tensor] = ()) -> int:
+    """Bytes of the weights, optimizer moments, EMA shadows and float64 gradient sums of ``run``, and of
+    the recipe's ``copies`` of the trained weights (an old policy, an online DPO reference)."""
     from rlgen_cli.tasks.plan import components_of
 
     modules = list(components_of(run.policy).values())
@@ -135,7 +136,7 @@ def _state(run: Any) -> int:
     tensors += [s for per_param in run.optimizer.state.values() for s in per_param.values() if s.dim() > 0]
     tensors += list(run.ema.shadow) if run.ema is not None else []
     tensors += [run.dist.exact.flat] if run.dist.exact is not None else []
-    return sum(_storages(tensors).values())
+    return sum(_storages([*tensors, *copies]).values())
 
 
 def _kept(rollouts: Any) -> list[torch.Tensor]:
@@ -145,29 +146,129 @@ def _kept(rollouts: Any) -> list[torch.Tensor]:
 
 
 def measure(args: list[str]) -> Epoch:
-    """One real epoch of ``rlgen train args`` (recipe=flow_grpo) on the CPU: its state, the rollout's
-    peak and the update's (second update) peak."""
+    """One real epoch of ``rlgen train args`` on the CPU: its state, the sampling phase's peak and the
+    update's (second update) peak, by the recipe's own functions."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        cfg, raw = typed(args, run_dir)
+        return MEASURES[cfg.recipe](cfg, raw)
+
+
+def _decoded_images(run: Any) -> list[torch.Tensor]:
+    """Every image the policy decodes from now on (host memory in a GPU run)."""
+    images: list[torch.Tensor] = []
+    decode = run.policy.decode
+    run.policy.decode = lambda x0: images.append(decode(x0)) or images[-1]
+    return images
+
+
+def _measure_grpo(cfg: Any, raw: Any) -> Epoch:
+    """``flow_grpo.sample_rollouts``, then ``flow_grpo.update`` on the epoch's samples."""
     from rlgen_cli.recipes import flow_grpo, loop
     from rlgen_cli.training.progress import Progress
 
-    with tempfile.TemporaryDirectory() as run_dir:
-        cfg, raw = typed(args, run_dir)
-        run = loop.setup(cfg, raw)
-        images: list[torch.Tensor] = []
-        decode = run.policy.decode
-        run.policy.decode = lambda x0: images.append(decode(x0)) or images[-1]
-        progress = Progress(False)
-        rollouts, events = _allocations(lambda: flow_grpo.sample_rollouts(run, 0, progress))
-        host = [*images, rollouts.images, *([] if rollouts.sources is None else [rollouts.sources])]
-        rollout_all, rollout = peak_above_start(events, [*host, *_cached(run.policy)])
-        samples = rollouts.select(torch.arange(len(rollouts.indices)))  # the copy the update trains on
-        advantages = torch.linspace(-1, 1, len(rollouts.indices))
-        flow_grpo.update(run, samples, advantages, progress)  # the moments exist from the first step on
-        _, events = _allocations(lambda: flow_grpo.update(run, samples, advantages, progress))
-        kept = sum(_storages(_kept(rollouts) + _kept(samples)).values())
-        update_all, update = (kept + peak for peak in peak_above_start(events, []))
-        private = max(rollout_all, update_all) - max(rollout, update)
-        return Epoch(_state(run), rollout, update, private)
+    run = loop.setup(cfg, raw)
+    images = _decoded_images(run)
+    progress = Progress(False)
+    rollouts, events = _allocations(lambda: flow_grpo.sample_rollouts(run, 0, progress))
+    host = [*images, rollouts.images, *([] if rollouts.sources is None else [rollouts.sources])]
+    rollout_all, rollout = peak_above_start(events, [*host, *_cached(run.policy)])
+    samples = rollouts.select(torch.arange(len(rollouts.indices)))  # the copy the update trains on
+    advantages = torch.linspace(-1, 1, len(rollouts.indices))
+    flow_grpo.update(run, samples, advantages, progress)  # the moments exist from the first step on
+    _, events = _allocations(lambda: flow_grpo.update(run, samples, advantages, progress))
+    kept = sum(_storages(_kept(rollouts) + _kept(samples)).values())
+    update_all, update = (kept + peak for peak in peak_above_start(events, []))
+    private = max(rollout_all, update_all) - max(rollout, update)
+    return Epoch(_state(run), rollout, update, private)
+
+
+def _measure_forward(cfg: Any, raw: Any) -> Epoch:
+    """DiffusionNFT / AWM: ``flow_forward.sample_epoch`` (scored as it runs), then ``flow_forward.update``
+    on its samples with weights in [0, 1]."""
+    from rlgen_cli.recipes import flow_forward, loop
+    from rlgen_cli.training.progress import Progress
+
+    run = loop.setup(cfg, raw)
+    old = flow_forward.OldPolicy.build(run)
+    images = _decoded_images(run)
+    progress = Progress(False)
+    rollouts, events = _allocations(lambda: flow_forward.sample_epoch(run, old, 0, progress))
+    rollout_all, rollout = peak_above_start(events, [*images, rollouts.images, *_cached(run.policy)])
+    weights = torch.linspace(0, 1, len(rollouts.indices))
+    flow_forward.update(run, old, rollouts, weights, 0, progress)  # the moments exist from the first step on
+    _, events = _allocations(lambda: flow_forward.update(run, old, rollouts, weights, 0, progress))
+    kept = sum(_storages([rollouts.x0, *rollouts.cond.tensors.values()]).values())
+    update_all, update = (kept + peak for peak in peak_above_start(events, []))
+    private = max(rollout_all, update_all) - max(rollout, update)
+    return Epoch(_state(run, list(old.weights.shadow)), rollout, update, private)
+
+
+def _measure_pref(cfg: Any, raw: Any) -> Epoch:
+    """DPO / SFT: ``flow_pref.pref_epoch``'s sampling (``sample_latents``, DPO under the reference), decode
+    and scoring, ``gather_samples``, then ``dpo_update`` / ``sft_update``."""
+    from contextlib import nullcontext
+
+    from rlgen_cli.recipes import flow_pref, loop
+    from rlgen_cli.sde.sampling import batches, sample_latents
+
+    run = loop.setup(cfg, raw)
+    algo = cfg.algo
+    pref_state = flow_pref.Preference.build(run)
+    positions = run.sampler.positions(algo.sample_batch_size)
+    _, prompts, metadata = loop.examples_of(
+        run.train_set, run.sampler.indices_for_epoch(0, algo.sample_batch_size)
+    )
+    dpo = algo.pref.loss == "dpo"
+
+    def sampling() -> tuple[Any, ...]:
+        with pref_state.reference(run) if dpo else nullcontext():
+            x0 = sample_latents(run.policy, prompts, cfg.model.num_steps, algo.sample_batch_size, cfg.seed,
+                                spec=loop.step_spec(cfg), keys=positions)  # fmt: skip
+        parts = list(batches(len(x0), algo.sample_batch_size))
+        images = torch.cat([run.policy.decode(x0[p]) for p in parts])
+        return x0, images, [loop.score(run, images[p], prompts[p], metadata[p]) for p in parts]
+
+    decoded = _decoded_images(run)
+    (x0, images, scores), events = _allocations(sampling)
+    rollout_all, rollout = peak_above_start(events, [*decoded, images, *_cached(run.policy)])
+    samples, _ = flow_pref.gather_samples(run, 0, torch.tensor(positions), x0, scores)
+    update_of = flow_pref.dpo_update if dpo else flow_pref.sft_update
+    update_of(run, pref_state, 0, samples)  # the moments exist from the first step on
+    _, events = _allocations(lambda: update_of(run, pref_state, 0, samples))
+    kept = sum(_storages([x0, samples.x0]).values())
+    update_all, update = (kept + peak for peak in peak_above_start(events, []))
+    private = max(rollout_all, update_all) - max(rollout, update)
+    copies = [] if pref_state.reference_copy is None else list(pref_state.reference_copy.shadow)
+    return Epoch(_state(run, copies), rollout, update, private)
+
+
+def _measure_pretrain(cfg: Any, raw: Any) -> Epoch:
+    """Pretraining: an evaluation batch (``sample_latents`` over ``model.eval_num_steps``, decoded), and
+    ``flow_pretrain.pretrain_step``."""
+    from rlgen_cli.recipes import flow_pretrain, loop
+    from rlgen_cli.sde.sampling import sample_latents
+
+    run = loop.setup(cfg, raw)
+    flow_pretrain.require_pretrainable(run)
+    batch = cfg.algo.sample_batch_size
+    prompts = [example.prompt for example in list(run.test_set)[:batch]]
+    decoded = _decoded_images(run)
+
+    def evaluation() -> torch.Tensor:
+        x0 = sample_latents(run.policy, prompts, cfg.model.eval_num_steps, batch, cfg.seed)
+        return run.policy.decode(x0)
+
+    _, events = _allocations(evaluation)
+    rollout_all, rollout = peak_above_start(events, [*decoded, *_cached(run.policy)])
+    flow_pretrain.pretrain_step(run, 0, 0)  # the moments exist from the first step on
+    _, events = _allocations(lambda: flow_pretrain.pretrain_step(run, 0, 1))
+    update_all, update = peak_above_start(events, [])
+    private = max(rollout_all, update_all) - max(rollout, update)
+    return Epoch(_state(run), rollout, update, private)
+
+
+MEASURES = {"flow_grpo": _measure_grpo, "flow_forward": _measure_forward, "flow_pref": _measure_pref,
+            "flow_pretrain": _measure_pretrain}  # fmt: skip
 
 
 def predicted(args: list[str]) -> Epoch:
@@ -177,7 +278,10 @@ def predicted(args: list[str]) -> Epoch:
     cfg, _ = typed(args, "/tmp/unused")
     report = plan_run(cfg)
     caches = sum(row["bytes"] for row in report["rows"] if row["what"] in CACHE_ROWS)
-    rollout, update = (row["bytes"] for row in report["peaks"][:2])  # an evaluation's (EMA) is not measured
+    peaks = {row["what"].split(" peak")[0]: row["bytes"] for row in report["peaks"]}
+    update = peaks["training step"]
+    # an evaluation's with EMA (the live weights backed up) is not measured, but pretraining's plain one is
+    rollout = peaks.get("rollout", peaks.get("evaluation"))
     return Epoch(report["state_bytes"] - caches, rollout, update)
 
 

@@ -125,6 +125,50 @@ def test_every_docs_row_is_predicted_within_15_percent_of_a_real_epoch(row):
     assert result["predicted"].state == result["measured"].state, result
 
 
+RECIPE_TOLERANCE = 0.10
+"""The other recipes' rows measured −0.0 … +6.3 % (docs/plan.md): the same causes as Flow-GRPO's (the
+plan's rollout encodes the data's longest prompt; a few reshapes the meta device keeps in a storage of
+their own), with room for another machine's kernels; a step modelled wrong is off by far more."""
+RECIPE_ROWS = [
+    "model=tiny_flux algo=nft",
+    "model=tiny_sd3 algo=awm",
+    "model=tiny_sd3 algo=awm algo.train_batch_size=4 algo.gradient_accumulation_steps=4 launcher.exact_reduction=false",
+    "model=tiny_sd3 algo=dpo",
+    "model=tiny_flux algo=dpo algo.pref.ref_update_step=1",
+    "model=tiny_sd3 algo=sft",
+    "model=tiny_flux algo=sft algo.pref.top_k=2 algo.train_batch_size=2",
+    "experiment=shapes_nft",
+    "experiment=shapes_pretrain",
+]
+"""docs/plan.md's rows of the other recipes: DiffusionNFT, AWM (and with accumulation over micro-batches
+without float64 sums), DPO (offline, and online with its reference copy), SFT (one and two kept samples
+a group, micro-batches of 2), what a bare ``rlgen plan`` plans (ShapesEval's DiffusionNFT), pretraining."""
+
+
+def _assert_each_phase_within(result: dict[str, Any], tolerance: float) -> None:
+    """The state to the byte; the sampling phase, the update and the total each within ``tolerance``."""
+    p, m = result["predicted"], result["measured"]
+    assert p.state == m.state, result
+    for phase in ("rollout", "update", "total"):
+        assert abs(getattr(p, phase) / getattr(m, phase) - 1) <= tolerance, (phase, result)
+
+
+@pytest.mark.parametrize(
+    "row", [pytest.param("model=tiny_flux algo=nft", marks=pytest.mark.slow), "model=tiny_sd3 algo=dpo"]
+)
+def test_nft_and_dpo_epochs_are_predicted_within_10_percent_of_real_ones(row):
+    """DiffusionNFT's update swaps the old policy in for each σ and rolls out with the DPM solver; DPO's
+    trains a pair's winner and loser in two forwards, both graphs alive until the backward (traced as one
+    forward of the winners, its update is predicted 36 % low)."""
+    _assert_each_phase_within(compare(row.split()), RECIPE_TOLERANCE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row", RECIPE_ROWS)
+def test_every_recipe_row_is_predicted_within_10_percent_of_a_real_epoch(row):
+    _assert_each_phase_within(compare(row.split()), RECIPE_TOLERANCE)
+
+
 def test_the_checkpointed_activations_are_within_15_percent_of_a_checkpointed_step():
     cfg = _typed(["model=tiny_flux", "model.lora.enabled=false", *SMALL_EPOCH, "model.num_steps=4"])
     from rlgen_cli.tasks.plan import plan_run
@@ -192,7 +236,6 @@ def test_a_reward_model_the_plan_cannot_build_is_refused_by_name_or_counted_as_d
 @pytest.mark.parametrize(
     "override, named",
     [
-        ("algo=dpo", "algo=dpo"),
         ("model.compile=true", "model.compile"),
         ("launcher.mixed_precision=bf16", "launcher.mixed_precision"),
     ],
@@ -201,6 +244,37 @@ def test_an_option_the_plan_does_not_model_is_refused_by_name(cli, tmp_path: Pat
     code, out = cli("plan", "model=tiny_sd3", override, f"hydra.run.dir={tmp_path}")
     assert code == 2, out
     assert named in out and "does not model" in out, out
+
+
+def test_a_bare_plan_plans_the_default_run_and_names_the_smallest_device(cli, tmp_path: Path):
+    """``rlgen plan`` with no group choice plans what ``rlgen train`` runs: ShapesEval's DiffusionNFT."""
+    code, out = cli("plan", f"hydra.run.dir={tmp_path}")
+    assert code == 0, out
+    report = json.loads((tmp_path / "plan.json").read_text())
+    assert (report["model"], report["recipe"]) == ("shapes", "flow_forward")
+    assert report["fits"] and report["smallest_device"]["device_gb"] == 24
+    assert "smallest common device (24 / 40 / 48 / 80 / 141 GB): 24 GB, as configured" in " ".join(
+        out.split()
+    )
+
+
+def test_pretraining_a_latent_family_is_refused_as_the_run_refuses_it(cli, tmp_path: Path):
+    code, out = cli(
+        "plan", "model=tiny_sd3", "algo=flow_pretrain", "data=shapes", f"hydra.run.dir={tmp_path}"
+    )
+    assert code == 2, out
+    assert "cannot be pretrained here" in " ".join(out.split()), out
+
+
+def test_rows_that_print_as_zero_are_folded_into_one_other_row(cli, tmp_path: Path):
+    code, out = cli("plan", "model=tiny_sd3", f"hydra.run.dir={tmp_path}")
+    assert code == 0, out
+    cells = [line.split("│")[1:3] for line in out.splitlines() if line.startswith("│")]
+    rows = {what.strip(): amount.strip() for what, amount in cells if what.strip()}
+    assert [what for what, amount in rows.items() if amount == "0.00"] == ["other (3 rows)"], rows
+    assert not any("int64" in what for what in rows), rows  # the text encoders' int64 position ids: folded
+    report = json.loads((tmp_path / "plan.json").read_text())
+    assert any("int64" in row["what"] for row in report["rows"])  # the JSON keeps every row
 
 
 def test_an_epoch_that_does_not_split_over_the_processes_names_the_setting_to_change(cli, tmp_path: Path):

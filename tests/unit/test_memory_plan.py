@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from rlgen_cli.training.memory_plan import (
+    COMMON_DEVICES_GB,
     GIB,
     Activations,
     Epoch,
@@ -16,6 +17,7 @@ from rlgen_cli.training.memory_plan import (
     ParamGroup,
     Training,
     plan_memory,
+    smallest_device,
     smallest_fix,
 )
 
@@ -220,3 +222,42 @@ def test_nothing_fits_a_too_small_device_and_says_so(device_gib):
     assert any("processes" in change for change in fix.changes)
     assert fix.plan.launch.processes > 1
     assert fix.fits == (fix.plan.total <= device_gib * GIB * 0.9)
+
+
+# -- the smallest common device ------------------------------------------------------------------------
+def _frozen_and_lora(frozen_gib: int) -> tuple[list[ParamGroup], Epoch]:
+    """A frozen bf16 transformer of ``frozen_gib`` GiB and a ¼ GiB fp32 LoRA (AdamW ½ GiB); a step of 4
+    samples keeps 2 GiB each, ¼ GiB with gradient checkpointing: 8 GiB plain, 1 GiB checkpointed."""
+    groups = [
+        ParamGroup("transformer", "bfloat16", frozen_gib * GIB // 2),
+        ParamGroup("transformer", "float32", GIB // 16, trainable=True, lora=True),
+    ]
+    return groups, Epoch.of_activations(Activations(0, 2 * GIB, 0, GIB // 4))
+
+
+@pytest.mark.parametrize(
+    "frozen_gib, device_gb, how",
+    [
+        # 5 + ¼ + ½ + 8 = 13.75 GiB ≤ 0.9 × 24 = 21.6: as configured
+        (5, 24, ()),
+        # 15.75 + 8 = 23.75 > 21.6; checkpointed 15.75 + 1 = 16.75 ≤ 21.6
+        (15, 24, ("model.gradient_checkpointing=true",)),
+        # 30.75 + 1 = 31.75 > 21.6 (micro-batch 1: 31.0; offloading the ½ GiB of AdamW: 30.5), on 40 ≤ 36
+        (30, 40, ("model.gradient_checkpointing=true",)),
+        # 40.75 + 1 = 41.75 > 36, ≤ 43.2
+        (40, 48, ("model.gradient_checkpointing=true",)),
+    ],
+)
+def test_the_smallest_common_device_and_the_settings_it_takes(frozen_gib, device_gb, how):
+    groups, epoch = _frozen_and_lora(frozen_gib)
+    fit = smallest_device(groups, NO_ACTIVATIONS, Launch("local"), Training(4), epoch, headroom=0.1)
+    assert (fit.device_gb, fit.how) == (device_gb, how)
+    assert fit.plan.total <= 0.9 * device_gb * GIB
+
+
+def test_no_common_device_holds_a_run_that_needs_more_processes():
+    # 200 GiB of frozen weights: beyond 0.9 × 141 GiB whatever one process changes; more processes would
+    # shard them, which is not the same run on one device
+    groups, epoch = _frozen_and_lora(200)
+    assert smallest_device(groups, NO_ACTIVATIONS, Launch("local"), Training(4), epoch, headroom=0.1) is None
+    assert COMMON_DEVICES_GB == (24, 40, 48, 80, 141)
