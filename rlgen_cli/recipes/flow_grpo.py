@@ -177,7 +177,9 @@ def grpo_epoch(run: FlowRun, epoch: int, progress: Progress) -> dict[str, float]
 
     # 4. update
     with timed(timings, "time/update"):
-        update_stats = update_values(run, rollouts.select(keep), advantages[keep], progress, num_batches)
+        trained = rollouts.select(keep)
+        update_stats = update_values(run, trained, advantages[keep], progress, num_batches)
+        update_stats[KL_TO_REFERENCE] = reference_kl(run, trained)
 
     loop.save_rollout_images(run, rollouts.images, epoch)
     stats = loop.reduce_over_ranks(dist, {**reward_details, **update_stats, "trained_samples": len(keep)})
@@ -304,6 +306,33 @@ def step_logprob(
     return out, step_kl(out.mean, ref.mean, out.std, dt, form=algo.kl_form, kind=spec.kind)
 
 
+KL_TO_REFERENCE = "kl_to_ref"
+"""The measured KL to the reference, logged whatever ``algo.kl_weight`` (``kl_loss`` is 0 without it)."""
+
+
+def reference_kl(run: FlowRun, rollouts: Rollouts) -> list[float]:
+    """The KL of the updated policy's SDE step to the reference's (LoRA disabled), measured after the
+    update on this process's first micro-batch at its first trained step: one no-grad forward of each,
+    so runs with ``algo.kl_weight`` 0 show how far they moved too. Empty when nothing was trained."""
+    algo, spec = run.cfg.algo, loop.step_spec(run.cfg)
+    part = next(iter(batches(len(rollouts.indices), algo.train_batch_size)), None)
+    if part is None:
+        return []
+    traj, cond = rollouts.traj.index(part), rollouts.cond.index(part)
+    trained = trained_rows(traj)
+    if not trained:
+        return []
+    j, rows = trained[0]
+    step_traj = traj.index(rows)
+    velocity = functools.partial(conditioned, run.policy, cond.index(rows))
+    with torch.no_grad():
+        out = recompute_step(velocity, step_traj, j, spec)
+        with run.policy.trainable.reference():
+            ref = recompute_step(velocity, step_traj, j, spec)
+    dt = step_traj.sigmas_next[j] - step_traj.sigmas[j]
+    return [step_kl(out.mean, ref.mean, out.std, dt, form=algo.kl_form, kind=spec.kind).mean().item()]
+
+
 def folded_logprobs(
     run: FlowRun, traj: Trajectory, cond: Cond, fold: Fold, spec: StepSpec
 ) -> list[tuple[StepOut, Tensor | None]]:
@@ -424,11 +453,12 @@ def require_rank_symmetric(algo: FlowGrpoAlgoConfig) -> None:
 
 
 def console_line(m: dict[str, float]) -> str:
-    """reward ± std, eval, KL, clip fraction, the ratio's largest step away from 1, and the epoch's time."""
+    """reward ± std, eval, the measured KL to the reference, clip fraction, the ratio's largest step away
+    from 1, and the epoch's time."""
     ratio_off = max(abs(m.get("ratio_max", 1) - 1), abs(1 - m.get("ratio_min", 1)))
     seconds = m["time/rollout"] + m["time/reward"] + m["time/update"]
     return (
-        f"reward {m['reward/mean']:+.4g}±{m['reward/std']:.3g}{loop.eval_suffix(m)}  kl {m.get('kl_loss', 0.0):.2e}  "
+        f"reward {m['reward/mean']:+.4g}±{m['reward/std']:.3g}{loop.eval_suffix(m)}  kl {m.get(KL_TO_REFERENCE, 0.0):.2e}  "
         f"clipfrac {m.get('clipfrac', 0.0):.3f}  |ratio-1|max {ratio_off:.2e}  {seconds:.1f}s"
     )
 

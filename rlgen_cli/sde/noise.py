@@ -36,6 +36,7 @@ class Stream(IntEnum):
     ZERO_ADVANTAGE_FILL = 8  # which zero-advantage samples fill a micro-batch
     R3_BUFFER = 9  # R3: the stage-one buffer's draws
     FORWARD_NOISE = 10  # DiffusionNFT / AWM: the trained σ of each sample and the forward noise ε
+    KL_PROBE = 11  # DiffusionNFT / AWM: the noise ε of the measured distance to the reference
     ONPOLICY_PERTURB = 0x5EED  # check-onpolicy: the perturbation (added to the seed, not a stream salt)
 
 

@@ -31,6 +31,11 @@ def _read_yaml(path: Path) -> Any:
         return None
 
 
+def read_resolved(run_dir: Path) -> Any:
+    """The run's ``resolved.yaml`` as plain data (None when missing or unreadable)."""
+    return _read_yaml(Path(run_dir) / "resolved.yaml")
+
+
 def run_overrides(run_dir: Path) -> list[str]:
     """The run's command-line overrides without Hydra's own (``hydra.run.dir=…``, ``hydra/launcher=…``);
     empty when the run directory has no ``.hydra/overrides.yaml``."""

@@ -14,14 +14,18 @@ import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from rlgen_cli.training.labels import legend_labels, readable_key
+from rlgen_cli.training.labels import legend_labels, read_resolved, readable_key
 from rlgen_cli.training.metrics import read_metrics
 
 CURVES = (
     ("reward/mean", "train reward"),
     ("eval/reward/mean", "eval reward (ODE)"),
-    ("kl_loss", "KL to reference"),
+    ("kl_to_ref", "KL to reference"),
 )
+KL_MEASURED, KL_TERM = "kl_to_ref", "kl_loss"
+"""The divergence to the reference the flow recipes measure every epoch, and the loss term that weighs
+it, which is the divergence only where ``algo.kl_weight`` > 0 (0 otherwise): a run that did not log the
+first (VLM recipes, older runs) is drawn from the second when its KL weight is positive."""
 SMOOTHING = 0.6
 """Weight of the past in the moving average of train curves (TensorBoard's default)."""
 RAW_ALPHA = 0.3  # opacity of the raw points under a smoothed curve
@@ -59,10 +63,11 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, keys: Sequence[tuple[str, str
 
     runs = {Path(d): read_metrics(Path(d)) for d in run_dirs}
     labels = legend_labels(list(runs))
+    shown = {key: shown_metric(runs, key) for key, _ in keys}
     present = [
         (k, title)
         for k, title in keys
-        if any(row.get(k) is not None for rows in runs.values() for row in rows)
+        if any(row.get(shown[k][0][run]) is not None for run, rows in runs.items() for row in rows)
     ]
     present = present or [(keys[0][0], keys[0][1])]
     fig, axes = plt.subplots(
@@ -70,7 +75,7 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, keys: Sequence[tuple[str, str
         layout="constrained",
     )  # fmt: skip
     for ax, (key, title) in zip(axes[0], present):
-        drawn, axis_title = shown_metric(runs, key)
+        drawn, axis_title = shown[key]
         for color, (run_dir, rows) in enumerate(runs.items()):
             points = [(r["step"], r[drawn[run_dir]]) for r in rows if r.get(drawn[run_dir]) is not None]
             if points:
@@ -93,6 +98,8 @@ def shown_metric(runs: Mapping[Path, list[dict[str, float]]], key: str) -> tuple
     (``reward/jpeg_compressibility/jpeg_kb/mean``, "JPEG size (kB per image)") when every run that
     logged ``key`` has the same one; else ``key`` itself for every run."""
     plain = ({run: key for run in runs}, key)
+    if key == KL_MEASURED:
+        return {run: _kl_metric(run, rows) for run, rows in runs.items()}, key
     if not key.endswith(REWARD_KEY):
         return plain
     prefix = key[: -len(REWARD_KEY)]
@@ -105,6 +112,16 @@ def shown_metric(runs: Mapping[Path, list[dict[str, float]]], key: str) -> tuple
         return plain
     (readable,) = {readable for _, readable in found.values()}
     return {run: found[run][0] if run in found else key for run in runs}, readable.axis
+
+
+def _kl_metric(run: Path, rows: list[dict[str, float]]) -> str:
+    """:data:`KL_MEASURED` where the run logged it; else :data:`KL_TERM` when the run weighted a KL term
+    (``algo.kl_weight`` > 0 in its ``resolved.yaml``), the measured divergence then too."""
+    if any(KL_MEASURED in row for row in rows):
+        return KL_MEASURED
+    resolved = read_resolved(run)
+    weight = (resolved.get("algo") or {}).get("kl_weight", 0) if isinstance(resolved, dict) else 0
+    return KL_TERM if isinstance(weight, (int, float)) and weight > 0 else KL_MEASURED
 
 
 def _legend_below(fig, labels: Sequence[str]) -> None:  # type: ignore[no-untyped-def]

@@ -81,7 +81,7 @@ def test_plot_draws_several_runs_and_rejects_non_runs(cli, tmp_path: Path):
     for name, slope in (("a", 1.0), ("b", 2.0)):
         run = tmp_path / name
         run.mkdir()
-        rows = [{"step": i, "reward/mean": slope * i, "kl_loss": 0.01 * i} for i in range(5)]
+        rows = [{"step": i, "reward/mean": slope * i, "kl_to_ref": 0.01 * i} for i in range(5)]
         (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     out = tmp_path / "curves.png"
     code, output = cli("plot", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out))

@@ -18,7 +18,7 @@ def _run(root: Path, name: str, overrides: list[str] | None = None, resolved: di
     run = root / name
     run.mkdir(parents=True)
     rows = [{"step": 0, "eval/reward/mean": 0.1}] + [  # the evaluation before training, then 12 epochs
-        {"step": i, "reward/mean": 0.1 * i + 0.05 * (-1) ** i, "kl_loss": 0.01 * i} for i in range(1, 13)
+        {"step": i, "reward/mean": 0.1 * i + 0.05 * (-1) ** i, "kl_to_ref": 0.01 * i} for i in range(1, 13)
     ]
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     if overrides is not None:
