@@ -59,6 +59,9 @@ class ServerConfig:
     """Longest wait for a request head after connecting or after the previous reply (idle keep-alive too)."""
     body_timeout_s: float = 60.0
     """Longest time a request may take to send its body (→ 408)."""
+    flowgrpo_protocol: bool = False
+    """Also answer Flow-GRPO's reward clients: a pickle POSTed to / (one hosted reward) or /<reward>,
+    read as plain data only (no code runs) under the limits above; the reply is a pickle."""
 
     def __post_init__(self) -> None:
         _require(

@@ -27,6 +27,10 @@ failure is 422 (the reward rejected the input) or 500. A client that disconnects
 body is logged at INFO and counted as ``rlgen_errors_total{kind="disconnect"}``. With ``token`` set, every
 route except ``/healthz`` needs ``Authorization: Bearer <token>``. Shutting down (``AppRunner.cleanup``)
 stops accepting connections, lets in-flight requests finish, then drains the batch queues.
+
+With ``flowgrpo_protocol`` on, ``POST /`` (the only hosted reward) and ``POST /<reward>`` also speak
+Flow-GRPO's pickle protocol (:mod:`rlgen_cli.server.flowgrpo`), under the same limits and admission; the
+body is read by :mod:`rlgen_cli.server.plain_pickle`, which builds plain data only and never runs code.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -47,7 +52,7 @@ from aiohttp import web
 from rlgen_cli.rewards.base import Reward, accepts_uint8
 from rlgen_cli.rewards.remote import wire
 from rlgen_cli.schema.errors import UserError
-from rlgen_cli.server import limits
+from rlgen_cli.server import flowgrpo, limits
 from rlgen_cli.server.admission import Budget
 from rlgen_cli.server.batcher import MicroBatcher, ScoringError
 from rlgen_cli.server.metrics import ServerMetrics
@@ -88,6 +93,8 @@ class ServerSettings:
         header_timeout_s: Longest a connection may take to send a request head (after connecting or
             after its previous reply, so also the idle keep-alive time).
         body_timeout_s: Longest a request may take to send its body (408 after).
+        flowgrpo_protocol: Also answer Flow-GRPO's pickle requests on ``POST /`` and ``POST /<reward>``
+            (:mod:`rlgen_cli.server.flowgrpo`); off, those paths are 404.
     """
 
     host: str = "127.0.0.1"
@@ -110,6 +117,7 @@ class ServerSettings:
     max_connections: int = 256
     header_timeout_s: float = 15.0
     body_timeout_s: float = 60.0
+    flowgrpo_protocol: bool = False
 
     def __post_init__(self) -> None:
         """Check ranges; raise :class:`UserError` naming the ``server.`` key to fix."""
@@ -554,8 +562,68 @@ def _reply(body: dict[str, Any], binary: bool) -> web.Response:
     return web.json_response(body)
 
 
-async def score(request: web.Request) -> web.Response:
-    """``POST /v1/score``: admit, read, validate, check sizes, admit the pixels, decode, batch, score, reply."""
+@dataclass
+class _ScoreJob:
+    """A parsed score request, whatever its protocol: the reward, its images (not yet checked), prompts,
+    metadata, and how to answer it from the scores and details."""
+
+    reward: str
+    raw: list[Any]
+    prompts: list[str]
+    metadata: list[dict] | None
+    respond: Callable[[list[float], dict[str, list]], web.Response]
+
+
+async def _native_job(request: web.Request, state: ServerState) -> _ScoreJob:
+    """Read a ``/v1/score`` request (JSON or msgpack); the reply uses its format, NaN sent as null."""
+    payload, binary = await _read_payload(request, state)
+    name, raw, prompts, metadata = _validate(payload, state, binary)
+
+    def respond(scores: list[float], details: dict[str, list]) -> web.Response:
+        return _reply({"scores": [wire.nan_to_none(s) for s in scores], "details": details}, binary)
+
+    return _ScoreJob(name, raw, prompts, metadata, respond)
+
+
+def _flowgrpo_reward(request: web.Request, state: ServerState) -> str:
+    """The reward a Flow-GRPO request names by its path: ``/<reward>``, or ``/`` when only one is hosted."""
+    hosted = sorted(state.batchers)
+    name = request.match_info.get("reward")
+    if name is None:
+        if len(hosted) == 1:
+            return hosted[0]
+        raise ApiError(
+            404,
+            f"this server hosts several rewards ({', '.join(hosted)}); POST Flow-GRPO requests to "
+            "/<reward>, e.g. http://HOST:PORT/" + hosted[0],
+            "not_found",
+        )
+    if name not in state.batchers:
+        raise ApiError(404, f"unknown reward {name!r}; this server hosts: {', '.join(hosted)}", "not_found")
+    return name
+
+
+async def _flowgrpo_job(request: web.Request, state: ServerState) -> _ScoreJob:
+    """Read a Flow-GRPO pickle request (plain data only, never run); the reply is a pickle too."""
+    name = _flowgrpo_reward(request, state)
+    body = await _read_body(request)
+    settings = state.settings
+    inline = len(body) <= _INLINE_PARSE_BYTES
+    args = (body, settings.max_request_items, settings.max_metadata_depth)
+    parsed = await _in_pool(state, inline, flowgrpo.parse_request, *args)
+
+    def respond(scores: list[float], details: dict[str, list]) -> web.Response:
+        body = flowgrpo.reply_body(scores, details, parsed.only_strict)
+        return web.Response(body=body, content_type=flowgrpo.PICKLE_TYPE)
+
+    return _ScoreJob(name, parsed.images, parsed.prompts, parsed.metadata, respond)
+
+
+JobReader = Callable[[web.Request, ServerState], Awaitable[_ScoreJob]]
+
+
+async def _score_with(request: web.Request, read_job: JobReader) -> web.Response:
+    """Admit, read (``read_job``), check sizes, admit the pixels, decode, batch, score, reply."""
     state = request.app[STATE]
     await _admit(
         state, state.slots, 1, f"server.max_inflight_requests={state.settings.max_inflight_requests}"
@@ -570,32 +638,42 @@ async def score(request: web.Request) -> web.Response:
         cost = 2 * (state.settings.max_request_bytes if declared is None else declared)  # body + parse
         await _admit(state, state.bodies, cost, budget_key + " (request bodies: half of it)")
         body_cost = cost
-        payload, binary = await _read_payload(request, state)
-        name, raw, prompts, metadata = _validate(payload, state, binary)
-        if not prompts:
-            return _reply({"scores": [], "details": {}}, binary)
+        job = await read_job(request, state)
+        name, raw = job.reward, job.raw
+        if not job.prompts:
+            return job.respond([], {})
         inline = all(isinstance(data, dict) for data in raw)  # raw pixels: cheap checks and views
         checked, decoded = await _in_pool(state, inline, _check_all, raw, state.settings)
         cost = _pixel_cost(decoded, state.rewards[name])
         await _admit(state, state.pixels, cost, budget_key + " (decoded pixels: half of it)")
         pixel_cost = cost
         images = await _in_pool(state, inline, _decode_checked, checked)
-        del checked
+        del checked, raw
+        job.raw = []  # the bodies' strings and bytes are decoded: let them go before scoring
         try:
-            scored = await state.batchers[name].submit(images, prompts, metadata)
+            scored = await state.batchers[name].submit(images, job.prompts, job.metadata)
         except ScoringError as err:
             raise ApiError(err.status, str(err), kind="scoring") from err
-        scores = [wire.nan_to_none(s) for s in scored.scores]
-        n_bad = sum(s is None for s in scores)
+        n_bad = sum(not math.isfinite(s) for s in scored.scores)
         if n_bad:
             state.metrics.nan_scores.inc(n_bad, reward=name)
             logger.warning("reward %r returned %d non-finite scores (sent as null)", name, n_bad)
-        return _reply({"scores": scores, "details": scored.details}, binary)
+        return job.respond(scored.scores, scored.details)
     finally:
         state.metrics.in_flight.dec()
         state.bodies.release(body_cost)
         state.pixels.release(pixel_cost)
         state.slots.release(1)
+
+
+async def score(request: web.Request) -> web.Response:
+    """``POST /v1/score``: rlgen's own wire (:mod:`~rlgen_cli.rewards.remote.wire`)."""
+    return await _score_with(request, _native_job)
+
+
+async def score_flowgrpo(request: web.Request) -> web.Response:
+    """``POST /`` and ``POST /<reward>`` with ``flowgrpo_protocol``: Flow-GRPO's pickle protocol."""
+    return await _score_with(request, _flowgrpo_job)
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -632,6 +710,7 @@ async def list_rewards(request: web.Request) -> web.Response:
                 "max_connections": settings.max_connections,
             },
             "wire_formats": list(wire.FORMATS),
+            "flowgrpo_protocol": settings.flowgrpo_protocol,
         }
     )
 
@@ -683,4 +762,7 @@ def build_app(rewards: dict[str, Reward], settings: ServerSettings | None = None
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/v1/rewards", list_rewards)
     app.router.add_get("/metrics", metrics)
+    if settings.flowgrpo_protocol:
+        app.router.add_post("/", score_flowgrpo, expect_handler=_expect_continue)
+        app.router.add_post("/{reward}", score_flowgrpo, expect_handler=_expect_continue)
     return app
