@@ -307,7 +307,8 @@ class AdvantageRewardConfig(RewardConfig):
     """The reward section of the recipes that turn a reward mix into advantages."""
 
     aggregation: Annotated[str, AdvAggregation] = "sum_then_normalize"
-    """``sum_then_normalize`` (Flow-GRPO) or ``normalize_then_sum`` (MixGRPO's per-reward advantages)."""
+    """``sum_then_normalize`` (Flow-GRPO), ``normalize_then_sum`` (MixGRPO's per-reward advantages) or
+    ``gdpo`` (GDPO: per-reward advantages, their weighted sum normalised over the batch)."""
 
 
 def require_rewards(reward: RewardConfig) -> None:
