@@ -71,15 +71,16 @@ class FlowRunConfig(RunConfig):
     of the epoch count and the share of ``time_limit_minutes`` used, so the decay ends where the limit
     stops the run; not reproducible across machines once the time share takes over)."""
     eval_before: bool = False
-    """Also evaluate before the first epoch (logged at step 0): the run ends with a before → after
-    table per prompt tag (``before_after.txt``) and sample grid when the reward reports tags."""
+    """Also evaluate before the first epoch (logged at step 0): the run ends with a before → after table
+    (``before_after.txt``: the reward, each reward of the mix and its details; per prompt tag when the
+    reward reports tags) and the sample grid before / after (``images/before_after.png``)."""
     eval_heldout: str | None = None
     """A second test split (e.g. ``builtin:shapes_heldout.jsonl``: combinations never trained on),
     evaluated like ``data.test`` but only before and after training (with ``eval_before``) and reported
-    as the ``held-out`` row of the before → after table; null = off."""
+    as the ``unseen`` row of the before → after table; null = off."""
     eval_report: Annotated[str, EvalReportKind] = "none"
-    """What the run writes from its evaluations at the end: ``none``, or ``shapes`` (ShapesEval's
-    ``shapes_curves.png``; with ``eval_before`` the per-tag ``before_after.txt`` and its sample grid)."""
+    """What the run writes from its evaluations at the end besides ``eval_before``'s table and grid:
+    ``none``, or ``shapes`` (ShapesEval's ``shapes_curves.png``, a per-tag table, captioned grids)."""
     guard: GuardConfig = field(default_factory=GuardConfig)
     """The reward-hacking guard: held-out rewards scored at every evaluation, and what to do when the
     trained reward rises while they fall (docs/guard.md); no ``guard.monitors`` = off."""

@@ -11,8 +11,9 @@ are captioned, and writes its files when the run ends: ``none`` writes nothing a
 bare, ``shapes`` (:class:`ShapesReport`) captions every evaluation grid with the prompts and a pass /
 fail border from each sample's strict score, and writes the ShapesEval curves and, after an
 ``eval_before`` run, the before → after table and sample grid. With ``eval_heldout`` the table ends with
-a ``held-out`` row: the held-out split's overall before → after (``eval_heldout/…`` metrics, evaluated
-only at those two points), and a line saying how many samples it holds.
+an ``unseen`` row: the overall before → after of the split of prompt combinations never trained on
+(``eval_heldout/…`` metrics, evaluated only at those two points), and a line saying how many samples it
+holds. "Unseen" names that split; "held-out" is the guard's (held-out rewards, ``training/guard.py``).
 """
 
 from __future__ import annotations
@@ -106,19 +107,20 @@ def before_after_table(
     prefix: str = "eval/",
 ) -> str:
     """Per tag and metric: ``before → after (Δ)``; accuracies in percent, extra objects as counts. When
-    both hold the ``eval_heldout/`` split, a last ``held-out`` row gives its overall values, and a line
+    both hold the ``eval_heldout/`` split, a last ``unseen`` row gives its overall values, and a line
     under the table its number of samples."""
     tags = tags_of(after, reward, columns[0][0], prefix) + ["overall"]
     lines = [f"{'tag':<14}" + "".join(f"{title:>{CELL}}" for _, title in columns)]
     lines += [_before_after_row(tag, before, after, reward, columns, prefix, tag) for tag in tags]
     if has_heldout(before, reward) and has_heldout(after, reward):
-        lines.append(_before_after_row("held-out", before, after, reward, columns, HELDOUT_PREFIX, "overall"))
+        lines.append(_before_after_row(UNSEEN, before, after, reward, columns, HELDOUT_PREFIX, "overall"))
         count = int(after.get(f"{HELDOUT_PREFIX}num_samples", 0))
-        lines.append(f"held-out: {count} samples of prompt combinations never trained on (eval_heldout)")
+        lines.append(f"{UNSEEN}: {count} samples of prompt combinations never trained on (eval_heldout)")
     return "\n".join(lines)
 
 
 CELL = 24  # width of a before → after cell
+UNSEEN = "unseen"  # the row of the eval_heldout split (combinations never trained on)
 HELDOUT_PREFIX = "eval_heldout/"
 """Metric prefix of the ``eval_heldout`` split (``recipes/loop.py: evaluate``)."""
 
@@ -322,7 +324,7 @@ class ShapesReport:
     """``eval_report=shapes``: evaluation grids captioned with each sample's prompt and a green (strict
     pass) or red (fail) border; ``shapes_curves.png`` (strict / lenient accuracy, extra objects, train
     reward) when the last epoch evaluated; and after an ``eval_before`` run the per-tag before → after
-    table (``before_after.txt``, also logged; with the ``held-out`` row under ``eval_heldout``) with the
+    table (``before_after.txt``, also logged; with the ``unseen`` row under ``eval_heldout``) with the
     captioned grid of the same prompts and noise before and after (:func:`write_before_after`)."""
 
     def __init__(self, run_dir: Path, reward: str = "shapes_geneval") -> None:

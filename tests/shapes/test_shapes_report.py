@@ -88,12 +88,12 @@ def test_the_before_after_table_ends_with_the_heldout_row():
     after = _metrics("eval/", 0.5, 0.5, 0.5) | _metrics("eval_heldout/", 0.15, 0.3, 0.6)
     after["eval_heldout/num_samples"] = 162.0
     lines = before_after_table(before, after).splitlines()
-    assert [line.split()[0] for line in lines] == ["tag", "counting", "overall", "held-out", "held-out:"]
+    assert [line.split()[0] for line in lines] == ["tag", "counting", "overall", "unseen", "unseen:"]
     assert lines[3].split() == [
-        "held-out", "10.0", "→", "15.0", "(", "+5.0)", "20.0", "→", "30.0", "(", "+10.0)", "0.8", "→", "0.6",
+        "unseen", "10.0", "→", "15.0", "(", "+5.0)", "20.0", "→", "30.0", "(", "+10.0)", "0.8", "→", "0.6",
         "(", "-0.2)",
     ]  # fmt: skip
-    assert lines[4] == "held-out: 162 samples of prompt combinations never trained on (eval_heldout)"
+    assert lines[4] == "unseen: 162 samples of prompt combinations never trained on (eval_heldout)"
     # without the held-out split on both sides: no row
     assert len(before_after_table(_metrics("eval/", 0.25, 0.5, 1.0), after).splitlines()) == 3
 

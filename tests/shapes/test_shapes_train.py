@@ -58,12 +58,12 @@ def test_training_from_the_shipped_base_changes_weights_and_reports(cli, tmp_pat
     assert table[0].split()[:2] == ["tag", "strict"] and table[-3].startswith("overall")
     strict_before, strict_after = rows[0][HELDOUT_STRICT], rows[-1][HELDOUT_STRICT]
     assert table[-2].split()[:4] == [
-        "held-out",
+        "unseen",
         f"{100 * strict_before:.1f}",
         "→",
         f"{100 * strict_after:.1f}",
     ]
-    assert table[-1].startswith("held-out: 12 samples")
+    assert table[-1].startswith("unseen: 12 samples")
     assert (run / "shapes_curves.png").is_file()
     # before (top) and after (bottom) of the 12 prompts, 32-pixel samples drawn 128 wide over their captions
     with Image.open(run / "images" / "before_after.png") as grid:
