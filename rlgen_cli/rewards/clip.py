@@ -13,6 +13,9 @@ Models load lazily on the first ``score`` from a hub id or a local path (``local
 through) and are shared through a small LRU cache keyed by (path, device, dtype), so two rewards on the
 same CLIP checkpoint load it once. Images are preprocessed in torch (no PIL round trip) with the
 processor's own size, crop, mean and std; see :func:`clip_pixel_values`.
+
+Videos ``(B, C, F, H, W)`` (Wan): ``pickscore``, ``clipscore`` and ``aesthetic`` score every frame (each
+against its sample's prompt) and take the mean over the frames.
 """
 
 from __future__ import annotations
@@ -178,7 +181,8 @@ def _check_images(images: Tensor | None, reward_name: str, field_name: str = "im
     if images.ndim != 4 or images.shape[1] not in (1, 3):
         raise ValueError(
             f"reward {reward_name!r} expects {field_name} (B, C, H, W) with C in {{1, 3}}, got "
-            f"{tuple(images.shape)}; score videos frame by frame."
+            f"{tuple(images.shape)}; videos (B, C, F, H, W) are scored frame by frame by pickscore, "
+            "clipscore and aesthetic."
         )
     if not all_finite(images):
         raise ValueError(f"reward {reward_name!r} got non-finite values in {field_name}; check the decoder.")
@@ -319,14 +323,37 @@ class ClipReward:
         refs = self.image_embeddings(_check_images(sources.flatten(0, 1), self.name, "ref_images"))
         return (refs.view(-1, count, refs.shape[-1]) * embeddings.unsqueeze(1)).sum(-1).mean(1)
 
+    def frames_of(self, images: Tensor | None) -> tuple[Tensor | None, int]:
+        """``(B·F, C, H, W)`` frames of videos ``(B, C, F, H, W)`` (sample by sample) and F; an image
+        batch is its own frames (F = 1)."""
+        if images is None or images.ndim != 5:
+            return images, 1
+        if self.kind == "image_similarity":
+            raise ValueError(
+                f"reward {self.name!r} compares images with their sources; it does not score videos "
+                f"{tuple(images.shape)} (pickscore, clipscore and aesthetic score them frame by frame)."
+            )
+        b, c, f, h, w = images.shape
+        return images.permute(0, 2, 1, 3, 4).reshape(b * f, c, h, w), f
+
     @torch.no_grad()
     def score(self, batch: RewardBatch) -> RewardResult:
-        """Score ``batch``; returns float32 CPU scores and ``details["cosine"]`` where defined.
+        """Score ``batch``; returns float32 CPU scores and ``details["cosine"]`` where defined. A video
+        scores each frame against its prompt and takes the mean over its frames (score and cosine).
 
         Raises:
             ValueError: If the images (or, for ``image_similarity``, the reference images) are unusable.
         """
-        images = self.image_embeddings(_check_images(batch.images, self.name))
+        frames, count = self.frames_of(batch.images)
+        result = self._score_images(batch, frames, count)
+        if count == 1:
+            return result
+        details = {k: v.view(-1, count).mean(1) for k, v in result.details.items()}
+        return RewardResult(scores=result.scores.view(-1, count).mean(1), details=details)
+
+    def _score_images(self, batch: RewardBatch, frames: Tensor | None, count: int) -> RewardResult:
+        """Per-image scores of ``frames`` (B·count images; each prompt repeated over its count frames)."""
+        images = self.image_embeddings(_check_images(frames, self.name))
         details: dict[str, Any] = {}
         if self.kind == "aesthetic":
             if images.shape[-1] != (width := self.head.layers[0].in_features):
@@ -338,7 +365,8 @@ class ClipReward:
         elif self.kind == "image_similarity":
             scores = self.source_similarity(images, batch.ref_images)
         else:
-            cosine = (images * self.text_embeddings(list(batch.prompts))).sum(-1)
+            texts = self.text_embeddings(list(batch.prompts)).repeat_interleave(count, dim=0)
+            cosine = (images * texts).sum(-1)
             logits = self.model.logit_scale.exp().float() * cosine
             scores = logits / (PICKSCORE_SCALE if self.kind == "pickscore" else CLIPSCORE_SCALE)
             details["cosine"] = cosine.cpu()

@@ -218,8 +218,8 @@ def test_input_validation_and_lazy_loading(clip_dirs):
     assert clip_mod.load_clip_model.cache_info().currsize == 0  # nothing loads at build time
     with pytest.raises(ValueError, match="images but it is None"):
         reward.score(RewardBatch(prompts=PROMPTS))
-    with pytest.raises(ValueError, match="frame by frame"):
-        reward.score(RewardBatch(prompts=PROMPTS, images=torch.rand(3, 3, 2, 16, 16)))
+    with pytest.raises(ValueError, match="frame by frame"):  # 2 channels: neither images nor videos
+        reward.score(RewardBatch(prompts=PROMPTS, images=torch.rand(3, 2, 16, 16)))
     with pytest.raises(ValueError, match="unknown dtype"):
         build_reward("clipscore", dtype="int8")
 
@@ -233,3 +233,34 @@ def test_reward_configs_name_registered_rewards_and_valid_kwargs(path):
     assert set(cfg["weights"]) <= set(REWARDS)
     for name, kwargs in cfg.get("kwargs", {}).items():
         inspect.signature(REWARDS[name]).bind(**kwargs)  # raises TypeError on an unknown kwarg
+
+
+def _video(seeds: tuple[int, ...]) -> torch.Tensor:
+    """(3, 3, F, H, W): frame k is ``_images(seed=seeds[k])``."""
+    return torch.stack([_images(seed=s) for s in seeds], dim=2)
+
+
+@pytest.mark.parametrize("name", ["pickscore", "clipscore"])
+def test_a_video_scores_the_mean_of_its_frames(clip_dirs, name: str):
+    """Each frame against its own sample's prompt, scored as an image (the model's own logits), then the
+    mean over the frames; a sample's frames are not mixed with another sample's."""
+    model_dir, processor_dir = clip_dirs
+    paths = {"processor_path": str(processor_dir)} if name == "pickscore" else {}
+    reward = build_reward(name, model_path=str(model_dir), device="cpu", local_files_only=True, **paths)
+    scale = 26.0 if name == "pickscore" else 30.0
+    seeds = (4, 5, 6)
+    per_frame = torch.stack(
+        [_reference(model_dir, processor_dir if paths else model_dir, _images(seed=s))[0] for s in seeds]
+    )  # (F, B) logits of each frame as an image batch
+    result = reward.score(RewardBatch(prompts=PROMPTS, images=_video(seeds)))
+    assert result.scores.shape == (3,) and result.details["cosine"].shape == (3,)
+    torch.testing.assert_close(result.scores, per_frame.mean(0) / scale, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(result.details["cosine"], per_frame.mean(0) / 50, atol=1e-5, rtol=1e-5)
+
+
+def test_image_similarity_refuses_a_video(clip_dirs):
+    reward = build_reward(
+        "image_similarity", model_path=str(clip_dirs[0]), device="cpu", local_files_only=True
+    )
+    with pytest.raises(ValueError, match="does not score videos"):
+        reward.score(RewardBatch(prompts=PROMPTS, images=_video((1, 2)), ref_images=_images()))
