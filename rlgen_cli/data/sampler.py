@@ -14,6 +14,12 @@ The default unit is a rank's whole share (rank ``r`` gets the ``r``-th contiguou
 trains piece by piece deals pieces of one micro-batch, so optimizer step ``s`` covers the same global
 micro-batches on any number of ranks (flow GRPO: README "process-count invariance"). When a step straddles two passes (``dataset_size`` not
 divisible by ``prompts_per_step``), one prompt may appear in two groups of that step.
+
+``prompts_per_draw`` switches to Flow-GRPO's ``DistributedKRepeatSampler``: the epoch's prompts come in
+``prompts_per_step / prompts_per_draw`` draws (one per upstream sampling batch), draw ``d`` of epoch ``e``
+being the first ``prompts_per_draw`` entries of ``randperm(N)`` seeded with ``seed + e·D + d`` (upstream's
+``set_epoch(epoch · num_batches_per_epoch + i)``), so a prompt may come twice in one epoch and some wait.
+Still a pure function of ``(seed, epoch)``.
 """
 
 from __future__ import annotations
@@ -46,6 +52,27 @@ def _check_positive(**values: int) -> None:
             raise ValueError(f"GroupSampler {name} must be a positive integer, got {value!r}.")
 
 
+def _check_draw(prompts_per_draw: int, prompts_per_step: int, dataset_size: int) -> None:
+    """Raise ``ValueError`` unless ``prompts_per_draw`` divides the epoch and fits in the dataset."""
+    _check_positive(prompts_per_draw=prompts_per_draw)
+    if prompts_per_step % prompts_per_draw or prompts_per_draw > dataset_size:
+        raise ValueError(
+            f"prompts_per_draw = {prompts_per_draw} must divide prompts_per_step = {prompts_per_step} and be at "
+            f"most the dataset's {dataset_size} prompts."
+        )
+
+
+def _fresh_draws(dataset_size: int, prompts: int, per_draw: int, seed: int, epoch: int) -> list[int]:
+    """Flow-GRPO's prompts of ``epoch``: ``prompts / per_draw`` draws, draw d the head of a permutation
+    seeded ``seed + epoch·draws + d``, as its sampler draws batch d of the epoch."""
+    draws = prompts // per_draw
+    out: list[int] = []
+    for d in range(draws):
+        generator = torch.Generator().manual_seed(seed + epoch * draws + d)
+        out += torch.randperm(dataset_size, generator=generator)[:per_draw].tolist()
+    return out
+
+
 class GroupSampler:
     """Yields, per epoch, the dataset indices of ``prompts_per_step`` prompts × ``group_size`` samples.
 
@@ -68,6 +95,7 @@ class GroupSampler:
         seed: int = 0,
         num_replicas: int = 1,
         rank: int = 0,
+        prompts_per_draw: int | None = None,
     ) -> None:
         """Create the sampler.
 
@@ -78,10 +106,13 @@ class GroupSampler:
             seed: Base seed.
             num_replicas: Number of ranks.
             rank: This rank, in ``[0, num_replicas)``.
+            prompts_per_draw: None = passes without replacement; an int = Flow-GRPO's fresh draws of that
+                many distinct prompts (see the module docstring).
 
         Raises:
-            ValueError: On non-positive sizes, a rank out of range, or a global batch
-                ``prompts_per_step * group_size`` not divisible by ``num_replicas``.
+            ValueError: On non-positive sizes, a rank out of range, a global batch
+                ``prompts_per_step * group_size`` not divisible by ``num_replicas``, or a
+                ``prompts_per_draw`` that does not divide ``prompts_per_step`` or exceeds the dataset.
         """
         _check_positive(
             dataset_size=dataset_size,
@@ -98,6 +129,9 @@ class GroupSampler:
                 f"{global_batch} is not divisible by num_replicas = {num_replicas}; change "
                 "prompts_per_step or group_size so every rank gets the same number of samples."
             )
+        if prompts_per_draw is not None:
+            _check_draw(prompts_per_draw, prompts_per_step, dataset_size)
+        self.prompts_per_draw = prompts_per_draw
         self.dataset_size = dataset_size
         self.prompts_per_step = prompts_per_step
         self.group_size = group_size
@@ -117,7 +151,8 @@ class GroupSampler:
         return self.global_batch_size // self.num_replicas
 
     def prompt_indices_for_epoch(self, epoch: int) -> list[int]:
-        """Return the ``prompts_per_step`` distinct-group prompt indices of ``epoch`` (no repeats).
+        """Return the ``prompts_per_step`` prompt indices of ``epoch``, one per group (no repeats unless
+        the epoch straddles two passes or ``prompts_per_draw`` draws afresh).
 
         Args:
             epoch: Non-negative epoch number.
@@ -130,6 +165,10 @@ class GroupSampler:
         """
         if epoch < 0:
             raise ValueError(f"epoch must be non-negative, got {epoch}.")
+        if self.prompts_per_draw is not None:
+            return _fresh_draws(
+                self.dataset_size, self.prompts_per_step, self.prompts_per_draw, self.seed, epoch
+            )
         start = epoch * self.prompts_per_step
         out = []
         for position in range(start, start + self.prompts_per_step):
@@ -212,6 +251,7 @@ class GroupSampler:
     def state_dict(self) -> dict[str, Any]:
         """Return the configuration and current epoch, for checkpoints."""
         state = {key: getattr(self, key) for key in _CONFIG_KEYS}
+        state["prompts_per_draw"] = self.prompts_per_draw
         state["epoch"] = self.epoch
         return state
 
@@ -234,4 +274,10 @@ class GroupSampler:
                     f"sampler {key} differs from the checkpoint ({getattr(self, key)} now, "
                     f"{state[key]} saved); resume with the same data and sampling config."
                 )
+        saved = state.get("prompts_per_draw")  # absent from checkpoints written before the option: passes
+        if saved != self.prompts_per_draw:
+            raise ValueError(
+                f"sampler prompts_per_draw differs from the checkpoint ({self.prompts_per_draw} now, {saved} "
+                "saved); resume with the same algo.prompts_per_draw."
+            )
         self.set_epoch(int(state.get("epoch", 0)))

@@ -284,6 +284,7 @@ def setup(cfg: FlowRunConfig, raw_cfg: DictConfig) -> FlowRun:
     sampler = GroupSampler(
         len(train_set), cfg.algo.prompts_per_epoch, cfg.algo.group_size, seed=cfg.seed,
         num_replicas=dist.world_size, rank=dist.rank,
+        prompts_per_draw=getattr(cfg.algo, "prompts_per_draw", None),  # flow_grpo's key; the others use passes
     )  # fmt: skip
     params = policy.trainable.parameters()
     num_trainable = sum(p.numel() for p in params)  # counted before an engine shards them

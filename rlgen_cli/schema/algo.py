@@ -382,10 +382,21 @@ class FlowGrpoAlgoConfig(PolicyGradientConfig):
     """Every sample of a group starts from the same noise (DanceGRPO)."""
     best_of_n: int = 0
     """Train only the k best and k worst samples of each group (DanceGRPO's best-of-N); 0 = all."""
+    prompts_per_draw: int | None = None
+    """Which prompts an epoch trains: null = passes over the dataset without replacement (every prompt once
+    per pass, every group K samples: rlgen's choice); N = Flow-GRPO's sampler, a fresh random set of N
+    distinct prompts for each of the epoch's prompts_per_epoch / N sampling batches, so a prompt may come
+    twice in an epoch (its groups then merge) while others wait (docs/maths.md §4.1, §13)."""
     ema: EMAConfig = field(default_factory=EMAConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _require(
+            self.prompts_per_draw is None
+            or (self.prompts_per_draw >= 1 and self.prompts_per_epoch % self.prompts_per_draw == 0),
+            f"algo.prompts_per_draw={self.prompts_per_draw} must be null or a positive divisor of "
+            f"algo.prompts_per_epoch ({self.prompts_per_epoch})",
+        )
         _require(
             self.branch == "independent" or self.window.kind in ("random_window", "sliding", "single"),
             "algo.branch=shared_prefix needs a window that starts after step 0 (random_window, sliding, single)",
