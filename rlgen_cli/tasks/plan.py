@@ -1008,7 +1008,14 @@ def reward_rows(cfg: Any) -> tuple[list[Any], list[str]]:
             continue
         modules = _modules_in(reward)
         if not modules and hasattr(reward, "device") and str(kwargs.get("device", "")) != "cpu":
-            refused.append(f"reward {name} loads its model on the device at its first score")
+            counted = lazy_weights(reward)
+            if counted is None:
+                refused.append(
+                    f"reward {name} loads its model on the device at its first score, and none of its "
+                    "sources is a config or a safetensors file readable offline"
+                )
+            else:
+                rows.append(Row(f"reward {name} weights", *counted))
         for module in modules:
             rows.append(
                 Row(f"reward {name} weights", _module_state_bytes(module), "built with empty weights")
@@ -1020,6 +1027,75 @@ def reward_rows(cfg: Any) -> tuple[list[Any], list[str]]:
             "with +plan.reward_memory_gb.NAME=GiB"
         )
     return rows, notes
+
+
+def lazy_weights(reward: Any) -> tuple[int, str] | None:
+    """Bytes of the weights a reward loads on its first score, counted without reading them, and how:
+    its first source (``requirements()``) that is a ``from_pretrained`` directory (or cached hub id) with a
+    config, built with empty weights, or a safetensors file, read from its header — in the reward's
+    ``dtype`` where it sets one; None when none can be read offline."""
+    from rlgen_cli.rewards.requirements import ModelSource, requirements_of
+
+    dtype = getattr(reward, "dtype", None)
+    dtype = dtype if isinstance(dtype, torch.dtype) else None
+    for source in requirements_of(reward):
+        if not isinstance(source, ModelSource):
+            continue
+        counted = (
+            _safetensors_bytes(source.path, dtype)
+            if source.single_file
+            else _config_bytes(source.path, dtype)
+        )
+        if counted is not None:
+            return (
+                counted,
+                f"{source.key}={source.path}: {'its header' if source.single_file else 'built from its config'}, weights not read",
+            )
+    return None
+
+
+def _config_bytes(path: str, dtype: torch.dtype | None) -> int | None:
+    """Bytes of the parameters of the model ``path``'s config describes (built with empty weights)."""
+    from transformers import AutoConfig, AutoModel
+
+    try:
+        with _offline():
+            config = AutoConfig.from_pretrained(path, local_files_only=True)
+        with _empty_weights(True):
+            model = AutoModel.from_config(config)
+    except (OSError, ValueError, KeyError, ImportError):
+        return None
+    return _tensors_bytes(list(model.parameters()), dtype)
+
+
+def _safetensors_bytes(path: str, dtype: torch.dtype | None) -> int | None:
+    """Bytes of the tensors a local safetensors file holds, read from its header."""
+    from safetensors import safe_open
+
+    if not (path.endswith(".safetensors") and os.path.isfile(path)):
+        return None
+    with safe_open(path, framework="pt") as file:
+        slices = [file.get_slice(key) for key in file.keys()]  # noqa: SIM118 (a safe_open is no mapping)
+        tensors = [
+            torch.empty(s.get_shape(), dtype=_safetensors_dtype(s.get_dtype()), device=META) for s in slices
+        ]
+    return _tensors_bytes(tensors, dtype)
+
+
+def _safetensors_dtype(name: str) -> torch.dtype:
+    return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+            "BOOL": torch.bool}[name]  # fmt: skip
+
+
+def _tensors_bytes(tensors: list[Tensor], dtype: torch.dtype | None) -> int:
+    """Bytes of ``tensors``, their floating ones in ``dtype`` where given (a reward loads in its own)."""
+    loaded = None if dtype is None else torch.empty((), dtype=dtype).element_size()
+
+    def size(tensor: Tensor) -> int:
+        return loaded if loaded is not None and tensor.is_floating_point() else tensor.element_size()
+
+    return sum(t.numel() * size(t) for t in tensors)
 
 
 @contextlib.contextmanager

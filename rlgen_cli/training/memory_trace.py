@@ -284,6 +284,8 @@ def recomputed_in_modes(blocks: Sequence[nn.Module]) -> Iterator[None]:
         ) -> Any:
             if _MetaAutocast.active:
                 _dtypes[0] = _MetaAutocast.active[-1]
+            if _modes_active():  # the forward, under the trace's modes already: a second stack only costs
+                return _forward(*args, **kwargs)
             autocast = _MetaAutocast(_dtypes[0]) if _dtypes[0] is not None else contextlib.nullcontext()
             with _FusedAttentionOnMeta(), _MetaWithCpuValues(), _MetaScalars(), autocast:
                 return _forward(*args, **kwargs)
@@ -298,6 +300,15 @@ def recomputed_in_modes(blocks: Sequence[nn.Module]) -> Iterator[None]:
                 del block.forward
             else:
                 block.forward = original
+
+
+def _modes_active() -> bool:
+    """Whether the block modes are on the function-mode stack (a forward inside the trace), rather than
+    off it (a block recomputed by gradient checkpointing in the backward, which runs without them)."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    kinds = {type(mode) for mode in _get_current_function_mode_stack()}
+    return {_FusedAttentionOnMeta, _MetaWithCpuValues, _MetaScalars} <= kinds
 
 
 def fused_attention_on_meta() -> TorchFunctionMode:

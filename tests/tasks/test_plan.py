@@ -356,3 +356,25 @@ def test_a_one_layer_real_width_bagel_is_predicted_within_15_percent_of_a_real_s
     )  # fmt: skip
     assert abs(result["error"]) <= TOLERANCE, result
     assert result["measured"].state > 2 * 2.0e9  # the bf16 network was built with its weights
+
+
+def test_a_reward_model_whose_config_is_local_is_counted_at_its_weights_bytes(cli, tmp_path: Path):
+    """PickScore loads its CLIP on the first score; from a local directory the plan builds it from its
+    config with empty weights and counts it: as many bytes as the saved weights hold (read back here)."""
+    from safetensors.torch import load_file
+    from transformers import CLIPConfig, CLIPModel
+
+    tiny = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
+    config = CLIPConfig(
+        text_config={**tiny, "vocab_size": 100, "max_position_embeddings": 16},
+        vision_config={**tiny, "image_size": 32, "patch_size": 8},
+        projection_dim=16,
+    )
+    CLIPModel(config).save_pretrained(tmp_path / "clip")
+    saved = load_file(tmp_path / "clip" / "model.safetensors")
+    code, out = cli("plan", "model=tiny_flux", "reward=pickscore", "data=tiny", "plan.format=json",
+                    f"reward.kwargs.pickscore.model_path={tmp_path / 'clip'}",
+                    f"reward.kwargs.pickscore.processor_path={tmp_path / 'clip'}", f"hydra.run.dir={tmp_path}")  # fmt: skip
+    assert code == 0, out
+    rows = {row["what"]: row["bytes"] for row in json.loads((tmp_path / "plan.json").read_text())["rows"]}
+    assert rows["reward pickscore weights"] == sum(t.numel() * t.element_size() for t in saved.values())
