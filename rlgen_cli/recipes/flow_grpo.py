@@ -177,9 +177,8 @@ def grpo_epoch(run: FlowRun, epoch: int, progress: Progress) -> dict[str, float]
 
     # 4. update
     with timed(timings, "time/update"):
-        trained = rollouts.select(keep)
-        update_stats = update_values(run, trained, advantages[keep], progress, num_batches)
-        update_stats[KL_TO_REFERENCE] = reference_kl(run, trained)
+        update_stats = update_values(run, rollouts.select(keep), advantages[keep], progress, num_batches)
+        update_stats[KL_TO_REFERENCE] = reference_kl(run, rollouts, mine.tolist())
 
     loop.save_rollout_images(run, rollouts.images, epoch)
     stats = loop.reduce_over_ranks(dist, {**reward_details, **update_stats, "trained_samples": len(keep)})
@@ -309,28 +308,35 @@ def step_logprob(
 KL_TO_REFERENCE = "kl_to_ref"
 """The measured KL to the reference, logged whatever ``algo.kl_weight`` (``kl_loss`` is 0 without it)."""
 
+KL_PROBE_SAMPLES = 4
+"""How many samples measure ``kl_to_ref``: the epoch's first by global position, each in a forward of its
+own, so the same samples in the same forwards give the logged number on any process count."""
 
-def reference_kl(run: FlowRun, rollouts: Rollouts) -> list[float]:
+
+def reference_kl(run: FlowRun, rollouts: Rollouts, positions: list[int]) -> list[float]:
     """The KL of the updated policy's SDE step to the reference's (LoRA disabled), measured after the
-    update on this process's first micro-batch at its first trained step: one no-grad forward of each,
-    so runs with ``algo.kl_weight`` 0 show how far they moved too. Empty when nothing was trained."""
+    update at each probe sample's first trained step (positions: this process's places in the global
+    batch): one no-grad forward of each, so runs with ``algo.kl_weight`` 0 show how far they moved too.
+    A process that holds no probe sample contributes nothing."""
     algo, spec = run.cfg.algo, loop.step_spec(run.cfg)
-    part = next(iter(batches(len(rollouts.indices), algo.train_batch_size)), None)
-    if part is None:
-        return []
-    traj, cond = rollouts.traj.index(part), rollouts.cond.index(part)
-    trained = trained_rows(traj)
-    if not trained:
-        return []
-    j, rows = trained[0]
-    step_traj = traj.index(rows)
-    velocity = functools.partial(conditioned, run.policy, cond.index(rows))
-    with torch.no_grad():
-        out = recompute_step(velocity, step_traj, j, spec)
-        with run.policy.trainable.reference():
-            ref = recompute_step(velocity, step_traj, j, spec)
-    dt = step_traj.sigmas_next[j] - step_traj.sigmas[j]
-    return [step_kl(out.mean, ref.mean, out.std, dt, form=algo.kl_form, kind=spec.kind).mean().item()]
+    values = []
+    for i in [i for i, p in enumerate(positions) if p < KL_PROBE_SAMPLES]:
+        one = torch.tensor([i])
+        traj = rollouts.traj.index(one)
+        trained = trained_rows(traj)
+        if not trained:
+            continue
+        j, _ = trained[0]
+        velocity = functools.partial(conditioned, run.policy, rollouts.cond.index(one))
+        with torch.no_grad():
+            out = recompute_step(velocity, traj, j, spec)
+            with run.policy.trainable.reference():
+                ref = recompute_step(velocity, traj, j, spec)
+        dt = traj.sigmas_next[j] - traj.sigmas[j]
+        values.append(
+            step_kl(out.mean, ref.mean, out.std, dt, form=algo.kl_form, kind=spec.kind).mean().item()
+        )
+    return values
 
 
 def folded_logprobs(
