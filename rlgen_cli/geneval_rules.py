@@ -39,12 +39,13 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "POSITION_CREDITS", "TAGS", "ColorFn", "Detection", "GenEvalResult", "GenEvalThresholds",
+    "POSITION_CREDITS", "TAGS", "TIE_ORDERS", "ColorFn", "Detection", "GenEvalResult", "GenEvalThresholds",
     "check_position_credit", "position_holds", "relative_position", "score_geneval", "select_detections",
     "summarise",
 ]  # fmt: skip
 
 POSITION_CREDITS = ("upstream", "strict")
+TIE_ORDERS = ("upstream", "listed")
 TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
 
 ColorFn = Callable[[Sequence["Detection"], str], list[str]]
@@ -69,12 +70,25 @@ class Detection:
 
 @dataclass(frozen=True)
 class GenEvalThresholds:
-    """Detection filtering and position settings of the original benchmark."""
+    """Detection filtering and position settings of the original benchmark.
+
+    ``tie_order`` orders detections of equal score: ``"upstream"`` puts the later-listed first, as GenEval's
+    ``np.argsort(scores)[::-1]`` does (the GenEval reward's setting); ``"listed"`` keeps the listed order
+    (ShapesEval, whose detector scores every shape 1.0 and lists them in raster order).
+    """
 
     confidence: float = 0.3
     counting_confidence: float = 0.9
     max_objects: int = 16
     position_margin: float = 0.1
+    tie_order: str = "listed"
+
+    def __post_init__(self) -> None:
+        if self.tie_order not in TIE_ORDERS:
+            raise ValueError(
+                f"tie_order={self.tie_order!r}; choose 'upstream' (equal scores: later-listed first, as "
+                "GenEval's evaluate_images.py) or 'listed' (equal scores in listed order)."
+            )
 
 
 @dataclass
@@ -101,9 +115,9 @@ def select_detections(
 ) -> dict[str, list[Detection]]:
     """Group detections by class, keeping those above the tag's threshold, most confident first.
 
-    As GenEval's ``evaluate_images.py``: scores and threshold are compared in float32 (its detector's
-    score array is float32, so a score of exactly ``float32(0.3)`` is not above 0.3), and among equal
-    scores the later-listed detection comes first (``np.argsort(scores)[::-1]``).
+    As GenEval's ``evaluate_images.py``, scores and threshold are compared in float32 (its detector's
+    score array is float32, so a score of exactly ``float32(0.3)`` is not above 0.3); equal scores are
+    ordered by ``thresholds.tie_order``.
 
     Args:
         detections: All detections of one image.
@@ -115,17 +129,19 @@ def select_detections(
     """
     cutoff = np.float32(thresholds.counting_confidence if tag == "counting" else thresholds.confidence)
     grouped: dict[str, list[Detection]] = {}
-    for det in _most_confident_first(detections):
+    for det in _most_confident_first(detections, thresholds.tie_order):
         kept = grouped.setdefault(det.label, [])
         if np.float32(det.score) > cutoff and len(kept) < thresholds.max_objects:
             kept.append(det)
     return {label: dets for label, dets in grouped.items() if dets}
 
 
-def _most_confident_first(detections: Sequence[Detection]) -> list[Detection]:
-    """Descending float32 score; ties keep upstream's order: a stable ascending sort, reversed."""
-    ascending = sorted(detections, key=lambda d: np.float32(d.score))
-    return ascending[::-1]
+def _most_confident_first(detections: Sequence[Detection], tie_order: str) -> list[Detection]:
+    """Descending float32 score; equal scores later-listed first (``"upstream"``: a stable ascending sort,
+    reversed, as ``np.argsort(scores)[::-1]``) or in listed order (``"listed"``)."""
+    if tie_order == "upstream":
+        return sorted(detections, key=lambda d: np.float32(d.score))[::-1]
+    return sorted(detections, key=lambda d: np.float32(d.score), reverse=True)
 
 
 def relative_position(box_a: Sequence[float], box_b: Sequence[float], margin: float = 0.1) -> set[str]:

@@ -68,7 +68,7 @@ class GenEvalReward:
         self,
         detector: Detector,
         color_classifier: ColorClassifier,
-        thresholds: GenEvalThresholds = GenEvalThresholds(),
+        thresholds: GenEvalThresholds = GenEvalThresholds(tie_order="upstream"),
         clamp_count_term: bool = True,
         position_credit: str = "upstream",
         name: str = "geneval",
@@ -160,6 +160,8 @@ class GenEvalKwargs:
         label_aliases: Detector label -> GenEval class overrides.
         batch_size: Images per detector forward pass.
         position_credit: ``upstream`` or ``strict`` terms for a failed position (see :func:`score_geneval`).
+        tie_order: Detections of equal score: ``upstream`` (later-listed first, as GenEval) or ``listed``
+            (see :class:`GenEvalThresholds`).
     """
 
     detector_path: str | None = None
@@ -175,6 +177,7 @@ class GenEvalKwargs:
     label_aliases: dict[str, str] | None = None
     batch_size: int = 8
     position_credit: str = "upstream"
+    tie_order: str = "upstream"
 
 
 @register("geneval", kwargs=GenEvalKwargs)
@@ -202,7 +205,7 @@ def geneval(**kwargs: Any) -> GenEvalReward:
             "Mask2Former or object detector for detector_path, a CLIP one for clip_path)."
         )
     thresholds = GenEvalThresholds(
-        args.threshold, args.counting_threshold, args.max_objects, args.position_margin
+        args.threshold, args.counting_threshold, args.max_objects, args.position_margin, args.tie_order
     )
     min_threshold = min(args.threshold, args.counting_threshold)
     detector = TransformersDetector(

@@ -9,16 +9,19 @@ then
    trainable, LoRA or base; the local reward models (or refuses a reward whose model it cannot build,
    naming it), the prompt caches at their cap, the float64 gradient sums of ``launcher.exact_reduction``;
 2. runs the recipe's own code on the meta device and traces the peak of each phase of an epoch
-   (``training/memory_trace.py``, :class:`EpochTracer`): one rollout batch of ``algo.sample_batch_size``
-   (the sampling forwards, the trajectory it keeps, the decode), and one training step at
-   ``algo.train_batch_size`` — the recipe's update itself, with its folds of ``algo.timesteps_per_pass``,
-   its KL reference forward, its CFG branches, the backward and the optimizer step — so the saved
-   activations, the gradients, the backward's buffers and the optimizer's temporaries are all counted;
+   (``training/memory_trace.py``; one :class:`EpochTracer` per flow recipe — Flow-GRPO, DiffusionNFT /
+   AWM, DPO / SFT, pretraining): one sampling batch of ``algo.sample_batch_size`` (the sampling forwards,
+   what it keeps for the update, the decode), and one training step — the recipe's update itself, with
+   Flow-GRPO's folds of ``algo.timesteps_per_pass``, NFT's old-policy and reference forwards, DPO's
+   winner and loser, the KL reference forward, the CFG branches, the backward and the optimizer step — so
+   the saved activations, the gradients, the backward's buffers and the optimizer's temporaries are all
+   counted;
 3. also traces the saved activations of one training forward, attributed to blocks (the figure with and
    without gradient checkpointing, for the table);
 4. adds the launcher's own buffers, sharded as the launcher shards them (``training/memory_plan.py``), and
    checks ``plan.device_memory_gb`` less ``plan.headroom``; when it does not fit, searches the cheapest
-   change that does.
+   change that does; and names the smallest common device (24 / 40 / 48 / 80 / 141 GB) that holds one
+   process, with the settings it takes.
 
 It prints a table (or ``plan.format=json``), writes ``plan.json`` into its run directory, and exits 0
 when the run fits, 1 when it does not. An option whose memory it does not model stops it with exit code 2
@@ -52,7 +55,7 @@ log = logging.getLogger(__name__)
 
 EXIT_DOES_NOT_FIT = 1
 FLOW_RECIPES = ("flow_grpo", "flow_pref", "flow_pretrain", "flow_forward")
-MODELLED_RECIPES = FLOW_RECIPES
+MODELLED_RECIPES = FLOW_RECIPES  # every flow recipe runs its own epoch on the meta device
 LAUNCH_KINDS = {
     "local": "local", "accelerate": "ddp", "multinode": "ddp", "deepspeed_zero2": "zero2",
     "deepspeed_zero3": "zero3", "fsdp": "fsdp",
@@ -87,11 +90,6 @@ def plan_task(cfg: DictConfig) -> dict[str, Any]:
 def refuse_unmodelled(cfg: Any) -> None:
     """Stops the plan (exit code 2) on every setting whose memory it does not model, naming each."""
     unmodelled = []
-    if cfg.recipe not in MODELLED_RECIPES:
-        unmodelled.append(
-            f"algo={cfg.algo.name} (recipe={cfg.recipe}): rlgen plan runs the training step of "
-            f"recipe={', '.join(MODELLED_RECIPES)} only"
-        )
     if cfg.model.compile:
         unmodelled.append(
             "model.compile=true: a compiled step keeps other buffers than the eager step the plan runs; "

@@ -10,14 +10,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import pytest
 
-from rlgen_cli.geneval_rules import Detection, score_geneval, select_detections
+from rlgen_cli.geneval_rules import Detection, GenEvalThresholds, score_geneval, select_detections
 
 LEFT, RIGHT, MIDDLE = (0, 40, 20, 60), (80, 40, 100, 60), (40, 40, 60, 60)
 F32_03 = float(np.float32(0.3))  # 0.30000001192092896: above 0.3 in float64, equal to it in float32
 F32_ABOVE_03 = float(np.nextafter(np.float32(0.3), np.float32(1)))
 JUST_ABOVE_09 = 0.9 + 1e-9  # above 0.9 in float64, rounds to float32(0.9) in upstream's float32 array
 F32_ABOVE_09 = float(np.nextafter(np.float32(0.9), np.float32(1)))
+UPSTREAM = GenEvalThresholds(tie_order="upstream")  # the GenEval reward's setting
 
 
 def test_a_score_of_float32_threshold_is_dropped_the_next_float32_kept():
@@ -42,7 +44,9 @@ def test_counting_threshold_is_compared_in_float32_too():
 
 def test_tied_scores_put_the_later_listed_detection_first():
     dets = [Detection("car", LEFT, 0.8), Detection("car", MIDDLE, 0.9), Detection("car", RIGHT, 0.8)]
-    assert [d.box for d in select_detections(dets, "colors")["car"]] == [MIDDLE, RIGHT, LEFT]
+    assert [d.box for d in select_detections(dets, "colors", UPSTREAM)["car"]] == [MIDDLE, RIGHT, LEFT]
+    # ShapesEval's setting (every shape scores 1.0): equal scores stay in listed order
+    assert [d.box for d in select_detections(dets, "colors")["car"]] == [MIDDLE, LEFT, RIGHT]
 
 
 def test_tie_order_decides_which_object_the_colour_check_reads():
@@ -54,8 +58,8 @@ def test_tie_order_decides_which_object_the_colour_check_reads():
 
     tied = [Detection("car", LEFT, 0.8), Detection("car", RIGHT, 0.8)]
     # accuracy reads the top-1 car: the later-listed (blue) one, so the red prompt fails
-    assert score_geneval(tied, meta, colours).accuracy is False
-    assert score_geneval(tied[::-1], meta, colours).accuracy is True
+    assert score_geneval(tied, meta, colours, UPSTREAM).accuracy is False
+    assert score_geneval(tied[::-1], meta, colours, UPSTREAM).accuracy is True
 
 
 def test_ties_come_latest_listed_first_within_each_score():
@@ -63,5 +67,15 @@ def test_ties_come_latest_listed_first_within_each_score():
     # (the insertion sort NumPy uses on short arrays), reversed: 0.7s as 3, 1, then 0.5s as 4, 2, 0
     scores = [0.5, 0.7, 0.5, 0.7, 0.5]
     dets = [Detection("cat", (i, 0, i + 1, 1), s) for i, s in enumerate(scores)]
-    kept = [int(d.box[0]) for d in select_detections(dets, "single_object")["cat"]]
+    kept = [int(d.box[0]) for d in select_detections(dets, "single_object", UPSTREAM)["cat"]]
     assert kept == [3, 1, 4, 2, 0]
+
+
+def test_the_geneval_reward_orders_ties_as_upstream_and_an_unknown_order_is_refused():
+    from rlgen_cli.rewards.geneval import GenEvalKwargs, GenEvalReward
+
+    assert GenEvalKwargs().tie_order == "upstream"
+    reward = GenEvalReward(detector=None, color_classifier=None)
+    assert reward.thresholds.tie_order == "upstream"
+    with pytest.raises(ValueError, match=r"tie_order='first'; choose 'upstream' .* or 'listed'"):
+        GenEvalThresholds(tie_order="first")
