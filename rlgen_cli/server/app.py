@@ -10,8 +10,9 @@ parsing may build (``max_request_items``, counted while parsing, :mod:`rlgen_cli
 nesting of its metadata (``max_metadata_depth``), each image's pixels and sides, and the decoded size of
 all its images together (``max_decoded_mb``, summed from raw shapes and PNG/JPEG headers before anything
 is decoded), and the structure of each PNG/JPEG file (chunk count, ancillary bytes, text), pre-scanned
-before Pillow sees it; each answers 413 naming its key or cap. A JSON body's items are counted as it
-arrives, so an oversized one is refused before the rest of it is read. Parsing and PNG/JPEG decoding run
+before Pillow sees it; each answers 413 naming its key or cap. A body's items are counted as it
+arrives, and a msgpack body's PNG/JPEG files have their chunk/segment headers walked as they arrive, so
+an oversized one is refused before the rest of it is read. Parsing and PNG/JPEG decoding run
 in a thread pool (one thread per core), so the event loop — and ``/healthz`` — keeps answering during a
 large request; raw pixels are validated and viewed in place.
 
@@ -331,25 +332,45 @@ def _identity(request: web.Request) -> bool:
     return request.headers.get("Content-Encoding", "identity").strip().lower() == "identity"
 
 
-async def _receive_declared(request: web.Request, declared: int) -> memoryview:
+Counter = limits.JsonItemCounter | limits.MsgpackScanner
+_SCAN_SLICE = 64 * 1024  # bytes a counter walks between yields to the event loop
+
+
+async def _count(counter: Counter, chunk: bytes) -> None:
+    """Feed ``chunk`` to ``counter`` in slices, letting other requests (``/healthz``) run in between."""
+    if len(chunk) <= _SCAN_SLICE:
+        counter.feed(chunk)
+        return
+    view = memoryview(chunk)
+    for start in range(0, len(view), _SCAN_SLICE):
+        counter.feed(view[start : start + _SCAN_SLICE])
+        await asyncio.sleep(0)
+
+
+async def _receive_declared(request: web.Request, declared: int, counter: Counter | None) -> memoryview:
     """Read a body of ``declared`` bytes into one buffer allocated up front: no growing buffer's
     reallocations (each a transient second copy) while many bodies arrive at once. Its pages are touched
-    only as bytes arrive."""
+    only as bytes arrive, and ``counter`` walks each chunk as it comes, so a body it refuses costs only
+    the bytes read until then."""
     buffer = np.empty(declared, dtype=np.uint8)
     filled = 0
     while chunk := await request.content.readany():
         buffer[filled : filled + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)  # framing: never past
         filled += len(chunk)
+        if counter is not None:
+            await _count(counter, chunk)
     if filled != declared:
         raise ClientDisconnected(f"the body ended after {filled} of its {declared} bytes")
     return memoryview(buffer)
 
 
-async def _receive(request: web.Request, counter: limits.JsonItemCounter | None) -> bytearray | memoryview:
-    """Read the body chunk by chunk, up to ``max_request_mb``, feeding ``counter`` as it arrives."""
+async def _receive(request: web.Request, counter: Counter | None) -> bytearray | memoryview:
+    """Read the body chunk by chunk, up to ``max_request_mb``, feeding ``counter`` as it arrives (JSON
+    stays a ``bytearray``: ``json.loads`` takes no memoryview)."""
     limit = request.app[STATE].settings.max_request_bytes
-    if counter is None and request.content_length is not None and _identity(request):
-        return await _receive_declared(request, request.content_length)
+    json_counter = isinstance(counter, limits.JsonItemCounter)
+    if not json_counter and request.content_length is not None and _identity(request):
+        return await _receive_declared(request, request.content_length, counter)
     body = bytearray()
     while chunk := await request.content.readany():
         body += chunk
@@ -362,13 +383,11 @@ async def _receive(request: web.Request, counter: limits.JsonItemCounter | None)
                 close=True,
             )
         if counter is not None:
-            counter.feed(chunk)
+            await _count(counter, chunk)
     return body
 
 
-async def _read_body(
-    request: web.Request, counter: limits.JsonItemCounter | None = None
-) -> bytearray | memoryview:
+async def _read_body(request: web.Request, counter: Counter | None = None) -> bytearray | memoryview:
     """The request body, after checking its declared length, within ``body_timeout_s``.
 
     Raises:
@@ -409,12 +428,14 @@ async def _read_body(
 async def _read_payload(request: web.Request, state: ServerState) -> tuple[dict[str, Any], bool]:
     """Read and parse the body (bounded, see :mod:`limits`); returns it and whether it was msgpack.
 
-    A JSON body's items are counted while it arrives; a body above ``_INLINE_PARSE_BYTES`` is parsed in
-    the decode pool, so the event loop keeps serving.
+    A body's items are counted while it arrives (and a msgpack body's PNG/JPEG files have their
+    chunk/segment headers walked), so an oversized one is refused before the rest is read; a body above
+    ``_INLINE_PARSE_BYTES`` is parsed in the decode pool, so the event loop keeps serving.
     """
     binary = request.content_type == wire.MSGPACK_TYPE
     max_items = state.settings.max_request_items
-    body = await _read_body(request, None if binary else limits.JsonItemCounter(max_items))
+    counter = limits.MsgpackScanner(max_items) if binary else limits.JsonItemCounter(max_items)
+    body = await _read_body(request, counter)
     try:
         if len(body) <= _INLINE_PARSE_BYTES:
             payload = limits.parse_body(body, binary, max_items, counted=True)

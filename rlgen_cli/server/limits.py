@@ -11,6 +11,11 @@ so the body size alone bounds nothing. Every list element, map entry and contain
   it is received (linear, no per-string work, a few milliseconds of event loop per chunk), so a body of
   millions of empty strings is refused after its first ``max_items`` items, not after it all arrived.
 
+A **msgpack** body is also walked as it arrives (:class:`MsgpackScanner`: token headers only, nothing
+built): its items are counted as the parser counts them, and the files of its ``images`` list have
+their chunk/segment headers walked (chunk count, ancillary bytes, ``tEXt`` bytes), so a body past a cap
+is refused after the bytes that pass it, not after all of it was read and copied by the parser.
+
 PNG and JPEG files are pre-scanned (:func:`scan_image_structure`: chunk and marker headers only) before
 Pillow sees them: Pillow walks every PNG chunk and JPEG segment in Python and keeps text and private
 chunks, so a small image followed by millions of empty chunks costs seconds and hundreds of MB. Each file
@@ -27,6 +32,7 @@ from __future__ import annotations
 import json
 import struct
 import zlib
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,6 +44,7 @@ __all__ = [
     "MAX_IMAGE_CHUNKS",
     "MAX_TEXT_BYTES",
     "JsonItemCounter",
+    "MsgpackScanner",
     "check_depth",
     "parse_body",
     "scan_image_structure",
@@ -294,3 +301,245 @@ def scan_image_structure(data: bytes, fmt: str, index: int) -> None:
         _scan_png(data, index)
     else:
         _scan_jpeg(data, index)
+
+
+# ------------------------------------------------------------------------ msgpack, scanned as it arrives
+def _fixed(size: int) -> tuple[str, int, int]:
+    return ("scalar", 0, size)
+
+
+# first byte → (kind, bytes of the length field, fixed payload bytes); fix* ranges are filled below
+_MSGPACK: dict[int, tuple[str, int, int]] = {
+    0xC0: _fixed(0), 0xC2: _fixed(0), 0xC3: _fixed(0),
+    0xC4: ("bin", 1, 0), 0xC5: ("bin", 2, 0), 0xC6: ("bin", 4, 0),
+    0xC7: ("ext", 1, 1), 0xC8: ("ext", 2, 1), 0xC9: ("ext", 4, 1),
+    0xCA: _fixed(4), 0xCB: _fixed(8), 0xCC: _fixed(1), 0xCD: _fixed(2), 0xCE: _fixed(4), 0xCF: _fixed(8),
+    0xD0: _fixed(1), 0xD1: _fixed(2), 0xD2: _fixed(4), 0xD3: _fixed(8),
+    0xD4: _fixed(2), 0xD5: _fixed(3), 0xD6: _fixed(5), 0xD7: _fixed(9), 0xD8: _fixed(17),
+    0xD9: ("str", 1, 0), 0xDA: ("str", 2, 0), 0xDB: ("str", 4, 0),
+    0xDC: ("array", 2, 0), 0xDD: ("array", 4, 0), 0xDE: ("map", 2, 0), 0xDF: ("map", 4, 0),
+}  # fmt: skip
+_MSGPACK_SLICE = 16 * 1024  # bytes scanned between yields to the event loop (≤ ~10 ms of tokens)
+
+
+class _StreamingImageScan:
+    """The chunk (PNG) or segment (JPEG) headers of one image file, walked as its bytes arrive: the
+    counts of :func:`scan_image_structure` that need no chunk data (chunks/segments, ancillary bytes,
+    ``tEXt`` bytes). Compressed text and JPEG scans are left to the full scan after parsing."""
+
+    _HEADER = {"magic": 2, "png_signature": 6, "png": 8, "jpeg": 4}
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.stage = "magic"
+        self.head = bytearray()  # the bytes of the header being read
+        self.skip = 0  # bytes of chunk/segment data (and CRC) still to pass over
+        self.chunks = self.ancillary = self.text = 0
+
+    def feed(self, data: memoryview) -> None:
+        pos = 0
+        while pos < len(data) and self.stage != "done":
+            if self.skip:
+                step = min(self.skip, len(data) - pos)
+                self.skip -= step
+                pos += step
+                continue
+            size = self._HEADER[self.stage]
+            piece = data[pos : pos + size - len(self.head)]
+            self.head += piece
+            pos += len(piece)
+            if len(self.head) == size:
+                head = bytes(self.head)
+                self.head.clear()
+                self._header(head)
+
+    def _header(self, head: bytes) -> None:
+        if self.stage == "magic":  # not PNG/JPEG: the header check after parsing answers 415
+            self.stage = {b"\x89P": "png_signature", b"\xff\xd8": "jpeg"}.get(head, "done")
+        elif self.stage == "png_signature":
+            self.stage = "png" if head == b"NG\r\n\x1a\n" else "done"
+        elif self.stage == "png":
+            self._png_chunk(head)
+        else:
+            self._jpeg_segment(head)
+
+    def _png_chunk(self, head: bytes) -> None:
+        length, kind = struct.unpack(">I4s", head)
+        self.chunks += 1
+        _require_under_cap(self.index, self.chunks, MAX_IMAGE_CHUNKS, "MAX_IMAGE_CHUNKS", "PNG chunks")
+        if kind[0] & 0x20:
+            self.ancillary += length
+            _require_under_cap(
+                self.index,
+                self.ancillary,
+                MAX_ANCILLARY_BYTES,
+                "MAX_ANCILLARY_BYTES",
+                "bytes of ancillary PNG chunks",
+            )
+            if kind == b"tEXt":
+                self.text += length
+                _require_under_cap(
+                    self.index,
+                    self.text,
+                    MAX_TEXT_BYTES,
+                    "MAX_TEXT_BYTES",
+                    "bytes of PNG text (keys + values)",
+                )
+        self.stage = "done" if kind == b"IEND" else "png"
+        self.skip = length + 4  # data and CRC
+
+    def _jpeg_segment(self, head: bytes) -> None:
+        if head[0] != 0xFF or head[1] in (0xDA, 0xD9, 0xFF):
+            self.stage = "done"  # start of scan, end, fill bytes or no marker: the full scan takes over
+            return
+        self.chunks += 1
+        _require_under_cap(
+            self.index,
+            self.chunks,
+            MAX_IMAGE_CHUNKS,
+            "MAX_IMAGE_CHUNKS",
+            "JPEG segments before its image data",
+        )
+        length = int.from_bytes(head[2:4], "big")
+        if head[1] in _JPEG_ANCILLARY:
+            self.ancillary += length
+            _require_under_cap(
+                self.index,
+                self.ancillary,
+                MAX_ANCILLARY_BYTES,
+                "MAX_ANCILLARY_BYTES",
+                "bytes of JPEG APPn/COM segments",
+            )
+        self.skip = max(length - 2, 0)
+
+
+@dataclass
+class _Open:
+    """An open msgpack container: values still to come (a map's keys and values each count), whether
+    it is a map, the top-level key it is the value of (``None`` elsewhere), how many values it holds."""
+
+    remaining: int
+    is_map: bool
+    key: bytes | None
+    size: int
+
+
+class MsgpackScanner:
+    """Walks a msgpack body's token headers as it arrives, without building anything, and refuses it
+    (413) at the first cap it passes, before the rest is read or parsed:
+
+    * items: every container counts its length + 1, as the parser's own count (``_ItemCounter``) does;
+    * the structure of each file in the top-level ``images`` list (:class:`_StreamingImageScan`).
+
+    A byte that is not msgpack, or anything after the top-level value, ends the walk: the parser then
+    answers. Memory: a few small buffers and one entry per open container.
+    """
+
+    def __init__(self, max_items: int) -> None:
+        self.limit, self.count = max_items, 0
+        self.head = bytearray()  # the bytes of the token header being read
+        self.skip = 0  # payload bytes (strings, binaries, fixed scalars) still to pass over
+        self.image: _StreamingImageScan | None = None  # the file whose bytes are passing
+        self.key: bytearray | None = None  # a top-level key being read
+        self.last_key: bytes | None = None
+        self.stack: list[_Open] = []
+        self.done = False
+
+    def feed(self, chunk: bytes | bytearray | memoryview) -> None:
+        """Walk ``chunk``; raises a 413 :class:`WireError` naming the cap it passes."""
+        data = memoryview(chunk).cast("B") if not isinstance(chunk, memoryview) else chunk.cast("B")
+        pos = 0
+        while pos < len(data) and not self.done:
+            if self.skip:
+                step = min(self.skip, len(data) - pos)
+                if self.image is not None:
+                    self.image.feed(data[pos : pos + step])
+                elif self.key is not None:
+                    self.key += data[pos : pos + step]
+                self.skip -= step
+                pos += step
+                if not self.skip:
+                    self._payload_done()
+                continue
+            if not self.head:
+                self.head.append(data[pos])
+                pos += 1
+            size = self._header_size(self.head[0])
+            if size is None:
+                self.done = True  # not msgpack (0xc1): the parser says so
+                return
+            piece = data[pos : pos + size - len(self.head)]
+            self.head += piece
+            pos += len(piece)
+            if len(self.head) == size:
+                head = bytes(self.head)
+                self.head.clear()
+                self._token(head)
+
+    @staticmethod
+    def _header_size(first: int) -> int | None:
+        if first <= 0xBF or first >= 0xE0:
+            return 1  # fixint, fixmap, fixarray, fixstr
+        entry = _MSGPACK.get(first)
+        return None if entry is None else 1 + entry[1]
+
+    def _at_top_key(self) -> bool:
+        return len(self.stack) == 1 and self.stack[0].is_map and self.stack[0].remaining % 2 == 0
+
+    def _token(self, head: bytes) -> None:
+        first = head[0]
+        at_key = self._at_top_key()
+        if at_key:
+            self.last_key = None
+        if first <= 0x7F or first >= 0xE0:
+            self._value_done()
+        elif first <= 0x8F:
+            self._open(first & 0x0F, is_map=True)
+        elif first <= 0x9F:
+            self._open(first & 0x0F, is_map=False)
+        elif first <= 0xBF:
+            self._payload("str", first & 0x1F, at_key)
+        else:
+            kind, _, fixed = _MSGPACK[first]
+            n = int.from_bytes(head[1:], "big")
+            if kind in ("array", "map"):
+                self._open(n, is_map=kind == "map")
+            else:
+                self._payload(kind, fixed if kind == "scalar" else n + fixed, at_key)
+
+    def _payload(self, kind: str, n: int, at_key: bool) -> None:
+        frame = self.stack[-1] if self.stack else None
+        if kind == "bin" and len(self.stack) == 2 and not frame.is_map and frame.key == b"images":
+            self.image = _StreamingImageScan(frame.size - frame.remaining)
+        elif kind == "str" and at_key and n <= 64:
+            self.key = bytearray()
+        self.skip = n
+        if not n:
+            self._payload_done()
+
+    def _payload_done(self) -> None:
+        if self.key is not None:
+            self.last_key = bytes(self.key)
+            self.key = None
+        self.image = None
+        self._value_done()
+
+    def _open(self, n: int, is_map: bool) -> None:
+        self.count += n + 1
+        if self.count > self.limit:
+            raise _too_many(self.limit, f"more than {self.limit} counted before the body ended")
+        top = self.stack[0] if len(self.stack) == 1 else None
+        key = self.last_key if top is not None and top.is_map and top.remaining % 2 == 1 else None
+        self.stack.append(_Open(2 * n if is_map else n, is_map, key, n))
+        if not n:
+            self.stack.pop()
+            self._value_done()
+
+    def _value_done(self) -> None:
+        while self.stack:
+            frame = self.stack[-1]
+            frame.remaining -= 1
+            if frame.remaining:
+                return
+            self.stack.pop()
+        self.done = True  # the top-level value is complete
