@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -29,7 +29,19 @@ from rlgen_cli.sde.rollout import StepSpec, Trajectory, rollout
 from rlgen_cli.sde.sampling import conditioned
 from rlgen_cli.sde.window import WindowPlan, plan_window
 
-__all__ = ["ImageRollout", "image_rollout", "micro_batches", "shifted", "stage_plan", "text_rollout"]
+__all__ = [
+    "MONOTONIC_CLAMP",
+    "ImageRollout",
+    "image_rollout",
+    "micro_batches",
+    "monotonic_eta",
+    "scheduled_spec",
+    "shifted",
+    "stage_plan",
+    "text_rollout",
+]
+
+MONOTONIC_CLAMP = 0.95  # upstream caps σ in 1 − σ so that η stays finite at σ = 1
 
 
 def micro_batches(n: int, size: int | None) -> Iterator[slice]:
@@ -52,6 +64,23 @@ def stage_plan(
         return WindowPlan(num_steps, (), ())
     generator = torch.Generator().manual_seed(stream_seed(seed, step, group, salt=Stream.WINDOW))
     return plan_window("single", num_steps, max_index=max_index, generator=generator)
+
+
+def monotonic_eta(eta: float, sigma: float) -> float:
+    """Upstream R3's ``monotonic`` η at σ: ``η·sqrt(σ / (1 − min(σ, 0.95)))`` (σ = ½ gives η, noisier
+    steps more, cleaner ones less)."""
+    assert eta >= 0 and 0 <= sigma <= 1, (eta, sigma)
+    return eta * (sigma / (1 - min(sigma, MONOTONIC_CLAMP))) ** 0.5
+
+
+def scheduled_spec(spec: StepSpec, eta_schedule: str, plan: WindowPlan, sigmas: Tensor) -> StepSpec:
+    """The step settings of a stage whose SDE step is ``plan``'s: with ``monotonic``, the noise level
+    becomes :func:`monotonic_eta` at that step's σ (one per stage and group, so training reuses it)."""
+    if eta_schedule == "constant" or not plan.sde_steps:
+        return spec
+    assert eta_schedule == "monotonic" and spec.kind == "dance", (eta_schedule, spec.kind)
+    sigma = float(sigmas[plan.sde_steps[0]])
+    return replace(spec, noise_level=monotonic_eta(spec.noise_level, sigma))
 
 
 def text_rollout(
@@ -104,9 +133,11 @@ def image_rollout(
     seed: int,
     step: int,
     micro: int | None,
+    eta_schedule: str = "constant",
 ) -> ImageRollout:
     """Denoise one image per row: ``encode(rows)`` conditions a micro-batch; row i draws its initial noise
-    from stream ``noise_keys[i]`` (a group's id: shared) and its step noise from its global ``positions[i]``."""
+    from stream ``noise_keys[i]`` (a group's id: shared) and its step noise from its global ``positions[i]``.
+    ``eta_schedule``: see :func:`scheduled_spec` (the returned spec is the one the step used)."""
     n = len(positions)
     initial = sample_generators(seed, step, list(noise_keys), policy.device, salt=Stream.INITIAL_NOISE)
     noise = sample_generators(seed, step, list(positions), policy.device, salt=Stream.STEP_NOISE)
@@ -117,6 +148,8 @@ def image_rollout(
         x = policy.noise(rows.stop - rows.start, initial[rows], stage)
         noise_sum = noise_sum or float(x[0].double().sum())
         sigmas = policy.schedule(plan.num_steps, x, stage)
+        if not trajs:  # the first micro-batch fixes the stage's η: one σ per stage and group
+            spec = scheduled_spec(spec, eta_schedule, plan, sigmas)
         trajs.append(
             rollout(functools.partial(conditioned, policy, cond), x, sigmas, plan, spec, noise[rows])
         )

@@ -289,6 +289,7 @@ class R3Recipe:
                 self.policy, functools.partial(_encode_shifted, encode, local.rows.start), stage,
                 stage_plan(num_steps, sde, max_index, seed, step, local.group), self._spec(stage),
                 local.positions, [local.group] * len(local.positions), seed, step, self.geometry.micro_batch,
+                self.cfg.r3.eta_schedule,
             ))  # fmt: skip
         return out
 

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Annotated, get_args
+from typing import Annotated, Literal, get_args
 
 from rlgen_cli.schema.choices import R3Dataset, SdeKind
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig, RunConfig
+
+EtaSchedule = Literal["constant", "monotonic"]
 
 log = logging.getLogger(__name__)
 
@@ -156,9 +158,10 @@ class R3Config:
     top_p: float = 0.9
     """Nucleus (top-p) of text sampling."""
     sde_kind: Annotated[str, SdeKind] = "dance"
-    """Stochastic step: dance (score form, constant η) | flow_sde | cps. Upstream's score-form step scales
-    η with time, η·sqrt(t / (1 − min(t, 0.95))), which none of these is exactly (the r3_* experiments'
-    fidelity records say so)."""
+    """Stochastic step: dance (score form, η from ``eta_schedule``) | flow_sde | cps."""
+    eta_schedule: Annotated[str, EtaSchedule] = "constant"
+    """η of the ``dance`` step: ``constant`` (the noise level) or ``monotonic`` (upstream R3's default:
+    η·sqrt(σ / (1 − min(σ, 0.95))) at the step's σ, growing towards noise)."""
     noise_level_gen: float = 0.7
     """η of the generation SDE step."""
     noise_level_edit: float = 1.0
@@ -197,6 +200,11 @@ class R3Config:
             self.max_sde_timestep_idx_for_edit <= self.num_timesteps_edit - 1,
             f"r3.max_sde_timestep_idx_for_edit ({self.max_sde_timestep_idx_for_edit}) must be in "
             f"[1, {self.num_timesteps_edit - 1}] (the editing steps)",
+        )
+        _require(
+            self.eta_schedule == "constant" or self.sde_kind == "dance",
+            f"r3.eta_schedule={self.eta_schedule} scales η of the score-form step: use r3.sde_kind=dance "
+            f"(not {self.sde_kind}) or r3.eta_schedule=constant",
         )
         _require(
             self.sde_kind != "cps" or max(self.noise_level_gen, self.noise_level_edit) <= 1,

@@ -80,7 +80,7 @@ R3_KNOBS: Knobs = (
     ("r3.group_size",), ("r3.prompts_per_step",),
     ("r3.tune_text_cot",), ("r3.tune_image_cot",),
     ("r3.lr",),
-    ("r3.sde_kind",), ("r3.enable_sde_gen",), ("r3.enable_sde_edit",),
+    ("r3.sde_kind",), ("r3.eta_schedule",), ("r3.enable_sde_gen",), ("r3.enable_sde_edit",),
     ("r3.noise_level_gen",), ("r3.noise_level_edit",),
     ("r3.num_timesteps_gen",), ("r3.num_timesteps_edit",),
     ("r3.temperature",),
