@@ -16,14 +16,15 @@ it, so every run trains at least ``--minutes``):
   (DPM-Solver++ 2M) from the old policy, positive / negative implicit policies on 2 forward-noised σ per
   sample (no log-probabilities);
 * ``awm``        Advantage Weighted Matching: the flow-matching loss weighted by the advantage;
+* ``dgpo``       DGPO: group-level DPO on 4 forward-noised σ per group (shared σ and ε), ODE rollouts;
 * ``grpo_partial``  Flow-GRPO on plain GenEval partial credit (no per-object credit, no penalty): objects
   of other classes are free, but duplicates of a requested shape are not, so clutter only drifts in;
 * ``grpo_lenient``  Flow-GRPO-Fast on GenEval's binary accuracy (``mode=lenient``), which ignores
   duplicates and other classes: reward hacking — lenient accuracy rises while strict accuracy falls and
   extra objects multiply (docs/guard.md measures it).
 
-The default ``--runs`` are the five the comparison needs plus the hacked run; ``dance``, ``nft`` and
-``awm`` run when named.
+The default ``--runs`` are the five the comparison needs plus the hacked run; ``dance``, ``nft``, ``awm``
+and ``dgpo`` run when named.
 
 Each run is evaluated before training and every few epochs (ODE sampling of the test prompts, the same
 noise every time). Time is the cumulative training seconds (``time/epoch``), evaluations excluded.
@@ -70,6 +71,7 @@ RUNS: dict[str, list[str]] = {
     "dpo": ["algo=dpo", *GEOMETRY],
     "nft": ["algo=nft_shapes", "algo.lr_schedule=constant"],  # the default run's algorithm
     "awm": ["algo=awm", *GEOMETRY],
+    "dgpo": ["algo=dgpo", *GEOMETRY],
     "grpo_partial": [
         "algo=grpo",
         *GEOMETRY,

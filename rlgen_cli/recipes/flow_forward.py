@@ -1,4 +1,4 @@
-"""Forward-process online RL of a flow model: DiffusionNFT and Advantage Weighted Matching.
+"""Forward-process online RL of a flow model: DiffusionNFT, Advantage Weighted Matching and DGPO.
 
 Zheng et al. 2025, "DiffusionNFT: Online Diffusion Reinforcement with Forward Process"; Xue et al. 2025,
 "Advantage Weighted Matching: Aligning RL with Pretraining in Diffusion Models". Neither needs the
@@ -13,6 +13,7 @@ and regresses the flow-matching target, weighted by how good each sample was. Ea
 4. **update** — for every sample a few σ of the rollout schedule (``algo.forward.timestep_sampling``),
    a fresh ε each, ``x_σ = (1 − σ)·x₀ + σ·ε``; the loss ``algo.forward.loss`` (``algos/nft.py`` or
    ``algos/awm.py``) with an optional pull towards the reference (``algo.kl_weight``, LoRA disabled);
+   DGPO (``algo.forward.loss=dgpo``) measures whole groups before each step (``recipes/flow_dgpo.py``);
 5. **old policy** — θ_old ← d·θ_old + (1 − d)·θ with d from ``algo.forward.old`` (it grows with the
    optimizer steps);
 6. **log / eval / checkpoint** — ``recipes/loop.py``'s: metrics.jsonl, the ODE evaluation (EMA weights if
@@ -26,6 +27,7 @@ with the configured sampler step, ``dpm2`` deterministic ones.
 
     rlgen train model=tiny_sd3 algo=nft
     rlgen train model=tiny_sd3 algo=awm
+    rlgen train model=tiny_sd3 algo=dgpo
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from rlgen_cli.algos.awm import (
     micro_batch_timestep_indices,
     stratified_timestep_indices,
 )
+from rlgen_cli.algos.dgpo import truncated_timestep_indices
 from rlgen_cli.algos.nft import (
     NFTLossOut,
     nft_loss,
@@ -55,7 +58,7 @@ from rlgen_cli.algos.nft import (
     subset_timestep_indices,
 )
 from rlgen_cli.models import Cond, cfg_gradient
-from rlgen_cli.recipes import loop
+from rlgen_cli.recipes import flow_dgpo, loop
 from rlgen_cli.recipes.loop import FlowRun, reduce_over_ranks, timed
 from rlgen_cli.recipes.session import session
 from rlgen_cli.schema.errors import UserError
@@ -124,6 +127,8 @@ def require_valid(cfg: FlowForwardTrainConfig) -> None:
             f"algo.adv_clip_max={cfg.algo.adv_clip_max}: recipe=flow_forward maps advantages through "
             "their bound (DiffusionNFT's r = A/(2·A_max) + ½, AWM's A·advantage_max/A_max); set it > 0 (5)"
         )
+    if cfg.algo.forward.loss == "dgpo":
+        flow_dgpo.require_whole_groups(cfg.algo)
 
 
 @torch.no_grad()
@@ -188,7 +193,7 @@ def sample_epoch(run: FlowRun, old: OldPolicy, epoch: int, progress: Progress) -
 
 def loss_weights(run: FlowRun, components: dict[str, Tensor], group_ids: Tensor) -> tuple[Tensor, Any]:
     """(N,) per-sample weights of the gathered batch from its group advantages A (clipped to ±A_max):
-    DiffusionNFT's optimality probability r, or AWM's ``A·advantage_max/A_max``; and the advantage stats."""
+    DiffusionNFT's optimality probability r, AWM's ``A·advantage_max/A_max`` or DGPO's A; and the stats."""
     algo = run.cfg.algo
     advantages, stats = combine_rewards(
         components, dict(run.cfg.reward.weights), group_ids, mode=run.cfg.reward.aggregation,
@@ -197,6 +202,8 @@ def loss_weights(run: FlowRun, components: dict[str, Tensor], group_ids: Tensor)
     )  # fmt: skip
     if algo.forward.loss == "nft":
         return optimality_probability(advantages, algo.adv_clip_max), stats
+    if algo.forward.loss == "dgpo":
+        return advantages, stats
     return advantages * (algo.forward.advantage_max / algo.adv_clip_max), stats
 
 
@@ -204,6 +211,10 @@ def trained_indices(forward: ForwardConfig, num_steps: int, generator: torch.Gen
     """(K,) positions in the rollout's σ schedule that one sample trains on this pass."""
     if forward.timestep_sampling == "subset":
         return subset_timestep_indices(num_steps, int(num_steps * forward.timestep_fraction), generator)
+    if forward.timestep_sampling == "truncated":
+        return truncated_timestep_indices(
+            num_steps, forward.num_timesteps, forward.timestep_fraction, generator
+        )
     return stratified_timestep_indices(num_steps, forward.num_timesteps, forward.timestep_fraction, generator)
 
 
@@ -342,7 +353,10 @@ def forward_epoch(run: FlowRun, old: OldPolicy, epoch: int, progress: Progress) 
     n = len(rollouts.indices)
     mine = weights[rollouts.positions]
     with timed(timings, "time/update"):
-        stats = update(run, old, rollouts, mine, epoch, progress)
+        if cfg.algo.forward.loss == "dgpo":  # group weights from whole groups: global advantages
+            stats = flow_dgpo.update(run, old, rollouts, weights, group_ids, epoch, progress)
+        else:
+            stats = update(run, old, rollouts, mine, epoch, progress)
         stats[KL_TO_REFERENCE] = reference_distance(run, rollouts, epoch)
     decay = old.refresh(run)
     loop.save_rollout_images(run, rollouts.images, epoch)

@@ -15,9 +15,10 @@ from typing import Annotated, Literal
 
 from rlgen_cli.schema.errors import UserError
 
-ForwardLoss = Literal["nft", "awm"]
+ForwardLoss = Literal["nft", "awm", "dgpo"]
 RolloutSolver = Literal["dpm2", "euler", "sde"]
-TimestepSampling = Literal["subset", "stratified"]
+TimestepSampling = Literal["subset", "stratified", "truncated"]
+DGPOReference = Literal["base", "old"]
 TimestepDraw = Literal["per_sample", "per_microbatch"]
 AWMWeighting = Literal["uniform", "t", "t2", "ghuber"]
 
@@ -45,8 +46,8 @@ class OldPolicyConfig:
 @dataclass
 class ForwardConfig:
     loss: Annotated[str, ForwardLoss] = "nft"
-    """``nft`` (DiffusionNFT: positive / negative implicit policies) or ``awm`` (advantage-weighted
-    flow matching)."""
+    """``nft`` (DiffusionNFT: positive / negative implicit policies), ``awm`` (advantage-weighted
+    flow matching) or ``dgpo`` (group-level DPO; σ and ε shared within each prompt's group)."""
     solver: Annotated[str, RolloutSolver] = "dpm2"
     """Rollout solver: ``dpm2`` (deterministic DPM-Solver++ 2M, DiffusionNFT's), ``euler`` (the Euler
     ODE), or ``sde`` (the configured ``sampler`` step at its noise level; AWM samples stochastically with
@@ -56,15 +57,18 @@ class ForwardConfig:
     timestep_sampling: Annotated[str, TimestepSampling] = "subset"
     """Which rollout σ each sample trains on, drawn afresh per sample and inner epoch: ``subset``
     (int(T·timestep_fraction) distinct σ of the T, DiffusionNFT) or ``stratified`` (one σ in each of
-    ``num_timesteps`` strata of the indices [1, int(T·timestep_fraction)], AWM)."""
+    ``num_timesteps`` strata of the indices [1, int(T·timestep_fraction)], AWM) or ``truncated``
+    (``num_timesteps`` distinct σ of the indices [0, int(T·timestep_fraction)], DGPO)."""
     timestep_draw: Annotated[str, TimestepDraw] = "per_sample"
     """Whose draw those σ are: ``per_sample`` (every sample its own, from its own stream: the σ of one
     micro-batch spread out, less variance between micro-batches) or ``per_microbatch`` (the micro-batch's
     first sample draws, every sample trains on those σ: AWM's script). Same expectation."""
     timestep_fraction: float = 0.99
-    """``subset``: share of the T rollout σ trained; ``stratified``: the strata end at int(T·fraction)."""
+    """``subset``: share of the T rollout σ trained; ``stratified`` / ``truncated``: the indices drawn
+    from end at int(T·fraction)."""
     num_timesteps: int = 6
-    """``stratified``: σ trained per sample (AWM's ``train_timesteps``)."""
+    """``stratified`` / ``truncated``: σ trained per sample (AWM's ``train_timesteps``, DGPO's
+    ``num_train_timesteps``)."""
     nft_beta: float = 1.0
     """DiffusionNFT's β > 0: v⁺ = (1 − β)·v_old + β·v_θ, v⁻ = (1 + β)·v_old − β·v_θ (upstream 1.0; 0.1 for
     OCR and multi-reward)."""
@@ -79,6 +83,14 @@ class ForwardConfig:
     """AWM: advantages (clipped to ±algo.adv_clip_max) are rescaled to ±advantage_max."""
     old_weight: float = 0.0
     """AWM: weight of mean((v_θ − v_old)²), the pull towards the old policy (upstream ``ema_beta`` 1)."""
+    dgpo_beta: float = 100.0
+    """DGPO's preference strength β > 0: group weight σ((β/G)·Σ A_i·(e_θ,i − e_ref,i)) (upstream 100)."""
+    dgpo_reference: Annotated[str, DGPOReference] = "base"
+    """DGPO's reference e_ref: ``base`` (the base model, LoRA disabled; upstream) or ``old`` (the old
+    policy, upstream's ``use_ema_ref``)."""
+    dgpo_clip_range: float = 0.0
+    """DGPO: PPO-style clip c against the old policy (upstream 1e-2): an error whose ratio
+    exp(e_old − e_θ) passed 1 + c (A > 0) or 1 − c (A ≤ 0) is detached; 0 turns it off."""
     old: OldPolicyConfig = field(default_factory=OldPolicyConfig)
 
 
@@ -89,6 +101,14 @@ def check_forward_steps(forward: ForwardConfig, num_steps: int) -> None:
             int(num_steps * forward.timestep_fraction) >= 1,
             f"algo.forward.timestep_fraction={forward.timestep_fraction} trains int({num_steps} × "
             f"{forward.timestep_fraction}) = 0 of model.num_steps={num_steps} σ; raise either",
+        )
+    elif forward.timestep_sampling == "truncated":
+        top = int(num_steps * forward.timestep_fraction)
+        _require(
+            top < num_steps and forward.num_timesteps <= top + 1,
+            f"algo.forward.timestep_sampling=truncated draws algo.forward.num_timesteps="
+            f"{forward.num_timesteps} distinct σ of the indices [0, int(T·fraction)] = [0, {top}] of "
+            f"model.num_steps={num_steps}; keep timestep_fraction < 1 and num_timesteps ≤ {min(top, num_steps - 1) + 1}",
         )
     else:
         _require(

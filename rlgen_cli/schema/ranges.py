@@ -176,7 +176,8 @@ RANGES: dict[type, dict[str, Range | Pattern]] = {
     },
     ForwardConfig: {
         "timestep_fraction": FRACTION, "num_timesteps": COUNT, "nft_beta": POSITIVE, "ghuber_power": POSITIVE,
-        "advantage_max": POSITIVE, "old_weight": NON_NEGATIVE,
+        "advantage_max": POSITIVE, "old_weight": NON_NEGATIVE, "dgpo_beta": POSITIVE,
+        "dgpo_clip_range": NON_NEGATIVE,
     },
     OldPolicyConfig: {"flat_steps": NON_NEGATIVE, "rate": NON_NEGATIVE, "max_decay": BELOW_ONE},
     PretrainConfig: {

@@ -86,6 +86,7 @@ RECIPES = {
     "sft": Recipe((*FLOW, "algo=sft"), PREF_STEPS, LORA),
     "nft": Recipe((*FLOW, "algo=nft"), FLOW_STEPS, LORA),
     "awm": Recipe((*FLOW, "algo=awm"), FLOW_STEPS, LORA),
+    "dgpo": Recipe((*FLOW, "algo=dgpo", "algo.forward.num_timesteps=2"), FLOW_STEPS, LORA),
     "token_grpo": Recipe((*TOKEN, "algo=token_grpo"), FLOW_STEPS, ADAPTER),
     "step_grpo": Recipe((*TOKEN, "algo=step_grpo"), FLOW_STEPS, ADAPTER),
     "vlm_sft": Recipe(tuple(VLM_SFT), SFT_STEPS, ADAPTER),
