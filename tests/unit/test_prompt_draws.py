@@ -3,12 +3,14 @@ next to rlgen's passes without replacement (``data/sampler.py``)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from rlgen_cli.data.sampler import GroupSampler
+from tests.conftest import TINY_RUN
 
 
 def upstream_batches(
@@ -83,3 +85,18 @@ def test_the_config_refuses_a_draw_that_does_not_divide_the_epoch(cli, tmp_path:
         "algo.prompts_per_draw=3 must be null or a positive divisor of algo.prompts_per_epoch (2)"
         in " ".join((out + capsys.readouterr().err).split())
     )
+
+
+@pytest.mark.slow  # two tiny epochs, ~30 s on two cores
+def test_a_prompt_drawn_twice_trains_as_one_group(cli, tmp_path: Path):
+    """Seed 1, 16 tiny prompts, two draws of one: epoch 0 draws two prompts, epoch 1 the same one twice,
+    whose 8 samples form one group (upstream groups by prompt too)."""
+    sampler = GroupSampler(16, 2, 4, seed=1, prompts_per_draw=1)
+    assert [len(set(sampler.prompt_indices_for_epoch(e))) for e in (0, 1)] == [2, 1]
+    code, out = cli(
+        "train", *TINY_RUN, "seed=1", "algo.prompts_per_draw=1", "algo.group_size=4", "epochs=2",
+        "eval_every=0", "images_every=0", "algo.gradient_accumulation_steps=2", f"hydra.run.dir={tmp_path}",
+    )  # fmt: skip
+    assert code == 0, out
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["num_groups"] for row in rows] == [2, 1]
