@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from rlgen_cli.schema.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["GroupSampler"]
@@ -53,12 +55,18 @@ def _check_positive(**values: int) -> None:
 
 
 def _check_draw(prompts_per_draw: int, prompts_per_step: int, dataset_size: int) -> None:
-    """Raise ``ValueError`` unless ``prompts_per_draw`` divides the epoch and fits in the dataset."""
+    """Raise unless ``prompts_per_draw`` divides the epoch (``ValueError``: the config checked it) and fits
+    in the dataset (``UserError``: only the loaded data tells)."""
     _check_positive(prompts_per_draw=prompts_per_draw)
-    if prompts_per_step % prompts_per_draw or prompts_per_draw > dataset_size:
+    if prompts_per_step % prompts_per_draw:
         raise ValueError(
-            f"prompts_per_draw = {prompts_per_draw} must divide prompts_per_step = {prompts_per_step} and be at "
-            f"most the dataset's {dataset_size} prompts."
+            f"prompts_per_draw = {prompts_per_draw} must divide prompts_per_step = {prompts_per_step}."
+        )
+    if prompts_per_draw > dataset_size:
+        raise UserError(
+            f"algo.prompts_per_draw={prompts_per_draw} draws that many distinct prompts per sampling batch, but "
+            f"data.train has {dataset_size}; set algo.prompts_per_draw to a divisor of algo.prompts_per_epoch "
+            f"of at most {dataset_size}, null (passes over the dataset), or train on more prompts"
         )
 
 

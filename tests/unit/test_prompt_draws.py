@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rlgen_cli.data.sampler import GroupSampler
+from rlgen_cli.schema.errors import UserError
 from tests.conftest import TINY_RUN
 
 
@@ -54,13 +55,27 @@ def test_the_draws_do_not_depend_on_the_process_count():
         assert [i for _, i in dealt] == one.global_indices_for_epoch(epoch)
 
 
-@pytest.mark.parametrize(
-    "prompts,per_draw",
-    [(6, 4), (12, 12)],  # 4 does not divide 6; 12 distinct prompts per draw from a dataset of 10
-)
-def test_a_draw_that_cannot_cut_the_epoch_is_refused(prompts: int, per_draw: int):
-    with pytest.raises(ValueError, match="prompts_per_draw"):
-        GroupSampler(10, prompts, 4, prompts_per_draw=per_draw)
+def test_a_draw_that_cannot_cut_the_epoch_is_refused():
+    with pytest.raises(ValueError, match="must divide prompts_per_step = 6"):
+        GroupSampler(10, 6, 4, prompts_per_draw=4)
+
+
+def test_a_draw_larger_than_the_dataset_says_how_to_fix_it():
+    with pytest.raises(UserError, match="data.train has 10; set algo.prompts_per_draw to a divisor"):
+        GroupSampler(10, 12, 4, prompts_per_draw=12)
+
+
+@pytest.mark.slow  # the refusal comes once the data and the tiny model are loaded: ~20 s
+def test_the_cli_refuses_a_draw_larger_than_the_dataset_with_exit_2(cli, tmp_path: Path, capsys):
+    code, out = cli(
+        "train", *TINY_RUN, "algo.prompts_per_epoch=32", "algo.prompts_per_draw=32", "epochs=1",
+        f"hydra.run.dir={tmp_path}",
+    )  # fmt: skip
+    assert code == 2, out
+    assert (
+        "algo.prompts_per_draw=32 draws that many distinct prompts per sampling batch, but data.train has 16"
+        in (" ".join((out + capsys.readouterr().err).split()))
+    )
 
 
 def test_resume_checks_the_draw_and_reads_old_checkpoints_as_passes():
