@@ -309,31 +309,28 @@ def update(
     return stats
 
 
-KL_TO_REFERENCE = "kl_to_ref"
-"""The measured distance to the reference, logged whatever ``algo.kl_weight`` (``kl_loss`` is 0 without it)."""
-
-
 def reference_distance(run: FlowRun, rollouts: Rollouts, epoch: int) -> list[float]:
     """``mean((v_θ − v_ref)²)``, the term ``kl_loss`` weights, of the updated policy against the reference
-    (LoRA disabled): after the update, on this process's first micro-batch at the rollout schedule's
-    middle σ, each sample's ε from a stream of its own (no training draw moves). One no-grad forward of
+    (LoRA disabled): after the update, on each probe sample (``loop.kl_probe_rows``) alone at the rollout
+    schedule's middle σ, its ε from a stream of its own (no training draw moves). One no-grad forward of
     each, so runs with ``algo.kl_weight`` 0 show how far they moved too."""
-    part = next(iter(batches(len(rollouts.indices), run.cfg.algo.train_batch_size)), None)
-    if part is None:
-        return []
-    x0, cond = rollouts.x0[part], rollouts.cond.index(part)
-    draws = sample_generators(
-        run.cfg.seed, epoch, rollouts.positions[part].tolist(), run.device, salt=Stream.KL_PROBE
-    )
-    noise = randn_per_sample(x0.shape[1:], draws, run.device).to(x0.dtype)  # (B, ...)
-    sigma = rollouts.sigmas[len(rollouts.sigmas) // 2].to(x0.dtype).expand(len(x0))  # (B,)
-    s = sigma.view(-1, *([1] * (x0.dim() - 1)))
-    x_sigma = (1 - s) * x0 + s * noise
-    velocity = functools.partial(conditioned, run.policy, cond)
-    with torch.no_grad():
-        v = velocity(x_sigma, sigma)
-    v_ref = frozen_velocity(velocity, x_sigma, sigma, run.policy.trainable.reference())
-    return [(v.float() - v_ref.float()).pow(2).mean().item()]
+    values = []
+    for i in loop.kl_probe_rows(rollouts.positions.tolist()):
+        one = torch.tensor([i])
+        x0, cond = rollouts.x0[one], rollouts.cond.index(one)
+        draws = sample_generators(
+            run.cfg.seed, epoch, [int(rollouts.positions[i])], run.device, salt=Stream.KL_PROBE
+        )
+        noise = randn_per_sample(x0.shape[1:], draws, run.device).to(x0.dtype)  # (1, ...)
+        sigma = rollouts.sigmas[len(rollouts.sigmas) // 2].to(x0.dtype).expand(1)  # (1,)
+        s = sigma.view(-1, *([1] * (x0.dim() - 1)))
+        x_sigma = (1 - s) * x0 + s * noise
+        velocity = functools.partial(conditioned, run.policy, cond)
+        with torch.no_grad():
+            v = velocity(x_sigma, sigma)
+        v_ref = frozen_velocity(velocity, x_sigma, sigma, run.policy.trainable.reference())
+        values.append((v.float() - v_ref.float()).pow(2).mean().item())
+    return values
 
 
 def forward_epoch(run: FlowRun, old: OldPolicy, epoch: int, progress: Progress) -> dict[str, float]:
@@ -357,7 +354,7 @@ def forward_epoch(run: FlowRun, old: OldPolicy, epoch: int, progress: Progress) 
             stats = flow_dgpo.update(run, old, rollouts, weights, group_ids, epoch, progress)
         else:
             stats = update(run, old, rollouts, mine, epoch, progress)
-        stats[KL_TO_REFERENCE] = reference_distance(run, rollouts, epoch)
+        stats[loop.KL_TO_REFERENCE] = reference_distance(run, rollouts, epoch)
     decay = old.refresh(run)
     loop.save_rollout_images(run, rollouts.images, epoch)
     local = reduce_over_ranks(run.dist, {**rollouts.details, **stats, "trained_samples": n})

@@ -55,8 +55,10 @@ from rlgen_cli.algos import (
     guard_loss,
     nonzero_advantage_rows,
 )
+from rlgen_cli.algos.gardo import gated_kl_weights
 from rlgen_cli.models import Cond, cfg_gradient
 from rlgen_cli.recipes import loop
+from rlgen_cli.recipes.gardo import GardoHooks
 from rlgen_cli.recipes.loop import FlowRun, summarise, timed
 from rlgen_cli.recipes.session import session
 from rlgen_cli.schema.algo import FlowGrpoAlgoConfig
@@ -140,7 +142,9 @@ class RewardScoring:
 
 
 # -- one epoch -----------------------------------------------------------------------------------------
-def grpo_epoch(run: FlowRun, epoch: int, progress: Progress) -> dict[str, float]:
+def grpo_epoch(
+    run: FlowRun, epoch: int, progress: Progress, gardo: GardoHooks | None = None
+) -> dict[str, float]:
     """rollout → reward → advantages → update for ``epoch``; returns the epoch's metrics."""
     cfg, algo, dist = run.cfg, run.cfg.algo, run.dist
     lr = apply_lr_schedule(run.optimizer, algo, epoch, cfg.epochs, run.time_progress)
@@ -165,6 +169,11 @@ def grpo_epoch(run: FlowRun, epoch: int, progress: Progress) -> dict[str, float]
         std_estimator=algo.std_estimator, eps=algo.adv_eps,
     )  # fmt: skip
     total = loop.weighted_total(run, components)
+    kl_gate, gardo_stats = None, {}
+    if gardo is not None:  # GARDO: diversity-shaped advantages, the KL gate, the reference refresh
+        advantages, kl_gate, gardo_stats = gardo.on_batch(
+            run, epoch, rollouts, order, mine, advantages, components, total
+        )
     advantages = advantages[mine]
     keep = best_and_worst(total[mine], rollouts.indices, algo.best_of_n)
     num_batches = None  # micro-batches of algo.train_batch_size
@@ -177,8 +186,11 @@ def grpo_epoch(run: FlowRun, epoch: int, progress: Progress) -> dict[str, float]
 
     # 4. update
     with timed(timings, "time/update"):
-        update_stats = update_values(run, rollouts.select(keep), advantages[keep], progress, num_batches)
-        update_stats[KL_TO_REFERENCE] = reference_kl(run, rollouts, mine.tolist())
+        update_stats = update_values(
+            run, rollouts.select(keep), advantages[keep], progress, num_batches,
+            None if kl_gate is None else kl_gate[keep],
+        )  # fmt: skip
+        update_stats[loop.KL_TO_REFERENCE] = reference_kl(run, rollouts, mine.tolist())
 
     loop.save_rollout_images(run, rollouts.images, epoch)
     stats = loop.reduce_over_ranks(dist, {**reward_details, **update_stats, "trained_samples": len(keep)})
@@ -187,7 +199,7 @@ def grpo_epoch(run: FlowRun, epoch: int, progress: Progress) -> dict[str, float]
         **{f"reward/{k}/std": v.std().item() for k, v in components.items()},
         **stats, "zero_std_ratio": adv_stats.zero_std_ratio, "num_groups": adv_stats.num_groups, **timings,
         "peak_memory_mb": loop.peak_memory_mb(run.device), "global_step": run.global_step,
-        **dist.loss_scale_metrics(),
+        **dist.loss_scale_metrics(), **gardo_stats,
     }  # fmt: skip
 
 
@@ -305,14 +317,6 @@ def step_logprob(
     return out, step_kl(out.mean, ref.mean, out.std, dt, form=algo.kl_form, kind=spec.kind)
 
 
-KL_TO_REFERENCE = "kl_to_ref"
-"""The measured KL to the reference, logged whatever ``algo.kl_weight`` (``kl_loss`` is 0 without it)."""
-
-KL_PROBE_SAMPLES = 4
-"""How many samples measure ``kl_to_ref``: the epoch's first by global position, each in a forward of its
-own, so the same samples in the same forwards give the logged number on any process count."""
-
-
 def reference_kl(run: FlowRun, rollouts: Rollouts, positions: list[int]) -> list[float]:
     """The KL of the updated policy's SDE step to the reference's (LoRA disabled), measured after the
     update at each probe sample's first trained step (positions: this process's places in the global
@@ -320,7 +324,7 @@ def reference_kl(run: FlowRun, rollouts: Rollouts, positions: list[int]) -> list
     A process that holds no probe sample contributes nothing."""
     algo, spec = run.cfg.algo, loop.step_spec(run.cfg)
     values = []
-    for i in [i for i, p in enumerate(positions) if p < KL_PROBE_SAMPLES]:
+    for i in loop.kl_probe_rows(positions):
         one = torch.tensor([i])
         traj = rollouts.traj.index(one)
         trained = trained_rows(traj)
@@ -365,9 +369,18 @@ def folded_logprobs(
 
 
 def step_loss(
-    algo: FlowGrpoAlgoConfig, out: StepOut, kl: Tensor | None, step_traj: Trajectory, j: int, adv: Tensor
+    algo: FlowGrpoAlgoConfig,
+    out: StepOut,
+    kl: Tensor | None,
+    step_traj: Trajectory,
+    j: int,
+    adv: Tensor,
+    kl_gate: Tensor | None = None,
 ) -> GRPOLossOut:
-    """The objective's loss of step ``j`` over the samples of ``step_traj`` (advantages ``adv``)."""
+    """The objective's loss of step ``j`` over the samples of ``step_traj`` (advantages ``adv``); with
+    ``kl_gate`` (B,) the KL term averages over the gated samples only (GARDO)."""
+    if kl is not None and kl_gate is not None:
+        kl = kl * gated_kl_weights(kl_gate).to(kl)
     if algo.objective == "grpo_guard":
         return guard_loss(
             out.logprob, step_traj.logprobs[:, j], out.mean, step_traj.means[:, j], *guard_scales(step_traj, j),
@@ -392,7 +405,12 @@ def update(
 
 
 def update_values(
-    run: FlowRun, rollouts: Rollouts, advantages: Tensor, progress: Progress, num_batches: int | None = None
+    run: FlowRun,
+    rollouts: Rollouts,
+    advantages: Tensor,
+    progress: Progress,
+    num_batches: int | None = None,
+    kl_gate: Tensor | None = None,
 ) -> dict[str, list[float]]:
     """``num_inner_epochs`` passes of the per-step policy-gradient loss over every trained step, in
     ``num_batches`` equal micro-batches (default: batches of ``algo.train_batch_size``); the optimizer
@@ -408,12 +426,14 @@ def update_values(
             for k, part in enumerate(micro_batches):
                 traj, cond = rollouts.traj.index(part), rollouts.cond.index(part)
                 adv = advantages[part].to(run.device)
+                gate = None if kl_gate is None else kl_gate[part].to(run.device)  # GARDO's KL gate
                 steps_after = (k + 1) % accumulation == 0
                 folds = step_folds(trained_rows(traj), algo.timesteps_per_pass)
                 for f, fold in enumerate(folds):
                     losses = []
                     for (j, rows), (out, kl) in zip(fold, folded_logprobs(run, traj, cond, fold, spec)):
-                        loss = step_loss(algo, out, kl, traj.index(rows), j, adv[rows])
+                        row_gate = None if gate is None else gate[rows]
+                        loss = step_loss(algo, out, kl, traj.index(rows), j, adv[rows], row_gate)
                         losses.append(loss.loss)
                         for key, value in loss.stats.items():
                             stats[key].append(value)
@@ -464,7 +484,7 @@ def console_line(m: dict[str, float]) -> str:
     ratio_off = max(abs(m.get("ratio_max", 1) - 1), abs(1 - m.get("ratio_min", 1)))
     seconds = m["time/rollout"] + m["time/reward"] + m["time/update"]
     return (
-        f"reward {m['reward/mean']:+.4g}±{m['reward/std']:.3g}{loop.eval_suffix(m)}  kl {m.get(KL_TO_REFERENCE, 0.0):.2e}  "
+        f"reward {m['reward/mean']:+.4g}±{m['reward/std']:.3g}{loop.eval_suffix(m)}  kl {m.get(loop.KL_TO_REFERENCE, 0.0):.2e}  "
         f"clipfrac {m.get('clipfrac', 0.0):.3f}  |ratio-1|max {ratio_off:.2e}  {seconds:.1f}s"
     )
 
@@ -475,8 +495,9 @@ def run(cfg: FlowGrpoTrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
         if s.run.dist.world_size > 1 or s.run.dist.sharded:
             require_rank_symmetric(cfg.algo)
         log.info("%s window over %d steps", cfg.algo.window.kind, cfg.model.num_steps)
+        gardo = GardoHooks.for_run(s.run)
         for epoch in s.epochs():
-            metrics = grpo_epoch(s.run, epoch, s.progress)
+            metrics = grpo_epoch(s.run, epoch, s.progress, gardo)
             if s.end_epoch(epoch, metrics, console_line, headline=f"reward {metrics['reward/mean']:+.4g}"):
                 break
     return s.metrics

@@ -83,6 +83,20 @@ LOOP_STATE_KEYS = (OPTIMIZER_KEY, SAMPLER_KEY, COUNTERS_KEY, RNG_KEY, EMA_KEY, R
 
 
 # -- every recipe --------------------------------------------------------------------------------------
+KL_TO_REFERENCE = "kl_to_ref"
+"""The measured distance to the reference, logged whatever ``algo.kl_weight`` (``kl_loss`` is 0 without it)."""
+
+KL_PROBE_SAMPLES = 4
+"""How many samples measure ``kl_to_ref``: the epoch's first by global position, each in a forward of its
+own, so the same samples in the same forwards give the logged number on any process count."""
+
+
+def kl_probe_rows(positions: Sequence[int]) -> list[int]:
+    """This process's rows holding one of the epoch's :data:`KL_PROBE_SAMPLES` first samples (positions:
+    each row's place in the global batch); a process that holds none measures nothing."""
+    return [i for i, p in enumerate(positions) if p < KL_PROBE_SAMPLES]
+
+
 def due(epoch: int, every: int, total: int) -> bool:
     """Periodic work after ``epoch`` (0-based): every ``every`` epochs and always after the last."""
     return epoch + 1 == total or (every > 0 and (epoch + 1) % every == 0)
