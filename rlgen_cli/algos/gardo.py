@@ -129,3 +129,12 @@ def refresh_due(epoch: int, every: int) -> bool:
     """Whether the reference becomes the online policy before ``epoch``'s update: every ``every`` epochs
     after the first (``every`` 0: never)."""
     return every > 0 and epoch > 0 and epoch % every == 0
+
+
+def gated_kl_weights(gate: Tensor, when_none: str = "zero") -> Tensor:
+    """(B,) float64 weights ``w`` with ``mean(w·kl) == gated_mean(kl, gate, when_none)``: a loss that averages
+    a per-sample KL over its batch then averages it over the gated samples only."""
+    gated = int(gate.sum())
+    if gated == 0:
+        return torch.full((len(gate),), 1.0 if when_none == "all" else 0.0, dtype=torch.float64)
+    return gate.double() * (len(gate) / gated)

@@ -190,13 +190,34 @@ class ReferenceSwitch:
         self._attribute = attribute
         self._lora = lora
         self._frozen: nn.Module | None = None
+        self._adapter: dict[str, Tensor] | None = None  # LoRA: the refreshed reference's adapter weights
         if not lora:
             self._frozen = copy.deepcopy(getattr(owner, attribute)).requires_grad_(False).eval()
+
+    def refresh(self) -> None:
+        """The reference becomes the current policy: a frozen copy of the LoRA weights, swapped in inside
+        the context (the base stays as loaded), or the trained weights copied into the full-FT copy."""
+        module = getattr(self._owner, self._attribute)
+        if self._lora:
+            self._adapter = {n: p.detach().clone() for n, p in module.named_parameters() if "lora_" in n}
+        else:
+            assert self._frozen is not None
+            self._frozen.load_state_dict(module.state_dict())
 
     @contextlib.contextmanager
     def __call__(self) -> Iterator[None]:
         module = getattr(self._owner, self._attribute)
-        if self._lora:
+        if self._lora and self._adapter is not None:
+            params = dict(module.named_parameters())
+            live = {name: params[name].data for name in self._adapter}
+            for name, frozen in self._adapter.items():
+                params[name].data = frozen
+            try:
+                yield
+            finally:
+                for name, data in live.items():
+                    params[name].data = data
+        elif self._lora:
             module.disable_adapters()
             try:
                 yield

@@ -204,6 +204,10 @@ class TrainableTransformer:
         """Within this context the transformer is the frozen reference (LoRA disabled or a frozen copy)."""
         return self._reference()
 
+    def refresh_reference(self) -> None:
+        """Make the reference the current policy (GARDO's periodic refresh, ``algo.gardo.refresh_every``)."""
+        self._reference.refresh()
+
     # -- distributed forwards -----------------------------------------------------------------
     def distribute(self, wrap: Callable[[nn.Module], nn.Module]) -> None:
         """Route gradient-carrying forwards through ``wrap(transformer)`` (DDP: averaged gradients).

@@ -29,6 +29,7 @@ from rlgen_cli.schema.choices import (
 )
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.forward import ForwardConfig
+from rlgen_cli.schema.gardo import GardoConfig
 from rlgen_cli.schema.vlm import TokenGRPOOptions, TokenSftOptions
 
 log = logging.getLogger(__name__)
@@ -388,6 +389,7 @@ class FlowGrpoAlgoConfig(PolicyGradientConfig):
     distinct prompts for each of the epoch's prompts_per_epoch / N sampling batches, so a prompt may come
     twice in an epoch (its groups then merge) while others wait (docs/maths.md §4.1, §13)."""
     ema: EMAConfig = field(default_factory=EMAConfig)
+    gardo: GardoConfig = field(default_factory=GardoConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -520,6 +522,7 @@ class FlowForwardAlgoConfig(PolicyGradientConfig):
     """See ``FlowGrpoAlgoConfig.cfg_grad``."""
     forward: ForwardConfig = field(default_factory=ForwardConfig)
     ema: EMAConfig = field(default_factory=EMAConfig)
+    gardo: GardoConfig = field(default_factory=GardoConfig)
 
     @property
     def assignment_unit(self) -> int:

@@ -82,3 +82,13 @@ def test_diversity_scale_amplifies_the_diverse_samples_at_or_above_their_group_m
 def test_refresh_is_due_every_k_epochs_after_the_first() -> None:
     assert [e for e in range(10) if gardo.refresh_due(e, 3)] == [3, 6, 9]
     assert not any(gardo.refresh_due(e, 0) for e in range(10))
+
+
+def test_gated_kl_weights_turn_a_batch_mean_into_the_gated_mean() -> None:
+    kl = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
+    gate = torch.tensor([False, True, False, True])
+    assert gardo.gated_kl_weights(gate).tolist() == [0.0, 2.0, 0.0, 2.0]
+    assert (gardo.gated_kl_weights(gate) * kl).mean().item() == 3.0  # (2 + 4) / 2
+    none = torch.zeros(4, dtype=torch.bool)
+    assert gardo.gated_kl_weights(none).tolist() == [0.0] * 4
+    assert gardo.gated_kl_weights(none, when_none="all").tolist() == [1.0] * 4
