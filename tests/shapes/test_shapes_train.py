@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from rlgen_cli.models.shapes import MODEL_ASSETS
 from rlgen_cli.training.images import CAPTIONED_TILE, FAIL_COLOR, PASS_COLOR, caption_height
+from rlgen_cli.training.report import ROW_LABEL_WIDTH
 
 SMALL = [
     "algo.prompts_per_epoch=2", "algo.group_size=4", "algo.sample_batch_size=8",
@@ -65,9 +66,10 @@ def test_training_from_the_shipped_base_changes_weights_and_reports(cli, tmp_pat
     ]
     assert table[-1].startswith("unseen: 12 samples")
     assert (run / "shapes_curves.png").is_file()
-    # before (top) and after (bottom) of the 12 prompts, 32-pixel samples drawn 128 wide over their captions
+    # before (top) and after (bottom) of the 12 prompts, 32-pixel samples drawn 128 wide over their captions,
+    # right of the strip naming the rows
     with Image.open(run / "images" / "before_after.png") as grid:
-        assert grid.size == (12 * CAPTIONED_TILE, 2 * (CAPTIONED_TILE + caption_height()))
+        assert grid.size == (ROW_LABEL_WIDTH + 12 * CAPTIONED_TILE, 2 * (CAPTIONED_TILE + caption_height()))
     # each evaluation grid (4 columns of 12) marks as many passes as its strict accuracy counts
     images = run / "images"
     assert _green_tiles(images / "eval_epoch_000000.png", 12, 4) == round(12 * rows[0][STRICT])
