@@ -138,3 +138,10 @@ def gated_kl_weights(gate: Tensor, when_none: str = "zero") -> Tensor:
     if gated == 0:
         return torch.full((len(gate),), 1.0 if when_none == "all" else 0.0, dtype=torch.float64)
     return gate.double() * (len(gate) / gated)
+
+
+def gated_velocity_kl(v: Tensor, v_ref: Tensor, gate: Tensor) -> Tensor:
+    """DiffusionNFT's gated KL: per sample ``mean((v − v_ref)²)`` over its dims, averaged over the gated
+    samples — over all of them when none is gated, as upstream's NFT code does. v, v_ref (B, ...)."""
+    per_sample = (v - v_ref.detach()).pow(2).flatten(1).mean(1)
+    return gated_mean(per_sample, gate.to(per_sample.device), when_none="all")

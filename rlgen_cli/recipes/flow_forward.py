@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -50,6 +51,7 @@ from rlgen_cli.algos.awm import (
     stratified_timestep_indices,
 )
 from rlgen_cli.algos.dgpo import truncated_timestep_indices
+from rlgen_cli.algos.gardo import gated_velocity_kl
 from rlgen_cli.algos.nft import (
     NFTLossOut,
     nft_loss,
@@ -59,6 +61,7 @@ from rlgen_cli.algos.nft import (
 )
 from rlgen_cli.models import Cond, cfg_gradient
 from rlgen_cli.recipes import flow_dgpo, loop
+from rlgen_cli.recipes.gardo import GardoHooks
 from rlgen_cli.recipes.loop import FlowRun, reduce_over_ranks, timed
 from rlgen_cli.recipes.session import session
 from rlgen_cli.schema.errors import UserError
@@ -191,15 +194,23 @@ def sample_epoch(run: FlowRun, old: OldPolicy, epoch: int, progress: Progress) -
     )  # fmt: skip
 
 
-def loss_weights(run: FlowRun, components: dict[str, Tensor], group_ids: Tensor) -> tuple[Tensor, Any]:
+def loss_weights(
+    run: FlowRun,
+    components: dict[str, Tensor],
+    group_ids: Tensor,
+    shape: Callable[[Tensor], Tensor] | None = None,
+) -> tuple[Tensor, Any]:
     """(N,) per-sample weights of the gathered batch from its group advantages A (clipped to ±A_max):
-    DiffusionNFT's optimality probability r, AWM's ``A·advantage_max/A_max`` or DGPO's A; and the stats."""
+    DiffusionNFT's optimality probability r, AWM's ``A·advantage_max/A_max`` or DGPO's A; and the stats.
+    ``shape`` (GARDO's diversity shaping) maps A first."""
     algo = run.cfg.algo
     advantages, stats = combine_rewards(
         components, dict(run.cfg.reward.weights), group_ids, mode=run.cfg.reward.aggregation,
         global_std=algo.global_std, clip_max=algo.adv_clip_max, std_estimator=algo.std_estimator,
         eps=algo.adv_eps,
     )  # fmt: skip
+    if shape is not None:
+        advantages = shape(advantages)
     if algo.forward.loss == "nft":
         return optimality_probability(advantages, algo.adv_clip_max), stats
     if algo.forward.loss == "dgpo":
@@ -225,7 +236,14 @@ def frozen_velocity(velocity: Any, x: Tensor, sigma: Tensor, weights: AbstractCo
 
 
 def forward_loss(
-    run: FlowRun, old: OldPolicy, x0: Tensor, noise: Tensor, sigma: Tensor, cond: Cond, weights: Tensor
+    run: FlowRun,
+    old: OldPolicy,
+    x0: Tensor,
+    noise: Tensor,
+    sigma: Tensor,
+    cond: Cond,
+    weights: Tensor,
+    kl_gate: Tensor | None = None,
 ) -> NFTLossOut | AWMLossOut:
     """The configured loss at ``x_σ = (1 − σ)·x₀ + σ·ε`` for x0, noise (B, ...), sigma and weights (B,).
     The old and reference velocities come first: the old policy swaps weights in place, which must not
@@ -241,15 +259,22 @@ def forward_loss(
         if algo.kl_weight > 0:
             v_ref = frozen_velocity(velocity, x_sigma, sigma, run.policy.trainable.reference())
         v = velocity(x_sigma, sigma)
+    gated = kl_gate is not None and v_ref is not None  # GARDO: the KL below, on the gated samples only
+    kl_weight = 0.0 if gated else algo.kl_weight
     if forward.loss == "nft":
-        return nft_loss(
+        out = nft_loss(
             v, v_old, x0, noise, sigma, weights, beta=forward.nft_beta, adaptive=forward.adaptive_weight,
-            scale=algo.adv_clip_max, v_ref=v_ref, kl_weight=algo.kl_weight,
+            scale=algo.adv_clip_max, v_ref=v_ref, kl_weight=kl_weight,
         )  # fmt: skip
-    return awm_loss(
-        v, x0, noise, sigma, weights, weighting=forward.weighting, power=forward.ghuber_power,
-        v_ref=v_ref, kl_weight=algo.kl_weight, v_old=v_old, old_weight=forward.old_weight,
-    )  # fmt: skip
+    else:
+        out = awm_loss(
+            v, x0, noise, sigma, weights, weighting=forward.weighting, power=forward.ghuber_power,
+            v_ref=v_ref, kl_weight=kl_weight, v_old=v_old, old_weight=forward.old_weight,
+        )  # fmt: skip
+    if not gated:
+        return out
+    kl = gated_velocity_kl(v.to(out.loss.dtype), v_ref.to(out.loss.dtype), kl_gate)
+    return replace(out, loss=out.loss + algo.kl_weight * kl, kl_loss=kl.detach())
 
 
 def train_micro_batch(
@@ -261,6 +286,7 @@ def train_micro_batch(
     draws: list[torch.Generator],
     stats: dict[str, list[float]],
     steps_after: bool,
+    kl_gate: Tensor | None = None,
 ) -> None:
     """Backward through every trained σ of one micro-batch; sample i draws its σ positions and ε from
     ``draws[i]``. ``steps_after``: the optimizer steps after it (its last backward syncs gradients)."""
@@ -272,7 +298,7 @@ def train_micro_batch(
     for j in range(num_sigmas):
         sigma = rollouts.sigmas[positions[:, j].to(rollouts.sigmas.device)].to(x0.dtype)  # (B,)
         noise = randn_per_sample(x0.shape[1:], draws, run.device)  # (B, ...)
-        out = forward_loss(run, old, x0, noise, sigma, cond, weights)
+        out = forward_loss(run, old, x0, noise, sigma, cond, weights, kl_gate)
         last = steps_after and j == num_sigmas - 1
         # gradient_accumulation_steps counts micro-batches over all processes
         accumulation = loop.accumulation_per_process(algo, run.dist.world_size)
@@ -286,7 +312,13 @@ def train_micro_batch(
 
 
 def update(
-    run: FlowRun, old: OldPolicy, rollouts: Rollouts, weights: Tensor, epoch: int, progress: Progress
+    run: FlowRun,
+    old: OldPolicy,
+    rollouts: Rollouts,
+    weights: Tensor,
+    epoch: int,
+    progress: Progress,
+    kl_gate: Tensor | None = None,
 ) -> dict[str, list[float]]:
     """``num_inner_epochs`` passes over this rank's samples in micro-batches of ``train_batch_size``; each
     sample's σ draws and ε come from its own stream (seed, epoch, global position), fresh for every pass.
@@ -302,7 +334,10 @@ def update(
             for k, part in enumerate(micro_batches):
                 steps_after = (k + 1) % loop.accumulation_per_process(algo, run.dist.world_size) == 0
                 part_weights = weights[part].to(run.device)
-                train_micro_batch(run, old, rollouts, part, part_weights, draws[part], stats, steps_after)
+                part_gate = None if kl_gate is None else kl_gate[part].to(run.device)  # GARDO's KL gate
+                train_micro_batch(
+                    run, old, rollouts, part, part_weights, draws[part], stats, steps_after, part_gate
+                )
                 if steps_after:
                     stats["grad_norm"].append(loop.optimizer_step(run))
                 advance(1)
@@ -333,7 +368,9 @@ def reference_distance(run: FlowRun, rollouts: Rollouts, epoch: int) -> list[flo
     return values
 
 
-def forward_epoch(run: FlowRun, old: OldPolicy, epoch: int, progress: Progress) -> dict[str, float]:
+def forward_epoch(
+    run: FlowRun, old: OldPolicy, epoch: int, progress: Progress, gardo: GardoHooks | None = None
+) -> dict[str, float]:
     """rollout → reward → advantages → update → old-policy refresh; the epoch's metrics."""
     cfg = run.cfg
     lr = apply_lr_schedule(run.optimizer, cfg.algo, epoch, cfg.epochs, run.time_progress)
@@ -346,14 +383,20 @@ def forward_epoch(run: FlowRun, old: OldPolicy, epoch: int, progress: Progress) 
     order = run.dist.gather(rollouts.positions.to(run.device)).cpu().argsort()  # rank by rank → global
     components = {k: run.dist.gather(v.to(run.device)).cpu()[order] for k, v in rollouts.components.items()}
     group_ids = run.dist.gather(rollouts.indices.to(run.device)).cpu()[order]
-    weights, adv_stats = loss_weights(run, components, group_ids)
+    shape, kl_gate, gardo_stats = None, None, {}
+    if gardo is not None:  # GARDO: diversity-shaped advantages, the KL gate, the reference refresh
+        total = loop.weighted_total(run, components)
+        shape, kl_gate, gardo_stats = gardo.for_forward(
+            run, epoch, rollouts, order, components, group_ids, total
+        )
+    weights, adv_stats = loss_weights(run, components, group_ids, shape)
     n = len(rollouts.indices)
     mine = weights[rollouts.positions]
     with timed(timings, "time/update"):
         if cfg.algo.forward.loss == "dgpo":  # group weights from whole groups: global advantages
             stats = flow_dgpo.update(run, old, rollouts, weights, group_ids, epoch, progress)
         else:
-            stats = update(run, old, rollouts, mine, epoch, progress)
+            stats = update(run, old, rollouts, mine, epoch, progress, kl_gate)
         stats[loop.KL_TO_REFERENCE] = reference_distance(run, rollouts, epoch)
     decay = old.refresh(run)
     loop.save_rollout_images(run, rollouts.images, epoch)
@@ -361,7 +404,7 @@ def forward_epoch(run: FlowRun, old: OldPolicy, epoch: int, progress: Progress) 
     return {
         "lr": lr, **loop.reward_metrics(run, components), **local, "zero_std_ratio": adv_stats.zero_std_ratio,
         "num_groups": adv_stats.num_groups, "old_decay": decay, **timings, "global_step": run.global_step,
-        "peak_memory_mb": loop.peak_memory_mb(run.device),
+        "peak_memory_mb": loop.peak_memory_mb(run.device), **gardo_stats,
     }  # fmt: skip
 
 
@@ -379,8 +422,9 @@ def run(cfg: FlowForwardTrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
     require_valid(cfg)
     with session(cfg, raw_cfg) as s:
         old = OldPolicy.build(s.run)
+        gardo = GardoHooks.for_run(s.run)
         for epoch in s.epochs():
-            metrics = forward_epoch(s.run, old, epoch, s.progress)
+            metrics = forward_epoch(s.run, old, epoch, s.progress, gardo)
             headline = f"reward {metrics['reward/mean']:+.4g}"
             if s.end_epoch(
                 epoch, metrics, console_line, headline, extra_state={OLD_KEY: old.weights.state_dict()}

@@ -9,6 +9,7 @@ rollout batch by rollout batch: those batches are the same on any process count.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -98,6 +99,13 @@ class GardoHooks:
         shaped = (advantages.double() * scale).clamp(-clip_max, clip_max).to(advantages.dtype)
         return shaped, {"gardo/diversity_scale_max": scale.max().item()}
 
+    def gathered_features(self, run: Any, rollouts: Any, order: Tensor) -> Tensor | None:
+        """(N, D) features of the whole batch in global order (None with diversity off)."""
+        features = self.features(rollouts.images, run.cfg.algo.sample_batch_size)
+        if features is None:
+            return None
+        return run.dist.gather(features.to(run.device)).cpu()[order]
+
     def on_batch(
         self,
         run: Any,
@@ -109,16 +117,40 @@ class GardoHooks:
         components: dict[str, Tensor],
         rewards: Tensor,
     ) -> tuple[Tensor, Tensor | None, dict[str, float]]:
-        """Everything GARDO does between the advantages and the update of ``epoch``: the gathered
+        """Everything GARDO does between Flow-GRPO's advantages and its update of ``epoch``: the gathered
         ``advantages`` (N,) shaped by diversity, this process's KL gate (``mine``: its places in the
         global batch; None with the gate off), the reference refreshed when due; and the metrics.
         ``order`` puts gathered rows in global order; ``rewards`` (N,) is the weighted reward in it."""
-        dist, algo = run.dist, run.cfg.algo
-        group_ids = dist.gather(rollouts.indices.to(run.device)).cpu()[order]
-        features = self.features(rollouts.images, algo.sample_batch_size)
-        if features is not None:
-            features = dist.gather(features.to(run.device)).cpu()[order]
-        advantages, stats = self.shape(advantages, rewards, features, group_ids, algo.adv_clip_max)
+        group_ids = run.dist.gather(rollouts.indices.to(run.device)).cpu()[order]
+        features = self.gathered_features(run, rollouts, order)
+        advantages, stats = self.shape(advantages, rewards, features, group_ids, run.cfg.algo.adv_clip_max)
         gate, gate_stats = self.kl_gate(components)
         stats = {**stats, **gate_stats, "gardo/refreshed": self.refresh_if_due(run, epoch)}
         return advantages, None if gate is None else gate[mine], stats
+
+    def for_forward(
+        self,
+        run: Any,
+        epoch: int,
+        rollouts: Any,
+        order: Tensor,
+        components: dict[str, Tensor],
+        group_ids: Tensor,
+        rewards: Tensor,
+    ) -> tuple[Callable[[Tensor], Tensor], Tensor | None, dict[str, float]]:
+        """DiffusionNFT's side of :meth:`on_batch`: the shaping as a function of the gathered advantages
+        (applied before they become loss weights; it fills the returned metrics), this process's KL gate
+        (``rollouts.positions`` are its places in the global batch) and the refresh."""
+        features = self.gathered_features(run, rollouts, order)
+        stats: dict[str, float] = {}
+
+        def shape(advantages: Tensor) -> Tensor:
+            shaped, shape_stats = self.shape(
+                advantages, rewards, features, group_ids, run.cfg.algo.adv_clip_max
+            )
+            stats.update(shape_stats)
+            return shaped
+
+        gate, gate_stats = self.kl_gate(components)
+        stats.update({**gate_stats, "gardo/refreshed": self.refresh_if_due(run, epoch)})
+        return shape, None if gate is None else gate[rollouts.positions], stats

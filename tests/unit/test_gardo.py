@@ -92,3 +92,10 @@ def test_gated_kl_weights_turn_a_batch_mean_into_the_gated_mean() -> None:
     none = torch.zeros(4, dtype=torch.bool)
     assert gardo.gated_kl_weights(none).tolist() == [0.0] * 4
     assert gardo.gated_kl_weights(none, when_none="all").tolist() == [1.0] * 4
+
+
+def test_gated_velocity_kl_averages_per_sample_squares_over_the_gated_samples() -> None:
+    v = torch.tensor([[1.0, 3.0], [2.0, 2.0], [0.0, 4.0]])
+    v_ref = torch.zeros(3, 2)  # per-sample means of squares: 5, 4, 8
+    assert gardo.gated_velocity_kl(v, v_ref, torch.tensor([True, False, True])).item() == 6.5
+    assert gardo.gated_velocity_kl(v, v_ref, torch.zeros(3, dtype=torch.bool)).item() == pytest.approx(17 / 3)
