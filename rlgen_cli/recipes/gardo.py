@@ -45,6 +45,12 @@ class GardoHooks:
                 "algo.gardo.kl_gate / refresh_every keep state a checkpoint does not carry (the gate "
                 "fraction, the refreshed reference); start the run afresh or turn them off to resume"
             )
+        forward = getattr(algo, "forward", None)
+        if switches.kl_gate and forward is not None and forward.loss == "dgpo":
+            raise UserError(
+                "algo.gardo.kl_gate is not wired into DGPO's group loss; use algo=nft or algo=awm, or turn "
+                "algo.gardo.kl_gate off"
+            )
         if switches.refresh_every and not hasattr(run.policy.trainable, "refresh_reference"):
             raise UserError(
                 f"algo.gardo.refresh_every: model.family={cfg.model.family} keeps its reference its own way "
