@@ -31,6 +31,7 @@ from rlgen_cli.algos.dgpo import dgpo_loss, group_weights
 from rlgen_cli.algos.dpo import flow_matching_error
 from rlgen_cli.models import cfg_gradient
 from rlgen_cli.recipes import loop
+from rlgen_cli.recipes.forward_draws import frozen_velocity, trained_indices
 from rlgen_cli.recipes.loop import FlowRun
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.sde.noise import Stream, randn_per_sample, sample_generators
@@ -78,8 +79,6 @@ def _x_sigma(x0: Tensor, noise: Tensor, sigma: Tensor) -> Tensor:
 @torch.no_grad()
 def measure(run: FlowRun, old: Any, rollouts: Any, part: slice, draws: list[torch.Generator]) -> Measured:
     """Draw the micro-batch's σ and ε (each sample from its group's stream) and measure the errors."""
-    from rlgen_cli.recipes.flow_forward import frozen_velocity, trained_indices
-
     forward = run.cfg.algo.forward
     x0, cond = rollouts.x0[part], rollouts.cond.index(part)
     positions = torch.stack([trained_indices(forward, run.cfg.model.num_steps, g) for g in draws])  # (B, K)

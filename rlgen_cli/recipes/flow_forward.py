@@ -48,24 +48,22 @@ from rlgen_cli.algos.awm import (
     AWMLossOut,
     awm_loss,
     micro_batch_timestep_indices,
-    stratified_timestep_indices,
 )
-from rlgen_cli.algos.dgpo import truncated_timestep_indices
 from rlgen_cli.algos.gardo import gated_velocity_kl
 from rlgen_cli.algos.nft import (
     NFTLossOut,
     nft_loss,
     old_policy_decay,
     optimality_probability,
-    subset_timestep_indices,
 )
 from rlgen_cli.models import Cond, cfg_gradient
 from rlgen_cli.recipes import flow_dgpo, loop
+from rlgen_cli.recipes.forward_draws import frozen_velocity, trained_indices
 from rlgen_cli.recipes.gardo import GardoHooks
 from rlgen_cli.recipes.loop import FlowRun, reduce_over_ranks, timed
 from rlgen_cli.recipes.session import session
 from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.forward import ForwardConfig, check_forward_steps
+from rlgen_cli.schema.forward import check_forward_steps
 from rlgen_cli.schema.recipes import FlowForwardTrainConfig
 from rlgen_cli.sde import dpm_solver_2m, euler, plan_window
 from rlgen_cli.sde.noise import Stream, randn_per_sample, sample_generators
@@ -216,23 +214,6 @@ def loss_weights(
     if algo.forward.loss == "dgpo":
         return advantages, stats
     return advantages * (algo.forward.advantage_max / algo.adv_clip_max), stats
-
-
-def trained_indices(forward: ForwardConfig, num_steps: int, generator: torch.Generator) -> Tensor:
-    """(K,) positions in the rollout's σ schedule that one sample trains on this pass."""
-    if forward.timestep_sampling == "subset":
-        return subset_timestep_indices(num_steps, int(num_steps * forward.timestep_fraction), generator)
-    if forward.timestep_sampling == "truncated":
-        return truncated_timestep_indices(
-            num_steps, forward.num_timesteps, forward.timestep_fraction, generator
-        )
-    return stratified_timestep_indices(num_steps, forward.num_timesteps, forward.timestep_fraction, generator)
-
-
-def frozen_velocity(velocity: Any, x: Tensor, sigma: Tensor, weights: AbstractContextManager[Any]) -> Tensor:
-    """The velocity under other weights (old policy, reference), without gradients."""
-    with torch.no_grad(), weights:
-        return velocity(x, sigma)
 
 
 def forward_loss(
