@@ -112,7 +112,7 @@ def refuse_unmodelled(cfg: Any) -> None:
 
 def plan_run(cfg: Any) -> dict[str, Any]:
     """The plan of the training run ``cfg`` describes (a validated flow training config), as a dict."""
-    from rlgen_cli.training.memory_plan import GIB, Epoch, plan_memory, smallest_device, smallest_fix
+    from rlgen_cli.training.memory_plan import GIB, Epoch, device_fits, plan_memory, smallest_fix
 
     refuse_unmodelled(cfg)
     held, reward_notes = reward_rows(cfg)  # a reward it cannot count stops the plan before any build
@@ -137,7 +137,7 @@ def plan_run(cfg: Any) -> dict[str, Any]:
         plan = plan_memory(groups, activations, launch, training, epoch)
         device_bytes = int(cfg.plan.device_memory_gb * GIB)
         fix = smallest_fix(groups, activations, launch, training, epoch, device_bytes, cfg.plan.headroom)
-        device = smallest_device(groups, activations, launch, training, epoch, cfg.plan.headroom)
+        devices = device_fits(groups, activations, launch, training, epoch, cfg.plan.headroom)
     except (RuntimeError, NotImplementedError) as err:
         raise UserError(
             f"model.family={cfg.model.family}: its training step reads tensor values the meta device does "
@@ -167,10 +167,10 @@ def plan_run(cfg: Any) -> dict[str, Any]:
         "total_bytes": plan.total, "device_bytes": device_bytes,
         "usable_bytes": int(device_bytes * (1 - cfg.plan.headroom)),
         "fits": plan.fits(device_bytes, cfg.plan.headroom),
-        "smallest_device": None if device is None else {
+        "devices": [{
             "device_gb": device.device_gb, "changes": list(device.changes),
             "how": [_setting_or_note(step) for step in device.how], "total_bytes": device.plan.total,
-        },
+        } for device in devices],
         "fix": None if fix is None else {
             "changes": list(fix.changes), "how": how, "total_bytes": fix.plan.total, "fits": fix.fits,
         },
@@ -1152,22 +1152,20 @@ def _in_unit(nbytes: int, unit: int) -> str:
 
 
 def smallest_device_line(report: dict[str, Any]) -> str:
-    """Which of the common devices (24 / 40 / 48 / 80 / 141 GB) is the smallest that holds the run on as
-    many processes, and with which settings."""
+    """Which of the common devices (24 / 40 / 48 / 80 / 141 GB) is the smallest that holds one process of
+    the run, with which settings, and each larger one that needs fewer changes."""
     from rlgen_cli.training.memory_plan import COMMON_DEVICES_GB
 
     sizes = " / ".join(map(str, COMMON_DEVICES_GB))
-    device = report["smallest_device"]
-    if device is None:
-        return (
-            f"smallest common device ({sizes} GB): none holds one process of this run; it needs more "
-            "processes"
-        )
-    how = "as configured" if not device["how"] else "with " + " ".join(device["how"])
-    return (
-        f"smallest common device ({sizes} GB): {device['device_gb']} GB, {how} "
-        f"({_gib(device['total_bytes'])} GiB, {100 * (1 - report['usable_bytes'] / report['device_bytes']):.0f} % kept free)"
-    )
+    if not report["devices"]:
+        return f"smallest common device ({sizes} GB): none holds one process of this run; it needs more processes"
+    kept_free = 100 * (1 - report["usable_bytes"] / report["device_bytes"])
+    fits = [
+        f"{d['device_gb']} GB {'as configured' if not d['how'] else 'with ' + ' '.join(d['how'])} "
+        f"({_gib(d['total_bytes'])} GiB)"
+        for d in report["devices"]
+    ]
+    return f"smallest common device ({sizes} GB, {kept_free:.0f} % kept free): " + "; or ".join(fits)
 
 
 def print_report(report: dict[str, Any]) -> None:

@@ -75,6 +75,7 @@ __all__ = [
     "Activations",
     "Change",
     "DeviceFit",
+    "device_fits",
     "Epoch",
     "Fix",
     "Launch",
@@ -560,6 +561,32 @@ class DeviceFit:
     plan: MemoryPlan
 
 
+def device_fits(
+    groups: Iterable[ParamGroup],
+    activations: Activations,
+    launch: Launch,
+    training: Training,
+    epoch: Epoch,
+    headroom: float,
+    devices: Iterable[int] = COMMON_DEVICES_GB,
+) -> list[DeviceFit]:
+    """The smallest of ``devices`` (GB, counted as ``plan.device_memory_gb`` counts them: 2³⁰ bytes each)
+    that holds the run on as many processes as configured — as it is, else after :func:`smallest_fix`'s
+    change — then each larger one that holds it with fewer changes, up to the first that holds it as
+    configured; empty when none holds it without more processes."""
+    groups = list(groups)
+    fits: list[DeviceFit] = []
+    for size in sorted(devices):
+        fix = smallest_fix(groups, activations, launch, training, epoch, int(size * GIB), headroom)
+        if fix is None:
+            plan = plan_memory(groups, activations, launch, training, epoch)
+            return [*fits, DeviceFit(size, (), (), plan)]
+        fewer = not fits or len(fix.changes) < len(fits[-1].changes)
+        if fix.fits and fix.plan.launch.processes == launch.processes and fewer:
+            fits.append(DeviceFit(size, fix.changes, fix.how, fix.plan))
+    return fits
+
+
 def smallest_device(
     groups: Iterable[ParamGroup],
     activations: Activations,
@@ -569,14 +596,6 @@ def smallest_device(
     headroom: float,
     devices: Iterable[int] = COMMON_DEVICES_GB,
 ) -> DeviceFit | None:
-    """The smallest of ``devices`` (GB, counted as ``plan.device_memory_gb`` counts them: 2³⁰ bytes each)
-    on which the run fits on as many processes as configured: as it is, else after :func:`smallest_fix`'s
-    change; None when none holds it without more processes."""
-    groups = list(groups)
-    for size in sorted(devices):
-        fix = smallest_fix(groups, activations, launch, training, epoch, int(size * GIB), headroom)
-        if fix is None:
-            return DeviceFit(size, (), (), plan_memory(groups, activations, launch, training, epoch))
-        if fix.fits and fix.plan.launch.processes == launch.processes:
-            return DeviceFit(size, fix.changes, fix.how, fix.plan)
-    return None
+    """The first of :func:`device_fits`: the smallest device that holds one process, None when none does."""
+    fits = device_fits(groups, activations, launch, training, epoch, headroom, devices)
+    return fits[0] if fits else None

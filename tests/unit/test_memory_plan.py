@@ -16,6 +16,7 @@ from rlgen_cli.training.memory_plan import (
     Launch,
     ParamGroup,
     Training,
+    device_fits,
     plan_memory,
     smallest_device,
     smallest_fix,
@@ -261,3 +262,14 @@ def test_no_common_device_holds_a_run_that_needs_more_processes():
     groups, epoch = _frozen_and_lora(200)
     assert smallest_device(groups, NO_ACTIVATIONS, Launch("local"), Training(4), epoch, headroom=0.1) is None
     assert COMMON_DEVICES_GB == (24, 40, 48, 80, 141)
+
+
+def test_a_larger_device_that_needs_fewer_changes_is_named_too():
+    # 30.75 GiB of state and 8 GiB of step: nothing holds one process on 24 GB (checkpointed 31.75 > 21.6),
+    # 40 GB with checkpointing (31.75 ≤ 36; plain 38.75 > 36), 48 GB as configured (38.75 ≤ 43.2)
+    groups, epoch = _frozen_and_lora(30)
+    fits = device_fits(groups, NO_ACTIVATIONS, Launch("local"), Training(4), epoch, headroom=0.1)
+    assert [(fit.device_gb, fit.how) for fit in fits] == [
+        (40, ("model.gradient_checkpointing=true",)),
+        (48, ()),
+    ]
