@@ -64,6 +64,11 @@ R3_STEPS = {  # one step per epoch (two epochs: a reason and a refine step), one
     "one": ["epochs=2", "r3.prompts_per_step=2", "r3.group_size=4", "r3.micro_batch_size=4"],
     "several": ["epochs=2", "r3.prompts_per_step=2", "r3.group_size=4", "r3.micro_batch_size=2"],
 }
+GARDO = (  # two epochs, so the reference is refreshed once between them; the KL gated on rank disagreement
+    *(o for o in FLOW if o != "epochs=1"), "epochs=2", "+reward.weights.brightness=0",
+    "+reward.weights.jpeg_incompressibility=0", "algo.gardo.kl_gate=true", "algo.gardo.refresh_every=1",
+    "algo.gardo.proxy_reward=jpeg_compressibility", "algo.gardo.auxiliary_rewards=[brightness,jpeg_incompressibility]",
+)  # fmt: skip
 KEEP_ZERO = ("algo.drop_zero_advantage=false",)  # the upstream default packs per process: not exact (below)
 UNLOGGED = ("time/", "peak_memory_mb")  # wall-clock and memory: properties of the machine, not the run
 
@@ -87,6 +92,8 @@ RECIPES = {
     "nft": Recipe((*FLOW, "algo=nft"), FLOW_STEPS, LORA),
     "awm": Recipe((*FLOW, "algo=awm"), FLOW_STEPS, LORA),
     "dgpo": Recipe((*FLOW, "algo=dgpo", "algo.forward.num_timesteps=2"), FLOW_STEPS, LORA),
+    "grpo_gardo": Recipe((*GARDO, "algo=grpo", *KEEP_ZERO), FLOW_STEPS, LORA),
+    "nft_gardo": Recipe((*GARDO, "algo=nft", "algo.kl_weight=0.01"), FLOW_STEPS, LORA),
     "token_grpo": Recipe((*TOKEN, "algo=token_grpo"), FLOW_STEPS, ADAPTER),
     "step_grpo": Recipe((*TOKEN, "algo=step_grpo"), FLOW_STEPS, ADAPTER),
     "vlm_sft": Recipe(tuple(VLM_SFT), SFT_STEPS, ADAPTER),
