@@ -214,7 +214,8 @@ def launch_command(launcher: LauncherConfig, resolved: Path) -> list[str]:
     """``accelerate launch`` argv for ``launcher`` running the worker on ``resolved``."""
     user = read_launch_file(launcher.config_file) if launcher.config_file else None
     from_file = set() if user is None or user.kind != "accelerate" else set(user.settings)
-    argv = [sys.executable, "-m", "accelerate.commands.launch"]
+    # accelerate launch, without its traceback when a worker refused (the refusal says why)
+    argv = [sys.executable, "-m", "rlgen_cli.launch.accelerate_quietly"]
     config = engine_config(launcher.name)
     if user is not None and user.kind == "deepspeed":
         argv += ["--use_deepspeed", "--deepspeed_config_file", str(user.path)]

@@ -5,7 +5,8 @@ python -m rlgen_cli.launch.worker RUN_DIR/resolved.yaml     # what the controlle
 Before anything else it checks that the launch started the processes the config asked for
 (``launch/world.py``). A refusal — that one, or a :class:`UserError` the recipe raises — ends the worker
 with exit code 2 and leaves the reason in the run directory, where the controller reads it (the launcher
-stops the other ranks when one exits).
+stops the other ranks when one exits). A rank whose collective breaks because another rank refused and
+left exits with code 2 too, without a traceback: the refusal is the reason.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from rlgen_cli.launch.world import world_mismatch, write_refusal
+from rlgen_cli.launch.world import REFUSAL_FILE, world_mismatch, write_refusal
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.recipes import TRAIN_SCHEMAS
 
@@ -34,6 +35,16 @@ def main(argv: list[str]) -> int:
         return _refuse(resolved.parent, str(err))
     except KeyboardInterrupt:  # rank 0's recipe already said where the run stopped; no traceback per rank
         return 130
+    except Exception:
+        if not peer_refused(resolved.parent):
+            raise
+        return 2  # a rank that refused left, and this one's collective broke: its line is the reason
+
+
+def peer_refused(run_dir: Path) -> bool:
+    """Another rank stopped the run with a refusal (written before it exited, so before this rank's
+    collective with it could fail)."""
+    return (run_dir / REFUSAL_FILE).is_file()
 
 
 def _run(resolved: Path) -> int:
