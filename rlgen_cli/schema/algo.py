@@ -293,6 +293,11 @@ class AlgoConfig:
     """Gradient-norm clip; ≤ 0 disables it."""
 
     def __post_init__(self) -> None:
+        self.require_whole_epoch_batches()
+
+    def require_whole_epoch_batches(self) -> None:
+        """An epoch of prompts_per_epoch × group_size samples splits into whole sampling and training
+        micro-batches, and those into whole optimizer steps."""
         total = self.prompts_per_epoch * self.group_size
         for key in ("sample_batch_size", "train_batch_size"):
             size = getattr(self, key)
@@ -557,3 +562,8 @@ class VlmSftAlgoConfig(AlgoConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         refuse_epoch_schedule(self, "vlm_sft", TOKEN_SCHEDULE)
+
+    def require_whole_epoch_batches(self) -> None:
+        """None to check here: an SFT epoch is one pass over ``data.train`` (not prompts_per_epoch ×
+        group_size samples), cut into micro-batches when the file is read; the last optimizer step of an
+        epoch may hold fewer than ``gradient_accumulation_steps`` of them (``recipes/vlm_sft.py``)."""

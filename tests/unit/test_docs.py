@@ -143,11 +143,7 @@ HYDRA_VERBS = {
     "plan": "plan", "serve-reward": "serve_reward",
 }  # fmt: skip
 RUN_AS_WRITTEN = ("ls", "plan", "check-onpolicy", "eval", "sample")
-KNOWN_FAILURES = {
-    "docs/vlm.md: rlgen train model=qwen2_vl model.path=Qwen/Qwen2-VL-2B-Instruct algo=vlm_sft epochs=2 "
-    "data.train=/data/mulberry_sft.jsonl reward=r1vl algo.train_batch_size=4 algo.gradient_accumulation_steps=32":
-        "2 training micro-batches per epoch are not divisible by algo.gradient_accumulation_steps=32",
-}  # fmt: skip
+KNOWN_FAILURES: dict[str, str] = {}
 """Examples that fail today (``file: rlgen ARGS``): their tests are xfail(strict), so a fix shows. An entry
 whose example is reworded matches nothing and goes (its example is then tested like any other)."""
 NEEDS_PACKAGE = {"algo.token.engine=vllm": "vllm"}
