@@ -99,3 +99,20 @@ def test_gated_velocity_kl_averages_per_sample_squares_over_the_gated_samples() 
     v_ref = torch.zeros(3, 2)  # per-sample means of squares: 5, 4, 8
     assert gardo.gated_velocity_kl(v, v_ref, torch.tensor([True, False, True])).item() == 6.5
     assert gardo.gated_velocity_kl(v, v_ref, torch.zeros(3, dtype=torch.bool)).item() == pytest.approx(17 / 3)
+
+
+def test_the_hooks_shape_advantages_by_diversity_then_clip_them_again() -> None:
+    from rlgen_cli.recipes.gardo import GardoHooks
+    from rlgen_cli.schema.gardo import GardoConfig
+
+    hooks = GardoHooks(GardoConfig(diversity=True), "cpu")
+    features = torch.tensor([[1.0, 0.0], [3.0, 3.0], [-1.0, 0.0]])  # distances near, near, far (above)
+    advantages = torch.tensor([-1.2, 0.5, 0.7])
+    shaped, stats = hooks.shape(advantages, torch.tensor([1.0, 2.0, 3.0]), features, torch.zeros(3), 1.5)
+    near, far = 1 - 1 / math.sqrt(2), 1 + 1 / math.sqrt(2)
+    mean = (2 * near + far) / 3
+    expected = torch.tensor([-1.2, 0.5 * near / mean, 1.5])  # 0.7·far/mean = 1.56 clipped to 1.5
+    torch.testing.assert_close(shaped, expected, atol=4 * torch.finfo(torch.float32).eps, rtol=0)
+    assert stats["gardo/diversity_scale_max"] == pytest.approx(far / mean)
+    unshaped, _ = hooks.shape(advantages, torch.tensor([1.0, 2.0, 3.0]), None, torch.zeros(3), 1.5)
+    assert unshaped is advantages  # diversity off: no features, no change

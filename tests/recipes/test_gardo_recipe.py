@@ -1,0 +1,73 @@
+"""GARDO's switches through the flow recipes (tiny SD3 on CPU): what they need of the config, and the
+diversity shaping with a tiny CLIP as the feature encoder."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import run_cli
+
+TINY = [
+    "experiment=tiny_cpu", "model.num_steps=3", "algo.prompts_per_epoch=2", "algo.group_size=4", "epochs=1",
+    "eval_every=0", "images_every=0", "progress=false",
+]  # fmt: skip
+
+
+def test_the_kl_gate_names_rewards_the_mix_lacks_with_exit_2(tmp_path: Path) -> None:
+    code, out = run_cli(
+        "train", *TINY, "algo.kl_weight=0.04", "algo.gardo.kl_gate=true", "algo.gardo.proxy_reward=jpeg_compressibility",
+        "algo.gardo.auxiliary_rewards=[brightness]", f"hydra.run.dir={tmp_path / 'run'}",
+    )  # fmt: skip
+    assert code == 2 and "algo.gardo names rewards not in reward.weights: ['brightness']" in " ".join(
+        out.split()
+    )
+
+
+def test_a_refresh_without_a_kl_is_refused(tmp_path: Path) -> None:
+    code, out = run_cli(
+        "train", *TINY, "algo.kl_weight=0", "algo.gardo.refresh_every=2", f"hydra.run.dir={tmp_path / 'run'}"
+    )
+    assert code == 2 and "algo.kl_weight=0 turns off" in " ".join(out.split()), out
+
+
+@pytest.fixture(scope="module")
+def tiny_clip(tmp_path_factory) -> Path:
+    """A tiny random CLIP with its processor, saved in one directory."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    from rlgen_cli.models.tokenizers import tiny_clip_tokenizer
+
+    root = tmp_path_factory.mktemp("tiny_clip")
+    tokenizer = tiny_clip_tokenizer()
+    text = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=4, max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=1)  # fmt: skip
+    vision = dict(image_size=16, patch_size=4, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=4)  # fmt: skip
+    torch.manual_seed(0)
+    CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=24)).save_pretrained(root)
+    images = CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
+    CLIPProcessor(image_processor=images, tokenizer=tokenizer).save_pretrained(root)
+    return root
+
+
+@pytest.mark.slow  # about 30 s: two tiny runs
+def test_diversity_shaping_changes_the_update_and_logs_its_largest_multiplier(
+    tmp_path: Path, tiny_clip: Path
+):
+    def train(name: str, *extra: str) -> dict:
+        run = tmp_path / name
+        code, out = run_cli("train", *TINY, "algo.drop_zero_advantage=false", *extra, f"hydra.run.dir={run}")
+        assert code == 0, out
+        return json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+
+    plain = train("plain")
+    shaped = train("shaped", "algo.gardo.diversity=true", f"algo.gardo.feature_model={tiny_clip}")
+    scale = shaped["gardo/diversity_scale_max"]
+    assert math.isfinite(scale) and scale > 1  # the most distinct sample above its group's mean is amplified
+    assert shaped["reward/mean"] == plain["reward/mean"]  # the same rollouts
+    assert shaped["policy_loss"] != plain["policy_loss"]  # trained on other advantages
