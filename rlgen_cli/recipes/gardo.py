@@ -51,6 +51,11 @@ class GardoHooks:
                 "algo.gardo.kl_gate is not wired into DGPO's group loss; use algo=nft or algo=awm, or turn "
                 "algo.gardo.kl_gate off"
             )
+        if switches.refresh_every and run.dist.sharded:
+            raise UserError(
+                "algo.gardo.refresh_every copies whole weights into the reference, which a sharded launcher "
+                "(fsdp, deepspeed_zero3) splits over processes; use launcher=accelerate or local"
+            )
         if switches.refresh_every and not hasattr(run.policy.trainable, "refresh_reference"):
             raise UserError(
                 f"algo.gardo.refresh_every: model.family={cfg.model.family} keeps its reference its own way "
