@@ -28,7 +28,7 @@ pins (4.45), where the decoder numbers the tokens ``0 … L−1`` on all three r
 positions, image tokens included; Qwen2-VL's multimodal (M-RoPE) positions are computed only by the
 generation wrapper HPSv3 bypasses. ``positions="sequential"`` (the default) passes exactly those positions;
 ``positions="mrope"`` lets transformers compute M-RoPE positions as Qwen2-VL's own chat model does (scores
-then differ from HPSv3's by a few hundredths).
+then differ from HPSv3's).
 """
 
 from __future__ import annotations
