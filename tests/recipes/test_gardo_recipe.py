@@ -71,3 +71,21 @@ def test_diversity_shaping_changes_the_update_and_logs_its_largest_multiplier(
     assert math.isfinite(scale) and scale > 1  # the most distinct sample above its group's mean is amplified
     assert shaped["reward/mean"] == plain["reward/mean"]  # the same rollouts
     assert shaped["policy_loss"] != plain["policy_loss"]  # trained on other advantages
+
+
+@pytest.mark.slow  # about 2 min: a one- and a two-process run of each recipe
+@pytest.mark.parametrize("algo", ["grpo", "nft"])
+def test_diversity_shaping_is_the_same_run_on_two_processes(tmp_path: Path, tiny_clip: Path, algo: str):
+    """Features come rollout batch by rollout batch and the shaping runs on the gathered batch in global
+    order, so the multipliers — and the whole run — do not depend on the process count."""
+    from tests.distributed.test_recipe_matrix import FLOW, FLOW_STEPS, LORA, PAIR, _train, assert_same_run
+
+    overrides = (
+        *FLOW, f"algo={algo}", "algo.drop_zero_advantage=false" if algo == "grpo" else "algo.kl_weight=0",
+        *FLOW_STEPS["several"], "algo.gardo.diversity=true", f"algo.gardo.feature_model={tiny_clip}",
+    )  # fmt: skip
+    one = _train(tmp_path / "one", *overrides)
+    two = _train(tmp_path / "two", *overrides, *PAIR)
+    assert_same_run(one, two, LORA)
+    rows = [json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["gardo/diversity_scale_max"] > 1
