@@ -192,12 +192,10 @@ def _list_keys(group: str | None, recipe: str | None, keys: bool, markdown: bool
 def _registries() -> dict[str, dict[str, list[str]]]:
     """Names a config key takes beyond a group's files, by group: every model family (flow, VLM, R3)
     and every registered reward a mix can weigh (rewards without a group file included)."""
-    from rlgen_cli.models.registry import FAMILIES
     from rlgen_cli.rewards import available
-    from rlgen_cli.schema.r3 import R3_FAMILIES
-    from rlgen_cli.schema.vlm import VLM_FAMILIES
+    from rlgen_cli.schema.families import FAMILY_NAMES
 
-    families = sorted({*FAMILIES, *VLM_FAMILIES, *R3_FAMILIES})
+    families = sorted(FAMILY_NAMES)
     return {"model": {"model.family": families}, "reward": {"reward.weights": available()}}
 
 

@@ -18,10 +18,12 @@ from torch import Tensor
 
 from rlgen_cli.data.prompts import PromptDataset, PromptExample
 from rlgen_cli.schema.errors import UserError
+from rlgen_cli.schema.families import families
 
 SOURCE_IMAGE_KEY = "image"
-EDITING_FAMILIES = ("flux_kontext", "qwen_image_edit", "qwen_image_edit_plus", "wan2_2_i2v", "bagel_edit")
-"""Model families that edit a source image (their policies declare ``capabilities.takes_source_images``)."""
+EDITING_FAMILIES = families(editing=True)
+"""Model families that edit a source image (their policies declare ``capabilities.takes_source_images``);
+the ``editing`` column of ``schema/families.py``."""
 
 
 def source_image_lists(examples: Sequence[PromptExample], dataset_source: str) -> list[list[Path]]:

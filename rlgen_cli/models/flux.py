@@ -27,7 +27,6 @@ from rlgen_cli.models.loading import in_model_dtype, load_pipeline
 from rlgen_cli.models.prompt_cache import cache_prompt_embeddings
 from rlgen_cli.models.real_size import flow_pipeline
 from rlgen_cli.models.tiny import tiny_flux_pipeline
-from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
 
 __all__ = ["FLUX_LORA_TARGETS", "LORA_WEIGHTS_NAME", "FluxPolicy", "build", "load_flux_pipeline"]
@@ -60,8 +59,6 @@ class FluxPolicy:
 
     def encode(self, prompts: Sequence[str], images: Tensor | None = None) -> Cond:
         """Text conditioning only (no negative branch: guidance is embedded)."""
-        if images is not None:
-            raise UserError(f"{self.family} is a text-to-image model: it takes no source images")
         return Cond(self.flux.encode_text(prompts))
 
     def noise(self, n: int, generator: torch.Generator | Sequence[torch.Generator] | None = None) -> Tensor:

@@ -62,10 +62,6 @@ class Flux2Policy:
 
     def encode(self, prompts: Sequence[str], images: Tensor | None = None) -> Cond:
         """Text conditioning only (no negative branch: guidance is embedded)."""
-        if images is not None:
-            raise UserError(
-                f"{self.family} is trained as a text-to-image model here: it takes no source images"
-            )
         return Cond({"prompt_embeds": self.flux2.encode_text(prompts)})
 
     def noise(self, n: int, generator: torch.Generator | Sequence[torch.Generator] | None = None) -> Tensor:

@@ -78,10 +78,6 @@ class Flux2KleinPolicy:
 
     def encode(self, prompts: Sequence[str], images: Tensor | None = None) -> Cond:
         """Prompt embeddings, and the negative prompt's when guidance > 1."""
-        if images is not None:
-            raise UserError(
-                f"{self.family} is trained as a text-to-image model here: it takes no source images"
-            )
         tensors = {"prompt_embeds": self.flux2.encode_text(prompts)}
         if self.guidance_scale > 1.0:
             tensors["neg_prompt_embeds"] = self._negative(len(prompts))

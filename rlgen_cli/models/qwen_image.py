@@ -22,7 +22,6 @@ from rlgen_cli.models.loading import in_model_dtype, load_pipeline
 from rlgen_cli.models.prompt_cache import cache_prompt_embeddings
 from rlgen_cli.models.real_size import flow_pipeline
 from rlgen_cli.models.tiny import tiny_qwen_image_pipeline
-from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
 
 __all__ = [
@@ -71,10 +70,6 @@ class QwenImagePolicy:
         Keys: ``prompt_embeds`` (B, S, D) in ``model.dtype``, ``prompt_mask`` (B, S) bool and, with CFG,
         ``neg_prompt_embeds`` / ``neg_prompt_mask`` of ``model.negative_prompt``.
         """
-        if images is not None:
-            raise UserError(
-                "Qwen-Image is a text-to-image model: it takes no source images (use qwen_image_edit)"
-            )
         return Cond(self.qwen.text_branches(self._encode_prompts, prompts, self.guidance_scale > 1.0))
 
     def _encode_prompts(self, prompts: list[str]) -> tuple[Tensor, Tensor | None]:

@@ -166,10 +166,6 @@ class QwenImage2Policy:
         Keys: ``prompt_embeds`` (B, S, D) in the encoder's dtype, ``prompt_mask`` (B, S) bool and, with
         CFG, ``neg_prompt_embeds`` / ``neg_prompt_mask`` of ``model.negative_prompt``.
         """
-        if images is not None:
-            raise UserError(
-                "qwen_image_2 is trained here as a text-to-image model: it takes no source images"
-            )
         embeds, mask = self._texts(prompts)
         tensors = {"prompt_embeds": embeds, "prompt_mask": mask}
         if self.guidance_scale > 1.0:

@@ -9,35 +9,23 @@ used, so a family's heavy imports never slow down another's.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
+from collections.abc import Sequence
 
 import torch
+from torch import Tensor
 
-from rlgen_cli.models.base import FlowPolicy
+from rlgen_cli.models.base import Cond, FlowPolicy
 from rlgen_cli.schema.errors import UserError
+from rlgen_cli.schema.families import FAMILY_TABLE, families
 from rlgen_cli.schema.flow import ModelConfig
 
 log = logging.getLogger(__name__)
 
-FAMILIES: dict[str, str] = {
-    "sd3": "rlgen_cli.models.sd3",
-    "flux": "rlgen_cli.models.flux",
-    "flux_kontext": "rlgen_cli.models.flux_kontext",
-    "flux2": "rlgen_cli.models.flux2",
-    "flux2_klein": "rlgen_cli.models.flux2_klein",
-    "qwen_image": "rlgen_cli.models.qwen_image",
-    "qwen_image_edit": "rlgen_cli.models.qwen_image_edit",
-    "qwen_image_edit_plus": "rlgen_cli.models.qwen_image_edit_plus",
-    "wan2_1": "rlgen_cli.models.wan",
-    "wan2_2": "rlgen_cli.models.wan22",
-    "wan2_2_i2v": "rlgen_cli.models.wan22",
-    "z_image": "rlgen_cli.models.z_image",
-    "qwen_image_2": "rlgen_cli.models.qwen_image_2",
-    "bagel": "rlgen_cli.models.bagel",
-    "bagel_edit": "rlgen_cli.models.bagel",
-    "shapes": "rlgen_cli.models.shapes",
-}
+FAMILIES: dict[str, str] = {row.name: row.module for row in FAMILY_TABLE.values() if row.kind == "flow"}
+"""The flow families and the module that builds each (a view of ``schema/families.py``)."""
 
 
 def build_policy(cfg: ModelConfig, device: torch.device) -> FlowPolicy:
@@ -51,7 +39,29 @@ def build_policy(cfg: ModelConfig, device: torch.device) -> FlowPolicy:
             raise
         raise UserError(f"model.family={cfg.family!r} is not available in this version of rlgen") from err
     warn_slow_dtype(cfg.dtype, device)
-    return module.build(cfg, device)
+    policy = module.build(cfg, device)
+    if not FAMILY_TABLE[cfg.family].takes_source_images:
+        refuse_source_images(policy)
+    return policy
+
+
+def refuse_source_images(policy: FlowPolicy) -> None:
+    """Make ``policy.encode`` refuse source images: a text-conditioned family would otherwise drop them
+    silently and train on the prompt alone (the ``editing`` column of ``schema/families.py`` says which
+    families take them)."""
+    encode = policy.encode
+
+    @functools.wraps(encode)  # keeps what the prompt cache hangs on it (``encode.cache``)
+    def encode_text_only(prompts: Sequence[str], images: Tensor | None = None) -> Cond:
+        if images is not None:
+            editing = ", ".join(families(editing=True))
+            raise UserError(
+                f"model.family={policy.family} is text-conditioned: it takes no source images; for editing "
+                f"choose one of {editing}, or give prompts without an image"
+            )
+        return encode(prompts)
+
+    policy.encode = encode_text_only  # type: ignore[method-assign]
 
 
 def slow_dtype_advice(dtype: str, device: torch.device) -> str | None:

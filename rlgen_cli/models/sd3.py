@@ -29,7 +29,6 @@ from rlgen_cli.models.tiny import tiny_sd3_pipeline
 from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME as LORA_WEIGHTS_NAME  # re-exported
 from rlgen_cli.models.trainable import TRANSFORMER_DIR as TRANSFORMER_DIR  # re-exported
 from rlgen_cli.models.trainable import DiffusersCheckpoint, TrainableTransformer, autocast
-from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.flow import ModelConfig
 from rlgen_cli.sde.noise import standard_normal
 from rlgen_cli.sde.schedule import sd3_sigmas
@@ -82,8 +81,6 @@ class SD3Policy:
     @torch.no_grad()
     def encode(self, prompts: Sequence[str], images: Tensor | None = None) -> Cond:
         """Text conditioning (+ the negative branch when guidance > 1); ``images`` are not used by SD3."""
-        if images is not None:
-            raise UserError("SD3 is a text-to-image model: it takes no reference images")
         tensors = self._encode_text(prompts).tensors
         if self.guidance_scale > 1.0:
             negative = self._negative(len(prompts)).tensors

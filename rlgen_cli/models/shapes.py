@@ -127,8 +127,6 @@ class ShapesPolicy:
     @torch.no_grad()
     def encode(self, prompts: Sequence[str], images: Tensor | None = None) -> Cond:
         """Token ids and masks (+ the empty prompt's when guidance > 1)."""
-        if images is not None:
-            raise UserError("the shapes model is text-to-image: it takes no reference images")
         ids, mask = self.tokenizer(prompts)
         tensors = {"input_ids": ids, "attention_mask": mask}
         if self.guidance_scale > 1.0:

@@ -176,8 +176,6 @@ class WanPolicy:
     @torch.no_grad()
     def encode(self, prompts: Sequence[str], images: Tensor | None = None) -> Cond:
         """UMT5 prompt embeddings (B, L, D) (+ the negative prompt's when guidance > 1)."""
-        if images is not None:
-            raise UserError("Wan2.1 T2V is a text-to-video model: it takes no reference images")
         use_cfg = self.guidance_scale > 1.0
         embeds, neg_embeds = self.pipeline.encode_prompt(
             prompt=list(prompts), negative_prompt=[self.cfg.negative_prompt] * len(prompts) if use_cfg else None,

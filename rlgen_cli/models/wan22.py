@@ -201,8 +201,6 @@ class Wan22Policy:
         first-frame conditioning (B, 4 + C, F', H', W') fp32 from ``images`` (B, 3, H, W) in [0, 1]."""
         if self.image_to_video and images is None:
             raise UserError("Wan2.2 I2V animates a first frame: pass one source image per prompt")
-        if not self.image_to_video and images is not None:
-            raise UserError("Wan2.2 T2V is a text-to-video model: it takes no source images")
         use_cfg = self.guidance_scale > 1.0
         embeds, neg_embeds = self._text.encode_prompt(
             prompt=list(prompts), negative_prompt=[self.cfg.negative_prompt] * len(prompts) if use_cfg else None,

@@ -135,8 +135,6 @@ class ZImagePolicy:
         Keys: ``prompt_embeds`` (B, S, D) in the encoder's dtype, ``prompt_mask`` (B, S) bool and, with CFG,
         ``neg_prompt_embeds`` / ``neg_prompt_mask`` of ``model.negative_prompt``.
         """
-        if images is not None:
-            raise UserError("Z-Image is a text-to-image model: it takes no source images")
         embeds, mask = self._captions(prompts)
         tensors = {"prompt_embeds": embeds, "prompt_mask": mask}
         if self.guidance_scale > 1.0:

@@ -15,6 +15,8 @@ import functools
 import typing
 from typing import Annotated, Literal
 
+from rlgen_cli.schema.families import FAMILY_NAMES
+
 __all__ = [
     "AdvAggregation",
     "Attention",
@@ -23,6 +25,7 @@ __all__ = [
     "Dtype",
     "EvalReportKind",
     "ExpertsTrain",
+    "Family",
     "GuardAction",
     "KlForm",
     "Launcher",
@@ -56,6 +59,8 @@ __all__ = [
 ]
 
 Dtype = Literal["float32", "float16", "bfloat16"]
+Family = Literal[FAMILY_NAMES]  # type: ignore[valid-type]
+"""``model.family``: the rows of ``schema/families.py``, the one table of model families."""
 LoraInit = Literal["gaussian", "kaiming"]
 """peft ``init_lora_weights``: ``gaussian`` (upstream Flow-GRPO) or ``kaiming`` (peft's default, ``True``:
 Kaiming-uniform A, zero B)."""

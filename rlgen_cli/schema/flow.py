@@ -17,6 +17,7 @@ from rlgen_cli.schema.choices import (
     Attention,
     Dtype,
     ExpertsTrain,
+    Family,
     Launcher,
     LoraInit,
     MixedPrecision,
@@ -27,8 +28,9 @@ from rlgen_cli.schema.choices import (
     WandbMode,
 )
 from rlgen_cli.schema.errors import UserError
+from rlgen_cli.schema.families import FAMILY_TABLE, families, family_spec
 from rlgen_cli.schema.fidelity import FidelityConfig
-from rlgen_cli.schema.vlm import VLM_FAMILIES, VLMOptions
+from rlgen_cli.schema.vlm import VLMOptions
 
 SD3_LORA_TARGETS = [
     "attn.add_k_proj",
@@ -43,18 +45,11 @@ SD3_LORA_TARGETS = [
 
 
 REAL_SIZE_VARIANTS: dict[str, tuple[str, ...]] = {
-    "sd3": ("sd3_5_medium", "sd3_5_large"),
-    "flux": ("flux_1_dev",),
-    "flux_kontext": ("flux_1_kontext_dev",),
-    "qwen_image": ("qwen_image",),
-    "qwen_image_edit": ("qwen_image_edit",),
-    "wan2_1": ("wan2_1_t2v_1_3b", "wan2_1_t2v_14b"),
-    "qwen2_vl": ("qwen2_vl_2b", "qwen2_vl_7b"),
-    "qwen2_5_vl": ("qwen2_5_vl_3b", "qwen2_5_vl_7b"),
-    "bagel": ("bagel_7b_mot",),
+    row.name: row.real_size_variants for row in FAMILY_TABLE.values() if row.real_size_variants
 }
 """The checkpoints ``model.weights=random_init`` builds, per family; the first is ``model.variant=auto``
-(the checkpoint the family's conf/model option loads). Their architectures: ``models/real_size.py``."""
+(the checkpoint the family's conf/model option loads): the ``real_size_variants`` column of
+``schema/families.py``. Their architectures: ``models/real_size.py``."""
 
 
 def _require(condition: bool, message: str) -> None:
@@ -95,7 +90,7 @@ def check_real_size(cfg: ModelConfig) -> None:
         f"{', '.join(variants)} (or the family that builds it: docs/real_size.md)",
     )
     _require(
-        cfg.family not in (*VLM_FAMILIES, "bagel") or cfg.text_encoders == "real_size",
+        not family_spec(cfg.family).own_language_model or cfg.text_encoders == "real_size",
         f"model.text_encoders=stand_in is for flow families with separate text encoders; {cfg.family} reads "
         "its prompt with its own language model: drop it",
     )
@@ -105,10 +100,10 @@ OptionalDtype = Literal[None, "float32", "float16", "bfloat16"]
 """A dtype, or null for the default a field names."""
 
 
-WITHOUT_VAE = ("shapes", *VLM_FAMILIES, "r3_composite", "r3_bagel")
+WITHOUT_VAE = families(has_vae=False)
 """Families with no VAE of their own: the pixel-space ShapesEval models, the VLMs, and the R3 families,
 whose models (``r3.policy.*``) carry their own settings."""
-WITHOUT_FROZEN_DTYPE = (*VLM_FAMILIES, "r3_composite", "r3_bagel")
+WITHOUT_FROZEN_DTYPE = (*families("vlm"), *families("unified"))
 """Families whose frozen weights ``model.frozen_dtype`` does not place (the VLM policy keeps them in
 ``model.dtype``)."""
 
@@ -136,7 +131,7 @@ def check_frozen_dtype(cfg: ModelConfig) -> None:
     )
 
 
-IMAGE_GUIDANCE_FAMILIES = ("bagel", "bagel_edit", "r3_bagel")
+IMAGE_GUIDANCE_FAMILIES = families(image_guidance=True)
 """Families whose velocity has an image-guidance branch (``model.image_guidance_scale``)."""
 
 
@@ -186,8 +181,8 @@ class ExpertsConfig:
 
 @dataclass
 class ModelConfig:
-    family: str = "sd3"
-    """Adapter name in the model registry (``rlgen ls`` lists them)."""
+    family: Annotated[str, Family] = "sd3"
+    """The model family: a row of ``schema/families.py`` (``rlgen ls`` lists them)."""
     path: str | None = None
     """Hub id or local directory of the diffusers pipeline; ignored when ``tiny`` is set."""
     tiny: bool = False

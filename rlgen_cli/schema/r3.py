@@ -21,13 +21,14 @@ from typing import Annotated, Literal, get_args
 
 from rlgen_cli.schema.choices import R3Dataset, SdeKind
 from rlgen_cli.schema.errors import UserError
+from rlgen_cli.schema.families import families
 from rlgen_cli.schema.flow import ModelConfig, RunConfig
 
 EtaSchedule = Literal["constant", "monotonic"]
 
 log = logging.getLogger(__name__)
 
-R3_FAMILIES = ("r3_composite", "r3_bagel")
+R3_FAMILIES = families("unified")
 """``model.family`` values that run the R3 recipe: the composite of three models (``r3.policy.text`` /
 ``generator`` / ``editor``) or BAGEL, one network for both tracks (``r3.policy.bagel``, ``r3.policy.think``)."""
 SERVED_REWARDS = ("geneval", "geneval_plus", "tiif")

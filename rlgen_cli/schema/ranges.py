@@ -277,7 +277,7 @@ def check_settings(cfg: DictConfig, prefix: str = "") -> None:
         elif rule is not None:
             _check_value(f"{prefix}{name}", cfg[name], rule)
         elif valid is not None and cfg[name] not in valid:
-            raise UserError(f"{prefix}{name}={cfg[name]!r} is not valid; choose one of {', '.join(valid)}")
+            raise UserError(_not_a_choice(f"{prefix}{name}", cfg[name], valid))
 
 
 def _check_value(key: str, value: Any, rule: Range | Pattern) -> None:
@@ -290,6 +290,12 @@ def _check_value(key: str, value: Any, rule: Range | Pattern) -> None:
         return
     if not rule.admits(value):
         raise UserError(f"{key} must be {rule.describe()}, got {value!r}")
+
+
+def _not_a_choice(key: str, value: Any, valid: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(str(value), [str(v) for v in valid], n=1, cutoff=0.8)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return f"{key}={value!r} is not valid{hint}; choose one of {', '.join(str(v) for v in valid)}"
 
 
 def _unknown_key(prefix: str, key: str, names: list[str]) -> str:

@@ -23,8 +23,10 @@ from rlgen_cli.schema.choices import (
     TokenRewardScaling,
 )
 from rlgen_cli.schema.errors import UserError
+from rlgen_cli.schema.families import families
 
-VLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+VLM_FAMILIES = families("vlm")
+"""The vision-language families (``kind=vlm`` rows of ``schema/families.py``)."""
 REFLECTION_MARKERS = [
     "### Reflection",
     "Reflection:",

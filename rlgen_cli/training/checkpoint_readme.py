@@ -10,27 +10,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rlgen_cli.schema.families import FAMILY_TABLE
+
 README_FILE = "README.txt"
 LORA_FILE = "pytorch_lora_weights.safetensors"
 PEFT_ADAPTER = "adapter_config.json"
 FULL_TRANSFORMER = "transformer"
 # The diffusers pipeline whose LoRA loader (``load_lora_weights``) reads each family's checkpoint: the
 # pipeline class the family's ``DiffusersCheckpoint`` saves through (tests/unit/test_checkpoint_readme.py
-# checks both against every family of models/registry.py). A family not here loads through rlgen only.
+# checks both against every family of models/registry.py); the ``diffusers_pipeline`` column of
+# schema/families.py. A family not here loads through rlgen only.
 DIFFUSERS_PIPELINES: dict[str, str] = {
-    "sd3": "StableDiffusion3Pipeline",
-    "flux": "FluxPipeline",
-    "flux_kontext": "FluxKontextPipeline",
-    "flux2": "Flux2Pipeline",
-    "flux2_klein": "Flux2KleinPipeline",
-    "qwen_image": "QwenImagePipeline",
-    "qwen_image_edit": "QwenImageEditPipeline",
-    "qwen_image_edit_plus": "QwenImageEditPlusPipeline",
-    "qwen_image_2": "QwenImage21Pipeline",
-    "wan2_1": "WanPipeline",
-    "wan2_2": "WanPipeline",
-    "wan2_2_i2v": "WanImageToVideoPipeline",
-    "z_image": "ZImagePipeline",
+    row.name: row.diffusers_pipeline for row in FAMILY_TABLE.values() if row.diffusers_pipeline
 }
 DIFFUSERS_FAMILIES = tuple(DIFFUSERS_PIPELINES)
 # Pipelines whose guidance_scale is not rlgen's g of u + g·(c − u) (docs/maths.md §4.6).

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from rlgen_cli.schema.choices import Dtype
 from rlgen_cli.schema.describe import field_docs, group_rows, key_rows
+from rlgen_cli.schema.families import FAMILY_NAMES
 from rlgen_cli.tasks.ls import REGENERATE, _summary, keys_markdown, options_table
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +47,9 @@ def test_keys_of_another_recipe_read_defaults_its_factories_set(cli):
     the class's sd3."""
     code, out = cli("ls", "--keys", "r3.policy.text", "--recipe", "r3")
     assert code == 0, out
-    assert _key_line(out, "r3.policy.text.family")[0] == ["r3.policy.text.family", "str", "qwen2_5_vl"]
+    columns = _key_line(out, "r3.policy.text.family")[0]
+    assert columns[:3] == ["r3.policy.text.family", "str", "qwen2_5_vl"]
+    assert columns[3].split(" | ") == list(FAMILY_NAMES)  # a closed choice: the family table's rows
     assert _key_line(out, "r3.policy.text.tiny")[0] == ["r3.policy.text.tiny", "bool", "true"]
 
 

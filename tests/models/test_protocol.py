@@ -17,6 +17,7 @@ from rlgen_cli.data.images import EDITING_FAMILIES
 from rlgen_cli.models import FAMILIES, build_policy
 from rlgen_cli.models.base import Capabilities, FlowPolicy, Trainable
 from rlgen_cli.schema.errors import UserError
+from rlgen_cli.schema.families import families, family_spec
 from tests.models.helpers import CPU, model_cfg
 
 TINY_CONFIGS = {
@@ -27,7 +28,7 @@ TINY_CONFIGS = {
     "z_image": "tiny_z_image", "qwen_image_edit_plus": "tiny_qwen_image_edit_plus",
     "qwen_image_2": "tiny_qwen_image_2", "bagel": "tiny_bagel", "bagel_edit": "tiny_bagel_edit",
 }  # fmt: skip
-EDITS_ON_REQUEST = {"bagel"}
+EDITS_ON_REQUEST = set(families(edits_on_request=True))
 """Text-to-image families whose ``encode`` also edits when given sources (one model generates and edits)."""
 PROMPTS = ["a red circle", "two blue squares"]
 
@@ -90,6 +91,7 @@ def test_family_satisfies_the_protocol_and_its_capabilities_hold(built, family: 
     x0 = policy.noise(len(PROMPTS), torch.Generator().manual_seed(0))
     decoded = policy.decode(x0)
     assert decoded.dim() == (5 if caps.is_video else 4) and decoded.shape[:2] == (len(PROMPTS), 3)
+    assert caps.is_video == family_spec(family).video  # the table's video column tells the truth
 
     assert hasattr(policy, "encode_images") == caps.encodes_images
     if caps.encodes_images:  # the inverse of decode
