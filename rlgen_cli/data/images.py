@@ -67,6 +67,20 @@ def require_source_images(examples: Sequence[PromptExample], dataset_source: str
                 )
 
 
+def refuse_source_images(
+    examples: Sequence[PromptExample], dataset_source: str, key: str, family: str
+) -> None:
+    """No example gives a source image: a family that does not edit would train on the prompts alone and
+    drop the images without a word (checked before a model is loaded)."""
+    for example in examples:
+        if example.metadata.get(SOURCE_IMAGE_KEY):
+            raise UserError(
+                f"{key}: example {example.index} of {dataset_source} gives a source image ({SOURCE_IMAGE_KEY!r}) "
+                f"and model.family={family} does not edit: choose an editing model "
+                f"({', '.join(EDITING_FAMILIES)}) or a prompt set without images"
+            )
+
+
 def load_images(paths: Sequence[Path], height: int, width: int) -> Tensor:
     """Read, convert to RGB and resize (bicubic) every image; (B, 3, height, width) float in [0, 1]."""
     arrays = []

@@ -167,7 +167,7 @@ def require_data(cfg: Any, run_dir: Path, splits: tuple[str, ...] = ("train", "t
     """Every prompt file the run reads exists (builtin sets generated into ``run_dir``) and parses, and,
     for an editing model, names an existing source image per row: checked before any model is loaded, so a
     missing or malformed file costs seconds, not a model load."""
-    from rlgen_cli.data.images import EDITING_FAMILIES, require_source_images
+    from rlgen_cli.data.images import EDITING_FAMILIES, refuse_source_images, require_source_images
     from rlgen_cli.data.paths import BUILTIN_PREFIX, load_prompts, resolve_data_path
     from rlgen_cli.schema.vlm import VLM_FAMILIES
 
@@ -182,4 +182,5 @@ def require_data(cfg: Any, run_dir: Path, splits: tuple[str, ...] = ("train", "t
             dataset = load_prompts(spec, run_dir, key)
             require_source_images(list(dataset), dataset.source, key)
         else:  # parsed now too: a malformed or non-UTF-8 file costs seconds, not a model load
-            load_prompts(spec, run_dir, key)
+            dataset = load_prompts(spec, run_dir, key)
+            refuse_source_images(list(dataset), dataset.source, key, cfg.model.family)

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import yaml
 from omegaconf import OmegaConf
+from PIL import Image
 
 from rlgen_cli.models import FAMILIES, build_policy
 from rlgen_cli.schema.errors import UserError
@@ -21,6 +24,7 @@ from rlgen_cli.schema.flow import ModelConfig
 from rlgen_cli.schema.r3 import R3_FAMILIES
 from rlgen_cli.schema.ranges import check_settings
 from rlgen_cli.schema.vlm import VLM_FAMILIES
+from rlgen_cli.tasks.common import require_data
 from tests.models.helpers import CPU, model_cfg
 
 CONF_MODEL = Path(__file__).resolve().parents[2] / "conf" / "model"
@@ -101,3 +105,22 @@ def test_the_guard_is_driven_by_the_table():
     }
     assert refusing == set(families("flow", editing=False, edits_on_request=False))
     assert "sd3" in refusing and "bagel" not in refusing and "qwen_image_edit" not in refusing
+
+
+def _data_cfg(family: str, prompts: Path) -> SimpleNamespace:
+    data = SimpleNamespace(train=str(prompts), test=str(prompts))
+    return SimpleNamespace(recipe="flow_grpo", data=data, model=SimpleNamespace(family=family))
+
+
+def test_a_text_conditioned_family_given_an_editing_set_stops_before_loading(tmp_path):
+    """The data check reads the ``editing`` column: a set whose rows carry source images is refused for a
+    family that would drop them, accepted for an editing one."""
+    Image.new("RGB", (8, 8)).save(tmp_path / "src.png")
+    prompts = tmp_path / "edit.jsonl"
+    prompts.write_text(json.dumps({"prompt": "make it red", "image": "src.png"}) + "\n")
+    with pytest.raises(UserError, match=r"data\.train: example 0 .* model\.family=sd3 does not edit"):
+        require_data(_data_cfg("sd3", prompts), tmp_path)
+    require_data(_data_cfg("flux_kontext", prompts), tmp_path)
+    text_only = tmp_path / "text.jsonl"
+    text_only.write_text(json.dumps({"prompt": "a red circle"}) + "\n")
+    require_data(_data_cfg("sd3", text_only), tmp_path)
