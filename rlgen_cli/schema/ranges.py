@@ -56,6 +56,7 @@ from rlgen_cli.schema.flow import (
     SampleConfig,
 )
 from rlgen_cli.schema.forward import ForwardConfig, OldPolicyConfig
+from rlgen_cli.schema.gardo import GardoConfig
 from rlgen_cli.schema.guard import GuardConfig
 from rlgen_cli.schema.plan import PlanOptions
 from rlgen_cli.schema.r3 import R3Config
@@ -160,6 +161,11 @@ RANGES: dict[type, dict[str, Range | Pattern]] = {
     PolicyGradientConfig: {"adv_clip_max": NON_NEGATIVE},
     FlowGrpoAlgoConfig: {
         "num_inner_epochs": COUNT, "clip_range": POSITIVE, "best_of_n": NON_NEGATIVE, "timesteps_per_pass": COUNT,
+        "prompts_per_draw": COUNT,
+    },
+    GardoConfig: {  # the fractions' order (min ≤ start ≤ max < 1) is GardoConfig.__post_init__'s
+        "gate_fraction": FRACTION, "gate_fraction_min": FRACTION, "gate_fraction_max": FRACTION,
+        "gate_fraction_rate": NON_NEGATIVE, "gate_window": COUNT, "refresh_every": NON_NEGATIVE,
     },
     FlowForwardAlgoConfig: {"num_inner_epochs": COUNT},
     TokenAlgoConfig: {"clip_range": POSITIVE},
