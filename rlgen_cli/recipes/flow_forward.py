@@ -331,7 +331,7 @@ def reference_distance(run: FlowRun, rollouts: Rollouts, epoch: int) -> list[flo
     schedule's middle σ, its ε from a stream of its own (no training draw moves). One no-grad forward of
     each, so runs with ``algo.kl_weight`` 0 show how far they moved too."""
     values = []
-    for i in loop.kl_probe_rows(rollouts.positions.tolist()):
+    for i, measured in loop.kl_probe_rows(rollouts.positions.tolist()):
         one = torch.tensor([i])
         x0, cond = rollouts.x0[one], rollouts.cond.index(one)
         draws = sample_generators(
@@ -345,7 +345,8 @@ def reference_distance(run: FlowRun, rollouts: Rollouts, epoch: int) -> list[flo
         with torch.no_grad():
             v = velocity(x_sigma, sigma)
         v_ref = frozen_velocity(velocity, x_sigma, sigma, run.policy.trainable.reference())
-        values.append((v.float() - v_ref.float()).pow(2).mean().item())
+        if measured:
+            values.append((v.float() - v_ref.float()).pow(2).mean().item())
     return values
 
 

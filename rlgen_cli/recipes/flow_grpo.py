@@ -321,25 +321,24 @@ def reference_kl(run: FlowRun, rollouts: Rollouts, positions: list[int]) -> list
     """The KL of the updated policy's SDE step to the reference's (LoRA disabled), measured after the
     update at each probe sample's first trained step (positions: this process's places in the global
     batch): one no-grad forward of each, so runs with ``algo.kl_weight`` 0 show how far they moved too.
-    A process that holds no probe sample contributes nothing."""
+    A process that holds no probe sample still runs the forwards (``loop.kl_probe_rows``), measuring nothing."""
     algo, spec = run.cfg.algo, loop.step_spec(run.cfg)
     values = []
-    for i in loop.kl_probe_rows(positions):
+    for i, measured in loop.kl_probe_rows(positions):
         one = torch.tensor([i])
         traj = rollouts.traj.index(one)
         trained = trained_rows(traj)
-        if not trained:
-            continue
-        j, _ = trained[0]
+        j = trained[0][0] if trained else 0  # a sample that trains no step still runs the forwards
         velocity = functools.partial(conditioned, run.policy, rollouts.cond.index(one))
         with torch.no_grad():
             out = recompute_step(velocity, traj, j, spec)
             with run.policy.trainable.reference():
                 ref = recompute_step(velocity, traj, j, spec)
-        dt = traj.sigmas_next[j] - traj.sigmas[j]
-        values.append(
-            step_kl(out.mean, ref.mean, out.std, dt, form=algo.kl_form, kind=spec.kind).mean().item()
-        )
+        if measured and trained:
+            dt = traj.sigmas_next[j] - traj.sigmas[j]
+            values.append(
+                step_kl(out.mean, ref.mean, out.std, dt, form=algo.kl_form, kind=spec.kind).mean().item()
+            )
     return values
 
 

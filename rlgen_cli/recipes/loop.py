@@ -91,10 +91,15 @@ KL_PROBE_SAMPLES = 4
 own, so the same samples in the same forwards give the logged number on any process count."""
 
 
-def kl_probe_rows(positions: Sequence[int]) -> list[int]:
-    """This process's rows holding one of the epoch's :data:`KL_PROBE_SAMPLES` first samples (positions:
-    each row's place in the global batch); a process that holds none measures nothing."""
-    return [i for i, p in enumerate(positions) if p < KL_PROBE_SAMPLES]
+def kl_probe_rows(positions: Sequence[int]) -> list[tuple[int, bool]]:
+    """:data:`KL_PROBE_SAMPLES` (row, measured) pairs on every process (positions: each row's place in the
+    global batch): its rows holding one of the epoch's first samples, then its first row again, unmeasured,
+    until there are KL_PROBE_SAMPLES. Every process runs as many probe forwards, which FSDP and ZeRO-3 need:
+    each forward gathers the weights from all processes. Empty on a process without samples."""
+    if not positions:
+        return []
+    probes = [(i, True) for i, p in enumerate(positions) if p < KL_PROBE_SAMPLES]
+    return probes + [(0, False)] * (KL_PROBE_SAMPLES - len(probes))
 
 
 def due(epoch: int, every: int, total: int) -> bool:
@@ -463,7 +468,7 @@ def score_samples(
     }
     if bad:
         raise NonFiniteRewards(
-            f"non-finite rewards {bad} out of {len(prompts)} samples: the run stops rather than train on "
+            f"non-finite rewards {bad} in a scored batch of {len(prompts)} samples: the run stops rather than train on "
             "them (a failed score is never replaced by 0); fix the reward"
         )
     return components, result.details

@@ -61,7 +61,9 @@ def _assert_stopped_after_first_epoch(run: Path, code: int, out: str, what: str)
     assert "Traceback" not in out, out
     last_good = run / CHECKPOINTS_DIR / "epoch_000001"
     (line,) = [line for line in out.splitlines() if line.startswith("error:")]
-    assert line.startswith(f"error: non-finite rewards {{'{NAME}': '{what}'}} out of 4 samples"), out
+    assert line.startswith(
+        f"error: non-finite rewards {{'{NAME}': '{what}'}} in a scored batch of 4 samples"
+    ), out
     assert line.endswith(f"the last good checkpoint is {last_good} (resume=auto continues from it)"), out
     assert [c.path.name for c in list_checkpoints(run)] == ["epoch_000001"]
     on_disk = sorted(p.name for p in (run / CHECKPOINTS_DIR).iterdir())
