@@ -31,7 +31,7 @@ from rlgen_cli.algos.dgpo import dgpo_loss, group_weights
 from rlgen_cli.algos.dpo import flow_matching_error
 from rlgen_cli.models import cfg_gradient
 from rlgen_cli.recipes import loop
-from rlgen_cli.recipes.forward_draws import frozen_velocity, trained_indices
+from rlgen_cli.recipes.forward_draws import frozen_velocity, record_loss, trained_indices
 from rlgen_cli.recipes.loop import FlowRun
 from rlgen_cli.schema.errors import UserError
 from rlgen_cli.sde.noise import Stream, randn_per_sample, sample_generators
@@ -145,12 +145,7 @@ def train_measured(
             clip_range=forward.dgpo_clip_range, v_ref=v_ref, kl_weight=algo.kl_weight,
         )  # fmt: skip
         run.dist.backward(out.loss / (num_sigmas * accumulation), sync=sync and j == num_sigmas - 1)
-        for key, value in {
-            **out.stats,
-            "policy_loss": out.policy_loss.item(),
-            "kl_loss": out.kl_loss.item(),
-        }.items():
-            stats[key].append(value)
+        record_loss(stats, out)
 
 
 def update(

@@ -58,7 +58,7 @@ from rlgen_cli.algos.nft import (
 )
 from rlgen_cli.models import Cond, cfg_gradient
 from rlgen_cli.recipes import flow_dgpo, loop
-from rlgen_cli.recipes.forward_draws import frozen_velocity, trained_indices
+from rlgen_cli.recipes.forward_draws import frozen_velocity, record_loss, trained_indices
 from rlgen_cli.recipes.gardo import GardoHooks
 from rlgen_cli.recipes.loop import FlowRun, reduce_over_ranks, timed
 from rlgen_cli.recipes.session import session
@@ -284,12 +284,7 @@ def train_micro_batch(
         # gradient_accumulation_steps counts micro-batches over all processes
         accumulation = loop.accumulation_per_process(algo, run.dist.world_size)
         run.dist.backward(out.loss / (num_sigmas * accumulation), sync=last)
-        for key, value in {
-            **out.stats,
-            "policy_loss": out.policy_loss.item(),
-            "kl_loss": out.kl_loss.item(),
-        }.items():
-            stats[key].append(value)
+        record_loss(stats, out)
 
 
 def update(

@@ -1,8 +1,10 @@
 """What the forward-process recipes (DiffusionNFT, AWM, DGPO) share below their loops: which σ of the
-rollout schedule a sample trains on, and a velocity under other weights (old policy, reference)."""
+rollout schedule a sample trains on, a velocity under other weights (old policy, reference), and the
+per-σ loss statistics they log."""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -30,3 +32,13 @@ def frozen_velocity(velocity: Any, x: Tensor, sigma: Tensor, weights: AbstractCo
     """The velocity under other weights (old policy, reference), without gradients."""
     with torch.no_grad(), weights:
         return velocity(x, sigma)
+
+
+def record_loss(stats: defaultdict[str, list[float]], out: Any) -> None:
+    """Append one σ's loss output (``stats``, ``policy_loss``, ``kl_loss``: NFT, AWM or DGPO) to ``stats``."""
+    for key, value in {
+        **out.stats,
+        "policy_loss": out.policy_loss.item(),
+        "kl_loss": out.kl_loss.item(),
+    }.items():
+        stats[key].append(value)

@@ -322,6 +322,20 @@ _MSGPACK: dict[int, tuple[str, int, int]] = {
 _MSGPACK_SLICE = 16 * 1024  # bytes scanned between yields to the event loop (≤ ~10 ms of tokens)
 
 
+def _fill_header(buffer: bytearray, data: bytes, pos: int, size: int) -> tuple[int, bytes | None]:
+    """Move up to ``size − len(buffer)`` bytes of ``data[pos:]`` into ``buffer`` (a header that may arrive
+    split over several slices); the new position, and the whole header once ``buffer`` holds ``size``
+    bytes (``buffer`` is then emptied for the next one), else None."""
+    piece = data[pos : pos + size - len(buffer)]
+    buffer += piece
+    pos += len(piece)
+    if len(buffer) < size:
+        return pos, None
+    head = bytes(buffer)
+    buffer.clear()
+    return pos, head
+
+
 class _StreamingImageScan:
     """The chunk (PNG) or segment (JPEG) headers of one image file, walked as its bytes arrive: the
     counts of :func:`scan_image_structure` that need no chunk data (chunks/segments, ancillary bytes,
@@ -345,12 +359,8 @@ class _StreamingImageScan:
                 pos += step
                 continue
             size = self._HEADER[self.stage]
-            piece = data[pos : pos + size - len(self.head)]
-            self.head += piece
-            pos += len(piece)
-            if len(self.head) == size:
-                head = bytes(self.head)
-                self.head.clear()
+            pos, head = _fill_header(self.head, data, pos, size)
+            if head is not None:
                 self._header(head)
 
     def _header(self, head: bytes) -> None:
@@ -468,12 +478,8 @@ class MsgpackScanner:
             if size is None:
                 self.done = True  # not msgpack (0xc1): the parser says so
                 return
-            piece = data[pos : pos + size - len(self.head)]
-            self.head += piece
-            pos += len(piece)
-            if len(self.head) == size:
-                head = bytes(self.head)
-                self.head.clear()
+            pos, head = _fill_header(self.head, data, pos, size)
+            if head is not None:
                 self._token(head)
 
     @staticmethod

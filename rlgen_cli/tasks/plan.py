@@ -32,6 +32,7 @@ device, where integer tensors stay on the CPU (``training/memory_trace.py``).
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 import functools
@@ -529,7 +530,7 @@ def _size(model_cfg: Any) -> tuple[int, int]:
 
 
 # -- the epoch, run on the meta device -------------------------------------------------------------------
-class EpochTracer:
+class EpochTracer(abc.ABC):
     """Runs the recipe's own sampling and training step on the meta device and traces their peaks
     (``memory_trace.trace_peak``), each setting once. One subclass per recipe (:func:`tracer_for`); this
     base holds what they share: the meta run, the trace's modes, the caches of each traced setting.
@@ -625,11 +626,13 @@ class EpochTracer:
         """Whether gradients stay alive from one micro-batch to the next (no float64 sums clearing them)."""
         return micro_batches_per_process(self.cfg) > 1 and self.run.dist.exact is None
 
+    @abc.abstractmethod
     def _rollout(self, batch: int) -> None:
-        raise NotImplementedError
+        """Run the recipe's sampling of one rollout batch of ``batch`` samples (traced by :meth:`rollout_peak`)."""
 
+    @abc.abstractmethod
     def _update_of(self, micro_batch: int) -> Callable[[], Any]:
-        raise NotImplementedError
+        """The recipe's optimizer step at ``micro_batch`` samples per forward, as a call to trace."""
 
 
 class GrpoTracer(EpochTracer):
