@@ -18,7 +18,7 @@ from pathlib import Path
 
 from rlgen_cli.models.tiny import SD3Sizes, tiny_sd3_pipeline
 from rlgen_cli.recipes import flow_grpo, loop
-from rlgen_cli.training.progress import Progress
+from rlgen_cli.training.reporting.progress import Progress
 
 SD3_CFG_ALGO = [
     "algo=grpo", "algo.prompts_per_epoch=2", "algo.group_size=4", "algo.sample_batch_size=4",

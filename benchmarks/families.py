@@ -14,7 +14,7 @@ import json
 import torch
 from overhead import Arm
 
-from rlgen_cli.training.progress import Progress
+from rlgen_cli.training.reporting.progress import Progress
 
 FAMILIES = {
     "sd3": ["model=tiny_sd3"],

@@ -44,7 +44,7 @@ from torch import Tensor
 from rlgen_cli.models import Cond, cfg_gradient
 from rlgen_cli.models.base import uncond_takes_grad
 from rlgen_cli.recipes.loop import FlowRun
-from rlgen_cli.training.progress import Progress
+from rlgen_cli.training.reporting.progress import Progress
 
 BACKWARD = "backward"
 RATIOS = {

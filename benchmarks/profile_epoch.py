@@ -36,7 +36,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from rlgen_cli.recipes import flow_grpo, loop
 from rlgen_cli.recipes.loop import FlowRun
-from rlgen_cli.training.progress import Progress
+from rlgen_cli.training.reporting.progress import Progress
 
 PREFIX = "phase:"
 EPOCH = "epoch"

@@ -49,7 +49,7 @@ from rlgen_cli.models.bagel.vae import build_vae
 from rlgen_cli.models.real_size import VARIANTS, count_parameters, flow_components, vlm_model, with_layers
 from rlgen_cli.models.tiny import tiny_qwen_tokenizer
 from rlgen_cli.recipes.loop import FlowRun
-from rlgen_cli.training.progress import Progress
+from rlgen_cli.training.reporting.progress import Progress
 
 FLOW_VARIANTS = [name for name, v in VARIANTS.items() if v.transformer is not None or v.native]
 EDITING = {"flux_kontext", "qwen_image_edit"}

@@ -9,7 +9,7 @@ first (warm-up); process start-up is reported apart. The single process runs onc
 count (every core) and once with one thread (one core, as each of the two workers gets). The two-process
 run is repeated under DeepSpeed ZeRO-2 and FSDP2 (``--no-engines`` skips them).
 
-Checkpoints: ``training/checkpoint.py``'s atomic ``save_checkpoint`` and its load (``Checkpoint.state()``
+Checkpoints: ``training/checkpoints/checkpoint.py``'s atomic ``save_checkpoint`` and its load (``Checkpoint.state()``
 + the weights) for the tiny SD3's LoRA and full transformer (the policy's own format), then for a
 synthetic trainable state of growing size (fp32 weights in safetensors + AdamW moments in the trainer
 state, as a real run writes).
@@ -133,7 +133,7 @@ def time_checkpoint(name: str, trainable, root: Path, repeats: int = 2) -> dict[
     AdamW state."""
     from omegaconf import OmegaConf
 
-    from rlgen_cli.training.checkpoint import COUNTERS_KEY, OPTIMIZER_KEY, save_checkpoint
+    from rlgen_cli.training.checkpoints.checkpoint import COUNTERS_KEY, OPTIMIZER_KEY, save_checkpoint
 
     params = trainable.parameters()
     state = {OPTIMIZER_KEY: adamw_state(params), COUNTERS_KEY: {"epoch": 1, "global_step": 1}}
@@ -164,7 +164,7 @@ def checkpoints(sizes_m: list[float], root: Path) -> list[dict[str, object]]:
 
     from rlgen_cli._hydra import conf_dir
     from rlgen_cli.models import build_policy
-    from rlgen_cli.schema.flow import ModelConfig
+    from rlgen_cli.schema.run import ModelConfig
 
     rows = []
     for lora in (True, False):

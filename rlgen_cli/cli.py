@@ -99,7 +99,7 @@ def plot(
     out: Path = typer.Option(Path("curves.png"), "--out", "-o", help="PNG to write."),
 ) -> None:
     """Draw reward (train and eval) and KL curves of one or several runs into one PNG."""
-    from rlgen_cli.training.plots import plot_runs
+    from rlgen_cli.training.reporting.plots import plot_runs
 
     missing = [str(d) for d in run_dirs if not (d / "metrics.jsonl").is_file()]
     if missing:
@@ -170,7 +170,7 @@ def list_configs(
 
 def _list_keys(group: str | None, recipe: str | None, keys: bool, markdown: bool) -> None:
     """``rlgen ls --keys`` / ``--markdown``: what they print comes from ``tasks/ls.py``."""
-    from rlgen_cli.schema.errors import UserError
+    from rlgen_cli.errors import UserError
     from rlgen_cli.tasks.ls import keys_markdown, keys_text, options_table
 
     try:

@@ -56,7 +56,7 @@ def tiny_model_cfg():
     from omegaconf import OmegaConf
 
     from rlgen_cli._hydra import conf_dir
-    from rlgen_cli.schema.flow import ModelConfig
+    from rlgen_cli.schema.run import ModelConfig
 
     merged = OmegaConf.merge(
         OmegaConf.structured(ModelConfig), OmegaConf.load(conf_dir() / "model" / "tiny_sd3.yaml")

@@ -17,7 +17,7 @@ from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 
 from rlgen_cli.data.prompts import PromptDataset, PromptExample
-from rlgen_cli.schema.errors import UserError
+from rlgen_cli.errors import UserError
 from rlgen_cli.schema.families import families
 
 SOURCE_IMAGE_KEY = "image"

@@ -13,7 +13,7 @@ from pathlib import Path
 from rlgen_cli.data.edit_sets import SPLIT_SIZES as GENERATED
 from rlgen_cli.data.edit_sets import tiny_edit_set
 from rlgen_cli.data.prompts import PromptDataset
-from rlgen_cli.schema.errors import UserError
+from rlgen_cli.errors import UserError
 
 BUILTIN_PREFIX = "builtin:"
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "prompts"

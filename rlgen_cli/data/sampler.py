@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from rlgen_cli.schema.errors import UserError
+from rlgen_cli.errors import UserError
 
 logger = logging.getLogger(__name__)
 

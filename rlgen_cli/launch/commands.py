@@ -40,9 +40,9 @@ from typing import Any
 import torch
 import yaml
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.launch.world import clear_refusal, read_refusal
-from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import LauncherConfig
+from rlgen_cli.schema.run import LauncherConfig
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 WORKER_MODULE = "rlgen_cli.launch.worker"

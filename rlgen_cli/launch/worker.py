@@ -19,8 +19,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.launch.world import REFUSAL_FILE, world_mismatch, write_refusal
-from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.recipes import TRAIN_SCHEMAS
 
 
@@ -54,8 +54,8 @@ def _run(resolved: Path) -> int:
     mismatch = world_mismatch(typed.launcher, os.environ, resolved)
     if mismatch is not None:  # before the process group: a wrong world would hang or train silently
         return _refuse(resolved.parent, mismatch)
-    from rlgen_cli.training.dist import close_process_group
-    from rlgen_cli.training.run import setup_logging
+    from rlgen_cli.training.distributed.dist import close_process_group
+    from rlgen_cli.training.reporting.run_dir import setup_logging
 
     if int(os.environ.get("RANK", "0")) == 0:  # rank 0 alone talks to the console and writes run.log
         setup_logging(resolved.parent)
@@ -67,7 +67,7 @@ def _run(resolved: Path) -> int:
         typed.launcher.world_size,
         resolved,
     )
-    from rlgen_cli.training.checkpoint import stop_cleanly
+    from rlgen_cli.training.checkpoints.checkpoint import stop_cleanly
 
     recipe = importlib.import_module(f"rlgen_cli.recipes.{typed.recipe}")
     with stop_cleanly(resolved.parent):  # a full disk or a non-finite reward: one line, exit code 2

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from rlgen_cli.schema.flow import LauncherConfig
+from rlgen_cli.schema.run import LauncherConfig
 
 REFUSAL_FILE = "worker_refused.txt"
 """In the run directory: why the workers refused to run (read by the controller, then removed)."""

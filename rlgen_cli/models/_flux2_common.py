@@ -31,11 +31,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models.base import TORCH_DTYPES
 from rlgen_cli.models.loading import cast_as_loaded, vae_dtype
 from rlgen_cli.models.trainable import DiffusersCheckpoint, TrainableTransformer, autocast
-from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import ModelConfig
+from rlgen_cli.schema.run import ModelConfig
 from rlgen_cli.sde.noise import standard_normal
 from rlgen_cli.sde.schedule import shift_sigmas
 

@@ -28,12 +28,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models.base import TORCH_DTYPES, Cond
 from rlgen_cli.models.loading import pack, prepare_pipeline, unpack, vae_dtype
 from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME as LORA_WEIGHTS_NAME  # re-exported
 from rlgen_cli.models.trainable import DiffusersCheckpoint, TrainableTransformer, autocast
-from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import ModelConfig
+from rlgen_cli.schema.run import ModelConfig
 from rlgen_cli.sde.noise import standard_normal
 from rlgen_cli.sde.schedule import calculate_mu, dynamic_shift_sigmas, shift_sigmas
 

@@ -38,8 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import ModelConfig
+from rlgen_cli.errors import UserError
+from rlgen_cli.schema.run import ModelConfig
 
 DIFFUSERS_BACKENDS = {"sdpa": "native", "eager": "_native_math"}
 """``model.attention`` → the diffusers attention backend set on each dispatching processor."""

@@ -26,9 +26,9 @@ from typing import Any, Protocol, get_args, runtime_checkable
 import torch
 from torch import Tensor, nn
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.schema.choices import CfgGrad
-from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import ModelConfig
+from rlgen_cli.schema.run import ModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -18,13 +18,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models._flux2_common import FLUX2_LORA_TARGETS, Flux2Model, refuse_step_distilled
 from rlgen_cli.models.base import Capabilities, Cond
 from rlgen_cli.models.loading import in_model_dtype, load_pipeline
 from rlgen_cli.models.prompt_cache import cache_prompt_embeddings
 from rlgen_cli.models.tiny import tiny_flux2_pipeline
-from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import ModelConfig
+from rlgen_cli.schema.run import ModelConfig
 
 __all__ = ["FLUX2_LORA_TARGETS", "Flux2Policy", "build", "load_flux2_pipeline"]
 

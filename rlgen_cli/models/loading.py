@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models.base import TORCH_DTYPES
-from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import ModelConfig
+from rlgen_cli.schema.run import ModelConfig
 
 TRANSFORMERS = ("transformer", "transformer_2")
 """The pipeline components ``model.frozen_dtype`` applies to (Wan2.2's second expert included)."""

@@ -22,7 +22,7 @@ from rlgen_cli.models.loading import in_model_dtype, load_pipeline
 from rlgen_cli.models.prompt_cache import cache_prompt_embeddings
 from rlgen_cli.models.real_size import flow_pipeline
 from rlgen_cli.models.tiny import tiny_qwen_image_pipeline
-from rlgen_cli.schema.flow import ModelConfig
+from rlgen_cli.schema.run import ModelConfig
 
 __all__ = [
     "LORA_WEIGHTS_NAME",

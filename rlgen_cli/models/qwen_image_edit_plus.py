@@ -23,14 +23,14 @@ import torch
 from PIL import Image
 from torch import Tensor, nn
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models._qwen_common import QWEN_LORA_TARGETS, QwenModel, pad_text
 from rlgen_cli.models.base import Capabilities, Cond
 from rlgen_cli.models.loading import in_model_dtype, load_pipeline
 from rlgen_cli.models.prompt_cache import cache_prompt_embeddings
 from rlgen_cli.models.qwen_image_edit import to_pil
 from rlgen_cli.models.tiny import tiny_qwen_image_edit_plus_pipeline
-from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import ModelConfig
+from rlgen_cli.schema.run import ModelConfig
 
 __all__ = ["QWEN_LORA_TARGETS", "QwenImageEditPlusPolicy", "build", "load_qwen_image_edit_plus_pipeline"]
 

@@ -41,11 +41,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models.base import TORCH_DTYPES
 from rlgen_cli.models.tiny.image import QWEN_SCHEDULER, template_tokenizer
 from rlgen_cli.models.tokenizers import tiny_clip_tokenizer, tiny_t5_tokenizer, vocab_size
-from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import REAL_SIZE_VARIANTS, ModelConfig
+from rlgen_cli.schema.run import REAL_SIZE_VARIANTS, ModelConfig
 
 # -- published configs: VAEs --------------------------------------------------------------------------
 SD3_VAE = dict(

@@ -17,10 +17,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models.base import Cond, FlowPolicy
-from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.families import FAMILY_TABLE, families
-from rlgen_cli.schema.flow import ModelConfig
+from rlgen_cli.schema.run import ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor, nn
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models.base import (
     TORCH_DTYPES,
     Capabilities,
@@ -41,8 +42,7 @@ from rlgen_cli.models.trainable import (
     autocast,
     load_lora_state,
 )
-from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import ModelConfig
+from rlgen_cli.schema.run import ModelConfig
 from rlgen_cli.sde.noise import standard_normal
 from rlgen_cli.sde.schedule import sd3_sigmas
 from rlgen_cli.shapes.vocab import COLORS, COUNT_WORDS, SHAPES, plural

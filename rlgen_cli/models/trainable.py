@@ -22,11 +22,11 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models.acceleration import compile_module, prepare_transformer
 from rlgen_cli.models.base import TORCH_DTYPES, ReferenceSwitch, add_lora, lora_parameters
 from rlgen_cli.models.loading import cast_as_loaded, frozen_dtype
-from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import ModelConfig
+from rlgen_cli.schema.run import ModelConfig
 
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 TRANSFORMER_DIR = "transformer"

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models.acceleration import prepare_frozen_transformer
 from rlgen_cli.models.base import TORCH_DTYPES, Capabilities, Cond, cfg_combine, uncond_takes_grad
 from rlgen_cli.models.loading import cast_as_loaded, frozen_dtype, in_model_dtype, load_pipeline, vae_dtype
@@ -50,8 +51,7 @@ from rlgen_cli.models.wan import (
     wan_sigmas,
     wan_timestep,
 )
-from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import ModelConfig
+from rlgen_cli.schema.run import ModelConfig
 from rlgen_cli.sde.noise import standard_normal
 
 __all__ = ["EXPERTS", "ExpertPair", "Wan22Policy", "build", "load_wan22_pipeline"]

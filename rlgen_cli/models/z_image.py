@@ -30,13 +30,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models.base import TORCH_DTYPES, Capabilities, Cond, cfg_combine, uncond_takes_grad
 from rlgen_cli.models.loading import in_model_dtype, load_pipeline, prepare_pipeline, vae_dtype
 from rlgen_cli.models.prompt_cache import cache_prompt_embeddings
 from rlgen_cli.models.tiny import tiny_z_image_pipeline
 from rlgen_cli.models.trainable import DiffusersCheckpoint, TrainableTransformer, autocast
-from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import ModelConfig
+from rlgen_cli.schema.run import ModelConfig
 from rlgen_cli.sde.noise import standard_normal
 from rlgen_cli.sde.schedule import calculate_mu, dynamic_shift_sigmas, shift_sigmas
 

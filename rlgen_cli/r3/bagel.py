@@ -63,6 +63,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models import Cond, build_policy
 from rlgen_cli.models.bagel import text as bagel_text
 from rlgen_cli.models.bagel.loading import read_weights, save_checkpoint, weight_source
@@ -71,10 +72,9 @@ from rlgen_cli.models.bagel.policy import BagelPolicy
 from rlgen_cli.models.trainable import autocast
 from rlgen_cli.r3.policy import EDIT, GENERATE, IMAGE, STAGE_KEY, TEXT, Thoughts, stage_of
 from rlgen_cli.r3.prompts import REASON_SYSTEM, REFLECT_SYSTEM, reason_user, reflect_user
-from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.r3 import R3PolicyConfig
 from rlgen_cli.sde.noise import Stream, stream_seed
-from rlgen_cli.training.images import to_pil
+from rlgen_cli.training.reporting.images import to_pil
 from rlgen_cli.vlm.rollout import SamplingOptions, TokenBatch, pad_stack
 
 log = logging.getLogger(__name__)

@@ -28,16 +28,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models import Cond, FlowPolicy, build_policy
 from rlgen_cli.models.acceleration import prepare_vlm
 from rlgen_cli.models.qwen_image import QwenImagePolicy
 from rlgen_cli.r3.policy import EDIT, GENERATE, IMAGE, STAGE_KEY, TEXT, Thoughts, stage_of
 from rlgen_cli.r3.prompts import REASON_SYSTEM, REFLECT_SYSTEM, generation_prompt, reason_user, reflect_user
-from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import ModelConfig
 from rlgen_cli.schema.r3 import R3PolicyConfig
+from rlgen_cli.schema.run import ModelConfig
 from rlgen_cli.schema.vlm import VLM_FAMILIES
-from rlgen_cli.training.images import to_pil
+from rlgen_cli.training.reporting.images import to_pil
 from rlgen_cli.vlm.policy import VLMPolicy, build_vlm
 from rlgen_cli.vlm.rollout import (
     SamplingOptions,

@@ -8,7 +8,7 @@
   "yn_answer_list"}``; the prompt is ``short_description``, the tag ``type``; scored by a VLM judge.
 
 Every row is checked when loading, so a malformed row fails before training starts with
-``file:line`` and what to fix, as a :class:`~rlgen_cli.schema.errors.UserError`. The whole row is kept as
+``file:line`` and what to fix, as a :class:`~rlgen_cli.errors.UserError`. The whole row is kept as
 the sample's metadata (the reward reads it). ``builtin:NAME`` names a file shipped in
 ``rlgen_cli/assets/prompts`` (``r3_geneval_tiny.jsonl``, ``r3_geneval_plus_tiny.jsonl``,
 ``r3_tiif_tiny.jsonl``: a handful of rows each, for tests and tiny runs).
@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from rlgen_cli.data.paths import not_utf8, resolve_data_path
+from rlgen_cli.errors import UserError
 from rlgen_cli.rewards.judge_prompts import tiif_questions
-from rlgen_cli.schema.errors import UserError
 
 logger = logging.getLogger(__name__)
 

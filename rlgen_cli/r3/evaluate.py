@@ -186,7 +186,7 @@ def load_unified(
     from omegaconf import OmegaConf
 
     from rlgen_cli.schema.r3 import R3PolicyConfig
-    from rlgen_cli.training.checkpoint import open_checkpoint
+    from rlgen_cli.training.checkpoints.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(checkpoint)
     saved = OmegaConf.merge(OmegaConf.structured(R3PolicyConfig), ckpt.config().r3.policy)

@@ -217,7 +217,7 @@ def save_round_strips(images_per_round: list[Tensor], path: Path, upscale: int =
     Returns:
         ``path``.
     """
-    from rlgen_cli.training.images import save_grid
+    from rlgen_cli.training.reporting.images import save_grid
 
     strips = round_strip(images_per_round)  # (N, 3, H, R·W)
     return save_grid(strips, Path(path), columns=1, upscale=upscale)

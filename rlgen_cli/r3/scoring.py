@@ -20,12 +20,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.r3.data import R3Sample
 from rlgen_cli.rewards import RewardBatch, build_mix
-from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import RewardConfig
 from rlgen_cli.schema.r3 import SERVED_REWARDS, R3Config
-from rlgen_cli.training.checkpoint import NonFiniteRewards
+from rlgen_cli.schema.run import RewardConfig
+from rlgen_cli.training.checkpoints.checkpoint import NonFiniteRewards
 
 log = logging.getLogger(__name__)
 

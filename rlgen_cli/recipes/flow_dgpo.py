@@ -29,14 +29,14 @@ from torch import Tensor
 
 from rlgen_cli.algos.dgpo import dgpo_loss, group_weights
 from rlgen_cli.algos.dpo import flow_matching_error
+from rlgen_cli.errors import UserError
 from rlgen_cli.models import cfg_gradient
 from rlgen_cli.recipes import loop
 from rlgen_cli.recipes.forward_draws import frozen_velocity, record_loss, trained_indices
 from rlgen_cli.recipes.loop import FlowRun
-from rlgen_cli.schema.errors import UserError
 from rlgen_cli.sde.noise import Stream, randn_per_sample, sample_generators
 from rlgen_cli.sde.sampling import batches, conditioned
-from rlgen_cli.training.progress import Progress
+from rlgen_cli.training.reporting.progress import Progress
 
 __all__ = ["group_stream_keys", "require_whole_groups", "update"]
 

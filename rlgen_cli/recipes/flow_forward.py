@@ -56,22 +56,22 @@ from rlgen_cli.algos.nft import (
     old_policy_decay,
     optimality_probability,
 )
+from rlgen_cli.errors import UserError
 from rlgen_cli.models import Cond, cfg_gradient
 from rlgen_cli.recipes import flow_dgpo, loop
 from rlgen_cli.recipes.forward_draws import frozen_velocity, record_loss, trained_indices
 from rlgen_cli.recipes.gardo import GardoHooks
 from rlgen_cli.recipes.loop import FlowRun, reduce_over_ranks, timed
 from rlgen_cli.recipes.session import session
-from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.forward import check_forward_steps
 from rlgen_cli.schema.recipes import FlowForwardTrainConfig
 from rlgen_cli.sde import dpm_solver_2m, euler, plan_window
 from rlgen_cli.sde.noise import Stream, randn_per_sample, sample_generators
 from rlgen_cli.sde.rollout import StepSpec, rollout
 from rlgen_cli.sde.sampling import batches, conditioned
-from rlgen_cli.training.ema import EMA
-from rlgen_cli.training.progress import Progress
-from rlgen_cli.training.schedule import apply_lr_schedule
+from rlgen_cli.training.control.ema import EMA
+from rlgen_cli.training.control.schedule import apply_lr_schedule
+from rlgen_cli.training.reporting.progress import Progress
 
 OLD_KEY = "old_policy"  # trainer-state entry of the old policy's weights
 

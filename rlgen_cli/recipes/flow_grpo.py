@@ -56,13 +56,13 @@ from rlgen_cli.algos import (
     nonzero_advantage_rows,
 )
 from rlgen_cli.algos.gardo import gated_kl_weights
+from rlgen_cli.errors import UserError
 from rlgen_cli.models import Cond, cfg_gradient
 from rlgen_cli.recipes import loop
 from rlgen_cli.recipes.gardo import GardoHooks
 from rlgen_cli.recipes.loop import FlowRun, summarise, timed
 from rlgen_cli.recipes.session import session
 from rlgen_cli.schema.algo import FlowGrpoAlgoConfig
-from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.recipes import FlowGrpoTrainConfig
 from rlgen_cli.sde import euler, step_kl
 from rlgen_cli.sde.noise import Stream, first_of_runs, run_ids, sample_generators, stream_seed
@@ -78,8 +78,8 @@ from rlgen_cli.sde.rollout import (
 from rlgen_cli.sde.sampling import batches, conditioned
 from rlgen_cli.sde.step import StepOut
 from rlgen_cli.sde.window import WindowPlan, plan_window
-from rlgen_cli.training.progress import Progress
-from rlgen_cli.training.schedule import apply_lr_schedule
+from rlgen_cli.training.control.schedule import apply_lr_schedule
+from rlgen_cli.training.reporting.progress import Progress
 
 log = logging.getLogger(__name__)
 

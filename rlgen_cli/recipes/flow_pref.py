@@ -47,9 +47,9 @@ from rlgen_cli.recipes.session import session
 from rlgen_cli.schema.recipes import FlowPrefTrainConfig
 from rlgen_cli.sde.noise import Stream, randn_per_sample, sample_generators
 from rlgen_cli.sde.sampling import batches, conditioned, sample_latents
-from rlgen_cli.training.ema import EMA
-from rlgen_cli.training.progress import Progress
-from rlgen_cli.training.schedule import apply_lr_schedule
+from rlgen_cli.training.control.ema import EMA
+from rlgen_cli.training.control.schedule import apply_lr_schedule
+from rlgen_cli.training.reporting.progress import Progress
 
 log = logging.getLogger(__name__)
 

@@ -24,14 +24,14 @@ import torch
 from omegaconf import DictConfig
 from torch import Tensor
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.recipes import loop
 from rlgen_cli.recipes.loop import FlowRun
 from rlgen_cli.recipes.session import session
-from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.recipes import FlowPretrainTrainConfig
 from rlgen_cli.sde.noise import Stream, stream_seed
-from rlgen_cli.training.progress import Progress
-from rlgen_cli.training.schedule import decay_factor
+from rlgen_cli.training.control.schedule import decay_factor
+from rlgen_cli.training.reporting.progress import Progress
 
 
 def learning_rate(step: int, base_lr: float, warmup: int, total: int, min_ratio: float) -> float:

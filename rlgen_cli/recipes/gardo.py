@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from rlgen_cli.algos import gardo
-from rlgen_cli.schema.errors import UserError
+from rlgen_cli.errors import UserError
 from rlgen_cli.schema.gardo import GardoConfig
 
 

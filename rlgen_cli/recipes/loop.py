@@ -6,7 +6,7 @@ and per-rank statistics become one number per epoch (:func:`summarise`, :func:`r
 The flow recipes (``flow_grpo``, ``flow_pref``, ``flow_pretrain``, ``flow_forward``) also share what a run
 holds (:class:`FlowRun`, built by :func:`setup`: seed, processes, policy, reward, prompts, optimizer, EMA,
 resume, loggers), reward scoring (:func:`score`), the ODE evaluation (:func:`evaluate`) and the
-reward-hacking guard's look at it (:func:`guard_evaluation`, ``training/guard.py``), full-state
+reward-hacking guard's look at it (:func:`guard_evaluation`, ``training/control/hacking_guard.py``), full-state
 checkpoints (:func:`save`) and the end of an epoch. Each recipe writes its own loop from them inside
 the epoch session of ``recipes/session.py``.
 
@@ -15,7 +15,7 @@ An epoch function returns its metrics (``lr``, losses, ``reward/*``, ``time/*``,
 count included) and scores through :func:`score`. Recipe-specific state (a reference copy, a σ table,
 an old policy) lives in the recipe's own small dataclass, built after :func:`setup`.
 
-``run.report`` is the evaluation report the experiment chose (``eval_report``, ``training/report.py``):
+``run.report`` is the evaluation report the experiment chose (``eval_report``, ``training/reporting/report.py``):
 it sees every evaluation and writes its files when the session finishes.
 """
 
@@ -38,14 +38,14 @@ from torch import Tensor
 from rlgen_cli.data import GroupSampler, PromptDataset
 from rlgen_cli.data.images import source_images
 from rlgen_cli.data.paths import load_prompts
+from rlgen_cli.errors import UserError
 from rlgen_cli.models import FlowPolicy, build_policy
 from rlgen_cli.rewards import RewardBatch, build_mix
 from rlgen_cli.rewards.mix import WeightedMix
-from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.recipes import FlowRunConfig
 from rlgen_cli.sde.rollout import StepSpec
 from rlgen_cli.sde.sampling import sample_images
-from rlgen_cli.training.checkpoint import (
+from rlgen_cli.training.checkpoints.checkpoint import (
     CHECKPOINTS_DIR,
     COUNTERS_KEY,
     OPTIMIZER_KEY,
@@ -58,14 +58,14 @@ from rlgen_cli.training.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from rlgen_cli.training.dist import Dist, make_dist
-from rlgen_cli.training.ema import EMA
-from rlgen_cli.training.guard import BEST_HELDOUT, GUARD_KEY, RunGuard
-from rlgen_cli.training.images import grid_name, save_grid
-from rlgen_cli.training.labels import readable_reward
-from rlgen_cli.training.metrics import BEFORE_TRAINING, NullLogger, build_loggers, step_after
-from rlgen_cli.training.progress import Progress
-from rlgen_cli.training.report import EvalReport, detail_summaries, eval_report
+from rlgen_cli.training.control.ema import EMA
+from rlgen_cli.training.control.hacking_guard import BEST_HELDOUT, GUARD_KEY, RunGuard
+from rlgen_cli.training.distributed.dist import Dist, make_dist
+from rlgen_cli.training.reporting.images import grid_name, save_grid
+from rlgen_cli.training.reporting.labels import readable_reward
+from rlgen_cli.training.reporting.metrics import BEFORE_TRAINING, NullLogger, build_loggers, step_after
+from rlgen_cli.training.reporting.progress import Progress
+from rlgen_cli.training.reporting.report import EvalReport, detail_summaries, eval_report
 
 log = logging.getLogger(__name__)
 
@@ -330,7 +330,7 @@ def setup(cfg: FlowRunConfig, raw_cfg: DictConfig) -> FlowRun:
     if cfg.eval_heldout:
         run.heldout_set = load_prompts(cfg.eval_heldout, run_dir, "eval_heldout")
     resumed = _resume_weights(run)  # into the whole modules, before an engine shards them
-    # DDP wraps the transformer; DeepSpeed / FSDP also take the optimizer (training/dist.py)
+    # DDP wraps the transformer; DeepSpeed / FSDP also take the optimizer (training/distributed/dist.py)
     run.optimizer = dist.prepare(
         policy.trainable, optimizer, max_grad_norm=algo.max_grad_norm, micro_batch_size=algo.train_batch_size,
         compute_dtype=cfg.model.dtype,  # fp16 compute: the engine scales the loss
@@ -510,7 +510,7 @@ def evaluate(run: FlowRun, epoch: int, progress: Progress, split: str = "eval") 
     components, samples = score_samples(run, images, prompts, metadata, sources)
     details = detail_summaries(samples, by_tag=True)
     total = weighted_total(run, components)
-    heldout = {}  # the guard's monitors on the same images, per prompt with the trained reward (training/guard.py)
+    heldout = {}  # the guard's monitors on the same images, per prompt with the trained reward (training/control/hacking_guard.py)
     if run.guard is not None and split == "eval":
         monitored, _ = score(run, images, prompts, metadata, sources, reward=run.guard.monitors)
         heldout = run.guard.score_evaluation(total, monitored, cfg.data.eval_images_per_prompt)
@@ -576,7 +576,7 @@ def evaluate_if_due(run: FlowRun, epoch: int, last: bool, progress: Progress) ->
 def guard_evaluation(run: FlowRun, epoch: int, metrics: dict[str, float]) -> dict[str, float]:
     """The guard's look at the evaluation after ``epoch`` (−1: before training; ``metrics``: rank 0's):
     a new best held-out value is saved to ``checkpoints/best_heldout``; a flagged evaluation warns, stops
-    or rolls back (``training/guard.py``). Every rank enters: saving and rolling back are collective."""
+    or rolls back (``training/control/hacking_guard.py``). Every rank enters: saving and rolling back are collective."""
     if run.guard is None:
         return metrics
     decision = run.guard.decide(run.dist, epoch)
@@ -615,7 +615,7 @@ def log_epoch(run: FlowRun, epoch: int, metrics: dict[str, float], console: str)
 
 def eval_suffix(metrics: dict[str, float]) -> str:
     """`` eval +0.123`` when the epoch evaluated (`` held-out +0.456`` with the guard), then the reward's
-    readable detail if it has one (``  1.5 kB/img (eval 1.48)``, ``training/labels.py``), for console
+    readable detail if it has one (``  1.5 kB/img (eval 1.48)``, ``training/reporting/labels.py``), for console
     lines."""
     readable = readable_reward(metrics)
     if "eval/reward/mean" not in metrics:

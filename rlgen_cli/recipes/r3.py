@@ -59,6 +59,7 @@ from omegaconf import DictConfig
 from torch import Tensor
 
 from rlgen_cli.data.sampler import GroupSampler
+from rlgen_cli.errors import UserError
 from rlgen_cli.r3.buffer import StageOneBuffer
 from rlgen_cli.r3.data import R3Sample, load_r3_dataset
 from rlgen_cli.r3.evaluate import build_unified, evaluate_rounds, save_strips
@@ -77,22 +78,21 @@ from rlgen_cli.r3.rewards import (
 from rlgen_cli.r3.rollout import ImageRollout, image_rollout, micro_batches, shifted, stage_plan, text_rollout
 from rlgen_cli.r3.scoring import R3Scorer
 from rlgen_cli.recipes.loop import due, load_resume, reduce_over_ranks, save_trainer_checkpoint
-from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.r3 import R3Config, R3Geometry, R3TrainConfig, r3_geometry, track_models
 from rlgen_cli.sde.rollout import StepSpec, Trajectory, recompute_step
 from rlgen_cli.sde.sampling import conditioned
-from rlgen_cli.training.checkpoint import (
+from rlgen_cli.training.checkpoints.checkpoint import (
     COUNTERS_KEY,
     OPTIMIZER_KEY,
     Checkpoint,
     set_rng_state,
 )
-from rlgen_cli.training.dist import Dist, launched_engine, make_dist
-from rlgen_cli.training.images import grid_name
-from rlgen_cli.training.interrupt import on_interrupt
-from rlgen_cli.training.metrics import NullLogger, build_loggers, step_after
-from rlgen_cli.training.plots import plot_runs
-from rlgen_cli.training.progress import Progress
+from rlgen_cli.training.checkpoints.interrupt import on_interrupt
+from rlgen_cli.training.distributed.dist import Dist, launched_engine, make_dist
+from rlgen_cli.training.reporting.images import grid_name
+from rlgen_cli.training.reporting.metrics import NullLogger, build_loggers, step_after
+from rlgen_cli.training.reporting.plots import plot_runs
+from rlgen_cli.training.reporting.progress import Progress
 from rlgen_cli.vlm.rollout import SamplingOptions, TokenBatch
 from rlgen_cli.vlm.training import SCHEDULER_KEY
 

@@ -16,7 +16,7 @@ training) and counts everything after it: epochs, evaluations, checkpoints. Its 
 spent in epochs alone, travel in the checkpoint's counters, so a resumed run goes on with the time it
 had left. Under ``lr_schedule_clock=time_or_epochs`` it also tells the lr schedule, before each epoch,
 which share of the time budget will have been used when that epoch ends (``FlowRun.time_progress``,
-``training/schedule.py``): training seconds against the budget net of the time spent elsewhere.
+``training/control/schedule.py``): training seconds against the budget net of the time spent elsewhere.
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ from rlgen_cli.recipes.loop import (
     setup,
 )
 from rlgen_cli.schema.recipes import FlowRunConfig
-from rlgen_cli.training.guard import GUARD_CURVES, plot_guard
-from rlgen_cli.training.interrupt import on_interrupt
-from rlgen_cli.training.plots import plot_runs
-from rlgen_cli.training.progress import Progress
-from rlgen_cli.training.schedule import time_share
+from rlgen_cli.training.checkpoints.interrupt import on_interrupt
+from rlgen_cli.training.control.hacking_guard import GUARD_CURVES, plot_guard
+from rlgen_cli.training.control.schedule import time_share
+from rlgen_cli.training.reporting.plots import plot_runs
+from rlgen_cli.training.reporting.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ class Session:
 @contextmanager
 def session(cfg: FlowRunConfig, raw_cfg: DictConfig) -> Iterator[Session]:
     """:func:`setup`, the progress bars and the evaluation before training; on a normal exit the report
-    (:func:`finish`); on Ctrl-C the plots and a line saying how to resume (``training/interrupt.py``);
+    (:func:`finish`); on Ctrl-C the plots and a line saying how to resume (``training/checkpoints/interrupt.py``);
     the loggers are closed either way."""
     run = setup(cfg, raw_cfg)
     current: Session | None = None

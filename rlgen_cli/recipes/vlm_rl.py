@@ -25,7 +25,7 @@ on-policy; ``rlgen check-onpolicy model=tiny_qwen2_vl algo=step_grpo`` holds the
 the sampler's own log-probs (``vlm/onpolicy.py``).
 
 Several processes (``launcher=accelerate`` = DDP, ``launcher=deepspeed_zero2``) go through the same
-``training/dist.py`` context as the flow recipe, with its contract (docs/distributed.md, "process-count
+``training/distributed/dist.py`` context as the flow recipe, with its contract (docs/distributed.md, "process-count
 invariance"): the epoch's global batch is cut into pieces of lcm(``sample_batch_size``,
 ``train_batch_size``) samples and piece b goes to rank b mod N (:func:`assignment_unit`,
 ``GroupSampler.positions``), so every sample is rolled out and trained in the same batch and optimizer
@@ -63,6 +63,7 @@ from torch import Tensor
 from rlgen_cli.algos.advantages import combine_rewards
 from rlgen_cli.algos.token_grpo import advantage_options, token_grpo_loss
 from rlgen_cli.data.sampler import GroupSampler
+from rlgen_cli.errors import UserError
 from rlgen_cli.recipes.loop import (
     REWARD_CURVE,
     accumulation_per_process,
@@ -73,10 +74,9 @@ from rlgen_cli.recipes.loop import (
 )
 from rlgen_cli.rewards import RewardBatch, build_mix
 from rlgen_cli.rewards.r1vl import TEXT_REWARDS
-from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.recipes import VlmRlTrainConfig
 from rlgen_cli.sde.noise import Stream, stream_seed
-from rlgen_cli.training.checkpoint import (
+from rlgen_cli.training.checkpoints.checkpoint import (
     COUNTERS_KEY,
     OPTIMIZER_KEY,
     SAMPLER_KEY,
@@ -84,11 +84,11 @@ from rlgen_cli.training.checkpoint import (
     NonFiniteRewards,
     set_rng_state,
 )
-from rlgen_cli.training.dist import Dist, make_dist
-from rlgen_cli.training.interrupt import on_interrupt
-from rlgen_cli.training.metrics import JsonlLogger, NullLogger, step_after
-from rlgen_cli.training.plots import plot_runs
-from rlgen_cli.training.progress import Progress
+from rlgen_cli.training.checkpoints.interrupt import on_interrupt
+from rlgen_cli.training.distributed.dist import Dist, make_dist
+from rlgen_cli.training.reporting.metrics import JsonlLogger, NullLogger, step_after
+from rlgen_cli.training.reporting.plots import plot_runs
+from rlgen_cli.training.reporting.progress import Progress
 from rlgen_cli.vlm.data import load_vlm_examples, prompt_text
 from rlgen_cli.vlm.engines import build_engine
 from rlgen_cli.vlm.evaluate import answer_examples, evaluate, summarise

@@ -12,7 +12,7 @@ upstream runs LLaMA-Factory). Here:
 * loop — ``epochs`` passes in a seeded shuffled order, gradient accumulation, grad-norm clip, warm-up +
   cosine / linear / constant schedule, metrics.jsonl, full-state checkpoints (resume), optional accuracy
   on ``data.test`` every ``eval_every`` epochs;
-* several processes (``launcher=accelerate`` / ``deepspeed_zero2``, ``training/dist.py``) — the flow
+* several processes (``launcher=accelerate`` / ``deepspeed_zero2``, ``training/distributed/dist.py``) — the flow
   recipe's contract (docs/distributed.md, "process-count invariance"): the epoch's shuffled order is cut
   into global micro-batches of ``train_batch_size`` and micro-batch b goes to rank b mod N
   (:func:`rank_micro_batches`), so optimizer step s covers global micro-batches s·A … s·A + A − 1 on any
@@ -41,24 +41,24 @@ import torch
 from omegaconf import DictConfig
 from torch import Tensor
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.recipes.loop import (
     accumulation_per_process,
     load_resume,
     reduce_over_ranks,
     save_trainer_checkpoint,
 )
-from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.recipes import VlmSftTrainConfig
-from rlgen_cli.training.checkpoint import (
+from rlgen_cli.training.checkpoints.checkpoint import (
     COUNTERS_KEY,
     OPTIMIZER_KEY,
     Checkpoint,
     set_rng_state,
 )
-from rlgen_cli.training.dist import Dist, make_dist
-from rlgen_cli.training.interrupt import on_interrupt
-from rlgen_cli.training.metrics import JsonlLogger, NullLogger, step_after
-from rlgen_cli.training.progress import Progress
+from rlgen_cli.training.checkpoints.interrupt import on_interrupt
+from rlgen_cli.training.distributed.dist import Dist, make_dist
+from rlgen_cli.training.reporting.metrics import JsonlLogger, NullLogger, step_after
+from rlgen_cli.training.reporting.progress import Progress
 from rlgen_cli.vlm.data import SFTExample, drop_reflective, load_sft, load_vlm_examples
 from rlgen_cli.vlm.evaluate import answer_examples, summarise
 from rlgen_cli.vlm.policy import VLMPolicy, build_vlm

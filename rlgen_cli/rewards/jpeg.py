@@ -32,7 +32,7 @@ KB_SCALE = 500.0  # upstream divides the size in kB by 500
 
 class ReadableDetail(NamedTuple):
     """A detail a reward logs that reads better than its score (−0.00299 is a 1.5 kB image): console
-    lines and plot axes show it (``training/labels.py``)."""
+    lines and plot axes show it (``training/reporting/labels.py``)."""
 
     detail: str
     """The key of the reward's ``details``, logged as ``[eval/]reward/<reward>/<detail>/mean``."""

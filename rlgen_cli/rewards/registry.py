@@ -32,9 +32,9 @@ from typing import Any, TypeVar
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.rewards.base import Reward
 from rlgen_cli.schema.choices import choices_of
-from rlgen_cli.schema.errors import UserError
 
 logger = logging.getLogger(__name__)
 

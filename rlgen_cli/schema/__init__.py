@@ -1,5 +1,1 @@
-"""Typed config schemas, cross-field checks and the user-error type."""
-
-from rlgen_cli.schema.errors import UserError
-
-__all__ = ["UserError"]
+"""Typed config schemas and the checks that run on them before anything loads."""

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Annotated, Any
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.schema.choices import (
     Branch,
     CfgGrad,
@@ -27,7 +28,6 @@ from rlgen_cli.schema.choices import (
     StepKind,
     WindowKind,
 )
-from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.forward import ForwardConfig
 from rlgen_cli.schema.gardo import GardoConfig
 from rlgen_cli.schema.vlm import TokenGRPOOptions, TokenSftOptions
@@ -485,7 +485,7 @@ class FlowPrefAlgoConfig(AdvantageConfig):
 
 
 EPOCH_SCHEDULE_KEYS = ("lr_schedule", "lr_decay_start", "lr_min_ratio", "lr_warmup_epochs")
-"""The flow RL loop's per-epoch schedule keys of ``AlgoConfig`` (``training/schedule.py``); their
+"""The flow RL loop's per-epoch schedule keys of ``AlgoConfig`` (``training/control/schedule.py``); their
 defaults are the off values."""
 TOKEN_SCHEDULE = "algo.token.lr_schedule and algo.token.warmup_ratio (per step)"
 """Where the VLM recipes' own schedule is set."""

@@ -77,7 +77,7 @@ RealSizeVariant = Literal[
     "wan2_1_t2v_1_3b", "wan2_1_t2v_14b", "qwen2_vl_2b", "qwen2_vl_7b", "qwen2_5_vl_3b", "qwen2_5_vl_7b",
     "bagel_7b_mot",
 ]  # fmt: skip
-"""``model.variant``: the checkpoint ``model.weights=random_init`` builds (``schema/flow.py:
+"""``model.variant``: the checkpoint ``model.weights=random_init`` builds (``schema/run.py:
 REAL_SIZE_VARIANTS`` says which family builds which)."""
 TextEncoderSize = Literal["real_size", "stand_in"]
 """``model.text_encoders``: a random-init flow model's text encoders as published, or narrow stand-ins."""
@@ -101,13 +101,13 @@ LrSchedule = Literal["constant", "cosine", "linear"]
 PrefLoss = Literal["dpo", "sft"]
 PretrainSource = Literal["shapes"]
 EvalReportKind = Literal["none", "shapes"]
-"""``eval_report``: what a flow run writes from its evaluations at the end (``training/report.py``)."""
+"""``eval_report``: what a flow run writes from its evaluations at the end (``training/reporting/report.py``)."""
 TimeLimitCounts = Literal["wall", "training"]
 """``time_limit_counts``: which seconds ``time_limit_minutes`` counts (``recipes/session.py``)."""
 LrScheduleClock = Literal["epochs", "time_or_epochs"]
-"""``lr_schedule_clock``: what says where a run is in its lr schedule (``training/schedule.py``)."""
+"""``lr_schedule_clock``: what says where a run is in its lr schedule (``training/control/schedule.py``)."""
 GuardAction = Literal["warn", "stop", "rollback"]
-"""``guard.action``: what the reward-hacking guard does on a flagged evaluation (``training/guard.py``)."""
+"""``guard.action``: what the reward-hacking guard does on a flagged evaluation (``training/control/hacking_guard.py``)."""
 SigmaSampling = Literal["logit_normal", "uniform"]
 
 TokenLoss = Literal["grpo", "bnpo", "dr_grpo", "dapo"]

@@ -3,7 +3,7 @@
 An experiment that reproduces a published recipe says, in its own file, which upstream source it follows
 and how close it is: every semantics knob of the recipe is either in ``matches`` (the upstream value, which
 the composed config equals) or in ``differs`` (the upstream value and why this experiment departs from
-it: a reward model that cannot ship, memory, a missing kernel). ``tests/configs/test_fidelity.py``
+it: a reward model that cannot ship, memory, a missing kernel). ``tests/schema/test_fidelity.py``
 composes each such experiment and checks the record against the composed config, so a default that moves
 under an experiment breaks a test instead of silently changing the recipe.
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlgen_cli.schema.errors import UserError
+from rlgen_cli.errors import UserError
 
 DIFFERS_FIELDS = ("upstream", "why")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
-from rlgen_cli.schema.errors import UserError
+from rlgen_cli.errors import UserError
 
 ForwardLoss = Literal["nft", "awm", "dgpo"]
 RolloutSolver = Literal["dpm2", "euler", "sde"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlgen_cli.schema.errors import UserError
+from rlgen_cli.errors import UserError
 
 
 @dataclass

@@ -19,10 +19,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Annotated, Literal, get_args
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.schema.choices import R3Dataset, SdeKind
-from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.families import families
-from rlgen_cli.schema.flow import ModelConfig, RunConfig
+from rlgen_cli.schema.run import ModelConfig, RunConfig
 
 EtaSchedule = Literal["constant", "monotonic"]
 

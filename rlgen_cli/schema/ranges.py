@@ -8,7 +8,7 @@ so a bad value stops the run with exit code 2 naming the key (``algo.lr must be 
 deep in a recipe. The same pass rejects keys no schema declares: a ``+algo.lrr=1e-3`` typo is named with
 the closest real key instead of landing silently in resolved.yaml.
 
-Checks that involve several fields stay in each dataclass's ``__post_init__``; ``tests/configs/
+Checks that involve several fields stay in each dataclass's ``__post_init__``; ``tests/schema/
 test_ranges.py`` fails when a numeric field has no range here, so a new setting cannot skip the check.
 """
 
@@ -26,6 +26,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.schema.algo import (
     AdvantageConfig,
     AlgoConfig,
@@ -42,8 +43,13 @@ from rlgen_cli.schema.algo import (
 )
 from rlgen_cli.schema.check import CheckConfig
 from rlgen_cli.schema.choices import choices_of
-from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import (
+from rlgen_cli.schema.forward import ForwardConfig, OldPolicyConfig
+from rlgen_cli.schema.gardo import GardoConfig
+from rlgen_cli.schema.hacking_guard import GuardConfig
+from rlgen_cli.schema.plan import PlanOptions
+from rlgen_cli.schema.r3 import R3Config
+from rlgen_cli.schema.recipes import FlowRolloutRunConfig, FlowRunConfig
+from rlgen_cli.schema.run import (
     DataConfig,
     EvalConfig,
     ExpertsConfig,
@@ -55,12 +61,6 @@ from rlgen_cli.schema.flow import (
     RunConfig,
     SampleConfig,
 )
-from rlgen_cli.schema.forward import ForwardConfig, OldPolicyConfig
-from rlgen_cli.schema.gardo import GardoConfig
-from rlgen_cli.schema.guard import GuardConfig
-from rlgen_cli.schema.plan import PlanOptions
-from rlgen_cli.schema.r3 import R3Config
-from rlgen_cli.schema.recipes import FlowRolloutRunConfig, FlowRunConfig
 from rlgen_cli.schema.serve import ServerConfig
 from rlgen_cli.schema.vlm import TokenGRPOOptions, TokenScheduleOptions, VLMOptions
 

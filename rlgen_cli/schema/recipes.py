@@ -4,7 +4,7 @@
 config group (``- override /recipe@_global_: flow_pref``), which puts that recipe's schema at the root
 (``schema/store.py``). So ``algo=dpo`` composes no ``algo.window`` and ``model=tiny_r3`` no ``algo`` or
 ``sampler``; an override of a key the recipe never reads stops at compose time with exit code 2.
-Every reader dispatches on ``cfg.recipe``. ``tests/configs/test_composed_keys.py`` checks both ways:
+Every reader dispatches on ``cfg.recipe``. ``tests/schema/test_composed_keys.py`` checks both ways:
 every composed key is declared here, and every key declared here is read by its recipe's code.
 """
 
@@ -27,7 +27,9 @@ from rlgen_cli.schema.algo import (
 )
 from rlgen_cli.schema.check import CheckSection
 from rlgen_cli.schema.choices import EvalReportKind, LrScheduleClock, TimeLimitCounts
-from rlgen_cli.schema.flow import (
+from rlgen_cli.schema.hacking_guard import GuardConfig, check_guard
+from rlgen_cli.schema.r3 import R3Config, R3TrainConfig
+from rlgen_cli.schema.run import (
     AdvantageRewardConfig,
     EvalConfig,
     FlowDataConfig,
@@ -35,8 +37,6 @@ from rlgen_cli.schema.flow import (
     require_sde_sampler,
     require_whole_batches,
 )
-from rlgen_cli.schema.guard import GuardConfig, check_guard
-from rlgen_cli.schema.r3 import R3Config, R3TrainConfig
 
 __all__ = [
     "CHECK_SCHEMAS",

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import DataConfig, RewardConfig
+from rlgen_cli.errors import UserError
+from rlgen_cli.schema.run import DataConfig, RewardConfig
 
 
 def _require(condition: bool, message: str) -> None:

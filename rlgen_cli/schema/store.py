@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
 
-from rlgen_cli.schema.flow import SampleConfig
 from rlgen_cli.schema.plan import PLAN_SCHEMAS
 from rlgen_cli.schema.recipes import CHECK_SCHEMAS, EVAL_SCHEMAS, TRAIN_SCHEMAS
+from rlgen_cli.schema.run import SampleConfig
 from rlgen_cli.schema.serve import ServeRewardConfig
 
 PRIMARY_SCHEMAS = {

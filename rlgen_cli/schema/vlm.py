@@ -12,6 +12,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Annotated
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.schema.choices import (
     LrSchedule,
     PromptFormat,
@@ -22,7 +23,6 @@ from rlgen_cli.schema.choices import (
     TokenOldLogprobs,
     TokenRewardScaling,
 )
-from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.families import families
 
 VLM_FAMILIES = families("vlm")

@@ -50,9 +50,9 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.rewards.base import Reward, accepts_uint8
 from rlgen_cli.rewards.remote import wire
-from rlgen_cli.schema.errors import UserError
 from rlgen_cli.server import flowgrpo, limits
 from rlgen_cli.server.admission import Budget
 from rlgen_cli.server.batcher import MicroBatcher, ScoringError

@@ -34,8 +34,8 @@ from typing import Any, NamedTuple
 
 from aiohttp import web
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.rewards.base import Reward
-from rlgen_cli.schema.errors import UserError
 from rlgen_cli.server.app import ServerSettings, build_app
 from rlgen_cli.server.connections import ServerRunner
 

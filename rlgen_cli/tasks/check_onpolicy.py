@@ -26,7 +26,7 @@ from dataclasses import replace
 import torch
 from omegaconf import DictConfig
 
-from rlgen_cli.schema.errors import UserError
+from rlgen_cli.errors import UserError
 from rlgen_cli.sde.noise import Stream
 from rlgen_cli.tasks.common import run_dir_of, user_errors, validated
 
@@ -59,7 +59,7 @@ def perturb_weights(params: Sequence[torch.nn.Parameter], std: float, seed: int)
 @user_errors
 def check_onpolicy_task(cfg: DictConfig) -> float:
     typed = validated(cfg)
-    from rlgen_cli.training.run import prepare_run_dir, setup_logging
+    from rlgen_cli.training.reporting.run_dir import prepare_run_dir, setup_logging
 
     perturb = functools.partial(perturb_weights, std=typed.check.perturb_weights, seed=typed.seed)
     if typed.recipe not in ("flow_grpo", "vlm_rl", "r3"):
@@ -100,7 +100,7 @@ def _check_flow(typed, cfg: DictConfig, perturb: Perturb) -> tuple[float, bool]:
     """Every trained step's stored log-prob vs its training-path recompute."""
     from rlgen_cli.recipes import flow_grpo, loop
     from rlgen_cli.sde.sampling import batches
-    from rlgen_cli.training.progress import Progress
+    from rlgen_cli.training.reporting.progress import Progress
 
     run = loop.setup(typed, cfg)
     check = typed.check

@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rlgen_cli._hydra import EXIT_USER_ERROR
-from rlgen_cli.schema.errors import UserError
+from rlgen_cli.errors import UserError
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ def validated(cfg: DictConfig) -> Any:
     if hasattr(typed, "reward"):
         require_known_rewards(typed)
     if getattr(typed, "guard", None) is not None:  # the flow recipes' held-out rewards, checked alike
-        from rlgen_cli.training.guard import require_known_monitors
+        from rlgen_cli.training.control.hacking_guard import require_known_monitors
 
         require_known_monitors(typed.guard)
     return typed

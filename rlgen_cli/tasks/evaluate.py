@@ -36,10 +36,10 @@ def eval_task(cfg: DictConfig) -> float:
     from rlgen_cli.rewards import RewardBatch, build_mix
     from rlgen_cli.sde.sampling import sample_images
     from rlgen_cli.tasks.loading import describe_model, load_policy, with_checkpoint_model
-    from rlgen_cli.training.images import save_grid
-    from rlgen_cli.training.progress import Progress
-    from rlgen_cli.training.report import detail_summaries
-    from rlgen_cli.training.run import prepare_run_dir, setup_logging
+    from rlgen_cli.training.reporting.images import save_grid
+    from rlgen_cli.training.reporting.progress import Progress
+    from rlgen_cli.training.reporting.report import detail_summaries
+    from rlgen_cli.training.reporting.run_dir import prepare_run_dir, setup_logging
 
     missing = Prerequisites().add(checkpoint_problems(typed.checkpoint, "checkpoint"))
     if not missing.missing:  # the checkpoint's own model draws: resolved.yaml records it
@@ -91,7 +91,7 @@ def _eval_vlm(typed, cfg: DictConfig) -> float:
     """Benchmark accuracy of a multimodal LLM (its checkpoint's saved model, as ``load_vlm`` builds it)."""
     from rlgen_cli.recipes.vlm_rl import evaluate
     from rlgen_cli.tasks.loading import describe_model, with_checkpoint_model
-    from rlgen_cli.training.run import prepare_run_dir, setup_logging
+    from rlgen_cli.training.reporting.run_dir import prepare_run_dir, setup_logging
 
     missing = Prerequisites().add(checkpoint_problems(typed.checkpoint, "checkpoint"))
     if not missing.missing:
@@ -110,7 +110,7 @@ def _eval_r3(typed, cfg: DictConfig) -> float:
 
     from rlgen_cli.r3.evaluate import run_evaluation
     from rlgen_cli.tasks.loading import describe_model, with_checkpoint_policy
-    from rlgen_cli.training.run import prepare_run_dir, setup_logging
+    from rlgen_cli.training.reporting.run_dir import prepare_run_dir, setup_logging
 
     missing = Prerequisites().add(checkpoint_problems(typed.checkpoint, "checkpoint"))
     if not missing.missing:  # the checkpoint's own policy answers: resolved.yaml records it
@@ -165,7 +165,7 @@ def _print_tag_tables(details: dict[str, float], rewards: list[str]) -> None:
     """Per-tag accuracy tables of the rewards that report prompt tags (GenEval-style, ShapesEval)."""
     from rich.console import Console
 
-    from rlgen_cli.training.report import SHAPES_COLUMNS, has_tag_breakdown, tag_table
+    from rlgen_cli.training.reporting.report import SHAPES_COLUMNS, has_tag_breakdown, tag_table
 
     for name in rewards:
         columns = [(m, t) for m, t in SHAPES_COLUMNS if has_tag_breakdown(details, name, m, prefix="")]

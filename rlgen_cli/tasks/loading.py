@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlgen_cli.schema.flow import ModelConfig
+from rlgen_cli.schema.run import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ def checkpoint_model(checkpoint: str, user_overrides: bool = True) -> DictConfig
     """The ``model`` section ``checkpoint``'s weights fit: its saved one, with the user's ``model.*``
     overrides on top (e.g. ``model.dtype``) unless ``user_overrides`` is off (a VLM checkpoint loads
     its saved section as it is)."""
-    from rlgen_cli.training.checkpoint import open_checkpoint
+    from rlgen_cli.training.checkpoints.checkpoint import open_checkpoint
 
     saved = OmegaConf.merge(OmegaConf.structured(ModelConfig), open_checkpoint(checkpoint).config().model)
     overrides = OmegaConf.from_dotlist(_model_overrides() if user_overrides else [])
@@ -57,7 +57,7 @@ def with_checkpoint_policy(cfg: DictConfig, checkpoint: str | None) -> DictConfi
     if checkpoint is None:
         return cfg
     from rlgen_cli.schema.r3 import R3PolicyConfig
-    from rlgen_cli.training.checkpoint import open_checkpoint
+    from rlgen_cli.training.checkpoints.checkpoint import open_checkpoint
 
     cfg = cfg.copy()
     saved = open_checkpoint(checkpoint).config().r3.policy
@@ -89,7 +89,7 @@ def load_policy(model_cfg: ModelConfig, checkpoint: str | None, device_name: str
     into the config.
     """
     from rlgen_cli.models import build_policy, resolve_device
-    from rlgen_cli.training.checkpoint import open_checkpoint
+    from rlgen_cli.training.checkpoints.checkpoint import open_checkpoint
 
     policy = build_policy(model_cfg, resolve_device(device_name))
     if checkpoint is None:

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from rlgen_cli._hydra import conf_dir, config_groups
+from rlgen_cli.errors import UserError
 from rlgen_cli.schema.describe import (
     DEFAULT_RECIPE,
     TOP_LEVEL,
@@ -25,7 +26,6 @@ from rlgen_cli.schema.describe import (
     group_names,
     group_rows,
 )
-from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.recipes import TRAIN_SCHEMAS
 
 __all__ = [

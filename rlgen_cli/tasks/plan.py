@@ -9,7 +9,7 @@ then
    trainable, LoRA or base; the local reward models (or refuses a reward whose model it cannot build,
    naming it), the prompt caches at their cap, the float64 gradient sums of ``launcher.exact_reduction``;
 2. runs the recipe's own code on the meta device and traces the peak of each phase of an epoch
-   (``training/memory_trace.py``; one :class:`EpochTracer` per flow recipe — Flow-GRPO, DiffusionNFT /
+   (``training/memory/trace.py``; one :class:`EpochTracer` per flow recipe — Flow-GRPO, DiffusionNFT /
    AWM, DPO / SFT, pretraining): one sampling batch of ``algo.sample_batch_size`` (the sampling forwards,
    what it keeps for the update, the decode), and one training step — the recipe's update itself, with
    Flow-GRPO's folds of ``algo.timesteps_per_pass``, NFT's old-policy and reference forwards, DPO's
@@ -18,7 +18,7 @@ then
    counted;
 3. also traces the saved activations of one training forward, attributed to blocks (the figure with and
    without gradient checkpointing, for the table);
-4. adds the launcher's own buffers, sharded as the launcher shards them (``training/memory_plan.py``), and
+4. adds the launcher's own buffers, sharded as the launcher shards them (``training/memory/plan.py``), and
    checks ``plan.device_memory_gb`` less ``plan.headroom``; when it does not fit, searches the cheapest
    change that does; and names the smallest common device (24 / 40 / 48 / 80 / 141 GB) that holds one
    process, with the settings it takes.
@@ -27,7 +27,7 @@ It prints a table (or ``plan.format=json``), writes ``plan.json`` into its run d
 when the run fits, 1 when it does not. An option whose memory it does not model stops it with exit code 2
 naming the option (:func:`refuse_unmodelled`): it never says "fits" on a guess. The conditioning of a
 tiny family is encoded by a CPU twin (its encoders read their masks' values); a real one's on the meta
-device, where integer tensors stay on the CPU (``training/memory_trace.py``).
+device, where integer tensors stay on the CPU (``training/memory/trace.py``).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ import torch
 from omegaconf import DictConfig
 from torch import Tensor, nn
 
-from rlgen_cli.schema.errors import UserError
+from rlgen_cli.errors import UserError
 from rlgen_cli.tasks.common import run_dir_of, user_errors, validated
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ def refuse_unmodelled(cfg: Any) -> None:
 
 def plan_run(cfg: Any) -> dict[str, Any]:
     """The plan of the training run ``cfg`` describes (a validated flow training config), as a dict."""
-    from rlgen_cli.training.memory_plan import GIB, Epoch, device_fits, plan_memory, smallest_fix
+    from rlgen_cli.training.memory.plan import GIB, Epoch, device_fits, plan_memory, smallest_fix
 
     refuse_unmodelled(cfg)
     held, reward_notes = reward_rows(cfg)  # a reward it cannot count stops the plan before any build
@@ -180,7 +180,7 @@ def plan_run(cfg: Any) -> dict[str, Any]:
 
 def _setting_or_note(override: str) -> str:
     """``override`` as it is, or, when its key is not a setting of this version, what to do instead."""
-    from rlgen_cli.schema.flow import ModelConfig
+    from rlgen_cli.schema.run import ModelConfig
 
     key = override.split("=", 1)[0]
     if (
@@ -212,7 +212,7 @@ def planned_model(model_cfg: Any) -> tuple[Any, str | None]:
     no weights and downloads nothing; and a note saying so."""
     import dataclasses
 
-    from rlgen_cli.schema.flow import REAL_SIZE_VARIANTS
+    from rlgen_cli.schema.run import REAL_SIZE_VARIANTS
 
     if model_cfg.tiny or model_cfg.weights == "random_init" or model_cfg.family not in REAL_SIZE_VARIANTS:
         return model_cfg, None
@@ -276,7 +276,7 @@ def _trains(module: nn.Module) -> bool:
 
 def param_groups(components: dict[str, nn.Module]) -> list[Any]:
     """Parameters and buffers per (component, dtype, trainable, LoRA), each tensor counted once."""
-    from rlgen_cli.training.memory_plan import ParamGroup
+    from rlgen_cli.training.memory.plan import ParamGroup
 
     counts: dict[tuple[str, str, bool, bool], int] = {}
     seen: set[int] = set()
@@ -326,7 +326,7 @@ def training_of(
 ) -> Any:
     """What the recipe keeps besides weights and optimizer, its micro-batch and sampling batch per
     process; ``held``: other rows kept whatever the phase (prompt caches, declared reward models)."""
-    from rlgen_cli.training.memory_plan import Training
+    from rlgen_cli.training.memory.plan import Training
 
     modules = [components[name] for name in trained]
     blocks = [block for module in modules for block in repeated_blocks(module)]
@@ -401,7 +401,7 @@ def micro_batches_per_process(cfg: Any) -> int:
 
 
 def launch_of(launcher: Any) -> Any:
-    from rlgen_cli.training.memory_plan import Launch
+    from rlgen_cli.training.memory.plan import Launch
 
     return Launch(LAUNCH_KINDS[launcher.name], launcher.world_size)
 
@@ -416,7 +416,7 @@ def trace_activations(policy: Any, cfg: Any, trained: list[nn.Module], encode: E
     rows as one call folds of its trained steps, ``algo.timesteps_per_pass``), with gradient checkpointing
     off (the trace attributes them to blocks; the checkpointed figure follows). For the table: the plan's
     total comes from the traced step (:class:`EpochTracer`)."""
-    from rlgen_cli.training.memory_plan import Activations
+    from rlgen_cli.training.memory.plan import Activations
 
     batch, _ = micro_batch_of(cfg)
     with _checkpointing(trained, False):
@@ -443,7 +443,7 @@ def window_of(cfg: Any, batch: int) -> Any:
 
 def _trace(policy: Any, cfg: Any, rows: int, trained: list[nn.Module], encode: Encode) -> Any:
     from rlgen_cli.models.base import cfg_gradient
-    from rlgen_cli.training.memory_trace import trace_saved
+    from rlgen_cli.training.memory.trace import trace_saved
 
     cond = encode(rows)
     x = policy.noise(rows)
@@ -478,7 +478,7 @@ def conditioning_of(policy: Any, cfg: Any, prompt: str) -> Encode:
     """How the plan encodes ``batch`` copies of ``prompt`` (and source images) on the meta device, shaped
     as the run's: a tiny family encodes on the CPU (its encoders are small, and they read their masks'
     values, which meta tensors do not have) with one CPU twin; a real one on the meta device."""
-    from rlgen_cli.training.memory_trace import autocast_on_meta, meta_values
+    from rlgen_cli.training.memory.trace import autocast_on_meta, meta_values
 
     if not cfg.model.tiny:
 
@@ -595,14 +595,14 @@ class EpochTracer(abc.ABC):
         return self._steps[key]
 
     def _trace(self, work: Callable[[], Any]) -> int:
-        from rlgen_cli.training.memory_trace import trace_peak
+        from rlgen_cli.training.memory.trace import trace_peak
 
         with self._modes():
             return trace_peak(work)
 
     @contextlib.contextmanager
     def _modes(self) -> Iterator[None]:
-        from rlgen_cli.training.memory_trace import (
+        from rlgen_cli.training.memory.trace import (
             autocast_on_meta,
             fused_attention_on_meta,
             generators_on_meta,
@@ -668,7 +668,7 @@ class GrpoTracer(EpochTracer):
         """The recipe's update of one optimizer step, ready to run (its inputs made outside the trace:
         they are the rollout's samples, counted as kept)."""
         from rlgen_cli.recipes import flow_grpo
-        from rlgen_cli.training.progress import Progress
+        from rlgen_cli.training.reporting.progress import Progress
 
         traj, _ = self._kept
         per_pass = self.cfg.algo.timesteps_per_pass
@@ -721,7 +721,7 @@ class ForwardTracer(EpochTracer):
 
     def _update_of(self, micro_batch: int) -> Callable[[], Any]:
         from rlgen_cli.recipes import flow_forward
-        from rlgen_cli.training.progress import Progress
+        from rlgen_cli.training.reporting.progress import Progress
 
         algo, num_steps = self.cfg.algo, self.cfg.model.num_steps
         per_sample = len(
@@ -910,7 +910,7 @@ def _resized(traj: Any, rows: int, steps: int) -> Any:
 
 
 def _distinct_bytes(tensors: list[Tensor]) -> int:
-    from rlgen_cli.training.memory_trace import storage_key
+    from rlgen_cli.training.memory.trace import storage_key
 
     return sum({storage_key(t): t.untyped_storage().nbytes() for t in tensors}.values())
 
@@ -919,8 +919,8 @@ def _meta_run(cfg: Any, policy: Any) -> Any:
     """What the recipe's functions read of a ``FlowRun``, on the meta device: the policy, a local
     ``Dist`` prepared as the run prepares it, AdamW (``foreach``, as on a GPU) with its moments made, the
     EMA."""
-    from rlgen_cli.training.dist import LocalDist
-    from rlgen_cli.training.ema import EMA
+    from rlgen_cli.training.control.ema import EMA
+    from rlgen_cli.training.distributed.dist import LocalDist
 
     algo = cfg.algo
     params = policy.trainable.parameters()
@@ -955,7 +955,7 @@ def cache_rows(policy: Any, tracer: EpochTracer) -> list[Any]:
     enough prompts to fill it); the negative prompt's, keyed by batch size, at most one entry per size
     up to the largest batch the run encodes (sampling, or a training call's rows)."""
     from rlgen_cli.models.prompt_cache import PromptCache
-    from rlgen_cli.training.memory_plan import Row
+    from rlgen_cli.training.memory.plan import Row
 
     prompts = getattr(policy.encode, "cache", None)
     holders = [policy, *(v for v in vars(policy).values() if hasattr(v, "__dict__"))]
@@ -983,7 +983,7 @@ def reward_rows(cfg: Any) -> tuple[list[Any], list[str]]:
     build offline, stops the plan (exit code 2) naming it, with what to do; plus notes for the table."""
     from rlgen_cli.rewards.registry import REWARDS, build_reward
     from rlgen_cli.rewards.remote import client as remote
-    from rlgen_cli.training.memory_plan import GIB, Row
+    from rlgen_cli.training.memory.plan import GIB, Row
 
     declared = dict(cfg.plan.reward_memory_gb)
     unknown = sorted(set(declared) - set(cfg.reward.weights))
@@ -1157,7 +1157,7 @@ def _in_unit(nbytes: int, unit: int) -> str:
 def smallest_device_line(report: dict[str, Any]) -> str:
     """Which of the common devices (24 / 40 / 48 / 80 / 141 GB) is the smallest that holds one process of
     the run, with which settings, and each larger one that needs fewer changes."""
-    from rlgen_cli.training.memory_plan import COMMON_DEVICES_GB
+    from rlgen_cli.training.memory.plan import COMMON_DEVICES_GB
 
     sizes = " / ".join(map(str, COMMON_DEVICES_GB))
     if not report["devices"]:
@@ -1176,7 +1176,7 @@ def print_report(report: dict[str, Any]) -> None:
     change that makes it fit."""
     from rich.table import Table
 
-    from rlgen_cli.training.console import new_console
+    from rlgen_cli.training.reporting.console import new_console
 
     height, width, frames = report["resolution"]
     title = (

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from rlgen_cli.schema.errors import UserError
+from rlgen_cli.errors import UserError
 
 __all__ = [
     "Prerequisites", "checkpoint_problems", "data_problems", "model_problems", "resume_problems",
@@ -66,7 +66,7 @@ def checkpoint_problems(path: str | None, key: str, require_manifest: bool = Fal
     (and, with ``require_manifest``, a manifest that records them)."""
     if path is None:
         return []
-    from rlgen_cli.training.checkpoint import open_checkpoint
+    from rlgen_cli.training.checkpoints.checkpoint import open_checkpoint
 
     return _problem(
         lambda: open_checkpoint(path, require_manifest=require_manifest), prefix=f"{key}={path}: "

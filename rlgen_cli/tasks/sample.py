@@ -38,10 +38,10 @@ def sample_task(cfg: DictConfig) -> str:
     from rlgen_cli.sde.sampling import sample_images
     from rlgen_cli.tasks.loading import describe_model, load_policy, with_checkpoint_model
     from rlgen_cli.tasks.prerequisites import Prerequisites, checkpoint_problems, model_problems
-    from rlgen_cli.training.images import to_pil
-    from rlgen_cli.training.progress import Progress
-    from rlgen_cli.training.run import prepare_run_dir, setup_logging
-    from rlgen_cli.training.video import save_video
+    from rlgen_cli.training.reporting.images import to_pil
+    from rlgen_cli.training.reporting.progress import Progress
+    from rlgen_cli.training.reporting.run_dir import prepare_run_dir, setup_logging
+    from rlgen_cli.training.reporting.video import save_video
 
     missing = Prerequisites().add(checkpoint_problems(typed.checkpoint, "checkpoint"))
     if not missing.missing:  # the checkpoint's own model draws: resolved.yaml records it
@@ -86,7 +86,7 @@ def sample_task(cfg: DictConfig) -> str:
             manifest.write(json.dumps(row) + "\n")
     if typed.edit_set:
         write_edit_set(run_dir, examples, typed.images_per_prompt)
-    from rlgen_cli.training.console import shared_console
+    from rlgen_cli.training.reporting.console import shared_console
 
     shared_console().print(
         f"wrote {len(expanded)} samples and {EDIT_SET if typed.edit_set else MANIFEST} to {run_dir}"
@@ -120,7 +120,7 @@ def initial_noise(policy: Any, row: dict[str, Any]) -> Any:
 
 def _prompt_set_or_problem(cfg, run_dir: Path, missing: Any):
     """:func:`_prompt_set`, or None with its problem added to ``missing`` (reported with the others)."""
-    from rlgen_cli.schema.errors import UserError
+    from rlgen_cli.errors import UserError
 
     try:
         return _prompt_set(cfg, run_dir)
@@ -134,7 +134,7 @@ def _prompt_set(cfg, run_dir: Path):
     model needs a source image per row, so inline prompts are refused for it."""
     from rlgen_cli.data.images import EDITING_FAMILIES, require_source_images
     from rlgen_cli.data.paths import load_prompts
-    from rlgen_cli.schema.errors import UserError
+    from rlgen_cli.errors import UserError
 
     editing = cfg.model.family in EDITING_FAMILIES and not cfg.edit_set
     if cfg.prompts:

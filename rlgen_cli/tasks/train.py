@@ -19,12 +19,12 @@ from rlgen_cli.tasks.common import run_dir_of, user_errors, validated
 @user_errors
 def train_task(cfg: DictConfig) -> Any:
     """Returns the last epoch's headline metric (eval reward when evaluated), for Hydra sweepers."""
-    from rlgen_cli.training.console import print_job_header
+    from rlgen_cli.training.reporting.console import print_job_header
 
     print_job_header()  # a sweep job says which overrides it runs before anything can fail
     typed = validated(cfg)
-    from rlgen_cli.training.checkpoint import stop_cleanly, sweep_stale_temporaries
-    from rlgen_cli.training.run import RESOLVED_FILE, prepare_run_dir, setup_logging
+    from rlgen_cli.training.checkpoints.checkpoint import stop_cleanly, sweep_stale_temporaries
+    from rlgen_cli.training.reporting.run_dir import RESOLVED_FILE, prepare_run_dir, setup_logging
 
     run_dir = run_dir_of(typed)
     with stop_cleanly(run_dir):  # a full disk or a non-finite reward: one line naming the last checkpoint

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from rlgen_cli.data.paths import not_utf8
+from rlgen_cli.errors import UserError
 from rlgen_cli.rewards.r1vl import normalize_key_steps
-from rlgen_cli.schema.errors import UserError
 
 __all__ = [
     "SFTExample",

@@ -43,7 +43,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from rlgen_cli.schema.errors import UserError
+from rlgen_cli.errors import UserError
 from rlgen_cli.vlm.policy import VLMPolicy, export_merged
 from rlgen_cli.vlm.rollout import Completions, SamplingOptions, check_context, encode_prompts, generate
 

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.rewards.r1vl import TEXT_REWARDS, answer_accuracy, answers_match
-from rlgen_cli.schema.errors import UserError
-from rlgen_cli.training.progress import Progress
+from rlgen_cli.training.reporting.progress import Progress
 from rlgen_cli.vlm.data import VLMExample, load_vlm_examples, prompt_text
 from rlgen_cli.vlm.policy import VLMPolicy
 from rlgen_cli.vlm.rollout import SamplingOptions, encode_prompts, generate, load_image

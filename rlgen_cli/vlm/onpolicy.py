@@ -79,7 +79,7 @@ def check_rollout(
 ) -> list[SampleGap]:
     """Roll out epoch 0 with a set-up ``VLMRLRecipe``, ``perturb`` its trainable weights (a no-op unless
     testing), then score every completion on the training path in batches of ``batch_size``."""
-    from rlgen_cli.training.progress import Progress
+    from rlgen_cli.training.reporting.progress import Progress
 
     policy = recipe.policy
     with Progress(recipe.cfg.progress) as progress:

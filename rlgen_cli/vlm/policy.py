@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models.acceleration import TRANSFORMERS_ATTENTION, compiled, prepare_vlm
-from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import ModelConfig
+from rlgen_cli.schema.run import ModelConfig
 from rlgen_cli.schema.vlm import VLM_FAMILIES
 
 log = logging.getLogger(__name__)
@@ -283,7 +283,7 @@ def load_vlm(cfg: ModelConfig | None, checkpoint: str | None, device: torch.devi
         return build_vlm(cfg, device)
     from omegaconf import OmegaConf
 
-    from rlgen_cli.training.checkpoint import open_checkpoint
+    from rlgen_cli.training.checkpoints.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(checkpoint)
     saved = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), ckpt.config().model))

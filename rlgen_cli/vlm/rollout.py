@@ -28,7 +28,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from rlgen_cli.schema.errors import UserError
+from rlgen_cli.errors import UserError
 from rlgen_cli.vlm.policy import VLMPolicy
 
 __all__ = [

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from rlgen_cli.schema.errors import UserError
-from rlgen_cli.training.schedule import decay_factor
+from rlgen_cli.errors import UserError
+from rlgen_cli.training.control.schedule import decay_factor
 
 log = logging.getLogger(__name__)
 SCHEDULER_KEY = "scheduler"  # trainer-state key of the learning-rate scheduler in checkpoints

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from rlgen_cli.training.progress import UNKNOWN, seconds_left
+from rlgen_cli.training.reporting.progress import UNKNOWN, seconds_left
 from tests.cli.terminal import run_in_pty, screen_lines
 
 COLUMNS = 100
 # a training loop's shape: an epoch bar, an inner bar per epoch (removed when done), a log line per epoch
 LOOP = """
 import logging, time
-from rlgen_cli.training.progress import Progress
-from rlgen_cli.training.run import setup_logging
+from rlgen_cli.training.reporting.progress import Progress
+from rlgen_cli.training.reporting.run_dir import setup_logging
 
 setup_logging(None)
 log = logging.getLogger("rlgen_cli.loop")
@@ -105,7 +105,7 @@ def test_a_tiny_training_in_a_terminal_keeps_log_lines_and_bars_apart(tmp_path: 
 
 
 def test_a_sweep_job_opens_with_a_header_naming_its_overrides(cli, tmp_path: Path):
-    from rlgen_cli.training.console import job_header
+    from rlgen_cli.training.reporting.console import job_header
 
     assert job_header(1, "multirun/x/1", ["algo.lr=3e-4"]) == "sweep job 1 → multirun/x/1: algo.lr=3e-4"
     # the job fails its data check at once: the header has already said which overrides it ran

@@ -18,10 +18,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models.sd3 import LORA_WEIGHTS_NAME
-from rlgen_cli.schema.errors import UserError
-from rlgen_cli.training.checkpoint import ENGINE_DIR, OPTIMIZER_KEY, open_checkpoint
-from rlgen_cli.training.dist import ENGINE_TAG, AccelerateDist, LocalDist
+from rlgen_cli.training.checkpoints.checkpoint import ENGINE_DIR, OPTIMIZER_KEY, open_checkpoint
+from rlgen_cli.training.distributed.dist import ENGINE_TAG, AccelerateDist, LocalDist
 from tests.conftest import run_cli
 
 pytest.importorskip("deepspeed")

@@ -16,15 +16,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.launch.commands import CONFIGS, launch_command, require_engine
 from rlgen_cli.models.sd3 import LORA_WEIGHTS_NAME
 from rlgen_cli.recipes.flow_grpo import require_rank_symmetric
 from rlgen_cli.recipes.loop import require_ema_engine
 from rlgen_cli.schema.algo import FlowGrpoAlgoConfig
 from rlgen_cli.schema.choices import Launcher
-from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import LauncherConfig
-from rlgen_cli.training.dist import LocalDist
+from rlgen_cli.schema.run import LauncherConfig
+from rlgen_cli.training.distributed.dist import LocalDist
 from tests.conftest import run_cli
 
 GEOMETRY = [

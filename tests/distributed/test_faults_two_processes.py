@@ -18,7 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from rlgen_cli.training.checkpoint import CHECKPOINTS_DIR, COUNTERS_KEY, list_checkpoints, open_checkpoint
+from rlgen_cli.training.checkpoints.checkpoint import (
+    CHECKPOINTS_DIR,
+    COUNTERS_KEY,
+    list_checkpoints,
+    open_checkpoint,
+)
 from tests.conftest import TINY_RUN
 
 ROOT = Path(__file__).resolve().parents[2]

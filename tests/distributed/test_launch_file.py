@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.launch.commands import launch_command, launch_file_conflicts, read_launch_file
-from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import LauncherConfig
+from rlgen_cli.schema.run import LauncherConfig
 
 # what `accelerate config` writes for two processes on one machine (gloo ranks on CPU)
 TWO_PROCESSES = {

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rlgen_cli.launch.commands import launch_command
-from rlgen_cli.schema.flow import LauncherConfig
+from rlgen_cli.schema.run import LauncherConfig
 from tests.distributed.test_ddp_equivalence import GEOMETRY, _metrics, _weights
 
 NODE_TIMEOUT_S = 600

@@ -4,7 +4,7 @@ The config states global quantities (``algo.prompts_per_epoch × algo.group_size
 ``algo.gradient_accumulation_steps`` micro-batches per optimizer step over all processes); each process
 takes whole micro-batches dealt round-robin (``data/sampler.py``), rewards are put back in global order
 before the group statistics, and gradients are summed in float64 once per step
-(``training/dist.py``, ``launcher.exact_reduction``). The CLI runs below have several optimizer steps
+(``training/distributed/dist.py``, ``launcher.exact_reduction``). The CLI runs below have several optimizer steps
 per epoch and several micro-batches per step, so both the assignment and the reduction matter: with
 the old contiguous slices or with DDP's own float32 all-reduce the weights after two epochs differ.
 """
@@ -23,7 +23,7 @@ from torch import nn
 
 from rlgen_cli.data import GroupSampler
 from rlgen_cli.models.sd3 import LORA_WEIGHTS_NAME
-from rlgen_cli.training.dist import LocalDist
+from rlgen_cli.training.distributed.dist import LocalDist
 from tests.conftest import run_cli
 
 # 16 samples per epoch in global micro-batches of 2: 8 micro-batches, 4 per optimizer step → 2 steps per
@@ -142,8 +142,8 @@ def test_an_unsplittable_step_stops_with_the_reason(cli, overrides: list[str], e
 def test_one_process_rolls_out_across_optimizer_steps():
     """A rollout batch spanning two optimizer steps has nothing to deal on one process (the fast rollout
     of docs/memory_speed.md); two processes could not each take whole rollout batches of it."""
+    from rlgen_cli.errors import UserError
     from rlgen_cli.schema.algo import FlowGrpoAlgoConfig
-    from rlgen_cli.schema.errors import UserError
 
     algo = FlowGrpoAlgoConfig(
         prompts_per_epoch=2,

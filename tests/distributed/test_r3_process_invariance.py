@@ -176,7 +176,7 @@ def test_a_null_micro_batch_over_a_split_group_warns_or_is_refused(caplog):
     """Null micro-batches hold a process's part of a group: 2 branches per forward on 4 processes, 4 on
     one, so the run is not the one-process run. A warning under the default exact_reduction (null), a
     refusal naming the micro-batch that fixes it under true; whole groups per process say nothing."""
-    from rlgen_cli.schema.errors import UserError
+    from rlgen_cli.errors import UserError
     from rlgen_cli.schema.r3 import R3Config, r3_geometry, require_same_forwards
 
     split = r3_geometry(R3Config(prompts_per_step=2, group_size=4), 4)

@@ -125,7 +125,7 @@ def test_deepspeed_zero2_equals_one_process(token_runs: tuple[Path, Path], tmp_p
     [(True, 2, "hf", "launcher=deepspeed_zero2"), (False, 2, "vllm", "algo.token.engine=hf")],
 )
 def test_sharded_weights_and_multi_process_vllm_are_refused(sharded, world_size, engine, message):
-    from rlgen_cli.schema.errors import UserError
+    from rlgen_cli.errors import UserError
     from rlgen_cli.vlm.training import require_whole_weights
 
     with pytest.raises(UserError, match=message):

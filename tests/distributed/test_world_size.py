@@ -17,7 +17,7 @@ import yaml
 from rlgen_cli.launch import commands
 from rlgen_cli.launch.commands import launch_command, launch_env
 from rlgen_cli.launch.world import REFUSAL_FILE, world_mismatch
-from rlgen_cli.schema.flow import LauncherConfig
+from rlgen_cli.schema.run import LauncherConfig
 
 # what `accelerate config` writes for two CPU processes on one machine
 MULTI_CPU = {

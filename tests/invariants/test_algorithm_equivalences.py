@@ -16,7 +16,7 @@ from rlgen_cli._hydra import conf_dir, verb_overrides
 from rlgen_cli.recipes import flow_grpo, loop
 from rlgen_cli.schema.store import register_schemas
 from rlgen_cli.tasks.common import validated
-from rlgen_cli.training.progress import Progress
+from rlgen_cli.training.reporting.progress import Progress
 from tests.conftest import TINY_RUN
 
 register_schemas()

@@ -19,7 +19,7 @@ from rlgen_cli.schema.store import register_schemas
 from rlgen_cli.sde.rollout import StepSpec, fold_rows, recompute_step, recompute_steps, rollout
 from rlgen_cli.sde.window import plan_window
 from rlgen_cli.tasks.common import validated
-from rlgen_cli.training.progress import Progress
+from rlgen_cli.training.reporting.progress import Progress
 from tests.conftest import TINY_RUN
 
 register_schemas()

@@ -1,4 +1,4 @@
-"""fp16 loss scaling (training/loss_scale.py through the Dist surface): the scale lifts fp16 gradients out of
+"""fp16 loss scaling (training/distributed/loss_scale.py through the Dist surface): the scale lifts fp16 gradients out of
 underflow, an overflow skips the step and halves the scale, clean steps grow it, and its state travels
 in checkpoints. bf16 / fp32 train without a scaler, exactly as before."""
 
@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlgen_cli.training import dist as dist_module
-from rlgen_cli.training.checkpoint import OPTIMIZER_KEY, STATE_FILE
-from rlgen_cli.training.dist import SCALER_KEY, LocalDist
-from rlgen_cli.training.loss_scale import INIT_SCALE, LossScaler
+from rlgen_cli.training.checkpoints.checkpoint import OPTIMIZER_KEY, STATE_FILE
+from rlgen_cli.training.distributed import dist as dist_module
+from rlgen_cli.training.distributed.dist import SCALER_KEY, LocalDist
+from rlgen_cli.training.distributed.loss_scale import INIT_SCALE, LossScaler
 
 CPU = torch.device("cpu")
 
@@ -124,7 +124,7 @@ def test_the_scaler_state_is_saved_and_restored_with_the_optimizer(caplog):
     # a checkpoint written without scaling (bf16, or before rlgen scaled): the scale starts afresh, loudly
     plain = {k: v for k, v in saved.items() if k != SCALER_KEY}
     fresh, fresh_optimizer = _fp16_dist(torch.nn.Parameter(torch.tensor([1.0, 2.0])))
-    with caplog.at_level(logging.WARNING, logger="rlgen_cli.training.dist"):
+    with caplog.at_level(logging.WARNING, logger="rlgen_cli.training.distributed.dist"):
         fresh.load_optimizer_state(fresh_optimizer, plain, Path("unused"))
     assert fresh.scaler == LossScaler() and "written without fp16 loss scaling" in caplog.text
 

@@ -73,7 +73,7 @@ def test_bad_check_settings_exit_2_naming_the_key(cli, tmp_path, override, key):
 def test_perturb_weights_adds_seeded_noise_of_the_given_std():
     import torch
 
-    from rlgen_cli.schema.errors import UserError
+    from rlgen_cli.errors import UserError
     from rlgen_cli.tasks.check_onpolicy import perturb_weights
 
     params = [torch.nn.Parameter(torch.ones(200, 100)), torch.nn.Parameter(torch.zeros(50))]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rlgen_cli.schema.flow import ModelConfig
+from rlgen_cli.schema.run import ModelConfig
 
 CPU = torch.device("cpu")
 

@@ -31,9 +31,9 @@ import pytest
 import torch
 from torch import nn
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models import build_policy
 from rlgen_cli.models.acceleration import set_attention
-from rlgen_cli.schema.errors import UserError
 from rlgen_cli.sde.rollout import StepSpec, recompute_step, rollout
 from rlgen_cli.sde.sampling import conditioned
 from rlgen_cli.sde.window import WindowPlan

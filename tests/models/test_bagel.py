@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models.bagel import vae as bagel_vae
 from rlgen_cli.models.bagel.config import TINY_BAGEL, from_directory
 from rlgen_cli.models.bagel.loading import load_checkpoint, save_checkpoint
@@ -24,7 +25,6 @@ from rlgen_cli.models.bagel.modeling import generation_mask, sincos_2d
 from rlgen_cli.models.bagel.policy import BagelPolicy, patchify_latents, unpatchify_latents
 from rlgen_cli.models.bagel.tiny import tiny_bagel
 from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME
-from rlgen_cli.schema.errors import UserError
 from tests.conftest import TINY_RUN
 from tests.models.helpers import CPU, assert_reference_disables_the_adapter, model_cfg, perturb_lora
 

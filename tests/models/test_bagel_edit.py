@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models.bagel import editing
 from rlgen_cli.models.bagel.config import BAGEL_7B_MOT, TINY_BAGEL
 from rlgen_cli.models.bagel.policy import BagelPolicy, patchify_latents
 from rlgen_cli.models.bagel.tiny import tiny_bagel
 from rlgen_cli.models.base import Cond
 from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME
-from rlgen_cli.schema.errors import UserError
 from tests.conftest import TINY_RUN
 from tests.models.helpers import CPU, model_cfg
 

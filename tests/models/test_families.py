@@ -17,12 +17,12 @@ import yaml
 from omegaconf import OmegaConf
 from PIL import Image
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models import FAMILIES, build_policy
-from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.families import FAMILY_NAMES, FAMILY_TABLE, families
-from rlgen_cli.schema.flow import ModelConfig
 from rlgen_cli.schema.r3 import R3_FAMILIES
 from rlgen_cli.schema.ranges import check_settings
+from rlgen_cli.schema.run import ModelConfig
 from rlgen_cli.schema.vlm import VLM_FAMILIES
 from rlgen_cli.tasks.common import require_data
 from tests.models.helpers import CPU, model_cfg
@@ -67,7 +67,7 @@ def test_the_columns_are_consistent():
 
 def test_reading_the_table_and_the_config_schema_imports_no_torch():
     code = (
-        "import sys, rlgen_cli.schema.families, rlgen_cli.schema.choices, rlgen_cli.schema.flow; "
+        "import sys, rlgen_cli.schema.families, rlgen_cli.schema.choices, rlgen_cli.schema.run; "
         "sys.exit(3 if 'torch' in sys.modules else 0)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

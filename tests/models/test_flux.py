@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models._flux_common import flux_sigmas, image_ids
 from rlgen_cli.models.flux import (
     FLUX_LORA_TARGETS,
@@ -20,8 +21,7 @@ from rlgen_cli.models.flux import (
 )
 from rlgen_cli.models.loading import pack, unpack
 from rlgen_cli.models.tiny import tiny_flux_pipeline
-from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import ModelConfig
+from rlgen_cli.schema.run import ModelConfig
 from tests.conftest import TINY_RUN, run_cli
 from tests.models.helpers import CPU, model_cfg, perturb_lora
 

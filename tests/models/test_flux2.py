@@ -14,13 +14,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models._flux2_common import FLUX2_LORA_TARGETS, flux2_sigmas, image_ids, text_ids
 from rlgen_cli.models.flux2 import Flux2Policy, load_flux2_pipeline
 from rlgen_cli.models.flux2_klein import Flux2KleinPolicy, load_flux2_klein_pipeline
 from rlgen_cli.models.tiny import tiny_flux2_klein_pipeline, tiny_flux2_pipeline
 from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME
-from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import ModelConfig
+from rlgen_cli.schema.run import ModelConfig
 from tests.conftest import TINY_RUN, run_cli
 from tests.models.helpers import CPU, assert_reference_disables_the_adapter, model_cfg, perturb_lora
 

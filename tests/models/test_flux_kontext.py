@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models.flux_kontext import (
     KONTEXT_LORA_TARGETS,
     LORA_WEIGHTS_NAME,
@@ -20,8 +21,7 @@ from rlgen_cli.models.flux_kontext import (
     load_flux_kontext_pipeline,
 )
 from rlgen_cli.models.tiny import tiny_flux_kontext_pipeline
-from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import ModelConfig
+from rlgen_cli.schema.run import ModelConfig
 from tests.conftest import TINY_RUN, run_cli
 from tests.models.helpers import CPU, model_cfg, perturb_lora
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models.loading import frozen_dtype, load_dtypes, vae_dtype
-from rlgen_cli.schema.errors import UserError
 from tests.conftest import TINY_RUN, run_cli
 from tests.models.helpers import CPU, model_cfg
 
@@ -187,7 +187,7 @@ def test_plan_counts_fp32_frozen_weights_at_twice_their_bf16_bytes(tmp_path: Pat
     ],
 )
 def test_a_setting_the_family_would_not_read_is_refused(family, setting, match):
-    from rlgen_cli.schema.flow import ModelConfig
+    from rlgen_cli.schema.run import ModelConfig
 
     with pytest.raises(UserError, match=match):
         ModelConfig(family=family, tiny=True, **setting)

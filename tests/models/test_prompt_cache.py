@@ -18,7 +18,7 @@ from rlgen_cli.models.prompt_cache import PromptCache
 from rlgen_cli.recipes import flow_grpo, loop
 from rlgen_cli.schema.store import register_schemas
 from rlgen_cli.tasks.common import validated
-from rlgen_cli.training.progress import Progress
+from rlgen_cli.training.reporting.progress import Progress
 from tests.conftest import TINY_RUN
 
 CPU = torch.device("cpu")
@@ -118,8 +118,8 @@ def test_a_trainable_text_encoder_bypasses_the_cache(guided_cfg):
 
 
 def test_bad_cache_size_is_a_config_error():
-    from rlgen_cli.schema.errors import UserError
-    from tests.configs.test_compose import _compose
+    from rlgen_cli.errors import UserError
+    from tests.schema.test_compose import _compose
 
     with pytest.raises(UserError, match="model.prompt_cache_mb must be ≥ 0"):
         validated(_compose("train", ["model.prompt_cache_mb=-1"]))

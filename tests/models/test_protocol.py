@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from rlgen_cli.data.images import EDITING_FAMILIES
+from rlgen_cli.errors import UserError
 from rlgen_cli.models import FAMILIES, build_policy
 from rlgen_cli.models.base import Capabilities, FlowPolicy, Trainable
-from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.families import families, family_spec
 from tests.models.helpers import CPU, model_cfg
 

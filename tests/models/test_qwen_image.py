@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models._qwen_common import LORA_WEIGHTS_NAME, dead_text_outputs, true_cfg
 from rlgen_cli.models.qwen_image import QwenImagePolicy, load_qwen_image_pipeline
 from rlgen_cli.models.tiny import tiny_qwen_image_pipeline
-from rlgen_cli.schema.errors import UserError
 from tests.conftest import TINY_RUN
 from tests.models.helpers import CPU, model_cfg, perturb_lora, restoring_trainable
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models.qwen_image_2 import (
     QWEN_IMAGE_2_LORA_TARGETS,
     QwenImage2Policy,
@@ -21,7 +22,6 @@ from rlgen_cli.models.qwen_image_2 import (
 )
 from rlgen_cli.models.tiny.qwen_image_2 import tiny_qwen_image_2_pipeline
 from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME
-from rlgen_cli.schema.errors import UserError
 from tests.conftest import TINY_RUN
 from tests.models.helpers import (
     CPU,

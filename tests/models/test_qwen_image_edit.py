@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models._qwen_common import LORA_WEIGHTS_NAME, true_cfg
 from rlgen_cli.models.qwen_image_edit import (
     QwenImageEditPolicy,
@@ -20,7 +21,6 @@ from rlgen_cli.models.qwen_image_edit import (
     to_pil,
 )
 from rlgen_cli.models.tiny import tiny_qwen_image_edit_pipeline
-from rlgen_cli.schema.errors import UserError
 from tests.conftest import TINY_RUN
 from tests.models.helpers import CPU, model_cfg, perturb_lora
 

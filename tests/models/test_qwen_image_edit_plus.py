@@ -12,10 +12,10 @@ import torch
 
 from rlgen_cli.data.images import require_source_images, source_images
 from rlgen_cli.data.prompts import PromptExample
+from rlgen_cli.errors import UserError
 from rlgen_cli.models.qwen_image_edit import to_pil
 from rlgen_cli.models.qwen_image_edit_plus import QwenImageEditPlusPolicy, as_source_stack
 from rlgen_cli.models.tiny import tiny_qwen_image_edit_plus_pipeline
-from rlgen_cli.schema.errors import UserError
 from tests.conftest import TINY_RUN
 from tests.models.helpers import CPU, as_loaded, base_policy, initial_noise_generators, model_cfg, ode_samples
 

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models import real_size
 from rlgen_cli.models.real_size import COMPONENT_PARAMS, VARIANTS, count_parameters, flow_components
 from rlgen_cli.models.tiny import tiny_qwen_tokenizer
 from rlgen_cli.schema.choices import RealSizeVariant
-from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import REAL_SIZE_VARIANTS, ModelConfig
+from rlgen_cli.schema.run import REAL_SIZE_VARIANTS, ModelConfig
 from tests.models.helpers import model_cfg
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models.base import Cond
 from rlgen_cli.models.sd3 import LORA_WEIGHTS_NAME, SD3Policy, load_sd3_pipeline
 from rlgen_cli.models.tiny import tiny_sd3_pipeline
-from rlgen_cli.schema.errors import UserError
 from tests.models.helpers import CPU, assert_reference_disables_the_adapter, perturb_lora
 
 

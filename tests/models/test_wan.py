@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models.tiny import tiny_wan_pipeline
 from rlgen_cli.models.wan import (
     LORA_WEIGHTS_NAME,
@@ -18,8 +19,7 @@ from rlgen_cli.models.wan import (
     load_wan_pipeline,
     wan_sigmas,
 )
-from rlgen_cli.schema.errors import UserError
-from rlgen_cli.training.video import save_video, video_encoder
+from rlgen_cli.training.reporting.video import save_video, video_encoder
 from tests.conftest import TINY_RUN
 from tests.models.helpers import CPU, assert_reference_disables_the_adapter, model_cfg, perturb_lora
 
@@ -226,7 +226,7 @@ def test_save_video_auto_uses_mp4_when_the_encoder_is_installed(tmp_path: Path):
 
 
 def test_video_grid_tiles_every_frame(tmp_path: Path):
-    from rlgen_cli.training.video import save_video_grid, tile_videos
+    from rlgen_cli.training.reporting.video import save_video_grid, tile_videos
 
     videos = torch.rand((3, 3, 4, 8, 6))
     grid = tile_videos(videos, upscale=2)  # 2 columns × 2 rows, one white cell

@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models.tiny import tiny_wan22_pipeline
 from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME
 from rlgen_cli.models.wan22 import Wan22Policy, load_wan22_pipeline
-from rlgen_cli.schema.errors import UserError
 from rlgen_cli.sde.rollout import StepSpec, recompute_step, rollout
 from rlgen_cli.sde.window import WindowPlan
 from tests.conftest import TINY_RUN

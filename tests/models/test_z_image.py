@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models.tiny import tiny_z_image_pipeline
 from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME
 from rlgen_cli.models.z_image import ZImagePolicy, load_z_image_pipeline, pad_captions, z_image_sigmas
-from rlgen_cli.schema.errors import UserError
 from tests.conftest import TINY_RUN
 from tests.models.helpers import (
     CPU,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rlgen_cli.schema.errors import UserError
+from rlgen_cli.errors import UserError
 from tests.conftest import run_cli
 from tests.r3.conftest import TINY_R3, compose_r3
 

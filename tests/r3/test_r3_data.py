@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.r3.data import DATASETS, R3Sample, load_r3_dataset, parse_r3_row
 from rlgen_cli.rewards.judge_prompts import geneval_plus_checklist, tiif_questions
-from rlgen_cli.schema.errors import UserError
 
 GENEVAL = {"tag": "colors", "include": [{"class": "car", "count": 1, "color": "red"}], "prompt": "a red car"}
 GENEVAL_PLUS = {

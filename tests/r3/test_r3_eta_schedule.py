@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models import Cond
 from rlgen_cli.r3.rollout import image_rollout, monotonic_eta
-from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.r3 import R3Config
 from rlgen_cli.sde.rollout import StepSpec
 from rlgen_cli.sde.window import WindowPlan

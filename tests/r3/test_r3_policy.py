@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.r3.policy import EDIT, GENERATE, IMAGE, TEXT, UnifiedPolicy
-from rlgen_cli.schema.errors import UserError
 from rlgen_cli.vlm.rollout import SamplingOptions
 from tests.r3.conftest import compose_r3
 

@@ -1,5 +1,5 @@
 """R3 in fp16: the one joint loss is scaled when any model a tuned track runs computes in fp16, the scale
-is logged, and it travels in checkpoints like the flow and VLM recipes' (training/loss_scale.py)."""
+is logged, and it travels in checkpoints like the flow and VLM recipes' (training/distributed/loss_scale.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 from rlgen_cli.r3.policy import IMAGE, TEXT
 from rlgen_cli.recipes.r3 import compute_dtype
-from rlgen_cli.schema.flow import ModelConfig
 from rlgen_cli.schema.r3 import R3Config, R3PolicyConfig
+from rlgen_cli.schema.run import ModelConfig
 from tests.r3.conftest import TINY_R3
 
 
@@ -51,9 +51,9 @@ FP16 = [f"r3.policy.{role}.dtype=float16" for role in ("text", "generator", "edi
 
 
 def test_one_fp16_step_logs_the_scale_and_saves_it(tmp_path: Path):
-    from rlgen_cli.training.checkpoint import OPTIMIZER_KEY, STATE_FILE
-    from rlgen_cli.training.dist import SCALER_KEY
-    from rlgen_cli.training.loss_scale import INIT_SCALE
+    from rlgen_cli.training.checkpoints.checkpoint import OPTIMIZER_KEY, STATE_FILE
+    from rlgen_cli.training.distributed.dist import SCALER_KEY
+    from rlgen_cli.training.distributed.loss_scale import INIT_SCALE
     from tests.conftest import run_cli
 
     code, out = run_cli("train", *TINY_R3, *FP16, "epochs=1", f"hydra.run.dir={tmp_path}")
@@ -69,10 +69,10 @@ def test_one_fp16_step_logs_the_scale_and_saves_it(tmp_path: Path):
 def test_fp16_run_logs_the_scale_and_resumes_it_exactly(tmp_path: Path, monkeypatch):
     """Two fp16 steps straight vs one step, then a resume: the scale (doubling after every clean step, so
     a scale the resume lost would show) and the trained weights of both runs are equal."""
-    from rlgen_cli.training import dist as dist_module
-    from rlgen_cli.training.checkpoint import OPTIMIZER_KEY, STATE_FILE
-    from rlgen_cli.training.dist import SCALER_KEY
-    from rlgen_cli.training.loss_scale import INIT_SCALE, LossScaler
+    from rlgen_cli.training.checkpoints.checkpoint import OPTIMIZER_KEY, STATE_FILE
+    from rlgen_cli.training.distributed import dist as dist_module
+    from rlgen_cli.training.distributed.dist import SCALER_KEY
+    from rlgen_cli.training.distributed.loss_scale import INIT_SCALE, LossScaler
     from tests.conftest import run_cli
 
     monkeypatch.setattr(dist_module, "LossScaler", functools.partial(LossScaler, growth_interval=1))

@@ -179,7 +179,7 @@ def test_a_newest_checkpoint_without_a_manifest_is_skipped_and_the_run_ends_as_u
 def test_resume_to_a_checkpoint_without_a_manifest_needs_resume_unverified(tmp_path: Path, monkeypatch):
     """Refused before any model is built; with resume_unverified=true the prerequisite passes."""
     from rlgen_cli.tasks import prerequisites, train
-    from rlgen_cli.training.checkpoint import save_checkpoint
+    from rlgen_cli.training.checkpoints.checkpoint import save_checkpoint
     from tests.conftest import run_cli
 
     ckpt = save_checkpoint(tmp_path / "old", 1, _lora_writer, {}, OmegaConf.create({}), keep_last=1).path
@@ -210,8 +210,8 @@ def _disk_full(*args, **kwargs):
 def test_a_full_disk_saving_the_config_is_one_line_naming_the_last_good_checkpoint(tmp_path, monkeypatch):
     """The run directory's config cannot be written: exit 2, one line, no traceback, and the line says
     which checkpoint a resume continues from."""
-    from rlgen_cli.training import run
-    from rlgen_cli.training.checkpoint import save_checkpoint
+    from rlgen_cli.training.checkpoints.checkpoint import save_checkpoint
+    from rlgen_cli.training.reporting import run_dir as run
     from tests.conftest import run_cli
 
     good = save_checkpoint(tmp_path, 1, _lora_writer, {}, OmegaConf.create({}), keep_last=1).path
@@ -229,7 +229,7 @@ def test_a_full_disk_mid_run_stops_with_one_line_and_a_stale_temporary_is_swept(
     """A checkpoint save after epoch 2 hits a full disk: exit 2 naming epoch_000001 as the last good
     checkpoint, no temporary folder left; the one a killed process left before the run started is gone
     too, while a live process's stays."""
-    from rlgen_cli.training import checkpoint
+    from rlgen_cli.training.checkpoints import checkpoint
     from tests.conftest import run_cli
 
     run_dir, host = tmp_path / "run", platform.node()

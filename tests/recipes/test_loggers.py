@@ -116,7 +116,7 @@ def test_every_output_numbers_the_same_evaluation_alike(cli, tmp_path: Path, mon
 def test_a_sweep_job_is_named_after_its_overrides_and_grouped_by_its_sweep(tmp_path: Path, monkeypatch):
     import wandb
 
-    from rlgen_cli.training.backends import WandbLogger
+    from rlgen_cli.training.reporting.backends import WandbLogger
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.chdir(tmp_path)

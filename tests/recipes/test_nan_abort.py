@@ -14,7 +14,12 @@ from safetensors.torch import load_file
 from rlgen_cli.models.sd3 import LORA_WEIGHTS_NAME
 from rlgen_cli.rewards.base import RewardBatch, RewardResult
 from rlgen_cli.rewards.registry import REWARDS
-from rlgen_cli.training.checkpoint import CHECKPOINTS_DIR, COUNTERS_KEY, list_checkpoints, open_checkpoint
+from rlgen_cli.training.checkpoints.checkpoint import (
+    CHECKPOINTS_DIR,
+    COUNTERS_KEY,
+    list_checkpoints,
+    open_checkpoint,
+)
 from tests.conftest import TINY_RUN
 
 NAME = "fails_from_call"  # registered by the fixture below, for these tests only

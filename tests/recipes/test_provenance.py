@@ -15,7 +15,7 @@ import transformers
 from omegaconf import OmegaConf
 
 import rlgen_cli
-from rlgen_cli.training import run as run_module
+from rlgen_cli.training.reporting import run_dir as run_module
 from tests.conftest import TINY_RUN
 
 CHECKOUT = Path(rlgen_cli.__file__).resolve().parent.parent

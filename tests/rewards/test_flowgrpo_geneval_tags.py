@@ -16,7 +16,7 @@ from aiohttp import web
 from rlgen_cli.rewards import RewardBatch, build_mix
 from rlgen_cli.rewards.remote.protocols import flowgrpo_reply
 from rlgen_cli.server.runner import BackgroundServer
-from rlgen_cli.training.report import detail_summaries
+from rlgen_cli.training.reporting.report import detail_summaries
 
 TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from aiohttp import web
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.rewards import RewardBatch, build_reward
 from rlgen_cli.rewards.judge_prompts import (
     GENEVAL_PLUS_SYSTEM,
@@ -20,7 +21,6 @@ from rlgen_cli.rewards.judge_prompts import (
     tiif_text,
 )
 from rlgen_cli.rewards.remote import RemoteRewardError
-from rlgen_cli.schema.errors import UserError
 from rlgen_cli.server.runner import BackgroundServer
 
 GENEVAL_PLUS_META = {

@@ -13,8 +13,8 @@ from omegaconf import OmegaConf
 
 import rlgen_cli.rewards  # noqa: F401  (registers every reward)
 from rlgen_cli._hydra import compose_verb
+from rlgen_cli.errors import UserError
 from rlgen_cli.rewards.registry import REWARD_KWARGS, REWARDS, check_kwargs
-from rlgen_cli.schema.errors import UserError
 from rlgen_cli.tasks.common import validated
 from tests.conftest import run_cli
 

@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.rewards import RewardBatch, build_reward
 from rlgen_cli.rewards.base import RewardResult
 from rlgen_cli.rewards.remote import RemoteReward, RequestRefusedError, wire
-from rlgen_cli.schema.errors import UserError
 from rlgen_cli.server.app import STATE
 from tests.server.helpers import MeanReward, constant_images, http, metric
 

@@ -14,9 +14,9 @@ import torch
 from aiohttp import web
 from PIL import Image
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.rewards import RewardBatch, build_reward
 from rlgen_cli.rewards.remote import RemoteRewardError, parse_qwenvl, parse_unifiedreward
-from rlgen_cli.schema.errors import UserError
 from rlgen_cli.server.runner import BackgroundServer
 from tests.server.helpers import constant_images
 

@@ -27,7 +27,7 @@ import msgpack
 import pytest
 from PIL import Image
 
-from rlgen_cli.schema.errors import UserError
+from rlgen_cli.errors import UserError
 from rlgen_cli.server.app import ServerSettings
 from tests.server.helpers import MeanReward, http
 

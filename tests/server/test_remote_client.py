@@ -12,10 +12,10 @@ import pytest
 import torch
 from aiohttp import web
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.rewards import RewardBatch, build_mix
 from rlgen_cli.rewards.remote import RemoteReward, RemoteRewardError, RequestRefusedError
 from rlgen_cli.rewards.remote.transport import EndpointPool, parse_endpoints
-from rlgen_cli.schema.errors import UserError
 from rlgen_cli.server.runner import BackgroundServer
 from tests.server.helpers import MeanReward, constant_images
 

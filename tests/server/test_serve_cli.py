@@ -16,9 +16,9 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from rlgen_cli._hydra import conf_dir
+from rlgen_cli.errors import UserError
 from rlgen_cli.rewards import RewardBatch, build_reward
 from rlgen_cli.rewards.remote import RemoteReward
-from rlgen_cli.schema.errors import UserError
 from rlgen_cli.schema.serve import ServeRewardConfig
 from rlgen_cli.schema.store import register_schemas
 from rlgen_cli.server.app import ServerSettings

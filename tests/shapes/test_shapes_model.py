@@ -12,12 +12,12 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from rlgen_cli._hydra import conf_dir
+from rlgen_cli.errors import UserError
 from rlgen_cli.models import build_policy
 from rlgen_cli.models.shapes import BOS_ID, PAD_ID, UNK_ID, WORDS, WordTokenizer, resolve_model_dir
 from rlgen_cli.models.shapes_unet import ShapesUNet
 from rlgen_cli.recipes.flow_pretrain import learning_rate
-from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import ModelConfig
+from rlgen_cli.schema.run import ModelConfig
 
 CPU = torch.device("cpu")
 

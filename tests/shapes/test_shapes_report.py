@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image, ImageFont
 
-from rlgen_cli.training.images import (
+from rlgen_cli.training.reporting.images import (
     CAPTIONED_TILE,
     FAIL_COLOR,
     FONT_SIZE,
@@ -19,7 +19,7 @@ from rlgen_cli.training.images import (
     save_grid,
     wrap,
 )
-from rlgen_cli.training.report import (
+from rlgen_cli.training.reporting.report import (
     BEFORE_AFTER_GRID,
     BEFORE_AFTER_TABLE,
     ROW_LABEL_WIDTH,
@@ -125,8 +125,8 @@ def test_the_train_reward_panel_draws_a_smoothed_line_over_faint_raw_points(tmp_
 
     import matplotlib.pyplot as plt
 
-    from rlgen_cli.training.plots import RAW_ALPHA
-    from rlgen_cli.training.report import SHAPES_CURVE, SHAPES_CURVES
+    from rlgen_cli.training.reporting.plots import RAW_ALPHA
+    from rlgen_cli.training.reporting.report import SHAPES_CURVE, SHAPES_CURVES
 
     rewards = [0.1, 0.5, 0.2, 0.6, 0.3]
     rows = [{"step": i, "reward/mean": r} for i, r in enumerate(rewards, start=1)]

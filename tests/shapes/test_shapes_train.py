@@ -13,8 +13,8 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from rlgen_cli.models.shapes import MODEL_ASSETS
-from rlgen_cli.training.images import CAPTIONED_TILE, FAIL_COLOR, PASS_COLOR, caption_height
-from rlgen_cli.training.report import ROW_LABEL_WIDTH
+from rlgen_cli.training.reporting.images import CAPTIONED_TILE, FAIL_COLOR, PASS_COLOR, caption_height
+from rlgen_cli.training.reporting.report import ROW_LABEL_WIDTH
 
 SMALL = [
     "algo.prompts_per_epoch=2", "algo.group_size=4", "algo.sample_batch_size=8",

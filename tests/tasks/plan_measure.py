@@ -164,7 +164,7 @@ def _decoded_images(run: Any) -> list[torch.Tensor]:
 def _measure_grpo(cfg: Any, raw: Any) -> Epoch:
     """``flow_grpo.sample_rollouts``, then ``flow_grpo.update`` on the epoch's samples."""
     from rlgen_cli.recipes import flow_grpo, loop
-    from rlgen_cli.training.progress import Progress
+    from rlgen_cli.training.reporting.progress import Progress
 
     run = loop.setup(cfg, raw)
     images = _decoded_images(run)
@@ -186,7 +186,7 @@ def _measure_forward(cfg: Any, raw: Any) -> Epoch:
     """DiffusionNFT / AWM: ``flow_forward.sample_epoch`` (scored as it runs), then ``flow_forward.update``
     on its samples with weights in [0, 1]."""
     from rlgen_cli.recipes import flow_forward, loop
-    from rlgen_cli.training.progress import Progress
+    from rlgen_cli.training.reporting.progress import Progress
 
     run = loop.setup(cfg, raw)
     old = flow_forward.OldPolicy.build(run)

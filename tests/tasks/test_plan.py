@@ -294,7 +294,7 @@ def test_a_vlm_run_is_refused_with_exit_2_naming_the_recipes(cli, tmp_path: Path
 def test_a_boolean_attention_mask_is_counted_as_the_bias_each_call_keeps():
     import torch.nn.functional as F
 
-    from rlgen_cli.training.memory_trace import trace_saved
+    from rlgen_cli.training.memory.trace import trace_saved
 
     b, h, s, d = 2, 4, 16, 8
     q, k, v = (torch.empty(b, h, s, d, device="meta", requires_grad=True) for _ in range(3))

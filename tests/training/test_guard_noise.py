@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlgen_cli.schema.guard import GuardConfig
-from rlgen_cli.training.guard import HackingGuard
+from rlgen_cli.schema.hacking_guard import GuardConfig
+from rlgen_cli.training.control.hacking_guard import HackingGuard
 
 EVALUATIONS, PROMPTS, WINDOW, RUNS = 40, 288, 3, 200
 ACCURACY = 0.25  # strict accuracy of the ShapesEval base

@@ -26,10 +26,15 @@ import torch
 from omegaconf import OmegaConf
 
 from rlgen_cli._hydra import compose_verb
-from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.guard import GuardConfig
+from rlgen_cli.errors import UserError
+from rlgen_cli.schema.hacking_guard import GuardConfig
 from rlgen_cli.tasks.common import validated
-from rlgen_cli.training.guard import HackingGuard, RunGuard, change_standard_error, require_known_monitors
+from rlgen_cli.training.control.hacking_guard import (
+    HackingGuard,
+    RunGuard,
+    change_standard_error,
+    require_known_monitors,
+)
 from tests.conftest import run_cli
 
 PROMPTS = 4
@@ -171,7 +176,7 @@ def test_a_non_finite_evaluation_is_skipped_and_does_not_hide_the_next_drop(capl
     """W = 1: the evaluation after the skipped one is judged against the one before it."""
     guard = HackingGuard(window=1, margin=0.125)
     first = guard.observe(-1, FLAT, [0.75] * 4)
-    with caplog.at_level(logging.WARNING, logger="rlgen_cli.training.guard"):
+    with caplog.at_level(logging.WARNING, logger="rlgen_cli.training.control.hacking_guard"):
         skipped = guard.observe(0, [0.25] * 4, [0.5, math.nan, 0.5, 0.5])
     assert "after epoch 1 has non-finite scores (trained 0 of 4, held-out 1 of 4): skipped" in caplog.text
     assert (skipped.skipped, skipped.new_best, skipped.event) == (True, False, None)

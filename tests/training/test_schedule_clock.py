@@ -16,7 +16,7 @@ from rlgen_cli._hydra import compose_verb
 from rlgen_cli.recipes import session as session_module
 from rlgen_cli.recipes.loop import evaluates_heldout
 from rlgen_cli.recipes.session import EpochClock
-from rlgen_cli.training.schedule import epoch_lr, time_share
+from rlgen_cli.training.control.schedule import epoch_lr, time_share
 
 
 def test_the_time_share_counts_training_against_the_budget_net_of_other_time():

@@ -56,7 +56,7 @@ def test_processor_has_qwen3_vl_geometry_and_chat_template():
 
 
 def test_real_loader_reads_a_saved_qwen3_vl_with_the_configured_pixel_bounds(qwen3_vl_dir, tmp_path):
-    from rlgen_cli.schema.errors import UserError
+    from rlgen_cli.errors import UserError
     from rlgen_cli.vlm.policy import build_vlm
     from rlgen_cli.vlm.rollout import encode_prompts
 

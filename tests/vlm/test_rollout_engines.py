@@ -17,7 +17,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from rlgen_cli.schema.errors import UserError
+from rlgen_cli.errors import UserError
 from rlgen_cli.schema.ranges import check_settings
 from rlgen_cli.schema.vlm import TokenGRPOOptions, vllm_installed
 from rlgen_cli.vlm.data import load_vlm_examples, prompt_text

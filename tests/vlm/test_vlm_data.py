@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rlgen_cli.schema.errors import UserError
+from rlgen_cli.errors import UserError
 from rlgen_cli.schema.vlm import REFLECTION_MARKERS
 from rlgen_cli.vlm.data import build_messages, drop_reflective, load_sft, load_vlm_examples
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlgen_cli.schema.errors import UserError
+from rlgen_cli.errors import UserError
 from rlgen_cli.vlm.data import load_vlm_examples, prompt_text
 from rlgen_cli.vlm.rollout import (
     SamplingOptions,

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.schema.algo import AlgoConfig, VlmSftAlgoConfig
-from rlgen_cli.schema.errors import UserError
 from tests.vlm.conftest import TINY_VLM, compose_config
 
 R1VL_BATCH = {"train_batch_size": 4, "gradient_accumulation_steps": 32}  # docs/vlm.md: global batch 128

@@ -15,7 +15,7 @@ from rlgen_cli.algos.token_grpo import (
     log_importance_weights,
     token_grpo_loss,
 )
-from rlgen_cli.schema.errors import UserError
+from rlgen_cli.errors import UserError
 from tests.vlm.conftest import compose_config
 
 # Two sequences, T = 3: the first has 3 completion tokens, the second 1.
@@ -148,7 +148,7 @@ def test_batch_scaling_uses_the_estimator_over_all_rewards():
 
 
 def test_advantage_options_assert_on_values_the_config_never_passes():
-    # algo.token.scale_rewards is a Literal checked at the config boundary (tests/configs/test_choices.py)
+    # algo.token.scale_rewards is a Literal checked at the config boundary (tests/schema/test_choices.py)
     with pytest.raises(AssertionError, match="prompt"):
         advantage_options("prompt", "unbiased")
 

@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from rlgen_cli.schema.errors import UserError
+from rlgen_cli.errors import UserError
 
 LLM_CONFIG = "llm_config.json"
 VIT_CONFIG = "vit_config.json"

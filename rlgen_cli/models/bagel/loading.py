@@ -26,10 +26,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models.bagel.config import AE_WEIGHTS, BAGEL_7B_MOT, BagelConfig, from_directory, to_json_files
 from rlgen_cli.models.bagel.modeling import Bagel, sincos_2d
 from rlgen_cli.models.bagel.vae import build_vae, flux_layout_state_dict, load_flux_layout
-from rlgen_cli.schema.errors import UserError
 
 WEIGHT_FILES = (
     "ema.safetensors",

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.models.bagel import editing
 from rlgen_cli.models.bagel import vae as bagel_vae
 from rlgen_cli.models.bagel.config import EDITING, GENERATION
@@ -46,8 +47,7 @@ from rlgen_cli.models.bagel.modeling import Bagel
 from rlgen_cli.models.base import TORCH_DTYPES, Capabilities, Cond, cfg_combine, uncond_takes_grad
 from rlgen_cli.models.loading import cast_as_loaded, frozen_dtype, vae_dtype
 from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME, TrainableTransformer, autocast, load_lora_state
-from rlgen_cli.schema.errors import UserError
-from rlgen_cli.schema.flow import ModelConfig
+from rlgen_cli.schema.run import ModelConfig
 from rlgen_cli.sde.noise import standard_normal
 from rlgen_cli.sde.schedule import shift_sigmas
 

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.rewards.base import RewardBatch, RewardResult
 from rlgen_cli.rewards.judge_prompts import JUDGES, JudgeSpec, plain_spec
 from rlgen_cli.rewards.registry import register
@@ -55,7 +56,6 @@ from rlgen_cli.rewards.remote.transport import (
     parse_endpoints,
 )
 from rlgen_cli.rewards.vlm_judge import DEFAULT_RUBRIC, SCORE_MAX, parse_final_score, parse_score_tag
-from rlgen_cli.schema.errors import UserError
 
 logger = logging.getLogger(__name__)
 

@@ -37,8 +37,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from rlgen_cli.errors import UserError
 from rlgen_cli.rewards.remote.wire import WireError
-from rlgen_cli.schema.errors import UserError
 
 logger = logging.getLogger(__name__)
 

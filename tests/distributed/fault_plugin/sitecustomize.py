@@ -18,7 +18,7 @@ _FAULT = os.environ.get("RLGEN_TEST_FAULT", "")
 def _fill_the_disk_at_save(n: int) -> None:
     import errno
 
-    from rlgen_cli.training import checkpoint
+    from rlgen_cli.training.checkpoints import checkpoint
 
     readme, calls = checkpoint.write_checkpoint_readme, []
 

@@ -1,0 +1,1 @@
+"""Saving, loading and describing checkpoints, and stopping cleanly on Ctrl-C."""

@@ -1,0 +1,1 @@
+"""What a run shows and writes: console, progress, metrics and their backends, plots, image grids, reports, run directory."""
