@@ -59,7 +59,9 @@ def test_an_upward_import_breaks_the_layers(tmp_path):
 def test_a_cycle_between_siblings_breaks_the_contract(tmp_path):
     copy = _package_copy(tmp_path)
     _add_line(copy / "rlgen_cli" / "data" / "paths.py", "import rlgen_cli.training.reporting.run_dir  # noqa")
-    _add_line(copy / "rlgen_cli" / "training" / "reporting" / "run_dir.py", "import rlgen_cli.data.paths  # noqa")
+    _add_line(
+        copy / "rlgen_cli" / "training" / "reporting" / "run_dir.py", "import rlgen_cli.data.paths  # noqa"
+    )
     result = _lint_imports(copy, pythonpath=copy)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "No cycles are allowed in rlgen_cli" in result.stdout
