@@ -56,7 +56,6 @@ from rlgen_cli.algos import (
     nonzero_advantage_rows,
 )
 from rlgen_cli.algos.gardo import gated_kl_weights
-from rlgen_cli.errors import UserError
 from rlgen_cli.models import Cond, cfg_gradient
 from rlgen_cli.recipes import loop
 from rlgen_cli.recipes.gardo import GardoHooks
@@ -467,16 +466,6 @@ def guard_scales(traj: Trajectory, j: int) -> tuple[Tensor, Tensor]:
 
 
 # -- the run -------------------------------------------------------------------------------------------
-def require_rank_symmetric(algo: FlowGrpoAlgoConfig) -> None:
-    """DDP needs every rank to run the same number of backward passes; per-sample step subsets and
-    best-of-N selection can give ranks different counts."""
-    if algo.window.kind == "random_subset" or algo.best_of_n > 0:
-        raise UserError(
-            "algo.window.kind=random_subset and algo.best_of_n are single-process for now (ranks would run "
-            "different numbers of backward passes); use launcher=local or another window"
-        )
-
-
 def console_line(m: dict[str, float]) -> str:
     """reward ± std, eval, the measured KL to the reference, clip fraction, the ratio's largest step away
     from 1, and the epoch's time."""
@@ -491,8 +480,6 @@ def console_line(m: dict[str, float]) -> str:
 def run(cfg: FlowGrpoTrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
     """Entry point: the shared session (``recipes/loop.py``) around :func:`grpo_epoch`; the last epoch's metrics."""
     with session(cfg, raw_cfg) as s:
-        if s.run.dist.world_size > 1 or s.run.dist.sharded:
-            require_rank_symmetric(cfg.algo)
         log.info("%s window over %d steps", cfg.algo.window.kind, cfg.model.num_steps)
         gardo = GardoHooks.for_run(s.run)
         for epoch in s.epochs():

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Annotated, Any
 
-from rlgen_cli.errors import UserError
+from rlgen_cli.errors import require
 from rlgen_cli.schema.choices import (
     Branch,
     CfgGrad,
@@ -47,11 +47,6 @@ WINDOW_OPTIONS = {
 """Which ``algo.window`` options each window kind reads: the keyword options of ``sde.window.plan_window``."""
 
 
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise UserError(message)
-
-
 @dataclass
 class SamplerConfig:
     kind: Annotated[str, StepKind] = "flow_sde"
@@ -64,7 +59,7 @@ class SamplerConfig:
     """``gaussian`` (exact) or ``upstream`` (CPS's unnormalised −(x'−μ)², only with kind=cps)."""
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             self.logprob_form == "gaussian" or self.kind == "cps",
             "sampler.logprob_form=upstream only exists for sampler.kind=cps; drop it or set sampler.kind=cps",
         )
@@ -110,11 +105,11 @@ class WindowConfig:
     """``single``: the SDE step is drawn from the first max_index steps (null = any)."""
 
     def __post_init__(self) -> None:
-        _require(self.range is None or len(self.range) == 2, "algo.window.range must be [lo, hi]")
+        require(self.range is None or len(self.range) == 2, "algo.window.range must be [lo, hi]")
         if self.kind == "sliding":
             longest = self.shift_every if self.max_shift_every is None else self.max_shift_every
             shortest = max(1, self.shift_every // 4) if self.min_shift_every is None else self.min_shift_every
-            _require(
+            require(
                 shortest <= longest,
                 f"algo.window.min_shift_every ({shortest}; null = max(1, shift_every // 4)) must be ≤ "
                 f"algo.window.max_shift_every ({longest}; null = shift_every)",
@@ -134,7 +129,7 @@ class WindowConfig:
             UserError: Naming the option, what it gives with ``num_steps`` and the fix.
         """
         fits = _WINDOW_FITS[self.kind](self, num_steps)
-        _require(fits is None, f"algo.window (kind={self.kind}) with model.num_steps={num_steps}: {fits}")
+        require(fits is None, f"algo.window (kind={self.kind}) with model.num_steps={num_steps}: {fits}")
 
 
 def _all_fits(w: WindowConfig, num_steps: int) -> str | None:
@@ -301,14 +296,14 @@ class AlgoConfig:
         total = self.prompts_per_epoch * self.group_size
         for key in ("sample_batch_size", "train_batch_size"):
             size = getattr(self, key)
-            _require(
+            require(
                 total % size == 0,
                 f"algo.prompts_per_epoch × algo.group_size = {total} must be divisible by algo.{key} ({size}); "
                 f"set algo.{key} to a divisor of {total}",
             )
         micro = total // self.train_batch_size
         accumulation = self.gradient_accumulation_steps or 1
-        _require(
+        require(
             micro % accumulation == 0,
             f"{micro} training micro-batches per epoch are not divisible by "
             f"algo.gradient_accumulation_steps ({accumulation})",
@@ -325,7 +320,7 @@ class AlgoConfig:
             UserError: Saying how many micro-batches cannot be split over how many processes, and the fix.
         """
         steps = self.micro_batches_per_step(world_size)
-        _require(
+        require(
             steps % world_size == 0,
             f"algo.gradient_accumulation_steps={steps} micro-batches per optimizer step cannot be split over "
             f"{world_size} processes: each process trains whole micro-batches of algo.train_batch_size="
@@ -398,17 +393,17 @@ class FlowGrpoAlgoConfig(PolicyGradientConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _require(
+        require(
             self.prompts_per_draw is None
             or (self.prompts_per_draw >= 1 and self.prompts_per_epoch % self.prompts_per_draw == 0),
             f"algo.prompts_per_draw={self.prompts_per_draw} must be null or a positive divisor of "
             f"algo.prompts_per_epoch ({self.prompts_per_epoch})",
         )
-        _require(
+        require(
             self.branch == "independent" or self.window.kind in ("random_window", "sliding", "single"),
             "algo.branch=shared_prefix needs a window that starts after step 0 (random_window, sliding, single)",
         )
-        _require(
+        require(
             2 * self.best_of_n <= self.group_size,
             f"algo.best_of_n={self.best_of_n}: 2·k must be ≤ algo.group_size ({self.group_size})",
         )
@@ -425,19 +420,22 @@ class FlowGrpoAlgoConfig(PolicyGradientConfig):
         super().require_process_split(world_size)
         require_whole_rollout_pieces(self, world_size)
 
-    def require_process_invariance(self, world_size: int, exact: bool | None) -> None:
-        """What several processes cannot run (per-sample step subsets, best-of-N: processes would run
-        different numbers of backward passes), and what makes the run depend on the process count:
-        refused under ``launcher.exact_reduction=true`` (the promise of the same run on any process count),
-        a warning under null (on where it can be: the run is upstream's, per-process packing included)."""
-        if world_size == 1:
-            return
-        _require(
-            self.window.kind != "random_subset" and self.best_of_n == 0,
+    def require_rank_symmetric(self, several_ranks: bool) -> None:
+        """What several processes, or an engine that shards the weights, cannot run: per-sample step subsets
+        and best-of-N would give the processes different numbers of backward passes."""
+        require(
+            not several_ranks or (self.window.kind != "random_subset" and self.best_of_n == 0),
             "algo.window.kind=random_subset and algo.best_of_n are single-process for now (processes would "
             "run different numbers of backward passes): use launcher=local, or another window and "
             "algo.best_of_n=0",
         )
+
+    def require_process_invariance(self, world_size: int, exact: bool | None) -> None:
+        """What makes the run depend on the process count: refused under ``launcher.exact_reduction=true``
+        (the promise of the same run on any process count), a warning under null (on where it can be: the
+        run is upstream's, per-process packing included)."""
+        if world_size == 1:
+            return
         if exact is None and self.drop_zero_advantage:
             log.warning(
                 "algo.drop_zero_advantage=true packs each process's kept samples into its own micro-batches: "
@@ -446,7 +444,7 @@ class FlowGrpoAlgoConfig(PolicyGradientConfig):
                 "the process-count invariance"
             )
             return
-        _require(
+        require(
             not (exact and self.drop_zero_advantage),
             "algo.drop_zero_advantage=true packs each process's kept samples into its own micro-batches, so "
             "which samples share a micro-batch depends on the process count, and launcher.exact_reduction "
@@ -463,7 +461,7 @@ def require_whole_rollout_pieces(algo: AlgoConfig, world_size: int, otherwise: s
     ``otherwise``: a further way out, appended to the message."""
     per_step = algo.micro_batches_per_step(world_size) * algo.train_batch_size
     unit = math.lcm(algo.sample_batch_size, algo.train_batch_size)
-    _require(  # one process rolls out across optimizer steps freely: nothing to deal
+    require(  # one process rolls out across optimizer steps freely: nothing to deal
         world_size == 1 or per_step % (unit * world_size) == 0,
         f"an optimizer step's {per_step} samples (algo.gradient_accumulation_steps × algo.train_batch_size) "
         f"cannot be split over {world_size} processes in whole rollout batches: a process takes "
@@ -496,7 +494,7 @@ def refuse_epoch_schedule(algo: AlgoConfig, recipe: str, instead: str) -> None:
     defaults = {f.name: f.default for f in fields(AlgoConfig)}
     for key in EPOCH_SCHEDULE_KEYS:
         value = getattr(algo, key)
-        _require(
+        require(
             value == defaults[key],
             f"algo.{key}={value!r} sets the flow RL loop's per-epoch schedule, which recipe={recipe} does not "
             f"read; its schedule is {instead}",

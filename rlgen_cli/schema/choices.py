@@ -121,6 +121,9 @@ R3Dataset = Literal["geneval", "geneval_plus", "tiif"]
 
 WandbMode = Literal["online", "offline", "disabled"]
 Launcher = Literal["local", "accelerate", "deepspeed_zero2", "deepspeed_zero3", "fsdp", "multinode"]
+ENGINE_LAUNCHERS = ("deepspeed_zero2", "deepspeed_zero3", "fsdp")
+"""Launchers whose engine reduces, clips and steps the gradients itself and shards the optimizer state
+(ZeRO-3 and FSDP the weights too)."""
 MixedPrecision = Literal["fp32", "fp16", "bf16"]
 """accelerate's mixed precision; ``fp32`` is accelerate's ``no`` (a YAML boolean when unquoted)."""
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
-from rlgen_cli.errors import UserError
+from rlgen_cli.errors import require
 
 ForwardLoss = Literal["nft", "awm", "dgpo"]
 RolloutSolver = Literal["dpm2", "euler", "sde"]
@@ -21,11 +21,6 @@ TimestepSampling = Literal["subset", "stratified", "truncated"]
 DGPOReference = Literal["base", "old"]
 TimestepDraw = Literal["per_sample", "per_microbatch"]
 AWMWeighting = Literal["uniform", "t", "t2", "ghuber"]
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise UserError(message)
 
 
 @dataclass
@@ -97,21 +92,21 @@ class ForwardConfig:
 def check_forward_steps(forward: ForwardConfig, num_steps: int) -> None:
     """The σ a sample trains on must exist in a rollout of ``model.num_steps`` steps."""
     if forward.timestep_sampling == "subset":
-        _require(
+        require(
             int(num_steps * forward.timestep_fraction) >= 1,
             f"algo.forward.timestep_fraction={forward.timestep_fraction} trains int({num_steps} × "
             f"{forward.timestep_fraction}) = 0 of model.num_steps={num_steps} σ; raise either",
         )
     elif forward.timestep_sampling == "truncated":
         top = int(num_steps * forward.timestep_fraction)
-        _require(
+        require(
             top < num_steps and forward.num_timesteps <= top + 1,
             f"algo.forward.timestep_sampling=truncated draws algo.forward.num_timesteps="
             f"{forward.num_timesteps} distinct σ of the indices [0, int(T·fraction)] = [0, {top}] of "
             f"model.num_steps={num_steps}; keep timestep_fraction < 1 and num_timesteps ≤ {min(top, num_steps - 1) + 1}",
         )
     else:
-        _require(
+        require(
             num_steps >= 2 and int(num_steps * forward.timestep_fraction) >= 1,
             f"algo.forward.timestep_sampling=stratified draws from the σ indices [1, int(T·fraction)]: "
             f"model.num_steps={num_steps} with timestep_fraction={forward.timestep_fraction} leaves none; "

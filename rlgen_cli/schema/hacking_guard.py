@@ -18,18 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from rlgen_cli.errors import UserError
-from rlgen_cli.schema.choices import GuardAction
+from rlgen_cli.errors import require
+from rlgen_cli.schema.choices import ENGINE_LAUNCHERS, GuardAction
 
 __all__ = ["GuardConfig", "check_guard"]
-
-SHARDING_LAUNCHERS = ("deepspeed_zero2", "deepspeed_zero3", "fsdp")
-"""Launchers whose engine owns sharded weights or optimizer state: a rollback cannot reload them mid-run."""
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise UserError(message)
 
 
 @dataclass
@@ -70,8 +62,8 @@ class GuardConfig:
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.kwargs) - set(self.monitors))
-        _require(not unknown, f"guard.kwargs names rewards not in guard.monitors: {unknown}")
-        _require(
+        require(not unknown, f"guard.kwargs names rewards not in guard.monitors: {unknown}")
+        require(
             not self.monitors or any(w != 0 for w in self.monitors.values()),
             f"guard.monitors={dict(self.monitors)} has only zero weights; give a monitor a non-zero weight",
         )
@@ -86,30 +78,30 @@ def check_guard(cfg: Any) -> None:
     guard = cfg.guard
     if not guard.enabled:
         return
-    _require(
+    require(
         cfg.eval_every > 0,
         "guard.monitors are scored at evaluations, and eval_every=0 never evaluates: set eval_every=N",
     )
-    _require(
+    require(
         cfg.data.eval_num_prompts != 1,
         "the guard estimates an evaluation's noise from the spread over its prompts, and "
         "data.eval_num_prompts=1 evaluates one: set data.eval_num_prompts ≥ 2 (0 = the whole test split)",
     )
     if guard.action != "rollback":
         return
-    _require(
+    require(
         cfg.recipe != "flow_forward",
         "guard.action=rollback restores the trained weights but not recipe=flow_forward's old policy, "
         "which samples the rollouts: use guard.action=warn or stop with this algorithm",
     )
-    _require(
-        cfg.launcher.name not in SHARDING_LAUNCHERS,
+    require(
+        cfg.launcher.name not in ENGINE_LAUNCHERS,  # an engine's shards cannot be reloaded mid-run
         f"guard.action=rollback reloads weights and optimizer state mid-run, which launcher="
         f"{cfg.launcher.name} shards: use launcher=accelerate (DDP) or local, or guard.action=warn or stop",
     )
     if guard.rollback_kl_scale != 1:
         kl_weight = getattr(cfg.algo, "kl_weight", 0.0)
-        _require(
+        require(
             cfg.recipe == "flow_grpo" and kl_weight > 0,
             f"guard.rollback_kl_scale={guard.rollback_kl_scale} scales algo.kl_weight, which recipe="
             f"{cfg.recipe} with algo.kl_weight={kl_weight} does not train with: set algo.kl_weight > 0 "

@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Annotated, Literal, get_args
 
-from rlgen_cli.errors import UserError
+from rlgen_cli.errors import require
 from rlgen_cli.schema.choices import R3Dataset, SdeKind
 from rlgen_cli.schema.families import families
 from rlgen_cli.schema.run import ModelConfig, RunConfig
@@ -35,11 +35,6 @@ SERVED_REWARDS = ("geneval", "geneval_plus", "tiif")
 """``reward_fn`` values scored by a server: the GenEval server, or the VLM judge with GenEval++ / TIIF
 prompts. Any other value names a local reward of the registry (``mix`` = the ``reward`` section as is)."""
 TINY_DATA = {name: f"builtin:r3_{name}_tiny.jsonl" for name in get_args(R3Dataset)}
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise UserError(message)
 
 
 def is_r3(model: ModelConfig) -> bool:
@@ -193,21 +188,21 @@ class R3Config:
     offline: OfflineConfig = field(default_factory=OfflineConfig)
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             self.tune_text_cot or self.tune_image_cot, "r3.tune_text_cot and r3.tune_image_cot are both false"
         )
-        _require(bool(self.reward_fn), "r3.reward_fn is empty; e.g. geneval, geneval_plus, tiif or mix")
-        _require(
+        require(bool(self.reward_fn), "r3.reward_fn is empty; e.g. geneval, geneval_plus, tiif or mix")
+        require(
             self.max_sde_timestep_idx_for_edit <= self.num_timesteps_edit - 1,
             f"r3.max_sde_timestep_idx_for_edit ({self.max_sde_timestep_idx_for_edit}) must be in "
             f"[1, {self.num_timesteps_edit - 1}] (the editing steps)",
         )
-        _require(
+        require(
             self.eta_schedule == "constant" or self.sde_kind == "dance",
             f"r3.eta_schedule={self.eta_schedule} scales η of the score-form step: use r3.sde_kind=dance "
             f"(not {self.sde_kind}) or r3.eta_schedule=constant",
         )
-        _require(
+        require(
             self.sde_kind != "cps" or max(self.noise_level_gen, self.noise_level_edit) <= 1,
             "r3.sde_kind=cps takes noise levels in [0, 1]: set r3.noise_level_gen and r3.noise_level_edit",
         )
@@ -229,14 +224,14 @@ class R3Config:
             UserError: When neither the paths nor an offline stand-in give prompts.
         """
         if self.offline.enabled:
-            _require(
+            require(
                 self.dataset_name in self.offline.data,
                 f"r3.offline.data has no prompts for dataset_name={self.dataset_name!r}",
             )
             path = self.offline.data[self.dataset_name]
             return path, path
         path = self.train_data_path or self.val_data_path
-        _require(
+        require(
             path is not None,
             "r3.train_data_path is not set: give the jsonl of r3.dataset_name (e.g. r3.train_data_path="
             "data/rl_train/train_geneval.jsonl, or the packaged builtin:r3_geneval_tiny.jsonl)",
@@ -297,14 +292,14 @@ def r3_geometry(r3: R3Config, world_size: int) -> R3Geometry:
     """
     geometry = R3Geometry(r3.prompts_per_step, r3.group_size, world_size, r3.micro_batch_size)
     prompts, size, branches = r3.prompts_per_step, r3.group_size, geometry.branches_per_step
-    _require(
+    require(
         branches % world_size == 0,
         f"r3.prompts_per_step × r3.group_size = {prompts} × {size} = {branches} branches per step cannot be "
         f"split over {world_size} processes: every process rolls out the same number of branches. Use a "
         f"process count that divides {branches}, or change r3.prompts_per_step (prompts per step over all "
         "processes) or r3.group_size",
     )
-    _require(
+    require(
         prompts % world_size == 0 or world_size % prompts == 0,
         f"{world_size} processes would each roll out {geometry.per_process} branches of a step of "
         f"{prompts} prompts × {size}, mixing parts of different groups (r3.prompts_per_step={prompts}): a "
@@ -312,7 +307,7 @@ def r3_geometry(r3: R3Config, world_size: int) -> R3Geometry:
         "is a multiple of r3.prompts_per_step, or set r3.prompts_per_step to a divisor or a multiple of "
         f"{world_size}",
     )
-    _require(
+    require(
         r3.micro_batch_size is None or geometry.group_share % r3.micro_batch_size == 0,
         f"r3.micro_batch_size ({r3.micro_batch_size}) must divide the {geometry.group_share} branches of a "
         f"group on each of {world_size} processes (r3.prompts_per_step={prompts}, r3.group_size={size}): a "
@@ -334,12 +329,12 @@ def require_same_forwards(geometry: R3Geometry, exact_reduction: bool | None) ->
         "differs from one on another process count in the last bits. Set "
         f"r3.micro_batch_size={geometry.group_share} for the same run on any process count that divides it"
     )
-    _require(exact_reduction is not True, message)
+    require(exact_reduction is not True, message)
     log.warning(message)
 
 
 def _check_bagel(bagel: ModelConfig) -> None:
-    _require(
+    require(
         bagel.family == "bagel",
         f"model.family=r3_bagel runs the BAGEL of r3.policy.bagel; its family is {bagel.family!r}: set "
         "r3.policy.bagel.family=bagel",

@@ -111,6 +111,7 @@ class FlowGrpoTrainConfig(FlowRolloutRunConfig):
         require_sde_sampler(self.sampler, self.model)
         require_whole_batches(self)
         self.algo.require_process_split(self.launcher.world_size)
+        self.algo.require_rank_symmetric(self.launcher.world_size > 1 or self.launcher.shards_weights)
         self.algo.require_process_invariance(self.launcher.world_size, self.launcher.exact_reduction)
 
 

@@ -11,9 +11,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from rlgen_cli.errors import UserError
+from rlgen_cli.errors import require
 from rlgen_cli.schema.algo import SamplerConfig
 from rlgen_cli.schema.choices import (
+    ENGINE_LAUNCHERS,
     AdvAggregation,
     Attention,
     Dtype,
@@ -52,26 +53,21 @@ REAL_SIZE_VARIANTS: dict[str, tuple[str, ...]] = {
 ``schema/families.py``. Their architectures: ``models/real_size.py``."""
 
 
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise UserError(message)
-
-
 def check_real_size(cfg: ModelConfig) -> None:
     """``model.variant`` and ``model.text_encoders`` go with ``model.weights=random_init``, the variant with
     the family; with ``pretrained`` they would be silently ignored, so they are refused."""
     random_init = cfg.weights == "random_init"
-    _require(
+    require(
         not (cfg.tiny and random_init),
         "model.tiny=true and model.weights=random_init both ask for random weights: model.tiny builds the tiny "
         "variant, model.weights=random_init the real-size one; set model.tiny=false for real size",
     )
-    _require(
+    require(
         random_init or cfg.variant == "auto",
         f"model.variant={cfg.variant} names the architecture model.weights=random_init builds; add "
         "model.weights=random_init, or drop model.variant to load model.path",
     )
-    _require(
+    require(
         random_init or cfg.text_encoders == "real_size",
         "model.text_encoders=stand_in applies to model.weights=random_init only; add model.weights=random_init "
         "or drop it",
@@ -79,17 +75,17 @@ def check_real_size(cfg: ModelConfig) -> None:
     if not random_init:
         return
     variants = REAL_SIZE_VARIANTS.get(cfg.family)
-    _require(
+    require(
         variants is not None,
         f"model.weights=random_init: model.family={cfg.family} has no real-size variant; families with one: "
         f"{', '.join(REAL_SIZE_VARIANTS)}",
     )
-    _require(
+    require(
         cfg.variant == "auto" or cfg.variant in variants,
         f"model.variant={cfg.variant} is not a {cfg.family} checkpoint; choose auto or one of "
         f"{', '.join(variants)} (or the family that builds it: docs/real_size.md)",
     )
-    _require(
+    require(
         not family_spec(cfg.family).own_language_model or cfg.text_encoders == "real_size",
         f"model.text_encoders=stand_in is for flow families with separate text encoders; {cfg.family} reads "
         "its prompt with its own language model: drop it",
@@ -112,18 +108,18 @@ def check_frozen_dtype(cfg: ModelConfig) -> None:
     """Frozen weights in fp32 or in the forward's dtype: below fp32 the forward runs under autocast, which
     takes fp32 weights; an fp32 forward has no autocast to take weights of a lower dtype, and weights of
     another low dtype would be rounded twice. A family the setting would not reach refuses it."""
-    _require(
+    require(
         cfg.vae_dtype is None or cfg.family not in WITHOUT_VAE,
         f"model.vae_dtype={cfg.vae_dtype}: model.family={cfg.family} has no VAE; drop model.vae_dtype"
         + (" (set it on r3.policy.generator / editor / bagel)" if cfg.family.startswith("r3_") else ""),
     )
-    _require(
+    require(
         cfg.frozen_dtype is None or cfg.family not in WITHOUT_FROZEN_DTYPE,
         f"model.frozen_dtype={cfg.frozen_dtype}: model.family={cfg.family} keeps its frozen weights in "
         "model.dtype; drop model.frozen_dtype"
         + (" (set it on r3.policy.generator / editor / bagel)" if cfg.family.startswith("r3_") else ""),
     )
-    _require(
+    require(
         cfg.frozen_dtype in (None, "float32", cfg.dtype),
         f"model.frozen_dtype={cfg.frozen_dtype} with model.dtype={cfg.dtype}: frozen weights are kept in "
         f"float32 (upstream's choice) or in model.dtype (null, the memory-saving one); set "
@@ -140,12 +136,12 @@ def check_image_guidance(cfg: ModelConfig) -> None:
     guidance: anywhere else it would be silently ignored, so it is refused."""
     if cfg.image_guidance_scale == 1.0:
         return
-    _require(
+    require(
         cfg.family in IMAGE_GUIDANCE_FAMILIES,
         f"model.image_guidance_scale={cfg.image_guidance_scale} applies to BAGEL editing (model=bagel_edit), "
         f"not model.family={cfg.family}: drop it",
     )
-    _require(
+    require(
         cfg.guidance_scale > 1.0,
         f"model.image_guidance_scale={cfg.image_guidance_scale} acts on the text-guided velocity, and "
         f"model.guidance_scale={cfg.guidance_scale} turns text guidance off: set model.guidance_scale > 1 "
@@ -268,7 +264,7 @@ class ModelConfig:
     """Two-expert families only (Wan2.2 A14B)."""
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             self.tiny or self.weights == "random_init" or bool(self.path),
             "model.path is empty: set model.path=HUB_ID_OR_DIR, model.tiny=true or model.weights=random_init",
         )
@@ -288,7 +284,7 @@ class RewardConfig:
     def __post_init__(self) -> None:
         unknown = sorted(set(self.kwargs) - set(self.weights))
         drop = " ".join(f"'~reward.kwargs.{name}'" for name in unknown)
-        _require(
+        require(
             not unknown,
             f"reward.kwargs names rewards not in reward.weights: {unknown}. Settings an experiment gave a "
             f"reward that another reward= option replaced are not used: a served reward takes them on its "
@@ -308,7 +304,7 @@ class AdvantageRewardConfig(RewardConfig):
 
 def require_rewards(reward: RewardConfig) -> None:
     """Checked by the configs that score (the schema default is empty so groups do not merge into it)."""
-    _require(
+    require(
         bool(reward.weights),
         "reward.weights is empty: pick reward=NAME or give reward.weights={name: weight}",
     )
@@ -355,10 +351,6 @@ class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
-ENGINE_LAUNCHERS = ("deepspeed_zero2", "deepspeed_zero3", "fsdp")
-"""Launchers whose engine reduces, clips and steps the gradients itself."""
-
-
 @dataclass
 class LauncherConfig:
     name: Annotated[str, Launcher] = "local"
@@ -392,18 +384,18 @@ class LauncherConfig:
     stops the run with exit code 2, naming both."""
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             self.config_file is None or self.name in ("accelerate", "multinode"),
             f"launcher.config_file is passed to accelerate launch by launcher=accelerate or multinode, not "
             f"launcher={self.name}: add launcher=accelerate (and launcher.num_processes=N)",
         )
-        _require(
+        require(
             not (self.exact_reduction is True and self.name in ENGINE_LAUNCHERS),
             f"launcher.exact_reduction=true needs the gradients in rlgen's hands, and launcher={self.name} "
             "reduces them inside its engine (results then depend on the process count to float rounding): "
             "pass launcher.exact_reduction=false, or launcher=accelerate for process-count invariant results",
         )
-        _require(
+        require(
             self.name != "local" or self.num_processes * self.num_machines == 1,
             "launcher=local runs one process; use launcher=accelerate launcher.num_processes=N",
         )
@@ -416,6 +408,11 @@ class LauncherConfig:
     def reduces_exactly(self) -> bool:
         """``exact_reduction``, with null resolved: on unless an engine reduces the gradients."""
         return self.name not in ENGINE_LAUNCHERS if self.exact_reduction is None else self.exact_reduction
+
+    @property
+    def shards_weights(self) -> bool:
+        """Each process holds a shard of the weights (ZeRO-3, FSDP; ZeRO-2 shards optimizer state only)."""
+        return self.name in ("deepspeed_zero3", "fsdp")
 
     @property
     def accelerate_mixed_precision(self) -> str:
@@ -431,7 +428,7 @@ def noise_level(sampler: SamplerConfig, model: ModelConfig) -> float:
 def check_noise_level(sampler: SamplerConfig, model: ModelConfig) -> None:
     """CPS's noise level is an angle share: σ_t = σ′·sin(a·π/2) peaks at a = 1."""
     level = noise_level(sampler, model)
-    _require(
+    require(
         sampler.kind != "cps" or level <= 1,
         f"sampler.kind=cps takes a noise level in [0, 1] (upstream 0.8), got {level}: set sampler.noise_level",
     )
@@ -486,7 +483,7 @@ def require_whole_batches(cfg: Any) -> None:
     world, algo = cfg.launcher.world_size, cfg.algo
     total = algo.prompts_per_epoch * algo.group_size
     step = world * math.lcm(algo.sample_batch_size, algo.train_batch_size)  # whole batches on every process
-    _require(
+    require(
         total % step == 0,
         f"{total} samples per epoch over {world} processes must give every process a whole number of "
         f"sample/train batches (algo.sample_batch_size={algo.sample_batch_size}, "
@@ -497,7 +494,7 @@ def require_whole_batches(cfg: Any) -> None:
 
 def require_sde_sampler(sampler: SamplerConfig, model: ModelConfig) -> None:
     """A recipe that trains on rollout log-probabilities needs a stochastic step."""
-    _require(
+    require(
         sampler.kind != "ode", "sampler.kind=ode has no log-probability to train; use flow_sde, dance or cps"
     )
     check_noise_level(sampler, model)
@@ -559,7 +556,7 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         require_rewards(self.reward)
-        _require(
+        require(
             not (self.ckpt and self.checkpoint and self.ckpt != self.checkpoint),
             f"ckpt={self.ckpt} and checkpoint={self.checkpoint} disagree; pass one of them",
         )

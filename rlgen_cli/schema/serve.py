@@ -8,13 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlgen_cli.errors import UserError
+from rlgen_cli.errors import require
 from rlgen_cli.schema.run import DataConfig, RewardConfig
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise UserError(message)
 
 
 @dataclass
@@ -64,7 +59,7 @@ class ServerConfig:
     read as plain data only (no code runs) under the limits above; the reply is a pickle."""
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             self.workers == 1 or self.port != 0,
             "server.port=0 (any free port) cannot be combined with server.workers > 1; give a fixed port",
         )

@@ -19,7 +19,6 @@ from safetensors.torch import load_file
 from rlgen_cli.errors import UserError
 from rlgen_cli.launch.commands import CONFIGS, launch_command, require_engine
 from rlgen_cli.models.sd3 import LORA_WEIGHTS_NAME
-from rlgen_cli.recipes.flow_grpo import require_rank_symmetric
 from rlgen_cli.recipes.loop import require_ema_engine
 from rlgen_cli.schema.algo import FlowGrpoAlgoConfig
 from rlgen_cli.schema.choices import Launcher
@@ -125,13 +124,13 @@ def test_fsdp_refuses_ema():
 @pytest.mark.parametrize("change", ["window", "best_of_n"])
 def test_several_processes_refuse_per_sample_step_counts(change):
     algo = FlowGrpoAlgoConfig()
-    require_rank_symmetric(algo)  # every sample trains the same steps
+    algo.require_rank_symmetric(several_ranks=True)  # every sample trains the same steps
     if change == "window":
         algo.window.kind = "random_subset"
     else:
         algo.best_of_n = 1
     with pytest.raises(UserError, match="single-process for now"):
-        require_rank_symmetric(algo)
+        algo.require_rank_symmetric(several_ranks=True)
 
 
 def test_local_clip_and_step_is_torch_arithmetic():

@@ -1,0 +1,32 @@
+"""Config-only checks run when the config is typed, before any model loads (``__post_init__``)."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from rlgen_cli._hydra import compose_verb
+from rlgen_cli.errors import UserError
+from rlgen_cli.tasks.common import validated
+
+
+def _typed(*overrides: str):
+    cfg = compose_verb("train", ["experiment=tiny_cpu", *overrides])
+    OmegaConf.set_struct(cfg, False)
+    cfg.run_dir = "/tmp/unused"
+    return validated(cfg)
+
+
+@pytest.mark.parametrize(
+    "launcher", ["launcher=accelerate launcher.num_processes=2", "launcher=fsdp launcher.num_processes=1"]
+)
+@pytest.mark.parametrize("option", ["algo.window.kind=random_subset", "algo.best_of_n=1"])
+def test_per_sample_step_counts_are_refused_where_ranks_must_agree(launcher: str, option: str):
+    with pytest.raises(UserError, match="single-process for now"):
+        _typed(*launcher.split(), option)
+
+
+@pytest.mark.parametrize("launcher", ["launcher=local", "launcher=deepspeed_zero2 launcher.num_processes=1"])
+def test_one_process_holding_whole_weights_may_train_per_sample_steps(launcher: str):
+    typed = _typed(*launcher.split(), "algo.best_of_n=1")
+    assert typed.algo.best_of_n == 1
