@@ -56,6 +56,7 @@ from rlgen_cli.algos import (
     nonzero_advantage_rows,
 )
 from rlgen_cli.algos.gardo import gated_kl_weights
+from rlgen_cli.data.sample_order import training_orders
 from rlgen_cli.models import Cond, cfg_gradient
 from rlgen_cli.recipes import loop
 from rlgen_cli.recipes.gardo import GardoHooks
@@ -185,9 +186,10 @@ def grpo_epoch(
 
     # 4. update
     with timed(timings, "time/update"):
+        orders = training_orders(algo.shuffle_samples, cfg.seed, epoch, algo.num_inner_epochs, len(keep))
         update_stats = update_values(
             run, rollouts.select(keep), advantages[keep], progress, num_batches,
-            None if kl_gate is None else kl_gate[keep],
+            None if kl_gate is None else kl_gate[keep], orders,
         )  # fmt: skip
         update_stats[loop.KL_TO_REFERENCE] = reference_kl(run, rollouts, mine.tolist())
 
@@ -409,19 +411,22 @@ def update_values(
     progress: Progress,
     num_batches: int | None = None,
     kl_gate: Tensor | None = None,
+    orders: list[Tensor] | None = None,
 ) -> dict[str, list[float]]:
     """``num_inner_epochs`` passes of the per-step policy-gradient loss over every trained step, in
     ``num_batches`` equal micro-batches (default: batches of ``algo.train_batch_size``); the optimizer
     steps every ``gradient_accumulation_steps`` ÷ processes micro-batches. A micro-batch's trained steps
-    are scored ``algo.timesteps_per_pass`` per transformer call and backward (:func:`folded_logprobs`)."""
+    are scored ``algo.timesteps_per_pass`` per transformer call and backward (:func:`folded_logprobs`).
+    ``orders``: per inner epoch, the sample order micro-batches are cut from (``algo.shuffle_samples``)."""
     algo, spec = run.cfg.algo, loop.step_spec(run.cfg)
     n = len(rollouts.indices)
     micro_batches = list(batches(n, math.ceil(n / num_batches) if num_batches else algo.train_batch_size))
     accumulation = loop.accumulation_per_process(algo, run.dist.world_size)  # the global count ÷ processes
     stats: dict[str, list[float]] = defaultdict(list)
     with loop.progress_task(progress, "update", algo.num_inner_epochs * len(micro_batches)) as advance:
-        for _ in range(algo.num_inner_epochs):
+        for inner in range(algo.num_inner_epochs):
             for k, part in enumerate(micro_batches):
+                part = part if orders is None else orders[inner][part]
                 traj, cond = rollouts.traj.index(part), rollouts.cond.index(part)
                 adv = advantages[part].to(run.device)
                 gate = None if kl_gate is None else kl_gate[part].to(run.device)  # GARDO's KL gate

@@ -95,6 +95,7 @@ Recipe = Literal["flow_grpo", "flow_pref", "flow_pretrain", "flow_forward", "vlm
 Objective = Literal["grpo", "grpo_guard"]
 Branch = Literal["independent", "shared_prefix"]
 CfgGrad = Literal["conditional", "both"]
+ShuffleSamples = Literal["none", "per_process"]
 StdEstimator = Literal["population", "unbiased"]
 AdvAggregation = Literal["sum_then_normalize", "normalize_then_sum", "gdpo"]
 LrSchedule = Literal["constant", "cosine", "linear"]

@@ -104,6 +104,10 @@ REFUSED = {
     "grpo (drop_zero_advantage, exactness insisted on)": (
         (*FLOW, "algo=grpo", *FLOW_STEPS["one"], "launcher.exact_reduction=true"), "algo.drop_zero_advantage=true packs each process",
     ),
+    "grpo (per-process shuffle, exactness insisted on)": (
+        (*FLOW, "algo=grpo", *KEEP_ZERO, *FLOW_STEPS["one"], "algo.shuffle_samples=per_process", "launcher.exact_reduction=true"),
+        "algo.shuffle_samples=per_process permutes each process's own samples",
+    ),
     "token_grpo (a step smaller than whole rollout batches)": (
         (*TOKEN, "algo=token_grpo", "algo.prompts_per_epoch=4", "algo.sample_batch_size=8", "algo.train_batch_size=1",
          "algo.gradient_accumulation_steps=8"),
