@@ -9,7 +9,7 @@ DEV_STAMP := $(VENV)/.installed-dev
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install install-dev train test test-kernels test-all bench lint clean
+.PHONY: help install install-dev train test test-kernels test-all bench gpu-check lint clean
 
 help:  ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
@@ -49,8 +49,11 @@ test-kernels: install-dev  ## the models, invariants, distributed, recipes and s
 test-all: install-dev  ## run every test, the slow ones included
 	$(PY) -m pytest -q -m "not gpu" $(ARGS)
 
-bench: install  ## run every benchmark script; each prints JSON
-	@for f in benchmarks/*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
+bench: install  ## run every benchmark script; each prints JSON (gpu_check.py: make gpu-check)
+	@for f in benchmarks/*.py; do [ $$f = benchmarks/gpu_check.py ] && continue; echo "== $$f"; $(PY) $$f || exit 1; done
+
+gpu-check: install  ## on a CUDA device: every row of docs/gpu.md in ≤ 8 min, one JSON; ARGS=--dry-run: tiny, on the CPU
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) benchmarks/gpu_check.py $(ARGS)
 
 lint: install-dev  ## ruff over the package, tests and benchmarks; import-linter's layer contracts (pyproject.toml)
 	$(VENV)/bin/ruff check rlgen_cli tests benchmarks
