@@ -52,10 +52,14 @@ _INTERPOLATION = {2: "bilinear", 3: "bicubic"}  # PIL resample codes the torch p
 
 
 def resolve_device(device: str | torch.device | None) -> str:
-    """Return ``device`` as a string, defaulting to ``"cuda"`` when available, else ``"cpu"``."""
-    if device is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return str(torch.device(device))
+    """Return ``device`` as a string, defaulting to CUDA when available, else ``"cpu"``. CUDA without an
+    index becomes ``cuda:K``, K the device current now: a reward is built in the process's main thread,
+    where the launcher selected this process's GPU, but loads its model and scores on a worker thread,
+    whose current CUDA device is 0 (it is per thread) — every process would put its reward on GPU 0."""
+    resolved = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    if resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return str(resolved)
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

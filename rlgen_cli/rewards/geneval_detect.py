@@ -28,6 +28,7 @@ from PIL import Image
 from torch import Tensor
 
 from rlgen_cli.geneval_rules import Detection
+from rlgen_cli.rewards import clip
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +53,9 @@ class Detector(Protocol):
 
 
 def resolve_device(device: str | None) -> torch.device:
-    """Parse a device; ``None`` picks cuda when available, else cpu."""
-    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    """Parse a device; ``None`` picks cuda when available, else cpu; CUDA without an index is the device
+    current now (``clip.resolve_device``: why)."""
+    return torch.device(clip.resolve_device(device or None))
 
 
 def mask_boxes(masks: Tensor) -> Tensor:
