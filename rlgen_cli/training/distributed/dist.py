@@ -36,6 +36,7 @@ optimizer state. DeepSpeed scales only in its own fp16 mode (``launcher.mixed_pr
 
 from __future__ import annotations
 
+import datetime
 import logging
 import math
 import os
@@ -196,7 +197,7 @@ class AccelerateDist:
         if self.engine == "deepspeed" and cpu:
             self.accelerator = _cpu_deepspeed_accelerator()
         else:
-            self.accelerator = Accelerator(cpu=cpu)
+            self.accelerator = Accelerator(cpu=cpu, kwargs_handlers=[process_group_kwargs()])
             if self.engine == "fsdp":
                 _enable_fsdp(self.accelerator)
         self.rank = self.accelerator.process_index
@@ -554,16 +555,29 @@ def _fsdp_full_state_dict(model: nn.Module) -> Iterator[None]:
         handle.remove()
 
 
+COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)
+"""How long a process waits in a collective for the others (torch's NCCL default: 10 minutes). Under DDP
+and ZeRO-2 rank 0 evaluates and writes checkpoints alone while the others wait in their next collective;
+a whole test split (``data.eval_num_prompts=0``: OCR's 1018 prompts, SD3.5-Medium at 40 steps with CFG,
+≈ 0.5 PFLOP, some 20 minutes on one GPU) would outlast 10 minutes and the watchdog would end the run."""
+
+
+def process_group_kwargs(**kwargs: Any) -> Any:
+    """accelerate's process-group settings: :data:`COLLECTIVE_TIMEOUT` and ``kwargs``."""
+    from accelerate.utils import InitProcessGroupKwargs
+
+    return InitProcessGroupKwargs(timeout=COLLECTIVE_TIMEOUT, **kwargs)
+
+
 def _cpu_deepspeed_accelerator() -> Any:
     """accelerate enables DeepSpeed only for a non-CPU Accelerator, and with no accelerator device it leaves
     the backend unset and counts ONE process; naming gloo gives the true ranks. DeepSpeed's optional shared-
     memory allreduce op would be JIT-compiled on first use (minutes): gloo does without it."""
     import deepspeed
     from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    return Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+    return Accelerator(kwargs_handlers=[process_group_kwargs(backend="gloo")])
 
 
 def _enable_fsdp(accelerator: Any) -> None:
