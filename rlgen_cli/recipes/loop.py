@@ -519,6 +519,7 @@ def evaluate(run: FlowRun, epoch: int, progress: Progress, split: str = "eval") 
     if run.dist.is_main:
         labels = run.report.tile_labels(prompts, samples)  # captions and pass / fail marks, if any
         save_grid(images, run.run_dir / "images" / grid_name(split, step_after(epoch)), upscale=2, **labels)
+        run.logger.log_images(f"{split}/images", images[:16], step_after(epoch))  # TensorBoard, W&B
     return {
         f"{split}/reward/mean": total.mean().item(),
         **({f"{split}/num_samples": float(len(prompts))} if split == "eval_heldout" else {}),

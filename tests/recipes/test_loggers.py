@@ -96,6 +96,7 @@ def test_every_output_numbers_the_same_evaluation_alike(cli, tmp_path: Path, mon
         assert [e.step for e in scalars] == steps, key
         assert [e.value for e in scalars] == pytest.approx([jsonl[s][key] for s in steps], rel=1e-6), key
     assert [e.step for e in accumulator.Images("train/images")] == trained
+    assert [e.step for e in accumulator.Images("eval/images")] == evaluated  # each evaluation's grid
 
     import wandb
 
@@ -109,6 +110,7 @@ def test_every_output_numbers_the_same_evaluation_alike(cli, tmp_path: Path, mon
     assert sorted(logged) == evaluated
     for step in evaluated:
         assert logged[step]["eval/reward/mean"] == jsonl[step]["eval/reward/mean"], step
+        assert logged[step]["eval/images/_type"] == "images/separated", step
     for step in trained:
         assert logged[step]["reward/mean"] == jsonl[step]["reward/mean"], step
 

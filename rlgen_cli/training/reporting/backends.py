@@ -5,6 +5,10 @@ W&B's ``offline`` mode writes runs under ``run_dir/wandb`` with no network (``wa
 Both take ``metrics.jsonl``'s step unchanged: epochs completed, the evaluation before training at 0
 (:mod:`rlgen_cli.training.reporting.metrics`). It never decreases within a run, as W&B requires.
 
+Both get the image grids too: ``train/images`` (the first 16 rollouts every ``images_every`` epochs) and
+``eval/images`` / ``eval_heldout/images`` (the first 16 samples of each evaluation, at its step). A video
+batch is logged by its first frames, as still images.
+
 A W&B run is named after its experiment and overrides (``shapes_grpo_fast algo.lr=3e-4``; not its
 ``logging.*`` switches) unless ``logging.wandb.name`` is set, and the jobs of one ``-m`` sweep share a
 group: their sweep directory.
@@ -19,6 +23,16 @@ from typing import Any
 from torch import Tensor
 
 from rlgen_cli.errors import UserError
+from rlgen_cli.training.reporting.images import to_pil
+
+
+def still_images(images: Tensor) -> Tensor:
+    """(B, 3, H, W) as given; a video batch (B, 3, F, H, W) as its first frames (B, 3, H, W)."""
+    if images.ndim == 5:
+        return images[:, :, 0]
+    if images.ndim != 4:
+        raise ValueError(f"images must be (B, 3, H, W) or (B, 3, F, H, W), got shape {tuple(images.shape)}")
+    return images
 
 
 class TensorBoardLogger:
@@ -40,8 +54,9 @@ class TensorBoardLogger:
         self.writer.flush()
 
     def log_images(self, key: str, images: Tensor, step: int) -> None:
-        """(B, 3, H, W) in [0, 1]."""
-        self.writer.add_images(key, images, step)
+        """(B, 3, H, W) in [0, 1] (a video batch: its first frames)."""
+        self.writer.add_images(key, still_images(images).detach().float().cpu(), step)
+        self.writer.flush()
 
     def close(self) -> None:
         self.writer.close()
@@ -70,7 +85,9 @@ class WandbLogger:
         self.run.log({k: v for k, v in metrics.items() if v is not None}, step=step)
 
     def log_images(self, key: str, images: Tensor, step: int) -> None:
-        frames = [self._wandb.Image(img.permute(1, 2, 0).cpu().numpy()) for img in images]
+        """(B, 3, H, W) in [0, 1] (a video batch: its first frames)."""
+        # as 8-bit RGB: W&B stores a float array's values as they are (1.0 → level 1, near black)
+        frames = [self._wandb.Image(to_pil(img)) for img in still_images(images)]
         self.run.log({key: frames}, step=step)
 
     def close(self) -> None:
