@@ -82,6 +82,8 @@ class Context:
     dry_run: bool
     device: str
     predict_only: bool = False
+    device_memory_gb: float = 80.0
+    """What the plan is asked to fit (the device's memory, GiB)."""
 
     @property
     def on_gpu(self) -> bool:
@@ -182,11 +184,9 @@ def device_peak(ctx: Context) -> int | None:
     return torch.cuda.max_memory_allocated() if ctx.on_gpu else None
 
 
-def device_gib(ctx: Context) -> float:
-    """The device's memory in GiB (the plan is asked whether the run fits it); 80 on the CPU."""
-    if not ctx.on_gpu:
-        return 80.0
-    return torch.cuda.get_device_properties(torch.device(ctx.device)).total_memory / 2**30
+def device_gib(device: str) -> float:
+    """The memory of CUDA device ``device`` in GiB."""
+    return torch.cuda.get_device_properties(torch.device(device)).total_memory / 2**30
 
 
 def composed(verb: str, overrides: list[str]) -> Any:
@@ -203,7 +203,7 @@ def planned(ctx: Context, overrides: list[str]) -> dict[str, Any]:
     from rlgen_cli.tasks.plan import plan_run
     from rlgen_cli.training.memory import plan as memory_plan
 
-    cfg = composed("plan", [*overrides, f"plan.device_memory_gb={device_gib(ctx)}", "plan.headroom=0"])
+    cfg = composed("plan", [*overrides, f"plan.device_memory_gb={ctx.device_memory_gb}", "plan.headroom=0"])
     with mock.patch.object(memory_plan, "device_fits", lambda *args, **kwargs: []):
         report = plan_run(validated(cfg))
     return {
@@ -213,11 +213,52 @@ def planned(ctx: Context, overrides: list[str]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def against_plan(ctx: Context, overrides: list[str], peak: int | None) -> dict[str, Any]:
-    """The plan's total beside the measured peak, and measured ÷ planned (null on the CPU)."""
-    plan = planned(ctx, overrides)
-    ratio = None if peak is None else round(peak / plan["total_bytes"], 4)
-    return {"peak_bytes": peak, "plan": plan, "peak_vs_plan": ratio}
+class Predictions:
+    """The plans of the rows that compare a peak with one, traced on the meta device by a CPU process of
+    their own (``--predict``) while the device runs the rows: a plan of a large model takes a minute of
+    CPU, which would otherwise come out of the rows' budgets."""
+
+    def __init__(self, ctx: Context, names: list[str], limit: float) -> None:
+        self.rows = [name for name in names if name in PLANNED_ROWS]
+        self.process = None
+        if self.rows:
+            command = [sys.executable, str(Path(__file__).resolve()), "--predict", "--rows", ",".join(self.rows),
+                       "--limit", str(limit), "--device-memory-gb", str(ctx.device_memory_gb)]  # fmt: skip
+            command += ["--dry-run"] if ctx.dry_run else []
+            self.process = subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+            )
+
+    def collect(self, timeout: float) -> dict[str, Any]:
+        """Each planned row's record (``plan`` or why there is none), waiting at most ``timeout`` s."""
+        if self.process is None:
+            return {}
+        try:
+            out, _ = self.process.communicate(timeout=max(timeout, 0.1))
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.communicate()
+            return {name: {"error": "the plan did not finish within the run's limit"} for name in self.rows}
+        lines = out.strip().splitlines()
+        if self.process.returncode != 0 or not lines:
+            return {
+                name: {"error": f"the planning process exited {self.process.returncode}"}
+                for name in self.rows
+            }
+        return json.loads(lines[-1])["rows"]
+
+
+def with_plan(row: dict[str, Any], prediction: dict[str, Any]) -> dict[str, Any]:
+    """``row`` with the plan's prediction and the measured peak ÷ the planned total (null without both)."""
+    if "plan" not in prediction:
+        return {**row, "plan": None, "plan_error": prediction.get("error", prediction.get("status")),
+                "peak_vs_plan": None}  # fmt: skip
+    plan, peak = prediction["plan"], row.get("peak_bytes")
+    return {
+        **row,
+        "plan": plan,
+        "peak_vs_plan": None if peak is None else round(peak / plan["total_bytes"], 4),
+    }
 
 
 @contextlib.contextmanager
@@ -266,7 +307,7 @@ def sd3_epoch(ctx: Context) -> dict[str, Any]:
         "seconds": seconds, "flops_per_forward": per_row, "velocity_rows": dict(meter.rows),
         "tflops": {"rollout": rollout[0], "update": update[0]} if ctx.on_gpu else None,
         "mfu": {"rollout": rollout[1], "update": update[1]} if ctx.on_gpu else None,
-        **against_plan(ctx, overrides, peak),
+        "peak_bytes": peak,
     }  # fmt: skip
 
 
@@ -338,7 +379,8 @@ def best_of_two(ctx: Context, call: Callable[[], torch.Tensor]) -> tuple[float, 
 
 def onpolicy(ctx: Context) -> dict[str, Any]:
     """``check-onpolicy``'s flow check in bf16, as is and with perturbed trainable weights."""
-    from rlgen_cli.tasks.check_onpolicy import _check_flow, perturb_weights
+    from rlgen_cli.recipes.flow_onpolicy import check_rollout_logprobs
+    from rlgen_cli.tasks.check_onpolicy import perturb_weights
 
     if ctx.predict_only:
         return {}
@@ -349,7 +391,7 @@ def onpolicy(ctx: Context) -> dict[str, Any]:
         raw = composed("check_onpolicy", overrides)
         typed = validated(raw)
         perturb = functools.partial(perturb_weights, std=std, seed=typed.seed)
-        worst, passed = _check_flow(typed, raw, perturb)
+        worst, passed = check_rollout_logprobs(typed, raw, perturb)
         arms[arm] = {"max_error": worst, "passed": passed}
     return {
         "tolerance": typed.check.tolerance, "max_ratio_error": arms["as_is"]["max_error"],
@@ -368,7 +410,7 @@ def one_step_row(ctx: Context, overrides: list[str]) -> dict[str, Any]:
         metrics, epoch_s = timed_epoch(ctx, run)
         peak = device_peak(ctx)
     return {"seconds": phase_seconds(metrics, epoch_s), "step_s": round(metrics["time/update"], 3),
-            **against_plan(ctx, overrides, peak)}  # fmt: skip
+            "peak_bytes": peak}  # fmt: skip
 
 
 def flux_step(ctx: Context) -> dict[str, Any]:
@@ -480,6 +522,8 @@ ROWS: dict[str, tuple[Row, float]] = {
     "two_processes": (two_processes, 60.0),
 }
 """Each row and its budget in seconds on a device (a dry run has the same budgets, far from reached)."""
+PLANNED_ROWS = ("sd3_epoch", "flux_step", "wan_step")
+"""The rows whose peak is compared with ``rlgen plan``'s prediction."""
 
 
 # -- running rows within budgets ---------------------------------------------------------------------
@@ -537,11 +581,13 @@ def run_rows(ctx: Context, names: list[str], limit: float) -> dict[str, Any]:
     signal.signal(signal.SIGALRM, _on_alarm)
     signal.signal(signal.SIGTERM, _on_stop)
     started = time.monotonic()
+    predictions = None if ctx.predict_only else Predictions(ctx, names, limit)
     rows: dict[str, Any] = {}
     stopped = None
     for name in names:
         row, budget = ROWS[name]
         left = limit - (time.monotonic() - started)
+        budget = left if ctx.predict_only else min(budget, left)  # predictions: the limit alone
         if stopped or left < 1.0:
             rows[name] = {
                 "status": "skipped",
@@ -549,10 +595,15 @@ def run_rows(ctx: Context, names: list[str], limit: float) -> dict[str, Any]:
             }
             continue
         try:
-            rows[name] = run_row(ctx, name, row, min(budget, left))
+            rows[name] = run_row(ctx, name, row, budget)
         except (Stopped, KeyboardInterrupt):
             stopped = "stopped by a signal"
             rows[name] = {"status": "skipped", "skipped": stopped}
+    if predictions is not None:
+        planned_rows = predictions.collect(0.0 if stopped else limit - (time.monotonic() - started))
+        for name, prediction in planned_rows.items():
+            if rows[name]["status"] == "ok":
+                rows[name] = with_plan(rows[name], prediction)
     return {
         "device": torch.cuda.get_device_name(torch.device(ctx.device)) if ctx.on_gpu else "cpu",
         "dry_run": ctx.dry_run, "predict_only": ctx.predict_only, "limit_s": limit,
@@ -568,6 +619,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {', '.join(ROWS)}")
     parser.add_argument("--limit", type=float, default=LIMIT_S, help="the whole run's limit in seconds")
     parser.add_argument("--device", default="cuda", help="the CUDA device to check (cuda, cuda:N)")
+    parser.add_argument("--device-memory-gb", type=float, default=None,
+                        help="--predict: the memory the plans must fit (default: the device's, else 80)")  # fmt: skip
     args = parser.parse_args(argv)
     unknown = [name for name in args.rows.split(",") if name not in ROWS]
     if unknown:
@@ -580,13 +633,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse(argv)
     if args.dry_run or args.predict:
-        ctx = Context(dry_run=args.dry_run, device="cpu", predict_only=args.predict)
+        memory = args.device_memory_gb or 80.0
+        ctx = Context(dry_run=args.dry_run, device="cpu", predict_only=args.predict, device_memory_gb=memory)
     elif not torch.cuda.is_available():
         print("gpu-check: no CUDA device is visible (torch.cuda.is_available() is False); run it on a machine "
               "with a GPU, or pass --dry-run to run every row at tiny sizes on the CPU", file=sys.stderr)  # fmt: skip
         return EXIT_NO_DEVICE
     else:
-        ctx = Context(dry_run=False, device=args.device)
+        ctx = Context(dry_run=False, device=args.device, device_memory_gb=device_gib(args.device))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     print(json.dumps(run_rows(ctx, args.rows.split(","), args.limit)))
     return 0
