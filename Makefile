@@ -55,10 +55,11 @@ bench: install  ## run every benchmark script; each prints JSON (gpu_check.py: m
 gpu-check: install  ## on a CUDA device: every row of docs/gpu.md in ≤ 8 min, one JSON; ARGS=--dry-run: tiny, on the CPU
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) benchmarks/gpu_check.py $(ARGS)
 
-lint: install-dev  ## ruff over the package, tests and benchmarks; import-linter's layer contracts (pyproject.toml)
+lint: install-dev  ## ruff over the package, tests and benchmarks; import-linter's layer contracts; pyright (pyproject.toml)
 	$(VENV)/bin/ruff check rlgen_cli tests benchmarks
 	$(VENV)/bin/ruff format --check rlgen_cli tests benchmarks
 	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/pyright --pythonpath $(PY)
 
 clean:  ## remove runs, caches and the venv
 	rm -rf $(VENV) outputs multirun .pytest_cache .ruff_cache

@@ -333,7 +333,8 @@ def combine_rewards(
     _check_keys(components, weights)
     _check_components(components, group_ids)
     names = sorted(components)
-    total = sum(float(weights[k]) * components[k] for k in names)  # (N,)
+    start = torch.zeros_like(components[names[0]])  # a Tensor start (not int 0): the same sum, typed Tensor
+    total = sum((float(weights[k]) * components[k] for k in names), start)  # (N,)
     if mode == "sum_then_normalize":
         return group_advantages(total, group_ids, **adv_kwargs)
     assert mode in ("normalize_then_sum", "gdpo"), mode

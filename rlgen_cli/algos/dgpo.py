@@ -135,7 +135,7 @@ def dgpo_loss(
     adv = advantages.detach().to(errors.dtype)
     clipped = (
         clip_mask(errors, old_errors.to(errors.dtype), adv, clip_range)
-        if clip_range > 0
+        if clip_range > 0 and old_errors is not None  # asserted above: clip_range > 0 brings old_errors
         else torch.zeros_like(errors, dtype=torch.bool)
     )
     trained = torch.where(clipped, errors.detach(), errors)

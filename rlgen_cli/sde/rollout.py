@@ -105,7 +105,11 @@ def _take(value: Tensor | None, idx: Tensor | slice) -> Tensor | None:
 
 
 def _join(values: list[Tensor | None]) -> Tensor | None:
-    return None if values[0] is None else torch.cat(values)
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    assert len(present) == len(values), "sub-batches differ in which of their fields are None"
+    return torch.cat(present)
 
 
 def _sigma_max(sigmas: Tensor) -> float:
