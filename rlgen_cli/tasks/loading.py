@@ -14,6 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlgen_cli.schema.model import typed_model_section
 from rlgen_cli.schema.run import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ def checkpoint_model(checkpoint: str, user_overrides: bool = True) -> DictConfig
     its saved section as it is)."""
     from rlgen_cli.training.checkpoints.checkpoint import open_checkpoint
 
-    saved = OmegaConf.merge(OmegaConf.structured(ModelConfig), open_checkpoint(checkpoint).config().model)
+    saved = typed_model_section(open_checkpoint(checkpoint).config().model)
     overrides = OmegaConf.from_dotlist(_model_overrides() if user_overrides else [])
     if "model" in overrides:
         saved = OmegaConf.merge(saved, overrides.model)
@@ -56,12 +57,12 @@ def with_checkpoint_policy(cfg: DictConfig, checkpoint: str | None) -> DictConfi
     policy's weights fit only the parts that made them)."""
     if checkpoint is None:
         return cfg
-    from rlgen_cli.schema.r3 import R3PolicyConfig
+    from rlgen_cli.schema.r3 import typed_policy
     from rlgen_cli.training.checkpoints.checkpoint import open_checkpoint
 
     cfg = cfg.copy()
     saved = open_checkpoint(checkpoint).config().r3.policy
-    cfg.r3.policy = OmegaConf.merge(OmegaConf.structured(R3PolicyConfig), saved)
+    cfg.r3.policy = typed_policy(cfg.model.family, saved)
     return cfg
 
 
@@ -74,8 +75,10 @@ def describe_model(model_cfg: ModelConfig, checkpoint: str | None) -> str:
         source = f"random_init ({model_cfg.variant} architecture, tiny_seed={model_cfg.tiny_seed})"
     else:
         source = f"path={model_cfg.path}" + (f"@{model_cfg.revision}" if model_cfg.revision else "")
-    size = f"{model_cfg.height or model_cfg.resolution}x{model_cfg.width or model_cfg.resolution}"
     trained = f", trained weights of {checkpoint}" if checkpoint else ", base weights"
+    if not hasattr(model_cfg, "resolution"):  # a VLM's section: no image size or guidance to report
+        return f"model.family={model_cfg.family} {source}, dtype={model_cfg.dtype}{trained}"
+    size = f"{model_cfg.height or model_cfg.resolution}x{model_cfg.width or model_cfg.resolution}"
     return (
         f"model.family={model_cfg.family} {source}, dtype={model_cfg.dtype}, {size}, "
         f"guidance_scale={model_cfg.guidance_scale}{trained}"

@@ -89,6 +89,7 @@ def model_problems(cfg: Any) -> list[str]:
     with the hub offline (or ``local_files_only``), a cached hub repository. Tiny and ``random_init``
     models read none."""
     from rlgen_cli.rewards.requirements import ModelSource
+    from rlgen_cli.vlm.assets import model_source
 
     problems = []
     for key, model in model_sections(cfg):
@@ -99,7 +100,8 @@ def model_problems(cfg: Any) -> list[str]:
 
             problems += _problem(lambda model=model: resolve_model_dir(model.path))
             continue
-        problem = ModelSource(f"{key}.path", model.path, local_files_only=model.local_files_only).problem()
+        path = model_source(model.path)  # builtin:NAME = a model shipped with rlgen (the ShapesQA base)
+        problem = ModelSource(f"{key}.path", path, local_files_only=model.local_files_only).problem()
         problems += [] if problem is None else [problem]
     return problems
 

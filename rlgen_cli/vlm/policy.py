@@ -24,6 +24,7 @@ from rlgen_cli.errors import UserError
 from rlgen_cli.models.acceleration import TRANSFORMERS_ATTENTION, compiled, prepare_vlm
 from rlgen_cli.schema.run import ModelConfig
 from rlgen_cli.schema.vlm import VLM_FAMILIES
+from rlgen_cli.vlm.assets import model_source
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +178,7 @@ def _processor(cfg: ModelConfig) -> Any:
     from transformers import AutoProcessor
 
     return AutoProcessor.from_pretrained(
-        cfg.path, min_pixels=vlm.min_pixels, max_pixels=vlm.max_pixels,
+        model_source(cfg.path), min_pixels=vlm.min_pixels, max_pixels=vlm.max_pixels,
         local_files_only=cfg.local_files_only, revision=cfg.revision,
     )  # fmt: skip
 
@@ -197,7 +198,7 @@ def _base_model(cfg: ModelConfig, processor: Any) -> Any:
         "qwen3_vl": "Qwen3VLForConditionalGeneration",
     }
     return getattr(transformers, cls[cfg.family]).from_pretrained(
-        cfg.path,
+        model_source(cfg.path),
         dtype=_DTYPES[cfg.dtype],
         local_files_only=cfg.local_files_only,
         revision=cfg.revision,
