@@ -33,7 +33,7 @@ from torch import Tensor
 
 from rlgen_cli.errors import UserError
 from rlgen_cli.models.base import TORCH_DTYPES
-from rlgen_cli.models.loading import cast_as_loaded, vae_dtype
+from rlgen_cli.models.loading import image_size, patch_multiple, prepare_pipeline, to_unit, vae_dtype
 from rlgen_cli.models.trainable import DiffusersCheckpoint, TrainableTransformer, autocast
 from rlgen_cli.schema.run import ModelConfig
 from rlgen_cli.sde.noise import standard_normal
@@ -130,13 +130,9 @@ class Flux2Model:
         self.cfg = cfg
         self.device = device
         self.dtype = TORCH_DTYPES[cfg.dtype]
-        pipeline.to(device)
-        cast_as_loaded(pipeline.vae, vae_dtype(cfg, fp32_by_default=False))
-        pipeline.set_progress_bar_config(disable=True)
-        for part in (pipeline.vae, pipeline.text_encoder):
-            part.requires_grad_(False).eval()
+        prepare_pipeline(pipeline, device, ("vae", "text_encoder"), vae_dtype(cfg, fp32_by_default=False))
         self.pipeline = pipeline
-        height, width = cfg.height or cfg.resolution, cfg.width or cfg.resolution
+        height, width = image_size(cfg)
         self.token_hw = (self.token_side(height, "height"), self.token_side(width, "width"))
         self.trainable = TrainableTransformer(
             pipeline, cfg, checkpoint=DiffusersCheckpoint(pipeline_class, "Flux2Transformer2DModel")
@@ -144,14 +140,9 @@ class Flux2Model:
 
     def token_side(self, pixels: int, name: str) -> int:
         """Tokens along an image side: the latent is patchified 2×2, so pixels must split evenly."""
-        multiple = self.pipeline.vae_scale_factor * 2
-        if pixels % multiple:
-            raise UserError(
-                f"image {name} {pixels} px is not a multiple of {multiple}: FLUX.2 patchifies 2×2 patches "
-                f"of the {self.pipeline.vae_scale_factor}× downsampled latent; set model.resolution (or "
-                f"model.{name}) to a multiple of {multiple}"
-            )
-        return pixels // multiple
+        factor = self.pipeline.vae_scale_factor
+        why = f"FLUX.2 patchifies 2×2 patches of the {factor}× downsampled latent"
+        return pixels // patch_multiple(self.pipeline, pixels, name, why)
 
     @torch.no_grad()
     def encode_text(self, prompts: Sequence[str]) -> Tensor:
@@ -196,5 +187,4 @@ class Flux2Model:
         mean = vae.bn.running_mean.view(1, -1, 1, 1).float()
         std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1).float() + vae.config.batch_norm_eps)
         latents = self.pipeline._unpatchify_latents(latents * std + mean)
-        images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+        return to_unit(vae.decode(latents.to(vae.dtype), return_dict=False)[0])

@@ -28,13 +28,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rlgen_cli.errors import UserError
-from rlgen_cli.models.base import TORCH_DTYPES, Cond
-from rlgen_cli.models.loading import pack, prepare_pipeline, unpack, vae_dtype
+from rlgen_cli.models._latent_grid import PackedModel
+from rlgen_cli.models.base import Cond
+from rlgen_cli.models.loading import (
+    decode_shifted,
+    pack,
+    unpack,
+)
 from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME as LORA_WEIGHTS_NAME  # re-exported
 from rlgen_cli.models.trainable import DiffusersCheckpoint, TrainableTransformer, autocast
 from rlgen_cli.schema.run import ModelConfig
-from rlgen_cli.sde.noise import standard_normal
 from rlgen_cli.sde.schedule import calculate_mu, dynamic_shift_sigmas, shift_sigmas
 
 FLUX_LORA_TARGETS = [
@@ -85,10 +88,10 @@ def flux_sigmas(num_steps: int, image_tokens: int, scheduler_config: Any, shift:
     return dynamic_shift_sigmas(num_steps, mu)
 
 
-class FluxModel:
+class FluxModel(PackedModel):
     """A FLUX pipeline set up for training: frozen encoders and VAE, the trainable transformer
-    (:attr:`trainable`), the packed-latent geometry and the one transformer call. ``x`` is the packed
-    latent (B, L, D) in fp32.
+    (:attr:`trainable`), the packed-latent geometry (:class:`PackedModel`) and the one transformer call.
+    ``x`` is the packed latent (B, L, D) in fp32.
 
     Args:
         pipeline: A ``FluxPipeline`` or ``FluxKontextPipeline`` (moved to ``device``).
@@ -96,30 +99,17 @@ class FluxModel:
         pipeline_class: The diffusers pipeline class whose ``load_lora_weights`` reads the checkpoints.
     """
 
+    grid_reason = "FLUX packs 2×2 patches of the {factor}× downsampled latent"
+    encoders = ("vae", "text_encoder", "text_encoder_2")
+    fp32_vae = False
+    sigmas = staticmethod(flux_sigmas)
+
     def __init__(self, pipeline: Any, cfg: ModelConfig, device: torch.device, pipeline_class: str) -> None:
-        self.cfg = cfg
-        self.device = device
-        self.dtype = TORCH_DTYPES[cfg.dtype]
-        encoders = ("vae", "text_encoder", "text_encoder_2")
-        prepare_pipeline(pipeline, device, encoders, vae_dtype(cfg, fp32_by_default=False))
-        self.pipeline = pipeline
-        height, width = cfg.height or cfg.resolution, cfg.width or cfg.resolution
-        self.latent_hw = (self.latent_side(height, "height"), self.latent_side(width, "width"))
+        super().__init__(pipeline, cfg, device)
         self.trainable = TrainableTransformer(
             pipeline, cfg, checkpoint=DiffusersCheckpoint(pipeline_class, "FluxTransformer2DModel"),
             exclude=dead_context_outputs(pipeline.transformer) if cfg.lora.enabled else (),
         )  # fmt: skip
-
-    def latent_side(self, pixels: int, name: str) -> int:
-        """Latent size of an image side; it must split into 2×2 patches of the downsampled latent."""
-        multiple = self.pipeline.vae_scale_factor * 2
-        if pixels % multiple:
-            raise UserError(
-                f"image {name} {pixels} px is not a multiple of {multiple}: FLUX packs 2×2 patches of the "
-                f"{self.pipeline.vae_scale_factor}× downsampled latent; set model.resolution (or model.{name}) "
-                f"to a multiple of {multiple}"
-            )
-        return pixels // self.pipeline.vae_scale_factor
 
     @torch.no_grad()
     def encode_text(self, prompts: Sequence[str]) -> dict[str, Tensor]:
@@ -141,16 +131,6 @@ class FluxModel:
         latents = vae.encode(pixels).latent_dist.mode()  # sample_mode="argmax", as the pipeline
         latents = (latents.float() - vae.config.shift_factor) * vae.config.scaling_factor
         return pack(latents), image_ids(h, w, index=index, device=self.device)
-
-    def noise(self, n: int, generator: torch.Generator | Sequence[torch.Generator] | None = None) -> Tensor:
-        """x_1 ~ N(0, I) drawn in the latent shape (n, C, h, w), then packed: fp32 (n, L, 4C)."""
-        shape = (self.pipeline.transformer.config.in_channels // 4, *self.latent_hw)
-        return pack(standard_normal(n, shape, generator, self.device))
-
-    def schedule(self, num_steps: int, x: Tensor) -> Tensor:
-        """(T+1,) sigmas ending at 0 for the image tokens of ``x`` (:func:`flux_sigmas`)."""
-        config = self.pipeline.scheduler.config
-        return flux_sigmas(num_steps, x.shape[1], config, self.cfg.shift).to(self.device)
 
     def velocity(
         self,
@@ -186,7 +166,4 @@ class FluxModel:
     @torch.no_grad()
     def decode(self, x0: Tensor) -> Tensor:
         """Packed latents (B, L, D) → images (B, 3, H, W) in [0, 1], fp32."""
-        vae = self.pipeline.vae
-        latents = unpack(x0, *self.latent_hw) / vae.config.scaling_factor + vae.config.shift_factor
-        images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+        return decode_shifted(self.pipeline.vae, unpack(x0, *self.latent_hw))

@@ -34,13 +34,19 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rlgen_cli.errors import UserError
-from rlgen_cli.models.base import TORCH_DTYPES, Cond, cfg_combine, uncond_takes_grad
-from rlgen_cli.models.loading import pack, prepare_pipeline, unpack, vae_dtype
+from rlgen_cli.models._component_policy import ComponentPolicy
+from rlgen_cli.models._latent_grid import PackedModel
+from rlgen_cli.models.base import Cond, cfg_combine, uncond_takes_grad
+from rlgen_cli.models.loading import (
+    latent_statistics,
+    pack,
+    to_unit,
+    unpack,
+)
 from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME as LORA_WEIGHTS_NAME  # re-exported
 from rlgen_cli.models.trainable import TRANSFORMER_DIR as TRANSFORMER_DIR  # re-exported
 from rlgen_cli.models.trainable import DiffusersCheckpoint, TrainableTransformer, autocast
 from rlgen_cli.schema.run import ModelConfig
-from rlgen_cli.sde.noise import randn_per_sample
 from rlgen_cli.sde.schedule import calculate_mu, dynamic_shift_sigmas, shift_sigmas
 
 QWEN_LORA_TARGETS = [
@@ -110,13 +116,24 @@ def dead_text_outputs(transformer: nn.Module) -> list[str]:
             f"{last}.txt_mlp.net.2"]  # fmt: skip
 
 
+def source_context(cond: Cond, mixed: str) -> tuple[Tensor, tuple[int, int, int]]:
+    """An editing family's source latent tokens and their (frames, h/2, w/2) RoPE shape, which must be one
+    for the whole batch (``mixed``: the error when it is not)."""
+    shapes = cond.tensors["source_shape"]
+    if not bool((shapes == shapes[0]).all()):
+        raise UserError(mixed)
+    frames, h, w = (int(v) for v in shapes[0])
+    return cond.tensors["source_latents"], (frames, h, w)
+
+
 TextEncoder = Callable[[list[str]], tuple[Tensor, Tensor | None]]
 """The pipeline's ``encode_prompt`` for a list of prompts: (embeds (B, S, D), mask (B, S) or None)."""
 
 
-class QwenModel:
+class QwenModel(PackedModel):
     """A Qwen-Image pipeline set up for training: frozen VL encoder, fp32 VAE, the trainable transformer
-    (:attr:`trainable`), the packed-latent geometry and the transformer call with true CFG. ``x`` is the
+    (:attr:`trainable`), the packed-latent geometry (:class:`PackedModel`) and the transformer call with
+    true CFG. ``x`` is the
     packed latent (B, L, D) in fp32.
 
     Args:
@@ -125,31 +142,18 @@ class QwenModel:
         pipeline_class: The diffusers pipeline class whose ``load_lora_weights`` reads the checkpoints.
     """
 
+    grid_reason = "Qwen-Image packs 2×2 patches of the {factor}× downsampled latent"
+    encoders = ("vae", "text_encoder")
+    fp32_vae = True  # upstream: fp32 VAE
+    sigmas = staticmethod(qwen_sigmas)
+
     def __init__(self, pipeline: Any, cfg: ModelConfig, device: torch.device, pipeline_class: str) -> None:
-        self.cfg = cfg
-        self.device = device
-        self.dtype = TORCH_DTYPES[cfg.dtype]
-        fp32_vae = vae_dtype(cfg, fp32_by_default=True)  # upstream: fp32 VAE
-        prepare_pipeline(pipeline, device, ("vae", "text_encoder"), fp32_vae)
-        self.pipeline = pipeline
-        height, width = cfg.height or cfg.resolution, cfg.width or cfg.resolution
-        self.latent_hw = (self.latent_side(height, "height"), self.latent_side(width, "width"))
+        super().__init__(pipeline, cfg, device)
         # Gradient checkpointing: upstream trains the 20 B transformer with activation checkpointing too.
         self.trainable = TrainableTransformer(
             pipeline, cfg, checkpoint=DiffusersCheckpoint(pipeline_class, "QwenImageTransformer2DModel"),
             exclude=dead_text_outputs(pipeline.transformer) if cfg.lora.enabled else (),
         )  # fmt: skip
-
-    def latent_side(self, pixels: int, name: str) -> int:
-        """Latent size of an image side; it must split into 2×2 patches of the downsampled latent."""
-        multiple = self.pipeline.vae_scale_factor * 2
-        if pixels % multiple:
-            raise UserError(
-                f"image {name} {pixels} px is not a multiple of {multiple}: Qwen-Image packs 2×2 patches of "
-                f"the {self.pipeline.vae_scale_factor}× downsampled latent; set model.resolution (or "
-                f"model.{name}) to a multiple of {multiple}"
-            )
-        return pixels // self.pipeline.vae_scale_factor
 
     # -- conditioning -------------------------------------------------------------------------
     def text_branches(
@@ -164,13 +168,6 @@ class QwenModel:
             tensors |= {"neg_prompt_embeds": neg, "neg_prompt_mask": neg_mask}
         return tensors
 
-    def latent_stats(self) -> tuple[Tensor, Tensor]:
-        """The VAE's per-channel latent mean and std, shaped (1, C, 1, 1, 1)."""
-        config = self.pipeline.vae.config
-        mean = torch.tensor(config.latents_mean, device=self.device).view(1, -1, 1, 1, 1)
-        std = torch.tensor(config.latents_std, device=self.device).view(1, -1, 1, 1, 1)
-        return mean, std
-
     @torch.no_grad()
     def encode_image(self, images: Tensor, what: str) -> tuple[Tensor, Tensor]:
         """Packed, normalised VAE latents (B, L', 4C) fp32 of images (B, 3, H, W) in [0, 1] (posterior
@@ -179,25 +176,10 @@ class QwenModel:
         w = self.latent_side(images.shape[3], f"width ({what})")
         vae = self.pipeline.vae
         pixels = (images.to(self.device, vae.dtype) * 2 - 1).unsqueeze(2)  # (B, 3, 1, H, W) in [-1, 1]
-        mean, std = self.latent_stats()
+        mean, std = latent_statistics(self.pipeline.vae, self.device)
         latents = (vae.encode(pixels).latent_dist.mode().float() - mean) / std  # (B, C, 1, h, w)
         shape = torch.tensor([[1, h // 2, w // 2]], device=self.device)
         return pack(latents[:, :, 0]), shape
-
-    # -- sampling geometry --------------------------------------------------------------------
-    def noise(self, n: int, generator: torch.Generator | Sequence[torch.Generator] | None = None) -> Tensor:
-        """x_1 ~ N(0, I) drawn in the latent shape (n, C, h, w), then packed: fp32 (n, L, 4C)."""
-        shape = (self.pipeline.transformer.config.in_channels // 4, *self.latent_hw)
-        if generator is None or isinstance(generator, torch.Generator):
-            latents = torch.randn((n, *shape), generator=generator, device=self.device)
-        else:
-            latents = randn_per_sample(shape, generator[:n], self.device)
-        return pack(latents)
-
-    def schedule(self, num_steps: int, x: Tensor) -> Tensor:
-        """(T+1,) sigmas ending at 0 for the image tokens of ``x`` (see :func:`qwen_sigmas`)."""
-        config = self.pipeline.scheduler.config
-        return qwen_sigmas(num_steps, x.shape[1], config, self.cfg.shift).to(self.device)
 
     # -- the one transformer call -------------------------------------------------------------
     def velocity(
@@ -249,7 +231,17 @@ class QwenModel:
     def decode(self, x0: Tensor) -> Tensor:
         """Packed latents (B, L, D) → images (B, 3, H, W) in [0, 1], fp32."""
         vae = self.pipeline.vae
-        mean, std = self.latent_stats()
+        mean, std = latent_statistics(self.pipeline.vae, self.device)
         latents = unpack(x0.float(), *self.latent_hw).unsqueeze(2) / (1.0 / std) + mean  # (B, C, 1, h, w)
-        images = vae.decode(latents.to(vae.dtype), return_dict=False)[0][:, :, 0]
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+        return to_unit(vae.decode(latents.to(vae.dtype), return_dict=False)[0][:, :, 0])
+
+
+class QwenPolicy(ComponentPolicy):
+    """The Qwen-Image adapters' common half: a :class:`QwenModel` component, true CFG when guidance > 1."""
+
+    component = QwenModel
+    true_cfg = True
+
+    @property
+    def latent_hw(self) -> tuple[int, int]:
+        return self.model.latent_hw

@@ -153,6 +153,15 @@ def cfg_combine(uncond: Tensor, cond: Tensor, scale: float) -> Tensor:
     return uncond + scale * (cond - uncond)
 
 
+def cfg_two_passes(cond: Tensor, unconditional: Callable[[], Tensor], scale: float) -> Tensor:
+    """u + g·(c − u) for families whose pipelines run the branches as two calls (Wan, FLUX.2-klein,
+    Qwen-Image 2.x): c is already computed, u is ``unconditional()``, run without autograd unless the
+    unconditional branch is differentiated (:func:`cfg_gradient`; no activations kept, same values)."""
+    with contextlib.nullcontext() if uncond_takes_grad() else torch.no_grad():
+        uncond = unconditional()
+    return cfg_combine(uncond, cond, scale)
+
+
 def add_lora(
     module: nn.Module, rank: int, alpha: int, targets: Sequence[str], init: str, exclude: Sequence[str] = ()
 ) -> None:

@@ -19,13 +19,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
+from rlgen_cli.models._component_policy import ComponentPolicy
 from rlgen_cli.models._flux_common import FLUX_LORA_TARGETS, LORA_WEIGHTS_NAME, FluxModel
-from rlgen_cli.models.base import Capabilities, Cond
-from rlgen_cli.models.loading import in_model_dtype, load_pipeline
-from rlgen_cli.models.prompt_cache import cache_prompt_embeddings
-from rlgen_cli.models.real_size import flow_pipeline
+from rlgen_cli.models.base import Cond
+from rlgen_cli.models.building import family_pipeline, with_prompt_cache
+from rlgen_cli.models.loading import load_pipeline
 from rlgen_cli.models.tiny import tiny_flux_pipeline
 from rlgen_cli.schema.run import ModelConfig
 
@@ -39,52 +39,20 @@ def load_flux_pipeline(cfg: ModelConfig) -> Any:
     return load_pipeline(FluxPipeline, cfg, "FLUX")
 
 
-class FluxPolicy:
+class FluxPolicy(ComponentPolicy):
     """FLUX.1-dev (see the module docstring): text conditioning, guidance embedded, no negative branch."""
 
     family = "flux"
-
-    def __init__(self, pipeline: Any, cfg: ModelConfig, device: torch.device) -> None:
-        self.cfg = cfg
-        self.device = device
-        self.guidance_scale = cfg.guidance_scale
-        self.flux = FluxModel(pipeline, cfg, device, pipeline_class="FluxPipeline")
-        self.pipeline = pipeline
-        self.trainable = self.flux.trainable
-        self.capabilities = Capabilities()
-
-    @property
-    def transformer(self) -> nn.Module:
-        return self.pipeline.transformer
+    component = FluxModel
+    pipeline_class = "FluxPipeline"
 
     def encode(self, prompts: Sequence[str], images: Tensor | None = None) -> Cond:
         """Text conditioning only (no negative branch: guidance is embedded)."""
-        return Cond(self.flux.encode_text(prompts))
-
-    def noise(self, n: int, generator: torch.Generator | Sequence[torch.Generator] | None = None) -> Tensor:
-        return self.flux.noise(n, generator)
-
-    def schedule(self, num_steps: int, x: Tensor) -> Tensor:
-        return self.flux.schedule(num_steps, x)
-
-    def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
-        return self.flux.velocity(x, sigma, cond, self.guidance_scale, context=None)
-
-    def decode(self, x0: Tensor) -> Tensor:
-        return self.flux.decode(x0)
+        return Cond(self.model.encode_text(prompts))
 
 
 def build(cfg: ModelConfig, device: torch.device) -> FluxPolicy:
-    """The registry's entry point: the tiny pipeline when ``cfg.tiny``, the published architecture at random
-    init when ``cfg.weights`` is ``random_init`` (``models/real_size.py``), else the loaded one."""
-    if cfg.weights == "random_init":
-        pipeline = in_model_dtype(flow_pipeline(cfg, device), cfg)
-    else:
-        pipeline = (
-            in_model_dtype(tiny_flux_pipeline(cfg.tiny_seed), cfg) if cfg.tiny else load_flux_pipeline(cfg)
-        )
-    policy = FluxPolicy(pipeline, cfg, device)
-    cache_prompt_embeddings(
-        policy, cfg.prompt_cache_mb, (pipeline.text_encoder, pipeline.text_encoder_2)
-    )  # a batch seen before is reused
-    return policy
+    """The registry's entry point: random-init, tiny or loaded pipeline (``models/building.py``)."""
+    pipeline = family_pipeline(cfg, device, tiny_flux_pipeline, load_flux_pipeline)
+    encoders = (pipeline.text_encoder, pipeline.text_encoder_2)
+    return with_prompt_cache(FluxPolicy(pipeline, cfg, device), cfg, encoders)

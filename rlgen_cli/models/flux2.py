@@ -16,13 +16,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from rlgen_cli.errors import UserError
+from rlgen_cli.models._component_policy import ComponentPolicy
 from rlgen_cli.models._flux2_common import FLUX2_LORA_TARGETS, Flux2Model, refuse_step_distilled
-from rlgen_cli.models.base import Capabilities, Cond
-from rlgen_cli.models.loading import in_model_dtype, load_pipeline
-from rlgen_cli.models.prompt_cache import cache_prompt_embeddings
+from rlgen_cli.models.base import Cond
+from rlgen_cli.models.building import family_pipeline, with_prompt_cache
+from rlgen_cli.models.loading import load_pipeline
 from rlgen_cli.models.tiny import tiny_flux2_pipeline
 from rlgen_cli.schema.run import ModelConfig
 
@@ -37,10 +38,12 @@ def load_flux2_pipeline(cfg: ModelConfig) -> Any:
     return load_pipeline(Flux2Pipeline, cfg, "FLUX.2")
 
 
-class Flux2Policy:
+class Flux2Policy(ComponentPolicy):
     """FLUX.2-dev (see the module docstring): text conditioning, guidance embedded, no negative branch."""
 
     family = "flux2"
+    component = Flux2Model
+    pipeline_class = "Flux2Pipeline"
 
     def __init__(self, pipeline: Any, cfg: ModelConfig, device: torch.device) -> None:
         if not pipeline.transformer.config.guidance_embeds:
@@ -48,42 +51,17 @@ class Flux2Policy:
                 f"model.path={cfg.path!r} has no guidance embedding, so it is not FLUX.2-dev: for FLUX.2-klein "
                 "checkpoints use model=flux2_klein"
             )
-        self.cfg = cfg
-        self.device = device
-        self.guidance_scale = cfg.guidance_scale
-        self.flux2 = Flux2Model(pipeline, cfg, device, pipeline_class="Flux2Pipeline")
-        self.pipeline = pipeline
-        self.trainable = self.flux2.trainable
-        self.capabilities = Capabilities()
-
-    @property
-    def transformer(self) -> nn.Module:
-        return self.pipeline.transformer
+        super().__init__(pipeline, cfg, device)
 
     def encode(self, prompts: Sequence[str], images: Tensor | None = None) -> Cond:
         """Text conditioning only (no negative branch: guidance is embedded)."""
-        return Cond({"prompt_embeds": self.flux2.encode_text(prompts)})
-
-    def noise(self, n: int, generator: torch.Generator | Sequence[torch.Generator] | None = None) -> Tensor:
-        return self.flux2.noise(n, generator)
-
-    def schedule(self, num_steps: int, x: Tensor) -> Tensor:
-        return self.flux2.schedule(num_steps, x)
+        return Cond({"prompt_embeds": self.model.encode_text(prompts)})
 
     def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
-        return self.flux2.forward(x, sigma, cond.tensors["prompt_embeds"], guidance=self.guidance_scale)
-
-    def decode(self, x0: Tensor) -> Tensor:
-        return self.flux2.decode(x0)
+        return self.model.forward(x, sigma, cond.tensors["prompt_embeds"], guidance=self.guidance_scale)
 
 
 def build(cfg: ModelConfig, device: torch.device) -> Flux2Policy:
-    """The registry's entry point: the tiny pipeline when ``cfg.tiny``, else the loaded one."""
-    pipeline = (
-        in_model_dtype(tiny_flux2_pipeline(cfg.tiny_seed), cfg) if cfg.tiny else load_flux2_pipeline(cfg)
-    )
-    policy = Flux2Policy(pipeline, cfg, device)
-    cache_prompt_embeddings(
-        policy, cfg.prompt_cache_mb, (pipeline.text_encoder,)
-    )  # a batch seen before is reused
-    return policy
+    """The registry's entry point: tiny or loaded pipeline (``models/building.py``)."""
+    pipeline = family_pipeline(cfg, device, tiny_flux2_pipeline, load_flux2_pipeline)
+    return with_prompt_cache(Flux2Policy(pipeline, cfg, device), cfg, (pipeline.text_encoder,))

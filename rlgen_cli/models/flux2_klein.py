@@ -17,13 +17,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from rlgen_cli.errors import UserError
+from rlgen_cli.models._component_policy import ComponentPolicy
 from rlgen_cli.models._flux2_common import FLUX2_LORA_TARGETS, Flux2Model, refuse_step_distilled
-from rlgen_cli.models.base import Capabilities, Cond, cfg_combine, uncond_takes_grad
-from rlgen_cli.models.loading import in_model_dtype, load_pipeline
-from rlgen_cli.models.prompt_cache import PromptCache, cache_prompt_embeddings
+from rlgen_cli.models.base import Cond, cfg_two_passes
+from rlgen_cli.models.building import family_pipeline, with_prompt_cache
+from rlgen_cli.models.loading import load_pipeline
+from rlgen_cli.models.prompt_cache import PromptCache
 from rlgen_cli.models.tiny import tiny_flux2_klein_pipeline
 from rlgen_cli.schema.run import ModelConfig
 
@@ -56,36 +58,34 @@ def load_flux2_klein_pipeline(cfg: ModelConfig) -> Any:
     return load_pipeline(Flux2KleinPipeline, cfg, "FLUX.2-klein")
 
 
-class Flux2KleinPolicy:
+class Flux2KleinPolicy(ComponentPolicy):
     """FLUX.2-klein base (see the module docstring): text conditioning, true CFG when guidance > 1."""
 
     family = "flux2_klein"
+    component = Flux2Model
+    pipeline_class = "Flux2KleinPipeline"
+    true_cfg = True
 
     def __init__(self, pipeline: Any, cfg: ModelConfig, device: torch.device) -> None:
         refuse_step_distilled(bool(pipeline.config.get("is_distilled", False)), cfg.path, BASE_HINT)
-        self.cfg = cfg
-        self.device = device
-        self.guidance_scale = cfg.guidance_scale
-        self.capabilities = Capabilities(has_cfg=cfg.guidance_scale > 1.0)
         self._negatives = PromptCache(int(cfg.prompt_cache_mb * 2**20)) if cfg.prompt_cache_mb > 0 else None
-        self.flux2 = Flux2Model(pipeline, cfg, device, pipeline_class="Flux2KleinPipeline")
-        self.pipeline = pipeline
-        self.trainable = self.flux2.trainable
+        super().__init__(pipeline, cfg, device)
 
     @property
-    def transformer(self) -> nn.Module:
-        return self.pipeline.transformer
+    def flux2(self) -> Flux2Model:
+        """The FLUX.2 component (its ``forward`` is one transformer pass without CFG)."""
+        return self.model
 
     def encode(self, prompts: Sequence[str], images: Tensor | None = None) -> Cond:
         """Prompt embeddings, and the negative prompt's when guidance > 1."""
-        tensors = {"prompt_embeds": self.flux2.encode_text(prompts)}
+        tensors = {"prompt_embeds": self.model.encode_text(prompts)}
         if self.guidance_scale > 1.0:
             tensors["neg_prompt_embeds"] = self._negative(len(prompts))
         return Cond(tensors)
 
     def _negative(self, n: int) -> Tensor:
         """The negative prompt as a batch of ``n``, encoded once per batch size (the encoder is frozen)."""
-        encode = functools.partial(self.flux2.encode_text, [self.cfg.negative_prompt] * n)
+        encode = functools.partial(self.model.encode_text, [self.cfg.negative_prompt] * n)
         if self._negatives is None:
             return encode()
         key = (n, self.cfg.negative_prompt, self.cfg.max_sequence_length)
@@ -93,38 +93,17 @@ class Flux2KleinPolicy:
             "neg_prompt_embeds"
         ]
 
-    def noise(self, n: int, generator: torch.Generator | Sequence[torch.Generator] | None = None) -> Tensor:
-        return self.flux2.noise(n, generator)
-
-    def schedule(self, num_steps: int, x: Tensor) -> Tensor:
-        return self.flux2.schedule(num_steps, x)
-
     def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
         """v(x, σ) with true CFG folded in (two passes, as the pipeline: prompt, then negative prompt)."""
-        embeds = cond.tensors["prompt_embeds"]
+        conditional = self.model.forward(x, sigma, cond.tensors["prompt_embeds"], guidance=None)
         if self.guidance_scale <= 1.0:
-            return self.flux2.forward(x, sigma, embeds, guidance=None)
+            return conditional
         negative = cond.tensors["neg_prompt_embeds"]
-        conditional = self.flux2.forward(x, sigma, embeds, guidance=None)
-        if uncond_takes_grad():
-            uncond = self.flux2.forward(x, sigma, negative, guidance=None)
-        else:  # the unconditional branch without autograd (models/base.py: cfg_gradient)
-            with torch.no_grad():
-                uncond = self.flux2.forward(x, sigma, negative, guidance=None)
-        return cfg_combine(uncond, conditional, self.guidance_scale)
-
-    def decode(self, x0: Tensor) -> Tensor:
-        return self.flux2.decode(x0)
+        unconditional = functools.partial(self.model.forward, x, sigma, negative, guidance=None)
+        return cfg_two_passes(conditional, unconditional, self.guidance_scale)
 
 
 def build(cfg: ModelConfig, device: torch.device) -> Flux2KleinPolicy:
-    """The registry's entry point: the tiny pipeline when ``cfg.tiny``, else the loaded one."""
-    if cfg.tiny:
-        pipeline = in_model_dtype(tiny_flux2_klein_pipeline(cfg.tiny_seed), cfg)
-    else:
-        pipeline = load_flux2_klein_pipeline(cfg)
-    policy = Flux2KleinPolicy(pipeline, cfg, device)
-    cache_prompt_embeddings(
-        policy, cfg.prompt_cache_mb, (pipeline.text_encoder,)
-    )  # a batch seen before is reused
-    return policy
+    """The registry's entry point: tiny or loaded pipeline (``models/building.py``)."""
+    pipeline = family_pipeline(cfg, device, tiny_flux2_klein_pipeline, load_flux2_klein_pipeline)
+    return with_prompt_cache(Flux2KleinPolicy(pipeline, cfg, device), cfg, (pipeline.text_encoder,))

@@ -22,14 +22,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from rlgen_cli.errors import UserError
+from rlgen_cli.models._component_policy import ComponentPolicy, check_sources
 from rlgen_cli.models._flux_common import FLUX_LORA_TARGETS, LORA_WEIGHTS_NAME, FluxModel
-from rlgen_cli.models.base import Capabilities, Cond
-from rlgen_cli.models.loading import in_model_dtype, load_pipeline
-from rlgen_cli.models.prompt_cache import cache_prompt_embeddings
-from rlgen_cli.models.real_size import flow_pipeline
+from rlgen_cli.models.base import Cond
+from rlgen_cli.models.building import family_pipeline, with_prompt_cache
+from rlgen_cli.models.loading import load_pipeline
 from rlgen_cli.models.tiny import tiny_flux_kontext_pipeline
 from rlgen_cli.schema.run import ModelConfig
 
@@ -55,23 +54,13 @@ def load_flux_kontext_pipeline(cfg: ModelConfig) -> Any:
     return load_pipeline(FluxKontextPipeline, cfg, "FLUX.1-Kontext")
 
 
-class FluxKontextPolicy:
+class FluxKontextPolicy(ComponentPolicy):
     """FLUX.1-Kontext (see the module docstring); ``encode`` needs the source images."""
 
     family = "flux_kontext"
-
-    def __init__(self, pipeline: Any, cfg: ModelConfig, device: torch.device) -> None:
-        self.cfg = cfg
-        self.device = device
-        self.guidance_scale = cfg.guidance_scale
-        self.flux = FluxModel(pipeline, cfg, device, pipeline_class="FluxKontextPipeline")
-        self.pipeline = pipeline
-        self.trainable = self.flux.trainable
-        self.capabilities = Capabilities(takes_source_images=True)
-
-    @property
-    def transformer(self) -> nn.Module:
-        return self.pipeline.transformer
+    component = FluxModel
+    pipeline_class = "FluxKontextPipeline"
+    edits = True
 
     def encode(self, prompts: Sequence[str], images: Tensor | None = None) -> Cond:
         """Text conditioning plus the packed source latents (B, L', D) and their ids (B, L', 3).
@@ -83,48 +72,24 @@ class FluxKontextPolicy:
         Raises:
             UserError: If the images are missing or do not match the prompts.
         """
-        if images is None:
-            raise UserError(
-                "FLUX.1-Kontext is an editing model: encode needs source images (B, 3, H, W) in [0, 1]; give "
-                'every dataset line an "image" path (jsonl lines like {"prompt": ..., "image": "src/0.png"})'
-            )
-        if images.dim() != 4 or images.shape[1] != 3 or images.shape[0] != len(prompts):
-            raise UserError(
-                f"source images must be (B, 3, H, W) with B = {len(prompts)} prompts, got {tuple(images.shape)}"
-            )
-        tensors = self.flux.encode_text(prompts)
-        tokens, ids = self.flux.encode_image(images, index=SOURCE_INDEX)
+        images = check_sources(
+            images, len(prompts),
+            "FLUX.1-Kontext is an editing model: encode needs source images (B, 3, H, W) in [0, 1]; give "
+            'every dataset line an "image" path (jsonl lines like {"prompt": ..., "image": "src/0.png"})',
+        )  # fmt: skip
+        tensors = self.model.encode_text(prompts)
+        tokens, ids = self.model.encode_image(images, index=SOURCE_INDEX)
         tensors["source_latents"] = tokens
         tensors["source_ids"] = ids.expand(len(prompts), -1, -1)
         return Cond(tensors)
 
-    def noise(self, n: int, generator: torch.Generator | Sequence[torch.Generator] | None = None) -> Tensor:
-        return self.flux.noise(n, generator)
-
-    def schedule(self, num_steps: int, x: Tensor) -> Tensor:
-        """The target tokens' schedule: μ counts target tokens only, as the pipeline does."""
-        return self.flux.schedule(num_steps, x)
-
-    def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
-        """The target tokens' velocity, with the source tokens appended to the transformer's sequence."""
-        source = (cond.tensors["source_latents"], cond.tensors["source_ids"][0])
-        return self.flux.velocity(x, sigma, cond, self.guidance_scale, context=source)
-
-    def decode(self, x0: Tensor) -> Tensor:
-        return self.flux.decode(x0)
+    def context(self, cond: Cond) -> tuple[Tensor, Tensor]:
+        """The source tokens and their ids, appended after the target tokens."""
+        return cond.tensors["source_latents"], cond.tensors["source_ids"][0]
 
 
 def build(cfg: ModelConfig, device: torch.device) -> FluxKontextPolicy:
-    """The registry's entry point: the tiny pipeline when ``cfg.tiny``, the published architecture at random
-    init when ``cfg.weights`` is ``random_init`` (``models/real_size.py``), else the loaded one."""
-    if cfg.weights == "random_init":
-        pipeline = in_model_dtype(flow_pipeline(cfg, device), cfg)
-    elif cfg.tiny:
-        pipeline = in_model_dtype(tiny_flux_kontext_pipeline(cfg.tiny_seed), cfg)
-    else:
-        pipeline = load_flux_kontext_pipeline(cfg)
-    policy = FluxKontextPolicy(pipeline, cfg, device)
-    cache_prompt_embeddings(
-        policy, cfg.prompt_cache_mb, (pipeline.text_encoder, pipeline.text_encoder_2)
-    )  # a batch seen before is reused
-    return policy
+    """The registry's entry point: random-init, tiny or loaded pipeline (``models/building.py``)."""
+    pipeline = family_pipeline(cfg, device, tiny_flux_kontext_pipeline, load_flux_kontext_pipeline)
+    encoders = (pipeline.text_encoder, pipeline.text_encoder_2)
+    return with_prompt_cache(FluxKontextPolicy(pipeline, cfg, device), cfg, encoders)

@@ -67,11 +67,35 @@ def prepare_pipeline(pipeline: Any, device: torch.device, frozen: tuple[str, ...
     transformer is left to ``TrainableTransformer``."""
     pipeline.to(device)
     cast_as_loaded(pipeline.vae, vae)
+    freeze_on(pipeline, device, frozen)  # the move again is a no-op
+
+
+def freeze_on(pipeline: Any, device: torch.device, frozen: tuple[str, ...]) -> None:
+    """``pipeline`` on ``device``, its progress bar off, the components named in ``frozen`` (absent ones
+    skipped) without gradients and in eval mode; dtypes untouched."""
+    pipeline.to(device)
     pipeline.set_progress_bar_config(disable=True)
     for name in frozen:
         part = getattr(pipeline, name, None)
         if part is not None:
             part.requires_grad_(False).eval()
+
+
+def image_size(cfg: ModelConfig) -> tuple[int, int]:
+    """(height, width) in pixels: ``model.height`` / ``model.width``, each defaulting to ``model.resolution``."""
+    return cfg.height or cfg.resolution, cfg.width or cfg.resolution
+
+
+def patch_multiple(pipeline: Any, pixels: int, name: str, why: str) -> int:
+    """The pixel multiple an image side needs when the transformer groups 2×2 latent cells
+    (2 · ``vae_scale_factor``); a side off that grid is a :class:`UserError` whose reason is ``why``."""
+    multiple = pipeline.vae_scale_factor * 2
+    if pixels % multiple:
+        raise UserError(
+            f"image {name} {pixels} px is not a multiple of {multiple}: {why}; set model.resolution (or "
+            f"model.{name}) to a multiple of {multiple}"
+        )
+    return multiple
 
 
 def kept_in_fp32(module: nn.Module, dtype: torch.dtype) -> frozenset[str]:
@@ -122,3 +146,23 @@ def unpack(tokens: Tensor, h: int, w: int) -> Tensor:
     b, _, d = tokens.shape
     patches = tokens.view(b, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
     return patches.reshape(b, d // 4, h, w)
+
+
+def latent_statistics(vae: Any, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The VAE's per-channel latent mean and std from its config, each (1, C, 1, 1, 1) fp32 (the video
+    VAEs of Wan and Qwen-Image normalise latents as (z − mean) / std)."""
+    mean = torch.tensor(vae.config.latents_mean, device=device).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std, device=device).view(1, -1, 1, 1, 1)
+    return mean, std
+
+
+def to_unit(images: Tensor) -> Tensor:
+    """The VAE's output in [-1, 1] → fp32 in [0, 1]."""
+    return (images.float() / 2 + 0.5).clamp(0, 1)
+
+
+def decode_shifted(vae: Any, latents: Tensor) -> Tensor:
+    """Latents (B, C, h, w) as the transformer sees them → images (B, 3, H, W) in [0, 1], fp32: un-scaled and
+    un-shifted by the VAE config's ``scaling_factor`` / ``shift_factor`` (SD3, FLUX.1, Z-Image)."""
+    latents = latents / vae.config.scaling_factor + vae.config.shift_factor
+    return to_unit(vae.decode(latents.to(vae.dtype), return_dict=False)[0])

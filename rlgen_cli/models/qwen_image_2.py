@@ -35,6 +35,7 @@ images (the pipeline's ``image=``) is not wired in: the family is text-to-image 
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -44,14 +45,19 @@ import torch
 from torch import Tensor, nn
 
 from rlgen_cli.errors import UserError
+from rlgen_cli.models._latent_grid import LatentGrid
 from rlgen_cli.models._qwen_common import pad_text
-from rlgen_cli.models.base import TORCH_DTYPES, Capabilities, Cond, cfg_combine, uncond_takes_grad
-from rlgen_cli.models.loading import in_model_dtype, load_pipeline, prepare_pipeline, vae_dtype
-from rlgen_cli.models.prompt_cache import cache_prompt_embeddings
+from rlgen_cli.models.base import Capabilities, Cond, cfg_two_passes
+from rlgen_cli.models.building import family_pipeline, with_prompt_cache
+from rlgen_cli.models.loading import (
+    latent_statistics,
+    load_pipeline,
+    to_unit,
+)
 from rlgen_cli.models.tiny.qwen_image_2 import tiny_qwen_image_2_pipeline
 from rlgen_cli.models.trainable import DiffusersCheckpoint, TrainableTransformer, autocast
 from rlgen_cli.schema.run import ModelConfig
-from rlgen_cli.sde.noise import randn_per_sample
+from rlgen_cli.sde.noise import standard_normal
 from rlgen_cli.sde.schedule import calculate_mu, shift_sigmas
 
 log = logging.getLogger(__name__)
@@ -112,21 +118,17 @@ def over_white(rgba: Tensor) -> Tensor:
     return rgb * alpha + (1.0 - alpha)
 
 
-class QwenImage2Policy:
+class QwenImage2Policy(LatentGrid):
     """Qwen-Image 2.x: Qwen3-VL text conditioning, one block-causal sequence, plain CFG in ``velocity``."""
 
     family = "qwen_image_2"
+    fp32_vae = True
+    grid_reason = "Qwen-Image 2.x gives each 2×2 group of the {factor}× downsampled latent one encoder slot"
 
     def __init__(self, pipeline: Any, cfg: ModelConfig, device: torch.device) -> None:
-        self.cfg = cfg
-        self.device = device
-        self.dtype = TORCH_DTYPES[cfg.dtype]
+        super().__init__(pipeline, cfg, device)
         self.guidance_scale = cfg.guidance_scale
         self.capabilities = Capabilities(has_cfg=cfg.guidance_scale > 1.0)
-        prepare_pipeline(pipeline, device, ("vae", "text_encoder"), vae_dtype(cfg, fp32_by_default=True))
-        self.pipeline = pipeline
-        height, width = cfg.height or cfg.resolution, cfg.width or cfg.resolution
-        self.latent_hw = (self._latent_side(height, "height"), self._latent_side(width, "width"))
         self._warn_about_a_shipped_grid()
         self.trainable = TrainableTransformer(
             pipeline, cfg, checkpoint=DiffusersCheckpoint("QwenImage21Pipeline", "QwenImage21Transformer2DModel"),
@@ -135,17 +137,6 @@ class QwenImage2Policy:
     @property
     def transformer(self) -> nn.Module:
         return self.pipeline.transformer
-
-    def _latent_side(self, pixels: int, name: str) -> int:
-        """Latent size of an image side; it must hold whole 2×2 groups of the 16× downsampled latent."""
-        multiple = self.pipeline.vae_scale_factor * 2
-        if pixels % multiple:
-            raise UserError(
-                f"image {name} {pixels} px is not a multiple of {multiple}: Qwen-Image 2.x gives each 2×2 "
-                f"group of the {self.pipeline.vae_scale_factor}× downsampled latent one encoder slot; set "
-                f"model.resolution (or model.{name}) to a multiple of {multiple}"
-            )
-        return pixels // self.pipeline.vae_scale_factor
 
     def _warn_about_a_shipped_grid(self) -> None:
         shipped = self.pipeline.config.get("sample_sigmas")
@@ -193,11 +184,7 @@ class QwenImage2Policy:
     def noise(self, n: int, generator: torch.Generator | Sequence[torch.Generator] | None = None) -> Tensor:
         """x_1 ~ N(0, I) drawn in the latent shape (n, C, h, w), flattened: fp32 (n, h·w, C)."""
         shape = (self.transformer.config.in_channels, *self.latent_hw)
-        if generator is None or isinstance(generator, torch.Generator):
-            latents = torch.randn((n, *shape), generator=generator, device=self.device)
-        else:
-            latents = randn_per_sample(shape, generator[:n], self.device)
-        return latents.flatten(2).transpose(1, 2)
+        return standard_normal(n, shape, generator, self.device).flatten(2).transpose(1, 2)
 
     def schedule(self, num_steps: int, x: Tensor) -> Tensor:
         """(T+1,) sigmas ending at 0 for the image tokens of ``x`` (see :func:`qwen_image_2_sigmas`)."""
@@ -213,13 +200,9 @@ class QwenImage2Policy:
         cond_v = self._by_prompt_length(x, t, tensors["prompt_embeds"], tensors["prompt_mask"])
         if self.guidance_scale <= 1.0:
             return cond_v
-        neg, neg_mask = tensors["neg_prompt_embeds"], tensors["neg_prompt_mask"]
-        if uncond_takes_grad():
-            uncond_v = self._by_prompt_length(x, t, neg, neg_mask)
-        else:  # detached anyway: no activations kept (see base.cfg_gradient)
-            with torch.no_grad():
-                uncond_v = self._by_prompt_length(x, t, neg, neg_mask)
-        return cfg_combine(uncond_v, cond_v, self.guidance_scale)
+        negative = (tensors["neg_prompt_embeds"], tensors["neg_prompt_mask"])
+        unconditional = functools.partial(self._by_prompt_length, x, t, *negative)
+        return cfg_two_passes(cond_v, unconditional, self.guidance_scale)
 
     def _by_prompt_length(self, x: Tensor, t: Tensor, embeds: Tensor, mask: Tensor) -> Tensor:
         """One transformer call per distinct prompt length, each prompt unpadded; rows back in order."""
@@ -250,11 +233,9 @@ class QwenImage2Policy:
         """Flattened latents (B, h·w, C) → the VAE's images (B, channels, H, W) in [0, 1], fp32."""
         vae = self.pipeline.vae
         batch, _, channels = x0.shape
-        mean = torch.tensor(vae.config.latents_mean, device=self.device).view(1, -1, 1, 1, 1)
-        std = torch.tensor(vae.config.latents_std, device=self.device).view(1, -1, 1, 1, 1)
+        mean, std = latent_statistics(vae, self.device)
         latents = x0.float().transpose(1, 2).reshape(batch, channels, 1, *self.latent_hw) * std + mean
-        images = vae.decode(latents.to(vae.dtype), return_dict=False)[0][:, :, 0]
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+        return to_unit(vae.decode(latents.to(vae.dtype), return_dict=False)[0][:, :, 0])
 
     def decode(self, x0: Tensor) -> Tensor:
         """Flattened latents (B, h·w, C) → RGB images (B, 3, H, W) in [0, 1]: RGBA over white."""
@@ -263,14 +244,6 @@ class QwenImage2Policy:
 
 
 def build(cfg: ModelConfig, device: torch.device) -> QwenImage2Policy:
-    """The registry's entry point: the tiny pipeline when ``cfg.tiny``, else the loaded one."""
-    pipeline = (
-        in_model_dtype(tiny_qwen_image_2_pipeline(cfg.tiny_seed), cfg)
-        if cfg.tiny
-        else load_qwen_image_2_pipeline(cfg)
-    )
-    policy = QwenImage2Policy(pipeline, cfg, device)
-    cache_prompt_embeddings(
-        policy, cfg.prompt_cache_mb, (pipeline.text_encoder,)
-    )  # a batch seen before is reused
-    return policy
+    """The registry's entry point: tiny or loaded pipeline (``models/building.py``)."""
+    pipeline = family_pipeline(cfg, device, tiny_qwen_image_2_pipeline, load_qwen_image_2_pipeline)
+    return with_prompt_cache(QwenImage2Policy(pipeline, cfg, device), cfg, (pipeline.text_encoder,))

@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 from PIL import Image
-from torch import Tensor, nn
+from torch import Tensor
 
 from rlgen_cli.errors import UserError
-from rlgen_cli.models._qwen_common import QWEN_LORA_TARGETS, QwenModel, pad_text
-from rlgen_cli.models.base import Capabilities, Cond
-from rlgen_cli.models.loading import in_model_dtype, load_pipeline
-from rlgen_cli.models.prompt_cache import cache_prompt_embeddings
+from rlgen_cli.models._qwen_common import QWEN_LORA_TARGETS, QwenPolicy, pad_text, source_context
+from rlgen_cli.models.base import Cond
+from rlgen_cli.models.building import family_pipeline, with_prompt_cache
+from rlgen_cli.models.loading import load_pipeline
 from rlgen_cli.models.qwen_image_edit import to_pil
 from rlgen_cli.models.tiny import tiny_qwen_image_edit_plus_pipeline
 from rlgen_cli.schema.run import ModelConfig
@@ -59,27 +59,12 @@ def as_source_stack(images: Tensor | None, batch: int) -> Tensor:
     return images
 
 
-class QwenImageEditPlusPolicy:
+class QwenImageEditPlusPolicy(QwenPolicy):
     """Qwen-Image-Edit-Plus: prompt + N sources through the VL encoder, source latents as extra tokens."""
 
     family = "qwen_image_edit_plus"
-
-    def __init__(self, pipeline: Any, cfg: ModelConfig, device: torch.device) -> None:
-        self.cfg = cfg
-        self.device = device
-        self.guidance_scale = cfg.guidance_scale
-        self.qwen = QwenModel(pipeline, cfg, device, pipeline_class="QwenImageEditPlusPipeline")
-        self.pipeline = pipeline
-        self.trainable = self.qwen.trainable
-        self.capabilities = Capabilities(takes_source_images=True, has_cfg=cfg.guidance_scale > 1.0)
-
-    @property
-    def transformer(self) -> nn.Module:
-        return self.pipeline.transformer
-
-    @property
-    def latent_hw(self) -> tuple[int, int]:
-        return self.qwen.latent_hw
+    pipeline_class = "QwenImageEditPlusPipeline"
+    edits = True
 
     @torch.no_grad()
     def encode(self, prompts: Sequence[str], images: Tensor | None = None) -> Cond:
@@ -100,10 +85,10 @@ class QwenImageEditPlusPolicy:
             padded = [pad_text(embeds, mask, longest) for embeds, mask in parts]
             return torch.cat([e for e, _ in padded]), torch.cat([m for _, m in padded])
 
-        tensors = self.qwen.text_branches(encode_each, prompts, self.guidance_scale > 1.0)
+        tensors = self.model.text_branches(encode_each, prompts, self.guidance_scale > 1.0)
         latents, shapes = zip(
             *(
-                self.qwen.encode_image(sources[:, i], f"source image {i + 1}")
+                self.model.encode_image(sources[:, i], f"source image {i + 1}")
                 for i in range(sources.shape[1])
             ),
             strict=True,
@@ -129,34 +114,14 @@ class QwenImageEditPlusPolicy:
     def _encode(self, text: str, images: list[Image.Image]) -> tuple[Tensor, Tensor | None]:
         return self.pipeline.encode_prompt(prompt=[text], image=images, device=self.device)
 
-    def noise(self, n: int, generator: torch.Generator | Sequence[torch.Generator] | None = None) -> Tensor:
-        return self.qwen.noise(n, generator)
-
-    def schedule(self, num_steps: int, x: Tensor) -> Tensor:
-        return self.qwen.schedule(num_steps, x)
-
-    def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
-        """The target tokens' velocity, with every source's latent tokens appended to the sequence."""
-        shapes = cond.tensors["source_shape"]
-        if not bool((shapes == shapes[0]).all()):
-            raise UserError("a batch mixes source images of different sizes or counts; give them one of each")
-        frames, h, w = (int(v) for v in shapes[0])
-        context = (cond.tensors["source_latents"], (frames, h, w))
-        return self.qwen.velocity(x, sigma, cond, self.guidance_scale, context=context)
-
-    def decode(self, x0: Tensor) -> Tensor:
-        return self.qwen.decode(x0)
+    def context(self, cond: Cond) -> tuple[Tensor, tuple[int, int, int]]:
+        """Every source's latent tokens and their (N, h/2, w/2) RoPE block (one per batch)."""
+        mixed = "a batch mixes source images of different sizes or counts; give them one of each"
+        return source_context(cond, mixed)
 
 
 def build(cfg: ModelConfig, device: torch.device) -> QwenImageEditPlusPolicy:
-    """The registry's entry point: the tiny pipeline when ``cfg.tiny``, else the loaded one."""
-    pipeline = (
-        in_model_dtype(tiny_qwen_image_edit_plus_pipeline(cfg.tiny_seed), cfg)
-        if cfg.tiny
-        else load_qwen_image_edit_plus_pipeline(cfg)
-    )
-    policy = QwenImageEditPlusPolicy(pipeline, cfg, device)
-    cache_prompt_embeddings(
-        policy, cfg.prompt_cache_mb, (pipeline.text_encoder,)
-    )  # a batch seen before is reused
-    return policy
+    """The registry's entry point: tiny or loaded pipeline (``models/building.py``)."""
+    load = load_qwen_image_edit_plus_pipeline
+    pipeline = family_pipeline(cfg, device, tiny_qwen_image_edit_plus_pipeline, load)
+    return with_prompt_cache(QwenImageEditPlusPolicy(pipeline, cfg, device), cfg, (pipeline.text_encoder,))

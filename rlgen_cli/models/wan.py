@@ -29,24 +29,24 @@ projections of every block: ``attn1.{to_q,to_k,to_v,to_out.0}`` and ``attn2.{…
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from rlgen_cli.errors import UserError
-from rlgen_cli.models.base import (
-    TORCH_DTYPES,
-    Capabilities,
-    Cond,
-    cfg_combine,
-    uncond_takes_grad,
+from rlgen_cli.models.base import TORCH_DTYPES, Capabilities, Cond, cfg_two_passes
+from rlgen_cli.models.building import family_pipeline, with_prompt_cache
+from rlgen_cli.models.loading import (
+    cast_as_loaded,
+    freeze_on,
+    image_size,
+    latent_statistics,
+    load_dtypes,
+    vae_dtype,
 )
-from rlgen_cli.models.loading import cast_as_loaded, in_model_dtype, load_dtypes, vae_dtype
-from rlgen_cli.models.prompt_cache import cache_prompt_embeddings
-from rlgen_cli.models.real_size import flow_pipeline
 from rlgen_cli.models.tiny import tiny_wan_pipeline
 from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME as LORA_WEIGHTS_NAME  # re-exported
 from rlgen_cli.models.trainable import TRANSFORMER_DIR as TRANSFORMER_DIR  # re-exported
@@ -129,7 +129,7 @@ def check_geometry(cfg: ModelConfig, pipeline) -> None:
     """Refuse sizes Wan cannot represent exactly (WanPipeline rounds them silently)."""
     temporal, spatial = pipeline.vae_scale_factor_temporal, pipeline.vae_scale_factor_spatial
     _, patch_h, patch_w = pipeline.transformer.config.patch_size
-    height, width = cfg.height or cfg.resolution, cfg.width or cfg.resolution
+    height, width = image_size(cfg)
     if height % (spatial * patch_h) or width % (spatial * patch_w):
         raise UserError(
             f"model.height×width={height}×{width} must be multiples of {spatial * patch_h}×{spatial * patch_w} "
@@ -154,13 +154,15 @@ class WanPolicy:
         self.dtype = TORCH_DTYPES[cfg.dtype]
         self.guidance_scale = cfg.guidance_scale
         self.capabilities = Capabilities(has_cfg=cfg.guidance_scale > 1.0, is_video=True)
-        pipeline.to(device)
-        pipeline.set_progress_bar_config(disable=True)
-        for part in (pipeline.vae, pipeline.text_encoder):
-            part.requires_grad_(False).eval()
+        freeze_on(pipeline, device, ("vae", "text_encoder"))  # the VAE keeps the loader's dtype
         self.pipeline = pipeline
         if cfg.lora.enabled:
-            _check_targets(pipeline.transformer, cfg.lora.target_modules)
+            check_targets(
+                pipeline.transformer,
+                cfg.lora.target_modules,
+                "WanTransformer3DModel (SD3's names do not apply)",
+                "wan2_1",
+            )
         # Checkpointing keeps 33-frame activations affordable during updates.
         self.trainable = TrainableTransformer(
             pipeline,
@@ -176,25 +178,12 @@ class WanPolicy:
     @torch.no_grad()
     def encode(self, prompts: Sequence[str], images: Tensor | None = None) -> Cond:
         """UMT5 prompt embeddings (B, L, D) (+ the negative prompt's when guidance > 1)."""
-        use_cfg = self.guidance_scale > 1.0
-        embeds, neg_embeds = self.pipeline.encode_prompt(
-            prompt=list(prompts), negative_prompt=[self.cfg.negative_prompt] * len(prompts) if use_cfg else None,
-            do_classifier_free_guidance=use_cfg, max_sequence_length=self.cfg.max_sequence_length,
-            device=self.device, dtype=self.dtype,
-        )  # fmt: skip
-        tensors = {"prompt_embeds": embeds}
-        if use_cfg:
-            tensors["neg_prompt_embeds"] = neg_embeds
-        return Cond(tensors)
+        return Cond(umt5_text(self.pipeline, prompts, self.cfg, self.device))
 
     # -- sampling geometry --------------------------------------------------------------------
     def latent_shape(self) -> tuple[int, int, int, int]:
         """(C, F', H', W') of one video latent."""
-        cfg, pipe = self.cfg, self.pipeline
-        height, width = cfg.height or cfg.resolution, cfg.width or cfg.resolution
-        frames = (cfg.num_frames - 1) // pipe.vae_scale_factor_temporal + 1
-        spatial = pipe.vae_scale_factor_spatial
-        return (self.transformer.config.in_channels, frames, height // spatial, width // spatial)
+        return video_latent_shape(self.cfg, self.pipeline, self.transformer.config.in_channels)
 
     def noise(self, n: int, generator: torch.Generator | Sequence[torch.Generator] | None = None) -> Tensor:
         """Initial latents x_1 ~ N(0, I), fp32, (n, C, F', H', W'); one generator per sample or one for all."""
@@ -208,22 +197,12 @@ class WanPolicy:
     def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
         """v(x, σ) with CFG folded in; x (B, C, F', H', W') fp32, sigma 0-d or (B,); returns fp32 x-shaped."""
         timestep = wan_timestep(sigma.reshape(-1).expand(x.shape[0])).to(self.device)
-        v_cond = self._forward(x, timestep, cond.tensors["prompt_embeds"])
+        forward = functools.partial(wan_forward, self.trainable.forward_module, x, timestep, dtype=self.dtype)
+        v_cond = forward(cond.tensors["prompt_embeds"])
         if self.guidance_scale <= 1.0:
             return v_cond
-        # a separate forward: without its gradient it need not keep activations (same values either way)
-        with contextlib.nullcontext() if uncond_takes_grad() else torch.no_grad():
-            v_uncond = self._forward(x, timestep, cond.tensors["neg_prompt_embeds"])
-        return cfg_combine(v_uncond, v_cond, self.guidance_scale)
-
-    def _forward(self, x: Tensor, timestep: Tensor, embeds: Tensor) -> Tensor:
-        """One transformer pass in the model dtype; latents in and velocity out stay fp32 outside."""
-        with autocast(self.device, self.dtype):
-            out = self.trainable.forward_module()(
-                hidden_states=x.to(self.dtype), timestep=timestep, encoder_hidden_states=embeds.to(self.dtype),
-                return_dict=False,
-            )[0]  # fmt: skip
-        return out.float()
+        unconditional = functools.partial(forward, cond.tensors["neg_prompt_embeds"])
+        return cfg_two_passes(v_cond, unconditional, self.guidance_scale)
 
     @torch.no_grad()
     def decode(self, x0: Tensor) -> Tensor:
@@ -234,46 +213,64 @@ class WanPolicy:
         return decode_wan_latents(self.pipeline.vae, x0)
 
 
-def latent_statistics(vae, device: torch.device) -> tuple[Tensor, Tensor]:
-    """The Wan VAE's per-channel latent mean and std, each (1, C, 1, 1, 1) fp32: x = (z − mean) / std."""
-    shape = (1, vae.config.z_dim, 1, 1, 1)
-    mean = torch.tensor(vae.config.latents_mean, device=device).view(shape)
-    std = torch.tensor(vae.config.latents_std, device=device).view(shape)
-    return mean, std
+def umt5_text(pipeline, prompts: Sequence[str], cfg: ModelConfig, device: torch.device) -> dict[str, Tensor]:
+    """WanPipeline's UMT5 prompt embeddings (B, L, D) in ``model.dtype``, and the negative prompt's
+    (``neg_prompt_embeds``) when guidance > 1."""
+    use_cfg = cfg.guidance_scale > 1.0
+    embeds, neg_embeds = pipeline.encode_prompt(
+        prompt=list(prompts), negative_prompt=[cfg.negative_prompt] * len(prompts) if use_cfg else None,
+        do_classifier_free_guidance=use_cfg, max_sequence_length=cfg.max_sequence_length,
+        device=device, dtype=TORCH_DTYPES[cfg.dtype],
+    )  # fmt: skip
+    return (
+        {"prompt_embeds": embeds, "neg_prompt_embeds": neg_embeds} if use_cfg else {"prompt_embeds": embeds}
+    )
+
+
+def video_latent_shape(cfg: ModelConfig, pipeline, channels: int) -> tuple[int, int, int, int]:
+    """(C, F', H', W') of one video latent with ``channels`` channels: F' = (F − 1)/t + 1, H', W' = H/s, W/s
+    for the VAE's temporal and spatial factors t, s."""
+    height, width = image_size(cfg)
+    frames = (cfg.num_frames - 1) // pipeline.vae_scale_factor_temporal + 1
+    spatial = pipeline.vae_scale_factor_spatial
+    return (channels, frames, height // spatial, width // spatial)
+
+
+def wan_forward(
+    module: Callable[[], nn.Module], x: Tensor, timestep: Tensor, embeds: Tensor, dtype: torch.dtype
+) -> Tensor:
+    """One pass of the Wan transformer ``module()`` (asked per pass: DDP-wrapped only with grad) in ``dtype``;
+    latents (with any I2V condition channels) in and velocity out stay fp32 outside."""
+    with autocast(timestep.device, dtype):
+        out = module()(
+            hidden_states=x.to(dtype), timestep=timestep, encoder_hidden_states=embeds.to(dtype), return_dict=False,
+        )[0]  # fmt: skip
+    return out.float()
 
 
 @torch.no_grad()
 def decode_wan_latents(vae, x0: Tensor) -> Tensor:
     """Normalised latents (B, C, F', H', W') → videos (B, 3, F, H, W) in [0, 1], fp32."""
-    mean, std = latent_statistics(vae, x0.device)
+    mean, std = latent_statistics(vae, x0.device)  # x = (z − mean) / std
     latents = x0.float() * std + mean  # WanPipeline: x / (1/std) + mean
     videos = vae.decode(latents.to(vae.dtype), return_dict=False)[0]  # (B, 3, F, H, W) in [-1, 1]
     return (videos.float() / 2 + 0.5).clamp(0, 1)
 
 
-def _check_targets(transformer: nn.Module, targets: Sequence[str]) -> None:
-    """Fail early, with Wan's own target names, when no LoRA target names a Linear of the transformer."""
+def check_targets(transformer: nn.Module, targets: Sequence[str], layers: str, family: str) -> None:
+    """Fail early, with the family's own target names, when no LoRA target names a Linear of the
+    transformer (``layers`` names it in the error)."""
     names = [n for n, m in transformer.named_modules() if isinstance(m, nn.Linear)]
     if not any(n == t or n.endswith(f".{t}") for n in names for t in targets):
         raise UserError(
-            f"model.lora.target_modules={list(targets)} matches no layer of WanTransformer3DModel (SD3's "
-            f"names do not apply); use model=wan2_1's targets: {WAN_LORA_TARGETS}"
+            f"model.lora.target_modules={list(targets)} matches no layer of {layers}; use "
+            f"model={family}'s targets: {WAN_LORA_TARGETS}"
         )
 
 
 def build(cfg: ModelConfig, device: torch.device) -> WanPolicy:
-    """The registry's entry point: the tiny pipeline when ``cfg.tiny``, the published architecture at random
-    init when ``cfg.weights`` is ``random_init`` (``models/real_size.py``), else the loaded one."""
-    if cfg.weights == "random_init":  # the VAE in fp32, as load_wan_pipeline keeps it
-        pipeline = in_model_dtype(flow_pipeline(cfg, device), cfg, keep_fp32=("vae",))
-    elif cfg.tiny:
-        pipeline = in_model_dtype(
-            tiny_wan_pipeline(cfg.tiny_seed, cfg.max_sequence_length), cfg, keep_fp32=("vae",)
-        )
-    else:
-        pipeline = load_wan_pipeline(cfg)
-    policy = WanPolicy(pipeline, cfg, device)
-    cache_prompt_embeddings(
-        policy, cfg.prompt_cache_mb, (pipeline.text_encoder,)
-    )  # a batch seen before is reused
-    return policy
+    """The registry's entry point: random-init, tiny or loaded pipeline (``models/building.py``), the VAE in
+    fp32 as :func:`load_wan_pipeline` keeps it."""
+    tiny = functools.partial(tiny_wan_pipeline, max_sequence_length=cfg.max_sequence_length)
+    pipeline = family_pipeline(cfg, device, tiny, load_wan_pipeline, keep_fp32=("vae",))
+    return with_prompt_cache(WanPolicy(pipeline, cfg, device), cfg, (pipeline.text_encoder,))

@@ -29,6 +29,7 @@ embedding.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -37,17 +38,20 @@ from torch import Tensor, nn
 
 from rlgen_cli.errors import UserError
 from rlgen_cli.models.acceleration import prepare_frozen_transformer
-from rlgen_cli.models.base import TORCH_DTYPES, Capabilities, Cond, cfg_combine, uncond_takes_grad
-from rlgen_cli.models.loading import cast_as_loaded, frozen_dtype, in_model_dtype, load_pipeline, vae_dtype
-from rlgen_cli.models.prompt_cache import cache_prompt_embeddings
+from rlgen_cli.models.base import TORCH_DTYPES, Capabilities, Cond, cfg_two_passes
+from rlgen_cli.models.building import family_pipeline, with_prompt_cache
+from rlgen_cli.models.loading import cast_as_loaded, freeze_on, frozen_dtype, load_pipeline, vae_dtype
 from rlgen_cli.models.tiny.wan22 import tiny_wan22_pipeline
-from rlgen_cli.models.trainable import DiffusersCheckpoint, TrainableTransformer, autocast
+from rlgen_cli.models.trainable import DiffusersCheckpoint, TrainableTransformer
 from rlgen_cli.models.wan import (
     NUM_TRAIN_TIMESTEPS,
-    WAN_LORA_TARGETS,
     check_geometry,
+    check_targets,
     decode_wan_latents,
     latent_statistics,
+    umt5_text,
+    video_latent_shape,
+    wan_forward,
     wan_sigmas,
     wan_timestep,
 )
@@ -178,14 +182,11 @@ class Wan22Policy:
         self.capabilities = Capabilities(
             takes_source_images=self.image_to_video, has_cfg=cfg.guidance_scale > 1.0, is_video=True
         )
-        pipeline.to(device)
-        pipeline.set_progress_bar_config(disable=True)
-        for part in (pipeline.vae, pipeline.text_encoder):
-            part.requires_grad_(False).eval()
+        freeze_on(pipeline, device, ("vae", "text_encoder"))  # the VAE keeps the loader's dtype
         self.pipeline = pipeline
         self._text = _text_pipeline(pipeline)
         if cfg.lora.enabled:
-            _check_targets(pipeline.transformer, cfg.lora.target_modules)
+            check_targets(pipeline.transformer, cfg.lora.target_modules, "the Wan2.2 experts", "wan2_2")
         self.trainable = ExpertPair(pipeline, cfg)
 
     @property
@@ -201,15 +202,7 @@ class Wan22Policy:
         first-frame conditioning (B, 4 + C, F', H', W') fp32 from ``images`` (B, 3, H, W) in [0, 1]."""
         if self.image_to_video and images is None:
             raise UserError("Wan2.2 I2V animates a first frame: pass one source image per prompt")
-        use_cfg = self.guidance_scale > 1.0
-        embeds, neg_embeds = self._text.encode_prompt(
-            prompt=list(prompts), negative_prompt=[self.cfg.negative_prompt] * len(prompts) if use_cfg else None,
-            do_classifier_free_guidance=use_cfg, max_sequence_length=self.cfg.max_sequence_length,
-            device=self.device, dtype=self.dtype,
-        )  # fmt: skip
-        tensors = {"prompt_embeds": embeds}
-        if use_cfg:
-            tensors["neg_prompt_embeds"] = neg_embeds
+        tensors = umt5_text(self._text, prompts, self.cfg, self.device)
         if images is not None:
             tensors["image_condition"] = self._first_frame_condition(images)
         return Cond(tensors)
@@ -235,11 +228,7 @@ class Wan22Policy:
     # -- sampling geometry --------------------------------------------------------------------
     def latent_shape(self) -> tuple[int, int, int, int]:
         """(C, F', H', W') of one video latent."""
-        cfg, pipe = self.cfg, self.pipeline
-        height, width = cfg.height or cfg.resolution, cfg.width or cfg.resolution
-        frames = (cfg.num_frames - 1) // pipe.vae_scale_factor_temporal + 1
-        spatial = pipe.vae_scale_factor_spatial
-        return (pipe.vae.config.z_dim, frames, height // spatial, width // spatial)
+        return video_latent_shape(self.cfg, self.pipeline, self.pipeline.vae.config.z_dim)
 
     def noise(self, n: int, generator: torch.Generator | Sequence[torch.Generator] | None = None) -> Tensor:
         """Initial latents x_1 ~ N(0, I), fp32, (n, C, F', H', W'); one generator per sample or one for all."""
@@ -269,21 +258,13 @@ class Wan22Policy:
     def _expert_velocity(self, name: str, x: Tensor, timestep: Tensor, cond: Cond) -> Tensor:
         image = cond.tensors.get("image_condition")
         inputs = x if image is None else torch.cat([x, image], dim=1)  # I2V: latent, mask, first frame
-        v_cond = self._forward(name, inputs, timestep, cond.tensors["prompt_embeds"])
+        module = functools.partial(self.trainable.forward_module, name)
+        forward = functools.partial(wan_forward, module, inputs, timestep, dtype=self.dtype)
+        v_cond = forward(cond.tensors["prompt_embeds"])
         if self.guidance_scale <= 1.0:
             return v_cond
-        with contextlib.nullcontext() if uncond_takes_grad() else torch.no_grad():
-            v_uncond = self._forward(name, inputs, timestep, cond.tensors["neg_prompt_embeds"])
         scale = self.guidance_scale if name == EXPERTS[0] else self.guidance_scale_2
-        return cfg_combine(v_uncond, v_cond, scale)
-
-    def _forward(self, name: str, inputs: Tensor, timestep: Tensor, embeds: Tensor) -> Tensor:
-        with autocast(self.device, self.dtype):
-            out = self.trainable.forward_module(name)(
-                hidden_states=inputs.to(self.dtype), timestep=timestep, encoder_hidden_states=embeds.to(self.dtype),
-                return_dict=False,
-            )[0]  # fmt: skip
-        return out.float()
+        return cfg_two_passes(v_cond, functools.partial(forward, cond.tensors["neg_prompt_embeds"]), scale)
 
     @torch.no_grad()
     def decode(self, x0: Tensor) -> Tensor:
@@ -317,23 +298,13 @@ def _check_guidance(cfg: ModelConfig) -> None:
         )
 
 
-def _check_targets(transformer: nn.Module, targets: Sequence[str]) -> None:
-    names = [n for n, m in transformer.named_modules() if isinstance(m, nn.Linear)]
-    if not any(n == t or n.endswith(f".{t}") for n in names for t in targets):
-        raise UserError(
-            f"model.lora.target_modules={list(targets)} matches no layer of the Wan2.2 experts; use "
-            f"model=wan2_2's targets: {WAN_LORA_TARGETS}"
-        )
-
-
 def build(cfg: ModelConfig, device: torch.device) -> Wan22Policy:
-    """The registry's entry point for ``wan2_2`` and ``wan2_2_i2v``: tiny pipeline or loaded one."""
+    """The registry's entry point for ``wan2_2`` and ``wan2_2_i2v``: tiny or loaded pipeline
+    (``models/building.py``), the VAE in fp32 as :func:`load_wan22_pipeline` keeps it."""
     image_to_video = cfg.family == "wan2_2_i2v"
-    if cfg.tiny:
-        tiny = tiny_wan22_pipeline(cfg.tiny_seed, cfg.max_sequence_length, image_to_video=image_to_video)
-        pipeline = in_model_dtype(tiny, cfg, keep_fp32=("vae",))
-    else:
-        pipeline = load_wan22_pipeline(cfg, image_to_video)
-    policy = Wan22Policy(pipeline, cfg, device)
-    cache_prompt_embeddings(policy, cfg.prompt_cache_mb, (pipeline.text_encoder,))
-    return policy
+    tiny = functools.partial(
+        tiny_wan22_pipeline, max_sequence_length=cfg.max_sequence_length, image_to_video=image_to_video
+    )
+    load = functools.partial(load_wan22_pipeline, image_to_video=image_to_video)
+    pipeline = family_pipeline(cfg, device, tiny, load, keep_fp32=("vae",))
+    return with_prompt_cache(Wan22Policy(pipeline, cfg, device), cfg, (pipeline.text_encoder,))

@@ -31,9 +31,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rlgen_cli.errors import UserError
-from rlgen_cli.models.base import TORCH_DTYPES, Capabilities, Cond, cfg_combine, uncond_takes_grad
-from rlgen_cli.models.loading import in_model_dtype, load_pipeline, prepare_pipeline, vae_dtype
-from rlgen_cli.models.prompt_cache import cache_prompt_embeddings
+from rlgen_cli.models._latent_grid import LatentGrid
+from rlgen_cli.models.base import Capabilities, Cond, cfg_combine, uncond_takes_grad
+from rlgen_cli.models.building import family_pipeline, with_prompt_cache
+from rlgen_cli.models.loading import (
+    decode_shifted,
+    load_pipeline,
+)
 from rlgen_cli.models.tiny import tiny_z_image_pipeline
 from rlgen_cli.models.trainable import DiffusersCheckpoint, TrainableTransformer, autocast
 from rlgen_cli.schema.run import ModelConfig
@@ -93,21 +97,17 @@ def pad_captions(captions: Sequence[Tensor], length: int) -> tuple[Tensor, Tenso
     return embeds, mask
 
 
-class ZImagePolicy:
+class ZImagePolicy(LatentGrid):
     """Z-Image: Qwen3 caption features, single-stream transformer, CFG inside ``velocity``."""
 
     family = "z_image"
+    fp32_vae = True
+    grid_reason = "Z-Image patchifies 2×2 patches of the {factor}× downsampled latent"
 
     def __init__(self, pipeline: Any, cfg: ModelConfig, device: torch.device) -> None:
-        self.cfg = cfg
-        self.device = device
-        self.dtype = TORCH_DTYPES[cfg.dtype]
+        super().__init__(pipeline, cfg, device)
         self.guidance_scale = cfg.guidance_scale
         self.capabilities = Capabilities(has_cfg=cfg.guidance_scale > 1.0)
-        prepare_pipeline(pipeline, device, ("vae", "text_encoder"), vae_dtype(cfg, fp32_by_default=True))
-        self.pipeline = pipeline
-        height, width = cfg.height or cfg.resolution, cfg.width or cfg.resolution
-        self.latent_hw = (self._latent_side(height, "height"), self._latent_side(width, "width"))
         self.trainable = TrainableTransformer(
             pipeline, cfg, checkpoint=DiffusersCheckpoint("ZImagePipeline", "ZImageTransformer2DModel"),
         )  # fmt: skip
@@ -115,17 +115,6 @@ class ZImagePolicy:
     @property
     def transformer(self) -> nn.Module:
         return self.pipeline.transformer
-
-    def _latent_side(self, pixels: int, name: str) -> int:
-        """Latent size of an image side; the transformer cuts the latent into 2×2 patches."""
-        multiple = self.pipeline.vae_scale_factor * 2
-        if pixels % multiple:
-            raise UserError(
-                f"image {name} {pixels} px is not a multiple of {multiple}: Z-Image patchifies 2×2 patches of "
-                f"the {self.pipeline.vae_scale_factor}× downsampled latent; set model.resolution (or "
-                f"model.{name}) to a multiple of {multiple}"
-            )
-        return pixels // self.pipeline.vae_scale_factor
 
     # -- conditioning -------------------------------------------------------------------------
     @torch.no_grad()
@@ -192,19 +181,10 @@ class ZImagePolicy:
     @torch.no_grad()
     def decode(self, x0: Tensor) -> Tensor:
         """Latents (B, C, h, w) → images (B, 3, H, W) in [0, 1], fp32."""
-        vae = self.pipeline.vae
-        latents = x0.float() / vae.config.scaling_factor + vae.config.shift_factor
-        images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+        return decode_shifted(self.pipeline.vae, x0.float())
 
 
 def build(cfg: ModelConfig, device: torch.device) -> ZImagePolicy:
-    """The registry's entry point: the tiny pipeline when ``cfg.tiny``, else the loaded one."""
-    pipeline = (
-        in_model_dtype(tiny_z_image_pipeline(cfg.tiny_seed), cfg) if cfg.tiny else load_z_image_pipeline(cfg)
-    )
-    policy = ZImagePolicy(pipeline, cfg, device)
-    cache_prompt_embeddings(
-        policy, cfg.prompt_cache_mb, (pipeline.text_encoder,)
-    )  # a batch seen before is reused
-    return policy
+    """The registry's entry point: tiny or loaded pipeline (``models/building.py``)."""
+    pipeline = family_pipeline(cfg, device, tiny_z_image_pipeline, load_z_image_pipeline)
+    return with_prompt_cache(ZImagePolicy(pipeline, cfg, device), cfg, (pipeline.text_encoder,))

@@ -33,7 +33,6 @@ then differ from HPSv3's).
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,19 +43,11 @@ from PIL import Image
 from torch import Tensor, nn
 
 from rlgen_cli.rewards.base import RewardBatch, RewardResult
-from rlgen_cli.rewards.checkpoints import (
-    check_checkpoint_path,
-    check_image_batch,
-    load_state_dict_file,
-    materialise,
-    resolve_checkpoint,
-    typed_kwargs,
-)
-from rlgen_cli.rewards.clip import resolve_device, resolve_dtype, to_pil_images
+from rlgen_cli.rewards.checkpoint_reward import CheckpointReward
+from rlgen_cli.rewards.checkpoints import check_image_batch, typed_kwargs
+from rlgen_cli.rewards.clip import to_pil_images
 from rlgen_cli.rewards.registry import register
 from rlgen_cli.rewards.requirements import ModelSource, kwargs_sources
-
-logger = logging.getLogger(__name__)
 
 __all__ = [
     "HPSV3_BASE", "HPSV3_CHECKPOINT", "INSTRUCTION_SOURCE", "PLACEHOLDER", "POSITIONS", "REWARD_TOKEN",
@@ -252,7 +243,7 @@ class HPSv3Kwargs:
     positions: str = "sequential"
 
 
-class HPSv3Reward:
+class HPSv3Reward(CheckpointReward):
     """HPSv3 ``μ`` per (prompt, image); the model loads on the first :meth:`score`.
 
     Attributes:
@@ -260,16 +251,14 @@ class HPSv3Reward:
     """
 
     name = "hpsv3"
+    download_hint = _DOWNLOAD_HINT
 
     def __init__(self, kwargs: HPSv3Kwargs) -> None:
-        check_checkpoint_path(kwargs.model_path, self.name, "model_path", _DOWNLOAD_HINT)
+        super().__init__(kwargs)
         if kwargs.image_pixels <= 0:
             raise ValueError(f"reward.kwargs.hpsv3.image_pixels={kwargs.image_pixels}; use a positive count.")
         check_positions(kwargs.positions)
         self.instruction = read_instruction(kwargs.instruction_path)
-        self.kwargs = kwargs
-        self.device, self.dtype = resolve_device(kwargs.device), resolve_dtype(kwargs.dtype)
-        self._model: HPSv3Model | None = None
         self._processor: Any = None
 
     def requirements(self) -> list[ModelSource]:
@@ -293,20 +282,14 @@ class HPSv3Reward:
             from transformers import AutoConfig
 
             self._processor = self._load_processor()
-            path = resolve_checkpoint(
-                self.kwargs.model_path, self.name, "model_path", _DOWNLOAD_HINT, self.kwargs.local_files_only
-            )
-            logger.info("loading hpsv3 from %s on %s (%s)", path, self.device, self.dtype)
-            state = hpsv3_state_dict(load_state_dict_file(path))
+            path, state = self.read_checkpoint(hpsv3_state_dict)
             config = AutoConfig.from_pretrained(
                 self.kwargs.base_path, local_files_only=self.kwargs.local_files_only
             )
             embed = state.get("backbone.language_model.embed_tokens.weight")
             if embed is not None:  # the checkpoint grew the vocabulary by the reward token
                 config.text_config.vocab_size = int(embed.shape[0])
-            model = materialise(
-                lambda: HPSv3Model(config, self.kwargs.positions), state, self.dtype, self.device, str(path)
-            )
+            model = self.place(lambda: HPSv3Model(config, self.kwargs.positions), state, path)
             model.rm_head.float()
             self._model = model
         return self._model

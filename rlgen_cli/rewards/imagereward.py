@@ -24,7 +24,6 @@ OpenAI mean/std.
 
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -34,19 +33,11 @@ import torch
 from torch import Tensor, nn
 
 from rlgen_cli.rewards.base import RewardBatch, RewardResult
-from rlgen_cli.rewards.checkpoints import (
-    check_checkpoint_path,
-    check_image_batch,
-    load_state_dict_file,
-    materialise,
-    resolve_checkpoint,
-    typed_kwargs,
-)
-from rlgen_cli.rewards.clip import AestheticHead, resolve_device, resolve_dtype, to_pil_images
+from rlgen_cli.rewards.checkpoint_reward import CheckpointReward
+from rlgen_cli.rewards.checkpoints import check_image_batch, typed_kwargs
+from rlgen_cli.rewards.clip import AestheticHead, to_pil_images
 from rlgen_cli.rewards.registry import register
 from rlgen_cli.rewards.requirements import ModelSource, kwargs_sources
-
-logger = logging.getLogger(__name__)
 
 __all__ = [
     "IMAGEREWARD_CHECKPOINT", "IMAGEREWARD_MEAN", "IMAGEREWARD_STD", "ImageRewardKwargs", "ImageRewardModel",
@@ -198,7 +189,7 @@ class ImageRewardKwargs:
     local_files_only: bool = False
 
 
-class ImageRewardReward:
+class ImageRewardReward(CheckpointReward):
     """ImageReward-v1.0 per (prompt, image), standardised; the model loads on the first :meth:`score`.
 
     Attributes:
@@ -206,12 +197,10 @@ class ImageRewardReward:
     """
 
     name = "imagereward"
+    download_hint = _DOWNLOAD_HINT
 
     def __init__(self, kwargs: ImageRewardKwargs) -> None:
-        check_checkpoint_path(kwargs.model_path, self.name, "model_path", _DOWNLOAD_HINT)
-        self.kwargs = kwargs
-        self.device, self.dtype = resolve_device(kwargs.device), resolve_dtype(kwargs.dtype)
-        self._model: ImageRewardModel | None = None
+        super().__init__(kwargs)
         self._tokenizer: Any = None
         self._image_size: int | None = None
 
@@ -227,17 +216,13 @@ class ImageRewardReward:
             from transformers import AutoTokenizer, BlipConfig
 
             kw = self.kwargs
-            path = resolve_checkpoint(
-                kw.model_path, self.name, "model_path", _DOWNLOAD_HINT, kw.local_files_only
-            )
-            logger.info("loading imagereward from %s on %s (%s)", path, self.device, self.dtype)
+            path, state = self.read_checkpoint(imagereward_state_dict)
             config = (
                 imagereward_config()
                 if kw.config_path is None
                 else BlipConfig.from_pretrained(kw.config_path, local_files_only=kw.local_files_only)
             )
-            state = imagereward_state_dict(load_state_dict_file(path))
-            model = materialise(lambda: ImageRewardModel(config), state, self.dtype, self.device, str(path))
+            model = self.place(lambda: ImageRewardModel(config), state, path)
             model.mlp.float()
             self._tokenizer = AutoTokenizer.from_pretrained(
                 kw.tokenizer_path, local_files_only=kw.local_files_only
