@@ -558,8 +558,9 @@ def _fsdp_full_state_dict(model: nn.Module) -> Iterator[None]:
 COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)
 """How long a process waits in a collective for the others (torch's NCCL default: 10 minutes). Under DDP
 and ZeRO-2 rank 0 evaluates and writes checkpoints alone while the others wait in their next collective;
-a whole test split (``data.eval_num_prompts=0``: OCR's 1018 prompts, SD3.5-Medium at 40 steps with CFG,
-≈ 0.5 PFLOP, some 20 minutes on one GPU) would outlast 10 minutes and the watchdog would end the run."""
+a whole test split (``data.eval_num_prompts=0``: OCR's 1018 prompts, SD3.5-Medium at 512 px, 40 steps
+with CFG: ≈ 200 PFLOP, 8 minutes at 40 % MFU on an H100, then the OCR scoring) comes near or past 10
+minutes, and the watchdog would end the run."""
 
 
 def process_group_kwargs(**kwargs: Any) -> Any:
