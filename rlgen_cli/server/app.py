@@ -31,7 +31,9 @@ stops accepting connections, lets in-flight requests finish, then drains the bat
 
 With ``flowgrpo_protocol`` on, ``POST /`` (the only hosted reward) and ``POST /<reward>`` also speak
 Flow-GRPO's pickle protocol (:mod:`rlgen_cli.server.flowgrpo`), under the same limits and admission; the
-body is read by :mod:`rlgen_cli.server.plain_pickle`, which builds plain data only and never runs code.
+body's opcodes and its images' chunk/segment headers are walked as it arrives
+(:mod:`rlgen_cli.server.pickle_scan`), then it is read by :mod:`rlgen_cli.server.plain_pickle`, which
+builds plain data only and never runs code.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from rlgen_cli.server import flowgrpo, limits
 from rlgen_cli.server.admission import Budget
 from rlgen_cli.server.batcher import MicroBatcher, ScoringError
 from rlgen_cli.server.metrics import ServerMetrics
+from rlgen_cli.server.pickle_scan import PickleScanner
 
 logger = logging.getLogger(__name__)
 
@@ -332,7 +335,7 @@ def _identity(request: web.Request) -> bool:
     return request.headers.get("Content-Encoding", "identity").strip().lower() == "identity"
 
 
-Counter = limits.JsonItemCounter | limits.MsgpackScanner
+Counter = limits.JsonItemCounter | limits.MsgpackScanner | PickleScanner
 _SCAN_SLICE = 64 * 1024  # bytes a counter walks between yields to the event loop
 
 
@@ -627,8 +630,8 @@ def _flowgrpo_reward(request: web.Request, state: ServerState) -> str:
 async def _flowgrpo_job(request: web.Request, state: ServerState) -> _ScoreJob:
     """Read a Flow-GRPO pickle request (plain data only, never run); the reply is a pickle too."""
     name = _flowgrpo_reward(request, state)
-    body = await _read_body(request)
     settings = state.settings
+    body = await _read_body(request, PickleScanner(settings.max_request_items))  # walked as it arrives
     inline = len(body) <= _INLINE_PARSE_BYTES
     args = (body, settings.max_request_items, settings.max_metadata_depth)
     parsed = await _in_pool(state, inline, flowgrpo.parse_request, *args)

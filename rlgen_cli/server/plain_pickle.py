@@ -31,7 +31,7 @@ from typing import Any
 
 from rlgen_cli.rewards.remote.wire import WireError
 
-__all__ = ["MAX_INT_BYTES", "OPS_PER_ITEM", "PLAIN_TYPES", "load_plain"]
+__all__ = ["MAX_INT_BYTES", "OPS_PER_ITEM", "PLAIN_TYPES", "load_plain", "opcode_budget", "too_many_opcodes"]
 
 PLAIN_TYPES = "dict, list, tuple, str, bytes, int, float, bool and None"
 MAX_INT_BYTES = 64  # LONG1/LONG4 payload: a 512-bit integer is plenty for metadata
@@ -49,6 +49,20 @@ _PY2_STRINGS = frozenset(b"TU")  # BINSTRING SHORT_BINSTRING
 
 def _refused(message: str, status: int = 400) -> WireError:
     return WireError(f"pickle body refused: {message}", status=status)
+
+
+def opcode_budget(max_items: int) -> int:
+    """Opcodes a body may run: ``OPS_PER_ITEM`` per item of ``server.max_request_items``."""
+    return OPS_PER_ITEM * max_items
+
+
+def too_many_opcodes(max_items: int) -> WireError:
+    """The 413 of a body past :func:`opcode_budget` (the parser's and the arriving body's scanner's)."""
+    return _refused(
+        f"it runs more than {opcode_budget(max_items)} opcodes ({OPS_PER_ITEM} per item of "
+        f"server.max_request_items={max_items}); send fewer images or less metadata",
+        status=413,
+    )
 
 
 @dataclass
@@ -70,7 +84,7 @@ class _Machine:
     def __init__(self, body: memoryview, max_items: int, max_depth: int) -> None:
         self.data, self.pos = body, 0
         self.max_items, self.max_depth = max_items, max_depth
-        self.max_ops = OPS_PER_ITEM * max_items
+        self.max_ops = opcode_budget(max_items)
         self.items = self.ops = 0
         self.stack: list[Any] = []
         self.marks: list[int] = []  # stack heights at each MARK
@@ -375,11 +389,7 @@ class _Machine:
             self.pos += 1
             self.ops += 1
             if self.ops > self.max_ops:
-                raise _refused(
-                    f"it runs more than {self.max_ops} opcodes ({OPS_PER_ITEM} per item of "
-                    f"server.max_request_items={self.max_items}); send fewer images or less metadata",
-                    status=413,
-                )
+                raise too_many_opcodes(self.max_items)
             handler = handlers.get(op)
             if handler is None:
                 raise self._unknown(op)
