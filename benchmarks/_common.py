@@ -8,7 +8,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from rlgen_cli._hydra import conf_dir
-from rlgen_cli.recipes.loop import FlowRun, setup
+from rlgen_cli.recipes.flow_run import FlowRun, setup
 from rlgen_cli.schema.store import register_schemas
 from rlgen_cli.tasks.common import validated
 

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from rlgen_cli.models.tiny import SD3Sizes, tiny_sd3_pipeline
-from rlgen_cli.recipes import flow_grpo, loop
+from rlgen_cli.recipes import flow_grpo, flow_run
 from rlgen_cli.training.reporting.progress import Progress
 
 SD3_CFG_ALGO = [
@@ -54,14 +54,14 @@ def overrides_for(geometry: str, workdir: Path | None = None) -> list[str]:
     ]  # fmt: skip
 
 
-def run_epoch(run: loop.FlowRun, epoch: int, progress: Progress) -> dict[str, float]:
+def run_epoch(run: flow_run.FlowRun, epoch: int, progress: Progress) -> dict[str, float]:
     """What ``flow_grpo.run`` does per epoch without evaluation or checkpoints: the epoch and its logging."""
     metrics = flow_grpo.grpo_epoch(run, epoch, progress)
-    loop.log_epoch(run, epoch, metrics, flow_grpo.console_line(metrics))
+    flow_run.log_epoch(run, epoch, metrics, flow_grpo.console_line(metrics))
     return metrics
 
 
-def default_warmup(recipe: loop.FlowRun) -> int:
+def default_warmup(recipe: flow_run.FlowRun) -> int:
     """Epochs that show every training prompt once (the cache then holds them, as in a long run); 2 when
     that is more than 10 epochs."""
     passes = math.ceil(len(recipe.train_set) / recipe.cfg.algo.prompts_per_epoch)

@@ -17,7 +17,7 @@ import time
 from _common import build_recipe
 
 from rlgen_cli.recipes import flow_grpo
-from rlgen_cli.recipes.loop import FlowRun
+from rlgen_cli.recipes.flow_run import FlowRun
 from rlgen_cli.training.reporting.progress import Progress
 
 GEOMETRY = ["algo.group_size=8", "algo.prompts_per_epoch=2", "model.num_steps=8"]

@@ -379,7 +379,7 @@ def best_of_two(ctx: Context, call: Callable[[], torch.Tensor]) -> tuple[float, 
 
 def onpolicy(ctx: Context) -> dict[str, Any]:
     """``check-onpolicy``'s flow check in bf16, as is and with perturbed trainable weights."""
-    from rlgen_cli.recipes.flow_onpolicy import check_rollout_logprobs
+    from rlgen_cli.recipes.flow_grpo import check_onpolicy
     from rlgen_cli.tasks.check_onpolicy import perturb_weights
 
     if ctx.predict_only:
@@ -391,7 +391,7 @@ def onpolicy(ctx: Context) -> dict[str, Any]:
         raw = composed("check_onpolicy", overrides)
         typed = validated(raw)
         perturb = functools.partial(perturb_weights, std=std, seed=typed.seed)
-        worst, passed = check_rollout_logprobs(typed, raw, perturb)
+        worst, passed = check_onpolicy(typed, raw, perturb)
         arms[arm] = {"max_error": worst, "passed": passed}
     return {
         "tolerance": typed.check.tolerance, "max_ratio_error": arms["as_is"]["max_error"],

@@ -43,7 +43,7 @@ from torch import Tensor
 
 from rlgen_cli.models import Cond, cfg_gradient
 from rlgen_cli.models.base import uncond_takes_grad
-from rlgen_cli.recipes.loop import FlowRun
+from rlgen_cli.recipes.flow_run import FlowRun
 from rlgen_cli.training.reporting.progress import Progress
 
 BACKWARD = "backward"

@@ -34,8 +34,8 @@ from _common import compose_recipe
 from _geometry import GEOMETRIES, default_warmup, overrides_for, run_epoch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from rlgen_cli.recipes import flow_grpo, loop
-from rlgen_cli.recipes.loop import FlowRun
+from rlgen_cli.recipes import common, flow_grpo, flow_run
+from rlgen_cli.recipes.flow_run import FlowRun
 from rlgen_cli.training.reporting.progress import Progress
 
 PREFIX = "phase:"
@@ -88,8 +88,8 @@ def phase_labels(run: FlowRun) -> Iterator[dict[str, float]]:
                     "best_and_worst": "advantages", "nonzero_advantage_rows": "advantages",
                     "grpo_loss": "objective", "guard_loss": "objective", "save_grid": "logging",
                     "summarise": "logging", "console_line": "logging"},
-        loop: {"optimizer_step": "optimizer", "sources_of": "data", "reduce_over_ranks": "logging",
-               "log_epoch": "logging"},
+        flow_run: {"optimizer_step": "optimizer", "sources_of": "data", "log_epoch": "logging"},
+        common: {"reduce_over_ranks": "logging"},
     }  # fmt: skip
     classes = {
         flow_grpo.RewardScoring: {"results": "reward"},
@@ -104,12 +104,12 @@ def phase_labels(run: FlowRun) -> Iterator[dict[str, float]]:
             saved.append((owner, name, vars(owner).get(name) if had_own else None, had_own))
             setattr(owner, name, labelled(label, original))
     clock: dict[str, float] = {}
-    score = loop.score  # called on the scorer thread, which the profiler does not follow
-    loop.score = clocked(clock, "reward_thread", score)
+    score = flow_run.score  # called on the scorer thread, which the profiler does not follow
+    flow_run.score = clocked(clock, "reward_thread", score)
     try:
         yield clock
     finally:
-        loop.score = score
+        flow_run.score = score
         for owner, name, original, had_own in reversed(saved):
             if had_own:
                 setattr(owner, name, original)

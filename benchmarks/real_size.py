@@ -48,7 +48,7 @@ from rlgen_cli.models.bagel.loading import RANDOM_INIT_CONFIGS, random_init_netw
 from rlgen_cli.models.bagel.vae import build_vae
 from rlgen_cli.models.real_size import VARIANTS, count_parameters, flow_components, vlm_model, with_layers
 from rlgen_cli.models.tiny import tiny_qwen_tokenizer
-from rlgen_cli.recipes.loop import FlowRun
+from rlgen_cli.recipes.flow_run import FlowRun
 from rlgen_cli.training.reporting.progress import Progress
 
 FLOW_VARIANTS = [name for name, v in VARIANTS.items() if v.transformer is not None or v.native]

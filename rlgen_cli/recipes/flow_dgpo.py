@@ -31,9 +31,9 @@ from rlgen_cli.algos.dgpo import dgpo_loss, group_weights
 from rlgen_cli.algos.dpo import flow_matching_error
 from rlgen_cli.errors import UserError
 from rlgen_cli.models import cfg_gradient
-from rlgen_cli.recipes import loop
+from rlgen_cli.recipes import common, flow_run
+from rlgen_cli.recipes.flow_run import FlowRun
 from rlgen_cli.recipes.forward_draws import frozen_velocity, record_loss, trained_indices
-from rlgen_cli.recipes.loop import FlowRun
 from rlgen_cli.sde.noise import Stream, randn_per_sample, sample_generators
 from rlgen_cli.sde.sampling import batches, conditioned
 from rlgen_cli.training.reporting.progress import Progress
@@ -130,7 +130,7 @@ def train_measured(
     x0, cond = rollouts.x0[m.part], rollouts.cond.index(m.part)
     velocity = functools.partial(conditioned, run.policy, cond)
     num_sigmas = len(m.sigmas)
-    accumulation = loop.accumulation_per_process(algo, run.dist.world_size)
+    accumulation = common.accumulation_per_process(algo, run.dist.world_size)
     for j, (sigma, noise) in enumerate(zip(m.sigmas, m.noises)):
         x = _x_sigma(x0, noise, sigma)
         with cfg_gradient(algo.cfg_grad):
@@ -164,9 +164,9 @@ def update(
     keys = group_stream_keys(rollouts.positions, algo.group_size)
     draws = sample_generators(run.cfg.seed, epoch, keys, run.device, salt=Stream.FORWARD_NOISE)
     micro_batches = list(batches(len(rollouts.indices), algo.train_batch_size))
-    per_step = loop.accumulation_per_process(algo, run.dist.world_size)
+    per_step = common.accumulation_per_process(algo, run.dist.world_size)
     stats: dict[str, list[float]] = defaultdict(list)
-    with loop.progress_task(progress, "update", algo.num_inner_epochs * len(micro_batches)) as advance:
+    with common.progress_task(progress, "update", algo.num_inner_epochs * len(micro_batches)) as advance:
         for _ in range(algo.num_inner_epochs):
             for start in range(0, len(micro_batches), per_step):
                 window = micro_batches[start : start + per_step]
@@ -181,5 +181,5 @@ def update(
                     offset += n
                     advance(1)
                 if steps_after:
-                    stats["grad_norm"].append(loop.optimizer_step(run))
+                    stats["grad_norm"].append(flow_run.optimizer_step(run))
     return stats

@@ -16,7 +16,7 @@ and regresses the flow-matching target, weighted by how good each sample was. Ea
    DGPO (``algo.forward.loss=dgpo``) measures whole groups before each step (``recipes/flow_dgpo.py``);
 5. **old policy** — θ_old ← d·θ_old + (1 − d)·θ with d from ``algo.forward.old`` (it grows with the
    optimizer steps);
-6. **log / eval / checkpoint** — ``recipes/loop.py``'s: metrics.jsonl, the ODE evaluation (EMA weights if
+6. **log / eval / checkpoint** — ``recipes/flow_run.py``'s: metrics.jsonl, the ODE evaluation (EMA weights if
    kept), full-state checkpoints (the old policy included) that resume exactly.
 
 Deliberate choices: each sample's trained σ and ε come from its own stream keyed by (seed, epoch,
@@ -58,10 +58,13 @@ from rlgen_cli.algos.nft import (
 )
 from rlgen_cli.errors import UserError
 from rlgen_cli.models import Cond, cfg_gradient
-from rlgen_cli.recipes import flow_dgpo, loop
+from rlgen_cli.recipes import common, flow_dgpo, flow_run
+from rlgen_cli.recipes.common import reduce_over_ranks, timed
+from rlgen_cli.recipes.flow_run import FlowRun
+from rlgen_cli.recipes.flow_run import splits_read as splits_read
 from rlgen_cli.recipes.forward_draws import frozen_velocity, record_loss, trained_indices
 from rlgen_cli.recipes.gardo import GardoHooks
-from rlgen_cli.recipes.loop import FlowRun, reduce_over_ranks, timed
+from rlgen_cli.recipes.plan_shape import PlanShape
 from rlgen_cli.recipes.session import session
 from rlgen_cli.schema.forward import check_forward_steps
 from rlgen_cli.schema.recipes import FlowForwardTrainConfig
@@ -87,7 +90,7 @@ class Rollouts:
     sigmas: Tensor  # (T + 1,) the rollout schedule (one for the whole epoch)
     images: Tensor  # (N, 3, H, W) in [0, 1]
     components: dict[str, Tensor]  # reward name → (N,)
-    details: dict[str, loop.Weighted]  # each rollout batch's detail summaries, weighted by its size
+    details: dict[str, common.Weighted]  # each rollout batch's detail summaries, weighted by its size
 
 
 @dataclass
@@ -162,15 +165,15 @@ def sample_epoch(run: FlowRun, old: OldPolicy, epoch: int, progress: Progress) -
     the same batch, and optimizer step s covers the same global micro-batches, on any process count."""
     cfg, algo = run.cfg, run.cfg.algo
     indices = run.sampler.indices_for_epoch(epoch, algo.assignment_unit)
-    examples, prompts, metadata = loop.examples_of(run.train_set, indices)
+    examples, prompts, metadata = flow_run.examples_of(run.train_set, indices)
     positions = run.sampler.positions(algo.assignment_unit)  # places in the epoch's global batch
     initial = sample_generators(cfg.seed, epoch, positions, run.device, salt=Stream.INITIAL_NOISE)
     steps = sample_generators(cfg.seed, epoch, positions, run.device, salt=Stream.STEP_NOISE)
-    sources = loop.sources_of(run, examples, run.train_set)
-    spec = loop.step_spec(cfg)
+    sources = flow_run.sources_of(run, examples, run.train_set)
+    spec = flow_run.step_spec(cfg)
     conds, x0s, images, scores = [], [], [], []
     weights = old.swap() if algo.forward.sample_with_old else nullcontext()
-    with weights, loop.progress_task(progress, "rollout", len(indices)) as advance:
+    with weights, common.progress_task(progress, "rollout", len(indices)) as advance:
         for part in batches(len(indices), algo.sample_batch_size):
             src = None if sources is None else sources[part]
             cond = run.policy.encode(prompts[part], None if src is None else src.to(run.device))
@@ -180,10 +183,10 @@ def sample_epoch(run: FlowRun, old: OldPolicy, epoch: int, progress: Progress) -
             )
             conds.append(cond)
             images.append(run.policy.decode(x0s[-1]).cpu())
-            scores.append(loop.score(run, images[-1], prompts[part], metadata[part], src))
+            scores.append(flow_run.score(run, images[-1], prompts[part], metadata[part], src))
             advance(part.stop - part.start)
     sizes = [float(len(img)) for img in images]
-    details = {k: loop.Weighted([s[1][k] for s in scores], sizes) for k in scores[0][1]}
+    details = {k: common.Weighted([s[1][k] for s in scores], sizes) for k in scores[0][1]}
     x0 = torch.cat(x0s)
     return Rollouts(
         indices=torch.tensor(indices), positions=torch.tensor(positions), cond=Cond.cat(conds), x0=x0,
@@ -282,7 +285,7 @@ def train_micro_batch(
         out = forward_loss(run, old, x0, noise, sigma, cond, weights, kl_gate)
         last = steps_after and j == num_sigmas - 1
         # gradient_accumulation_steps counts micro-batches over all processes
-        accumulation = loop.accumulation_per_process(algo, run.dist.world_size)
+        accumulation = common.accumulation_per_process(algo, run.dist.world_size)
         run.dist.backward(out.loss / (num_sigmas * accumulation), sync=last)
         record_loss(stats, out)
 
@@ -298,35 +301,35 @@ def update(
 ) -> dict[str, list[float]]:
     """``num_inner_epochs`` passes over this rank's samples in micro-batches of ``train_batch_size``; each
     sample's σ draws and ε come from its own stream (seed, epoch, global position), fresh for every pass.
-    Returns the statistics per micro-batch (``loop.reduce_over_ranks`` pools them over processes)."""
+    Returns the statistics per micro-batch (``common.reduce_over_ranks`` pools them over processes)."""
     algo = run.cfg.algo
     n = len(rollouts.indices)
     positions = rollouts.positions.tolist()
     draws = sample_generators(run.cfg.seed, epoch, positions, run.device, salt=Stream.FORWARD_NOISE)
     micro_batches = list(batches(n, algo.train_batch_size))
     stats: dict[str, list[float]] = defaultdict(list)
-    with loop.progress_task(progress, "update", algo.num_inner_epochs * len(micro_batches)) as advance:
+    with common.progress_task(progress, "update", algo.num_inner_epochs * len(micro_batches)) as advance:
         for _ in range(algo.num_inner_epochs):
             for k, part in enumerate(micro_batches):
-                steps_after = (k + 1) % loop.accumulation_per_process(algo, run.dist.world_size) == 0
+                steps_after = (k + 1) % common.accumulation_per_process(algo, run.dist.world_size) == 0
                 part_weights = weights[part].to(run.device)
                 part_gate = None if kl_gate is None else kl_gate[part].to(run.device)  # GARDO's KL gate
                 train_micro_batch(
                     run, old, rollouts, part, part_weights, draws[part], stats, steps_after, part_gate
                 )
                 if steps_after:
-                    stats["grad_norm"].append(loop.optimizer_step(run))
+                    stats["grad_norm"].append(flow_run.optimizer_step(run))
                 advance(1)
     return stats
 
 
 def reference_distance(run: FlowRun, rollouts: Rollouts, epoch: int) -> list[float]:
     """``mean((v_θ − v_ref)²)``, the term ``kl_loss`` weights, of the updated policy against the reference
-    (LoRA disabled): after the update, on each probe sample (``loop.kl_probe_rows``) alone at the rollout
+    (LoRA disabled): after the update, on each probe sample (``common.kl_probe_rows``) alone at the rollout
     schedule's middle σ, its ε from a stream of its own (no training draw moves). One no-grad forward of
     each, so runs with ``algo.kl_weight`` 0 show how far they moved too."""
     values = []
-    for i, measured in loop.kl_probe_rows(rollouts.positions.tolist()):
+    for i, measured in common.kl_probe_rows(rollouts.positions.tolist()):
         one = torch.tensor([i])
         x0, cond = rollouts.x0[one], rollouts.cond.index(one)
         draws = sample_generators(
@@ -362,7 +365,7 @@ def forward_epoch(
     group_ids = run.dist.gather(rollouts.indices.to(run.device)).cpu()[order]
     shape, kl_gate, gardo_stats = None, None, {}
     if gardo is not None:  # GARDO: diversity-shaped advantages, the KL gate, the reference refresh
-        total = loop.weighted_total(run, components)
+        total = flow_run.weighted_total(run, components)
         shape, kl_gate, gardo_stats = gardo.for_forward(
             run, epoch, rollouts, order, components, group_ids, total
         )
@@ -374,14 +377,14 @@ def forward_epoch(
             stats = flow_dgpo.update(run, old, rollouts, weights, group_ids, epoch, progress)
         else:
             stats = update(run, old, rollouts, mine, epoch, progress, kl_gate)
-        stats[loop.KL_TO_REFERENCE] = reference_distance(run, rollouts, epoch)
+        stats[common.KL_TO_REFERENCE] = reference_distance(run, rollouts, epoch)
     decay = old.refresh(run)
-    loop.save_rollout_images(run, rollouts.images, epoch)
+    flow_run.save_rollout_images(run, rollouts.images, epoch)
     local = reduce_over_ranks(run.dist, {**rollouts.details, **stats, "trained_samples": n})
     return {
-        "lr": lr, **loop.reward_metrics(run, components), **local, "zero_std_ratio": adv_stats.zero_std_ratio,
+        "lr": lr, **flow_run.reward_metrics(run, components), **local, "zero_std_ratio": adv_stats.zero_std_ratio,
         "num_groups": adv_stats.num_groups, "old_decay": decay, **timings, "global_step": run.global_step,
-        "peak_memory_mb": loop.peak_memory_mb(run.device), **gardo_stats,
+        "peak_memory_mb": common.peak_memory_mb(run.device), **gardo_stats,
     }  # fmt: skip
 
 
@@ -389,13 +392,24 @@ def console_line(m: dict[str, float]) -> str:
     """reward ± std, eval, the policy loss, how far the policy is from the old one, and the time."""
     seconds = m["time/rollout"] + m["time/update"]
     return (
-        f"reward {m['reward/mean']:+.4g}±{m['reward/std']:.3g}{loop.eval_suffix(m)}  "
+        f"reward {m['reward/mean']:+.4g}±{m['reward/std']:.3g}{flow_run.eval_suffix(m)}  "
         f"loss {m['policy_loss']:.4g}  old decay {m['old_decay']:.3g}  {seconds:.1f}s"
     )
 
 
+class ForwardShape(PlanShape):
+    """Per-sample training beside an old copy of the policy (the sampling policy of DiffusionNFT / AWM)."""
+
+    def weight_copies(self, cfg: Any) -> tuple[str, ...]:
+        return ("old policy",)
+
+
+PLAN = ForwardShape()
+"""What ``rlgen plan`` reads of this recipe."""
+
+
 def run(cfg: FlowForwardTrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
-    """Entry point: the shared session (``recipes/loop.py``) around :func:`forward_epoch`; the last epoch's metrics."""
+    """Entry point: the shared session (``recipes/flow_run.py``) around :func:`forward_epoch`; the last epoch's metrics."""
     require_valid(cfg)
     with session(cfg, raw_cfg) as s:
         old = OldPolicy.build(s.run)

@@ -15,7 +15,7 @@ epoch, top to bottom:
    steps — ``grpo_loss`` (clipped ratio), or ``guard_loss`` for GRPO-Guard — with an optional KL to the
    reference (LoRA disabled), gradient accumulation and grad-norm clipping.
 
-:func:`run` wraps the epochs in the shared loop (``recipes/loop.py``): evaluation, logs, checkpoints,
+:func:`run` wraps the epochs in the shared loop (``recipes/flow_run.py``): evaluation, logs, checkpoints,
 resume, time limit.
 
 The variants are configuration: Flow-GRPO-Fast = ``window.kind=random_window`` (+ ``branch=shared_prefix``),
@@ -58,9 +58,13 @@ from rlgen_cli.algos import (
 from rlgen_cli.algos.gardo import gated_kl_weights
 from rlgen_cli.data.sample_order import training_orders
 from rlgen_cli.models import Cond, cfg_gradient
-from rlgen_cli.recipes import loop
+from rlgen_cli.recipes import common, flow_run
+from rlgen_cli.recipes.common import summarise, timed
+from rlgen_cli.recipes.flow_run import FlowRun
+from rlgen_cli.recipes.flow_run import splits_read as splits_read
 from rlgen_cli.recipes.gardo import GardoHooks
-from rlgen_cli.recipes.loop import FlowRun, summarise, timed
+from rlgen_cli.recipes.plan_shape import PlanShape
+from rlgen_cli.recipes.registry import Perturb
 from rlgen_cli.recipes.session import session
 from rlgen_cli.schema.algo import FlowGrpoAlgoConfig
 from rlgen_cli.schema.recipes import FlowGrpoTrainConfig
@@ -129,15 +133,15 @@ class RewardScoring:
     def submit(
         self, images: Tensor, prompts: list[str], metadata: list[dict], sources: Tensor | None
     ) -> None:
-        self.pending.append(self.worker.submit(loop.score, self.run, images, prompts, metadata, sources))
+        self.pending.append(self.worker.submit(flow_run.score, self.run, images, prompts, metadata, sources))
 
-    def results(self) -> tuple[dict[str, Tensor], dict[str, loop.Weighted]]:
+    def results(self) -> tuple[dict[str, Tensor], dict[str, common.Weighted]]:
         """Components (N,) in rollout order, and each batch's detail summaries weighted by its size (their
-        run-wide mean: ``loop.reduce_over_ranks``)."""
+        run-wide mean: ``common.reduce_over_ranks``)."""
         results = [future.result() for future in self.pending]
         components = {k: torch.cat([r[0][k] for r in results]) for k in results[0][0]}
         sizes = [float(len(next(iter(r[0].values())))) for r in results]
-        summaries = {k: loop.Weighted([r[1][k] for r in results], sizes) for k in results[0][1]}
+        summaries = {k: common.Weighted([r[1][k] for r in results], sizes) for k in results[0][1]}
         return components, summaries
 
 
@@ -168,7 +172,7 @@ def grpo_epoch(
         mode=cfg.reward.aggregation, global_std=algo.global_std, clip_max=algo.adv_clip_max,
         std_estimator=algo.std_estimator, eps=algo.adv_eps,
     )  # fmt: skip
-    total = loop.weighted_total(run, components)
+    total = flow_run.weighted_total(run, components)
     kl_gate, gardo_stats = None, {}
     if gardo is not None:  # GARDO: diversity-shaped advantages, the KL gate, the reference refresh
         advantages, kl_gate, gardo_stats = gardo.on_batch(
@@ -191,15 +195,15 @@ def grpo_epoch(
             run, rollouts.select(keep), advantages[keep], progress, num_batches,
             None if kl_gate is None else kl_gate[keep], orders,
         )  # fmt: skip
-        update_stats[loop.KL_TO_REFERENCE] = reference_kl(run, rollouts, mine.tolist())
+        update_stats[common.KL_TO_REFERENCE] = reference_kl(run, rollouts, mine.tolist())
 
-    loop.save_rollout_images(run, rollouts.images, epoch)
-    stats = loop.reduce_over_ranks(dist, {**reward_details, **update_stats, "trained_samples": len(keep)})
+    flow_run.save_rollout_images(run, rollouts.images, epoch)
+    stats = common.reduce_over_ranks(dist, {**reward_details, **update_stats, "trained_samples": len(keep)})
     return {
-        "lr": lr, **loop.reward_metrics(run, components),
+        "lr": lr, **flow_run.reward_metrics(run, components),
         **{f"reward/{k}/std": v.std().item() for k, v in components.items()},
         **stats, "zero_std_ratio": adv_stats.zero_std_ratio, "num_groups": adv_stats.num_groups, **timings,
-        "peak_memory_mb": loop.peak_memory_mb(run.device), "global_step": run.global_step,
+        "peak_memory_mb": common.peak_memory_mb(run.device), "global_step": run.global_step,
         **dist.loss_scale_metrics(), **gardo_stats,
     }  # fmt: skip
 
@@ -225,7 +229,7 @@ def sample_rollouts(
     micro-batches, on any process count."""
     cfg, algo = run.cfg, run.cfg.algo
     indices = run.sampler.indices_for_epoch(epoch, algo.assignment_unit)
-    examples, prompts, metadata = loop.examples_of(run.train_set, indices)
+    examples, prompts, metadata = flow_run.examples_of(run.train_set, indices)
     positions = run.sampler.positions(algo.assignment_unit)  # places in the epoch's global batch
     plan = plan_for(run, epoch, len(indices))
     share = algo.shared_initial_noise or algo.branch == "shared_prefix"  # a prefix is per group
@@ -233,10 +237,10 @@ def sample_rollouts(
     initial = sample_generators(cfg.seed, epoch, noise_keys, run.device, salt=Stream.INITIAL_NOISE)
     steps = sample_generators(cfg.seed, epoch, positions, run.device, salt=Stream.STEP_NOISE)
     start = min(plan.sde_steps) if algo.branch == "shared_prefix" else 0
-    sources = loop.sources_of(run, examples, run.train_set)
-    spec = loop.step_spec(cfg)
+    sources = flow_run.sources_of(run, examples, run.train_set)
+    spec = flow_run.step_spec(cfg)
     conds, trajs, images = [], [], []
-    with loop.progress_task(progress, "rollout", len(indices)) as advance:
+    with common.progress_task(progress, "rollout", len(indices)) as advance:
         for part in batches(len(indices), algo.sample_batch_size):
             batch_sources = None if sources is None else sources[part]
             cond = run.policy.encode(prompts[part], None if sources is None else batch_sources.to(run.device))
@@ -322,10 +326,10 @@ def reference_kl(run: FlowRun, rollouts: Rollouts, positions: list[int]) -> list
     """The KL of the updated policy's SDE step to the reference's (LoRA disabled), measured after the
     update at each probe sample's first trained step (positions: this process's places in the global
     batch): one no-grad forward of each, so runs with ``algo.kl_weight`` 0 show how far they moved too.
-    A process that holds no probe sample still runs the forwards (``loop.kl_probe_rows``), measuring nothing."""
-    algo, spec = run.cfg.algo, loop.step_spec(run.cfg)
+    A process that holds no probe sample still runs the forwards (``common.kl_probe_rows``), measuring nothing."""
+    algo, spec = run.cfg.algo, flow_run.step_spec(run.cfg)
     values = []
-    for i, measured in loop.kl_probe_rows(positions):
+    for i, measured in common.kl_probe_rows(positions):
         one = torch.tensor([i])
         traj = rollouts.traj.index(one)
         trained = trained_rows(traj)
@@ -418,12 +422,12 @@ def update_values(
     steps every ``gradient_accumulation_steps`` ÷ processes micro-batches. A micro-batch's trained steps
     are scored ``algo.timesteps_per_pass`` per transformer call and backward (:func:`folded_logprobs`).
     ``orders``: per inner epoch, the sample order micro-batches are cut from (``algo.shuffle_samples``)."""
-    algo, spec = run.cfg.algo, loop.step_spec(run.cfg)
+    algo, spec = run.cfg.algo, flow_run.step_spec(run.cfg)
     n = len(rollouts.indices)
     micro_batches = list(batches(n, math.ceil(n / num_batches) if num_batches else algo.train_batch_size))
-    accumulation = loop.accumulation_per_process(algo, run.dist.world_size)  # the global count ÷ processes
+    accumulation = common.accumulation_per_process(algo, run.dist.world_size)  # the global count ÷ processes
     stats: dict[str, list[float]] = defaultdict(list)
-    with loop.progress_task(progress, "update", algo.num_inner_epochs * len(micro_batches)) as advance:
+    with common.progress_task(progress, "update", algo.num_inner_epochs * len(micro_batches)) as advance:
         for inner in range(algo.num_inner_epochs):
             for k, part in enumerate(micro_batches):
                 part = part if orders is None else orders[inner][part]
@@ -450,9 +454,9 @@ def update_values(
                         sync=steps_after and f == len(folds) - 1,
                     )
                 if steps_after:
-                    stats["grad_norm"].append(loop.optimizer_step(run))
+                    stats["grad_norm"].append(flow_run.optimizer_step(run))
                 advance(1)
-    return stats  # per micro-batch and step: reduced over processes by loop.reduce_over_ranks
+    return stats  # per micro-batch and step: reduced over processes by common.reduce_over_ranks
 
 
 def trained_rows(traj: Trajectory) -> list[tuple[int, Tensor | slice]]:
@@ -477,13 +481,79 @@ def console_line(m: dict[str, float]) -> str:
     ratio_off = max(abs(m.get("ratio_max", 1) - 1), abs(1 - m.get("ratio_min", 1)))
     seconds = m["time/rollout"] + m["time/reward"] + m["time/update"]
     return (
-        f"reward {m['reward/mean']:+.4g}±{m['reward/std']:.3g}{loop.eval_suffix(m)}  kl {m.get(loop.KL_TO_REFERENCE, 0.0):.2e}  "
+        f"reward {m['reward/mean']:+.4g}±{m['reward/std']:.3g}{flow_run.eval_suffix(m)}  kl {m.get(common.KL_TO_REFERENCE, 0.0):.2e}  "
         f"clipfrac {m.get('clipfrac', 0.0):.3f}  |ratio-1|max {ratio_off:.2e}  {seconds:.1f}s"
     )
 
 
+class GrpoShape(PlanShape):
+    """Per-sample training whose forward scores ``algo.timesteps_per_pass`` trained steps of a sample."""
+
+    def folded_steps(self, cfg: Any, window_steps: Callable[[], int]) -> int:
+        return min(cfg.algo.timesteps_per_pass, window_steps())
+
+
+PLAN = GrpoShape()
+"""What ``rlgen plan`` reads of this recipe."""
+
+ONPOLICY_SPLITS = ("train", "test")
+"""The prompt files ``rlgen check-onpolicy`` reads (its run is set up as training's)."""
+
+
+def check_onpolicy(typed: FlowGrpoTrainConfig, cfg: DictConfig, perturb: Perturb) -> tuple[float, bool]:
+    """``rlgen check-onpolicy``: every trained step's stored log-prob against its training-path recompute
+    (folded as the update folds them); the worst error and whether it is within ``check.tolerance``."""
+    run = flow_run.setup(typed, cfg)
+    check = typed.check
+    spec = flow_run.step_spec(typed)
+    if check.train_noise_level is not None:
+        spec = replace(spec, noise_level=check.train_noise_level)
+    batch_size = check.train_batch_size or typed.algo.train_batch_size
+    with Progress(typed.progress) as progress:
+        rollouts = sample_rollouts(run, 0, progress)  # no scoring: only the log-probs matter
+    perturb(run.policy.trainable.parameters())
+    n, steps = len(rollouts.indices), rollouts.traj.num_steps
+    ratio_err = torch.zeros(steps)
+    logp_err = torch.zeros(steps)
+    with torch.no_grad():
+        for part in batches(n, batch_size):
+            traj, cond = rollouts.traj.index(part), rollouts.cond.index(part)
+            every_step = [(j, slice(None)) for j in range(steps)]  # folded as the update folds them
+            for fold in step_folds(every_step, typed.algo.timesteps_per_pass):
+                for (j, _), (out, _) in zip(fold, folded_logprobs(run, traj, cond, fold, spec)):
+                    new_logp = out.logprob
+                    delta = (new_logp - traj.logprobs[:, j]).abs().max().cpu()
+                    ratio = (torch.exp(new_logp - traj.logprobs[:, j]) - 1).abs().max().cpu()
+                    logp_err[j] = torch.maximum(logp_err[j], delta)
+                    ratio_err[j] = torch.maximum(ratio_err[j], ratio)
+    run.logger.close()
+    worst = float(ratio_err.max().maximum(logp_err.max()))
+    _report_onpolicy(rollouts.traj, ratio_err, logp_err, check.tolerance, worst)
+    return worst, worst <= check.tolerance
+
+
+def _report_onpolicy(
+    traj, ratio_err: torch.Tensor, logp_err: torch.Tensor, tolerance: float, worst: float
+) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="on-policy check: training-path recompute vs rollout")
+    for column in ("step", "σ", "σ next", "max |ratio − 1|", "max |Δ log p|"):
+        table.add_column(column, justify="right")
+    for j in range(len(ratio_err)):
+        table.add_row(
+            str(int(traj.step_indices[j])), f"{float(traj.sigmas[j]):.4f}", f"{float(traj.sigmas_next[j]):.4f}",
+            f"{float(ratio_err[j]):.3e}", f"{float(logp_err[j]):.3e}",
+        )  # fmt: skip
+    console = Console()
+    console.print(table)
+    verdict = "[green]PASS[/]" if worst <= tolerance else "[bold red]FAIL[/]"
+    console.print(f"{verdict} max error {worst:.3e} (tolerance {tolerance:.1e})")
+
+
 def run(cfg: FlowGrpoTrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
-    """Entry point: the shared session (``recipes/loop.py``) around :func:`grpo_epoch`; the last epoch's metrics."""
+    """Entry point: the shared session (``recipes/flow_run.py``) around :func:`grpo_epoch`; the last epoch's metrics."""
     with session(cfg, raw_cfg) as s:
         log.info("%s window over %d steps", cfg.algo.window.kind, cfg.model.num_steps)
         gardo = GardoHooks.for_run(s.run)

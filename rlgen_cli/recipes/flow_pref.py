@@ -11,7 +11,7 @@
   drops it at 0) — plus ``anchor_weight``·‖v_θ − v_base‖² to stay near the base model.
 
 :func:`pref_epoch` is one epoch: sample → reward → update (one optimizer step per trained σ). :func:`run`
-wraps the epochs in the shared loop (``recipes/loop.py``): evaluation, logs, checkpoints, resume.
+wraps the epochs in the shared loop (``recipes/flow_run.py``): evaluation, logs, checkpoints, resume.
 
     rlgen train algo=dpo
     rlgen train algo=sft algo.pref.top_k=2
@@ -41,8 +41,11 @@ from rlgen_cli.algos import (
     select_best,
     sft_loss,
 )
-from rlgen_cli.recipes import loop
-from rlgen_cli.recipes.loop import FlowRun, reduce_over_ranks, timed
+from rlgen_cli.recipes import common, flow_run
+from rlgen_cli.recipes.common import reduce_over_ranks, timed
+from rlgen_cli.recipes.flow_run import FlowRun
+from rlgen_cli.recipes.flow_run import splits_read as splits_read
+from rlgen_cli.recipes.plan_shape import PlanShape
 from rlgen_cli.recipes.session import session
 from rlgen_cli.schema.recipes import FlowPrefTrainConfig
 from rlgen_cli.sde.noise import Stream, randn_per_sample, sample_generators
@@ -122,30 +125,30 @@ def pref_epoch(run: FlowRun, pref_state: Preference, epoch: int, progress: Progr
     lr = apply_lr_schedule(run.optimizer, algo, epoch, cfg.epochs, run.time_progress)
     positions = run.sampler.positions(algo.sample_batch_size)  # this process's places in the global batch
     indices = run.sampler.indices_for_epoch(epoch, algo.sample_batch_size)
-    _, prompts, metadata = loop.examples_of(run.train_set, indices)
+    _, prompts, metadata = flow_run.examples_of(run.train_set, indices)
     timings: dict[str, float] = {}
     with timed(timings, "time/rollout"):
         sampler = pref_state.reference(run) if algo.pref.loss == "dpo" else nullcontext()
-        with sampler, loop.progress_task(progress, "sampling", len(prompts)) as advance:
+        with sampler, common.progress_task(progress, "sampling", len(prompts)) as advance:
             x0 = sample_latents(
                 run.policy, prompts, cfg.model.num_steps, algo.sample_batch_size, cfg.seed,
-                spec=loop.step_spec(cfg), epoch=epoch, on_batch=advance, keys=positions,
+                spec=flow_run.step_spec(cfg), epoch=epoch, on_batch=advance, keys=positions,
             )  # fmt: skip
         parts = list(batches(len(x0), algo.sample_batch_size))
         images = torch.cat([run.policy.decode(x0[p]).cpu() for p in parts])
     with timed(timings, "time/reward"):  # batch by batch, as on any process count
-        scores = [loop.score(run, images[p], prompts[p], metadata[p]) for p in parts]
-    loop.save_rollout_images(run, images, epoch)
+        scores = [flow_run.score(run, images[p], prompts[p], metadata[p]) for p in parts]
+    flow_run.save_rollout_images(run, images, epoch)
     samples, components = gather_samples(run, epoch, torch.tensor(positions), x0, scores)
     sizes = [float(p.stop - p.start) for p in parts]
-    details = {k: loop.Weighted([s[1][k] for s in scores], sizes) for k in scores[0][1]}
+    details = {k: common.Weighted([s[1][k] for s in scores], sizes) for k in scores[0][1]}
     with timed(timings, "time/update"):
         if algo.pref.loss == "dpo":
             stats, counts = dpo_update(run, pref_state, epoch, samples)
         else:
             stats, counts = sft_update(run, pref_state, epoch, samples)
     return {
-        "lr": lr, **loop.reward_metrics(run, components), **reduce_over_ranks(run.dist, {**details, **stats}),
+        "lr": lr, **flow_run.reward_metrics(run, components), **reduce_over_ranks(run.dist, {**details, **stats}),
         **counts, **timings, "global_step": run.global_step, **run.dist.loss_scale_metrics(),
     }  # fmt: skip
 
@@ -160,10 +163,10 @@ def gather_samples(
     local = {k: torch.cat([s[0][k] for s in scores]) for k in scores[0][0]}
     components = {k: dist.gather(v.to(run.device)).cpu()[order] for k, v in local.items()}
     everyone = run.sampler.global_indices_for_epoch(epoch)
-    _, prompts, _ = loop.examples_of(run.train_set, everyone)
+    _, prompts, _ = flow_run.examples_of(run.train_set, everyone)
     samples = EpochSamples(
         x0=dist.gather(x0).to(run.device)[order.to(run.device)], prompts=prompts,
-        rewards=loop.weighted_total(run, components), groups=torch.tensor(everyone),
+        rewards=flow_run.weighted_total(run, components), groups=torch.tensor(everyone),
     )  # fmt: skip
     return samples, components
 
@@ -314,20 +317,56 @@ def train_units(
                 sizes.append(float(len(piece)))
                 for key, value in stats.items():
                     values[key].append(float(value))
-        norms.append(loop.optimizer_step(run))
+        norms.append(flow_run.optimizer_step(run))
         after_step()
-    return {**{k: loop.Weighted(v, sizes) for k, v in values.items()}, "grad_norm": norms}
+    return {**{k: common.Weighted(v, sizes) for k, v in values.items()}, "grad_norm": norms}
 
 
 def console_line(m: dict[str, float]) -> str:
     """reward ± std, eval, the epoch's loss and time."""
     loss = m.get("dpo_loss", m.get("sft_loss", float("nan")))
     seconds = m["time/rollout"] + m["time/reward"] + m["time/update"]
-    return f"reward {m['reward/mean']:+.4g}±{m['reward/std']:.3g}{loop.eval_suffix(m)}  loss {loss:.4g}  {seconds:.1f}s"
+    return f"reward {m['reward/mean']:+.4g}±{m['reward/std']:.3g}{flow_run.eval_suffix(m)}  loss {loss:.4g}  {seconds:.1f}s"
+
+
+class PrefShape(PlanShape):
+    """DPO trains pairs (a winner and a loser, two forwards kept for one backward), SFT its kept samples;
+    one optimizer step per training σ over every unit of the epoch, so the micro-batches per step follow
+    from the epoch (no setting chooses them). Online DPO keeps a reference copy."""
+
+    accumulation_setting = None
+
+    def weight_copies(self, cfg: Any) -> tuple[str, ...]:
+        pref = cfg.algo.pref
+        return ("online DPO reference",) if pref.loss == "dpo" and pref.ref_update_step > 0 else ()
+
+    def micro_batch_unit(self, cfg: Any) -> str:
+        return "pairs" if cfg.algo.pref.loss == "dpo" else "kept samples"
+
+    def micro_batch(self, cfg: Any) -> tuple[int, str | None]:
+        return min(cfg.algo.train_batch_size, pref_units(cfg)), "algo.train_batch_size"
+
+    def rows_per_unit(self, cfg: Any) -> int:
+        return 2 if cfg.algo.pref.loss == "dpo" else 1
+
+    def micro_batches_per_process(self, cfg: Any) -> int:
+        world = cfg.launcher.world_size
+        return math.ceil(math.ceil(pref_units(cfg) / cfg.algo.train_batch_size) / world)
+
+
+def pref_units(cfg: Any) -> int:
+    """What one DPO / SFT optimizer step trains over every process: a pair per group (DPO; a group whose
+    rewards tie has none: at most), the ``top_k`` best of each (SFT)."""
+    groups = cfg.algo.prompts_per_epoch
+    return groups if cfg.algo.pref.loss == "dpo" else cfg.algo.pref.top_k * groups
+
+
+PLAN = PrefShape()
+"""What ``rlgen plan`` reads of this recipe."""
 
 
 def run(cfg: FlowPrefTrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
-    """Entry point: the shared session (``recipes/loop.py``) around :func:`pref_epoch`; the last epoch's metrics."""
+    """Entry point: the shared session (``recipes/flow_run.py``) around :func:`pref_epoch`; the last epoch's metrics."""
     with session(cfg, raw_cfg) as s:
         pref_state = Preference.build(s.run)
         for epoch in s.epochs():

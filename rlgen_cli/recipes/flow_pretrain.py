@@ -8,7 +8,7 @@ unconditional branch. The learning rate warms up linearly, then decays on a cosi
 ``min_lr_ratio``·lr at the run's last step — a function of the global step alone, so resume is exact.
 
 :func:`pretrain_epoch` runs ``algo.pretrain.steps_per_epoch`` such steps; :func:`run` wraps the epochs in
-the shared loop (``recipes/loop.py``: ODE eval scored by the reward, EMA, logs, checkpoints, resume), so
+the shared loop (``recipes/flow_run.py``: ODE eval scored by the reward, EMA, logs, checkpoints, resume), so
 ``weights/`` of the last checkpoint (the EMA weights when ``algo.ema`` is on) is the pretrained model:
 
     rlgen train experiment=shapes_pretrain
@@ -17,6 +17,7 @@ the shared loop (``recipes/loop.py``: ODE eval scored by the reward, EMA, logs, 
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,8 +26,10 @@ from omegaconf import DictConfig
 from torch import Tensor
 
 from rlgen_cli.errors import UserError
-from rlgen_cli.recipes import loop
-from rlgen_cli.recipes.loop import FlowRun
+from rlgen_cli.recipes import common, flow_run
+from rlgen_cli.recipes.flow_run import FlowRun
+from rlgen_cli.recipes.flow_run import splits_read as splits_read
+from rlgen_cli.recipes.plan_shape import PlanShape
 from rlgen_cli.recipes.session import session
 from rlgen_cli.schema.recipes import FlowPretrainTrainConfig
 from rlgen_cli.sde.noise import Stream, stream_seed
@@ -69,7 +72,7 @@ def pretrain_epoch(run: FlowRun, epoch: int, progress: Progress) -> dict[str, fl
         losses.append(pretrain_step(run, epoch, step))
         progress.advance(task, description=f"pretrain loss {losses[-1]:.4f}")
     progress.remove(task)
-    loss = loop.reduce_over_ranks(run.dist, {"loss": losses})["loss"]  # every process's steps, pooled
+    loss = common.reduce_over_ranks(run.dist, {"loss": losses})["loss"]  # every process's steps, pooled
     return {
         "lr": run.optimizer.param_groups[0]["lr"], "loss": loss,
         "global_step": run.global_step, **run.dist.loss_scale_metrics(),
@@ -95,7 +98,7 @@ def pretrain_step(run: FlowRun, epoch: int, step: int) -> float:
         v = policy.velocity((1 - s) * x0 + s * noise, sigma, policy.encode(prompts))
     loss = torch.nn.functional.mse_loss(v, noise - x0)
     dist.backward(loss, sync=True)
-    loop.optimizer_step(run)
+    flow_run.optimizer_step(run)
     return loss.item()
 
 
@@ -110,7 +113,7 @@ def pretrain_batch(run: FlowRun, epoch: int, step: int) -> tuple[list[str], Tens
     dropped = (torch.rand(pre.batch_size, generator=generator) < pre.cond_dropout).tolist()
     share = pre.batch_size // dist.world_size
     mine = slice(dist.rank * share, (dist.rank + 1) * share)
-    examples, prompts, metadata = loop.examples_of(run.train_set, rows[mine])
+    examples, prompts, metadata = flow_run.examples_of(run.train_set, rows[mine])
     if any(not meta.get("include") for meta in metadata):
         raise UserError(
             f"{cfg.data.train}: algo.pretrain.source=shapes needs ShapesEval metadata (data=shapes)"
@@ -134,8 +137,30 @@ def require_pretrainable(run: FlowRun) -> None:
         )
 
 
+class PretrainShape(PlanShape):
+    """Pretraining rolls nothing out; each process trains its share of ``algo.pretrain.batch_size`` in one
+    micro-batch per step."""
+
+    def require_plannable(self, cfg: Any, policy: Any) -> None:
+        dist = types.SimpleNamespace(world_size=cfg.launcher.world_size)
+        require_pretrainable(types.SimpleNamespace(cfg=cfg, policy=policy, dist=dist))
+
+    def samples_per_epoch(self, cfg: Any) -> int:
+        return 0
+
+    def micro_batch(self, cfg: Any) -> tuple[int, str | None]:
+        return max(cfg.algo.pretrain.batch_size // cfg.launcher.world_size, 1), None
+
+    def micro_batches_per_process(self, cfg: Any) -> int:
+        return 1
+
+
+PLAN = PretrainShape()
+"""What ``rlgen plan`` reads of this recipe."""
+
+
 def run(cfg: FlowPretrainTrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
-    """Entry point: the shared session (``recipes/loop.py``) around :func:`pretrain_epoch`; the last epoch's metrics."""
+    """Entry point: the shared session (``recipes/flow_run.py``) around :func:`pretrain_epoch`; the last epoch's metrics."""
     with session(cfg, raw_cfg) as s:
         require_pretrainable(s.run)
         for epoch in s.epochs():
@@ -147,4 +172,4 @@ def run(cfg: FlowPretrainTrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
 
 def console_line(m: dict[str, float]) -> str:
     """The epoch's loss, and the evaluation when there was one."""
-    return f"loss {m['loss']:.4g}{loop.eval_suffix(m)}"
+    return f"loss {m['loss']:.4g}{flow_run.eval_suffix(m)}"

@@ -77,7 +77,8 @@ from rlgen_cli.r3.rewards import (
 )
 from rlgen_cli.r3.rollout import ImageRollout, image_rollout, micro_batches, shifted, stage_plan, text_rollout
 from rlgen_cli.r3.scoring import R3Scorer
-from rlgen_cli.recipes.loop import due, load_resume, reduce_over_ranks, save_trainer_checkpoint
+from rlgen_cli.recipes.common import due, load_resume, reduce_over_ranks, save_trainer_checkpoint
+from rlgen_cli.recipes.registry import Perturb
 from rlgen_cli.schema.r3 import R3Config, R3Geometry, R3TrainConfig, r3_geometry, track_models
 from rlgen_cli.sde.rollout import StepSpec, Trajectory, recompute_step
 from rlgen_cli.sde.sampling import conditioned
@@ -540,6 +541,31 @@ def _gather(dist: Dist, values: Tensor) -> Tensor:
 def _collect(stats: dict[str, list[float]], values: dict[str, float]) -> None:
     for key, value in values.items():
         stats[key].append(float(value))
+
+
+def splits_read(cfg: R3TrainConfig) -> tuple[str, ...]:
+    """None of ``data.*``: R3 reads ``r3.train_data_path`` / ``val_data_path`` (or its offline stand-in)."""
+    return ()
+
+
+ONPOLICY_SPLITS: tuple[str, ...] = ()
+"""The ``data.*`` prompt files ``rlgen check-onpolicy`` reads: none (as :func:`splits_read`)."""
+
+
+def check_onpolicy(typed: R3TrainConfig, cfg: DictConfig, perturb: Perturb) -> tuple[float, bool]:
+    """``rlgen check-onpolicy``: both tracks of a unified policy, in the reason (step 0) and the refine
+    (step 1) stage (``r3/onpolicy.py``); the worst error and whether every row passed."""
+    from rlgen_cli.r3.onpolicy import check_stage, print_report
+
+    recipe = R3Recipe(typed, cfg)
+    recipe.setup()
+    tolerances = typed.check.tolerance, typed.check.text_tolerance
+    try:
+        rows = check_stage(recipe, 0, perturb, *tolerances) + check_stage(recipe, 1, perturb, *tolerances)
+    finally:
+        recipe.cleanup()
+    passed = print_report(rows)
+    return max(row.error for row in rows), passed
 
 
 def run(cfg: R3TrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:

@@ -9,7 +9,7 @@ when due, epochs bar, time limit, a guard stop), and the report at :func:`finish
                 break
     return s.metrics
 
-What an epoch is made of stays in the recipe; the shared pieces it calls are in ``recipes/loop.py``.
+What an epoch is made of stays in the recipe; the shared pieces it calls are in ``recipes/flow_run.py``.
 
 The time limit's clock (:class:`EpochClock`) starts at the first epoch (after any evaluation before
 training) and counts everything after it: epochs, evaluations, checkpoints. Its seconds, and the seconds
@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from rlgen_cli.recipes.loop import (
-    REWARD_CURVE,
+from rlgen_cli.recipes.common import REWARD_CURVE
+from rlgen_cli.recipes.flow_run import (
     FlowRun,
     evaluate_before,
     evaluate_if_due,

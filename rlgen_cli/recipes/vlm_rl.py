@@ -64,7 +64,7 @@ from rlgen_cli.algos.advantages import combine_rewards
 from rlgen_cli.algos.token_grpo import advantage_options, token_grpo_loss
 from rlgen_cli.data.sampler import GroupSampler
 from rlgen_cli.errors import UserError
-from rlgen_cli.recipes.loop import (
+from rlgen_cli.recipes.common import (
     REWARD_CURVE,
     accumulation_per_process,
     due,
@@ -72,6 +72,7 @@ from rlgen_cli.recipes.loop import (
     reduce_over_ranks,
     save_trainer_checkpoint,
 )
+from rlgen_cli.recipes.registry import Perturb
 from rlgen_cli.rewards import RewardBatch, build_mix
 from rlgen_cli.rewards.r1vl import TEXT_REWARDS
 from rlgen_cli.schema.recipes import VlmRlTrainConfig
@@ -479,6 +480,31 @@ class VLMRLRecipe:
     def cleanup(self) -> None:
         self.logger.close()
         self.engine.close()
+
+
+def splits_read(cfg: VlmRlTrainConfig) -> tuple[str, ...]:
+    """The prompt files the run reads: the test set only when it evaluates."""
+    return ("train", "test") if cfg.eval_every else ("train",)
+
+
+ONPOLICY_SPLITS = ("train",)
+"""The prompt files ``rlgen check-onpolicy`` reads."""
+
+
+def check_onpolicy(typed: VlmRlTrainConfig, cfg: DictConfig, perturb: Perturb) -> tuple[float, bool]:
+    """``rlgen check-onpolicy``: per-token log-probs of the rollout engine vs the training forward on the
+    same completions (``vlm/onpolicy.py``); the worst error and whether it is within ``check.text_tolerance``."""
+    from rlgen_cli.vlm.onpolicy import check_rollout, print_report
+
+    recipe = VLMRLRecipe(typed, cfg)
+    recipe.setup()
+    try:
+        batch_size = typed.check.train_batch_size or typed.algo.train_batch_size
+        rows = check_rollout(recipe, batch_size, perturb)
+    finally:
+        recipe.cleanup()
+    worst = print_report(rows, typed.check.text_tolerance, recipe.engine.name)
+    return worst, worst <= typed.check.text_tolerance
 
 
 def run(cfg: VlmRlTrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from omegaconf import DictConfig
 from torch import Tensor
 
 from rlgen_cli.errors import UserError
-from rlgen_cli.recipes.loop import (
+from rlgen_cli.recipes.common import (
     accumulation_per_process,
     load_resume,
     reduce_over_ranks,
@@ -306,6 +306,11 @@ class VLMSFTRecipe:
 
     def cleanup(self) -> None:
         self.logger.close()
+
+
+def splits_read(cfg: VlmSftTrainConfig) -> tuple[str, ...]:
+    """The prompt files the run reads: the test set only when it evaluates."""
+    return ("train", "test") if cfg.eval_every else ("train",)
 
 
 def run(cfg: VlmSftTrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:

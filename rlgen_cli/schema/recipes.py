@@ -52,7 +52,7 @@ __all__ = [
 
 @dataclass
 class FlowRunConfig(RunConfig):
-    """What the shared flow loop (``recipes/loop.py``) reads on top of every run's keys."""
+    """What the shared flow loop (``recipes/flow_run.py``) reads on top of every run's keys."""
 
     data: FlowDataConfig = field(default_factory=FlowDataConfig)
 

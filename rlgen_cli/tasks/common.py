@@ -171,8 +171,6 @@ def require_data(cfg: Any, run_dir: Path, splits: tuple[str, ...] = ("train", "t
     from rlgen_cli.data.paths import BUILTIN_PREFIX, load_prompts, resolve_data_path
     from rlgen_cli.schema.vlm import VLM_FAMILIES
 
-    if cfg.recipe == "r3":  # R3 reads r3.train_data_path / val_data_path (or its offline stand-in)
-        return
     for split in splits:
         spec, key = getattr(cfg.data, split), f"data.{split}"
         if cfg.model.family in VLM_FAMILIES:

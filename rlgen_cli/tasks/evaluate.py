@@ -8,6 +8,7 @@ import logging
 import torch
 from omegaconf import DictConfig
 
+from rlgen_cli.schema.families import family_spec
 from rlgen_cli.tasks.common import run_dir_of, user_errors, validated
 from rlgen_cli.tasks.prerequisites import (
     Prerequisites,
@@ -27,9 +28,10 @@ log = logging.getLogger(__name__)
 def eval_task(cfg: DictConfig) -> float:
     """Returns the mean mixed reward (the number a sweeper would optimise)."""
     typed = validated(cfg)
-    if typed.recipe == "r3":  # multi-round reflect → refine evaluation of a unified policy
+    kind = family_spec(typed.model.family).kind  # what is evaluated is the model, whatever trained it
+    if kind == "unified":  # multi-round reflect → refine evaluation of a unified policy
         return _eval_r3(typed, cfg)
-    if typed.recipe in ("vlm_rl", "vlm_sft"):  # benchmark accuracy of a multimodal LLM
+    if kind == "vlm":  # benchmark accuracy of a multimodal LLM
         return _eval_vlm(typed, cfg)
     from rlgen_cli.data.images import source_images
     from rlgen_cli.data.paths import load_prompts

@@ -50,13 +50,14 @@ from omegaconf import DictConfig
 from torch import Tensor, nn
 
 from rlgen_cli.errors import UserError
+from rlgen_cli.recipes.plan_shape import PlanShape
+from rlgen_cli.recipes.registry import PLANNED_RECIPES, plan_of
 from rlgen_cli.tasks.common import run_dir_of, user_errors, validated
 
 log = logging.getLogger(__name__)
 
 EXIT_DOES_NOT_FIT = 1
-FLOW_RECIPES = ("flow_grpo", "flow_pref", "flow_pretrain", "flow_forward")
-MODELLED_RECIPES = FLOW_RECIPES  # every flow recipe runs its own epoch on the meta device
+MODELLED_RECIPES = PLANNED_RECIPES  # every flow recipe runs its own epoch on the meta device
 LAUNCH_KINDS = {
     "local": "local", "accelerate": "ddp", "multinode": "ddp", "deepspeed_zero2": "zero2",
     "deepspeed_zero3": "zero3", "fsdp": "fsdp",
@@ -69,9 +70,9 @@ TRACE_SIGMA = 0.5
 def plan_task(cfg: DictConfig) -> dict[str, Any]:
     """Returns the plan as the JSON object it prints with ``plan.format=json``."""
     typed = validated(cfg)
-    if typed.recipe not in FLOW_RECIPES:
+    if plan_of(typed) is None:
         raise UserError(
-            f"rlgen plan covers the flow-model recipes ({', '.join(FLOW_RECIPES)}); recipe={typed.recipe} "
+            f"rlgen plan covers the flow-model recipes ({', '.join(PLANNED_RECIPES)}); recipe={typed.recipe} "
             f"(model.family={typed.model.family}) is not one of them yet"
         )
     report = plan_run(typed)
@@ -124,13 +125,13 @@ def plan_run(cfg: Any) -> dict[str, Any]:
     groups = param_groups(components)
     trained = tuple(name for name, module in components.items() if _trains(module))
     encode = conditioning_of(policy, cfg, prompt)
-    require_plannable(cfg, policy)
+    shape_of(cfg).require_plannable(cfg, policy)
     tracer = tracer_for(cfg, policy, [components[name] for name in trained], encode)
     try:
         training = training_of(cfg, components, trained, held=(*held, *cache_rows(policy, tracer)))
         activations = trace_activations(policy, cfg, [components[name] for name in trained], encode)
         epoch = Epoch(
-            samples_per_epoch(cfg), tracer.kept_per_sample(), tracer.rollout_peak, tracer.step_peak,
+            shape_of(cfg).samples_per_epoch(cfg), tracer.kept_per_sample(), tracer.rollout_peak, tracer.step_peak,
             update_copies=tracer.update_copies, update_global_copies=tracer.update_global_copies,
             phase=tracer.phase,
         )  # fmt: skip
@@ -150,7 +151,7 @@ def plan_run(cfg: Any) -> dict[str, Any]:
     return {
         "model": cfg.model.family, "recipe": cfg.recipe, "launcher": cfg.launcher.name,
         "processes": cfg.launcher.world_size, "micro_batch": training.micro_batch,
-        "micro_batch_unit": micro_batch_unit(cfg),
+        "micro_batch_unit": shape_of(cfg).micro_batch_unit(cfg),
         "sample_batch": training.sample_batch, "timesteps_per_pass": getattr(cfg.algo, "timesteps_per_pass", 1),
         "resolution": [*_size(cfg.model), cfg.model.num_frames],
         "gradient_checkpointing": training.gradient_checkpointing,
@@ -191,18 +192,11 @@ def _setting_or_note(override: str) -> str:
     return override
 
 
-def require_plannable(cfg: Any, policy: Any) -> None:
-    """What the recipe itself refuses before it trains, refused before the plan traces it (exit code 2)."""
-    if cfg.recipe == "flow_pretrain":
-        from rlgen_cli.recipes.flow_pretrain import require_pretrainable
-
-        dist = types.SimpleNamespace(world_size=cfg.launcher.world_size)
-        require_pretrainable(types.SimpleNamespace(cfg=cfg, policy=policy, dist=dist))
-
-
-def samples_per_epoch(cfg: Any) -> int:
-    """Samples an epoch rolls out over every process (pretraining rolls none out)."""
-    return 0 if cfg.recipe == "flow_pretrain" else cfg.algo.prompts_per_epoch * cfg.algo.group_size
+def shape_of(cfg: Any) -> PlanShape:
+    """What the run's recipe tells the planner about its training (``recipes/plan_shape.py``)."""
+    shape = plan_of(cfg)
+    assert shape is not None, cfg.recipe  # plan_task refused the recipes without one
+    return shape
 
 
 # -- the model on the meta device ----------------------------------------------------------------------
@@ -330,12 +324,8 @@ def training_of(
 
     modules = [components[name] for name in trained]
     blocks = [block for module in modules for block in repeated_blocks(module)]
-    batch, setting = micro_batch_of(cfg)
-    copies: tuple[str, ...] = ()
-    if cfg.recipe == "flow_forward":
-        copies = ("old policy",)
-    elif cfg.recipe == "flow_pref" and cfg.algo.pref.loss == "dpo" and cfg.algo.pref.ref_update_step > 0:
-        copies = ("online DPO reference",)
+    shape = shape_of(cfg)
+    batch, setting = shape.micro_batch(cfg)
     exact = cfg.launcher.reduces_exactly and LAUNCH_KINDS[cfg.launcher.name] in ("local", "ddp")
     trainable_tensors = sum(p.requires_grad for m in modules for p in m.parameters())
     return Training(
@@ -345,59 +335,25 @@ def training_of(
         full_reference=not cfg.model.lora.enabled,
         trained=trained,
         largest_block_bytes=max((_module_bytes(b) for b in blocks), default=0),
-        accumulation=micro_batches_per_process(cfg),
+        accumulation=shape.micro_batches_per_process(cfg),
         micro_batch_setting=setting,
-        accumulation_setting=None if cfg.recipe == "flow_pref" else "algo.gradient_accumulation_steps",
-        weight_copies=copies,
+        accumulation_setting=shape.accumulation_setting,
+        weight_copies=shape.weight_copies(cfg),
         sample_batch=cfg.algo.sample_batch_size,
         exact_sum_tensors=trainable_tensors if exact else 0,
         held=held,
     )
 
 
-def micro_batch_unit(cfg: Any) -> str:
-    """What a micro-batch counts: samples, or DPO's pairs and SFT's kept samples."""
-    if cfg.recipe == "flow_pref":
-        return "pairs" if cfg.algo.pref.loss == "dpo" else "kept samples"
-    return "samples"
-
-
 def micro_batch_of(cfg: Any) -> tuple[int, str | None]:
     """Units in one gradient-carrying training call on one process, and the setting that chooses it (None
-    when the recipe derives it): GRPO, NFT / AWM ``algo.train_batch_size`` samples; DPO / SFT
-    ``algo.train_batch_size`` units (a DPO pair, whose winner and loser each take a forward; SFT's kept
-    samples), at most the epoch's; pretraining its per-process share of ``algo.pretrain.batch_size``."""
-    world = cfg.launcher.world_size
-    if cfg.recipe == "flow_pref":
-        return min(cfg.algo.train_batch_size, pref_units(cfg)), "algo.train_batch_size"
-    if cfg.recipe == "flow_pretrain":
-        return max(cfg.algo.pretrain.batch_size // world, 1), None
-    return cfg.algo.train_batch_size, "algo.train_batch_size"
-
-
-def pref_units(cfg: Any) -> int:
-    """What one DPO / SFT optimizer step trains over every process: a pair per group (DPO; a group whose
-    rewards tie has none: at most), the ``top_k`` best of each (SFT)."""
-    groups = cfg.algo.prompts_per_epoch
-    return groups if cfg.algo.pref.loss == "dpo" else cfg.algo.pref.top_k * groups
+    when the recipe derives it): the recipe's :meth:`PlanShape.micro_batch`."""
+    return shape_of(cfg).micro_batch(cfg)
 
 
 def rows_per_unit(cfg: Any) -> int:
-    """Rows of a micro-batch unit in the training forwards whose graphs live together: a DPO pair's winner
-    and loser (two forwards, both kept for the backward); one sample otherwise."""
-    return 2 if cfg.recipe == "flow_pref" and cfg.algo.pref.loss == "dpo" else 1
-
-
-def micro_batches_per_process(cfg: Any) -> int:
-    """Micro-batches one process trains per optimizer step: ``algo.gradient_accumulation_steps`` over the
-    processes; DPO / SFT every unit of the epoch in micro-batches of ``algo.train_batch_size`` dealt over
-    the processes; pretraining one."""
-    world = cfg.launcher.world_size
-    if cfg.recipe == "flow_pref":
-        return math.ceil(math.ceil(pref_units(cfg) / cfg.algo.train_batch_size) / world)
-    if cfg.recipe == "flow_pretrain":
-        return 1
-    return cfg.algo.micro_batches_per_step(world) // world
+    """Rows of a micro-batch unit in the training forwards whose graphs live together (a DPO pair: 2)."""
+    return shape_of(cfg).rows_per_unit(cfg)
 
 
 def launch_of(launcher: Any) -> Any:
@@ -427,11 +383,9 @@ def trace_activations(policy: Any, cfg: Any, trained: list[nn.Module], encode: E
 
 
 def folded_steps(cfg: Any) -> int:
-    """Trained steps one training forward scores per sample: Flow-GRPO's ``algo.timesteps_per_pass``, at
-    most the steps the window trains; one in the other recipes."""
-    if cfg.recipe != "flow_grpo":
-        return 1
-    return min(cfg.algo.timesteps_per_pass, len(window_of(cfg, 1).train_steps))
+    """Trained steps one training forward scores per sample (Flow-GRPO: ``algo.timesteps_per_pass``, at
+    most the steps the first epoch's window trains; one in the other recipes)."""
+    return shape_of(cfg).folded_steps(cfg, lambda: len(window_of(cfg, 1).train_steps))
 
 
 def window_of(cfg: Any, batch: int) -> Any:
@@ -624,7 +578,7 @@ class EpochTracer(abc.ABC):
 
     def _accumulates(self) -> bool:
         """Whether gradients stay alive from one micro-batch to the next (no float64 sums clearing them)."""
-        return micro_batches_per_process(self.cfg) > 1 and self.run.dist.exact is None
+        return shape_of(self.cfg).micro_batches_per_process(self.cfg) > 1 and self.run.dist.exact is None
 
     @abc.abstractmethod
     def _rollout(self, batch: int) -> None:
@@ -652,14 +606,14 @@ class GrpoTracer(EpochTracer):
 
     def _rollout(self, batch: int) -> None:
         from rlgen_cli.models.base import cfg_gradient
-        from rlgen_cli.recipes import flow_grpo, loop
+        from rlgen_cli.recipes import flow_grpo, flow_run
 
         run, algo = self.run, self.cfg.algo
         cond = self.encode(batch)
         with cfg_gradient(flow_grpo.rollout_cfg_mode(algo)):
             x = run.policy.noise(batch)
             traj = flow_grpo.rollout_batch(
-                run, cond, x, window_of(self.cfg, batch), loop.step_spec(self.cfg), None
+                run, cond, x, window_of(self.cfg, batch), flow_run.step_spec(self.cfg), None
             )
         run.policy.decode(traj.final)  # the images go to host memory
         self._keep(batch, (traj, cond), cond)
@@ -703,7 +657,7 @@ class ForwardTracer(EpochTracer):
         self._sigmas: Tensor | None = None
 
     def _rollout(self, batch: int) -> None:
-        from rlgen_cli.recipes import flow_forward, loop
+        from rlgen_cli.recipes import flow_forward, flow_run
         from rlgen_cli.sde.noise import Stream, sample_generators
 
         cfg, run, forward = self.cfg, self.run, self.cfg.algo.forward
@@ -713,7 +667,7 @@ class ForwardTracer(EpochTracer):
             x = run.policy.noise(batch)
             steps = sample_generators(cfg.seed, 0, range(batch), META, salt=Stream.STEP_NOISE)
             x0 = flow_forward.solve(
-                run.policy, cond, x, cfg.model.num_steps, forward.solver, loop.step_spec(cfg), steps
+                run.policy, cond, x, cfg.model.num_steps, forward.solver, flow_run.step_spec(cfg), steps
             )
             run.policy.decode(x0)  # the images go to host memory
         self._sigmas = run.policy.schedule(cfg.model.num_steps, x0[:1])
@@ -770,14 +724,14 @@ class PrefTracer(EpochTracer):
             self.pref = flow_pref.Preference.build(self.run)
 
     def _rollout(self, batch: int) -> None:
-        from rlgen_cli.recipes import loop
+        from rlgen_cli.recipes import flow_run
         from rlgen_cli.sde.sampling import sample_latents
 
         cfg, run = self.cfg, self.run
         weights = self.pref.reference(run) if cfg.algo.pref.loss == "dpo" else contextlib.nullcontext()
         with weights:
             x0 = sample_latents(
-                run.policy, [""] * batch, cfg.model.num_steps, batch, cfg.seed, spec=loop.step_spec(cfg),
+                run.policy, [""] * batch, cfg.model.num_steps, batch, cfg.seed, spec=flow_run.step_spec(cfg),
                 keys=range(batch),
             )  # fmt: skip
         run.policy.decode(x0)  # the images go to host memory

@@ -7,12 +7,12 @@ then exits with their exit code.
 
 from __future__ import annotations
 
-import importlib
 import sys
 from typing import Any
 
 from omegaconf import DictConfig
 
+from rlgen_cli.recipes.registry import recipe_of
 from rlgen_cli.tasks.common import run_dir_of, user_errors, validated
 
 
@@ -39,8 +39,7 @@ def train_task(cfg: DictConfig) -> Any:
                 sys.exit(code)
             return None
         setup_logging(run_dir)
-        recipe = importlib.import_module(f"rlgen_cli.recipes.{typed.recipe}")
-        metrics = recipe.run(typed, cfg)
+        metrics = recipe_of(typed).run(typed, cfg)
     return metrics.get("eval/reward/mean", metrics.get("reward/mean"))
 
 
@@ -55,12 +54,5 @@ def require_prerequisites(cfg: Any, run_dir: Any) -> None:
         reward_problems,
     )
 
-    missing = Prerequisites().add(data_problems(cfg, run_dir, _splits_read(cfg)))
+    missing = Prerequisites().add(data_problems(cfg, run_dir, recipe_of(cfg).splits_read(cfg)))
     missing.add(resume_problems(cfg)).add(model_problems(cfg)).add(reward_problems(cfg)).require()
-
-
-def _splits_read(cfg: Any) -> tuple[str, ...]:
-    """The flow recipes read both prompt files; the VLM ones read the test set only when they evaluate."""
-    if cfg.recipe in ("vlm_rl", "vlm_sft") and not cfg.eval_every:
-        return ("train",)
-    return ("train", "test")

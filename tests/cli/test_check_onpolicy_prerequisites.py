@@ -15,7 +15,7 @@ def no_model(monkeypatch):
     def refuse(*_args, **_kwargs):
         raise AssertionError("a model was built before the prerequisites were checked")
 
-    for where in ("rlgen_cli.recipes.loop.build_policy", "rlgen_cli.models.build_policy"):
+    for where in ("rlgen_cli.recipes.flow_run.build_policy", "rlgen_cli.models.build_policy"):
         monkeypatch.setattr(where, refuse)
 
 

@@ -143,7 +143,7 @@ def test_a_missing_data_file_exits_2_before_any_model_loads(tmp_path: Path, monk
     def no_model(*_args, **_kwargs):
         raise AssertionError("a model was loaded before the data files were checked")
 
-    monkeypatch.setattr("rlgen_cli.recipes.loop.build_policy", no_model)
+    monkeypatch.setattr("rlgen_cli.recipes.flow_run.build_policy", no_model)
     monkeypatch.chdir(tmp_path)  # no dataset/ folder here
     code, out = _rlgen("train", "model=tiny_sd3", "reward=pickscore", f"hydra.run.dir={tmp_path / 'run'}")
     message = " ".join((out + capsys.readouterr().err).split())  # rich wraps long lines
@@ -159,7 +159,7 @@ def test_a_tag_repeat_for_a_missing_tag_exits_2_before_any_model_loads(tmp_path:
     def no_model(*_args, **_kwargs):
         raise AssertionError("a model was loaded before data.tag_repeats was checked")
 
-    monkeypatch.setattr("rlgen_cli.recipes.loop.build_policy", no_model)
+    monkeypatch.setattr("rlgen_cli.recipes.flow_run.build_policy", no_model)
     code, out = _rlgen("train", "+data.tag_repeats={colour: 2}", f"hydra.run.dir={tmp_path}")
     message = " ".join((out + capsys.readouterr().err).split())
     assert code == 2, message

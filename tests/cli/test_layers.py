@@ -50,7 +50,7 @@ def test_the_package_keeps_its_layers():
 
 def test_an_upward_import_breaks_the_layers(tmp_path):
     copy = _package_copy(tmp_path)
-    _add_line(copy / "rlgen_cli" / "sde" / "noise.py", "import rlgen_cli.recipes.loop  # noqa")
+    _add_line(copy / "rlgen_cli" / "sde" / "noise.py", "import rlgen_cli.recipes.flow_run  # noqa")
     result = _lint_imports(copy, pythonpath=copy)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "rlgen_cli.sde is not allowed to import rlgen_cli.recipes" in result.stdout

@@ -40,7 +40,7 @@ def no_model(monkeypatch):
         raise AssertionError("a model was built before the prerequisites were checked")
 
     # the recipe loop first: importing it binds the models' build_policy, which must not be the stand-in yet
-    for where in ("rlgen_cli.recipes.loop.build_policy", "rlgen_cli.models.build_policy"):
+    for where in ("rlgen_cli.recipes.flow_run.build_policy", "rlgen_cli.models.build_policy"):
         monkeypatch.setattr(where, refuse)
 
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from rlgen_cli.errors import UserError
 from rlgen_cli.launch.commands import CONFIGS, launch_command, require_engine
 from rlgen_cli.models.sd3 import LORA_WEIGHTS_NAME
-from rlgen_cli.recipes.loop import require_ema_engine
+from rlgen_cli.recipes.flow_run import require_ema_engine
 from rlgen_cli.schema.algo import FlowGrpoAlgoConfig
 from rlgen_cli.schema.choices import Launcher
 from rlgen_cli.schema.run import LauncherConfig

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from rlgen_cli.recipes.loop import REWARD_CURVE
+from rlgen_cli.recipes.common import REWARD_CURVE
 from rlgen_cli.training.checkpoints.checkpoint import CHECKPOINTS_DIR, list_checkpoints
 from tests.conftest import TINY_RUN
 

@@ -5,7 +5,7 @@ The configs state global quantities (docs/distributed.md): samples per epoch, mi
 all processes. A process-count-invariant recipe deals whole rollout batches round-robin, keys every
 sample's noise by its place in the global batch, puts gathered rewards back in global order, sums the
 gradients in float64 once per step, and pools every logged statistic over processes before reducing it
-(``loop.reduce_over_ranks``). The one-process run computes with one thread, as launched workers do.
+(``common.reduce_over_ranks``). The one-process run computes with one thread, as launched workers do.
 
 Geometries (8 samples per epoch, the tiny models): ``one`` step per epoch of 4 global micro-batches (2 per
 process on 2); ``several``: 8 micro-batches in 2 steps of 4 (each process trains 2 of every step), the

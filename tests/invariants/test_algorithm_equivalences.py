@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from rlgen_cli._hydra import conf_dir, verb_overrides
-from rlgen_cli.recipes import flow_grpo, loop
+from rlgen_cli.recipes import flow_grpo, flow_run
 from rlgen_cli.schema.store import register_schemas
 from rlgen_cli.tasks.common import validated
 from rlgen_cli.training.reporting.progress import Progress
@@ -22,7 +22,7 @@ from tests.conftest import TINY_RUN
 register_schemas()
 
 
-def _recipe(tmp_path, overrides: list[str]) -> loop.FlowRun:
+def _recipe(tmp_path, overrides: list[str]) -> flow_run.FlowRun:
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         cfg = compose(
             config_name="train",
@@ -30,10 +30,10 @@ def _recipe(tmp_path, overrides: list[str]) -> loop.FlowRun:
         )
     OmegaConf.set_struct(cfg, False)
     cfg.run_dir = str(tmp_path)
-    return loop.setup(validated(cfg), cfg)
+    return flow_run.setup(validated(cfg), cfg)
 
 
-def _epoch(run: loop.FlowRun):
+def _epoch(run: flow_run.FlowRun):
     with Progress(enabled=False) as progress:
         rollouts = flow_grpo.sample_rollouts(run, 0, progress)
         adv = torch.linspace(-1, 1, len(rollouts.indices))

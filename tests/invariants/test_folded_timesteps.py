@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from rlgen_cli._hydra import conf_dir, verb_overrides
-from rlgen_cli.recipes import flow_grpo, loop
+from rlgen_cli.recipes import flow_grpo, flow_run
 from rlgen_cli.schema.store import register_schemas
 from rlgen_cli.sde.rollout import StepSpec, fold_rows, recompute_step, recompute_steps, rollout
 from rlgen_cli.sde.window import plan_window
@@ -31,7 +31,7 @@ recomputes them with ~1e-7 rounding differences): gradients agree to ~1e-6 relat
 one advantage moves them by ~1e-3."""
 
 
-def _recipe(tmp_path, overrides: list[str]) -> loop.FlowRun:
+def _recipe(tmp_path, overrides: list[str]) -> flow_run.FlowRun:
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         cfg = compose(
             config_name="train",
@@ -41,7 +41,7 @@ def _recipe(tmp_path, overrides: list[str]) -> loop.FlowRun:
         )
     OmegaConf.set_struct(cfg, False)
     cfg.run_dir = str(tmp_path)
-    run = loop.setup(validated(cfg), cfg)
+    run = flow_run.setup(validated(cfg), cfg)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():  # LoRA B starts at 0, which would leave every A without a gradient
         for name, param in run.policy.trainable.named():
@@ -69,7 +69,7 @@ def _gradients(run, monkeypatch, rollouts, advantages, per_pass: int) -> tuple[l
 
     monkeypatch.undo()  # the backward and optimizer step of an earlier call
     backward = run.dist.backward
-    monkeypatch.setattr(flow_grpo.loop, "optimizer_step", capture)
+    monkeypatch.setattr(flow_grpo.flow_run, "optimizer_step", capture)
     monkeypatch.setattr(
         run.dist, "backward", lambda loss, sync=True: syncs.append(sync) or backward(loss, sync)
     )

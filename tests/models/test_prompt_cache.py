@@ -15,7 +15,7 @@ from rlgen_cli._hydra import conf_dir, verb_overrides
 from rlgen_cli.models import build_policy, cfg_gradient
 from rlgen_cli.models.base import Cond
 from rlgen_cli.models.prompt_cache import PromptCache
-from rlgen_cli.recipes import flow_grpo, loop
+from rlgen_cli.recipes import flow_grpo, flow_run
 from rlgen_cli.schema.store import register_schemas
 from rlgen_cli.tasks.common import validated
 from rlgen_cli.training.reporting.progress import Progress
@@ -145,13 +145,13 @@ def test_conditional_cfg_runs_the_unconditional_branch_without_autograd(guided_c
     torch.testing.assert_close(v_train, v_both, rtol=1e-5, atol=1e-6)  # batch-shape rounding only
 
 
-def _recipe(run_dir, overrides: list[str]) -> loop.FlowRun:
+def _recipe(run_dir, overrides: list[str]) -> flow_run.FlowRun:
     register_schemas()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         cfg = compose(config_name="train", overrides=verb_overrides("train", [*TINY_RUN, *overrides]))
     OmegaConf.set_struct(cfg, False)
     cfg.run_dir = str(run_dir)
-    return loop.setup(validated(cfg), cfg)
+    return flow_run.setup(validated(cfg), cfg)
 
 
 @pytest.mark.parametrize("cfg_grad", ["both", "conditional"])

@@ -126,7 +126,7 @@ def _train_cli(tmp_path: Path, *overrides: str) -> tuple[int, str]:
         raise AssertionError("a model was loaded before the settings were checked")
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("rlgen_cli.recipes.loop.build_policy", no_model)
+        patch.setattr("rlgen_cli.recipes.flow_run.build_policy", no_model)
         code, out = run_cli("train", *overrides, f"hydra.run.dir={tmp_path / 'run'}")
     return code, " ".join(out.split())  # rich wraps long lines
 

@@ -1,7 +1,7 @@
 """Measured memory of a real training epoch on the CPU, for ``rlgen plan``'s predicted-against-measured
 checks (``test_plan.py``) and the table of docs/plan.md.
 
-*Measured* runs the run itself: ``loop.setup`` builds the FlowRun with its weights on the CPU, then
+*Measured* runs the run itself: ``flow_run.setup`` builds the FlowRun with its weights on the CPU, then
 ``flow_grpo.sample_rollouts`` rolls out the epoch's samples and ``flow_grpo.update`` trains on them, each
 under ``torch.profiler`` with memory profiling. The CPU allocator reports every allocation and free to
 the profiler with the bytes it holds (``total_allocated``); the peak of that count over a phase, less its
@@ -163,10 +163,10 @@ def _decoded_images(run: Any) -> list[torch.Tensor]:
 
 def _measure_grpo(cfg: Any, raw: Any) -> Epoch:
     """``flow_grpo.sample_rollouts``, then ``flow_grpo.update`` on the epoch's samples."""
-    from rlgen_cli.recipes import flow_grpo, loop
+    from rlgen_cli.recipes import flow_grpo, flow_run
     from rlgen_cli.training.reporting.progress import Progress
 
-    run = loop.setup(cfg, raw)
+    run = flow_run.setup(cfg, raw)
     images = _decoded_images(run)
     progress = Progress(False)
     rollouts, events = _allocations(lambda: flow_grpo.sample_rollouts(run, 0, progress))
@@ -185,10 +185,10 @@ def _measure_grpo(cfg: Any, raw: Any) -> Epoch:
 def _measure_forward(cfg: Any, raw: Any) -> Epoch:
     """DiffusionNFT / AWM: ``flow_forward.sample_epoch`` (scored as it runs), then ``flow_forward.update``
     on its samples with weights in [0, 1]."""
-    from rlgen_cli.recipes import flow_forward, loop
+    from rlgen_cli.recipes import flow_forward, flow_run
     from rlgen_cli.training.reporting.progress import Progress
 
-    run = loop.setup(cfg, raw)
+    run = flow_run.setup(cfg, raw)
     old = flow_forward.OldPolicy.build(run)
     images = _decoded_images(run)
     progress = Progress(False)
@@ -208,14 +208,14 @@ def _measure_pref(cfg: Any, raw: Any) -> Epoch:
     and scoring, ``gather_samples``, then ``dpo_update`` / ``sft_update``."""
     from contextlib import nullcontext
 
-    from rlgen_cli.recipes import flow_pref, loop
+    from rlgen_cli.recipes import flow_pref, flow_run
     from rlgen_cli.sde.sampling import batches, sample_latents
 
-    run = loop.setup(cfg, raw)
+    run = flow_run.setup(cfg, raw)
     algo = cfg.algo
     pref_state = flow_pref.Preference.build(run)
     positions = run.sampler.positions(algo.sample_batch_size)
-    _, prompts, metadata = loop.examples_of(
+    _, prompts, metadata = flow_run.examples_of(
         run.train_set, run.sampler.indices_for_epoch(0, algo.sample_batch_size)
     )
     dpo = algo.pref.loss == "dpo"
@@ -223,10 +223,10 @@ def _measure_pref(cfg: Any, raw: Any) -> Epoch:
     def sampling() -> tuple[Any, ...]:
         with pref_state.reference(run) if dpo else nullcontext():
             x0 = sample_latents(run.policy, prompts, cfg.model.num_steps, algo.sample_batch_size, cfg.seed,
-                                spec=loop.step_spec(cfg), keys=positions)  # fmt: skip
+                                spec=flow_run.step_spec(cfg), keys=positions)  # fmt: skip
         parts = list(batches(len(x0), algo.sample_batch_size))
         images = torch.cat([run.policy.decode(x0[p]) for p in parts])
-        return x0, images, [loop.score(run, images[p], prompts[p], metadata[p]) for p in parts]
+        return x0, images, [flow_run.score(run, images[p], prompts[p], metadata[p]) for p in parts]
 
     decoded = _decoded_images(run)
     (x0, images, scores), events = _allocations(sampling)
@@ -245,10 +245,10 @@ def _measure_pref(cfg: Any, raw: Any) -> Epoch:
 def _measure_pretrain(cfg: Any, raw: Any) -> Epoch:
     """Pretraining: an evaluation batch (``sample_latents`` over ``model.eval_num_steps``, decoded), and
     ``flow_pretrain.pretrain_step``."""
-    from rlgen_cli.recipes import flow_pretrain, loop
+    from rlgen_cli.recipes import flow_pretrain, flow_run
     from rlgen_cli.sde.sampling import sample_latents
 
-    run = loop.setup(cfg, raw)
+    run = flow_run.setup(cfg, raw)
     flow_pretrain.require_pretrainable(run)
     batch = cfg.algo.sample_batch_size
     prompts = [example.prompt for example in list(run.test_set)[:batch]]

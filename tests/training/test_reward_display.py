@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rlgen_cli.recipes.loop import eval_suffix
+from rlgen_cli.recipes.flow_run import eval_suffix
 from rlgen_cli.training.reporting.labels import readable_reward
 from rlgen_cli.training.reporting.plots import plot_runs
 

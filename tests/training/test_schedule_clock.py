@@ -14,7 +14,7 @@ import torch
 
 from rlgen_cli._hydra import compose_verb
 from rlgen_cli.recipes import session as session_module
-from rlgen_cli.recipes.loop import evaluates_heldout
+from rlgen_cli.recipes.flow_run import evaluates_heldout
 from rlgen_cli.recipes.session import EpochClock
 from rlgen_cli.training.control.schedule import epoch_lr, time_share
 

@@ -66,7 +66,7 @@ rank, which all take part in saving and rolling back. Rollbacks need weights tha
 mid-run: one process or DDP (``schema/hacking_guard.py`` refuses the sharding launchers).
 
 :class:`HackingGuard` is the rule alone, pure and unit-tested; :class:`RunGuard` adds the monitors, the
-scales and the decision shared over ranks; ``recipes/loop.py`` calls it from its evaluations and saves.
+scales and the decision shared over ranks; ``recipes/flow_run.py`` calls it from its evaluations and saves.
 """
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ def before_after_table(
 CELL = 24  # width of a before → after cell
 UNSEEN = "unseen"  # the row of the eval_heldout split (combinations never trained on)
 HELDOUT_PREFIX = "eval_heldout/"
-"""Metric prefix of the ``eval_heldout`` split (``recipes/loop.py: evaluate``)."""
+"""Metric prefix of the ``eval_heldout`` split (``recipes/flow_run.py: evaluate``)."""
 
 
 def has_heldout(metrics: Mapping[str, float], reward: str = "shapes_geneval") -> bool:
