@@ -29,8 +29,9 @@ at t = 0, so they never depend on the image or the step. Conventions reproduced 
   prediction is the pipeline's ``use_kv_cache=False``).
 
 Precision: the frozen transformer and text encoder run in ``model.dtype`` under autocast, the VAE in
-fp32; latents stay fp32 between steps and both CFG branches are combined in fp32. Editing with condition
-images (the pipeline's ``image=``) is not wired in: the family is text-to-image here.
+fp32; latents stay fp32 between steps and both CFG branches are combined in fp32. Editing with a condition
+image (the pipeline's ``image=``) is the family ``qwen_image_2_edit`` (``models/qwen_image_2_edit.py``), which
+shares this policy's text encoding, per-length calls and transformer call (:meth:`QwenImage2Policy.branch`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rlgen_cli.errors import UserError
@@ -61,6 +63,9 @@ from rlgen_cli.sde.noise import standard_normal
 from rlgen_cli.sde.schedule import calculate_mu, shift_sigmas
 
 log = logging.getLogger(__name__)
+
+Source = tuple[Tensor, tuple[int, int]]
+"""Condition images' latent tokens (B, h·w, C) and their (h, w) latent grid (one size per batch)."""
 
 QWEN_IMAGE_2_LORA_TARGETS = [
     "attn.to_q",
@@ -167,18 +172,23 @@ class QwenImage2Policy(LatentGrid):
 
     def _texts(self, prompts: Sequence[str]) -> tuple[Tensor, Tensor]:
         """Each prompt encoded on its own (no padding reaches the encoder), padded to the model length."""
-        rows = [self._text(prompt) for prompt in prompts]
+        rows = [self._text(prompt)[:2] for prompt in prompts]
         return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
 
-    def _text(self, prompt: str) -> tuple[Tensor, Tensor]:
-        embeds, mask, _ = self.pipeline.encode_prompt(prompt=[prompt], device=self.device)
+    def _text(self, prompt: str, images: list | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """One prompt (with its condition ``images``, if any) encoded alone: embeddings, valid-token mask and
+        the mask of the encoder's image slots, each padded to ``model.max_sequence_length``."""
+        embeds, mask, image_slots = self.pipeline.encode_prompt(
+            prompt=[prompt], image=images, device=self.device
+        )
         length = self.cfg.max_sequence_length
         if embeds.shape[1] > length:
             raise UserError(
                 f"a prompt encodes to {embeds.shape[1]} tokens (template included) but "
                 f"model.max_sequence_length={length}; raise model.max_sequence_length or shorten the prompt"
             )
-        return pad_text(embeds, mask, length)
+        embeds, mask = pad_text(embeds, mask, length)
+        return embeds, mask, F.pad(image_slots.bool(), (0, length - image_slots.shape[1]), value=False)
 
     # -- sampling geometry --------------------------------------------------------------------
     def noise(self, n: int, generator: torch.Generator | Sequence[torch.Generator] | None = None) -> Tensor:
@@ -196,35 +206,59 @@ class QwenImage2Policy(LatentGrid):
     def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
         """v(x, σ) for x (B, L, C) fp32 and sigma 0-d or (B,), CFG folded in; fp32 (B, L, C)."""
         t = sigma.float().reshape(-1).expand(x.shape[0]).to(self.device)  # t = σ = timesteps / 1000
-        tensors = cond.tensors
-        cond_v = self._by_prompt_length(x, t, tensors["prompt_embeds"], tensors["prompt_mask"])
+        cond_v = self._by_prompt_length(x, t, *self.branch(cond, negative=False))
         if self.guidance_scale <= 1.0:
             return cond_v
-        negative = (tensors["neg_prompt_embeds"], tensors["neg_prompt_mask"])
-        unconditional = functools.partial(self._by_prompt_length, x, t, *negative)
+        unconditional = functools.partial(self._by_prompt_length, x, t, *self.branch(cond, negative=True))
         return cfg_two_passes(cond_v, unconditional, self.guidance_scale)
 
-    def _by_prompt_length(self, x: Tensor, t: Tensor, embeds: Tensor, mask: Tensor) -> Tensor:
+    def branch(self, cond: Cond, negative: bool) -> tuple[Tensor, Tensor, Tensor | None, Source | None]:
+        """One CFG branch of ``cond``: prompt embeddings and mask, then (editing only) the mask of the encoder's
+        image slots and the condition images' latent tokens with their (h, w) grid."""
+        prefix = "neg_" if negative else ""
+        return cond.tensors[f"{prefix}prompt_embeds"], cond.tensors[f"{prefix}prompt_mask"], None, None
+
+    def _by_prompt_length(
+        self,
+        x: Tensor,
+        t: Tensor,
+        embeds: Tensor,
+        mask: Tensor,
+        image_slots: Tensor | None,
+        source: Source | None,
+    ) -> Tensor:
         """One transformer call per distinct prompt length, each prompt unpadded; rows back in order."""
         lengths = mask.sum(dim=1)
         outputs, rows = [], []
         for length in lengths.unique().tolist():
             index = (lengths == length).nonzero().squeeze(1)
-            outputs.append(self._forward(x[index], t[index], embeds[index, : int(length)]))
+            slots = None if image_slots is None else image_slots[index, : int(length)]
+            rows_source = None if source is None else (source[0][index], source[1])
+            outputs.append(
+                self._forward(x[index], t[index], embeds[index, : int(length)], slots, rows_source)
+            )
             rows.append(index)
         return torch.cat(outputs)[torch.argsort(torch.cat(rows))]
 
-    def _forward(self, x: Tensor, t: Tensor, embeds: Tensor) -> Tensor:
-        """One pass in the model dtype over [prompt tokens, image tokens]; the image tokens' fp32 output."""
+    def _forward(
+        self, x: Tensor, t: Tensor, embeds: Tensor, image_slots: Tensor | None, source: Source | None
+    ) -> Tensor:
+        """One pass in the model dtype over [prompt tokens, image tokens]; the target tokens' fp32 output.
+        ``image_slots`` marks the prompt positions the condition images' tokens fill, and ``source`` holds
+        those tokens (before the target's in the sequence) with their (h, w) grid (editing only)."""
         batch, tokens = x.shape[:2]
-        slots = torch.cat([
-            torch.zeros(batch, embeds.shape[1], dtype=torch.bool, device=self.device),
-            torch.ones(batch, tokens // 4, dtype=torch.bool, device=self.device),
-        ], dim=1)  # fmt: skip
+        if image_slots is None:
+            image_slots = torch.zeros(batch, embeds.shape[1], dtype=torch.bool, device=self.device)
+        slots = torch.cat(
+            [image_slots, torch.ones(batch, tokens // 4, dtype=torch.bool, device=self.device)], dim=1
+        )
+        hidden, shapes = x, [(1, *self.latent_hw)]
+        if source is not None:
+            hidden, shapes = torch.cat([source[0].to(x.dtype), x], dim=1), [(1, *source[1]), *shapes]
         with autocast(self.device, self.dtype):
             out = self.trainable.forward_module()(
-                hidden_states=x.to(self.dtype), encoder_hidden_states=embeds, timestep=t,
-                img_shapes=[[(1, *self.latent_hw)]] * batch, img_mask=slots, return_dict=False,
+                hidden_states=hidden.to(self.dtype), encoder_hidden_states=embeds, timestep=t,
+                img_shapes=[shapes] * batch, img_mask=slots, return_dict=False,
             )[0]  # fmt: skip
         return out[:, -tokens:].float()
 

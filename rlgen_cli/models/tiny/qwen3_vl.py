@@ -38,18 +38,23 @@ QWEN3_VL_CHAT_TEMPLATE = (
 )
 
 
-def tiny_qwen3_vl_processor(tokenizer: Any = None, min_pixels: int = 64, max_pixels: int = 32 * 32) -> Any:
-    """A ``Qwen3VLProcessor`` with 4-px patches, 2×2 merge, images bounded to [min_pixels, max_pixels].
+def tiny_qwen3_vl_processor(
+    tokenizer: Any = None, min_pixels: int = 64, max_pixels: int = 32 * 32, patch: int = PATCH
+) -> Any:
+    """A ``Qwen3VLProcessor`` with ``patch``-px patches (4 by default), 2×2 merge, images bounded to
+    [min_pixels, max_pixels].
 
     Args:
         tokenizer: A Qwen-style tokenizer holding the vision special tokens; None = the byte-level
             :func:`~rlgen_cli.models.tiny.vlm.tiny_qwen_tokenizer`.
         min_pixels: Lower pixel bound of an image (and a video frame).
         max_pixels: Upper pixel bound.
+        patch: Vision patch side; Qwen3-VL's real 16 gives one merged token per 32×32 px, the grid of
+            Qwen-Image 2.x's image slots.
     """
     from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
-    geometry = {"patch_size": PATCH, "temporal_patch_size": TEMPORAL, "merge_size": MERGE}
+    geometry = {"patch_size": patch, "temporal_patch_size": TEMPORAL, "merge_size": MERGE}
     size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
     return Qwen3VLProcessor(
         image_processor=Qwen2VLImageProcessor(

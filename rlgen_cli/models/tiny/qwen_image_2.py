@@ -21,9 +21,19 @@ from rlgen_cli.models.tiny.qwen3_vl import tiny_qwen3_vl, tiny_qwen3_vl_processo
 LATENT_CHANNELS = 8  # Qwen-Image 2.1: 64
 
 
-def tiny_qwen_image_2_pipeline(seed: int = 0) -> Any:
+def tiny_qwen_image_2_edit_pipeline(seed: int = 0) -> Any:
+    """:func:`tiny_qwen_image_2_pipeline` whose encoder reads condition images as the real one does: 16-px
+    patches merged 2×2, so each merged token covers 32×32 px — one image slot of the transformer, which the
+    source's 2×2 latent tokens fill (the 4-px default would give 16 encoder tokens per slot). Images from 32²
+    to 128² px keep their size in the processor."""
+    return tiny_qwen_image_2_pipeline(
+        seed, tiny_qwen3_vl_processor(min_pixels=32 * 32, max_pixels=128 * 128, patch=16)
+    )
+
+
+def tiny_qwen_image_2_pipeline(seed: int = 0, processor: Any = None) -> Any:
     """A tiny ``QwenImage21Pipeline`` (64 px images, 4×4×8 latents), deterministic in ``seed``; the global
-    torch RNG is left as it was."""
+    torch RNG is left as it was. ``processor``: the Qwen3-VL processor (None = the tiny default)."""
     from diffusers import (
         AutoencoderKLQwenImage21,
         FlowMatchEulerDiscreteScheduler,
@@ -31,7 +41,7 @@ def tiny_qwen_image_2_pipeline(seed: int = 0) -> Any:
         QwenImage21Transformer2DModel,
     )
 
-    processor = tiny_qwen3_vl_processor()
+    processor = processor if processor is not None else tiny_qwen3_vl_processor()
     with torch.random.fork_rng(devices=[]):
         text_encoder = tiny_qwen3_vl(processor, hidden_size=32, seed=seed)
         torch.manual_seed(seed + 1)
