@@ -101,6 +101,7 @@ _ROWS = (
         diffusers_pipeline="QwenImageEditPlusPipeline",
     ),
     _flow("qwen_image_2", "qwen_image_2", diffusers_pipeline="QwenImage21Pipeline"),
+    _flow("qwen_image_2_edit", "qwen_image_2_edit", editing=True, diffusers_pipeline="QwenImage21Pipeline"),
     _flow(
         "wan2_1",
         "wan",

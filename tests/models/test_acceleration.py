@@ -45,6 +45,7 @@ FLOW_FAMILIES = {
     "flux2_klein": "tiny_flux2_klein", "qwen_image": "tiny_qwen_image", "qwen_image_edit": "tiny_qwen_image_edit",
     "qwen_image_edit_plus": "tiny_qwen_image_edit_plus", "wan2_1": "tiny_wan2_1", "wan2_2": "tiny_wan2_2",
     "wan2_2_i2v": "tiny_wan2_2_i2v", "z_image": "tiny_z_image", "qwen_image_2": "tiny_qwen_image_2",
+    "qwen_image_2_edit": "tiny_qwen_image_2_edit",
     "bagel": "tiny_bagel", "bagel_edit": "tiny_bagel_edit",
 }  # fmt: skip
 VLM_FAMILIES = {"qwen2_vl": "tiny_qwen2_vl", "qwen2_5_vl": "tiny_qwen2_vl", "qwen3_vl": "tiny_qwen3_vl"}

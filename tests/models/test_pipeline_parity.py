@@ -18,7 +18,11 @@ parity"):
   integer timesteps rlgen reproduces (``wan_timestep``).
 * FLUX.1-Kontext / Qwen-Image-Edit — both pipelines resize the source image to ≈ 1 MP; rlgen encodes it
   at the model resolution (the recipe resizes sources to it). Kontext takes ``_auto_resize=False`` and
-  ``max_area``; Qwen-Image-Edit's target area is set to the image's own here.
+  ``max_area``; Qwen-Image-Edit's target area is set to the image's own here. Qwen-Image 2.x editing
+  resizes it to ``output_resolution``², given as the source's own side.
+* Qwen-Image 2.x editing — the pipeline applies one set of condition images to all its prompts, so it is
+  called once per prompt with that example's source and noise stream, without its text KV cache (the
+  cache changes only the rounding: ``tests/models/test_qwen_image_2.py``).
 """
 
 from __future__ import annotations
@@ -40,13 +44,14 @@ from rlgen_cli.models.tiny import (
     tiny_wan_pipeline,
     tiny_z_image_pipeline,
 )
+from rlgen_cli.models.tiny.qwen_image_2 import tiny_qwen_image_2_edit_pipeline
 from rlgen_cli.models.wan import wan_sigmas, wan_timestep
 from tests.models.helpers import as_loaded, base_policy, initial_noise_generators, ode_samples
 
 ATOL = 1e-5
 """Largest |rlgen − pipeline| allowed on any decoded pixel (fp32; pixels lie in [0, 1]). Measured: ≤ 2.4e-7
 for SD3 and Wan, ≤ 4.8e-7 for FLUX and Kontext, ≤ 1.4e-6 for Qwen (its scheduler's σ grid and rlgen's
-differ in the last fp32 bits, ≤ 6e-8); every near miss is ≥ 5e-3."""
+differ in the last fp32 bits, ≤ 6e-8), ≤ 1.4e-6 for Qwen-Image 2.x editing; every near miss is ≥ 5e-3."""
 
 PROMPTS = ["a red circle", "two blue squares on a wooden table"]
 STEPS, SEED = 4, 3
@@ -113,6 +118,22 @@ def _qwen_image_edit(policy, generators, sources, monkeypatch) -> torch.Tensor:
     ).images  # fmt: skip
 
 
+def _qwen_image_2_edit(policy, generators, sources, monkeypatch) -> torch.Tensor:
+    """One call per prompt (the pipeline applies one set of condition images to its whole batch), sources
+    kept at their own size (``output_resolution`` = their side), RGBA composited over white as ``decode``."""
+    pipe = as_loaded(tiny_qwen_image_2_edit_pipeline(policy.cfg.tiny_seed))
+    negative = policy.cfg.negative_prompt if policy.guidance_scale > 1 else None
+    images = []
+    for prompt, source, generator in zip(PROMPTS, to_pil(sources), generators, strict=True):
+        rgba = pipe(
+            prompt, image=source, negative_prompt=negative, true_cfg_scale=policy.guidance_scale,
+            height=policy.cfg.resolution, width=policy.cfg.resolution, output_resolution=source.width,
+            num_inference_steps=STEPS, generator=[generator], output_type="pt", use_kv_cache=False,
+        ).images  # fmt: skip
+        images.append(rgba[:, :3] * rgba[:, 3:] + 1 - rgba[:, 3:])
+    return torch.cat(images)
+
+
 def _wan(policy, generators, sources, monkeypatch) -> torch.Tensor:
     from diffusers import UniPCMultistepScheduler
 
@@ -167,6 +188,8 @@ CASES = [
     pytest.param("tiny_qwen_image", 4.0, _qwen_image, False, id="qwen_image-true_cfg"),
     pytest.param("tiny_qwen_image_edit", 1.0, _qwen_image_edit, True, id="qwen_image_edit"),
     pytest.param("tiny_qwen_image_edit", 4.0, _qwen_image_edit, True, id="qwen_image_edit-true_cfg"),
+    pytest.param("tiny_qwen_image_2_edit", 1.0, _qwen_image_2_edit, True, id="qwen_image_2_edit"),
+    pytest.param("tiny_qwen_image_2_edit", 4.0, _qwen_image_2_edit, True, id="qwen_image_2_edit-true_cfg"),
     pytest.param("tiny_wan2_1", 1.0, _wan, False, id="wan2_1"),
     pytest.param("tiny_wan2_1", 4.5, _wan, False, id="wan2_1-cfg"),
     pytest.param("tiny_z_image", 1.0, _z_image, False, id="z_image"),

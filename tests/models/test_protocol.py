@@ -26,7 +26,7 @@ TINY_CONFIGS = {
     "qwen_image_edit": "tiny_qwen_image_edit", "wan2_1": "tiny_wan2_1", "shapes": "shapes_unet",
     "wan2_2": "tiny_wan2_2", "wan2_2_i2v": "tiny_wan2_2_i2v",
     "z_image": "tiny_z_image", "qwen_image_edit_plus": "tiny_qwen_image_edit_plus",
-    "qwen_image_2": "tiny_qwen_image_2", "bagel": "tiny_bagel", "bagel_edit": "tiny_bagel_edit",
+    "qwen_image_2": "tiny_qwen_image_2", "qwen_image_2_edit": "tiny_qwen_image_2_edit", "bagel": "tiny_bagel", "bagel_edit": "tiny_bagel_edit",
 }  # fmt: skip
 EDITS_ON_REQUEST = set(families(edits_on_request=True))
 """Text-to-image families whose ``encode`` also edits when given sources (one model generates and edits)."""
