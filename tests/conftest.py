@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -10,15 +11,59 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _default_threads() -> int:
+    """Two threads, or the cores' share of one of ``pytest -n N``'s worker processes (N workers with two
+    threads each on two cores would make every GEMM wait for a core)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    return max(1, min(2, (os.cpu_count() or 1) // workers))
+
+
 # The thread count picks CPU kernels (GEMM blocking, reduction splits): OMP_NUM_THREADS, when set (as
-# `make test-kernels` does), is honoured; otherwise two threads.
-torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or min(2, os.cpu_count() or 1)))
+# `make test-kernels` does), is honoured; otherwise `_default_threads()`.
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or _default_threads()))
 
 # A run small enough for CI: the tiny SD3 demo, 2 prompts × 2 samples per epoch, 3 steps, no bars.
 TINY_RUN = [
     "experiment=tiny_cpu", "algo.prompts_per_epoch=2", "algo.group_size=2", "algo.sample_batch_size=4", "algo.train_batch_size=4",
     "model.num_steps=3", "model.eval_num_steps=3", "data.eval_num_prompts=2", "progress=false",
 ]  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(autouse=True)
+def _a_free_rendezvous_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Launched runs rendezvous at MASTER_PORT (launcher.main_process_port's fallback, else 29500): a free
+    port per test, so two launches at once (``pytest -n 2``, or another suite on the machine) never meet."""
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+
+
+def _xdist_group(item: pytest.Item) -> str:
+    """``--dist loadgroup``'s unit: tests/distributed as one (its runs launch two processes each, and two
+    launches at once on two cores hit their timeouts), every other file as one (its module fixtures are
+    built once)."""
+    path = item.nodeid.split("::", 1)[0]  # the file, relative to the rootdir
+    return "distributed" if path.startswith("tests/distributed/") else path
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # registered here too: --strict-markers refuses it where pytest-xdist is not installed
+    config.addinivalue_line(
+        "markers", "xdist_group(name): tests that `pytest -n N --dist loadgroup` runs on one worker"
+    )
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if not any(item.iter_markers("xdist_group")):
+            item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
 
 
 def _trains_a_flow_model(args: list[str]) -> bool:
