@@ -44,26 +44,21 @@ def _a_free_rendezvous_port(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
 
 
-def _xdist_group(item: pytest.Item) -> str:
-    """``--dist loadgroup``'s unit: tests/distributed as one (its runs launch two processes each, and two
-    launches at once on two cores hit their timeouts), every other file as one (its module fixtures are
-    built once)."""
-    path = item.nodeid.split("::", 1)[0]  # the file, relative to the rootdir
-    return "distributed" if path.startswith("tests/distributed/") else path
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown where it is not installed
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``pytest -n N --dist loadfile`` with tests/distributed as one file: its runs launch two processes
+    each, and two launches at once on two cores hit their timeouts; every other file stays on one worker
+    (its module fixtures are built once). Other --dist modes are xdist's own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
 
+    class DistributedTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return "tests/distributed" if path.startswith("tests/distributed/") else path
 
-def pytest_configure(config: pytest.Config) -> None:
-    # registered here too: --strict-markers refuses it where pytest-xdist is not installed
-    config.addinivalue_line(
-        "markers", "xdist_group(name): tests that `pytest -n N --dist loadgroup` runs on one worker"
-    )
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the marks
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if not any(item.iter_markers("xdist_group")):
-            item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
+    return DistributedTogether(config, log)
 
 
 def _trains_a_flow_model(args: list[str]) -> bool:
