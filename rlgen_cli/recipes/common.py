@@ -1,8 +1,9 @@
 """What every training recipe shares, as plain functions: when periodic work is due (:func:`due`),
 timing (:func:`timed`), how per-micro-batch and per-rank statistics become one number per epoch
 (:func:`summarise`, :func:`reduce_over_ranks`), the gradient accumulation a process runs, peak memory,
-the KL probe's rows, a progress bar for a block, and resume / full-state checkpoints of a recipe that holds
-its own optimizer (:func:`load_resume`, :func:`save_trainer_checkpoint`).
+the KL probe's rows, a progress bar for a block, resume / full-state checkpoints of a recipe that holds
+its own optimizer (:func:`load_resume`, :func:`save_trainer_checkpoint`), and what the epoch session asks
+of a run (:class:`Run`, :class:`TimeLimit`).
 
 What a flow run holds and does (policy, reward, prompts, evaluation, checkpoints) is ``recipes/flow_run.py``;
 the epoch session every recipe runs in is ``recipes/session.py``.
@@ -18,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from omegaconf import DictConfig
@@ -44,6 +45,55 @@ COUNTS = ("trained_samples", "tokens")
 REPLICATED = ("grad_norm",)
 """Statistics every rank computes alike (the norm of the reduced gradient): rank 0's are the run's."""
 REWARD_CURVE = "reward_curve.png"
+
+
+@dataclass(frozen=True)
+class TimeLimit:
+    """A run's time limit: ``minutes`` (0: none), what they count (``time_limit_counts``) and whether the lr
+    schedule follows the time used (``lr_schedule_clock``)."""
+
+    minutes: float = 0.0
+    counts: str = "wall"
+    schedule_clock: str = "epochs"
+
+
+class Run(Protocol):
+    """What the epoch session (``recipes/session.py``) asks of a run: its processes, epochs and counters, and the work around an epoch."""
+
+    cfg: Any  # reads ``epochs`` and ``progress``
+    dist: Dist
+    run_dir: Path
+    start_epoch: int
+    train_seconds: float
+    clock_seconds: float
+    time_progress: float
+
+    def time_limit(self) -> TimeLimit:
+        """The run's time limit (none for a recipe without one)."""
+
+    def evaluate_before(self, progress: Progress) -> dict[str, float] | None:
+        """The evaluation of the starting weights (logged at step 0), or None."""
+
+    def evaluate_if_due(self, epoch: int, last: bool, progress: Progress) -> dict[str, float]:
+        """The evaluation after ``epoch`` when one is due (its metrics), else {}."""
+
+    def stop_requested(self) -> bool:
+        """Whether a guard asked the run to stop after this epoch."""
+
+    def log_epoch(self, epoch: int, metrics: dict[str, float], console: str) -> None:
+        """``metrics`` to the loggers and ``epoch N  <console>`` to the console, at the epoch's step."""
+
+    def save_if_due(self, epoch: int, last: bool, extra_state: dict[str, Any] | None) -> None:
+        """A checkpoint after ``epoch`` when one is due (always after the last)."""
+
+    def draw_curves(self) -> None:
+        """The run's curves from what ``metrics.jsonl`` holds (rank 0; a Ctrl-C draws them too)."""
+
+    def finish(self, before: dict[str, float] | None, after: dict[str, float]) -> None:
+        """What the run writes at its normal end (rank 0: curves, report)."""
+
+    def close(self) -> None:
+        """Close the loggers (every rank, normal end or not)."""
 
 
 KL_TO_REFERENCE = "kl_to_ref"

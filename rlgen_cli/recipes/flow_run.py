@@ -35,7 +35,7 @@ from rlgen_cli.data.images import source_images
 from rlgen_cli.data.paths import load_prompts
 from rlgen_cli.errors import UserError
 from rlgen_cli.models import FlowPolicy, build_policy
-from rlgen_cli.recipes.common import due, progress_task
+from rlgen_cli.recipes.common import REWARD_CURVE, TimeLimit, due, progress_task
 from rlgen_cli.rewards import RewardBatch, build_mix
 from rlgen_cli.rewards.mix import WeightedMix
 from rlgen_cli.schema.recipes import FlowRunConfig
@@ -55,11 +55,18 @@ from rlgen_cli.training.checkpoints.checkpoint import (
     set_rng_state,
 )
 from rlgen_cli.training.control.ema import EMA
-from rlgen_cli.training.control.hacking_guard import BEST_HELDOUT, GUARD_KEY, RunGuard
+from rlgen_cli.training.control.hacking_guard import (
+    BEST_HELDOUT,
+    GUARD_CURVES,
+    GUARD_KEY,
+    RunGuard,
+    plot_guard,
+)
 from rlgen_cli.training.distributed.dist import Dist, make_dist
 from rlgen_cli.training.reporting.images import grid_name, save_grid
 from rlgen_cli.training.reporting.labels import readable_reward
 from rlgen_cli.training.reporting.metrics import BEFORE_TRAINING, NullLogger, build_loggers, step_after
+from rlgen_cli.training.reporting.plots import plot_runs
 from rlgen_cli.training.reporting.progress import Progress
 from rlgen_cli.training.reporting.report import EvalReport, detail_summaries, eval_report
 
@@ -109,6 +116,42 @@ class FlowRun:
     @property
     def device(self) -> torch.device:
         return self.dist.device
+
+    # -- the epoch session's Run (recipes/session.py) ------------------------------------------------------
+    def time_limit(self) -> TimeLimit:
+        cfg = self.cfg
+        return TimeLimit(cfg.time_limit_minutes, cfg.time_limit_counts, cfg.lr_schedule_clock)
+
+    def evaluate_before(self, progress: Progress) -> dict[str, float] | None:
+        return evaluate_before(self, progress)
+
+    def evaluate_if_due(self, epoch: int, last: bool, progress: Progress) -> dict[str, float]:
+        return evaluate_if_due(self, epoch, last, progress)
+
+    def stop_requested(self) -> bool:
+        return self.guard is not None and self.guard.stop_requested
+
+    def log_epoch(self, epoch: int, metrics: dict[str, float], console: str) -> None:
+        log_epoch(self, epoch, metrics, console)
+
+    def save_if_due(self, epoch: int, last: bool, extra_state: dict[str, Any] | None) -> None:
+        save_if_due(self, epoch, last, extra_state)
+
+    def draw_curves(self) -> None:
+        """The reward curve, and the guard's when it watches the run, from what ``metrics.jsonl`` holds."""
+        plot_runs([self.run_dir], self.run_dir / REWARD_CURVE)
+        if self.guard is not None:
+            plot_guard(self.run_dir, self.run_dir / GUARD_CURVES)
+
+    def finish(self, before: dict[str, float] | None, after: dict[str, float]) -> None:
+        """Rank 0 draws the curves and writes the evaluation report; every rank closes its loggers."""
+        if self.dist.is_main:
+            self.draw_curves()
+            self.report.write(before, after)
+        self.logger.close()
+
+    def close(self) -> None:
+        self.logger.close()
 
 
 def splits_read(cfg: FlowRunConfig) -> tuple[str, ...]:

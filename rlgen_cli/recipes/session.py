@@ -1,15 +1,16 @@
-"""The epoch session every flow recipe runs in: :func:`setup`, the progress bars and the evaluation
-before training, then per epoch :meth:`Session.end_epoch` (evaluation when due, log line, checkpoint
-when due, epochs bar, time limit, a guard stop), and the report at :func:`finish`::
+"""The epoch session every recipe runs in: the progress bars and the evaluation before training, then per
+epoch :meth:`Session.end_epoch` (evaluation when due, log line, checkpoint when due, epochs bar, time
+limit, a guard stop), and the run's end (:meth:`Run.finish`: curves, report)::
 
-    with session(cfg, raw_cfg) as s:
+    with session(cfg, raw_cfg) as s:  # a flow recipe; the others: epoch_session(their Run)
         for epoch in s.epochs():
             metrics = my_epoch(s.run, epoch, s.progress)  # e.g. rollout → reward → advantages → update
             if s.end_epoch(epoch, metrics, console_line, headline=f"reward {metrics['reward/mean']:+.4g}"):
                 break
     return s.metrics
 
-What an epoch is made of stays in the recipe; the shared pieces it calls are in ``recipes/flow_run.py``.
+What an epoch is made of stays in the recipe; what the session asks of the run is :class:`Run` (a flow
+run: ``recipes/flow_run.py``; a VLM run: ``recipes/vlm_run.py``).
 
 The time limit's clock (:class:`EpochClock`) starts at the first epoch (after any evaluation before
 training) and counts everything after it: epochs, evaluations, checkpoints. Its seconds, and the seconds
@@ -32,20 +33,11 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from rlgen_cli.recipes.common import REWARD_CURVE
-from rlgen_cli.recipes.flow_run import (
-    FlowRun,
-    evaluate_before,
-    evaluate_if_due,
-    log_epoch,
-    save_if_due,
-    setup,
-)
+from rlgen_cli.recipes.common import Run
+from rlgen_cli.recipes.flow_run import setup
 from rlgen_cli.schema.recipes import FlowRunConfig
 from rlgen_cli.training.checkpoints.interrupt import on_interrupt
-from rlgen_cli.training.control.hacking_guard import GUARD_CURVES, plot_guard
 from rlgen_cli.training.control.schedule import time_share
-from rlgen_cli.training.reporting.plots import plot_runs
 from rlgen_cli.training.reporting.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -56,7 +48,7 @@ class EpochClock:
     """The epochs bar, the time limit (which epoch is the run's last, decided on rank 0) and the time
     share the lr schedule reads under ``lr_schedule_clock=time_or_epochs``."""
 
-    run: FlowRun
+    run: Run
     progress: Progress
     task: int
     budget: float
@@ -68,12 +60,12 @@ class EpochClock:
     last_epoch_seconds: float = 0.0
 
     @classmethod
-    def start(cls, run: FlowRun, progress: Progress) -> EpochClock:
+    def start(cls, run: Run, progress: Progress) -> EpochClock:
         """Start after any baseline evaluation, so the bar's pace (its time left) counts epochs only."""
-        cfg = run.cfg
-        task = progress.task("epochs", total=cfg.epochs, completed=run.start_epoch)
-        budget = 60 * cfg.time_limit_minutes if cfg.time_limit_minutes else math.inf
-        time_aware = cfg.lr_schedule_clock == "time_or_epochs" and budget < math.inf
+        limit = run.time_limit()
+        task = progress.task("epochs", total=run.cfg.epochs, completed=run.start_epoch)
+        budget = 60 * limit.minutes if limit.minutes else math.inf
+        time_aware = limit.schedule_clock == "time_or_epochs" and budget < math.inf
         return cls(run, progress, task, budget, time.monotonic() - run.clock_seconds, time_aware)
 
     def elapsed(self) -> float:
@@ -83,7 +75,7 @@ class EpochClock:
     def spent(self) -> float:
         """The seconds the time limit counts: the epochs' alone (``time_limit_counts=training``) or the wall
         clock's; the time share sees the same."""
-        return self.run.train_seconds if self.run.cfg.time_limit_counts == "training" else self.elapsed()
+        return self.run.train_seconds if self.run.time_limit().counts == "training" else self.elapsed()
 
     def before_epoch(self) -> None:
         """Under the time-aware schedule clock, set ``run.time_progress`` for the epoch about to run:
@@ -121,18 +113,16 @@ class EpochClock:
         self.run.dist.barrier()
         self.progress.advance(self.task, description=f"epoch {epoch + 1}: {headline}")
         if last and epoch + 1 < self.run.cfg.epochs:
-            cfg = self.run.cfg
-            log.info(
-                "time limit (%g min, %s) hit after epoch %d", cfg.time_limit_minutes, cfg.time_limit_counts,
-                epoch + 1,
-            )  # fmt: skip
+            limit = self.run.time_limit()
+            log.info("time limit (%g min, %s) hit after epoch %d", limit.minutes, limit.counts, epoch + 1)
 
 
 @dataclass
 class Session:
-    """One flow run between :func:`setup` and :func:`finish`: what each recipe's epoch loop uses."""
+    """One run between its setup and its end: what each recipe's epoch loop uses."""
 
-    run: FlowRun
+    run: Any
+    """A :class:`Run` (typed Any: each recipe reads its own run's fields, a FlowRun's or a VlmRun's)."""
     progress: Progress
     before: dict[str, float] | None
     clock: EpochClock
@@ -161,13 +151,13 @@ class Session:
         if self.clock.time_aware:
             metrics["time/budget_share"] = self.run.time_progress  # where the lr schedule's clock stood
         last = self.clock.is_last(epoch)
-        metrics |= evaluate_if_due(self.run, epoch, last, self.progress)
-        stopped = self.run.guard is not None and self.run.guard.stop_requested and not last
+        metrics |= self.run.evaluate_if_due(epoch, last, self.progress)
+        stopped = self.run.stop_requested() and not last
         last = last or stopped
-        log_epoch(self.run, epoch, metrics, console(metrics))
+        self.run.log_epoch(epoch, metrics, console(metrics))
         self.completed = epoch + 1  # its row is in metrics.jsonl: a Ctrl-C from here on counts it done
         self.clock.stamp()  # the evaluation's seconds too, for the checkpoint's counters
-        save_if_due(self.run, epoch, last, extra_state)
+        self.run.save_if_due(epoch, last, extra_state)
         self.clock.advance(epoch, last and not stopped, headline)
         self.metrics = metrics
         return last
@@ -175,10 +165,16 @@ class Session:
 
 @contextmanager
 def session(cfg: FlowRunConfig, raw_cfg: DictConfig) -> Iterator[Session]:
-    """:func:`setup`, the progress bars and the evaluation before training; on a normal exit the report
-    (:func:`finish`); on Ctrl-C the plots and a line saying how to resume (``training/checkpoints/interrupt.py``);
-    the loggers are closed either way."""
-    run = setup(cfg, raw_cfg)
+    """A flow recipe's session: :func:`~rlgen_cli.recipes.flow_run.setup`, then :func:`epoch_session`."""
+    with epoch_session(setup(cfg, raw_cfg)) as current:
+        yield current
+
+
+@contextmanager
+def epoch_session(run: Run) -> Iterator[Session]:
+    """The progress bars and the evaluation before training; on a normal exit :meth:`Run.finish`; on Ctrl-C
+    the curves and a line saying how to resume (``training/checkpoints/interrupt.py``); the loggers are
+    closed either way."""
     current: Session | None = None
 
     def completed() -> int:
@@ -186,29 +182,14 @@ def session(cfg: FlowRunConfig, raw_cfg: DictConfig) -> Iterator[Session]:
 
     try:
         with (
-            on_interrupt(run.run_dir, run.dist.is_main, completed, lambda: draw_curves(run)),
-            Progress(enabled=cfg.progress and run.dist.is_main) as progress,
+            on_interrupt(run.run_dir, run.dist.is_main, completed, run.draw_curves),
+            Progress(enabled=run.cfg.progress and run.dist.is_main) as progress,
         ):
-            before = evaluate_before(run, progress)
+            before = run.evaluate_before(progress)
             current = Session(
                 run, progress, before, EpochClock.start(run, progress), completed=run.start_epoch
             )
             yield current
-        finish(run, current.before, current.metrics)
+        run.finish(current.before, current.metrics)
     finally:
-        run.logger.close()
-
-
-def draw_curves(run: FlowRun) -> None:
-    """The reward curve, and the guard's when it watches the run, from what ``metrics.jsonl`` holds."""
-    plot_runs([run.run_dir], run.run_dir / REWARD_CURVE)
-    if run.guard is not None:
-        plot_guard(run.run_dir, run.run_dir / GUARD_CURVES)
-
-
-def finish(run: FlowRun, before: dict[str, float] | None, after: dict[str, float]) -> None:
-    """Rank 0 draws the curves and writes the evaluation report; every rank closes its loggers."""
-    if run.dist.is_main:
-        draw_curves(run)
-        run.report.write(before, after)
-    run.logger.close()
+        run.close()

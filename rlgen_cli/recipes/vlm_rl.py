@@ -65,35 +65,24 @@ from rlgen_cli.algos.token_grpo import advantage_options, token_grpo_loss
 from rlgen_cli.data.sampler import GroupSampler
 from rlgen_cli.errors import UserError
 from rlgen_cli.recipes.common import (
-    REWARD_CURVE,
     accumulation_per_process,
-    due,
-    load_resume,
     reduce_over_ranks,
-    save_trainer_checkpoint,
 )
 from rlgen_cli.recipes.registry import Perturb
+from rlgen_cli.recipes.session import epoch_session
+from rlgen_cli.recipes.vlm_run import open_run
 from rlgen_cli.rewards import RewardBatch, build_mix
 from rlgen_cli.rewards.r1vl import TEXT_REWARDS
 from rlgen_cli.schema.recipes import VlmRlTrainConfig
 from rlgen_cli.sde.noise import Stream, stream_seed
 from rlgen_cli.training.checkpoints.checkpoint import (
-    COUNTERS_KEY,
-    OPTIMIZER_KEY,
     SAMPLER_KEY,
-    Checkpoint,
     NonFiniteRewards,
-    set_rng_state,
 )
-from rlgen_cli.training.checkpoints.interrupt import on_interrupt
-from rlgen_cli.training.distributed.dist import Dist, make_dist
-from rlgen_cli.training.reporting.metrics import JsonlLogger, NullLogger, step_after
-from rlgen_cli.training.reporting.plots import plot_runs
 from rlgen_cli.training.reporting.progress import Progress
 from rlgen_cli.vlm.data import load_vlm_examples, prompt_text
 from rlgen_cli.vlm.engines import build_engine
 from rlgen_cli.vlm.evaluate import answer_examples, evaluate, summarise
-from rlgen_cli.vlm.policy import build_vlm
 from rlgen_cli.vlm.rollout import (
     SamplingOptions,
     TokenBatch,
@@ -103,11 +92,8 @@ from rlgen_cli.vlm.rollout import (
     pad_stack,
 )
 from rlgen_cli.vlm.training import (
-    SCHEDULER_KEY,
     batches,
     completion_budget,
-    make_scheduler,
-    require_whole_weights,
 )
 
 __all__ = ["VLMRLRecipe", "assignment_unit", "evaluate", "run"]
@@ -167,16 +153,9 @@ class VLMRLRecipe:
     # -- setup ----------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg, algo = self.cfg, self.cfg.algo
-        unknown = sorted(set(cfg.reward.weights) - set(TEXT_REWARDS))
-        if unknown:
-            raise UserError(
-                f"reward(s) {unknown} score images; VLM recipes score texts: {', '.join(TEXT_REWARDS)}"
-            )
-        torch.manual_seed(cfg.seed)
-        self.dist: Dist = make_dist(cfg.device)
-        require_whole_weights(self.dist, algo.token.engine)
-        self.device = self.dist.device
-        self.policy = build_vlm(cfg.model, self.device)
+        require_text_rewards(cfg)
+        self.run = open_run(cfg, self.raw_cfg, algo.token.engine)
+        self.dist, self.device, self.policy = self.run.dist, self.run.device, self.run.policy
         self.reward = build_mix(
             dict(cfg.reward.weights), **{k: dict(v) for k, v in cfg.reward.kwargs.items()}
         )
@@ -187,81 +166,28 @@ class VLMRLRecipe:
             num_replicas=self.dist.world_size, rank=self.dist.rank,
         )  # fmt: skip
         self.unit = assignment_unit(algo, self.dist.world_size)  # samples dealt round-robin as one piece
-        self.optimizer = torch.optim.AdamW(
-            self.policy.trainable_parameters(), lr=algo.lr, betas=(algo.adam_beta1, algo.adam_beta2),
-            eps=algo.adam_eps, weight_decay=algo.weight_decay,
-        )  # fmt: skip
         micro = self.sampler.samples_per_rank // algo.train_batch_size  # per rank: the steps are shared
         accum = accumulation_per_process(algo, self.dist.world_size)  # the global count ÷ processes
-        total = cfg.epochs * algo.token.num_iterations * micro // accum
-        # on the torch optimizer: DeepSpeed's ZeRO optimizer steps with its param_groups' learning rates
-        self.scheduler = make_scheduler(
-            self.optimizer, total, algo.token.warmup_ratio, algo.token.lr_schedule
-        )
+        self.run.schedule(cfg.epochs * algo.token.num_iterations * micro // accum)
         self.max_completion_tokens = completion_budget(
             algo.token.max_completion_tokens, cfg.model.vlm.completion_cap
         )
-        self.start_epoch, self.global_step = 0, 0
-        resumed = self._maybe_resume()  # into the bare model, before DDP / the engine wraps it
-        self.optimizer = self.dist.prepare(
-            self.policy, self.optimizer, max_grad_norm=algo.max_grad_norm, micro_batch_size=algo.train_batch_size,
-            compute_dtype=cfg.model.dtype, exact_reduction=cfg.launcher.reduces_exactly,  # float64 gradient sums
-        )  # fmt: skip
-        if resumed is not None:  # DeepSpeed reads its optimizer shards from the checkpoint's engine/
-            ckpt, state = resumed
-            self.dist.load_optimizer_state(self.optimizer, state[OPTIMIZER_KEY], ckpt.engine)
+        self.run.resume_and_prepare(lambda state: self.sampler.load_state_dict(state[SAMPLER_KEY]))
+        self.run.evaluation, self.run.draws_curve = self.evaluate, True
         self.engine = build_engine(self.policy, algo.token, cfg.seed)  # after resume: it syncs on first use
-        self.logger = JsonlLogger(self.run_dir) if self.dist.is_main else NullLogger()
-
-    def _maybe_resume(self) -> tuple[Checkpoint, dict[str, Any]] | None:
-        """Weights, scheduler, sampler, RNG and counters of the checkpoint to resume (if any); returns it and
-        its state, whose optimizer entry ``setup`` restores once the optimizer is prepared."""
-        resumed = load_resume(
-            self.cfg.resume, self.run_dir, self.policy.load_trainable, self.cfg.resume_unverified
-        )
-        if resumed is None:
-            return None
-        state = resumed[1]
-        self.scheduler.load_state_dict(state[SCHEDULER_KEY])
-        self.sampler.load_state_dict(state[SAMPLER_KEY])
-        set_rng_state(state["rng"])
-        self.start_epoch = state[COUNTERS_KEY]["epoch"]
-        self.global_step = state[COUNTERS_KEY]["global_step"]
-        return resumed
 
     # -- the loop -------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
-        cfg, metrics, main = self.cfg, {}, self.dist.is_main
-        completed = self.start_epoch
-        with (
-            on_interrupt(self.run_dir, main, lambda: completed, self.draw_curve),
-            Progress(enabled=cfg.progress and main) as progress,
-        ):
-            epochs = progress.task("epochs", total=cfg.epochs, completed=self.start_epoch)
-            for epoch in range(self.start_epoch, cfg.epochs):
-                metrics = self.train_epoch(epoch, progress) | self.dist.loss_scale_metrics()
-                # whole weights on every rank (require_whole_weights): rank 0 evaluates alone
-                if main and cfg.eval_every and due(epoch, cfg.eval_every, cfg.epochs):
-                    metrics |= self.evaluate(progress)
-                self.logger.log(metrics, step=step_after(epoch))
-                completed = epoch + 1  # logged: what a Ctrl-C from here on counts as done
-                log.info(
-                    "epoch %d  reward %+.4g±%.3g  kl %.2e  clipfrac %.3f  len %.1f  %.1fs", step_after(epoch),
-                    metrics["reward/mean"], metrics["reward/std"], metrics["kl_loss"], metrics["clipfrac"],
-                    metrics["completions/mean_length"], metrics["time/rollout"] + metrics["time/update"],
-                )  # fmt: skip
-                if due(epoch, cfg.save_every, cfg.epochs):
-                    self.save(epoch + 1)
-                self.dist.barrier()
-                progress.advance(
-                    epochs, description=f"epoch {epoch + 1}: reward {metrics['reward/mean']:+.4g}"
-                )
-        if main:
-            self.draw_curve()
-        return metrics
-
-    def draw_curve(self) -> None:
-        plot_runs([self.run_dir], self.run_dir / REWARD_CURVE)
+        """The epochs in the shared session (``recipes/session.py``): evaluation when due, log line,
+        checkpoint (with the sampler's position), epochs bar."""
+        with epoch_session(self.run) as s:
+            for epoch in s.epochs():
+                metrics = self.train_epoch(epoch, s.progress) | self.dist.loss_scale_metrics()
+                entries = {SAMPLER_KEY: self.sampler.state_dict()}
+                headline = f"reward {metrics['reward/mean']:+.4g}"
+                if s.end_epoch(epoch, metrics, console_line, headline, extra_state=entries):
+                    break
+        return s.metrics
 
     def train_epoch(self, epoch: int, progress: Progress) -> dict[str, float]:
         timings: dict[str, float] = {}
@@ -295,7 +221,7 @@ class VLMRLRecipe:
             **{f"reward/{k}/std": v.std().item() for k, v in components.items()},
             "zero_std_ratio": adv_stats.zero_std_ratio, "num_groups": adv_stats.num_groups,
             **self._completion_stats(rollouts, order), **local_stats, **timings,
-            "lr": self.scheduler.get_last_lr()[0], "global_step": self.global_step,
+            "lr": self.run.scheduler.get_last_lr()[0], "global_step": self.run.global_step,
         }  # fmt: skip
 
     def _in_global_order(self, local: Tensor, order: Tensor) -> Tensor:
@@ -441,11 +367,7 @@ class VLMRLRecipe:
         )  # fmt: skip
 
     def optimizer_step(self) -> float:
-        params = self.policy.trainable_parameters()
-        max_norm = self.cfg.algo.max_grad_norm if self.cfg.algo.max_grad_norm > 0 else math.inf
-        grad_norm = self.dist.clip_and_step(self.optimizer, params, max_norm)  # the pre-clip global norm
-        self.scheduler.step()
-        self.global_step += 1
+        grad_norm = self.run.optimizer_step()  # the pre-clip global norm
         self.engine.weights_updated()  # vLLM: push the new weights before the next rollout
         return grad_norm
 
@@ -469,17 +391,27 @@ class VLMRLRecipe:
         per_category = {f"eval/accuracy/{k}": v["accuracy"] for k, v in summary["categories"].items()}
         return {"eval/accuracy": summary["accuracy"], **per_category}
 
-    def save(self, epochs_done: int) -> None:
-        """A full-state checkpoint (every rank calls; rank 0 writes)."""
-        entries = {SAMPLER_KEY: self.sampler.state_dict(), SCHEDULER_KEY: self.scheduler.state_dict()}
-        save_trainer_checkpoint(
-            self.dist, self.run_dir, epochs_done, self.global_step, self.optimizer, self.policy.save_trainable,
-            entries, self.raw_cfg, self.cfg.keep_last,
-        )  # fmt: skip
-
     def cleanup(self) -> None:
-        self.logger.close()
+        self.run.close()
         self.engine.close()
+
+
+def require_text_rewards(cfg: VlmRlTrainConfig) -> None:
+    """The VLM recipes score texts: a reward that scores images is refused before anything loads."""
+    unknown = sorted(set(cfg.reward.weights) - set(TEXT_REWARDS))
+    if unknown:
+        raise UserError(
+            f"reward(s) {unknown} score images; VLM recipes score texts: {', '.join(TEXT_REWARDS)}"
+        )
+
+
+def console_line(m: dict[str, float]) -> str:
+    """The epoch's reward, KL, clip fraction, completion length and seconds."""
+    seconds = m["time/rollout"] + m["time/update"]
+    return (
+        f"reward {m['reward/mean']:+.4g}±{m['reward/std']:.3g}  kl {m['kl_loss']:.2e}  clipfrac {m['clipfrac']:.3f}  "
+        f"len {m['completions/mean_length']:.1f}  {seconds:.1f}s"
+    )
 
 
 def splits_read(cfg: VlmRlTrainConfig) -> tuple[str, ...]:

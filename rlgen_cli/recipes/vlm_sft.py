@@ -44,30 +44,16 @@ from torch import Tensor
 from rlgen_cli.errors import UserError
 from rlgen_cli.recipes.common import (
     accumulation_per_process,
-    load_resume,
     reduce_over_ranks,
-    save_trainer_checkpoint,
 )
+from rlgen_cli.recipes.session import epoch_session
+from rlgen_cli.recipes.vlm_run import open_run
 from rlgen_cli.schema.recipes import VlmSftTrainConfig
-from rlgen_cli.training.checkpoints.checkpoint import (
-    COUNTERS_KEY,
-    OPTIMIZER_KEY,
-    Checkpoint,
-    set_rng_state,
-)
-from rlgen_cli.training.checkpoints.interrupt import on_interrupt
-from rlgen_cli.training.distributed.dist import Dist, make_dist
-from rlgen_cli.training.reporting.metrics import JsonlLogger, NullLogger, step_after
 from rlgen_cli.training.reporting.progress import Progress
 from rlgen_cli.vlm.data import SFTExample, drop_reflective, load_sft, load_vlm_examples
 from rlgen_cli.vlm.evaluate import answer_examples, summarise
-from rlgen_cli.vlm.policy import VLMPolicy, build_vlm
+from rlgen_cli.vlm.policy import VLMPolicy
 from rlgen_cli.vlm.rollout import load_image
-from rlgen_cli.vlm.training import (
-    SCHEDULER_KEY,
-    make_scheduler,
-    require_whole_weights,
-)
 
 __all__ = ["VLMSFTRecipe", "assistant_mask", "encode_conversations", "rank_micro_batches", "run"]
 
@@ -174,11 +160,8 @@ class VLMSFTRecipe:
 
     def setup(self) -> None:
         cfg, algo = self.cfg, self.cfg.algo
-        torch.manual_seed(cfg.seed)
-        self.dist: Dist = make_dist(cfg.device)
-        require_whole_weights(self.dist)  # rank 0 evaluates with generate on its whole model
-        self.device = self.dist.device
-        self.policy = build_vlm(cfg.model, self.device)
+        self.run = open_run(cfg, self.raw_cfg)  # rank 0 evaluates with generate on its whole model
+        self.dist, self.device, self.policy = self.run.dist, self.run.device, self.run.policy
         self.train_set, dropped = drop_reflective(load_sft(cfg.data.train), algo.token.sft_drop_markers)
         if not self.train_set:
             raise UserError(
@@ -188,73 +171,32 @@ class VLMSFTRecipe:
         require_whole_rounds(len(self.train_set), algo.train_batch_size, cfg.launcher)
         self.dropped = dropped
         self.test_set = load_vlm_examples(cfg.data.test) if cfg.eval_every else []
-        self.optimizer = torch.optim.AdamW(
-            self.policy.trainable_parameters(), lr=algo.lr, betas=(algo.adam_beta1, algo.adam_beta2),
-            eps=algo.adam_eps, weight_decay=algo.weight_decay,
-        )  # fmt: skip
         micro_per_rank = len(  # the same every epoch and on every rank
             rank_micro_batches(len(self.train_set), cfg.seed, algo.train_batch_size, 0, self.dist.world_size)
         )
         steps_per_epoch = math.ceil(micro_per_rank / accumulation_per_process(algo, self.dist.world_size))
-        total = cfg.epochs * steps_per_epoch
-        self.scheduler = make_scheduler(
-            self.optimizer, total, algo.token.warmup_ratio, algo.token.lr_schedule
-        )
-        self.start_epoch, self.global_step = 0, 0
-        resumed = self._maybe_resume()  # into the bare model, before DDP / the engine wraps it
-        self.optimizer = self.dist.prepare(
-            self.policy, self.optimizer, max_grad_norm=algo.max_grad_norm, micro_batch_size=algo.train_batch_size,
-            compute_dtype=cfg.model.dtype, exact_reduction=cfg.launcher.reduces_exactly,  # float64 gradient sums
-        )  # fmt: skip
-        if resumed is not None:  # DeepSpeed reads its optimizer shards from the checkpoint's engine/
-            ckpt, state = resumed
-            self.dist.load_optimizer_state(self.optimizer, state[OPTIMIZER_KEY], ckpt.engine)
-        self.logger = JsonlLogger(self.run_dir) if self.dist.is_main else NullLogger()
-
-    def _maybe_resume(self) -> tuple[Checkpoint, dict[str, Any]] | None:
-        """Weights, scheduler, RNG and counters of the checkpoint to resume (if any); returns it and its
-        state, whose optimizer entry ``setup`` restores once the optimizer is prepared."""
-        resumed = load_resume(
-            self.cfg.resume, self.run_dir, self.policy.load_trainable, self.cfg.resume_unverified
-        )
-        if resumed is None:
-            return None
-        state = resumed[1]
-        self.scheduler.load_state_dict(state[SCHEDULER_KEY])
-        set_rng_state(state["rng"])
-        self.start_epoch = state[COUNTERS_KEY]["epoch"]
-        self.global_step = state[COUNTERS_KEY]["global_step"]
-        return resumed
+        self.run.schedule(cfg.epochs * steps_per_epoch)
+        self.run.resume_and_prepare()
+        self.run.evaluation = self.evaluate
 
     def train(self) -> dict[str, float]:
-        cfg, metrics, main = self.cfg, {}, self.dist.is_main
-        completed = self.start_epoch
-        with (
-            on_interrupt(self.run_dir, main, lambda: completed, draw=lambda: None),  # SFT draws no curve
-            Progress(enabled=cfg.progress and main) as progress,
-        ):
-            for epoch in range(self.start_epoch, cfg.epochs):
-                metrics = self.train_epoch(epoch, progress) | self.dist.loss_scale_metrics()
-                due = epoch + 1 == cfg.epochs or (epoch + 1) % max(cfg.eval_every, 1) == 0
-                if main and cfg.eval_every and due:  # whole weights on every rank: rank 0 evaluates alone
-                    n = cfg.data.eval_num_prompts or len(self.test_set)
-                    answers = answer_examples(
-                        self.policy, self.test_set[:n], cfg.algo.train_batch_size, cfg.seed, progress
-                    )
-                    metrics["eval/accuracy"] = summarise(answers)["accuracy"]
-                self.logger.log(metrics, step=step_after(epoch))
-                completed = epoch + 1  # logged: what a Ctrl-C from here on counts as done
-                log.info(
-                    "epoch %d  loss %.4f  lr %.2e  %.1fs",
-                    step_after(epoch),
-                    metrics["loss"],
-                    metrics["lr"],
-                    metrics["time/epoch"],
-                )
-                if epoch + 1 == cfg.epochs or (cfg.save_every and (epoch + 1) % cfg.save_every == 0):
-                    self.save(epoch + 1)
-                self.dist.barrier()
-        return metrics
+        """The epochs in the shared session (``recipes/session.py``): evaluation when due, log line,
+        checkpoint, epochs bar."""
+        with epoch_session(self.run) as s:
+            for epoch in s.epochs():
+                metrics = self.train_epoch(epoch, s.progress) | self.dist.loss_scale_metrics()
+                if s.end_epoch(epoch, metrics, console_line, headline=f"loss {metrics['loss']:.4g}"):
+                    break
+        return s.metrics
+
+    def evaluate(self, progress: Progress) -> dict[str, float]:
+        """Accuracy on the first ``data.eval_num_prompts`` test questions."""
+        cfg = self.cfg
+        n = cfg.data.eval_num_prompts or len(self.test_set)
+        answers = answer_examples(
+            self.policy, self.test_set[:n], cfg.algo.train_batch_size, cfg.seed, progress
+        )
+        return {"eval/accuracy": summarise(answers)["accuracy"]}
 
     def train_epoch(self, epoch: int, progress: Progress) -> dict[str, float]:
         """One shuffled pass (order seeded by (seed, epoch), so a resumed run sees the same order); this
@@ -278,34 +220,24 @@ class VLMSFTRecipe:
             losses.append(loss.item())
             tokens += count
             if steps_after:
-                norms.append(self.optimizer_step())
+                norms.append(self.run.optimizer_step())
             progress.advance(task)
         progress.remove(task)
         # per micro-batch losses pooled over ranks: the logged mean does not depend on the process count
         stats = reduce_over_ranks(self.dist, {"loss": losses, "tokens": float(tokens), "grad_norm": norms})
         return {
             **stats,
-            "lr": self.scheduler.get_last_lr()[0], "dropped_reflective": float(self.dropped),
-            "time/epoch": time.perf_counter() - start, "global_step": self.global_step,
+            "lr": self.run.scheduler.get_last_lr()[0], "dropped_reflective": float(self.dropped),
+            "time/epoch": time.perf_counter() - start, "global_step": self.run.global_step,
         }  # fmt: skip
 
-    def optimizer_step(self) -> float:
-        params = self.policy.trainable_parameters()
-        max_norm = self.cfg.algo.max_grad_norm if self.cfg.algo.max_grad_norm > 0 else math.inf
-        norm = self.dist.clip_and_step(self.optimizer, params, max_norm)  # the pre-clip global norm
-        self.scheduler.step()
-        self.global_step += 1
-        return norm
-
-    def save(self, epochs_done: int) -> None:
-        """A full-state checkpoint (every rank calls; rank 0 writes)."""
-        save_trainer_checkpoint(
-            self.dist, self.run_dir, epochs_done, self.global_step, self.optimizer, self.policy.save_trainable,
-            {SCHEDULER_KEY: self.scheduler.state_dict()}, self.raw_cfg, self.cfg.keep_last,
-        )  # fmt: skip
-
     def cleanup(self) -> None:
-        self.logger.close()
+        self.run.close()
+
+
+def console_line(m: dict[str, float]) -> str:
+    """The epoch's loss, learning rate and seconds."""
+    return f"loss {m['loss']:.4f}  lr {m['lr']:.2e}  {m['time/epoch']:.1f}s"
 
 
 def splits_read(cfg: VlmSftTrainConfig) -> tuple[str, ...]:

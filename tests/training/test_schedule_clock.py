@@ -14,6 +14,7 @@ import torch
 
 from rlgen_cli._hydra import compose_verb
 from rlgen_cli.recipes import session as session_module
+from rlgen_cli.recipes.common import TimeLimit
 from rlgen_cli.recipes.flow_run import evaluates_heldout
 from rlgen_cli.recipes.session import EpochClock
 from rlgen_cli.training.control.schedule import epoch_lr, time_share
@@ -56,12 +57,11 @@ def _clock(monkeypatch, clock: str = "time_or_epochs", minutes: float = 10.0, cl
            train_seconds: float = 0.0, counts: str = "wall") -> tuple[EpochClock, SimpleNamespace, FakeTime]:  # fmt: skip
     fake = FakeTime()
     monkeypatch.setattr(session_module.time, "monotonic", fake)
-    cfg = SimpleNamespace(
-        epochs=100, time_limit_minutes=minutes, lr_schedule_clock=clock, time_limit_counts=counts
-    )
+    cfg = SimpleNamespace(epochs=100)
     run = SimpleNamespace(
         cfg=cfg, start_epoch=0, dist=SimpleNamespace(gather=lambda t: t), time_progress=0.0,
         train_seconds=train_seconds, clock_seconds=clock_seconds,
+        time_limit=lambda: TimeLimit(minutes, counts, clock),
     )  # fmt: skip
     progress = SimpleNamespace(task=lambda *a, **k: 0)
     return EpochClock.start(run, progress), run, fake  # type: ignore[arg-type]
