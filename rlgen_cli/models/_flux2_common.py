@@ -32,12 +32,12 @@ import torch
 from torch import Tensor
 
 from rlgen_cli.errors import UserError
+from rlgen_cli.models._latent_grid import static_shift_sigmas
 from rlgen_cli.models.base import TORCH_DTYPES
 from rlgen_cli.models.loading import image_size, patch_multiple, prepare_pipeline, to_unit, vae_dtype
 from rlgen_cli.models.trainable import DiffusersCheckpoint, TrainableTransformer, autocast
 from rlgen_cli.schema.run import ModelConfig
 from rlgen_cli.sde.noise import standard_normal
-from rlgen_cli.sde.schedule import shift_sigmas
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def compute_empirical_mu(image_tokens: int, num_steps: int) -> float:
 def flux2_sigmas(num_steps: int, image_tokens: int, scheduler_config: Any, shift: float = 0.0) -> Tensor:
     """(T+1,) sigmas ending at 0: the pipeline's scheduler at μ(tokens, T), or a static ``shift > 0``."""
     if shift > 0:
-        return shift_sigmas(torch.linspace(1.0, 0.0, num_steps + 1), shift)
+        return static_shift_sigmas(num_steps, shift)
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(scheduler_config)  # a copy: no shared state

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rlgen_cli.models._latent_grid import PackedModel
+from rlgen_cli.models._latent_grid import PackedModel, config_mu, static_shift_sigmas
 from rlgen_cli.models.base import Cond
 from rlgen_cli.models.loading import (
     decode_shifted,
@@ -38,7 +38,7 @@ from rlgen_cli.models.loading import (
 from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME as LORA_WEIGHTS_NAME  # re-exported
 from rlgen_cli.models.trainable import DiffusersCheckpoint, TrainableTransformer, autocast
 from rlgen_cli.schema.run import ModelConfig
-from rlgen_cli.sde.schedule import calculate_mu, dynamic_shift_sigmas, shift_sigmas
+from rlgen_cli.sde.schedule import dynamic_shift_sigmas
 
 FLUX_LORA_TARGETS = [
     "attn.to_k",
@@ -79,12 +79,9 @@ def flux_sigmas(num_steps: int, image_tokens: int, scheduler_config: Any, shift:
     """(T+1,) sigmas ending at 0: the dynamic shift μ(image tokens) of the pipeline's scheduler config, or
     a static SD3-style ``shift > 0`` of ``linspace(1, 0, T+1)``."""
     if shift > 0:
-        return shift_sigmas(torch.linspace(1.0, 0.0, num_steps + 1), shift)
+        return static_shift_sigmas(num_steps, shift)
     config = scheduler_config
-    mu = calculate_mu(
-        image_tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-        config.get("base_shift", 0.5), config.get("max_shift", 1.15),
-    )  # fmt: skip
+    mu = config_mu(image_tokens, config)
     return dynamic_shift_sigmas(num_steps, mu)
 
 

@@ -17,6 +17,7 @@ from rlgen_cli.models.base import TORCH_DTYPES
 from rlgen_cli.models.loading import image_size, pack, patch_multiple, prepare_pipeline, vae_dtype
 from rlgen_cli.schema.run import ModelConfig
 from rlgen_cli.sde.noise import standard_normal
+from rlgen_cli.sde.schedule import calculate_mu, shift_sigmas
 
 
 class LatentGrid:
@@ -45,6 +46,22 @@ class LatentGrid:
         factor = self.pipeline.vae_scale_factor
         patch_multiple(self.pipeline, pixels, name, self.grid_reason.format(factor=factor))
         return pixels // factor
+
+
+def config_mu(image_tokens: int, config: Any) -> float:
+    """The dynamic shift's μ for ``image_tokens``: linear between a scheduler config's
+    (``base_image_seq_len``, ``base_shift``) and (``max_image_seq_len``, ``max_shift``), with diffusers'
+    defaults (256, 0.5) and (4096, 1.15) for keys it lacks."""
+    return calculate_mu(
+        image_tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+        config.get("base_shift", 0.5), config.get("max_shift", 1.15),
+    )  # fmt: skip
+
+
+def static_shift_sigmas(num_steps: int, shift: float) -> Tensor:
+    """(T+1,) sigmas of ``linspace(1, 0, T+1)`` under the static SD3 shift ``shift`` (``model.shift > 0``
+    in place of a family's dynamic shift)."""
+    return shift_sigmas(torch.linspace(1.0, 0.0, num_steps + 1), shift)
 
 
 class Sigmas(Protocol):

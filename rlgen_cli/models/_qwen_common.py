@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from rlgen_cli.errors import UserError
 from rlgen_cli.models._component_policy import ComponentPolicy
-from rlgen_cli.models._latent_grid import PackedModel
+from rlgen_cli.models._latent_grid import PackedModel, config_mu, static_shift_sigmas
 from rlgen_cli.models.base import Cond, cfg_combine, uncond_takes_grad
 from rlgen_cli.models.loading import (
     latent_statistics,
@@ -47,7 +47,7 @@ from rlgen_cli.models.trainable import LORA_WEIGHTS_NAME as LORA_WEIGHTS_NAME  #
 from rlgen_cli.models.trainable import TRANSFORMER_DIR as TRANSFORMER_DIR  # re-exported
 from rlgen_cli.models.trainable import DiffusersCheckpoint, TrainableTransformer, autocast
 from rlgen_cli.schema.run import ModelConfig
-from rlgen_cli.sde.schedule import calculate_mu, dynamic_shift_sigmas, shift_sigmas
+from rlgen_cli.sde.schedule import dynamic_shift_sigmas
 
 QWEN_LORA_TARGETS = [
     "attn.to_k",
@@ -89,16 +89,13 @@ def qwen_sigmas(num_steps: int, image_seq_len: int, config: Any, shift: float = 
     """(T+1,) sigmas ending at 0, equal to the pipeline's scheduler: dynamic exponential shift μ(tokens)
     and the ``shift_terminal`` stretch; ``shift > 0`` selects a static SD3 shift of linspace(1, 0, T+1)."""
     if shift > 0:
-        return shift_sigmas(torch.linspace(1.0, 0.0, num_steps + 1), shift)
+        return static_shift_sigmas(num_steps, shift)
     if not config.get("use_dynamic_shifting", False) or config.get("time_shift_type") != "exponential":
         raise UserError(
             "the pipeline's scheduler does not use the exponential dynamic shift Qwen-Image ships; use the "
             "original scheduler config or set model.shift > 0 for a static shift"
         )
-    mu = calculate_mu(
-        image_seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-        config.get("base_shift", 0.5), config.get("max_shift", 1.15),
-    )  # fmt: skip
+    mu = config_mu(image_seq_len, config)
     sigmas = dynamic_shift_sigmas(num_steps, mu)
     terminal = config.get("shift_terminal")
     if terminal:

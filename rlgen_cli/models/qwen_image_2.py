@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rlgen_cli.errors import UserError
-from rlgen_cli.models._latent_grid import LatentGrid
+from rlgen_cli.models._latent_grid import LatentGrid, config_mu, static_shift_sigmas
 from rlgen_cli.models._qwen_common import pad_text
 from rlgen_cli.models.base import Capabilities, Cond, cfg_two_passes
 from rlgen_cli.models.building import family_pipeline, with_prompt_cache
@@ -60,7 +60,6 @@ from rlgen_cli.models.tiny.qwen_image_2 import tiny_qwen_image_2_pipeline
 from rlgen_cli.models.trainable import DiffusersCheckpoint, TrainableTransformer, autocast
 from rlgen_cli.schema.run import ModelConfig
 from rlgen_cli.sde.noise import standard_normal
-from rlgen_cli.sde.schedule import calculate_mu, shift_sigmas
 
 log = logging.getLogger(__name__)
 
@@ -106,12 +105,9 @@ def qwen_image_2_sigmas(
     static or dynamic shift, terminal stretch) set to :func:`sigma_grid` with μ from the image token count.
     ``shift > 0`` selects a static SD3 shift of linspace(1, 0, T+1) instead."""
     if shift > 0:
-        return shift_sigmas(torch.linspace(1.0, 0.0, num_steps + 1), shift)
+        return static_shift_sigmas(num_steps, shift)
     config = scheduler.config
-    mu = calculate_mu(
-        image_seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-        config.get("base_shift", 0.5), config.get("max_shift", 1.15),
-    )  # fmt: skip
+    mu = config_mu(image_seq_len, config)
     fresh = type(scheduler).from_config(config)  # the pipeline's own scheduler keeps its state
     fresh.set_timesteps(sigmas=sigma_grid(num_steps, shipped), mu=mu)
     return fresh.sigmas.float()

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rlgen_cli.errors import UserError
-from rlgen_cli.models._latent_grid import LatentGrid
+from rlgen_cli.models._latent_grid import LatentGrid, config_mu
 from rlgen_cli.models.base import Capabilities, Cond, cfg_combine, uncond_takes_grad
 from rlgen_cli.models.building import family_pipeline, with_prompt_cache
 from rlgen_cli.models.loading import (
@@ -42,7 +42,7 @@ from rlgen_cli.models.tiny import tiny_z_image_pipeline
 from rlgen_cli.models.trainable import DiffusersCheckpoint, TrainableTransformer, autocast
 from rlgen_cli.schema.run import ModelConfig
 from rlgen_cli.sde.noise import standard_normal
-from rlgen_cli.sde.schedule import calculate_mu, dynamic_shift_sigmas, shift_sigmas
+from rlgen_cli.sde.schedule import dynamic_shift_sigmas, shift_sigmas
 
 Z_IMAGE_LORA_TARGETS = [
     "attention.to_k",
@@ -77,10 +77,7 @@ def z_image_sigmas(num_steps: int, image_seq_len: int, config: Any, shift: float
             "the pipeline's scheduler uses a time shift Z-Image does not ship (linear, or a terminal stretch); "
             "use the checkpoint's scheduler config or set model.shift > 0 for a static shift"
         )
-    mu = calculate_mu(
-        image_seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-        config.get("base_shift", 0.5), config.get("max_shift", 1.15),
-    )  # fmt: skip
+    mu = config_mu(image_seq_len, config)
     return dynamic_shift_sigmas(num_steps, mu)
 
 
