@@ -96,12 +96,9 @@ def tiny_model_cfg():
     from omegaconf import OmegaConf
 
     from rlgen_cli._hydra import conf_dir
-    from rlgen_cli.schema.run import ModelConfig
+    from rlgen_cli.schema.model import option_section
 
-    merged = OmegaConf.merge(
-        OmegaConf.structured(ModelConfig), OmegaConf.load(conf_dir() / "model" / "tiny_sd3.yaml")
-    )
-    return OmegaConf.to_object(merged)
+    return OmegaConf.to_object(option_section(OmegaConf.load(conf_dir() / "model" / "tiny_sd3.yaml")))
 
 
 @pytest.fixture(scope="session")

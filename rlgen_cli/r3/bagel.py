@@ -72,7 +72,7 @@ from rlgen_cli.models.bagel.policy import BagelPolicy
 from rlgen_cli.models.trainable import autocast
 from rlgen_cli.r3.policy import EDIT, GENERATE, IMAGE, STAGE_KEY, TEXT, Thoughts, stage_of
 from rlgen_cli.r3.prompts import REASON_SYSTEM, REFLECT_SYSTEM, reason_user, reflect_user
-from rlgen_cli.schema.r3 import R3PolicyConfig
+from rlgen_cli.schema.r3 import R3BagelPolicy
 from rlgen_cli.sde.noise import Stream, stream_seed
 from rlgen_cli.training.reporting.images import to_pil
 from rlgen_cli.vlm.rollout import SamplingOptions, TokenBatch, pad_stack
@@ -376,7 +376,7 @@ def _to_tensor(image: Any) -> Tensor:
     return torch.from_numpy(np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0).permute(2, 0, 1)
 
 
-def build_bagel_unified(cfg: R3PolicyConfig, device: torch.device) -> BagelUnifiedPolicy:
+def build_bagel_unified(cfg: R3BagelPolicy, device: torch.device) -> BagelUnifiedPolicy:
     """The unified policy of ``r3.policy.bagel`` (tiny, or the checkpoint at its ``path``) on ``device``.
 
     Raises:

@@ -34,7 +34,7 @@ from rlgen_cli.models.acceleration import prepare_vlm
 from rlgen_cli.models.qwen_image import QwenImagePolicy
 from rlgen_cli.r3.policy import EDIT, GENERATE, IMAGE, STAGE_KEY, TEXT, Thoughts, stage_of
 from rlgen_cli.r3.prompts import REASON_SYSTEM, REFLECT_SYSTEM, generation_prompt, reason_user, reflect_user
-from rlgen_cli.schema.r3 import R3PolicyConfig
+from rlgen_cli.schema.r3 import R3CompositePolicy
 from rlgen_cli.schema.run import ModelConfig
 from rlgen_cli.schema.vlm import VLM_FAMILIES
 from rlgen_cli.training.reporting.images import to_pil
@@ -248,7 +248,7 @@ def _shared_processor(cfg: ModelConfig, tokenizer: Any) -> Any:
     return processor
 
 
-def build_composite(cfg: R3PolicyConfig, device: torch.device) -> CompositePolicy:
+def build_composite(cfg: R3CompositePolicy, device: torch.device) -> CompositePolicy:
     """The composite policy of ``r3.policy`` on ``device`` (each part tiny or loaded from its path).
 
     Raises:

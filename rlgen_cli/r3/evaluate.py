@@ -185,11 +185,11 @@ def load_unified(
         return build_unified(family, cfg.policy, device)
     from omegaconf import OmegaConf
 
-    from rlgen_cli.schema.r3 import R3PolicyConfig
+    from rlgen_cli.schema.r3 import typed_policy
     from rlgen_cli.training.checkpoints.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(checkpoint)
-    saved = OmegaConf.merge(OmegaConf.structured(R3PolicyConfig), ckpt.config().r3.policy)
+    saved = typed_policy(family, ckpt.config().r3.policy)
     policy = build_unified(family, OmegaConf.to_object(saved), device)
     policy.load_trainable(ckpt.weights)
     return policy

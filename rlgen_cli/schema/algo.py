@@ -31,6 +31,16 @@ from rlgen_cli.schema.choices import (
 )
 from rlgen_cli.schema.forward import ForwardConfig
 from rlgen_cli.schema.gardo import GardoConfig
+from rlgen_cli.schema.ranges import (
+    ANY,
+    BELOW_ONE,
+    COUNT,
+    FRACTION,
+    NON_NEGATIVE,
+    POSITIVE,
+    PROBABILITY,
+    at_least,
+)
 from rlgen_cli.schema.vlm import TokenGRPOOptions, TokenSftOptions
 
 log = logging.getLogger(__name__)
@@ -52,7 +62,7 @@ WINDOW_OPTIONS = {
 class SamplerConfig:
     kind: Annotated[str, StepKind] = "flow_sde"
     """Stochastic step of rollouts: ``flow_sde`` (Flow-GRPO), ``dance`` (constant η), ``cps``, ``ode``."""
-    noise_level: float | None = None
+    noise_level: Annotated[float | None, NON_NEGATIVE] = None
     """SDE noise level (a of ``flow_sde`` / ``cps``, η of ``dance``); null takes ``model.noise_level``."""
     logprob_reduce: Annotated[str, LogprobReduce] = "mean"
     """Reduce per-element log-densities over non-batch dims: ``mean`` (upstream) or ``sum`` (true density)."""
@@ -71,38 +81,38 @@ class WindowConfig:
     kind: Annotated[str, WindowKind] = "all"
     """Which steps are stochastic and trained: ``all`` (Flow-GRPO), ``random_window`` (Fast),
     ``sliding`` (MixGRPO), ``random_subset`` (DanceGRPO), ``single`` (R3)."""
-    timestep_fraction: float = 0.99
+    timestep_fraction: Annotated[float, FRACTION] = 0.99
     """``all``: train the first int(T·fraction) (0.99 skips the near-zero-σ last step);
     ``random_subset``: train a random int(n·fraction) of the n candidate steps per sample."""
     skip_last_step: bool = True
     """``random_subset``: the candidates are the first T − 1 steps, never the step onto σ′ = 0
     (DanceGRPO); false = all T steps."""
-    size: int = 0
+    size: Annotated[int, NON_NEGATIVE] = 0
     """``random_window`` / ``sliding``: window length (Fast: 0 = all steps but the last)."""
-    range: list[int] | None = None
+    range: Annotated[list[int] | None, NON_NEGATIVE] = None
     """``random_window``: [lo, hi) where the window may lie (null = [0, T−1))."""
-    stride: int = 1
+    stride: Annotated[int, NON_NEGATIVE] = 1
     """``sliding``: steps the window moves per shift (0: it stays at the first steps)."""
-    shift_every: int = 25
+    shift_every: Annotated[int, COUNT] = 25
     """``sliding``: epochs between shifts (τ); the ``exp_decay`` base interval."""
     strategy: Annotated[str, SlidingStrategy] = "progressive"
     """``sliding``: progressive | random | decay | exp_decay (docs/maths.md §5.4)."""
     roll_back: bool = False
     """``sliding``: restart at step 0 after the last position."""
-    end_offset: int = 0
+    end_offset: Annotated[int, NON_NEGATIVE] = 0
     """``sliding``: the window lies before step T − end_offset (MixGRPO: 2)."""
     shrink_at_end: bool = False
     """``sliding``: keep moving past T − end_offset − size, dropping the steps past the end (MixGRPO);
     false: the last move lands on T − end_offset − size, every window full."""
-    min_shift_every: int | None = None
+    min_shift_every: Annotated[int | None, COUNT] = None
     """``decay``: the shortest stay (null = max(1, shift_every // 4))."""
-    max_shift_every: int | None = None
+    max_shift_every: Annotated[int | None, COUNT] = None
     """``decay``: the stay at the first position (null = shift_every)."""
-    exp_decay_rate: float = 0.1
+    exp_decay_rate: Annotated[float, NON_NEGATIVE] = 0.1
     """``exp_decay``: k in ceil(shift_every·exp(−k·max(0, start − exp_decay_start)))."""
-    exp_decay_start: int = 13
+    exp_decay_start: Annotated[int, NON_NEGATIVE] = 13
     """``exp_decay``: the window start from which the stays shrink."""
-    max_index: int | None = None
+    max_index: Annotated[int | None, COUNT] = None
     """``single``: the SDE step is drawn from the first max_index steps (null = any)."""
 
     def __post_init__(self) -> None:
@@ -190,7 +200,7 @@ _WINDOW_FITS = {
 class FlashConfig:
     enabled: bool = False
     """MixGRPO-Flash: after the last SDE step, finish on a compressed schedule with DPM-Solver++ 2M."""
-    ratio: float = 0.4
+    ratio: Annotated[float, FRACTION] = 0.4
     """Fraction of the remaining steps kept by the compressed schedule."""
 
 
@@ -198,15 +208,15 @@ class FlashConfig:
 class PrefConfig:
     loss: Annotated[str, PrefLoss] = "dpo"
     """``dpo`` (Flow-DPO on best-vs-worst pairs) or ``sft`` (reward-filtered flow matching)."""
-    dpo_beta: float = 100.0
+    dpo_beta: Annotated[float, POSITIVE] = 100.0
     """DPO: β of the implicit reward (the temperature of the preference loss)."""
-    anchor_weight: float = 0.0
+    anchor_weight: Annotated[float, NON_NEGATIVE] = 0.0
     """SFT: weight of ‖v_θ − v_base‖², which keeps the policy near the base (0 = plain filtered SFT)."""
-    ref_update_step: int = 0
+    ref_update_step: Annotated[int, NON_NEGATIVE] = 0
     """DPO: copy the policy into the reference every N optimizer steps (0 = offline: fixed base)."""
-    top_k: int = 1
+    top_k: Annotated[int, COUNT] = 1
     """SFT: samples kept per group (the best ones)."""
-    timesteps_per_sample: int = 1
+    timesteps_per_sample: Annotated[int, COUNT] = 1
     """Training σ drawn per kept sample (or pair) per epoch."""
 
 
@@ -214,20 +224,20 @@ class PrefConfig:
 class PretrainConfig:
     """Flow-matching pretraining on ground-truth images (``recipe=flow_pretrain``)."""
 
-    steps_per_epoch: int = 50
+    steps_per_epoch: Annotated[int, COUNT] = 50
     """Optimizer steps per epoch (an epoch is the unit of eval, logging and checkpoints)."""
-    batch_size: int = 128
+    batch_size: Annotated[int, COUNT] = 128
     """Images per optimizer step."""
     source: Annotated[str, PretrainSource] = "shapes"
     """Where the images come from: ``shapes`` renders the ShapesEval metadata of each train row."""
-    cond_dropout: float = 0.1
+    cond_dropout: Annotated[float, BELOW_ONE] = 0.1
     """Share of prompts replaced by the empty prompt, so the model also learns the unconditional
     velocity that classifier-free guidance needs."""
     sigma_sampling: Annotated[str, SigmaSampling] = "logit_normal"
     """Training σ distribution: ``logit_normal`` (SD3, mean 0, std 1) or ``uniform``."""
-    warmup_steps: int = 200
+    warmup_steps: Annotated[int, NON_NEGATIVE] = 200
     """Linear learning-rate warm-up; then a cosine decay to ``min_lr_ratio``·lr at the last step."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: Annotated[float, PROBABILITY] = 0.1
     """Where the cosine decay ends: ``min_lr_ratio``·lr at the last step."""
 
 
@@ -235,9 +245,9 @@ class PretrainConfig:
 class EMAConfig:
     enabled: bool = False
     """Keep an exponential moving average of the trainable weights, used for eval and saving."""
-    decay: float = 0.9
+    decay: Annotated[float, PROBABILITY] = 0.9
     """Each update: shadow ← decay·shadow + (1 − decay)·weights."""
-    update_every: int = 8
+    update_every: Annotated[int, COUNT] = 8
     """Optimizer steps between EMA updates."""
     warmup: bool = False
     """Ramp the decay up as ``min(decay, (1 + step) / (10 + step))`` so the average forgets the
@@ -251,41 +261,41 @@ class AlgoConfig:
 
     name: str = "grpo"
     """Algorithm name, for logs (``rlgen ls`` lists the options)."""
-    group_size: int = 8
+    group_size: Annotated[int, at_least(2)] = 8
     """Samples per prompt (K); advantages are normalised within each prompt's group."""
-    prompts_per_epoch: int = 2
+    prompts_per_epoch: Annotated[int, COUNT] = 2
     """Distinct prompts sampled per epoch; an epoch has prompts_per_epoch × group_size samples."""
-    sample_batch_size: int = 8
+    sample_batch_size: Annotated[int, COUNT] = 8
     """Samples per rollout forward pass."""
-    train_batch_size: int = 8
+    train_batch_size: Annotated[int, COUNT] = 8
     """Samples per training forward pass; equal to sample_batch_size keeps the ratio exactly 1."""
-    gradient_accumulation_steps: int | None = None
+    gradient_accumulation_steps: Annotated[int | None, COUNT] = None
     """Training micro-batches per optimizer step over ALL processes (global, like the batch geometry):
     each process trains gradient_accumulation_steps ÷ launcher world size of them, so one optimizer step
     covers the same samples on any process count. null = one micro-batch per process (then a step's
     samples grow with the process count)."""
-    lr: float = 3e-4
+    lr: Annotated[float, POSITIVE] = 3e-4
     """AdamW's learning rate (the rate ``lr_schedule`` starts from)."""
     lr_schedule: Annotated[str, LrSchedule] = "constant"
     """``constant``, or ``cosine`` / ``linear``: ``lr`` for the ``lr_decay_start`` share of ``epochs``, then a
     decay to ``lr_min_ratio``·lr at the last epoch (a time limit that stops the run first cuts it short)."""
-    lr_decay_start: float = 0.0
+    lr_decay_start: Annotated[float, BELOW_ONE] = 0.0
     """Share of ``epochs`` trained at ``lr`` before the ``cosine`` / ``linear`` decay starts (0 = from the
     first epoch)."""
-    lr_min_ratio: float = 0.0
+    lr_min_ratio: Annotated[float, PROBABILITY] = 0.0
     """Where the decay ends: ``lr_min_ratio``·lr at the last epoch."""
-    lr_warmup_epochs: int = 0
+    lr_warmup_epochs: Annotated[int, NON_NEGATIVE] = 0
     """Ramp the learning rate linearly over the first epochs (epoch e of W runs at (e + 1)/W of the
     schedule's rate), whatever ``lr_schedule``; 0 = none (upstream)."""
-    adam_beta1: float = 0.9
+    adam_beta1: Annotated[float, BELOW_ONE] = 0.9
     """AdamW's β₁ (decay of the gradient's running mean)."""
-    adam_beta2: float = 0.999
+    adam_beta2: Annotated[float, BELOW_ONE] = 0.999
     """AdamW's β₂ (decay of the squared gradient's running mean)."""
-    adam_eps: float = 1e-8
+    adam_eps: Annotated[float, POSITIVE] = 1e-8
     """AdamW's ε (added to the root of the second moment)."""
-    weight_decay: float = 1e-4
+    weight_decay: Annotated[float, NON_NEGATIVE] = 1e-4
     """AdamW's decoupled weight decay."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: Annotated[float, ANY] = 1.0
     """Gradient-norm clip; ≤ 0 disables it."""
 
     def __post_init__(self) -> None:
@@ -339,9 +349,9 @@ class AdvantageConfig(AlgoConfig):
     """Normalise advantages by the whole batch's reward std instead of each group's."""
     std_estimator: Annotated[str, StdEstimator] = "population"
     """Advantage std: ``population`` (/ n, Flow-GRPO) or ``unbiased`` (/ (n − 1), MixGRPO, DanceGRPO)."""
-    adv_eps: float = 1e-4
+    adv_eps: Annotated[float, NON_NEGATIVE] = 1e-4
     """Added to the advantage std before dividing (Flow-GRPO 1e-4, MixGRPO / DanceGRPO 1e-8)."""
-    kl_weight: float = 0.04
+    kl_weight: Annotated[float, NON_NEGATIVE] = 0.04
     """Weight β of the KL towards the reference (LoRA disabled); 0 skips the reference forward."""
 
 
@@ -349,7 +359,7 @@ class AdvantageConfig(AlgoConfig):
 class PolicyGradientConfig(AdvantageConfig):
     """Recipes whose loss is advantage-weighted (GRPO on flows and tokens, DiffusionNFT / AWM)."""
 
-    adv_clip_max: float = 5.0
+    adv_clip_max: Annotated[float, NON_NEGATIVE] = 5.0
     """Advantages are clamped to ±adv_clip_max."""
 
 
@@ -357,9 +367,9 @@ class PolicyGradientConfig(AdvantageConfig):
 class FlowGrpoAlgoConfig(PolicyGradientConfig):
     """``recipe=flow_grpo``: policy gradient on SDE rollouts (Flow-GRPO and its window variants)."""
 
-    num_inner_epochs: int = 1
+    num_inner_epochs: Annotated[int, COUNT] = 1
     """Passes over each epoch's samples."""
-    clip_range: float = 1e-4
+    clip_range: Annotated[float, POSITIVE] = 1e-4
     """PPO clip ε on the importance ratio."""
     kl_form: Annotated[str, KlForm] = "gaussian"
     """``gaussian`` = mean((μθ−μref)²)/(2s²), the KL of the two step Gaussians; ``upstream`` = Flow-GRPO's
@@ -367,7 +377,7 @@ class FlowGrpoAlgoConfig(PolicyGradientConfig):
     cfg_grad: Annotated[str, CfgGrad] = "both"
     """With CFG, the training forward back-propagates through ``both`` branches of u + g·(c − u), or only
     the ``conditional`` one (the unconditional prediction detached; same forward values)."""
-    timesteps_per_pass: int = 1
+    timesteps_per_pass: Annotated[int, COUNT] = 1
     """Trained steps of a micro-batch that share one transformer call and one backward in the update
     (rows = samples × steps, each its own x_t and σ): the same gradient in fewer, larger calls, activation
     memory × this. 1 = upstream (a call and a backward per step); ≥ the trained steps folds them all."""
@@ -387,9 +397,9 @@ class FlowGrpoAlgoConfig(PolicyGradientConfig):
     flash: FlashConfig = field(default_factory=FlashConfig)
     shared_initial_noise: bool = False
     """Every sample of a group starts from the same noise (DanceGRPO)."""
-    best_of_n: int = 0
+    best_of_n: Annotated[int, NON_NEGATIVE] = 0
     """Train only the k best and k worst samples of each group (DanceGRPO's best-of-N); 0 = all."""
-    prompts_per_draw: int | None = None
+    prompts_per_draw: Annotated[int | None, COUNT] = None
     """Which prompts an epoch trains: null = passes over the dataset without replacement (every prompt once
     per pass, every group K samples: rlgen's choice); N = Flow-GRPO's sampler, a fresh random set of N
     distinct prompts for each of the epoch's prompts_per_epoch / N sampling batches, so a prompt may come
@@ -538,7 +548,7 @@ class FlowPretrainAlgoConfig(AlgoConfig):
 class FlowForwardAlgoConfig(PolicyGradientConfig):
     """``recipe=flow_forward``: DiffusionNFT / AWM on forward-process noising of the rollouts."""
 
-    num_inner_epochs: int = 1
+    num_inner_epochs: Annotated[int, COUNT] = 1
     """Passes over each epoch's samples."""
     cfg_grad: Annotated[str, CfgGrad] = "both"
     """See ``FlowGrpoAlgoConfig.cfg_grad``."""
@@ -561,7 +571,7 @@ class FlowForwardAlgoConfig(PolicyGradientConfig):
 class TokenAlgoConfig(PolicyGradientConfig):
     """``recipe=vlm_rl``: token-level GRPO of a multimodal LLM."""
 
-    clip_range: float = 0.2
+    clip_range: Annotated[float, POSITIVE] = 0.2
     """PPO clip ε on the importance ratio."""
     token: TokenGRPOOptions = field(default_factory=TokenGRPOOptions)
 

@@ -8,6 +8,9 @@ recompute on the same samples — two different computations, so the check can f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Annotated
+
+from rlgen_cli.schema.ranges import COUNT, NON_NEGATIVE, POSITIVE
 
 __all__ = ["TEXT_TOLERANCE", "TEXT_TOLERANCES", "CheckConfig", "CheckSection"]
 
@@ -28,19 +31,19 @@ Larger logits have larger ulps, so a real model's gap is larger: measure it and 
 
 @dataclass
 class CheckConfig:
-    tolerance: float = 1e-6
+    tolerance: Annotated[float, POSITIVE] = 1e-6
     """Largest allowed |ratio − 1| (and |Δ log-prob|) of the image / flow tracks: the rollout stores the
     fp32 transition it sampled, so the training path reproduces it to rounding — exactly, in every
     ``model.dtype``, on the tiny models (docs/precision.md)."""
-    text_tolerance: float | None = None
+    text_tolerance: Annotated[float | None, POSITIVE] = None
     """Largest allowed |ratio − 1| (and |Δ log-prob|) of the text tracks (VLM, R3's think / reflect):
     the sampler's KV-cache decoding vs the training forward; null = ``TEXT_TOLERANCES`` of the text
     policy's dtype (1e-5 in fp32, 1e-2 in bf16)."""
-    train_noise_level: float | None = None
+    train_noise_level: Annotated[float | None, NON_NEGATIVE] = None
     """Noise level of the training-side recompute; null = the sampling one (set it to see the check fail)."""
-    train_batch_size: int | None = None
+    train_batch_size: Annotated[int | None, COUNT] = None
     """Training-side batch size; null = algo.train_batch_size."""
-    perturb_weights: float = 0.0
+    perturb_weights: Annotated[float, NON_NEGATIVE] = 0.0
     """Test switch: after the rollout and before the training-path recompute, add Gaussian noise of this
     standard deviation (seeded by ``seed``) to every trainable weight — the check must then fail (exit 1).
     It shows the check can fail; 0 = off. 1e-3 moves the log-probs by ≈ 2e-3 (tiny VLM, R3 text), ≈ 1e-4

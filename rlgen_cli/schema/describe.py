@@ -22,7 +22,9 @@ from typing import Annotated, Any
 
 from rlgen_cli.schema.check import CheckSection
 from rlgen_cli.schema.choices import choices_of
+from rlgen_cli.schema.model import section_variants, variant_name
 from rlgen_cli.schema.plan import PlanSection
+from rlgen_cli.schema.r3 import R3PolicySection
 from rlgen_cli.schema.ranges import range_of
 from rlgen_cli.schema.recipes import FREE_FORM, TRAIN_SCHEMAS
 from rlgen_cli.schema.serve import ServeRewardConfig
@@ -157,7 +159,7 @@ def _without_none(hint: Any) -> Any:
 
 def _default_of(f: dataclasses.Field, instance: Any) -> Any:
     """The field's value in ``instance`` (a section built by its parent's factory), else its own default."""
-    if instance is not None:
+    if instance is not None and hasattr(instance, f.name):  # a section default of another schema lacks some
         return getattr(instance, f.name)
     if f.default is not dataclasses.MISSING:
         return f.default
@@ -190,11 +192,37 @@ def key_rows(schema: type, prefix: str = "", instance: Any = None) -> list[KeyRo
             if doc and not doc.startswith(f"{section.__name__}("):  # dataclass's generated signature
                 rows.append(KeyRow(f"{key}.*", "section", "", "", doc))
             instance_of_section = default if dataclasses.is_dataclass(default) else None
+            if len(section_variants(section)) > 1:  # its keys are those of the option that picks it
+                rows.extend(_variant_rows(section, f"{key}.", instance_of_section))
+                continue
             rows.extend(key_rows(section, f"{key}.", instance_of_section))
             continue
         shown = "required" if default is dataclasses.MISSING else format_value(default)
         rows.append(KeyRow(key, type_name(hint), shown, _valid(schema, f.name, hint), docs.get(f.name, "")))
     return rows
+
+
+def _variant_rows(section: type, prefix: str, instance: Any = None) -> list[KeyRow]:
+    """The rows of every schema ``section`` can be composed as (each family's, each R3 policy's), each key
+    once; a key only some of them have says which (``Only model.family=wan2_1, wan2_2, wan2_2_i2v.``)."""
+    schemas = section_variants(section)
+    family = getattr(instance, "family", None)  # the default's own family first, its values as defaults
+    schemas.sort(key=lambda v: variant_name(v) != family)
+    variants = {variant_name(v): key_rows(v, prefix, instance) for v in schemas}
+    chosen_by = "model.family" if issubclass(section, R3PolicySection) else f"{prefix}family"
+    having: dict[str, list[str]] = {}
+    first: dict[str, KeyRow] = {}
+    for name, rows in variants.items():
+        for row in rows:
+            first.setdefault(row.key, row)
+            having.setdefault(row.key, []).append(name)
+    out = []
+    for key, row in first.items():
+        names = having[key]
+        if len(names) < len(variants) and not row.is_section:
+            row = dataclasses.replace(row, doc=f"{row.doc} Only {chosen_by}={', '.join(names)}.".strip())
+        out.append(row)
+    return out
 
 
 def sections_of(schema: type) -> list[str]:

@@ -33,6 +33,9 @@ class FamilySpec:
     non-editing family refuses them."""
     video: bool = False
     """Generates videos (its policy declares ``capabilities.is_video``)."""
+    two_experts: bool = False
+    """Two transformers, a high-noise and a low-noise one, switched at the checkpoint's boundary
+    (``model.experts``)."""
     real_size_variants: tuple[str, ...] = ()
     """The checkpoints ``model.weights=random_init`` builds (``models/real_size.py``); the first is
     ``model.variant=auto``, the one the family's conf/model option loads."""
@@ -109,8 +112,15 @@ _ROWS = (
         real_size_variants=("wan2_1_t2v_1_3b", "wan2_1_t2v_14b"),
         diffusers_pipeline="WanPipeline",
     ),
-    _flow("wan2_2", "wan22", video=True, diffusers_pipeline="WanPipeline"),
-    _flow("wan2_2_i2v", "wan22", editing=True, video=True, diffusers_pipeline="WanImageToVideoPipeline"),
+    _flow("wan2_2", "wan22", video=True, two_experts=True, diffusers_pipeline="WanPipeline"),
+    _flow(
+        "wan2_2_i2v",
+        "wan22",
+        editing=True,
+        video=True,
+        two_experts=True,
+        diffusers_pipeline="WanImageToVideoPipeline",
+    ),
     _flow("z_image", "z_image", diffusers_pipeline="ZImagePipeline"),
     _flow(
         "bagel",

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 from rlgen_cli.errors import require
+from rlgen_cli.schema.ranges import BELOW_ONE, COUNT, FRACTION, NON_NEGATIVE, POSITIVE
 
 ForwardLoss = Literal["nft", "awm", "dgpo"]
 RolloutSolver = Literal["dpm2", "euler", "sde"]
@@ -30,11 +31,11 @@ class OldPolicyConfig:
     ``min(rate·(step − flat_steps), max_decay)``. DiffusionNFT's decay_type 1 = (0, 1e-3, 0.5), 2 = (75,
     7.5e-3, 0.999), 0 = max_decay 0 (the old policy is the current one); AWM's KL-EMA = (0, 1e-3, 0.3)."""
 
-    flat_steps: int = 0
+    flat_steps: Annotated[int, NON_NEGATIVE] = 0
     """Optimizer steps during which the old policy is replaced by the current one after each epoch."""
-    rate: float = 1e-3
+    rate: Annotated[float, NON_NEGATIVE] = 1e-3
     """Growth of the decay per optimizer step after ``flat_steps``."""
-    max_decay: float = 0.5
+    max_decay: Annotated[float, BELOW_ONE] = 0.5
     """Upper bound of the decay, in [0, 1)."""
 
 
@@ -58,13 +59,13 @@ class ForwardConfig:
     """Whose draw those σ are: ``per_sample`` (every sample its own, from its own stream: the σ of one
     micro-batch spread out, less variance between micro-batches) or ``per_microbatch`` (the micro-batch's
     first sample draws, every sample trains on those σ: AWM's script). Same expectation."""
-    timestep_fraction: float = 0.99
+    timestep_fraction: Annotated[float, FRACTION] = 0.99
     """``subset``: share of the T rollout σ trained; ``stratified`` / ``truncated``: the indices drawn
     from end at int(T·fraction)."""
-    num_timesteps: int = 6
+    num_timesteps: Annotated[int, COUNT] = 6
     """``stratified`` / ``truncated``: σ trained per sample (AWM's ``train_timesteps``, DGPO's
     ``num_train_timesteps``)."""
-    nft_beta: float = 1.0
+    nft_beta: Annotated[float, POSITIVE] = 1.0
     """DiffusionNFT's β > 0: v⁺ = (1 − β)·v_old + β·v_θ, v⁻ = (1 + β)·v_old − β·v_θ (upstream 1.0; 0.1 for
     OCR and multi-reward)."""
     adaptive_weight: bool = True
@@ -72,18 +73,18 @@ class ForwardConfig:
     weighting: Annotated[str, AWMWeighting] = "ghuber"
     """AWM's per-sample weighting ρ(e) of the flow-matching error: ``uniform``, ``t`` (σ·e), ``t2``
     (σ²·e) or ``ghuber`` (σ·((e + δ)^p − δ^p)/p, upstream)."""
-    ghuber_power: float = 0.25
+    ghuber_power: Annotated[float, POSITIVE] = 0.25
     """AWM: the generalised Huber power p."""
-    advantage_max: float = 1.0
+    advantage_max: Annotated[float, POSITIVE] = 1.0
     """AWM: advantages (clipped to ±algo.adv_clip_max) are rescaled to ±advantage_max."""
-    old_weight: float = 0.0
+    old_weight: Annotated[float, NON_NEGATIVE] = 0.0
     """AWM: weight of mean((v_θ − v_old)²), the pull towards the old policy (upstream ``ema_beta`` 1)."""
-    dgpo_beta: float = 100.0
+    dgpo_beta: Annotated[float, POSITIVE] = 100.0
     """DGPO's preference strength β > 0: group weight σ((β/G)·Σ A_i·(e_θ,i − e_ref,i)) (upstream 100)."""
     dgpo_reference: Annotated[str, DGPOReference] = "base"
     """DGPO's reference e_ref: ``base`` (the base model, LoRA disabled; upstream) or ``old`` (the old
     policy, upstream's ``use_ema_ref``)."""
-    dgpo_clip_range: float = 0.0
+    dgpo_clip_range: Annotated[float, NON_NEGATIVE] = 0.0
     """DGPO: PPO-style clip c against the old policy (upstream 1e-2): an error whose ratio
     exp(e_old − e_θ) passed 1 + c (A > 0) or 1 − c (A ≤ 0) is detached; 0 turns it off."""
     old: OldPolicyConfig = field(default_factory=OldPolicyConfig)

@@ -4,8 +4,10 @@ docs/algorithms.md). All off by default; each works alone."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Annotated
 
 from rlgen_cli.errors import UserError
+from rlgen_cli.schema.ranges import COUNT, FRACTION, NON_NEGATIVE
 
 
 @dataclass
@@ -19,17 +21,17 @@ class GardoConfig:
     auxiliary_rewards: list[str] = field(default_factory=list)
     """Rewards of ``reward.weights`` the proxy's ranks are compared with (upstream: aesthetic and
     imagereward); a weight of 0 scores them without training on them."""
-    gate_fraction: float = 0.1
+    gate_fraction: Annotated[float, FRACTION] = 0.1
     """Starting share of samples the gate passes (the top of the non-negative uncertainties)."""
-    gate_fraction_min: float = 0.02
+    gate_fraction_min: Annotated[float, FRACTION] = 0.02
     """Lowest share the adaptive fraction may reach."""
-    gate_fraction_max: float = 0.2
+    gate_fraction_max: Annotated[float, FRACTION] = 0.2
     """Highest share the adaptive fraction may reach."""
-    gate_fraction_rate: float = 0.1
+    gate_fraction_rate: Annotated[float, NON_NEGATIVE] = 0.1
     """Relative change of the fraction when a batch's mean uncertainty leaves the window's range."""
-    gate_window: int = 20
+    gate_window: Annotated[int, COUNT] = 20
     """Epochs of mean uncertainty the fraction is compared with."""
-    refresh_every: int = 0
+    refresh_every: Annotated[int, NON_NEGATIVE] = 0
     """Make the reference the online policy before every K-th epoch (LoRA: a frozen copy of the adapter;
     full FT: the frozen copy); 0 = never (needs ``algo.kl_weight`` > 0)."""
     diversity: bool = False

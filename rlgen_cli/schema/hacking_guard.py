@@ -20,40 +20,41 @@ from typing import Annotated, Any
 
 from rlgen_cli.errors import require
 from rlgen_cli.schema.choices import ENGINE_LAUNCHERS, GuardAction
+from rlgen_cli.schema.ranges import ANY, COUNT, FRACTION, NON_NEGATIVE, at_least
 
 __all__ = ["GuardConfig", "check_guard"]
 
 
 @dataclass
 class GuardConfig:
-    monitors: dict[str, float] = field(default_factory=dict)
+    monitors: Annotated[dict[str, float], ANY] = field(default_factory=dict)
     """Held-out rewards {name: weight}, scored on every evaluation's images (the test prompts, fixed
     noise); the held-out metric is Σ weight · mean score. Registered reward names, as in
     ``reward.weights``; the same name as a trained reward with other kwargs is allowed (ShapesEval:
     strict accuracy while training on partial credit). Empty = no guard."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Per-monitor constructor arguments {name: {arg: value}}, typed as ``reward.kwargs`` are."""
-    window: int = 3
+    window: Annotated[int, COUNT] = 3
     """W: evaluations the rule looks back over (the current one and the W before it)."""
-    margin: float = 0.05
+    margin: Annotated[float, NON_NEGATIVE] = 0.05
     """δ: how far, in the held-out metric's units, it must fall below its best of the window to flag."""
-    noise_k: float = 3.0
+    noise_k: Annotated[float, NON_NEGATIVE] = 3.0
     """k: standard errors of the evaluation's own noise (from the spread over its prompts) that the
     held-out drop must exceed as well as δ; with ``rise_k`` = 1 it flags 0.5–3 % of 40-evaluation runs
     on pure noise with W = 3 (tests/training/test_guard_noise.py). 0 = δ alone."""
-    rise_k: float = 1.0
+    rise_k: Annotated[float, NON_NEGATIVE] = 1.0
     """k_r: standard errors the trained reward's rise over the window must exceed (1: beyond its own
     noise; 0 = any rise)."""
     action: Annotated[str, GuardAction] = "warn"
     """On a flagged evaluation: ``warn`` (log it), ``stop`` (end the run after this epoch, saving as
     after a last epoch), ``rollback`` (load ``checkpoints/best_heldout``'s weights, EMA and optimizer
     state, scale the learning rate and KL weight, continue)."""
-    rollback_lr_scale: float = 0.5
+    rollback_lr_scale: Annotated[float, FRACTION] = 0.5
     """A rollback multiplies ``algo.lr`` (and the optimizer's learning rate) by this, each time."""
-    rollback_kl_scale: float = 1.0
+    rollback_kl_scale: Annotated[float, at_least(1)] = 1.0
     """A rollback multiplies ``algo.kl_weight`` by this, each time (1 = unchanged; flow_grpo only, and
     only with ``algo.kl_weight`` > 0)."""
-    max_rollbacks: int = 3
+    max_rollbacks: Annotated[int, NON_NEGATIVE] = 3
     """Rollbacks allowed; a flag after that many stops the run instead."""
 
     @property

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
+from rlgen_cli.schema.ranges import BELOW_ONE, POSITIVE
 from rlgen_cli.schema.recipes import TRAIN_SCHEMAS
 
 __all__ = ["PLAN_SCHEMAS", "PlanFormat", "PlanOptions", "PlanSection"]
@@ -21,14 +22,14 @@ PlanFormat = Literal["table", "json"]
 
 @dataclass
 class PlanOptions:
-    device_memory_gb: float = 80.0
+    device_memory_gb: Annotated[float, POSITIVE] = 80.0
     """Memory of one device in GiB (2³⁰ bytes), e.g. 80 for an 80 GB A100 / H100, 141 for an H200."""
-    headroom: float = 0.1
+    headroom: Annotated[float, BELOW_ONE] = 0.1
     """Share of the device kept free for what the plan does not count: the CUDA context and the
     allocator's fragmentation."""
     format: Annotated[str, PlanFormat] = "table"
     """``table`` (rich, per component) or ``json`` (one object on stdout)."""
-    reward_memory_gb: dict[str, float] = field(default_factory=dict)
+    reward_memory_gb: Annotated[dict[str, float], POSITIVE] = field(default_factory=dict)
     """{reward name: GiB it keeps on the device}: the size of a reward model the plan cannot build to
     count (one that loads on its first score), declared so the plan counts it instead of refusing."""
 

@@ -15,14 +15,36 @@ is logged at start; ``r3.offline.enabled=false`` turns it off.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
+
+from omegaconf import OmegaConf
 
 from rlgen_cli.errors import require
 from rlgen_cli.schema.choices import R3Dataset, SdeKind
 from rlgen_cli.schema.families import families
-from rlgen_cli.schema.run import ModelConfig, RunConfig
+from rlgen_cli.schema.model import (
+    FlowModelConfig,
+    ModelSection,
+    UnifiedModelConfig,
+    VlmModelConfig,
+    require_family_schema,
+    typed_model_section,
+)
+from rlgen_cli.schema.ranges import (
+    ANY,
+    BELOW_ONE,
+    COUNT,
+    FRACTION,
+    NON_NEGATIVE,
+    PORT,
+    POSITIVE,
+    PROBABILITY,
+    at_least,
+)
+from rlgen_cli.schema.run import RunConfig
 
 EtaSchedule = Literal["constant", "monotonic"]
 
@@ -37,12 +59,12 @@ prompts. Any other value names a local reward of the registry (``mix`` = the ``r
 TINY_DATA = {name: f"builtin:r3_{name}_tiny.jsonl" for name in get_args(R3Dataset)}
 
 
-def is_r3(model: ModelConfig) -> bool:
+def is_r3(model: ModelSection) -> bool:
     """Whether ``model`` is a unified policy (R3 recipe, check and eval)."""
     return model.family in R3_FAMILIES
 
 
-def track_models(family: str, policy: R3PolicyConfig) -> dict[str, list[ModelConfig]]:
+def track_models(family: str, policy: Any) -> dict[str, list[Any]]:
     """The model sections each track runs (``text`` / ``image``): the composite's parts, or BAGEL twice."""
     if family == "r3_bagel":
         return {"text": [policy.bagel], "image": [policy.bagel]}
@@ -50,25 +72,84 @@ def track_models(family: str, policy: R3PolicyConfig) -> dict[str, list[ModelCon
 
 
 @dataclass
-class R3PolicyConfig:
-    """The composite policy: one model section per role, each as ``model=`` would give it."""
+class R3PolicySection:
+    """The unified policy's networks; its keys are those of the policy the model option picks
+    (``- /r3_policy@r3.policy: r3_composite`` or ``r3_bagel``)."""
 
-    text: ModelConfig = field(default_factory=lambda: ModelConfig(family="qwen2_5_vl", tiny=True))
+    def require_family_schemas(self) -> None:
+        """Each network was composed with its family's schema (each policy names its networks)."""
+
+
+@dataclass
+class R3CompositePolicy(R3PolicySection):
+    """``model.family=r3_composite``: one model section per role, each as ``model=`` would give it."""
+
+    text: VlmModelConfig = field(default_factory=lambda: VlmModelConfig(family="qwen2_5_vl", tiny=True))
     """Text policy (plans, critiques, instructions): a VLM family (qwen2_vl | qwen2_5_vl)."""
-    generator: ModelConfig = field(default_factory=lambda: ModelConfig(family="qwen_image", tiny=True))
+    generator: FlowModelConfig = field(
+        default_factory=lambda: FlowModelConfig(family="qwen_image", tiny=True)
+    )
     """Text-to-image policy (reason stage): any flow family without source images."""
-    editor: ModelConfig = field(default_factory=lambda: ModelConfig(family="qwen_image_edit", tiny=True))
+    editor: FlowModelConfig = field(
+        default_factory=lambda: FlowModelConfig(family="qwen_image_edit", tiny=True)
+    )
     """Editing policy (refine stage): any flow family that takes source images."""
     share_text_encoder: bool = False
     """The text policy IS the generator's Qwen2.5-VL text encoder, with a LoRA adapter that is disabled
     whenever the generator encodes a prompt (one copy of the 7 B weights instead of two)."""
-    bagel: ModelConfig = field(default_factory=lambda: ModelConfig(family="bagel", tiny=True))
-    """``model.family=r3_bagel``: the one BAGEL network that writes, draws and edits (a ``model=bagel``
-    section). ``lora.enabled=false``: full fine-tuning of everything but the ViT (upstream R3); ``true``: one
-    adapter whose targets must name both experts (understanding = text track, ``*_moe_gen`` = image)."""
+
+    def require_family_schemas(self) -> None:
+        for role in ("text", "generator", "editor"):
+            require_family_schema(getattr(self, role), f"r3.policy.{role}")
+
+
+@dataclass
+class R3BagelPolicy(R3PolicySection):
+    """``model.family=r3_bagel``: the one BAGEL network that writes, draws and edits."""
+
+    bagel: FlowModelConfig = field(default_factory=lambda: FlowModelConfig(family="bagel", tiny=True))
+    """The BAGEL network (a ``model=bagel`` section). ``lora.enabled=false``: full fine-tuning of everything
+    but the ViT (upstream R3); ``true``: one adapter whose targets must name both experts (understanding =
+    text track, ``*_moe_gen`` = image)."""
     think: bool = True
-    """``model.family=r3_bagel``: reason = plan text, then the image from prompt + plan (BAGEL's thinking
-    mode); false = no plan, the image from the prompt alone (the reason stage then trains its image only)."""
+    """Reason = plan text, then the image from prompt + plan (BAGEL's thinking mode); false = no plan, the
+    image from the prompt alone (the reason stage then trains its image only)."""
+
+    def require_family_schemas(self) -> None:
+        require_family_schema(self.bagel, "r3.policy.bagel")
+
+
+R3_POLICY_SCHEMAS: dict[str, type] = {"r3_composite": R3CompositePolicy, "r3_bagel": R3BagelPolicy}
+"""``model.family`` → the schema of ``r3.policy`` (the ``r3_policy`` config group's options)."""
+
+
+def require_policy_schema(family: str, policy: R3PolicySection) -> None:
+    """``r3.policy`` was composed with the schema of ``family``'s policy, each network with its family's."""
+    schema = R3_POLICY_SCHEMAS[family]
+    require(
+        type(policy) is schema,
+        f"model.family={family} reads r3.policy as {schema.__name__}, and it was composed as "
+        f"{type(policy).__name__}: choose the family's model option (model=tiny_r3, r3_qwen, r3_bagel, "
+        f"tiny_r3_bagel), or give a model YAML of your own '- /r3_policy@r3.policy: {family}' in its defaults",
+    )
+    policy.require_family_schemas()
+
+
+def typed_policy(family: str, saved: Any) -> Any:
+    """A checkpoint's saved ``r3.policy`` under the schema of ``family``'s policy, each network under its
+    family's schema; keys the policy does not read (saved by an rlgen with one policy schema for both
+    families) are dropped."""
+    schema = R3_POLICY_SCHEMAS[family]
+    kept = {
+        f.name: typed_model_section(saved[f.name]) if f.name in MODEL_ROLES else saved[f.name]
+        for f in dataclasses.fields(schema)
+        if f.name in saved
+    }
+    return OmegaConf.merge(OmegaConf.structured(schema), kept)
+
+
+MODEL_ROLES = ("text", "generator", "editor", "bagel")
+"""The fields of a policy that hold a model section."""
 
 
 @dataclass
@@ -87,29 +168,29 @@ class OfflineConfig:
 @dataclass
 class R3Config:
     # -- upstream R3's keys ----------------------------------------------------------------------------
-    kl_weight_text: float = 0.001
+    kl_weight_text: Annotated[float, NON_NEGATIVE] = 0.001
     """KL weight of the text track (k3 estimator against the reference = adapter off)."""
-    kl_weight_image: float = 0.001
+    kl_weight_image: Annotated[float, NON_NEGATIVE] = 0.001
     """KL weight of the image track: mean((μθ − μref)²/s²) at the trained step."""
     tune_text_cot: bool = True
     """Train the text track (plans and instructions) with token GRPO."""
     tune_image_cot: bool = True
     """Train the image track (generated and edited images) with Flow-GRPO."""
-    group_size: int = 16
+    group_size: Annotated[int, at_least(2)] = 16
     """Branches per prompt (reason) or per stage-1 image (refine)."""
-    prompts_per_step: int = 1
+    prompts_per_step: Annotated[int, COUNT] = 1
     """Prompts (reason) or stage-1 images (refine) per optimizer step, over all processes: a step rolls out
     prompts_per_step × group_size branches, dealt to the processes in equal consecutive shares — whole
     groups each, or one group over num_processes / prompts_per_step consecutive processes, which then share
     its prompt, initial noise and SDE step (:class:`R3Geometry`). Upstream: 2 (16 branches on each of 4
     of 8 GPUs)."""
-    max_output_token_n_gen: int = 196
+    max_output_token_n_gen: Annotated[int, COUNT] = 196
     """Text tokens of a plan (reason stage)."""
-    max_output_token_n_edit: int = 384
+    max_output_token_n_edit: Annotated[int, COUNT] = 384
     """Text tokens of a reflection (reflect stage)."""
-    num_timesteps_gen: int = 16
+    num_timesteps_gen: Annotated[int, at_least(2)] = 16
     """Timesteps of the generation schedule, both ends included: 16 = 15 denoising steps (upstream)."""
-    num_timesteps_edit: int = 21
+    num_timesteps_edit: Annotated[int, at_least(2)] = 21
     """Timesteps of the editing schedule: 21 = 20 denoising steps (upstream)."""
     enable_sde_gen: bool = True
     """One SDE step per generated image (false = ODE only: the reason stage trains text alone)."""
@@ -126,65 +207,65 @@ class R3Config:
     (the ``reward`` section) | the name of any local reward."""
     reward_server_urls: list[str] = field(default_factory=list)
     """Hosts of the reward servers / judges (empty = the client's default, 127.0.0.1)."""
-    reward_server_port: list[int] = field(default_factory=list)
+    reward_server_port: Annotated[list[int], PORT] = field(default_factory=list)
     """Ports on every host (empty = the client's default); endpoints = every host × port."""
     # -- rewards and loss -----------------------------------------------------------------------------
-    format_weight: float = 1.0
+    format_weight: Annotated[float, ANY] = 1.0
     """w_f: reason text reward f·(r + w_f), refine text reward f·(w_f + Δ) (upstream's
     ``format_reward_weight``, 1.0 in its code and training script)."""
-    ce_weight: float = 1.0
+    ce_weight: Annotated[float, NON_NEGATIVE] = 1.0
     """Weight of the text track: ce_weight·(L_text + kl_weight_text·KL_text)."""
-    mse_weight: float = 2.0
+    mse_weight: Annotated[float, NON_NEGATIVE] = 2.0
     """Weight of the image track's policy loss (mse_weight·L_img + kl_weight_image·KL_img)."""
-    clip_range: float = 0.2
+    clip_range: Annotated[float, POSITIVE] = 0.2
     """PPO clip ε of both tracks."""
     scale_by_std: bool = False
     """Divide advantages by the group std (+1e-4); R3 only subtracts the group mean."""
-    perfect_ratio: float = 0.15
+    perfect_ratio: Annotated[float, PROBABILITY] = 0.15
     """Share of refine steps whose stage-1 image is drawn from the perfect ones."""
-    perfect_threshold: float = 1.0
+    perfect_threshold: Annotated[float, ANY] = 1.0
     """A stage-1 image with reward ≥ this is perfect (GenEval: every clause satisfied)."""
-    buffer_size: int = 256
+    buffer_size: Annotated[int, COUNT] = 256
     """Stage-1 images kept for the refine stage (the newest; shared by all ranks)."""
-    max_sde_timestep_idx_for_edit: int = 2
+    max_sde_timestep_idx_for_edit: Annotated[int, COUNT] = 2
     """The edit stage's SDE step is one of the first N steps."""
     # -- sampling ---------------------------------------------------------------------------------------
-    temperature: float = 0.9
+    temperature: Annotated[float, POSITIVE] = 0.9
     """Text sampling temperature (log-probs are always taken at temperature 1)."""
-    top_p: float = 0.9
+    top_p: Annotated[float, FRACTION] = 0.9
     """Nucleus (top-p) of text sampling."""
     sde_kind: Annotated[str, SdeKind] = "dance"
     """Stochastic step: dance (score form, η from ``eta_schedule``) | flow_sde | cps."""
     eta_schedule: Annotated[str, EtaSchedule] = "constant"
     """η of the ``dance`` step: ``constant`` (the noise level) or ``monotonic`` (upstream R3's default:
     η·sqrt(σ / (1 − min(σ, 0.95))) at the step's σ, growing towards noise)."""
-    noise_level_gen: float = 0.7
+    noise_level_gen: Annotated[float, NON_NEGATIVE] = 0.7
     """η of the generation SDE step."""
-    noise_level_edit: float = 1.0
+    noise_level_edit: Annotated[float, NON_NEGATIVE] = 1.0
     """η of the editing SDE step."""
-    micro_batch_size: int | None = None
+    micro_batch_size: Annotated[int | None, COUNT] = None
     """Branches per forward on one process (rollout and training alike; a text micro-batch samples under
     the seed of its first branch); null = a process's share of one group. It must divide that share; a
     number that does on every process count compared gives the same forwards, so the same run, on each."""
     # -- optimiser --------------------------------------------------------------------------------------
-    lr: float = 5e-6
+    lr: Annotated[float, POSITIVE] = 5e-6
     """AdamW's learning rate (both tracks)."""
-    warmup_steps: int = 10
+    warmup_steps: Annotated[int, NON_NEGATIVE] = 10
     """Linear learning-rate warm-up, then constant."""
-    adam_beta1: float = 0.9
+    adam_beta1: Annotated[float, BELOW_ONE] = 0.9
     """AdamW's β₁ (decay of the gradient's running mean)."""
-    adam_beta2: float = 0.95
+    adam_beta2: Annotated[float, BELOW_ONE] = 0.95
     """AdamW's β₂ (decay of the squared gradient's running mean)."""
-    weight_decay: float = 0.0
+    weight_decay: Annotated[float, NON_NEGATIVE] = 0.0
     """AdamW's decoupled weight decay."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: Annotated[float, ANY] = 1.0
     """Global grad-norm clip over both tracks; ≤ 0 disables it."""
     # -- evaluation -------------------------------------------------------------------------------------
-    eval_rounds: int = 3
+    eval_rounds: Annotated[int, NON_NEGATIVE] = 3
     """``rlgen eval``: reflect → refine rounds after generation (auto-stop on "no further edit needed")."""
-    eval_max_prompts: int = 8
+    eval_max_prompts: Annotated[int, NON_NEGATIVE] = 8
     """Prompts of the periodic evaluation during training (0 = all of val_data_path)."""
-    policy: R3PolicyConfig = field(default_factory=R3PolicyConfig)
+    policy: R3PolicySection = field(default_factory=R3PolicySection)
     offline: OfflineConfig = field(default_factory=OfflineConfig)
 
     def __post_init__(self) -> None:
@@ -333,7 +414,7 @@ def require_same_forwards(geometry: R3Geometry, exact_reduction: bool | None) ->
     log.warning(message)
 
 
-def _check_bagel(bagel: ModelConfig) -> None:
+def _check_bagel(bagel: FlowModelConfig) -> None:
     require(
         bagel.family == "bagel",
         f"model.family=r3_bagel runs the BAGEL of r3.policy.bagel; its family is {bagel.family!r}: set "
@@ -346,11 +427,14 @@ class R3TrainConfig(RunConfig):
     """``recipe=r3``: the shared run keys plus ``r3`` (no ``algo``, no ``sampler``)."""
 
     recipe: str = "r3"
+    model: UnifiedModelConfig = field(default_factory=lambda: UnifiedModelConfig(family="r3_composite"))
+    """The unified family; its networks are configured under ``r3.policy``."""
     r3: R3Config = field(default_factory=R3Config)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require_same_forwards(r3_geometry(self.r3, self.launcher.world_size), self.launcher.exact_reduction)
+        require_policy_schema(self.model.family, self.r3.policy)
         if self.model.family == "r3_bagel":
             _check_bagel(self.r3.policy.bagel)
         self.r3.data_paths()

@@ -1,7 +1,8 @@
 """The valid range of every numeric setting, and one pass that checks every setting with the key's full name.
 
-Each schema dataclass lists its numeric fields in :data:`RANGES` (a field inherits the range of the class
-that declares it); a choice field carries its allowed values in its annotation (``schema/choices.py``).
+A numeric field carries its range in its annotation, written once where the field is declared
+(``epochs: Annotated[int, COUNT] = 100``), as a choice field carries its allowed values
+(``schema/choices.py``).
 :func:`check_settings` walks a composed config section by section *before* the typed objects are built,
 so a bad value stops the run with exit code 2 naming the key (``algo.lr must be > 0, got nan``,
 ``sampler.kind='sde' is not valid; choose one of ode, flow_sde, dance, cps``) instead of failing later,
@@ -9,7 +10,7 @@ deep in a recipe. The same pass rejects keys no schema declares: a ``+algo.lrr=1
 the closest real key instead of landing silently in resolved.yaml.
 
 Checks that involve several fields stay in each dataclass's ``__post_init__``; ``tests/schema/
-test_ranges.py`` fails when a numeric field has no range here, so a new setting cannot skip the check.
+test_ranges.py`` fails when a numeric field has no range, so a new setting cannot skip the check.
 """
 
 from __future__ import annotations
@@ -22,49 +23,14 @@ import re
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rlgen_cli.errors import UserError
-from rlgen_cli.schema.algo import (
-    AdvantageConfig,
-    AlgoConfig,
-    EMAConfig,
-    FlashConfig,
-    FlowForwardAlgoConfig,
-    FlowGrpoAlgoConfig,
-    PolicyGradientConfig,
-    PrefConfig,
-    PretrainConfig,
-    SamplerConfig,
-    TokenAlgoConfig,
-    WindowConfig,
-)
-from rlgen_cli.schema.check import CheckConfig
 from rlgen_cli.schema.choices import choices_of
-from rlgen_cli.schema.forward import ForwardConfig, OldPolicyConfig
-from rlgen_cli.schema.gardo import GardoConfig
-from rlgen_cli.schema.hacking_guard import GuardConfig
-from rlgen_cli.schema.plan import PlanOptions
-from rlgen_cli.schema.r3 import R3Config
-from rlgen_cli.schema.recipes import FlowRolloutRunConfig, FlowRunConfig
-from rlgen_cli.schema.run import (
-    DataConfig,
-    EvalConfig,
-    ExpertsConfig,
-    FlowDataConfig,
-    LauncherConfig,
-    LoraConfig,
-    ModelConfig,
-    RewardConfig,
-    RunConfig,
-    SampleConfig,
-)
-from rlgen_cli.schema.serve import ServerConfig
-from rlgen_cli.schema.vlm import TokenGRPOOptions, TokenScheduleOptions, VLMOptions
 
-__all__ = ["RANGES", "Pattern", "Range", "check_settings"]
+__all__ = ["Pattern", "Range", "check_settings", "range_of"]
 
 
 @dataclass(frozen=True)
@@ -126,124 +92,19 @@ BELOW_ONE = Range(0, 1, high_open=True)  # [0, 1): Adam betas, warm-up and dropo
 PORT = Range(1, 65535)
 DEVICE = Pattern(r"auto|cpu|mps|cuda(:\d+)?", "auto, cpu, cuda, cuda:N (N = GPU index), mps")
 
-RANGES: dict[type, dict[str, Range | Pattern]] = {
-    RunConfig: {
-        "seed": NON_NEGATIVE, "epochs": COUNT, "eval_every": NON_NEGATIVE, "save_every": NON_NEGATIVE,
-        "keep_last": COUNT, "device": DEVICE,
-    },
-    FlowRunConfig: {"time_limit_minutes": NON_NEGATIVE},
-    GuardConfig: {
-        "monitors": ANY, "window": COUNT, "margin": NON_NEGATIVE, "noise_k": NON_NEGATIVE, "rise_k": NON_NEGATIVE,
-        "rollback_lr_scale": FRACTION, "rollback_kl_scale": at_least(1), "max_rollbacks": NON_NEGATIVE,
-    },
-    FlowRolloutRunConfig: {"images_every": NON_NEGATIVE},
-    ModelConfig: {
-        "tiny_seed": NON_NEGATIVE, "resolution": COUNT, "height": COUNT, "width": COUNT, "num_frames": COUNT,
-        "guidance_scale": at_least(1), "image_guidance_scale": at_least(1), "shift": ANY, "num_steps": COUNT, "eval_num_steps": COUNT,
-        "noise_level": NON_NEGATIVE, "max_sequence_length": COUNT, "prompt_cache_mb": NON_NEGATIVE,
-    },
-    LoraConfig: {"rank": COUNT, "alpha": POSITIVE},
-    ExpertsConfig: {"guidance_scale_2": at_least(1)},
-    VLMOptions: {
-        "min_pixels": COUNT, "max_pixels": COUNT, "max_context": at_least(16), "completion_cap": COUNT,
-        "eval_max_new_tokens": COUNT, "eval_temperature": NON_NEGATIVE, "eval_top_p": FRACTION,
-        "eval_top_k": NON_NEGATIVE,
-    },
-    SamplerConfig: {"noise_level": NON_NEGATIVE},
-    AlgoConfig: {
-        "group_size": at_least(2), "prompts_per_epoch": COUNT, "sample_batch_size": COUNT,
-        "train_batch_size": COUNT, "gradient_accumulation_steps": COUNT,
-        "lr": POSITIVE, "lr_decay_start": BELOW_ONE, "lr_min_ratio": PROBABILITY, "lr_warmup_epochs": NON_NEGATIVE,
-        "adam_beta1": BELOW_ONE, "adam_beta2": BELOW_ONE, "adam_eps": POSITIVE, "weight_decay": NON_NEGATIVE,
-        "max_grad_norm": ANY,
-    },
-    AdvantageConfig: {"adv_eps": NON_NEGATIVE, "kl_weight": NON_NEGATIVE},
-    PolicyGradientConfig: {"adv_clip_max": NON_NEGATIVE},
-    FlowGrpoAlgoConfig: {
-        "num_inner_epochs": COUNT, "clip_range": POSITIVE, "best_of_n": NON_NEGATIVE, "timesteps_per_pass": COUNT,
-        "prompts_per_draw": COUNT,
-    },
-    GardoConfig: {  # the fractions' order (min ≤ start ≤ max < 1) is GardoConfig.__post_init__'s
-        "gate_fraction": FRACTION, "gate_fraction_min": FRACTION, "gate_fraction_max": FRACTION,
-        "gate_fraction_rate": NON_NEGATIVE, "gate_window": COUNT, "refresh_every": NON_NEGATIVE,
-    },
-    FlowForwardAlgoConfig: {"num_inner_epochs": COUNT},
-    TokenAlgoConfig: {"clip_range": POSITIVE},
-    WindowConfig: {
-        "timestep_fraction": FRACTION, "size": NON_NEGATIVE, "range": NON_NEGATIVE, "stride": NON_NEGATIVE,
-        "shift_every": COUNT, "end_offset": NON_NEGATIVE, "min_shift_every": COUNT, "max_shift_every": COUNT,
-        "exp_decay_rate": NON_NEGATIVE, "exp_decay_start": NON_NEGATIVE, "max_index": COUNT,
-    },
-    FlashConfig: {"ratio": FRACTION},
-    EMAConfig: {"decay": PROBABILITY, "update_every": COUNT},
-    PrefConfig: {
-        "dpo_beta": POSITIVE, "anchor_weight": NON_NEGATIVE, "ref_update_step": NON_NEGATIVE, "top_k": COUNT,
-        "timesteps_per_sample": COUNT,
-    },
-    ForwardConfig: {
-        "timestep_fraction": FRACTION, "num_timesteps": COUNT, "nft_beta": POSITIVE, "ghuber_power": POSITIVE,
-        "advantage_max": POSITIVE, "old_weight": NON_NEGATIVE, "dgpo_beta": POSITIVE,
-        "dgpo_clip_range": NON_NEGATIVE,
-    },
-    OldPolicyConfig: {"flat_steps": NON_NEGATIVE, "rate": NON_NEGATIVE, "max_decay": BELOW_ONE},
-    PretrainConfig: {
-        "steps_per_epoch": COUNT, "batch_size": COUNT, "cond_dropout": BELOW_ONE, "warmup_steps": NON_NEGATIVE,
-        "min_lr_ratio": PROBABILITY,
-    },
-    TokenGRPOOptions: {
-        "epsilon_high": POSITIVE, "temperature": NON_NEGATIVE, "top_p": FRACTION, "top_k": NON_NEGATIVE,
-        "max_completion_tokens": COUNT, "num_iterations": COUNT, "vllm_gpu_memory_utilization": FRACTION,
-    },
-    TokenScheduleOptions: {"warmup_ratio": BELOW_ONE},
-    RewardConfig: {"weights": ANY},
-    DataConfig: {"eval_num_prompts": NON_NEGATIVE, "eval_images_per_prompt": COUNT},
-    FlowDataConfig: {"tag_repeats": NON_NEGATIVE},
-    LauncherConfig: {
-        "num_processes": COUNT, "num_machines": COUNT, "machine_rank": NON_NEGATIVE, "main_process_port": PORT,
-    },
-    R3Config: {
-        "kl_weight_text": NON_NEGATIVE, "kl_weight_image": NON_NEGATIVE, "group_size": at_least(2),
-        "prompts_per_step": COUNT, "max_output_token_n_gen": COUNT, "max_output_token_n_edit": COUNT,
-        "num_timesteps_gen": at_least(2), "num_timesteps_edit": at_least(2), "reward_server_port": PORT,
-        "format_weight": ANY, "ce_weight": NON_NEGATIVE, "mse_weight": NON_NEGATIVE, "clip_range": POSITIVE,
-        "perfect_ratio": PROBABILITY, "perfect_threshold": ANY, "buffer_size": COUNT,
-        "max_sde_timestep_idx_for_edit": COUNT, "temperature": POSITIVE, "top_p": FRACTION,
-        "noise_level_gen": NON_NEGATIVE, "noise_level_edit": NON_NEGATIVE, "micro_batch_size": COUNT,
-        "lr": POSITIVE, "warmup_steps": NON_NEGATIVE, "adam_beta1": BELOW_ONE, "adam_beta2": BELOW_ONE,
-        "weight_decay": NON_NEGATIVE, "max_grad_norm": ANY, "eval_rounds": NON_NEGATIVE,
-        "eval_max_prompts": NON_NEGATIVE,
-    },
-    CheckConfig: {
-        "tolerance": POSITIVE, "text_tolerance": POSITIVE, "train_noise_level": NON_NEGATIVE,
-        "train_batch_size": COUNT, "perturb_weights": NON_NEGATIVE,
-    },
-    PlanOptions: {"device_memory_gb": POSITIVE, "headroom": BELOW_ONE, "reward_memory_gb": POSITIVE},
-    SampleConfig: {
-        "seed": NON_NEGATIVE, "images_per_prompt": COUNT, "batch_size": COUNT, "num_steps": COUNT,
-        "device": DEVICE,
-    },
-    EvalConfig: {
-        "seed": NON_NEGATIVE, "images_per_prompt": COUNT, "batch_size": COUNT, "num_steps": COUNT,
-        "max_prompts": NON_NEGATIVE, "device": DEVICE,
-    },
-    ServerConfig: {
-        "port": Range(0, 65535), "max_batch": COUNT, "max_wait_ms": NON_NEGATIVE, "max_request_mb": POSITIVE,
-        "max_image_pixels": COUNT, "max_image_side": COUNT, "max_decoded_mb": POSITIVE,
-        "max_request_items": COUNT, "max_metadata_depth": COUNT, "workers": COUNT,
-        "shutdown_timeout_s": NON_NEGATIVE, "max_inflight_requests": COUNT, "max_inflight_decoded_mb": POSITIVE,
-        "admission_wait_s": NON_NEGATIVE, "max_connections": COUNT, "header_timeout_s": POSITIVE,
-        "body_timeout_s": POSITIVE,
-    },
-}  # fmt: skip
-"""{schema class: {field: its valid values}}; a list or map field's range applies to each element."""
+
+@functools.cache
+def _hints(schema: type) -> dict[str, Any]:
+    return typing.get_type_hints(schema, include_extras=True)
 
 
 def range_of(schema: type, name: str) -> Range | Pattern | None:
-    """The rule of field ``name``, from the class (or base class) that declares it."""
-    for cls in schema.__mro__:
-        if name in RANGES.get(cls, {}):
-            return RANGES[cls][name]
-    return None
+    """The rule of field ``name``: the :class:`Range` or :class:`Pattern` in its ``Annotated`` type
+    (``seed: Annotated[int, NON_NEGATIVE] = 42``), where the field is declared."""
+    hint = _hints(schema).get(name)
+    if typing.get_origin(hint) is not Annotated:
+        return None
+    return next((meta for meta in hint.__metadata__ if isinstance(meta, Range | Pattern)), None)
 
 
 @functools.cache
@@ -259,8 +120,8 @@ def _nested(schema: type) -> dict[str, type]:
 
 
 def check_settings(cfg: DictConfig, prefix: str = "") -> None:
-    """Every key of a composed config is declared by its schema, and every value with a rule in
-    :data:`RANGES` is in range; sections are checked recursively.
+    """Every key of a composed config is declared by its schema, and every value with a rule in its
+    annotation is in range; sections are checked recursively.
 
     Raises:
         UserError: Naming the first unknown key (and the closest real one) or out-of-range value.

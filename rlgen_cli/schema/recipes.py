@@ -28,7 +28,9 @@ from rlgen_cli.schema.algo import (
 from rlgen_cli.schema.check import CheckSection
 from rlgen_cli.schema.choices import EvalReportKind, LrScheduleClock, TimeLimitCounts
 from rlgen_cli.schema.hacking_guard import GuardConfig, check_guard
+from rlgen_cli.schema.model import FlowModelConfig, VlmModelConfig, section_variants
 from rlgen_cli.schema.r3 import R3Config, R3TrainConfig
+from rlgen_cli.schema.ranges import NON_NEGATIVE
 from rlgen_cli.schema.run import (
     AdvantageRewardConfig,
     EvalConfig,
@@ -36,6 +38,7 @@ from rlgen_cli.schema.run import (
     RunConfig,
     require_sde_sampler,
     require_whole_batches,
+    tiny_flow_model,
 )
 
 __all__ = [
@@ -54,9 +57,11 @@ __all__ = [
 class FlowRunConfig(RunConfig):
     """What the shared flow loop (``recipes/flow_run.py``) reads on top of every run's keys."""
 
+    model: FlowModelConfig = field(default_factory=tiny_flow_model)
+    """A flow model, its keys those of its family (``schema/model.py``): the model option picks them."""
     data: FlowDataConfig = field(default_factory=FlowDataConfig)
 
-    time_limit_minutes: float = 0.0
+    time_limit_minutes: Annotated[float, NON_NEGATIVE] = 0.0
     """Stop after the first epoch that ends past this many minutes (``time_limit_counts`` says which
     seconds count; then evaluate and save as after the last epoch); 0 = no limit. The minutes count from
     the first epoch of a fresh run and carry over a resume (the clock travels in the checkpoint's
@@ -94,7 +99,7 @@ class FlowRunConfig(RunConfig):
 class FlowRolloutRunConfig(FlowRunConfig):
     """A flow run that samples every epoch (GRPO, preference, forward): it can save what it sampled."""
 
-    images_every: int = 10
+    images_every: Annotated[int, NON_NEGATIVE] = 10
     """Epochs between saving a grid of the epoch's samples (DPO: the reference's); 0 = never."""
 
 
@@ -151,9 +156,16 @@ class FlowForwardTrainConfig(FlowRolloutRunConfig):
         self.algo.require_process_split(self.launcher.world_size)
 
 
+def tiny_vlm_model() -> VlmModelConfig:
+    """The model section a VLM schema starts from; the model option's family schema replaces it."""
+    return VlmModelConfig(family="qwen2_vl", tiny=True)
+
+
 @dataclass
 class VlmRlTrainConfig(RunConfig):
     recipe: str = "vlm_rl"
+    model: VlmModelConfig = field(default_factory=tiny_vlm_model)
+    """A vision-language model, its keys those of its family (``schema/model.py``)."""
     reward: AdvantageRewardConfig = field(default_factory=AdvantageRewardConfig)
     algo: TokenAlgoConfig = field(default_factory=TokenAlgoConfig)
 
@@ -173,6 +185,8 @@ class VlmRlTrainConfig(RunConfig):
 @dataclass
 class VlmSftTrainConfig(RunConfig):
     recipe: str = "vlm_sft"
+    model: VlmModelConfig = field(default_factory=tiny_vlm_model)
+    """A vision-language model, its keys those of its family (``schema/model.py``)."""
     algo: VlmSftAlgoConfig = field(default_factory=VlmSftAlgoConfig)
 
     def __post_init__(self) -> None:
@@ -204,8 +218,13 @@ def _check_schema(recipe: str, train: type) -> type:
 
 
 def _eval_schema(recipe: str, train: type) -> type:
-    """``rlgen eval``: its own keys, with the recipe's ``algo`` (or ``r3``) slot typed as training types it."""
-    fields: list[Any] = [("recipe", str, field(default=recipe))]
+    """``rlgen eval``: its own keys, with the recipe's ``model`` and ``algo`` (or ``r3``) slots typed as
+    training types them."""
+    model = {f.name: f for f in dataclasses.fields(train)}["model"]
+    fields: list[Any] = [
+        ("recipe", str, field(default=recipe)),
+        ("model", typing.get_type_hints(train)["model"], field(default_factory=model.default_factory)),
+    ]
     slots = {f.name: f.type for f in dataclasses.fields(train)}
     if "algo" in slots:
         algo_type = {f.name: f for f in dataclasses.fields(train)}["algo"].default_factory
@@ -227,7 +246,8 @@ FREE_FORM = frozenset(
 
 
 def declared_paths(schema: type, prefix: str = "") -> set[str]:
-    """Every leaf path ``schema`` declares (sections followed through their dataclass type; the maps of
+    """Every leaf path ``schema`` declares (sections followed through their dataclass type, a section whose
+    keys an option picks, the model's or R3's policy, through every schema it can take; the maps of
     :data:`FREE_FORM` count as leaves)."""
     hints = typing.get_type_hints(schema)
     out = set()
@@ -235,7 +255,8 @@ def declared_paths(schema: type, prefix: str = "") -> set[str]:
         path = f"{prefix}{f.name}"
         inner = [t for t in (typing.get_args(hints[f.name]) or (hints[f.name],)) if t is not type(None)]
         if path not in FREE_FORM and len(inner) == 1 and dataclasses.is_dataclass(inner[0]):
-            out |= declared_paths(inner[0], path + ".")
+            for variant in section_variants(inner[0]):
+                out |= declared_paths(variant, path + ".")
         else:
             out.add(path)
     return out

@@ -24,6 +24,7 @@ from rlgen_cli.schema.choices import (
     TokenRewardScaling,
 )
 from rlgen_cli.schema.families import families
+from rlgen_cli.schema.ranges import BELOW_ONE, COUNT, FRACTION, NON_NEGATIVE, POSITIVE, at_least
 
 VLM_FAMILIES = families("vlm")
 """The vision-language families (``kind=vlm`` rows of ``schema/families.py``)."""
@@ -45,13 +46,13 @@ def vllm_installed() -> bool:
 
 @dataclass
 class VLMOptions:
-    min_pixels: int = 3136
+    min_pixels: Annotated[int, COUNT] = 3136
     """Processor lower bound on image pixels (Qwen2-VL: 4·28·28)."""
-    max_pixels: int = 400000
+    max_pixels: Annotated[int, COUNT] = 400000
     """Processor upper bound on image pixels (R1-VL: 400000)."""
-    max_context: int = 4096
+    max_context: Annotated[int, at_least(16)] = 4096
     """Prompt + image tokens + completion must fit; longer prompts fail early (never truncated)."""
-    completion_cap: int | None = None
+    completion_cap: Annotated[int | None, COUNT] = None
     """Upper bound on generated tokens for this model: rollouts use min(algo.token.max_completion_tokens,
     cap) (logged). Tiny random models set a small cap so CPU runs take seconds; null = no cap."""
     prompt_format: Annotated[str, PromptFormat] = "plain"
@@ -61,13 +62,13 @@ class VLMOptions:
     """A system message before each prompt; null = the chat template's default."""
     freeze_vision: bool = False
     """Full fine-tuning: keep the vision tower frozen. LoRA never targets the vision tower."""
-    eval_max_new_tokens: int = 1024
+    eval_max_new_tokens: Annotated[int, COUNT] = 1024
     """Completion budget of ``rlgen eval``."""
-    eval_temperature: float = 0.01
+    eval_temperature: Annotated[float, NON_NEGATIVE] = 0.01
     """Near-greedy evaluation decoding (Qwen2-VL's generation config: 0.01 / top-p 0.001 / top-k 1)."""
-    eval_top_p: float = 0.001
+    eval_top_p: Annotated[float, FRACTION] = 0.001
     """Nucleus (top-p) of evaluation decoding."""
-    eval_top_k: int = 1
+    eval_top_k: Annotated[int, NON_NEGATIVE] = 1
     """Top-k of evaluation decoding (0 = no top-k filtering)."""
 
     def __post_init__(self) -> None:
@@ -81,7 +82,7 @@ class VLMOptions:
 class TokenScheduleOptions:
     """The learning-rate schedule of the VLM recipes (token GRPO and SFT)."""
 
-    warmup_ratio: float = 0.0
+    warmup_ratio: Annotated[float, BELOW_ONE] = 0.0
     """Fraction of optimizer steps of linear learning-rate warm-up (R1-VL SFT: 0.03)."""
     lr_schedule: Annotated[str, LrSchedule] = "constant"
     """After warm-up: constant | cosine | linear decay to 0 (R1-VL SFT: cosine)."""
@@ -104,22 +105,22 @@ class TokenGRPOOptions(TokenScheduleOptions):
     """Loss aggregation: grpo (per-sequence token mean) | bnpo | dr_grpo | dapo."""
     importance_level: Annotated[str, TokenImportance] = "token"
     """Importance ratio per token or per sequence (GSPO-style)."""
-    epsilon_high: float | None = None
+    epsilon_high: Annotated[float | None, POSITIVE] = None
     """Upper clip ε (DAPO's clip-higher); null = clip_range."""
     scale_rewards: Annotated[str, TokenRewardScaling] = "group"
     """Advantage std: per group, over the batch, or none."""
     std_estimator: Annotated[str, StdEstimator] = "unbiased"
     """Advantage std estimator: ``unbiased`` (÷ (n − 1), ``torch.std``: R1-VL's trainer and TRL) or
     ``population`` (÷ n, rlgen's flow-side choice); eps 1e-4 either way."""
-    temperature: float = 1.2
+    temperature: Annotated[float, NON_NEGATIVE] = 1.2
     """Rollout sampling temperature (log-probs are always taken at temperature 1)."""
-    top_p: float = 1.0
+    top_p: Annotated[float, FRACTION] = 1.0
     """Nucleus (top-p) of rollout sampling; 1 = off."""
-    top_k: int = 0
+    top_k: Annotated[int, NON_NEGATIVE] = 0
     """0 = no top-k filtering (generate's default of 50 is overridden explicitly)."""
-    max_completion_tokens: int = 1024
+    max_completion_tokens: Annotated[int, COUNT] = 1024
     """Most tokens a rollout completion generates (``model.vlm.completion_cap`` may lower it)."""
-    num_iterations: int = 1
+    num_iterations: Annotated[int, COUNT] = 1
     """Updates per rollout batch (μ in GRPO)."""
     old_logprobs: Annotated[str, TokenOldLogprobs] = "recompute"
     """π_old: ``recompute`` = the training forward on the rollout batch right after generation (ratio
@@ -129,7 +130,7 @@ class TokenGRPOOptions(TokenScheduleOptions):
     """Rollout engine: ``hf`` = transformers ``generate`` on the training model; ``vllm`` = a vLLM engine
     colocated on the same GPU (``pip install vllm``, CUDA), the training weights pushed into it before each
     rollout that follows an optimizer step. π_old is recomputed by the training model either way."""
-    vllm_gpu_memory_utilization: float = 0.3
+    vllm_gpu_memory_utilization: Annotated[float, FRACTION] = 0.3
     """``engine=vllm``: fraction of the GPU's memory vLLM takes (weights + KV cache); training needs the rest."""
     mask_truncated_completions: bool = False
     """Completions that hit max_completion_tokens without EOS get no loss (TRL's option)."""

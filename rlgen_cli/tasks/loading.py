@@ -14,6 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlgen_cli.schema.model import typed_model_section
 from rlgen_cli.schema.run import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ def checkpoint_model(checkpoint: str, user_overrides: bool = True) -> DictConfig
     its saved section as it is)."""
     from rlgen_cli.training.checkpoints.checkpoint import open_checkpoint
 
-    saved = OmegaConf.merge(OmegaConf.structured(ModelConfig), open_checkpoint(checkpoint).config().model)
+    saved = typed_model_section(open_checkpoint(checkpoint).config().model)
     overrides = OmegaConf.from_dotlist(_model_overrides() if user_overrides else [])
     if "model" in overrides:
         saved = OmegaConf.merge(saved, overrides.model)
@@ -56,12 +57,12 @@ def with_checkpoint_policy(cfg: DictConfig, checkpoint: str | None) -> DictConfi
     policy's weights fit only the parts that made them)."""
     if checkpoint is None:
         return cfg
-    from rlgen_cli.schema.r3 import R3PolicyConfig
+    from rlgen_cli.schema.r3 import typed_policy
     from rlgen_cli.training.checkpoints.checkpoint import open_checkpoint
 
     cfg = cfg.copy()
     saved = open_checkpoint(checkpoint).config().r3.policy
-    cfg.r3.policy = OmegaConf.merge(OmegaConf.structured(R3PolicyConfig), saved)
+    cfg.r3.policy = typed_policy(cfg.model.family, saved)
     return cfg
 
 

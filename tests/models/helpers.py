@@ -25,10 +25,9 @@ def model_cfg(name: str) -> ModelConfig:
     from omegaconf import OmegaConf
 
     from rlgen_cli._hydra import conf_dir
+    from rlgen_cli.schema.model import option_section
 
-    raw = OmegaConf.load(conf_dir() / "model" / f"{name}.yaml")
-    raw.pop("defaults", None)  # the data / reward a model picks for a run, not model settings
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), raw))
+    return OmegaConf.to_object(option_section(OmegaConf.load(conf_dir() / "model" / f"{name}.yaml")))
 
 
 def perturb_lora(policy, std: float = 0.5, generator: torch.Generator | None = None) -> None:

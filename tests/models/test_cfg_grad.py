@@ -15,7 +15,8 @@ from rlgen_cli.models.base import Cond, cfg_gradient, uncond_takes_grad
 from rlgen_cli.models.shapes import ShapesPolicy
 from rlgen_cli.models.shapes_unet import ShapesUNet
 from rlgen_cli.models.wan import WanPolicy
-from rlgen_cli.schema.run import LoraConfig, ModelConfig
+from rlgen_cli.schema.model import model_config
+from rlgen_cli.schema.run import LoraConfig
 from rlgen_cli.tasks.common import validated
 from tests.conftest import TINY_RUN
 from tests.schema.test_compose import _compose
@@ -25,8 +26,8 @@ PROMPTS = ["a red circle", "two blue squares"]
 
 
 def _shapes_policy(unet: ShapesUNet, guidance: float) -> ShapesPolicy:
-    cfg = ModelConfig(
-        family="shapes", tiny=True, dtype="float32", resolution=16, guidance_scale=guidance, shift=1.0,
+    cfg = model_config(
+        "shapes", tiny=True, dtype="float32", resolution=16, guidance_scale=guidance, shift=1.0,
         max_sequence_length=16, lora=LoraConfig(enabled=False, target_modules=["to_q"], init="kaiming"),
     )  # fmt: skip
     return ShapesPolicy(unet, cfg, torch.device("cpu"))

@@ -33,7 +33,7 @@ CONF_MODEL = Path(__file__).resolve().parents[2] / "conf" / "model"
 def _families_named_in(node: object) -> set[str]:
     """Every value of a ``family`` key anywhere in a parsed YAML (R3's nest theirs under ``r3.policy``)."""
     if isinstance(node, dict):
-        own = {node["family"]} if isinstance(node.get("family"), str) else set()
+        own = {v for k, v in node.items() if k == "family" or str(k).startswith("/model_schema@")}
         return own.union(*(_families_named_in(value) for value in node.values()))
     if isinstance(node, list):
         return set().union(*(_families_named_in(value) for value in node))

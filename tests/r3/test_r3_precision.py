@@ -13,16 +13,16 @@ from safetensors.torch import load_file
 
 from rlgen_cli.r3.policy import IMAGE, TEXT
 from rlgen_cli.recipes.r3 import compute_dtype
-from rlgen_cli.schema.r3 import R3Config, R3PolicyConfig
-from rlgen_cli.schema.run import ModelConfig
+from rlgen_cli.schema.model import model_config
+from rlgen_cli.schema.r3 import R3CompositePolicy, R3Config
 from tests.r3.conftest import TINY_R3
 
 
 def _r3(text: str, generator: str, editor: str) -> R3Config:
-    policy = R3PolicyConfig(
-        text=ModelConfig(family="qwen2_5_vl", tiny=True, dtype=text),
-        generator=ModelConfig(family="qwen_image", tiny=True, dtype=generator),
-        editor=ModelConfig(family="qwen_image_edit", tiny=True, dtype=editor),
+    policy = R3CompositePolicy(
+        text=model_config("qwen2_5_vl", tiny=True, dtype=text),
+        generator=model_config("qwen_image", tiny=True, dtype=generator),
+        editor=model_config("qwen_image_edit", tiny=True, dtype=editor),
     )
     return R3Config(policy=policy)
 

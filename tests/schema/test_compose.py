@@ -8,6 +8,7 @@ from omegaconf import OmegaConf
 
 from rlgen_cli._hydra import compose_verb, conf_dir, config_groups, verb_overrides
 from rlgen_cli.errors import UserError
+from rlgen_cli.schema.model import family_kind, option_family
 from rlgen_cli.schema.r3 import R3_FAMILIES
 from rlgen_cli.schema.store import register_schemas
 from rlgen_cli.tasks.common import validated
@@ -47,7 +48,13 @@ def test_every_group_option_validates_for_train(group, option):
         if group == "launcher"
         else []
     )
-    validated(_compose("train", [f"{group}={option}", *geometry]))
+    vlm_model = ["model=tiny_qwen2_vl"] if group == "algo" and option not in FLOW_ALGOS else []  # its kind
+    validated(_compose("train", [f"{group}={option}", *geometry, *vlm_model]))
+
+
+def test_an_algorithm_of_another_kind_of_model_stops_at_compose_time():
+    with pytest.raises(Exception, match="Sd3ModelConfig is not a subclass of VlmModelConfig"):
+        _compose("train", ["algo=step_grpo"])  # a VLM recipe on the default SD3
 
 
 @pytest.mark.parametrize("experiment", GROUPS["experiment"])
@@ -99,12 +106,11 @@ def test_upstream_logprob_form_needs_cps():
 
 def _family(model: str) -> str | None:
     """``model.family`` of a model option (a ``_global_`` package nests it under ``model``)."""
-    option = OmegaConf.load(conf_dir() / "model" / f"{model}.yaml")
-    return option.get("model", option).get("family")
+    return option_family(OmegaConf.load(conf_dir() / "model" / f"{model}.yaml"))
 
 
 R3_MODELS = tuple(m for m in GROUPS["model"] if _family(m) in R3_FAMILIES)  # own r3.* keys: no algo
-FLOW_MODELS = [m for m in GROUPS["model"] if not m.endswith("_vl") and m not in R3_MODELS]  # VLMs: not flow
+FLOW_MODELS = [m for m in GROUPS["model"] if family_kind(_family(m)) == "flow"]  # the flow recipes' models
 FLOW_ALGOS = [a for a in GROUPS["algo"] if a not in ("token_grpo", "step_grpo", "vlm_sft")]
 
 

@@ -1,10 +1,11 @@
-"""Each recipe composes only the keys it reads.
+"""Each recipe composes only the keys it reads, and each model only the keys its family reads.
 
 Two directions: (1) every experiment and canonical command composes, under the schema its ``recipe``
 selects, no leaf key that schema lacks (Hydra's typed composition already refuses unknown keys; this
 pins that the selected schema is the recipe's own, not a union of every recipe's); (2) every field of a
 recipe's schema is read somewhere in that recipe's code path, found by name in the recipe module and the
-modules it uses (other recipes' modules excluded).
+modules it uses (other recipes' modules excluded). Model sections (``model``, R3's ``r3.policy.*``) are
+checked per family: every key a model option composes is read by name in that family's code path.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import pytest
 from omegaconf import DictConfig, OmegaConf
 
 from rlgen_cli._hydra import compose_verb, config_groups
+from rlgen_cli.schema.families import FAMILY_TABLE
+from rlgen_cli.schema.model import model_schema
 from rlgen_cli.schema.recipes import FREE_FORM, TRAIN_SCHEMAS, declared_paths
 from tests.schema.test_canonical import CASES
 
@@ -25,18 +28,16 @@ RECIPE_MODULES = set(TRAIN_SCHEMAS)
 
 READ_GENERICALLY = {
     # run-wide keys every recipe hands to shared code: the CLI task, the launcher, the loggers
-    "recipe", "run_dir", "launcher", "logging", "fidelity", "model.family", "model.path", "model.tiny",
-    "model.tiny_seed", "model.local_files_only", "model.revision", "model.lora", "reward.weights",
-    "reward.kwargs", "data.train", "data.test",
-    # model.* is one schema for every family; the flow keys below are read by models/, the VLM keys by vlm/
-    "model",
+    "recipe", "run_dir", "launcher", "logging", "fidelity", "reward.weights", "reward.kwargs", "data.train",
+    "data.test",
     # the window kind's options reach sde/window.plan_window by name (WindowConfig.options, WINDOW_OPTIONS)
     "algo.window",
-    # the text policy of R3 is an ordinary model section (its flow keys unread there, as for any VLM)
-    "r3.policy",
 }  # fmt: skip
 """Schema fields read by shared code whatever the recipe (prefix match); everything else must appear by
 name in the recipe's own code path."""
+MODEL_SECTIONS = ("model", "r3.policy")
+"""The sections whose keys are those of a family: each family's read by that family's code path
+(:func:`test_every_model_key_a_model_option_composes_is_read_by_its_family`), not the recipe's."""
 
 
 def _runs() -> list[str]:
@@ -125,13 +126,72 @@ entry that became read (remove it)."""
 @pytest.mark.parametrize("recipe", sorted(TRAIN_SCHEMAS))
 def test_every_schema_field_is_read_by_its_recipe(recipe: str):
     code = _code_path(recipe)
-    generic = tuple(READ_GENERICALLY)
+    generic = (*READ_GENERICALLY, *MODEL_SECTIONS)
     unread = {
         path
         for path in declared_paths(TRAIN_SCHEMAS[recipe])
         if not path.startswith(generic) and not _is_read(code, path.rsplit(".", 1)[-1])
     }
     assert unread == NOT_READ_BY_NAME.get(recipe, set()), f"recipe={recipe}: keys no code of its path reads"
+
+
+@functools.cache
+def _family_code_path(family: str) -> str:
+    """The source a family's model can execute: every module but the other families' own modules, the
+    packages of the other kinds of model (vlm/ for a VLM, r3/ for a unified family) and the schema."""
+    row = FAMILY_TABLE[family]
+    others = {r.module for r in FAMILY_TABLE.values() if r.module != row.module}
+    texts = []
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE).as_posix()
+        module = "rlgen_cli." + rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+        if any(module == o or module.startswith(o + ".") for o in others):
+            continue
+        if rel.startswith("vlm/") and row.kind != "vlm" or rel.startswith("r3/") and row.kind != "unified":
+            continue
+        if rel.startswith(("schema/", "server/")):
+            continue
+        texts.append(path.read_text())
+    return "\n".join(texts)
+
+
+def _model_sections(cfg: DictConfig) -> list[tuple[str, DictConfig]]:
+    """(key, section) of every model a composed run holds: ``model``, and R3's networks."""
+    out = [("model", cfg.model)]
+    policy = OmegaConf.select(cfg, "r3.policy")
+    if policy is not None:
+        out += [
+            (f"r3.policy.{role}", policy[role]) for role in policy if isinstance(policy[role], DictConfig)
+        ]
+    return out
+
+
+@pytest.mark.parametrize("option", config_groups()["model"])
+def test_every_model_key_a_model_option_composes_is_read_by_its_family(option: str):
+    cfg = compose_verb("train", [f"model={option}"])
+    unread = []
+    for key, section in _model_sections(cfg):
+        assert OmegaConf.get_type(section) is model_schema(section.family), key  # its family's own keys
+        code = _family_code_path(section.family)
+        unread += [
+            f"{key}.{leaf}" for leaf in _leaves(section) if not _is_read(code, leaf.rsplit(".", 1)[-1])
+        ]
+    assert not unread, f"model={option} composes model keys its family's code never reads: {unread}"
+
+
+def test_a_family_composes_only_the_keys_its_row_calls_for():
+    def model_keys(option: str) -> set[str]:
+        return set(_leaves(compose_verb("train", [f"model={option}"]).model))
+
+    image, video, two_experts = model_keys("tiny_sd3"), model_keys("tiny_wan2_1"), model_keys("tiny_wan2_2")
+    assert "num_frames" in video and "num_frames" not in image
+    assert {"experts.train", "experts.guidance_scale_2"} <= two_experts and not any(
+        "experts" in k for k in video
+    )
+    assert "image_guidance_scale" in model_keys("tiny_bagel_edit") and "image_guidance_scale" not in image
+    assert not any(k.startswith("vlm.") for k in image) and "vlm.max_pixels" in model_keys("tiny_qwen2_vl")
+    assert "vae_dtype" in image and "vae_dtype" not in model_keys("shapes_base")
+    assert {"weights", "variant", "text_encoders"} <= image and "weights" not in model_keys("tiny_flux2")
 
 
 def test_an_override_of_a_key_the_recipe_does_not_read_fails(tmp_path: Path, capsys):

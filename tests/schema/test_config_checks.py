@@ -30,3 +30,8 @@ def test_per_sample_step_counts_are_refused_where_ranks_must_agree(launcher: str
 def test_one_process_holding_whole_weights_may_train_per_sample_steps(launcher: str):
     typed = _typed(*launcher.split(), "algo.best_of_n=1")
     assert typed.algo.best_of_n == 1
+
+
+def test_a_family_override_that_would_change_the_keys_is_refused():
+    with pytest.raises(UserError, match="model.family=wan2_1 has keys of its own .Wan21ModelConfig."):
+        _typed("model.family=wan2_1")  # tiny_cpu composes the tiny SD3: no num_frames to read

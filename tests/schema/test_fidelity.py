@@ -84,8 +84,12 @@ R3_KNOBS: Knobs = (
     ("r3.noise_level_gen",), ("r3.noise_level_edit",),
     ("r3.num_timesteps_gen",), ("r3.num_timesteps_edit",),
     ("r3.temperature",),
-    ("r3.policy.generator.guidance_scale",), ("r3.policy.editor.guidance_scale",),
 )  # fmt: skip
+R3_POLICY_KNOBS: dict[str, Knobs] = {
+    "r3_composite": (("r3.policy.generator.guidance_scale",), ("r3.policy.editor.guidance_scale",)),
+    "r3_bagel": (("r3.policy.bagel.guidance_scale",), ("r3.policy.bagel.image_guidance_scale",)),
+}
+"""The guidance of the networks each unified family's policy holds."""
 
 EXPERIMENTS = config_groups()["experiment"]
 
@@ -155,7 +159,7 @@ def _same(actual: Any, expected: Any) -> bool:
 def recipe_knobs(cfg: Any) -> Knobs:
     """The semantics knobs an experiment's record must cover, from its composed recipe."""
     if cfg.model.family in R3_FAMILIES:
-        return R3_KNOBS
+        return R3_KNOBS + R3_POLICY_KNOBS[cfg.model.family]
     recipe = cfg.recipe
     if recipe == "flow_grpo":
         window = tuple((f"algo.window.{name}",) for name in WINDOW_OPTIONS[cfg.algo.window.kind])

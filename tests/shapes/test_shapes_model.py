@@ -17,15 +17,14 @@ from rlgen_cli.models import build_policy
 from rlgen_cli.models.shapes import BOS_ID, PAD_ID, UNK_ID, WORDS, WordTokenizer, resolve_model_dir
 from rlgen_cli.models.shapes_unet import ShapesUNet
 from rlgen_cli.recipes.flow_pretrain import learning_rate
+from rlgen_cli.schema.model import option_section
 from rlgen_cli.schema.run import ModelConfig
 
 CPU = torch.device("cpu")
 
 
 def _model_cfg(name: str, **overrides) -> ModelConfig:
-    merged = OmegaConf.merge(
-        OmegaConf.structured(ModelConfig), OmegaConf.load(conf_dir() / "model" / f"{name}.yaml")
-    )
+    merged = option_section(OmegaConf.load(conf_dir() / "model" / f"{name}.yaml"))
     return OmegaConf.to_object(OmegaConf.merge(merged, overrides))
 
 
