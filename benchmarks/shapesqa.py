@@ -8,14 +8,14 @@ the same seeds, and trains through the CLI until its cumulative training seconds
 * ``grpo``      experiment=shapesqa_grpo: the same run on answer accuracy alone (outcome reward);
 * ``sft``       experiment=shapesqa_sft continued from the SFT'd base: more supervised epochs on the chains.
 
-The learning rate is constant in every arm (a run stopped by the clock has no epoch count to decay
+The learning rate is constant in every arm, without warm-up (a run stopped by the clock has no epoch count to decay
 over). Each run saves a checkpoint every epoch (the last two kept) and is stopped at the budget; the last
 checkpoint is then evaluated with ``rlgen eval`` (near-greedy decoding) on the test split and the held-out
 split, as is the base once per seed: accuracy overall and per question type (count, colour, relation), the
 format rate (the share of responses StepRVR accepts: all four headers, steps in order, the answer after the
 last step) and the mean completion length in characters.
 
-    nice -n 10 python benchmarks/shapesqa.py [--minutes 15] [--seeds 2] [--arms stepgrpo,grpo,sft] [--out benchmarks/results]
+    nice -n 10 python benchmarks/shapesqa.py [--minutes 15] [--seeds 2] [--arms stepgrpo,grpo,sft] [--questions 0] [--out benchmarks/results]
 
 Writes ``shapesqa.json`` and ``shapesqa.png`` under ``--out`` and prints the JSON summary on one line. The
 claim (docs/vlm.md) needs ``--minutes 15 --seeds 2`` on idle cores: 3 arms × 2 seeds × 15 training minutes
@@ -65,7 +65,7 @@ def training_seconds(run: Path) -> float:
 def train(arm: str, seed: int, minutes: float, run: Path) -> tuple[Path, float, int]:
     """Train ``arm`` until its training seconds pass the budget; its last checkpoint, seconds, epochs."""
     overrides = [*ARMS[arm], f"seed={seed}", "epochs=100000", "eval_every=0", "save_every=1", "keep_last=2",
-                 "algo.token.lr_schedule=constant"]  # fmt: skip
+                 "algo.token.lr_schedule=constant", "algo.token.warmup_ratio=0.0"]  # fmt: skip
     process = _rlgen("train", *overrides, "progress=false", f"hydra.run.dir={run}")
     while process.poll() is None and training_seconds(run) < 60 * minutes:
         time.sleep(POLL_S)
@@ -81,16 +81,12 @@ def train(arm: str, seed: int, minutes: float, run: Path) -> tuple[Path, float, 
     return checkpoints[-1], training_seconds(run), int(checkpoints[-1].name.split("_")[1])
 
 
-def evaluate(experiment: str, checkpoint: Path | None, split: str, run: Path) -> dict[str, float]:
+def evaluate(checkpoint: Path | None, split: str, run: Path, questions: int) -> dict[str, float]:
     """Accuracy overall and per type, format rate and mean length of ``rlgen eval`` on ``split``."""
     from rlgen_cli.rewards.r1vl import step_rvr
 
-    args = [
-        f"experiment={experiment}",
-        f"data.test={SPLITS[split]}",
-        "progress=false",
-        f"hydra.run.dir={run}",
-    ]
+    args = ["experiment=shapesqa_eval", f"data.test={SPLITS[split]}", f"max_prompts={questions}", "progress=false",
+            f"hydra.run.dir={run}"]  # fmt: skip
     if checkpoint is not None:
         args.append(f"checkpoint={checkpoint}")
     if _rlgen("eval", *args).wait() != 0:
@@ -137,6 +133,7 @@ def main() -> dict:
     parser.add_argument("--minutes", type=float, default=15.0, help="training minutes per arm and seed")
     parser.add_argument("--seeds", type=int, default=2, help="seeds per arm (0 … N−1)")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    parser.add_argument("--questions", type=int, default=0, help="first N questions of each split (0 = all)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     arms = args.arms.split(",")
@@ -147,12 +144,11 @@ def main() -> dict:
     with tempfile.TemporaryDirectory(prefix="shapesqa_") as tmp:
         root = Path(tmp)
         for seed in range(args.seeds):
-            base = {s: evaluate("shapesqa_stepgrpo", None, s, root / f"base{seed}_{s}") for s in SPLITS}
+            base = {s: evaluate(None, s, root / f"base{seed}_{s}", args.questions) for s in SPLITS}
             result["base"].append(base)
             for arm in arms:
                 checkpoint, seconds, epochs = train(arm, seed, args.minutes, root / f"{arm}{seed}")
-                experiment = ARMS[arm][0].split("=")[1]
-                row = {s: evaluate(experiment, checkpoint, s, root / f"{arm}{seed}_{s}") for s in SPLITS}
+                row = {s: evaluate(checkpoint, s, root / f"{arm}{seed}_{s}", args.questions) for s in SPLITS}
                 result["arms"][arm].append({**row, "seed": seed, "train_seconds": seconds, "epochs": epochs})
     result["gain_over_base"] = {
         arm: [
