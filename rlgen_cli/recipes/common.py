@@ -67,6 +67,8 @@ class Run(Protocol):
     train_seconds: float
     clock_seconds: float
     time_progress: float
+    unit: str
+    """What one pass of the loop is called in bars and lines: ``epoch`` (R3: ``step``)."""
 
     def time_limit(self) -> TimeLimit:
         """The run's time limit (none for a recipe without one)."""

@@ -112,6 +112,8 @@ class FlowRun:
     clock_seconds: float = 0.0
     """Seconds on the time limit's clock (epochs, evaluations, checkpoints) since the first epoch;
     carried over a resume in the counters."""
+    unit: str = "epoch"
+    """What one pass of the session's loop is called in logs and bars."""
 
     @property
     def device(self) -> torch.device:

@@ -77,25 +77,17 @@ from rlgen_cli.r3.rewards import (
 )
 from rlgen_cli.r3.rollout import ImageRollout, image_rollout, micro_batches, shifted, stage_plan, text_rollout
 from rlgen_cli.r3.scoring import R3Scorer
-from rlgen_cli.recipes.common import due, load_resume, reduce_over_ranks, save_trainer_checkpoint
+from rlgen_cli.recipes.common import reduce_over_ranks
 from rlgen_cli.recipes.registry import Perturb
+from rlgen_cli.recipes.session import epoch_session
+from rlgen_cli.recipes.trainer_run import TrainerRun
 from rlgen_cli.schema.r3 import R3Config, R3Geometry, R3TrainConfig, r3_geometry, track_models
 from rlgen_cli.sde.rollout import StepSpec, Trajectory, recompute_step
 from rlgen_cli.sde.sampling import conditioned
-from rlgen_cli.training.checkpoints.checkpoint import (
-    COUNTERS_KEY,
-    OPTIMIZER_KEY,
-    Checkpoint,
-    set_rng_state,
-)
-from rlgen_cli.training.checkpoints.interrupt import on_interrupt
 from rlgen_cli.training.distributed.dist import Dist, launched_engine, make_dist
 from rlgen_cli.training.reporting.images import grid_name
-from rlgen_cli.training.reporting.metrics import NullLogger, build_loggers, step_after
-from rlgen_cli.training.reporting.plots import plot_runs
-from rlgen_cli.training.reporting.progress import Progress
+from rlgen_cli.training.reporting.metrics import build_loggers, step_after
 from rlgen_cli.vlm.rollout import SamplingOptions, TokenBatch
-from rlgen_cli.vlm.training import SCHEDULER_KEY
 
 log = logging.getLogger(__name__)
 
@@ -181,27 +173,26 @@ class R3Recipe:
         self.buffer = StageOneBuffer(r3.buffer_size)
         self.tracks = [t for t, on in ((TEXT, r3.tune_text_cot), (IMAGE, r3.tune_image_cot)) if on]
         self.params = [p for track in self.tracks for p in self.policy.trainable_parameters(track)]
-        self.optimizer = torch.optim.AdamW(
+        optimizer = torch.optim.AdamW(
             self.params, lr=r3.lr, betas=(r3.adam_beta1, r3.adam_beta2), weight_decay=r3.weight_decay
         )
+        self.run = TrainerRun(
+            cfg, self.raw_cfg, self.run_dir, self.dist, self.policy, optimizer, draws_curve=True, unit="step"
+        )
         warmup = max(r3.warmup_steps, 0)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
+        self.run.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
         )
-        self.start_step, self.global_step = 0, 0
-        resumed = self._maybe_resume()  # into the bare modules, before DDP wraps them
-        self.optimizer = self.dist.prepare(
-            self.policy, self.optimizer, max_grad_norm=r3.max_grad_norm,
-            micro_batch_size=self.geometry.micro_batch,
-            compute_dtype=compute_dtype(r3, self.tracks, cfg.model.family),  # fp16 compute: the Dist scales the loss
-            exact_reduction=cfg.launcher.reduces_exactly,  # float64 gradient sums: same bits on any count
+        self.run.resume_and_prepare(  # into the bare modules, before DDP wraps them
+            {
+                "max_grad_norm": r3.max_grad_norm, "micro_batch_size": self.geometry.micro_batch,
+                "compute_dtype": compute_dtype(r3, self.tracks, cfg.model.family),  # fp16: the Dist scales the loss
+                "exact_reduction": cfg.launcher.reduces_exactly,  # float64 gradient sums: same bits on any count
+            },
+            lambda state: self.buffer.load_state_dict(state[BUFFER_KEY]),
+            lambda: build_loggers(self.run_dir, cfg.logging, self.raw_cfg),
         )  # fmt: skip
-        if resumed is not None:  # the optimizer state with the loss scaler's
-            ckpt, state = resumed
-            self.dist.load_optimizer_state(self.optimizer, state[OPTIMIZER_KEY], ckpt.engine)
-        self.logger = (
-            build_loggers(self.run_dir, cfg.logging, self.raw_cfg) if self.dist.is_main else NullLogger()
-        )
+        self.run.evaluation = lambda step, progress: self.evaluate(step)
         (self.run_dir / SAMPLES_DIR).mkdir(parents=True, exist_ok=True)
         self.sample_log = (self.run_dir / SAMPLES_DIR / f"rank_{self.dist.rank}.jsonl").open(
             "a", encoding="utf-8"
@@ -214,50 +205,18 @@ class R3Recipe:
             self.tracks,
         )  # fmt: skip
 
-    def _maybe_resume(self) -> tuple[Checkpoint, dict[str, Any]] | None:
-        resumed = load_resume(
-            self.cfg.resume, self.run_dir, self.policy.load_trainable, self.cfg.resume_unverified
-        )
-        if resumed is None:
-            return None
-        state = resumed[1]
-        self.scheduler.load_state_dict(state[SCHEDULER_KEY])
-        self.buffer.load_state_dict(state[BUFFER_KEY])
-        set_rng_state(state["rng"])
-        self.start_step = state[COUNTERS_KEY]["epoch"]
-        self.global_step = state[COUNTERS_KEY]["global_step"]
-        return resumed
-
     # -- the loop -------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
-        cfg, metrics, main = self.cfg, {}, self.dist.is_main
-        completed = self.start_step
-        with (
-            on_interrupt(self.run_dir, main, lambda: completed, self.draw_curve, unit="step"),
-            Progress(enabled=cfg.progress and main) as progress,
-        ):
-            bar = progress.task("steps", total=cfg.epochs, completed=self.start_step)
-            for step in range(self.start_step, cfg.epochs):
+        """The steps in the shared session (``recipes/session.py``): evaluation when due, log line,
+        checkpoint (with the stage-one buffer), steps bar."""
+        with epoch_session(self.run) as s:
+            for step in s.epochs():
                 metrics = self.train_step(step)
-                if main and cfg.eval_every and due(step, cfg.eval_every, cfg.epochs):
-                    metrics |= self.evaluate(step)  # whole weights on every rank: rank 0 evaluates alone
-                self.logger.log(metrics, step=step_after(step))
-                completed = step + 1  # logged: what a Ctrl-C from here on counts as done
-                log.info(
-                    "step %d %-6s reward %+.4g  text %+.4g  format %.2f  |ratio-1| %.1e  %.1fs", step_after(step),
-                    STAGE_NAMES[int(metrics["stage"])], metrics["reward/mean"], metrics["reward/text/mean"],
-                    metrics["format_rate"], metrics["ratio_error_max"], metrics["time/step"],
-                )  # fmt: skip
-                if due(step, cfg.save_every, cfg.epochs):
-                    self.save(step + 1)
-                self.dist.barrier()
-                progress.advance(bar, description=f"step {step + 1}: reward {metrics['reward/mean']:+.4g}")
-        if main:
-            self.draw_curve()
-        return metrics
-
-    def draw_curve(self) -> None:
-        plot_runs([self.run_dir], self.run_dir / "reward_curve.png")
+                entries = {BUFFER_KEY: self.buffer.state_dict()}
+                headline = f"reward {metrics['reward/mean']:+.4g}"
+                if s.end_epoch(step, metrics, console_line, headline, extra_state=entries):
+                    break
+        return s.metrics
 
     def train_step(self, step: int) -> dict[str, float]:
         """Even steps the reason stage, odd steps reflect + refine; one optimizer step each."""
@@ -269,7 +228,7 @@ class R3Recipe:
         return {
             **batch.stats, **update_stats, "stage": float(STAGE_NAMES.index(batch.stage)),
             "time/rollout": rollout_time, "time/step": time.perf_counter() - start,
-            "lr": self.scheduler.get_last_lr()[0], "global_step": self.global_step,
+            "lr": self.run.scheduler.get_last_lr()[0], "global_step": self.run.global_step,
             **self.dist.loss_scale_metrics(),
         }  # fmt: skip
 
@@ -459,9 +418,9 @@ class R3Recipe:
                 self.dist.backward(loss.loss * self.step_share(rows))
                 _collect(stats, loss.stats)
         max_norm = r3.max_grad_norm if r3.max_grad_norm > 0 else math.inf
-        stats["grad_norm"].append(self.dist.clip_and_step(self.optimizer, self.params, max_norm))
-        self.scheduler.step()
-        self.global_step += 1
+        stats["grad_norm"].append(self.dist.clip_and_step(self.run.optimizer, self.params, max_norm))
+        self.run.scheduler.step()
+        self.run.global_step += 1
         summary = reduce_over_ranks(self.dist, stats)  # per micro-batch values pooled over ranks
         extremes = [
             abs(summary.get(f"{t}/ratio_{e}", 1.0) - 1) for t in (TEXT, IMAGE) for e in ("min", "max")
@@ -492,21 +451,20 @@ class R3Recipe:
         save_strips(result, self.run_dir / "images" / grid_name("eval", step_after(step)))
         return {f"eval/{k}": float(v) for k, v in result.metrics.to_dict().items()}
 
-    def save(self, steps_done: int) -> None:
-        """A full-state checkpoint (the optimizer entry carries the fp16 loss scaler's state); every rank
-        calls, rank 0 writes."""
-        entries = {SCHEDULER_KEY: self.scheduler.state_dict(), BUFFER_KEY: self.buffer.state_dict()}
-        save_trainer_checkpoint(
-            self.dist, self.run_dir, steps_done, self.global_step, self.optimizer, self.policy.save_trainable,
-            entries, self.raw_cfg, self.cfg.keep_last,
-        )  # fmt: skip
-
     def cleanup(self) -> None:
         self.sample_log.close()
-        self.logger.close()
+        self.run.close()
 
 
 STAGE_NAMES = (REASON, REFINE)
+
+
+def console_line(m: dict[str, float]) -> str:
+    """The step's stage, reward (the text track's too), format rate, worst |ratio − 1| and seconds."""
+    return (
+        f"{STAGE_NAMES[int(m['stage'])]:<6} reward {m['reward/mean']:+.4g}  text {m['reward/text/mean']:+.4g}  "
+        f"format {m['format_rate']:.2f}  |ratio-1| {m['ratio_error_max']:.1e}  {m['time/step']:.1f}s"
+    )
 
 
 def compute_dtype(r3: R3Config, tracks: list[str], family: str = "r3_composite") -> str:

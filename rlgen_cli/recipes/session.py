@@ -10,7 +10,7 @@ limit, a guard stop), and the run's end (:meth:`Run.finish`: curves, report)::
     return s.metrics
 
 What an epoch is made of stays in the recipe; what the session asks of the run is :class:`Run` (a flow
-run: ``recipes/flow_run.py``; a VLM run: ``recipes/vlm_run.py``).
+run: ``recipes/flow_run.py``; a run whose recipe holds its own optimizer, VLM or R3: ``recipes/trainer_run.py``).
 
 The time limit's clock (:class:`EpochClock`) starts at the first epoch (after any evaluation before
 training) and counts everything after it: epochs, evaluations, checkpoints. Its seconds, and the seconds
@@ -63,7 +63,7 @@ class EpochClock:
     def start(cls, run: Run, progress: Progress) -> EpochClock:
         """Start after any baseline evaluation, so the bar's pace (its time left) counts epochs only."""
         limit = run.time_limit()
-        task = progress.task("epochs", total=run.cfg.epochs, completed=run.start_epoch)
+        task = progress.task(f"{run.unit}s", total=run.cfg.epochs, completed=run.start_epoch)
         budget = 60 * limit.minutes if limit.minutes else math.inf
         time_aware = limit.schedule_clock == "time_or_epochs" and budget < math.inf
         return cls(run, progress, task, budget, time.monotonic() - run.clock_seconds, time_aware)
@@ -111,7 +111,7 @@ class EpochClock:
     def advance(self, epoch: int, last: bool, headline: str) -> None:
         """Wait for every rank, move the bar on; say so when the time limit ended the run early."""
         self.run.dist.barrier()
-        self.progress.advance(self.task, description=f"epoch {epoch + 1}: {headline}")
+        self.progress.advance(self.task, description=f"{self.run.unit} {epoch + 1}: {headline}")
         if last and epoch + 1 < self.run.cfg.epochs:
             limit = self.run.time_limit()
             log.info("time limit (%g min, %s) hit after epoch %d", limit.minutes, limit.counts, epoch + 1)
@@ -122,7 +122,7 @@ class Session:
     """One run between its setup and its end: what each recipe's epoch loop uses."""
 
     run: Any
-    """A :class:`Run` (typed Any: each recipe reads its own run's fields, a FlowRun's or a VlmRun's)."""
+    """A :class:`Run` (typed Any: each recipe reads its own run's fields, a FlowRun's or a TrainerRun's)."""
     progress: Progress
     before: dict[str, float] | None
     clock: EpochClock
@@ -182,7 +182,7 @@ def epoch_session(run: Run) -> Iterator[Session]:
 
     try:
         with (
-            on_interrupt(run.run_dir, run.dist.is_main, completed, run.draw_curves),
+            on_interrupt(run.run_dir, run.dist.is_main, completed, run.draw_curves, unit=run.unit),
             Progress(enabled=run.cfg.progress and run.dist.is_main) as progress,
         ):
             before = run.evaluate_before(progress)

@@ -70,7 +70,7 @@ from rlgen_cli.recipes.common import (
 )
 from rlgen_cli.recipes.registry import Perturb
 from rlgen_cli.recipes.session import epoch_session
-from rlgen_cli.recipes.vlm_run import open_run
+from rlgen_cli.recipes.trainer_run import open_vlm_run, vlm_engine_options
 from rlgen_cli.rewards import RewardBatch, build_mix
 from rlgen_cli.rewards.r1vl import TEXT_REWARDS
 from rlgen_cli.schema.recipes import VlmRlTrainConfig
@@ -154,7 +154,7 @@ class VLMRLRecipe:
     def setup(self) -> None:
         cfg, algo = self.cfg, self.cfg.algo
         require_text_rewards(cfg)
-        self.run = open_run(cfg, self.raw_cfg, algo.token.engine)
+        self.run = open_vlm_run(cfg, self.raw_cfg, algo.token.engine)
         self.dist, self.device, self.policy = self.run.dist, self.run.device, self.run.policy
         self.reward = build_mix(
             dict(cfg.reward.weights), **{k: dict(v) for k, v in cfg.reward.kwargs.items()}
@@ -172,8 +172,10 @@ class VLMRLRecipe:
         self.max_completion_tokens = completion_budget(
             algo.token.max_completion_tokens, cfg.model.vlm.completion_cap
         )
-        self.run.resume_and_prepare(lambda state: self.sampler.load_state_dict(state[SAMPLER_KEY]))
-        self.run.evaluation, self.run.draws_curve = self.evaluate, True
+        self.run.resume_and_prepare(
+            vlm_engine_options(cfg), lambda state: self.sampler.load_state_dict(state[SAMPLER_KEY])
+        )
+        self.run.evaluation, self.run.draws_curve = lambda epoch, progress: self.evaluate(progress), True
         self.engine = build_engine(self.policy, algo.token, cfg.seed)  # after resume: it syncs on first use
 
     # -- the loop -------------------------------------------------------------------------------

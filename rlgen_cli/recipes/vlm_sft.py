@@ -47,7 +47,7 @@ from rlgen_cli.recipes.common import (
     reduce_over_ranks,
 )
 from rlgen_cli.recipes.session import epoch_session
-from rlgen_cli.recipes.vlm_run import open_run
+from rlgen_cli.recipes.trainer_run import open_vlm_run, vlm_engine_options
 from rlgen_cli.schema.recipes import VlmSftTrainConfig
 from rlgen_cli.training.reporting.progress import Progress
 from rlgen_cli.vlm.data import SFTExample, drop_reflective, load_sft, load_vlm_examples
@@ -160,7 +160,7 @@ class VLMSFTRecipe:
 
     def setup(self) -> None:
         cfg, algo = self.cfg, self.cfg.algo
-        self.run = open_run(cfg, self.raw_cfg)  # rank 0 evaluates with generate on its whole model
+        self.run = open_vlm_run(cfg, self.raw_cfg)  # rank 0 evaluates with generate on its whole model
         self.dist, self.device, self.policy = self.run.dist, self.run.device, self.run.policy
         self.train_set, dropped = drop_reflective(load_sft(cfg.data.train), algo.token.sft_drop_markers)
         if not self.train_set:
@@ -176,8 +176,8 @@ class VLMSFTRecipe:
         )
         steps_per_epoch = math.ceil(micro_per_rank / accumulation_per_process(algo, self.dist.world_size))
         self.run.schedule(cfg.epochs * steps_per_epoch)
-        self.run.resume_and_prepare()
-        self.run.evaluation = self.evaluate
+        self.run.resume_and_prepare(vlm_engine_options(cfg))
+        self.run.evaluation = lambda epoch, progress: self.evaluate(progress)
 
     def train(self) -> dict[str, float]:
         """The epochs in the shared session (``recipes/session.py``): evaluation when due, log line,

@@ -61,7 +61,7 @@ def _clock(monkeypatch, clock: str = "time_or_epochs", minutes: float = 10.0, cl
     run = SimpleNamespace(
         cfg=cfg, start_epoch=0, dist=SimpleNamespace(gather=lambda t: t), time_progress=0.0,
         train_seconds=train_seconds, clock_seconds=clock_seconds,
-        time_limit=lambda: TimeLimit(minutes, counts, clock),
+        time_limit=lambda: TimeLimit(minutes, counts, clock), unit="epoch",
     )  # fmt: skip
     progress = SimpleNamespace(task=lambda *a, **k: 0)
     return EpochClock.start(run, progress), run, fake  # type: ignore[arg-type]

@@ -1,12 +1,12 @@
-"""What a VLM recipe (``vlm_rl``, ``vlm_sft``) trains with, and its side of the epoch session
-(``recipes/session.py``): processes, policy, optimizer and lr schedule, resume, the optimizer step,
-full-state checkpoints, the metrics log, the evaluation on ``data.test`` (rank 0, every ``eval_every``
-epochs, none before training) and the reward curve.
+"""What a recipe that holds its own optimizer and lr schedule trains with (the VLM recipes ``vlm_rl`` and
+``vlm_sft``, and ``r3``), and its side of the epoch session (``recipes/session.py``): processes, policy,
+optimizer and schedule, resume, the optimizer step, full-state checkpoints, the metrics log, the
+evaluation (rank 0, every ``eval_every`` epochs, none before training) and the reward curve.
 
-    run = open_run(cfg, raw_cfg)                # seed, processes, policy, optimizer
+    run = open_vlm_run(cfg, raw_cfg)            # a VLM recipe: seed, processes, policy, optimizer
     ...                                         # the recipe's data, then its schedule's length
     run.schedule(total_steps)
-    run.resume_and_prepare(restore)             # a checkpoint's state, then the engine takes the model
+    run.resume_and_prepare(vlm_engine_options(cfg), restore)   # a checkpoint, then the engine wraps the model
     with epoch_session(run) as s: ...
 """
 
@@ -33,13 +33,13 @@ from rlgen_cli.vlm.training import SCHEDULER_KEY, make_scheduler, require_whole_
 
 log = logging.getLogger(__name__)
 
-Evaluation = Callable[[Progress], dict[str, float]]
-"""The recipe's evaluation on ``data.test`` (rank 0, whole weights): its metrics."""
+Evaluation = Callable[[int, Progress], dict[str, float]]
+"""The recipe's evaluation after an epoch (rank 0, whole weights): its metrics."""
 
 
 @dataclass
-class VlmRun:
-    """A VLM run between :func:`open_run` and the end of its session."""
+class TrainerRun:
+    """A run whose recipe holds its own optimizer, between its setup and the end of its session."""
 
     cfg: Any
     raw_cfg: DictConfig
@@ -52,7 +52,9 @@ class VlmRun:
     logger: Any = None
     evaluation: Evaluation | None = None
     draws_curve: bool = False
-    """Whether the run draws the reward curve (the RL recipe; SFT has no reward)."""
+    """Whether the run draws the reward curve (the RL recipes; SFT has no reward)."""
+    unit: str = "epoch"
+    """What one pass of the session's loop is called in logs and bars (R3: a ``step``)."""
     start_epoch: int = 0
     global_step: int = 0
     train_seconds: float = 0.0
@@ -69,12 +71,16 @@ class VlmRun:
         token = self.cfg.algo.token
         self.scheduler = make_scheduler(self.optimizer, total_steps, token.warmup_ratio, token.lr_schedule)
 
-    def resume_and_prepare(self, restore: Callable[[dict[str, Any]], None] = lambda state: None) -> None:
+    def resume_and_prepare(
+        self, engine_options: dict[str, Any], restore: Callable[[dict[str, Any]], None] = lambda state: None,
+        loggers: Callable[[], Any] | None = None,
+    ) -> None:  # fmt: skip
         """Weights, schedule, RNG and counters of the checkpoint to resume (if any; ``restore`` takes the
         recipe's own entries, e.g. its sampler) into the bare model; then DDP / the engine wraps the model
-        and takes the optimizer, whose state is restored last (DeepSpeed reads its shards from the
-        checkpoint's engine/); the metrics log on rank 0."""
-        cfg, algo = self.cfg, self.cfg.algo
+        (``engine_options``: ``Dist.prepare``'s) and takes the optimizer, whose state is restored last
+        (DeepSpeed reads its shards from the checkpoint's engine/); the loggers on rank 0 (default: the
+        metrics log alone)."""
+        cfg = self.cfg
         resumed = load_resume(cfg.resume, self.run_dir, self.policy.load_trainable, cfg.resume_unverified)
         if resumed is not None:
             state = resumed[1]
@@ -83,14 +89,14 @@ class VlmRun:
             set_rng_state(state["rng"])
             self.start_epoch = state[COUNTERS_KEY]["epoch"]
             self.global_step = state[COUNTERS_KEY]["global_step"]
-        self.optimizer = self.dist.prepare(
-            self.policy, self.optimizer, max_grad_norm=algo.max_grad_norm, micro_batch_size=algo.train_batch_size,
-            compute_dtype=cfg.model.dtype, exact_reduction=cfg.launcher.reduces_exactly,  # float64 gradient sums
-        )  # fmt: skip
+        self.optimizer = self.dist.prepare(self.policy, self.optimizer, **engine_options)
         if resumed is not None:
             ckpt, state = resumed
             self.dist.load_optimizer_state(self.optimizer, state[OPTIMIZER_KEY], ckpt.engine)
-        self.logger = JsonlLogger(self.run_dir) if self.dist.is_main else NullLogger()
+        if not self.dist.is_main:
+            self.logger = NullLogger()
+        else:
+            self.logger = loggers() if loggers is not None else JsonlLogger(self.run_dir)
 
     def optimizer_step(self) -> float:
         """Clip, step, advance the schedule and count the step; the pre-clip global gradient norm."""
@@ -110,24 +116,24 @@ class VlmRun:
 
     # -- the epoch session's Run (recipes/session.py) ------------------------------------------------------
     def time_limit(self) -> TimeLimit:
-        return TimeLimit()  # the VLM recipes have no time limit
+        return TimeLimit()  # these recipes have no time limit
 
     def evaluate_before(self, progress: Progress) -> dict[str, float] | None:
-        return None  # the VLM recipes evaluate after epochs only
+        return None  # these recipes evaluate after epochs only
 
     def evaluate_if_due(self, epoch: int, last: bool, progress: Progress) -> dict[str, float]:
         """Rank 0 alone (whole weights on every rank: ``require_whole_weights``), every ``eval_every``."""
         cfg = self.cfg
         if self.evaluation is None or not (self.dist.is_main and cfg.eval_every):
             return {}
-        return self.evaluation(progress) if due(epoch, cfg.eval_every, cfg.epochs) else {}
+        return self.evaluation(epoch, progress) if due(epoch, cfg.eval_every, cfg.epochs) else {}
 
     def stop_requested(self) -> bool:
-        return False  # no reward-hacking guard watches a VLM run
+        return False  # no reward-hacking guard watches these runs
 
     def log_epoch(self, epoch: int, metrics: dict[str, float], console: str) -> None:
         self.logger.log(metrics, step=step_after(epoch))
-        log.info("epoch %d  %s", step_after(epoch), console)
+        log.info("%s %d  %s", self.unit, step_after(epoch), console)
 
     def save_if_due(self, epoch: int, last: bool, extra_state: dict[str, Any] | None) -> None:
         if last or due(epoch, self.cfg.save_every, self.cfg.epochs):
@@ -145,9 +151,10 @@ class VlmRun:
         self.logger.close()
 
 
-def open_run(cfg: Any, raw_cfg: DictConfig, engine: str = "hf") -> VlmRun:
-    """Seed, processes (whole weights on every rank: ``engine`` is ``algo.token.engine``), the policy and its
-    AdamW optimizer, in this order (the policy's seeded draws come first in every run)."""
+def open_vlm_run(cfg: Any, raw_cfg: DictConfig, engine: str = "hf") -> TrainerRun:
+    """A VLM recipe's run: seed, processes (whole weights on every rank: ``engine`` is
+    ``algo.token.engine``), the policy and its AdamW optimizer, in this order (the policy's seeded draws come
+    first in every run)."""
     algo = cfg.algo
     torch.manual_seed(cfg.seed)
     dist = make_dist(cfg.device)
@@ -157,4 +164,14 @@ def open_run(cfg: Any, raw_cfg: DictConfig, engine: str = "hf") -> VlmRun:
         policy.trainable_parameters(), lr=algo.lr, betas=(algo.adam_beta1, algo.adam_beta2),
         eps=algo.adam_eps, weight_decay=algo.weight_decay,
     )  # fmt: skip
-    return VlmRun(cfg, raw_cfg, Path(cfg.run_dir), dist, policy, optimizer)
+    return TrainerRun(cfg, raw_cfg, Path(cfg.run_dir), dist, policy, optimizer)
+
+
+def vlm_engine_options(cfg: Any) -> dict[str, Any]:
+    """How DDP / DeepSpeed take a VLM policy (``Dist.prepare``): ``algo.*``'s clip and micro-batch, the
+    model's compute dtype, float64 gradient sums under ``launcher.exact_reduction``."""
+    algo = cfg.algo
+    return {
+        "max_grad_norm": algo.max_grad_norm, "micro_batch_size": algo.train_batch_size,
+        "compute_dtype": cfg.model.dtype, "exact_reduction": cfg.launcher.reduces_exactly,
+    }  # fmt: skip
