@@ -33,7 +33,8 @@ from tests.server.helpers import MeanReward, http
 
 REFUSE_MS = 2000  # M: every engineered request is answered 413 within this many milliseconds
 RSS_BOUND_MB = 64  # the server's peak RSS grows by less than this while refusing one (measured ≤ 10)
-HEALTHZ_MS = 100  # /healthz answers within this while an engineered request is being handled (≤ 24)
+# /healthz answers within this (plus its worst on the idle server) while an engineered request is handled (≤ 24)
+HEALTHZ_MS = 100
 STARTUP_S = 90  # a fresh interpreter importing torch on a loaded 2-core machine
 MIB = 1024 * 1024
 
@@ -167,6 +168,15 @@ class HealthPoller:
         self._thread.join(timeout=60)
 
 
+def idle_healthz_worst_ms(port: int, seconds: float) -> float:
+    """The slowest ``/healthz`` answer over ``seconds`` with no other request: the machine's own delay in
+    scheduling the server and the poller (other processes, a second pytest worker), which a bound on the
+    answers during a request adds to what that request may cost."""
+    with HealthPoller(port) as idle:
+        time.sleep(max(seconds, 0.2))
+    return idle.worst_ms
+
+
 def _post(port: int, body: bytes, ctype: str) -> tuple[int, dict]:
     conn = httpclient.HTTPConnection("127.0.0.1", port, timeout=120)
     try:
@@ -229,7 +239,9 @@ def test_a_request_engineered_to_decode_to_gigabytes_is_refused_fast_with_bounde
     assert status == 413 and limit_key in reply["error"], reply
     assert elapsed_ms < REFUSE_MS
     assert rss.growth_mb < RSS_BOUND_MB
-    assert health.answers >= 1 and health.worst_ms < HEALTHZ_MS
+    assert health.answers >= 1 and health.worst_ms < HEALTHZ_MS + idle_healthz_worst_ms(
+        port, elapsed_ms / 1000
+    )
     assert proc.poll() is None and http("GET", f"http://127.0.0.1:{port}/healthz")[0] == 200
 
 
