@@ -11,7 +11,6 @@ left exits with code 2 too, without a traceback: the refusal is the reason.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import sys
@@ -67,11 +66,11 @@ def _run(resolved: Path) -> int:
         typed.launcher.world_size,
         resolved,
     )
+    from rlgen_cli.recipes.registry import recipe_of
     from rlgen_cli.training.checkpoints.checkpoint import stop_cleanly
 
-    recipe = importlib.import_module(f"rlgen_cli.recipes.{typed.recipe}")
     with stop_cleanly(resolved.parent):  # a full disk or a non-finite reward: one line, exit code 2
-        recipe.run(typed, raw)
+        recipe_of(typed).run(typed, raw)
     close_process_group()
     return 0
 
