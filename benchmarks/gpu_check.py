@@ -47,6 +47,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -225,8 +226,9 @@ class Predictions:
             command = [sys.executable, str(Path(__file__).resolve()), "--predict", "--rows", ",".join(self.rows),
                        "--limit", str(limit), "--device-memory-gb", str(ctx.device_memory_gb)]  # fmt: skip
             command += ["--dry-run"] if ctx.dry_run else []
+            environment = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # planning touches no device
             self.process = subprocess.Popen(
-                command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+                command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=environment
             )
 
     def collect(self, timeout: float) -> dict[str, Any]:
@@ -435,7 +437,7 @@ def folded_timesteps(ctx: Context) -> dict[str, Any]:
             synchronize(ctx)
             rollout_s = time.perf_counter() - start
         n = len(rollouts.indices)
-        advantages = torch.linspace(-1.0, 1.0, n, device=run.device)
+        advantages = torch.linspace(-1.0, 1.0, n)  # on the CPU, where the recipe keeps them
         folded_s, folded = update_gradient(ctx, run, rollouts, advantages, per_pass=4)
         per_step_s, per_step = update_gradient(ctx, run, rollouts, advantages, per_pass=1)
         _, reversed_arm = update_gradient(ctx, run, rollouts, advantages.flip(0), per_pass=4)
@@ -583,6 +585,7 @@ def run_rows(ctx: Context, names: list[str], limit: float) -> dict[str, Any]:
     started = time.monotonic()
     predictions = None if ctx.predict_only else Predictions(ctx, names, limit)
     rows: dict[str, Any] = {}
+    watchdog = Watchdog(lambda: record_of(ctx, started, limit, rows), limit + GRACE_S)
     stopped = None
     for name in names:
         row, budget = ROWS[name]
@@ -594,22 +597,60 @@ def run_rows(ctx: Context, names: list[str], limit: float) -> dict[str, Any]:
                 "skipped": stopped or f"the run's limit of {limit:g} s was reached",
             }
             continue
+        watchdog.current = name
         try:
             rows[name] = run_row(ctx, name, row, budget)
         except (Stopped, KeyboardInterrupt):
             stopped = "stopped by a signal"
             rows[name] = {"status": "skipped", "skipped": stopped}
+    watchdog.current = None
     if predictions is not None:
         planned_rows = predictions.collect(0.0 if stopped else limit - (time.monotonic() - started))
         for name, prediction in planned_rows.items():
             if rows[name]["status"] == "ok":
                 rows[name] = with_plan(rows[name], prediction)
+    watchdog.cancel()
+    return record_of(ctx, started, limit, rows)
+
+
+def record_of(ctx: Context, started: float, limit: float, rows: dict[str, Any]) -> dict[str, Any]:
+    """The JSON record of the rows run so far."""
     return {
         "device": torch.cuda.get_device_name(torch.device(ctx.device)) if ctx.on_gpu else "cpu",
         "dry_run": ctx.dry_run, "predict_only": ctx.predict_only, "limit_s": limit,
         "elapsed_s": round(time.monotonic() - started, 3), "torch": torch.__version__,
-        "cuda": torch.version.cuda, "rows": rows,
+        "cuda": torch.version.cuda, "rows": dict(rows),
     }  # fmt: skip
+
+
+GRACE_S = 20.0
+"""How long past the limit the watchdog waits for the main thread before it prints and exits."""
+
+
+class Watchdog:
+    """The backstop of the limit. A row's alarm is handled between Python bytecodes, so a row stuck in
+    native code (a hung collective, a kernel that never returns) would never see it: after ``deadline_s``
+    this thread prints the record so far, the stuck row marked ``timeout``, and ends the process."""
+
+    def __init__(self, record: Callable[[], dict[str, Any]], deadline_s: float) -> None:
+        self.record = record
+        self.current: str | None = None
+        self.timer = threading.Timer(deadline_s, self._give_up)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def _give_up(self) -> None:
+        record = self.record()
+        if self.current is not None:
+            record["rows"][self.current] = {
+                "status": "timeout",
+                "error": "stuck in native code past the run's limit",
+            }
+        print(json.dumps(record), file=sys.__stdout__, flush=True)  # the row's stdout goes to stderr
+        os._exit(0)
+
+    def cancel(self) -> None:
+        self.timer.cancel()
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -140,3 +140,34 @@ def test_an_unknown_row_is_named(gpu_check, capsys):
     with pytest.raises(SystemExit) as stop:
         gpu_check.parse(["--rows", "sd3_epoch,nope"])
     assert stop.value.code == 2 and "nope" in capsys.readouterr().err
+
+
+STUCK_ROW = """
+import json, signal, sys, time
+sys.path.insert(0, {benchmarks!r})
+import gpu_check
+
+def stuck(ctx):  # the alarm cannot reach it, as in a hung collective
+    signal.signal(signal.SIGALRM, signal.SIG_IGN)
+    time.sleep(60)
+
+gpu_check.GRACE_S = 0.5
+gpu_check.ROWS = {{"answers": (lambda ctx: {{"value": 2.0}}, 10.0), "stuck": (stuck, 10.0)}}
+gpu_check.run_rows(gpu_check.Context(dry_run=True, device="cpu"), ["answers", "stuck"], limit=3.0)
+print("not reached")
+"""
+
+
+@pytest.mark.slow  # a subprocess importing the script: ~10 s
+def test_a_row_stuck_in_native_code_is_cut_at_the_limit_and_the_record_printed():
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", STUCK_ROW.format(benchmarks=str(BENCHMARKS))], capture_output=True, text=True,
+        timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 0 and lines and "not reached" not in done.stdout, done.stderr[-2000:]
+    rows = json.loads(lines[-1])["rows"]
+    assert rows["answers"] == {**rows["answers"], "status": "ok", "value": 2.0}
+    assert rows["stuck"]["status"] == "timeout" and "native code" in rows["stuck"]["error"]
+    assert time.monotonic() - start < 60  # not the stuck row's 60 s
