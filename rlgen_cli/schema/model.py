@@ -16,7 +16,6 @@ family, and its ``family`` defaults to that name: a model YAML picks it first in
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
@@ -353,7 +352,7 @@ KIND_SCHEMAS: dict[str, type] = {
 
 
 def _class_name(family: str) -> str:
-    return "".join(part.capitalize() for part in re.split(r"_", family)) + "ModelConfig"
+    return "".join(part.capitalize() for part in family.split("_")) + "ModelConfig"
 
 
 def _family_schema(row: FamilySpec) -> type:
