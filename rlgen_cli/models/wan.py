@@ -197,12 +197,15 @@ class WanPolicy:
     def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
         """v(x, σ) with CFG folded in; x (B, C, F', H', W') fp32, sigma 0-d or (B,); returns fp32 x-shaped."""
         timestep = wan_timestep(sigma.reshape(-1).expand(x.shape[0])).to(self.device)
-        forward = functools.partial(wan_forward, self.trainable.forward_module, x, timestep, dtype=self.dtype)
-        v_cond = forward(cond.tensors["prompt_embeds"])
+        v_cond = self._forward(x, timestep, cond.tensors["prompt_embeds"])
         if self.guidance_scale <= 1.0:
             return v_cond
-        unconditional = functools.partial(forward, cond.tensors["neg_prompt_embeds"])
+        unconditional = functools.partial(self._forward, x, timestep, cond.tensors["neg_prompt_embeds"])
         return cfg_two_passes(v_cond, unconditional, self.guidance_scale)
+
+    def _forward(self, x: Tensor, timestep: Tensor, embeds: Tensor) -> Tensor:
+        """One transformer pass in the model dtype; latents in and velocity out stay fp32 outside."""
+        return wan_forward(self.trainable.forward_module, x, timestep, embeds, self.dtype)
 
     @torch.no_grad()
     def decode(self, x0: Tensor) -> Tensor:
