@@ -80,7 +80,7 @@ from rlgen_cli.r3.scoring import R3Scorer
 from rlgen_cli.recipes.common import reduce_over_ranks
 from rlgen_cli.recipes.registry import Perturb
 from rlgen_cli.recipes.session import epoch_session
-from rlgen_cli.recipes.trainer_run import TrainerRun
+from rlgen_cli.recipes.trainer_run import TrainerRun, opened
 from rlgen_cli.schema.r3 import R3Config, R3Geometry, R3TrainConfig, r3_geometry, track_models
 from rlgen_cli.sde.rollout import StepSpec, Trajectory, recompute_step
 from rlgen_cli.sde.sampling import conditioned
@@ -515,22 +515,14 @@ def check_onpolicy(typed: R3TrainConfig, cfg: DictConfig, perturb: Perturb) -> t
     (step 1) stage (``r3/onpolicy.py``); the worst error and whether every row passed."""
     from rlgen_cli.r3.onpolicy import check_stage, print_report
 
-    recipe = R3Recipe(typed, cfg)
-    recipe.setup()
     tolerances = typed.check.tolerance, typed.check.text_tolerance
-    try:
+    with opened(R3Recipe(typed, cfg)) as recipe:
         rows = check_stage(recipe, 0, perturb, *tolerances) + check_stage(recipe, 1, perturb, *tolerances)
-    finally:
-        recipe.cleanup()
     passed = print_report(rows)
     return max(row.error for row in rows), passed
 
 
 def run(cfg: R3TrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
     """Entry point of ``rlgen train`` for unified policies (``model.family`` in ``schema.r3.R3_FAMILIES``)."""
-    recipe = R3Recipe(cfg, raw_cfg)
-    recipe.setup()
-    try:
+    with opened(R3Recipe(cfg, raw_cfg)) as recipe:
         return recipe.train()
-    finally:
-        recipe.cleanup()

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 from omegaconf import DictConfig
@@ -175,3 +176,24 @@ def vlm_engine_options(cfg: Any) -> dict[str, Any]:
         "max_grad_norm": algo.max_grad_norm, "micro_batch_size": algo.train_batch_size,
         "compute_dtype": cfg.model.dtype, "exact_reduction": cfg.launcher.reduces_exactly,
     }  # fmt: skip
+
+
+class Recipe(Protocol):
+    """A recipe object that builds its run in ``setup`` and releases what it opened in ``cleanup``."""
+
+    def setup(self) -> None: ...
+
+    def cleanup(self) -> None: ...
+
+
+R = TypeVar("R", bound=Recipe)
+
+
+@contextmanager
+def opened(recipe: R) -> Iterator[R]:
+    """``recipe`` set up, and cleaned up (loggers, rollout engine, sample logs) however the block ends."""
+    recipe.setup()
+    try:
+        yield recipe
+    finally:
+        recipe.cleanup()

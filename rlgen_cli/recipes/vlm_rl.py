@@ -70,7 +70,7 @@ from rlgen_cli.recipes.common import (
 )
 from rlgen_cli.recipes.registry import Perturb
 from rlgen_cli.recipes.session import epoch_session
-from rlgen_cli.recipes.trainer_run import open_vlm_run, vlm_engine_options
+from rlgen_cli.recipes.trainer_run import open_vlm_run, opened, vlm_engine_options
 from rlgen_cli.rewards import RewardBatch, build_mix
 from rlgen_cli.rewards.r1vl import TEXT_REWARDS
 from rlgen_cli.schema.recipes import VlmRlTrainConfig
@@ -430,22 +430,14 @@ def check_onpolicy(typed: VlmRlTrainConfig, cfg: DictConfig, perturb: Perturb) -
     same completions (``vlm/onpolicy.py``); the worst error and whether it is within ``check.text_tolerance``."""
     from rlgen_cli.vlm.onpolicy import check_rollout, print_report
 
-    recipe = VLMRLRecipe(typed, cfg)
-    recipe.setup()
-    try:
+    with opened(VLMRLRecipe(typed, cfg)) as recipe:
         batch_size = typed.check.train_batch_size or typed.algo.train_batch_size
         rows = check_rollout(recipe, batch_size, perturb)
-    finally:
-        recipe.cleanup()
     worst = print_report(rows, typed.check.text_tolerance, recipe.engine.name)
     return worst, worst <= typed.check.text_tolerance
 
 
 def run(cfg: VlmRlTrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
     """Entry point of ``rlgen train recipe=vlm_rl``."""
-    recipe = VLMRLRecipe(cfg, raw_cfg)
-    recipe.setup()
-    try:
+    with opened(VLMRLRecipe(cfg, raw_cfg)) as recipe:
         return recipe.train()
-    finally:
-        recipe.cleanup()

@@ -47,7 +47,7 @@ from rlgen_cli.recipes.common import (
     reduce_over_ranks,
 )
 from rlgen_cli.recipes.session import epoch_session
-from rlgen_cli.recipes.trainer_run import open_vlm_run, vlm_engine_options
+from rlgen_cli.recipes.trainer_run import open_vlm_run, opened, vlm_engine_options
 from rlgen_cli.schema.recipes import VlmSftTrainConfig
 from rlgen_cli.training.reporting.progress import Progress
 from rlgen_cli.vlm.data import SFTExample, drop_reflective, load_sft, load_vlm_examples
@@ -247,9 +247,5 @@ def splits_read(cfg: VlmSftTrainConfig) -> tuple[str, ...]:
 
 def run(cfg: VlmSftTrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
     """Entry point of ``rlgen train algo=vlm_sft``; returns the last epoch's metrics."""
-    recipe = VLMSFTRecipe(cfg, raw_cfg)
-    recipe.setup()
-    try:
+    with opened(VLMSFTRecipe(cfg, raw_cfg)) as recipe:
         return recipe.train()
-    finally:
-        recipe.cleanup()
