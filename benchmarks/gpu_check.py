@@ -1,7 +1,7 @@
 """The device check: one command that says whether rlgen works, and how fast, on a CUDA device.
 
     python benchmarks/gpu_check.py                # on a CUDA device (make gpu-check); ≤ 8 minutes
-    python benchmarks/gpu_check.py --dry-run      # every row at tiny sizes on the CPU (seconds)
+    python benchmarks/gpu_check.py --dry-run      # every row at tiny sizes on the CPU (a few minutes)
     python benchmarks/gpu_check.py --predict      # the planner's predictions for the rows, on the CPU
     python benchmarks/gpu_check.py --rows sd3_epoch,onpolicy --limit 300
 
@@ -28,9 +28,10 @@ fails or runs past its budget is recorded as such and the next one runs):
   devices are present; else skipped, saying so.
 
 Prints one JSON object on its last line of stdout (every row's record: ``status`` ok / failed / timeout
-/ skipped, ``seconds``, ``budget_s`` and its numbers); what the rows print goes to stderr. The whole run
+/ skipped, ``wall_s``, ``budget_s`` and its numbers); what the rows print goes to stderr. The whole run
 stops at ``--limit`` seconds (480) with the rows it has; a row gets the smaller of its budget and the time
-left. docs/gpu.md reads the JSON.
+left, and a row stuck where its alarm cannot reach it is cut by a watchdog 20 s past the limit.
+docs/gpu.md reads the JSON.
 """
 
 from __future__ import annotations
