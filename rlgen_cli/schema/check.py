@@ -59,8 +59,4 @@ class CheckSection:
     def __post_init__(self) -> None:
         super().__post_init__()  # the recipe's own checks
         if self.check.text_tolerance is None:
-            self.check.text_tolerance = TEXT_TOLERANCES[self.text_policy_dtype()]
-
-    def text_policy_dtype(self) -> str:
-        """``model.dtype`` of the policy whose tokens ``check.text_tolerance`` bounds."""
-        return self.model.dtype
+            self.check.text_tolerance = TEXT_TOLERANCES[self.text_policy_dtype()]  # the recipe's schema says

@@ -241,6 +241,12 @@ class RunConfig:
         require_family_schema(self.model)
         require_rewards(self.reward)
 
+    def text_policy_dtype(self) -> str:
+        """``model.dtype`` of the policy whose tokens ``check.text_tolerance`` bounds (R3: its text policy's)."""
+        model = self.model
+        assert isinstance(model, ModelConfig), "a unified family's schema names its text policy's dtype"
+        return model.dtype
+
 
 def require_whole_batches(cfg: Any) -> None:
     """Every process gets a whole number of sample and train batches (``algo.*_batch_size`` per process)."""

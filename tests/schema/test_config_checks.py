@@ -35,3 +35,20 @@ def test_one_process_holding_whole_weights_may_train_per_sample_steps(launcher: 
 def test_a_family_override_that_would_change_the_keys_is_refused():
     with pytest.raises(UserError, match="model.family=wan2_1 has keys of its own .Wan21ModelConfig."):
         _typed("model.family=wan2_1")  # tiny_cpu composes the tiny SD3: no num_frames to read
+
+
+@pytest.mark.parametrize(
+    ("overrides", "dtype"),
+    [
+        (["model=tiny_qwen2_vl", "model.dtype=bfloat16"], "bfloat16"),
+        (["model=tiny_r3", "r3.policy.text.dtype=bfloat16"], "bfloat16"),  # R3: its text policy's dtype
+        (["model=tiny_r3"], "float32"),
+    ],
+)
+def test_the_text_tolerance_defaults_from_the_text_policys_dtype(overrides: list[str], dtype: str):
+    from rlgen_cli.schema.check import TEXT_TOLERANCES
+
+    cfg = compose_verb("check_onpolicy", overrides)
+    OmegaConf.set_struct(cfg, False)
+    cfg.run_dir = "/tmp/unused"
+    assert validated(cfg).check.text_tolerance == TEXT_TOLERANCES[dtype]
