@@ -29,7 +29,7 @@ from rlgen_cli.training.distributed.dist import Dist, make_dist
 from rlgen_cli.training.reporting.metrics import JsonlLogger, NullLogger, step_after
 from rlgen_cli.training.reporting.plots import plot_runs
 from rlgen_cli.training.reporting.progress import Progress
-from rlgen_cli.vlm.policy import VLMPolicy, build_vlm
+from rlgen_cli.vlm.policy import build_vlm
 from rlgen_cli.vlm.training import SCHEDULER_KEY, make_scheduler, require_whole_weights
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,8 @@ class TrainerRun:
     raw_cfg: DictConfig
     run_dir: Path
     dist: Dist
-    policy: VLMPolicy
+    policy: Any
+    """A VLM or a unified (R3) policy: ``load_trainable``, ``save_trainable``, ``trainable_parameters``."""
     optimizer: torch.optim.Optimizer
     scheduler: Any = None
     """The lr schedule (:meth:`schedule`); it steps with the optimizer."""
