@@ -106,7 +106,7 @@ def test_parts_must_fit_their_roles():
     from rlgen_cli.r3.composite import build_composite
 
     with pytest.raises(UserError, match="the editor must edit"):
-        build_composite(_policy_cfg("r3.policy.editor.family=qwen_image"), CPU)
+        build_composite(_policy_cfg("model_schema@r3.policy.editor=qwen_image"), CPU)  # a family's keys
 
 
 def test_save_and_load_round_trip(policy, tmp_path: Path):
