@@ -46,24 +46,31 @@ TYPES = ("count", "colour", "relation")
 POLL_S = 2.0
 
 
+def _interruptible() -> None:
+    """In the child: Ctrl-C's default handling back, which a shell's ``cmd &`` or nohup switches off."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _rlgen(*args: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    return subprocess.Popen([sys.executable, "-c", CLI, *args], env=env, stdout=subprocess.DEVNULL)
+    command = [sys.executable, "-c", CLI, *args]
+    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, preexec_fn=_interruptible)
 
 
-def training_seconds(run: Path) -> float:
-    """Cumulative training seconds logged so far (evaluations excluded)."""
+def training_seconds(run: Path, epochs: int | None = None) -> float:
+    """Cumulative training seconds logged so far, or over the first ``epochs`` (evaluations excluded)."""
     path = run / "metrics.jsonl"
     if not path.is_file():
         return 0.0
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][:epochs]
     return sum(
         r.get("time/rollout", 0.0) + r.get("time/update", 0.0) + r.get("time/epoch", 0.0) for r in rows
     )
 
 
 def train(arm: str, seed: int, minutes: float, run: Path) -> tuple[Path, float, int]:
-    """Train ``arm`` until its training seconds pass the budget; its last checkpoint, seconds, epochs."""
+    """Train ``arm`` until its training seconds pass the budget (the epoch that crosses it completes, as
+    the flow recipes' time limit); its last checkpoint, the training seconds up to it, its epochs."""
     overrides = [*ARMS[arm], f"seed={seed}", "epochs=100000", "eval_every=0", "save_every=1", "keep_last=2",
                  "algo.token.lr_schedule=constant", "algo.token.warmup_ratio=0.0"]  # fmt: skip
     process = _rlgen("train", *overrides, "progress=false", f"hydra.run.dir={run}")
@@ -78,7 +85,8 @@ def train(arm: str, seed: int, minutes: float, run: Path) -> tuple[Path, float, 
     checkpoints = sorted((run / "checkpoints").glob("epoch_*"))
     if not checkpoints:
         raise RuntimeError(f"{arm} seed {seed}: no checkpoint under {run}; see its log")
-    return checkpoints[-1], training_seconds(run), int(checkpoints[-1].name.split("_")[1])
+    epochs = int(checkpoints[-1].name.split("_")[1])
+    return checkpoints[-1], training_seconds(run, epochs), epochs
 
 
 def evaluate(checkpoint: Path | None, split: str, run: Path, questions: int) -> dict[str, float]:
