@@ -164,13 +164,11 @@ def checkpoints(sizes_m: list[float], root: Path) -> list[dict[str, object]]:
 
     from rlgen_cli._hydra import conf_dir
     from rlgen_cli.models import build_policy
-    from rlgen_cli.schema.run import ModelConfig
+    from rlgen_cli.schema.model import option_section
 
     rows = []
     for lora in (True, False):
-        raw = OmegaConf.merge(
-            OmegaConf.structured(ModelConfig), OmegaConf.load(conf_dir() / "model" / "tiny_sd3.yaml")
-        )
+        raw = option_section(OmegaConf.load(conf_dir() / "model" / "tiny_sd3.yaml"))
         raw.lora.enabled = lora
         policy = build_policy(OmegaConf.to_object(raw), torch.device("cpu"))
         name = "tiny_sd3_lora" if lora else "tiny_sd3_full"

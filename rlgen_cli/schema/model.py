@@ -398,16 +398,21 @@ def model_schema(family: str) -> type:
 
 
 def require_family_schema(section: ModelSection, key: str = "model") -> None:
-    """``section`` was composed with its family's schema (the model option's ``model_schema`` default), so it
-    holds exactly the keys that family reads."""
+    """``section`` holds exactly the keys its family reads: it was composed with its family's schema (the model
+    option's ``model_schema`` default), or with one of the same keys (``model.family=qwen2_5_vl`` over
+    ``model=tiny_qwen2_vl``)."""
     schema = model_schema(section.family)
     require(
-        type(section) is schema,
+        _keys(type(section)) == _keys(schema),
         f"{key}.family={section.family} has keys of its own ({schema.__name__}), and this section was composed "
         f"as {type(section).__name__}: pick a model option of that family (rlgen ls model) instead of "
         f"overriding {key}.family; a model YAML of your own starts its defaults with "
         f"'- /model_schema@_here_: {section.family}'",
     )
+
+
+def _keys(schema: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(schema)}
 
 
 def typed_model_section(saved: Any) -> Any:

@@ -284,10 +284,11 @@ def load_vlm(cfg: ModelConfig | None, checkpoint: str | None, device: torch.devi
         return build_vlm(cfg, device)
     from omegaconf import OmegaConf
 
+    from rlgen_cli.schema.model import typed_model_section
     from rlgen_cli.training.checkpoints.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(checkpoint)
-    saved = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), ckpt.config().model))
+    saved = OmegaConf.to_object(typed_model_section(ckpt.config().model))
     policy = build_vlm(saved, device)
     policy.load_trainable(ckpt.weights)
     log.info("loaded trained weights from %s", ckpt.path)

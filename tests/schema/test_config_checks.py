@@ -52,3 +52,7 @@ def test_the_text_tolerance_defaults_from_the_text_policys_dtype(overrides: list
     OmegaConf.set_struct(cfg, False)
     cfg.run_dir = "/tmp/unused"
     assert validated(cfg).check.text_tolerance == TEXT_TOLERANCES[dtype]
+
+
+def test_a_family_override_that_keeps_the_keys_is_taken():
+    assert _typed("model.family=flux").model.family == "flux"  # FLUX.1 reads the keys SD3 does
