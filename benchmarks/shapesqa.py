@@ -63,9 +63,14 @@ def training_seconds(run: Path, epochs: int | None = None) -> float:
     if not path.is_file():
         return 0.0
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][:epochs]
-    return sum(
-        r.get("time/rollout", 0.0) + r.get("time/update", 0.0) + r.get("time/epoch", 0.0) for r in rows
-    )
+    return sum(_epoch_seconds(row) for row in rows)
+
+
+def _epoch_seconds(row: dict) -> float:
+    """An epoch's training seconds: ``time/epoch`` where the recipe logs it, else rollout + update."""
+    if "time/epoch" in row:
+        return row["time/epoch"]
+    return row.get("time/rollout", 0.0) + row.get("time/update", 0.0)
 
 
 def train(arm: str, seed: int, minutes: float, run: Path) -> tuple[Path, float, int]:
