@@ -8,9 +8,14 @@ recompute on the same samples — two different computations, so the check can f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from rlgen_cli.schema.ranges import COUNT, NON_NEGATIVE, POSITIVE
+
+if TYPE_CHECKING:  # the type checker reads the mixin as the recipe schema it is mixed into
+    from rlgen_cli.schema.run import RunConfig as _RecipeSchema
+else:
+    _RecipeSchema = object
 
 __all__ = ["TEXT_TOLERANCE", "TEXT_TOLERANCES", "CheckConfig", "CheckSection"]
 
@@ -51,7 +56,7 @@ class CheckConfig:
 
 
 @dataclass
-class CheckSection:
+class CheckSection(_RecipeSchema):
     """Mixed into a recipe's training schema (``schema/recipes.py``): ``rlgen check-onpolicy``'s config."""
 
     check: CheckConfig = field(default_factory=CheckConfig)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import typing
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from rlgen_cli.schema.families import FAMILY_NAMES
 
@@ -130,14 +130,14 @@ MixedPrecision = Literal["fp32", "fp16", "bf16"]
 
 
 @functools.cache
-def _hints(schema: type) -> dict[str, object]:
+def _hints(schema: type) -> dict[str, Any]:
     return typing.get_type_hints(schema, include_extras=True)
 
 
 def choices_of(schema: type, name: str) -> tuple[str, ...] | None:
     """The allowed values of field ``name`` of dataclass ``schema`` (None when it is not a choice)."""
     hint = _hints(schema).get(name)
-    if typing.get_origin(hint) is not Annotated:
+    if hint is None or typing.get_origin(hint) is not Annotated:
         return None
     for meta in hint.__metadata__:
         if typing.get_origin(meta) is Literal:

@@ -104,7 +104,8 @@ def _inner_dataclass(hint: Any) -> type | None:
     inner = [t for t in (typing.get_args(hint) or (hint,)) if t is not type(None)]
     if typing.get_origin(hint) is Annotated:
         return None
-    return inner[0] if len(inner) == 1 and dataclasses.is_dataclass(inner[0]) else None
+    held = inner[0] if len(inner) == 1 else None
+    return held if isinstance(held, type) and dataclasses.is_dataclass(held) else None
 
 
 def type_name(hint: Any) -> str:

@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from omegaconf import OmegaConf
 
-from rlgen_cli.errors import require
+from rlgen_cli.errors import UserError, require
 from rlgen_cli.schema.choices import R3Dataset, SdeKind
 from rlgen_cli.schema.families import families
 from rlgen_cli.schema.model import (
@@ -312,11 +312,11 @@ class R3Config:
             path = self.offline.data[self.dataset_name]
             return path, path
         path = self.train_data_path or self.val_data_path
-        require(
-            path is not None,
-            "r3.train_data_path is not set: give the jsonl of r3.dataset_name (e.g. r3.train_data_path="
-            "data/rl_train/train_geneval.jsonl, or the packaged builtin:r3_geneval_tiny.jsonl)",
-        )
+        if path is None:  # (require() cannot tell the type checker that path is a str after it)
+            raise UserError(
+                "r3.train_data_path is not set: give the jsonl of r3.dataset_name (e.g. r3.train_data_path="
+                "data/rl_train/train_geneval.jsonl, or the packaged builtin:r3_geneval_tiny.jsonl)"
+            )
         return self.train_data_path or path, self.val_data_path or path
 
 
@@ -435,7 +435,7 @@ class R3TrainConfig(RunConfig):
         super().__post_init__()
         require_same_forwards(r3_geometry(self.r3, self.launcher.world_size), self.launcher.exact_reduction)
         require_policy_schema(self.model.family, self.r3.policy)
-        if self.model.family == "r3_bagel":
+        if isinstance(self.r3.policy, R3BagelPolicy):  # model.family=r3_bagel (required just above)
             _check_bagel(self.r3.policy.bagel)
         self.r3.data_paths()
 

@@ -102,7 +102,7 @@ def range_of(schema: type, name: str) -> Range | Pattern | None:
     """The rule of field ``name``: the :class:`Range` or :class:`Pattern` in its ``Annotated`` type
     (``seed: Annotated[int, NON_NEGATIVE] = 42``), where the field is declared."""
     hint = _hints(schema).get(name)
-    if typing.get_origin(hint) is not Annotated:
+    if hint is None or typing.get_origin(hint) is not Annotated:
         return None
     return next((meta for meta in hint.__metadata__ if isinstance(meta, Range | Pattern)), None)
 

@@ -228,6 +228,7 @@ def _eval_schema(recipe: str, train: type) -> type:
     slots = {f.name: f.type for f in dataclasses.fields(train)}
     if "algo" in slots:
         algo_type = {f.name: f for f in dataclasses.fields(train)}["algo"].default_factory
+        assert isinstance(algo_type, type), f"{train.__name__}.algo's default_factory is its schema class"
         fields.append(("algo", algo_type | None, field(default=None)))
     if "r3" in slots:
         fields.append(("r3", R3Config, field(default_factory=R3Config)))
@@ -254,8 +255,9 @@ def declared_paths(schema: type, prefix: str = "") -> set[str]:
     for f in dataclasses.fields(schema):
         path = f"{prefix}{f.name}"
         inner = [t for t in (typing.get_args(hints[f.name]) or (hints[f.name],)) if t is not type(None)]
-        if path not in FREE_FORM and len(inner) == 1 and dataclasses.is_dataclass(inner[0]):
-            for variant in section_variants(inner[0]):
+        section = inner[0] if len(inner) == 1 else None
+        if path not in FREE_FORM and isinstance(section, type) and dataclasses.is_dataclass(section):
+            for variant in section_variants(section):
                 out |= declared_paths(variant, path + ".")
         else:
             out.add(path)
