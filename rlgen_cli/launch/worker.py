@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from rlgen_cli.errors import UserError
 from rlgen_cli.launch.world import REFUSAL_FILE, world_mismatch, write_refusal
-from rlgen_cli.schema.recipes import TRAIN_SCHEMAS
+from rlgen_cli.schema.recipes import structured_run
 
 
 def main(argv: list[str]) -> int:
@@ -48,8 +48,7 @@ def peer_refused(run_dir: Path) -> bool:
 
 def _run(resolved: Path) -> int:
     raw = OmegaConf.load(resolved)
-    schema = TRAIN_SCHEMAS[raw.recipe]  # the controller wrote the composed config of this recipe
-    typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), raw))
+    typed = OmegaConf.to_object(structured_run(raw))  # the controller wrote the composed config
     mismatch = world_mismatch(typed.launcher, os.environ, resolved)
     if mismatch is not None:  # before the process group: a wrong world would hang or train silently
         return _refuse(resolved.parent, mismatch)

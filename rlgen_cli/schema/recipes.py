@@ -28,8 +28,8 @@ from rlgen_cli.schema.algo import (
 from rlgen_cli.schema.check import CheckSection
 from rlgen_cli.schema.choices import EvalReportKind, LrScheduleClock, TimeLimitCounts
 from rlgen_cli.schema.hacking_guard import GuardConfig, check_guard
-from rlgen_cli.schema.model import FlowModelConfig, VlmModelConfig, section_variants
-from rlgen_cli.schema.r3 import R3Config, R3TrainConfig
+from rlgen_cli.schema.model import FlowModelConfig, VlmModelConfig, model_schema, section_variants
+from rlgen_cli.schema.r3 import R3Config, R3TrainConfig, typed_policy
 from rlgen_cli.schema.ranges import NON_NEGATIVE
 from rlgen_cli.schema.run import (
     AdvantageRewardConfig,
@@ -244,6 +244,19 @@ FREE_FORM = frozenset(
     {"reward.weights", "reward.kwargs", "guard.monitors", "guard.kwargs", "fidelity", "r3.offline.data"}
 )
 """Maps whose keys are data (reward names, dataset names, provenance records), not settings."""
+
+
+def structured_run(saved: Any) -> Any:
+    """A saved run config (``resolved.yaml``) under its schemas: the recipe's, its ``model`` section under its
+    family's and R3's ``r3.policy`` under its family's policy schema, as composition typed them (the
+    recipe's own schema declares only what every family shares)."""
+    from omegaconf import OmegaConf
+
+    family = saved.model.family
+    sections: dict[str, Any] = {"model": OmegaConf.structured(model_schema(family))}
+    if "r3" in saved and "policy" in saved.r3:
+        sections["r3"] = {"policy": typed_policy(family, saved.r3.policy)}
+    return OmegaConf.merge(OmegaConf.structured(TRAIN_SCHEMAS[saved.recipe]), sections, saved)
 
 
 def declared_paths(schema: type, prefix: str = "") -> set[str]:
