@@ -34,8 +34,14 @@ install-dev: $(DEV_STAMP)  ## install plus the test and lint tools
 train: install  ## run the default training (ShapesEval on the CPU, ~17 min); ARGS='algo.lr=1e-3' to override
 	$(VENV)/bin/rlgen train $(ARGS)
 
-test: install-dev  ## run the default test suite (CPU, offline, < 10 min)
-	$(PY) -m pytest -q $(ARGS)
+# Two pytest-xdist workers, each file on one (tests/distributed on one worker as a whole: tests/conftest.py),
+# each worker computing on one thread: the suite's many single-threaded stretches (imports, subprocess starts,
+# loopback servers) overlap instead of queueing. PYTEST_WORKERS=0 runs it in one process.
+PYTEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
+
+test: install-dev  ## run the default test suite (CPU, offline, < 10 min); PYTEST_WORKERS=0 for one process
+	$(PY) -m pytest -q $(XDIST) $(ARGS)
 
 # The numerics-heavy tests once more on other CPU kernels: AVX2 code paths of oneDNN, MKL and ATen, one
 # thread (other GEMM blocking and reduction splits), so a test tied to one machine's kernels fails here.
@@ -44,7 +50,7 @@ KERNEL_ENV := ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPA
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 
 test-kernels: install-dev  ## the models, invariants, distributed, recipes and shapes tests on AVX2 kernels, one thread
-	$(KERNEL_ENV) $(PY) -m pytest -q $(KERNEL_TESTS) $(ARGS)
+	$(KERNEL_ENV) $(PY) -m pytest -q $(XDIST) $(KERNEL_TESTS) $(ARGS)
 
 test-all: install-dev  ## run every test, the slow ones included
 	$(PY) -m pytest -q -m "not gpu" $(ARGS)

@@ -27,9 +27,17 @@ SD3_CFG_ALGO = [
 ]  # fmt: skip
 GEOMETRIES = ("sd3_cfg", "shapes")
 SD3_CFG_SIZES = SD3Sizes(
-    clip_intermediate_size=64, t5_d_kv=16, t5_d_ff=128, patch_size=2, num_layers=2, attention_head_dim=16,
-    caption_projection_dim=64, vae_sample_size=64, vae_block_out_channels=(8, 16), vae_norm_groups=4,
-)  # fmt: skip
+    clip_intermediate_size=64,
+    t5_d_kv=16,
+    t5_d_ff=128,
+    patch_size=2,
+    num_layers=2,
+    attention_head_dim=16,
+    caption_projection_dim=64,
+    vae_sample_size=64,
+    vae_block_out_channels=(8, 16),
+    vae_norm_groups=4,
+)
 """The ``sd3_cfg`` geometry: 2 joint blocks of width 64, a 2× downsampling VAE, 2×2 patches."""
 
 
@@ -47,11 +55,21 @@ def overrides_for(geometry: str, workdir: Path | None = None) -> list[str]:
         raise ValueError(f"unknown geometry {geometry!r}; choose one of {', '.join(GEOMETRIES)}")
     path = save_sd3_cfg_pipeline(Path(workdir or tempfile.mkdtemp(prefix="rlgen-sd3cfg-")) / "pipeline")
     return [
-        "model=sd3", "reward=jpeg_compressibility", "sampler=flow_sde", f"model.path={path}",
-        "model.local_files_only=true", "model.dtype=float32", "model.resolution=64", "model.num_steps=8", "model.eval_num_steps=8",
-        "model.max_sequence_length=32", "model.guidance_scale=4.5", "model.lora.rank=32",
-        "model.lora.alpha=64", *SD3_CFG_ALGO,
-    ]  # fmt: skip
+        "model=sd3",
+        "reward=jpeg_compressibility",
+        "sampler=flow_sde",
+        f"model.path={path}",
+        "model.local_files_only=true",
+        "model.dtype=float32",
+        "model.resolution=64",
+        "model.num_steps=8",
+        "model.eval_num_steps=8",
+        "model.max_sequence_length=32",
+        "model.guidance_scale=4.5",
+        "model.lora.rank=32",
+        "model.lora.alpha=64",
+        *SD3_CFG_ALGO,
+    ]
 
 
 def run_epoch(run: flow_run.FlowRun, epoch: int, progress: Progress) -> dict[str, float]:

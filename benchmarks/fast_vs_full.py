@@ -51,20 +51,30 @@ def model_cost(run: FlowRun) -> float:
 def main() -> dict[str, float]:
     full = build_recipe([*GEOMETRY, "algo=grpo", "algo.kl_weight=0"])
     fast = build_recipe([*GEOMETRY, "algo=grpo_fast", "algo.window.size=2", "algo.window.range=[1,5]"])
-    prefix = build_recipe([*GEOMETRY, "algo=grpo_fast", "algo.window.size=2", "algo.window.range=[3,7]",
-                           "algo.branch=shared_prefix"])  # fmt: skip
+    prefix = build_recipe(
+        [
+            *GEOMETRY,
+            "algo=grpo_fast",
+            "algo.window.size=2",
+            "algo.window.range=[3,7]",
+            "algo.branch=shared_prefix",
+        ]
+    )
     branch = build_recipe([*GEOMETRY, "algo=grpo_fast", "algo.window.size=2", "algo.window.range=[3,7]"])
     full_s, fast_s = epoch_seconds(full), epoch_seconds(fast)
     predicted = model_cost(full) / model_cost(fast)
     measured = full_s / fast_s
     independent_s, shared_s = sampling_seconds(branch), sampling_seconds(prefix)
     return {
-        "full_epoch_s": round(full_s, 3), "fast_epoch_s": round(fast_s, 3),
-        "independent_sampling_s": round(independent_s, 3), "shared_prefix_sampling_s": round(shared_s, 3),
+        "full_epoch_s": round(full_s, 3),
+        "fast_epoch_s": round(fast_s, 3),
+        "independent_sampling_s": round(independent_s, 3),
+        "shared_prefix_sampling_s": round(shared_s, 3),
         "sampling_ratio": round(independent_s / shared_s, 3),
-        "predicted_ratio": round(predicted, 3), "measured_ratio": round(measured, 3),
+        "predicted_ratio": round(predicted, 3),
+        "measured_ratio": round(measured, 3),
         "measured_over_predicted": round(measured / predicted, 3),
-    }  # fmt: skip
+    }
 
 
 if __name__ == "__main__":

@@ -99,43 +99,72 @@ def common_overrides(ctx: Context) -> list[str]:
     """What every row's run shares: the device, bf16, a cheap reward, no evaluation or images, and no
     prompt cache (the plan counts a cache at its cap, which a one-epoch run never fills)."""
     return [
-        f"device={ctx.device}", "model.dtype=bfloat16", "model.prompt_cache_mb=0", "reward=jpeg_compressibility",
-        "data=tiny", "eval_every=0", "images_every=0", "save_every=0", "algo.ema.enabled=false",
-    ]  # fmt: skip
+        f"device={ctx.device}",
+        "model.dtype=bfloat16",
+        "model.prompt_cache_mb=0",
+        "reward=jpeg_compressibility",
+        "data=tiny",
+        "eval_every=0",
+        "images_every=0",
+        "save_every=0",
+        "algo.ema.enabled=false",
+    ]
 
 
 def sd3_model(ctx: Context) -> list[str]:
     """SD3.5-Medium at 512 px with 10 steps and CFG 4.5 (conf/model/sd3); the tiny SD3 in a dry run."""
     if ctx.dry_run:
         return ["model=tiny_sd3", "model.resolution=32", "model.num_steps=3", "model.guidance_scale=4.5"]
-    return ["model=sd3", "model.weights=random_init", "model.variant=sd3_5_medium",
-            "model.text_encoders=stand_in", "model.resolution=512"]  # fmt: skip
+    return [
+        "model=sd3",
+        "model.weights=random_init",
+        "model.variant=sd3_5_medium",
+        "model.text_encoders=stand_in",
+        "model.resolution=512",
+    ]
 
 
 def flux_model(ctx: Context) -> list[str]:
     """FLUX.1-dev at 512 px, gradient checkpointing on; the tiny FLUX in a dry run."""
     if ctx.dry_run:
         return ["model=tiny_flux", "model.num_steps=3", "model.gradient_checkpointing=true"]
-    return ["model=flux", "model.weights=random_init", "model.variant=flux_1_dev", "model.text_encoders=stand_in",
-            "model.resolution=512", "model.gradient_checkpointing=true"]  # fmt: skip
+    return [
+        "model=flux",
+        "model.weights=random_init",
+        "model.variant=flux_1_dev",
+        "model.text_encoders=stand_in",
+        "model.resolution=512",
+        "model.gradient_checkpointing=true",
+    ]
 
 
 def wan_model(ctx: Context) -> list[str]:
     """Wan2.1-T2V-1.3B, 33 frames at 480 × 832; the tiny Wan (5 frames) in a dry run."""
     if ctx.dry_run:
         return ["model=tiny_wan2_1", "model.num_steps=3"]
-    return ["model=wan2_1", "model.weights=random_init", "model.variant=wan2_1_t2v_1_3b",
-            "model.text_encoders=stand_in", "model.num_frames=33", "model.height=480", "model.width=832",
-            "model.num_steps=4"]  # fmt: skip
+    return [
+        "model=wan2_1",
+        "model.weights=random_init",
+        "model.variant=wan2_1_t2v_1_3b",
+        "model.text_encoders=stand_in",
+        "model.num_frames=33",
+        "model.height=480",
+        "model.width=832",
+        "model.num_steps=4",
+    ]
 
 
 def fast_algo(group: int, window: int, train_batch: int) -> list[str]:
     """Flow-GRPO-Fast on one prompt: ``group`` samples in one sampling batch, a ``window``-step window."""
     return [
-        "algo=grpo_fast", "algo.prompts_per_epoch=1", f"algo.group_size={group}",
-        f"algo.sample_batch_size={group}", f"algo.train_batch_size={train_batch}",
-        f"algo.gradient_accumulation_steps={group // train_batch}", f"algo.window.size={window}",
-    ]  # fmt: skip
+        "algo=grpo_fast",
+        "algo.prompts_per_epoch=1",
+        f"algo.group_size={group}",
+        f"algo.sample_batch_size={group}",
+        f"algo.train_batch_size={train_batch}",
+        f"algo.gradient_accumulation_steps={group // train_batch}",
+        f"algo.window.size={window}",
+    ]
 
 
 def sd3_epoch_overrides(ctx: Context) -> list[str]:
@@ -155,10 +184,17 @@ def every_step_overrides(ctx: Context) -> list[str]:
     """Flow-GRPO training every step (what folding groups), one prompt × 4 (2 in a dry run), on SD3.5-Medium."""
     group = 2 if ctx.dry_run else 4
     return [
-        *sd3_model(ctx), *common_overrides(ctx), "algo=grpo", "algo.kl_weight=0", "algo.window.timestep_fraction=1.0",
-        "algo.prompts_per_epoch=1", f"algo.group_size={group}", f"algo.sample_batch_size={group}",
-        f"algo.train_batch_size={group}", "algo.gradient_accumulation_steps=1",
-    ]  # fmt: skip
+        *sd3_model(ctx),
+        *common_overrides(ctx),
+        "algo=grpo",
+        "algo.kl_weight=0",
+        "algo.window.timestep_fraction=1.0",
+        "algo.prompts_per_epoch=1",
+        f"algo.group_size={group}",
+        f"algo.sample_batch_size={group}",
+        f"algo.train_batch_size={group}",
+        "algo.gradient_accumulation_steps=1",
+    ]
 
 
 def folded_overrides(ctx: Context) -> list[str]:
@@ -209,10 +245,12 @@ def planned(ctx: Context, overrides: list[str]) -> dict[str, Any]:
     with mock.patch.object(memory_plan, "device_fits", lambda *args, **kwargs: []):
         report = plan_run(validated(cfg))
     return {
-        "total_bytes": report["total_bytes"], "state_bytes": report["state_bytes"],
-        "step_peak_bytes": report["step_peak_bytes"], "rollout_peak_bytes": report["rollout_peak_bytes"],
+        "total_bytes": report["total_bytes"],
+        "state_bytes": report["state_bytes"],
+        "step_peak_bytes": report["step_peak_bytes"],
+        "rollout_peak_bytes": report["rollout_peak_bytes"],
         "fits": report["fits"],
-    }  # fmt: skip
+    }
 
 
 class Predictions:
@@ -254,8 +292,12 @@ class Predictions:
 def with_plan(row: dict[str, Any], prediction: dict[str, Any]) -> dict[str, Any]:
     """``row`` with the plan's prediction and the measured peak ÷ the planned total (null without both)."""
     if "plan" not in prediction:
-        return {**row, "plan": None, "plan_error": prediction.get("error", prediction.get("status")),
-                "peak_vs_plan": None}  # fmt: skip
+        return {
+            **row,
+            "plan": None,
+            "plan_error": prediction.get("error", prediction.get("status")),
+            "peak_vs_plan": None,
+        }
     plan, peak = prediction["plan"], row.get("peak_bytes")
     return {
         **row,
@@ -283,9 +325,11 @@ def timed_epoch(ctx: Context, run: FlowRun) -> tuple[dict[str, float], float]:
 
 def phase_seconds(metrics: dict[str, float], epoch_s: float) -> dict[str, float]:
     return {
-        "rollout": round(metrics["time/rollout"], 3), "reward": round(metrics["time/reward"], 3),
-        "update": round(metrics["time/update"], 3), "epoch": round(epoch_s, 3),
-    }  # fmt: skip
+        "rollout": round(metrics["time/rollout"], 3),
+        "reward": round(metrics["time/reward"], 3),
+        "update": round(metrics["time/update"], 3),
+        "epoch": round(epoch_s, 3),
+    }
 
 
 # -- the rows ----------------------------------------------------------------------------------------
@@ -307,11 +351,13 @@ def sd3_epoch(ctx: Context) -> dict[str, Any]:
     rollout = throughput(meter.rows["sampling"] * per_row, seconds["rollout"], device_peak_tflops)
     update = throughput(meter.rows["training"] * 3 * per_row, seconds["update"], device_peak_tflops)
     return {
-        "seconds": seconds, "flops_per_forward": per_row, "velocity_rows": dict(meter.rows),
+        "seconds": seconds,
+        "flops_per_forward": per_row,
+        "velocity_rows": dict(meter.rows),
         "tflops": {"rollout": rollout[0], "update": update[0]} if ctx.on_gpu else None,
         "mfu": {"rollout": rollout[1], "update": update[1]} if ctx.on_gpu else None,
         "peak_bytes": peak,
-    }  # fmt: skip
+    }
 
 
 def rollout_vs_diffusers(ctx: Context) -> dict[str, Any]:
@@ -344,10 +390,16 @@ def rollout_vs_diffusers(ctx: Context) -> dict[str, Any]:
         pipe.set_progress_bar_config(disable=True)
         with autocast(policy.device, policy.dtype):  # the run keeps some weights in fp32, as rlgen runs them
             images = pipe(
-                prompts, negative_prompt=cfg.negative_prompt, height=cfg.resolution, width=cfg.resolution,
-                num_inference_steps=steps, guidance_scale=guidance, latents=policy.noise(len(prompts), generators),
-                max_sequence_length=cfg.max_sequence_length, output_type="pt",
-            ).images  # fmt: skip
+                prompts,
+                negative_prompt=cfg.negative_prompt,
+                height=cfg.resolution,
+                width=cfg.resolution,
+                num_inference_steps=steps,
+                guidance_scale=guidance,
+                latents=policy.noise(len(prompts), generators),
+                max_sequence_length=cfg.max_sequence_length,
+                output_type="pt",
+            ).images
         return images.float().cpu()
 
     with torch.no_grad():
@@ -360,14 +412,18 @@ def rollout_vs_diffusers(ctx: Context) -> dict[str, Any]:
     its latents in that dtype between steps and mixes CFG in it, rlgen in fp32, so the two differ by such
     roundings; the near miss says whether the tolerance can tell a wrong sampler."""
     return {
-        "steps": steps, "batch": len(prompts), "guidance_scale": cfg.guidance_scale,
+        "steps": steps,
+        "batch": len(prompts),
+        "guidance_scale": cfg.guidance_scale,
         "seconds": {"rlgen": round(ours_s, 3), "diffusers": round(theirs_s, 3)},
         "speed_ratio": round(theirs_s / ours_s, 4),  # > 1: rlgen samples faster
-        "mean_abs_difference": float(difference.mean()), "max_abs_difference": float(difference.max()),
+        "mean_abs_difference": float(difference.mean()),
+        "max_abs_difference": float(difference.max()),
         "near_miss_mean_abs_difference": float((near_miss - expected).abs().mean()),
-        "tolerance": tolerance, "equal": bool(difference.mean() <= tolerance),
+        "tolerance": tolerance,
+        "equal": bool(difference.mean() <= tolerance),
         "near_miss_exceeds_tolerance": bool((near_miss - expected).abs().mean() > tolerance),
-    }  # fmt: skip
+    }
 
 
 def best_of_two(ctx: Context, call: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:
@@ -397,11 +453,13 @@ def onpolicy(ctx: Context) -> dict[str, Any]:
         worst, passed = check_onpolicy(typed, raw, perturb)
         arms[arm] = {"max_error": worst, "passed": passed}
     return {
-        "tolerance": typed.check.tolerance, "max_ratio_error": arms["as_is"]["max_error"],
-        "passed": arms["as_is"]["passed"], "perturbed_max_ratio_error": arms["perturbed"]["max_error"],
+        "tolerance": typed.check.tolerance,
+        "max_ratio_error": arms["as_is"]["max_error"],
+        "passed": arms["as_is"]["passed"],
+        "perturbed_max_ratio_error": arms["perturbed"]["max_error"],
         "perturbed_failed": not arms["perturbed"]["passed"],
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-    }  # fmt: skip
+    }
 
 
 def one_step_row(ctx: Context, overrides: list[str]) -> dict[str, Any]:
@@ -412,8 +470,11 @@ def one_step_row(ctx: Context, overrides: list[str]) -> dict[str, Any]:
     with built_run(overrides) as run:
         metrics, epoch_s = timed_epoch(ctx, run)
         peak = device_peak(ctx)
-    return {"seconds": phase_seconds(metrics, epoch_s), "step_s": round(metrics["time/update"], 3),
-            "peak_bytes": peak}  # fmt: skip
+    return {
+        "seconds": phase_seconds(metrics, epoch_s),
+        "step_s": round(metrics["time/update"], 3),
+        "peak_bytes": peak,
+    }
 
 
 def flux_step(ctx: Context) -> dict[str, Any]:
@@ -452,9 +513,11 @@ def folded_timesteps(ctx: Context) -> dict[str, Any]:
         "update_seconds": {"folded": round(folded_s, 3), "per_step": round(per_step_s, 3)},
         "update_ratio": round(folded_s / per_step_s, 4),
         "epoch_ratio": round((rollout_s + folded_s) / (rollout_s + per_step_s), 4),
-        "gradient_relative_difference": relative, "tolerance": tolerance, "equal": relative <= tolerance,
+        "gradient_relative_difference": relative,
+        "tolerance": tolerance,
+        "equal": relative <= tolerance,
         "reversed_advantages_relative_difference": float((reversed_arm - per_step).norm() / per_step.norm()),
-    }  # fmt: skip
+    }
 
 
 def adapter_at_work(run: FlowRun) -> None:
@@ -466,8 +529,9 @@ def adapter_at_work(run: FlowRun) -> None:
                 param.copy_(0.05 * torch.randn(param.shape, generator=generator))
 
 
-def update_gradient(ctx: Context, run: Any, rollouts: Any, advantages: torch.Tensor,
-                    per_pass: int) -> tuple[float, torch.Tensor]:  # fmt: skip
+def update_gradient(
+    ctx: Context, run: Any, rollouts: Any, advantages: torch.Tensor, per_pass: int
+) -> tuple[float, torch.Tensor]:
     """(seconds, the summed gradient) of ``flow_grpo.update`` with ``per_pass`` steps per call. Each
     optimizer step reads the gradients it is handed (no clipping: ``algo.max_grad_norm=0``) and steps at
     learning rate 0, so every arm trains the same weights."""
@@ -510,8 +574,11 @@ def two_processes(ctx: Context) -> dict[str, Any]:
     ]  # fmt: skip
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, timeout=row_time_left())
-    return {"exit_code": done.returncode, "seconds": round(time.perf_counter() - start, 3),
-            "stderr_tail": done.stderr[-2000:] if done.returncode else ""}  # fmt: skip
+    return {
+        "exit_code": done.returncode,
+        "seconds": round(time.perf_counter() - start, 3),
+        "stderr_tail": done.stderr[-2000:] if done.returncode else "",
+    }
 
 
 Row = Callable[[Context], dict[str, Any]]
@@ -618,10 +685,14 @@ def record_of(ctx: Context, started: float, limit: float, rows: dict[str, Any]) 
     """The JSON record of the rows run so far."""
     return {
         "device": torch.cuda.get_device_name(torch.device(ctx.device)) if ctx.on_gpu else "cpu",
-        "dry_run": ctx.dry_run, "predict_only": ctx.predict_only, "limit_s": limit,
-        "elapsed_s": round(time.monotonic() - started, 3), "torch": torch.__version__,
-        "cuda": torch.version.cuda, "rows": dict(rows),
-    }  # fmt: skip
+        "dry_run": ctx.dry_run,
+        "predict_only": ctx.predict_only,
+        "limit_s": limit,
+        "elapsed_s": round(time.monotonic() - started, 3),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "rows": dict(rows),
+    }
 
 
 GRACE_S = 20.0
@@ -661,8 +732,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {', '.join(ROWS)}")
     parser.add_argument("--limit", type=float, default=LIMIT_S, help="the whole run's limit in seconds")
     parser.add_argument("--device", default="cuda", help="the CUDA device to check (cuda, cuda:N)")
-    parser.add_argument("--device-memory-gb", type=float, default=None,
-                        help="--predict: the memory the plans must fit (default: the device's, else 80)")  # fmt: skip
+    parser.add_argument(
+        "--device-memory-gb",
+        type=float,
+        default=None,
+        help="--predict: the memory the plans must fit (default: the device's, else 80)",
+    )
     args = parser.parse_args(argv)
     unknown = [name for name in args.rows.split(",") if name not in ROWS]
     if unknown:
@@ -678,8 +753,11 @@ def main(argv: list[str]) -> int:
         memory = args.device_memory_gb or 80.0
         ctx = Context(dry_run=args.dry_run, device="cpu", predict_only=args.predict, device_memory_gb=memory)
     elif not torch.cuda.is_available():
-        print("gpu-check: no CUDA device is visible (torch.cuda.is_available() is False); run it on a machine "
-              "with a GPU, or pass --dry-run to run every row at tiny sizes on the CPU", file=sys.stderr)  # fmt: skip
+        print(
+            "gpu-check: no CUDA device is visible (torch.cuda.is_available() is False); run it on a machine "
+            "with a GPU, or pass --dry-run to run every row at tiny sizes on the CPU",
+            file=sys.stderr,
+        )
         return EXIT_NO_DEVICE
     else:
         ctx = Context(dry_run=False, device=args.device, device_memory_gb=device_gib(args.device))

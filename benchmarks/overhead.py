@@ -78,8 +78,11 @@ def recording(recipe: FlowRun, calls: Calls, passes: Counter) -> Iterator[None]:
 
     def recorded_velocity(x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
         mode = "both" if uncond_takes_grad() else "conditional"
-        calls.append(Call(x.detach().clone(), sigma.detach().clone(), cond, torch.is_grad_enabled(), mode,
-                          depth[0] > 0))  # fmt: skip
+        calls.append(
+            Call(
+                x.detach().clone(), sigma.detach().clone(), cond, torch.is_grad_enabled(), mode, depth[0] > 0
+            )
+        )
         return velocity(x, sigma, cond)
 
     @contextmanager
@@ -216,8 +219,9 @@ class Arm:
         }
 
 
-def measure(geometry: str, overrides: list[str], baseline: list[str] | None, repeats: int,
-            warmup: int | None) -> dict[str, Any]:  # fmt: skip
+def measure(
+    geometry: str, overrides: list[str], baseline: list[str] | None, repeats: int, warmup: int | None
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="rlgen-overhead-") as workdir:
         common = [*overrides_for(geometry, Path(workdir)), *overrides]
         arms = [Arm("recipe", common)]
@@ -261,8 +265,13 @@ def main(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--geometry", choices=GEOMETRIES, default="sd3_cfg")
     parser.add_argument("--repeats", type=int, default=5, help="measured epoch/replay pairs per recipe")
     parser.add_argument("--warmup", type=int, default=None, help="unmeasured epochs first (default: a pass)")
-    parser.add_argument("--baseline", action="append", default=None, metavar="KEY=VALUE",
-                        help="overrides of a baseline recipe measured side by side (repeatable)")  # fmt: skip
+    parser.add_argument(
+        "--baseline",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="overrides of a baseline recipe measured side by side (repeatable)",
+    )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of both recipes")
     args = parser.parse_args(argv)
     torch.manual_seed(0)

@@ -84,10 +84,15 @@ def overrides_for(args: argparse.Namespace) -> list[str]:
         out.append(f"model.num_steps={args.steps}")
     window = max(1, min(2, args.steps - 1)) if args.steps else 2  # the window stays clear of the last step
     out += [
-        "algo=grpo_fast", "algo.prompts_per_epoch=1", f"algo.group_size={args.batch}",
-        f"algo.sample_batch_size={args.batch}", f"algo.train_batch_size={args.batch}",
-        "algo.gradient_accumulation_steps=1", f"algo.window.size={window}", "algo.ema.enabled=false",
-    ]  # fmt: skip
+        "algo=grpo_fast",
+        "algo.prompts_per_epoch=1",
+        f"algo.group_size={args.batch}",
+        f"algo.sample_batch_size={args.batch}",
+        f"algo.train_batch_size={args.batch}",
+        "algo.gradient_accumulation_steps=1",
+        f"algo.window.size={window}",
+        "algo.ema.enabled=false",
+    ]
     return out + args.overrides
 
 
@@ -161,8 +166,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         recipe.logger.close()
 
 
-def report(args: argparse.Namespace, recipe: FlowRun, meter: VelocityMeter, metrics: dict[str, float],
-           build_s: float, epoch_s: float) -> dict[str, Any]:  # fmt: skip
+def report(
+    args: argparse.Namespace,
+    recipe: FlowRun,
+    meter: VelocityMeter,
+    metrics: dict[str, float],
+    build_s: float,
+    epoch_s: float,
+) -> dict[str, Any]:
     model, device = recipe.cfg.model, recipe.device
     per_row = meter.flops_per_row()
     seconds = {"build": build_s, "rollout": metrics["time/rollout"], "reward": metrics["time/reward"],
@@ -172,15 +183,25 @@ def report(args: argparse.Namespace, recipe: FlowRun, meter: VelocityMeter, metr
     update = throughput(meter.rows["training"] * 3 * per_row, seconds["update"], peak)
     on_gpu = device.type == "cuda"
     return {
-        "variant": args.variant, "checkpoint": VARIANTS[args.variant].checkpoint, "layers": args.layers,
+        "variant": args.variant,
+        "checkpoint": VARIANTS[args.variant].checkpoint,
+        "layers": args.layers,
         "device": torch.cuda.get_device_name(device) if on_gpu else "cpu",
-        "geometry": {"height": model.height or model.resolution, "width": model.width or model.resolution,
-                     "frames": model.num_frames, "steps": model.num_steps, "batch": args.batch,
-                     "guidance_scale": model.guidance_scale, "dtype": model.dtype,
-                     "text_encoders": model.text_encoders, "max_sequence_length": model.max_sequence_length},
+        "geometry": {
+            "height": model.height or model.resolution,
+            "width": model.width or model.resolution,
+            "frames": model.num_frames,
+            "steps": model.num_steps,
+            "batch": args.batch,
+            "guidance_scale": model.guidance_scale,
+            "dtype": model.dtype,
+            "text_encoders": model.text_encoders,
+            "max_sequence_length": model.max_sequence_length,
+        },
         "parameters": parameters_of(recipe.policy),
         "trainable_parameters": sum(p.numel() for p in recipe.policy.trainable.parameters()),
-        "flops_per_forward": per_row, "flops_per_image": per_row * model.num_steps,
+        "flops_per_forward": per_row,
+        "flops_per_image": per_row * model.num_steps,
         "peak_memory": {
             "device_bytes": torch.cuda.max_memory_allocated(device) if on_gpu else None,
             "host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -189,7 +210,7 @@ def report(args: argparse.Namespace, recipe: FlowRun, meter: VelocityMeter, metr
         "velocity_rows": dict(meter.rows),
         "tflops": {"rollout": rollout[0], "update": update[0]} if on_gpu else None,
         "mfu": {"rollout": rollout[1], "update": update[1]} if on_gpu and peak else None,
-    }  # fmt: skip
+    }
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

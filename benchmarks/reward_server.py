@@ -219,9 +219,12 @@ def main() -> None:
 
     def client(urls: list[str]) -> Callable[[RewardBatch], object]:
         remote = RemoteReward(
-            REWARD, endpoints=urls, batch_size=args.chunk, max_concurrency=args.concurrency * len(urls),
+            REWARD,
+            endpoints=urls,
+            batch_size=args.chunk,
+            max_concurrency=args.concurrency * len(urls),
             wire_format=wire_format,
-        )  # fmt: skip
+        )
         if not torch.equal(remote.score(batches[0]).scores, expected[0]):  # served scores equal local ones
             raise AssertionError("served scores differ from in-process scores")
         return remote.score

@@ -51,9 +51,21 @@ def train_run(
         env["OMP_NUM_THREADS"] = str(threads)
     start = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, "-c", CLI, "train", *GEOMETRY, f"epochs={epochs}", *overrides, f"hydra.run.dir={run}"],
-        env=env, capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            CLI,
+            "train",
+            *GEOMETRY,
+            f"epochs={epochs}",
+            *overrides,
+            f"hydra.run.dir={run}",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     wall = time.perf_counter() - start
     if done.returncode != 0:
         raise SystemExit(f"{name} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")

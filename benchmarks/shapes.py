@@ -129,9 +129,12 @@ def gain_band(seeds: dict[int, dict[str, list[float]]], metric: str) -> tuple[li
     import numpy as np
 
     grid = sorted({m for points in seeds.values() for m in points["minutes"]})
-    gains = np.array([
-        np.interp(grid, points["minutes"], np.array(points[metric]) - points[metric][0]) for points in seeds.values()
-    ])  # fmt: skip
+    gains = np.array(
+        [
+            np.interp(grid, points["minutes"], np.array(points[metric]) - points[metric][0])
+            for points in seeds.values()
+        ]
+    )
     return grid, gains.mean(0).tolist(), gains.min(0).tolist(), gains.max(0).tolist()
 
 
@@ -147,8 +150,14 @@ def plot(curves: dict[str, dict[int, dict[str, list[float]]]], out: Path, clock:
     for ax, (metric, title) in zip(axes, titles.items()):
         for name, seeds in curves.items():
             grid, mean, low, high = gain_band(seeds, metric)
-            (line,) = ax.plot(grid, mean, marker="o", ms=3, label=f"{name} ({len(seeds)} seeds)",
-                              linestyle="--" if name in HACKABLE else "-")  # fmt: skip
+            (line,) = ax.plot(
+                grid,
+                mean,
+                marker="o",
+                ms=3,
+                label=f"{name} ({len(seeds)} seeds)",
+                linestyle="--" if name in HACKABLE else "-",
+            )
             ax.fill_between(grid, low, high, color=line.get_color(), alpha=0.15, linewidth=0)
         ax.axhline(0.0, color="grey", linewidth=0.8)
         ax.set_title(f"{title}: change from the base")
@@ -239,9 +248,12 @@ def main() -> dict[str, object]:
     runs += [(name, seed, args.minutes) for seed in range(args.seeds) for name in names if name != DEMO]
     with tempfile.TemporaryDirectory(prefix="rlgen-shapes-") as tmp, ThreadPoolExecutor(args.jobs) as pool:
         pending = {
-            pool.submit(train, name, seed, RUNS[name], minutes, args.eval_every, Path(tmp), threads): (name, seed)
+            pool.submit(train, name, seed, RUNS[name], minutes, args.eval_every, Path(tmp), threads): (
+                name,
+                seed,
+            )
             for name, seed, minutes in runs
-        }  # fmt: skip
+        }
         for future in as_completed(pending):  # written after every run: one cut short keeps the rest
             name, seed = pending[future]
             curves[name][seed] = curve(future.result())

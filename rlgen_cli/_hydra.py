@@ -125,9 +125,10 @@ def compose_verb(config_name: str, args: Sequence[str]) -> Any:
 def key_overrides(args: Sequence[str]) -> list[str]:
     """The keys that ``args`` set (``algo.lr=…``, ``+x.y=…``), not the config groups they choose."""
     return [
-        arg.split("=", 1)[0].lstrip("+") for arg in args
+        arg.split("=", 1)[0].lstrip("+")
+        for arg in args
         if "=" in arg and not arg.startswith(("-", "~", "hydra")) and chosen_group(arg) is None
-    ]  # fmt: skip
+    ]
 
 
 def other_recipes_hint(config_name: str, args: Sequence[str]) -> str | None:

@@ -77,8 +77,9 @@ def refuse_step_distilled(is_distilled: bool, path: str | None, base_hint: str) 
         log.warning(
             "model.path=%r looks like a step-distilled model; RL assumes the base flow (%s). If it is "
             "distilled, sampling with few large steps makes the SDE exploration and KL meaningless.",
-            path, base_hint,
-        )  # fmt: skip
+            path,
+            base_hint,
+        )
 
 
 def compute_empirical_mu(image_tokens: int, num_steps: int) -> float:
@@ -148,9 +149,11 @@ class Flux2Model:
     def encode_text(self, prompts: Sequence[str]) -> Tensor:
         """(B, S, 3·D): three hidden layers of the text encoder, concatenated per token (the pipeline's)."""
         embeds, _ = self.pipeline.encode_prompt(
-            prompt=list(prompts), device=self.device, num_images_per_prompt=1,
+            prompt=list(prompts),
+            device=self.device,
+            num_images_per_prompt=1,
             max_sequence_length=self.cfg.max_sequence_length,
-        )  # fmt: skip
+        )
         return embeds
 
     def noise(self, n: int, generator: torch.Generator | Sequence[torch.Generator] | None = None) -> Tensor:
@@ -173,10 +176,14 @@ class Flux2Model:
             guidance_in = torch.full((batch,), guidance, device=self.device, dtype=torch.float32)
         with autocast(self.device, self.dtype):
             return self.trainable.forward_module()(
-                hidden_states=x.to(self.dtype), timestep=timestep, guidance=guidance_in,
-                encoder_hidden_states=embeds, txt_ids=text_ids(embeds.shape[1], self.device),
-                img_ids=image_ids(*self.token_hw, self.device), return_dict=False,
-            )[0].float()  # fmt: skip
+                hidden_states=x.to(self.dtype),
+                timestep=timestep,
+                guidance=guidance_in,
+                encoder_hidden_states=embeds,
+                txt_ids=text_ids(embeds.shape[1], self.device),
+                img_ids=image_ids(*self.token_hw, self.device),
+                return_dict=False,
+            )[0].float()
 
     @torch.no_grad()
     def decode(self, x0: Tensor) -> Tensor:

@@ -104,17 +104,22 @@ class FluxModel(PackedModel):
     def __init__(self, pipeline: Any, cfg: ModelConfig, device: torch.device, pipeline_class: str) -> None:
         super().__init__(pipeline, cfg, device)
         self.trainable = TrainableTransformer(
-            pipeline, cfg, checkpoint=DiffusersCheckpoint(pipeline_class, "FluxTransformer2DModel"),
+            pipeline,
+            cfg,
+            checkpoint=DiffusersCheckpoint(pipeline_class, "FluxTransformer2DModel"),
             exclude=dead_context_outputs(pipeline.transformer) if cfg.lora.enabled else (),
-        )  # fmt: skip
+        )
 
     @torch.no_grad()
     def encode_text(self, prompts: Sequence[str]) -> dict[str, Tensor]:
         """T5 token embeddings (B, S, 4096) and the pooled CLIP embedding (B, 768) (real sizes)."""
         embeds, pooled, _ = self.pipeline.encode_prompt(
-            prompt=list(prompts), prompt_2=None, device=self.device, num_images_per_prompt=1,
+            prompt=list(prompts),
+            prompt_2=None,
+            device=self.device,
+            num_images_per_prompt=1,
             max_sequence_length=self.cfg.max_sequence_length,
-        )  # fmt: skip
+        )
         return {"prompt_embeds": embeds, "pooled": pooled}
 
     @torch.no_grad()
@@ -154,10 +159,15 @@ class FluxModel(PackedModel):
         text_ids = torch.zeros(embeds.shape[1], 3, device=self.device)
         with autocast(self.device, self.dtype):
             out = self.trainable.forward_module()(
-                hidden_states=hidden.to(self.dtype), timestep=timestep, guidance=guidance,
-                pooled_projections=pooled, encoder_hidden_states=embeds, txt_ids=text_ids, img_ids=ids,
+                hidden_states=hidden.to(self.dtype),
+                timestep=timestep,
+                guidance=guidance,
+                pooled_projections=pooled,
+                encoder_hidden_states=embeds,
+                txt_ids=text_ids,
+                img_ids=ids,
                 return_dict=False,
-            )[0]  # fmt: skip
+            )[0]
         return out[:, :length].float()
 
     @torch.no_grad()

@@ -53,9 +53,12 @@ def config_mu(image_tokens: int, config: Any) -> float:
     (``base_image_seq_len``, ``base_shift``) and (``max_image_seq_len``, ``max_shift``), with diffusers'
     defaults (256, 0.5) and (4096, 1.15) for keys it lacks."""
     return calculate_mu(
-        image_tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-        config.get("base_shift", 0.5), config.get("max_shift", 1.15),
-    )  # fmt: skip
+        image_tokens,
+        config.get("base_image_seq_len", 256),
+        config.get("max_image_seq_len", 4096),
+        config.get("base_shift", 0.5),
+        config.get("max_shift", 1.15),
+    )
 
 
 def static_shift_sigmas(num_steps: int, shift: float) -> Tensor:

@@ -109,8 +109,12 @@ def dead_text_outputs(transformer: nn.Module) -> list[str]:
     """LoRA modules that can never get a gradient: the model returns only the image stream, so the last
     block's text-stream outputs (its text queries, ``to_add_out`` and ``txt_mlp``) are discarded."""
     last = f"transformer_blocks.{len(transformer.transformer_blocks) - 1}"
-    return [f"{last}.attn.add_q_proj", f"{last}.attn.to_add_out", f"{last}.txt_mlp.net.0.proj",
-            f"{last}.txt_mlp.net.2"]  # fmt: skip
+    return [
+        f"{last}.attn.add_q_proj",
+        f"{last}.attn.to_add_out",
+        f"{last}.txt_mlp.net.0.proj",
+        f"{last}.txt_mlp.net.2",
+    ]
 
 
 def source_context(cond: Cond, mixed: str) -> tuple[Tensor, tuple[int, int, int]]:
@@ -148,9 +152,11 @@ class QwenModel(PackedModel):
         super().__init__(pipeline, cfg, device)
         # Gradient checkpointing: upstream trains the 20 B transformer with activation checkpointing too.
         self.trainable = TrainableTransformer(
-            pipeline, cfg, checkpoint=DiffusersCheckpoint(pipeline_class, "QwenImageTransformer2DModel"),
+            pipeline,
+            cfg,
+            checkpoint=DiffusersCheckpoint(pipeline_class, "QwenImageTransformer2DModel"),
             exclude=dead_text_outputs(pipeline.transformer) if cfg.lora.enabled else (),
-        )  # fmt: skip
+        )
 
     # -- conditioning -------------------------------------------------------------------------
     def text_branches(
@@ -180,9 +186,13 @@ class QwenModel(PackedModel):
 
     # -- the one transformer call -------------------------------------------------------------
     def velocity(
-        self, x: Tensor, sigma: Tensor, cond: Cond, guidance_scale: float,
+        self,
+        x: Tensor,
+        sigma: Tensor,
+        cond: Cond,
+        guidance_scale: float,
         context: tuple[Tensor, tuple[int, int, int]] | None,
-    ) -> Tensor:  # fmt: skip
+    ) -> Tensor:
         """v(x, σ) for packed x (B, L, D) fp32, sigma 0-d or (B,); true CFG folded in; fp32 (B, L, D).
 
         ``context``: extra (B, L', D) tokens appended after the target tokens and their (frame, h/2, w/2)
@@ -204,9 +214,12 @@ class QwenModel(PackedModel):
             cond_v = self._forward(hidden, timestep, embeds, mask, shapes)[:, :length]
             return true_cfg(cond_v, uncond_v, guidance_scale)
         out = self._forward(
-            torch.cat([hidden, hidden]), torch.cat([timestep, timestep]), torch.cat([embeds, neg_embeds]),
-            torch.cat([mask, neg_mask]), shapes,
-        )[:, :length]  # fmt: skip
+            torch.cat([hidden, hidden]),
+            torch.cat([timestep, timestep]),
+            torch.cat([embeds, neg_embeds]),
+            torch.cat([mask, neg_mask]),
+            shapes,
+        )[:, :length]
         cond_v, uncond_v = out.chunk(2)
         return true_cfg(cond_v, uncond_v, guidance_scale)
 
@@ -218,10 +231,13 @@ class QwenModel(PackedModel):
         keep = max(int(mask.sum(dim=1).max()), 1)
         with autocast(self.device, self.dtype):
             out = self.trainable.forward_module()(
-                hidden_states=hidden.to(self.dtype), timestep=timestep, encoder_hidden_states=embeds[:, :keep],
-                encoder_hidden_states_mask=mask[:, :keep], img_shapes=[shapes] * hidden.shape[0],
+                hidden_states=hidden.to(self.dtype),
+                timestep=timestep,
+                encoder_hidden_states=embeds[:, :keep],
+                encoder_hidden_states_mask=mask[:, :keep],
+                img_shapes=[shapes] * hidden.shape[0],
                 return_dict=False,
-            )[0]  # fmt: skip
+            )[0]
         return out.float()
 
     @torch.no_grad()

@@ -170,9 +170,12 @@ def add_lora(
 
     init_weights: bool | str = True if init == "kaiming" else init  # peft's True: Kaiming A, zero B
     config = LoraConfig(
-        r=rank, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=init_weights,
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=list(targets),
+        init_lora_weights=init_weights,
         exclude_modules=list(exclude) or None,
-    )  # fmt: skip
+    )
     module.add_adapter(config)
     if not any("lora_" in name for name, _ in module.named_parameters()):
         raise UserError(

@@ -73,10 +73,11 @@ class FluxKontextPolicy(ComponentPolicy):
             UserError: If the images are missing or do not match the prompts.
         """
         images = check_sources(
-            images, len(prompts),
+            images,
+            len(prompts),
             "FLUX.1-Kontext is an editing model: encode needs source images (B, 3, H, W) in [0, 1]; give "
             'every dataset line an "image" path (jsonl lines like {"prompt": ..., "image": "src/0.png"})',
-        )  # fmt: skip
+        )
         tensors = self.model.encode_text(prompts)
         tokens, ids = self.model.encode_image(images, index=SOURCE_INDEX)
         tensors["source_latents"] = tokens

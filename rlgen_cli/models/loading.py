@@ -51,9 +51,11 @@ def load_pipeline(pipeline_cls: type, cfg: ModelConfig, what: str) -> Any:
     """``pipeline_cls.from_pretrained(cfg.path)`` in :func:`load_dtypes`; a failure is a :class:`UserError`."""
     try:
         return pipeline_cls.from_pretrained(
-            cfg.path, torch_dtype=load_dtypes(cfg), local_files_only=cfg.local_files_only,
+            cfg.path,
+            torch_dtype=load_dtypes(cfg),
+            local_files_only=cfg.local_files_only,
             revision=cfg.revision,
-        )  # fmt: skip
+        )
     except (OSError, ValueError) as err:
         raise UserError(
             f"could not load a {what} pipeline from model.path={cfg.path!r}: {err}. Pass a local directory "

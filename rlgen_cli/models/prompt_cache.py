@@ -84,9 +84,17 @@ def encoder_settings(policy: FlowPolicy) -> tuple[Any, ...]:
     guidance scale (whether — and for embedded guidance, how — a negative branch is encoded)."""
     cfg = policy.cfg
     return (
-        cfg.family, cfg.path, cfg.tiny, cfg.tiny_seed, cfg.revision, cfg.dtype, cfg.max_sequence_length,
-        cfg.negative_prompt, float(policy.guidance_scale), str(policy.device),
-    )  # fmt: skip
+        cfg.family,
+        cfg.path,
+        cfg.tiny,
+        cfg.tiny_seed,
+        cfg.revision,
+        cfg.dtype,
+        cfg.max_sequence_length,
+        cfg.negative_prompt,
+        float(policy.guidance_scale),
+        str(policy.device),
+    )
 
 
 def trainable(encoders: Sequence[nn.Module]) -> bool:

@@ -132,8 +132,10 @@ class QwenImage2Policy(LatentGrid):
         self.capabilities = Capabilities(has_cfg=cfg.guidance_scale > 1.0)
         self._warn_about_a_shipped_grid()
         self.trainable = TrainableTransformer(
-            pipeline, cfg, checkpoint=DiffusersCheckpoint("QwenImage21Pipeline", "QwenImage21Transformer2DModel"),
-        )  # fmt: skip
+            pipeline,
+            cfg,
+            checkpoint=DiffusersCheckpoint("QwenImage21Pipeline", "QwenImage21Transformer2DModel"),
+        )
 
     @property
     def transformer(self) -> nn.Module:
@@ -147,8 +149,11 @@ class QwenImage2Policy(LatentGrid):
                 "the checkpoint ships a %d-step sampling grid (sample_sigmas), used for runs of %d steps; "
                 "model.num_steps=%d / eval_num_steps=%d other than that sample linspace(1, 1/T, T) through "
                 "the scheduler, as the pipeline does when called with sigmas=linspace(1, 1/T, T)",
-                len(shipped), len(shipped), self.cfg.num_steps, self.cfg.eval_num_steps,
-            )  # fmt: skip
+                len(shipped),
+                len(shipped),
+                self.cfg.num_steps,
+                self.cfg.eval_num_steps,
+            )
 
     # -- conditioning -------------------------------------------------------------------------
     @torch.no_grad()
@@ -253,9 +258,13 @@ class QwenImage2Policy(LatentGrid):
             hidden, shapes = torch.cat([source[0].to(x.dtype), x], dim=1), [(1, *source[1]), *shapes]
         with autocast(self.device, self.dtype):
             out = self.trainable.forward_module()(
-                hidden_states=hidden.to(self.dtype), encoder_hidden_states=embeds, timestep=t,
-                img_shapes=[shapes] * batch, img_mask=slots, return_dict=False,
-            )[0]  # fmt: skip
+                hidden_states=hidden.to(self.dtype),
+                encoder_hidden_states=embeds,
+                timestep=t,
+                img_shapes=[shapes] * batch,
+                img_mask=slots,
+                return_dict=False,
+            )[0]
         return out[:, -tokens:].float()
 
     @torch.no_grad()

@@ -77,10 +77,11 @@ class QwenImageEditPolicy(QwenPolicy):
         ``source_shape`` (B, 3) int: the (frame, h/2, w/2) RoPE shape of the source tokens.
         """
         images = check_sources(
-            images, len(prompts),
+            images,
+            len(prompts),
             'Qwen-Image-Edit needs a source image per prompt: give the dataset an "image" field per line '
             '(jsonl lines like {"prompt": ..., "image": "src/0001.png"})',
-        )  # fmt: skip
+        )
         pil = to_pil(images)
         encode_one = functools.partial(self._encode_prompts, images=pil)
         tensors = self.model.text_branches(encode_one, prompts, self.guidance_scale > 1.0)

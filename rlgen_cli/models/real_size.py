@@ -104,15 +104,22 @@ QWEN2_VL_VISION = dict(depth=32, embed_dim=1280, mlp_ratio=4, num_heads=16, hidd
 MROPE = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}
 
 
-def qwen_text(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int,
-              max_positions: int) -> dict[str, Any]:  # fmt: skip
+def qwen_text(
+    hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int, max_positions: int
+) -> dict[str, Any]:
     """A Qwen2 language-model config as the Qwen-VL checkpoints publish it (RMSNorm ε 1e-6, M-RoPE)."""
     return dict(
-        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
-        max_position_embeddings=max_positions, rms_norm_eps=1e-6, hidden_act="silu",
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        max_position_embeddings=max_positions,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
         rope_parameters=dict(MROPE),
-    )  # fmt: skip
+    )
 
 
 @dataclass(frozen=True)
@@ -126,9 +133,11 @@ class VLConfig:
 
 
 QWEN2_5_VL_7B = VLConfig(
-    "qwen2_5_vl", qwen_text(3584, 18944, 28, 28, 4, 152064, 128000),
-    QWEN2_5_VL_VISION | {"out_hidden_size": 3584}, tie_word_embeddings=False,
-)  # fmt: skip
+    "qwen2_5_vl",
+    qwen_text(3584, 18944, 28, 28, 4, 152064, 128000),
+    QWEN2_5_VL_VISION | {"out_hidden_size": 3584},
+    tie_word_embeddings=False,
+)
 """``Qwen/Qwen2.5-VL-7B-Instruct`` (also Qwen-Image's text encoder)."""
 VL_CONFIGS = {
     "qwen2_vl_2b": VLConfig(
@@ -237,9 +246,11 @@ def variant_of(cfg: ModelConfig) -> str:
 def constructing(device: torch.device, dtype: torch.dtype, seed: int) -> Iterator[None]:
     """Modules created inside are created on ``device`` in ``dtype``, their random init drawn from ``seed``
     (the caller's random state is left as it was)."""
-    devices = [device.index if device.index is not None else torch.cuda.current_device()] if (
-        device.type == "cuda"
-    ) else []  # fmt: skip
+    devices = (
+        [device.index if device.index is not None else torch.cuda.current_device()]
+        if (device.type == "cuda")
+        else []
+    )
     previous = torch.get_default_dtype()
     with torch.random.fork_rng(devices=devices), torch.device(device):
         torch.manual_seed(seed)
@@ -301,12 +312,15 @@ def qwen_vl(config: VLConfig, tokenizer: Any, stand_in: bool = False) -> nn.Modu
         "qwen2_vl": (Qwen2VLConfig, Qwen2VLForConditionalGeneration),
     }[config.kind]
     vl_config = config_cls(
-        text_config=text, vision_config=vision, tie_word_embeddings=config.tie_word_embeddings,
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=config.tie_word_embeddings,
         image_token_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
         video_token_id=tokenizer.convert_tokens_to_ids("<|video_pad|>"),
         vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
-        vision_end_token_id=tokenizer.convert_tokens_to_ids("<|vision_end|>"), **special,
-    )  # fmt: skip
+        vision_end_token_id=tokenizer.convert_tokens_to_ids("<|vision_end|>"),
+        **special,
+    )
     return model_cls(vl_config).eval()
 
 
@@ -321,8 +335,9 @@ def vl_processor(tokenizer: Any, chat_template: str | None, min_pixels: int, max
     return Qwen2VLProcessor(
         image_processor=Qwen2VLImageProcessor(size=size, **geometry),
         video_processor=Qwen2VLVideoProcessor(size=size, **geometry),
-        tokenizer=tokenizer, chat_template=chat_template,
-    )  # fmt: skip
+        tokenizer=tokenizer,
+        chat_template=chat_template,
+    )
 
 
 # -- flow pipelines -----------------------------------------------------------------------------------
@@ -338,12 +353,16 @@ def sd3_components(variant: Variant, stand_in: bool) -> dict[str, Any]:
 
     clip_tok, clip_tok_2, t5_tok = tiny_clip_tokenizer(77), tiny_clip_tokenizer(77), tiny_t5_tokenizer(512)
     return {
-        "transformer": SD3Transformer2DModel(**variant.transformer), "vae": AutoencoderKL(**SD3_VAE),
+        "transformer": SD3Transformer2DModel(**variant.transformer),
+        "vae": AutoencoderKL(**SD3_VAE),
         "text_encoder": clip_encoder(CLIP_L, clip_tok, stand_in, projection=True),
         "text_encoder_2": clip_encoder(CLIP_G, clip_tok_2, stand_in, projection=True),
-        "text_encoder_3": t5_encoder(T5_XXL, t5_tok, stand_in), "tokenizer": clip_tok,
-        "tokenizer_2": clip_tok_2, "tokenizer_3": t5_tok, "scheduler": on_cpu(FlowMatchEulerDiscreteScheduler, shift=3.0),
-    }  # fmt: skip
+        "text_encoder_3": t5_encoder(T5_XXL, t5_tok, stand_in),
+        "tokenizer": clip_tok,
+        "tokenizer_2": clip_tok_2,
+        "tokenizer_3": t5_tok,
+        "scheduler": on_cpu(FlowMatchEulerDiscreteScheduler, shift=3.0),
+    }
 
 
 def flux_components(variant: Variant, stand_in: bool) -> dict[str, Any]:
@@ -352,14 +371,22 @@ def flux_components(variant: Variant, stand_in: bool) -> dict[str, Any]:
     clip_tok, t5_tok = tiny_clip_tokenizer(77), tiny_t5_tokenizer(512)
     scheduler = on_cpu(
         FlowMatchEulerDiscreteScheduler,
-        shift=3.0, use_dynamic_shifting=True, base_image_seq_len=256, max_image_seq_len=4096,
-        base_shift=0.5, max_shift=1.15,
-    )  # fmt: skip
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+        base_shift=0.5,
+        max_shift=1.15,
+    )
     return {
-        "transformer": FluxTransformer2DModel(**variant.transformer), "vae": AutoencoderKL(**FLUX_VAE),
-        "text_encoder": clip_encoder(CLIP_L, clip_tok, stand_in, projection=False), "tokenizer": clip_tok,
-        "text_encoder_2": t5_encoder(T5_XXL, t5_tok, stand_in), "tokenizer_2": t5_tok, "scheduler": scheduler,
-    }  # fmt: skip
+        "transformer": FluxTransformer2DModel(**variant.transformer),
+        "vae": AutoencoderKL(**FLUX_VAE),
+        "text_encoder": clip_encoder(CLIP_L, clip_tok, stand_in, projection=False),
+        "tokenizer": clip_tok,
+        "text_encoder_2": t5_encoder(T5_XXL, t5_tok, stand_in),
+        "tokenizer_2": t5_tok,
+        "scheduler": scheduler,
+    }
 
 
 def qwen_image_components(variant: Variant, stand_in: bool, pipeline_cls: type) -> dict[str, Any]:
@@ -396,19 +423,28 @@ def wan_components(variant: Variant, stand_in: bool, max_sequence_length: int) -
         num_train_timesteps=1000,
     )
     return {
-        "transformer": WanTransformer3DModel(**variant.transformer), "vae": AutoencoderKLWan(**WAN_VAE),
-        "text_encoder": t5_encoder(UMT5_XXL, tokenizer, stand_in, umt5=True), "tokenizer": tokenizer,
+        "transformer": WanTransformer3DModel(**variant.transformer),
+        "vae": AutoencoderKLWan(**WAN_VAE),
+        "text_encoder": t5_encoder(UMT5_XXL, tokenizer, stand_in, umt5=True),
+        "tokenizer": tokenizer,
         "scheduler": scheduler,
-    }  # fmt: skip
+    }
 
 
 def pipeline_class(family: str) -> type:
     import diffusers
 
-    return getattr(diffusers, {
-        "sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline", "flux_kontext": "FluxKontextPipeline",
-        "qwen_image": "QwenImagePipeline", "qwen_image_edit": "QwenImageEditPipeline", "wan2_1": "WanPipeline",
-    }[family])  # fmt: skip
+    return getattr(
+        diffusers,
+        {
+            "sd3": "StableDiffusion3Pipeline",
+            "flux": "FluxPipeline",
+            "flux_kontext": "FluxKontextPipeline",
+            "qwen_image": "QwenImagePipeline",
+            "qwen_image_edit": "QwenImageEditPipeline",
+            "wan2_1": "WanPipeline",
+        }[family],
+    )
 
 
 def flow_components(name: str, stand_in: bool, max_sequence_length: int = 512) -> dict[str, Any]:

@@ -69,9 +69,11 @@ class SD3Policy:
         prepare_pipeline(pipeline, device, encoders, vae_dtype(cfg, fp32_by_default=False))
         self.pipeline = pipeline
         self.trainable = TrainableTransformer(
-            pipeline, cfg, checkpoint=DiffusersCheckpoint("StableDiffusion3Pipeline", "SD3Transformer2DModel"),
+            pipeline,
+            cfg,
+            checkpoint=DiffusersCheckpoint("StableDiffusion3Pipeline", "SD3Transformer2DModel"),
             exclude=dead_context_queries(pipeline.transformer) if cfg.lora.enabled else (),
-        )  # fmt: skip
+        )
 
     @property
     def transformer(self) -> nn.Module:
@@ -91,9 +93,13 @@ class SD3Policy:
         """The pipeline's prompt embeddings (B, L, D) and pooled embeddings (B, D') of ``prompts``; the
         pipeline encodes a negative prompt with these same calls."""
         embeds, _, pooled, _ = self.pipeline.encode_prompt(
-            prompt=list(prompts), prompt_2=None, prompt_3=None, device=self.device,
-            do_classifier_free_guidance=False, max_sequence_length=self.cfg.max_sequence_length,
-        )  # fmt: skip
+            prompt=list(prompts),
+            prompt_2=None,
+            prompt_3=None,
+            device=self.device,
+            do_classifier_free_guidance=False,
+            max_sequence_length=self.cfg.max_sequence_length,
+        )
         return Cond({"prompt_embeds": embeds, "pooled": pooled})
 
     def _negative(self, n: int) -> Cond:
@@ -135,9 +141,11 @@ class SD3Policy:
                 uncond = self._forward(x, timestep, neg_embeds, neg_pooled)
             return cfg_combine(uncond, self._forward(x, timestep, embeds, pooled), self.guidance_scale)
         out = self._forward(
-            torch.cat([x, x]), torch.cat([timestep, timestep]), torch.cat([neg_embeds, embeds]),
+            torch.cat([x, x]),
+            torch.cat([timestep, timestep]),
+            torch.cat([neg_embeds, embeds]),
             torch.cat([neg_pooled, pooled]),
-        )  # fmt: skip
+        )
         uncond, cond_v = out.chunk(2)
         return cfg_combine(uncond, cond_v, self.guidance_scale)
 
@@ -145,9 +153,12 @@ class SD3Policy:
         """One transformer pass in the model dtype; latents in and velocity out stay fp32 outside."""
         with autocast(self.device, self.dtype):
             return self.trainable.forward_module()(
-                hidden_states=x.to(self.dtype), timestep=timestep, encoder_hidden_states=embeds,
-                pooled_projections=pooled, return_dict=False,
-            )[0].float()  # fmt: skip
+                hidden_states=x.to(self.dtype),
+                timestep=timestep,
+                encoder_hidden_states=embeds,
+                pooled_projections=pooled,
+                return_dict=False,
+            )[0].float()
 
     @torch.no_grad()
     def decode(self, x0: Tensor) -> Tensor:

@@ -163,9 +163,11 @@ class ShapesPolicy:
                 uncond = self._forward(x, timestep, neg_ids, neg_mask)
             return cfg_combine(uncond, self._forward(x, timestep, ids, mask), self.guidance_scale)
         out = self._forward(
-            torch.cat([x, x]), torch.cat([timestep, timestep]), torch.cat([neg_ids, ids]),
+            torch.cat([x, x]),
+            torch.cat([timestep, timestep]),
+            torch.cat([neg_ids, ids]),
             torch.cat([neg_mask, mask]),
-        )  # fmt: skip
+        )
         uncond, cond_v = out.chunk(2)
         return cfg_combine(uncond, cond_v, self.guidance_scale)
 

@@ -107,9 +107,11 @@ class DiffusersCheckpoint:
         metadata["target_modules"] = sorted({key.split(".lora_")[0] for key in state})
         metadata.pop("exclude_modules", None)
         getattr(diffusers, self.pipeline_class).save_lora_weights(
-            directory, transformer_lora_layers=state, weight_name=LORA_WEIGHTS_NAME,
+            directory,
+            transformer_lora_layers=state,
+            weight_name=LORA_WEIGHTS_NAME,
             transformer_lora_adapter_metadata=metadata,
-        )  # fmt: skip
+        )
 
     def load(self, module: nn.Module, directory: Path, lora: bool) -> None:
         if lora:

@@ -100,9 +100,11 @@ def load_wan_pipeline(cfg: ModelConfig):  # -> diffusers.WanPipeline
     path = cfg.path or DEFAULT_PATH
     try:
         pipeline = WanPipeline.from_pretrained(
-            path, torch_dtype=load_dtypes(cfg), local_files_only=cfg.local_files_only,
+            path,
+            torch_dtype=load_dtypes(cfg),
+            local_files_only=cfg.local_files_only,
             revision=cfg.revision,
-        )  # fmt: skip
+        )
     except (OSError, ValueError) as err:
         raise UserError(
             f"could not load a Wan pipeline from model.path={path!r}: {err}. Pass a local directory saved "
@@ -121,8 +123,9 @@ def _warn_on_shift_mismatch(pipeline, shift: float) -> None:
     if shipped is not None and float(shipped) != float(shift):
         log.warning(
             "model.shift=%s but the checkpoint's scheduler uses flow_shift=%s; sampling uses model.shift",
-            shift, shipped,
-        )  # fmt: skip
+            shift,
+            shipped,
+        )
 
 
 def check_geometry(cfg: ModelConfig, pipeline) -> None:
@@ -221,10 +224,13 @@ def umt5_text(pipeline, prompts: Sequence[str], cfg: ModelConfig, device: torch.
     (``neg_prompt_embeds``) when guidance > 1."""
     use_cfg = cfg.guidance_scale > 1.0
     embeds, neg_embeds = pipeline.encode_prompt(
-        prompt=list(prompts), negative_prompt=[cfg.negative_prompt] * len(prompts) if use_cfg else None,
-        do_classifier_free_guidance=use_cfg, max_sequence_length=cfg.max_sequence_length,
-        device=device, dtype=TORCH_DTYPES[cfg.dtype],
-    )  # fmt: skip
+        prompt=list(prompts),
+        negative_prompt=[cfg.negative_prompt] * len(prompts) if use_cfg else None,
+        do_classifier_free_guidance=use_cfg,
+        max_sequence_length=cfg.max_sequence_length,
+        device=device,
+        dtype=TORCH_DTYPES[cfg.dtype],
+    )
     return (
         {"prompt_embeds": embeds, "neg_prompt_embeds": neg_embeds} if use_cfg else {"prompt_embeds": embeds}
     )
@@ -246,8 +252,11 @@ def wan_forward(
     latents (with any I2V condition channels) in and velocity out stay fp32 outside."""
     with autocast(timestep.device, dtype):
         out = module()(
-            hidden_states=x.to(dtype), timestep=timestep, encoder_hidden_states=embeds.to(dtype), return_dict=False,
-        )[0]  # fmt: skip
+            hidden_states=x.to(dtype),
+            timestep=timestep,
+            encoder_hidden_states=embeds.to(dtype),
+            return_dict=False,
+        )[0]
     return out.float()
 
 

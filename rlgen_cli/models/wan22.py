@@ -116,9 +116,10 @@ class ExpertPair:
             transformer = getattr(pipeline, _ATTRIBUTES[name])
             if name in trained:
                 self.experts[name] = TrainableTransformer(
-                    _Slot(transformer), cfg,
+                    _Slot(transformer),
+                    cfg,
                     checkpoint=DiffusersCheckpoint(type(pipeline).__name__, "WanTransformer3DModel"),
-                )  # fmt: skip
+                )
             else:
                 self.experts[name] = FrozenExpert(transformer, frozen_dtype(cfg))
                 prepare_frozen_transformer(transformer, cfg)  # the trained expert's attention and compile
@@ -282,9 +283,12 @@ def _text_pipeline(pipeline):  # -> WanPipeline
     if isinstance(pipeline, WanPipeline):
         return pipeline
     return WanPipeline(
-        tokenizer=pipeline.tokenizer, text_encoder=pipeline.text_encoder, transformer=None, vae=None,
+        tokenizer=pipeline.tokenizer,
+        text_encoder=pipeline.text_encoder,
+        transformer=None,
+        vae=None,
         scheduler=pipeline.scheduler,
-    )  # fmt: skip
+    )
 
 
 def _check_guidance(cfg: ModelConfig) -> None:

@@ -106,8 +106,10 @@ class ZImagePolicy(LatentGrid):
         self.guidance_scale = cfg.guidance_scale
         self.capabilities = Capabilities(has_cfg=cfg.guidance_scale > 1.0)
         self.trainable = TrainableTransformer(
-            pipeline, cfg, checkpoint=DiffusersCheckpoint("ZImagePipeline", "ZImageTransformer2DModel"),
-        )  # fmt: skip
+            pipeline,
+            cfg,
+            checkpoint=DiffusersCheckpoint("ZImagePipeline", "ZImageTransformer2DModel"),
+        )
 
     @property
     def transformer(self) -> nn.Module:
@@ -131,9 +133,11 @@ class ZImagePolicy(LatentGrid):
     def _captions(self, prompts: Sequence[str]) -> tuple[Tensor, Tensor]:
         # the pipeline rewrites the list it is given in place (chat template), so it gets a copy
         captions = self.pipeline.encode_prompt(
-            prompt=list(prompts), device=self.device, do_classifier_free_guidance=False,
+            prompt=list(prompts),
+            device=self.device,
+            do_classifier_free_guidance=False,
             max_sequence_length=self.cfg.max_sequence_length,
-        )[0]  # fmt: skip
+        )[0]
         return pad_captions(captions, self.cfg.max_sequence_length)
 
     # -- sampling geometry --------------------------------------------------------------------

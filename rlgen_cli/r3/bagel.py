@@ -208,20 +208,29 @@ class BagelUnifiedPolicy:
     def _contexts(self, prompts: Sequence[str], images: Sequence[Any]) -> list[bagel_text.Context]:
         with autocast(self.device, self.dtype):
             return [
-                bagel_text.build_context(self.network, self._pieces(p, im), self.image.tokenizer, self.image.markers)
+                bagel_text.build_context(
+                    self.network, self._pieces(p, im), self.image.tokenizer, self.image.markers
+                )
                 for p, im in zip(prompts, images, strict=True)
-            ]  # fmt: skip
+            ]
 
     def _sample(self, prompts: list[str], images: list, options: SamplingOptions, seed: int) -> Thoughts:
         contexts = self._contexts(prompts, images)
         generators = [
-            torch.Generator().manual_seed(stream_seed(seed, 0, row, salt=Stream.R3_TEXT)) for row in range(len(prompts))
-        ]  # fmt: skip
+            torch.Generator().manual_seed(stream_seed(seed, 0, row, salt=Stream.R3_TEXT))
+            for row in range(len(prompts))
+        ]
         with autocast(self.device, self.dtype):
             out = bagel_text.sample(
-                self.network, contexts, temperature=options.temperature, top_p=options.top_p, top_k=options.top_k,
-                max_new_tokens=options.max_new_tokens, stop_id=self.image.markers["<|im_end|>"], generators=generators,
-            )  # fmt: skip
+                self.network,
+                contexts,
+                temperature=options.temperature,
+                top_p=options.top_p,
+                top_k=options.top_k,
+                max_new_tokens=options.max_new_tokens,
+                stop_id=self.image.markers["<|im_end|>"],
+                generators=generators,
+            )
         texts = self.image.tokenizer.batch_decode(out.ids, skip_special_tokens=True)
         return Thoughts(prompts, images, out.ids, texts, out.truncated, out.logprobs)
 
@@ -231,9 +240,12 @@ class BagelUnifiedPolicy:
         ids = pad_stack(completions, value=0).to(self.device)
         mask = pad_stack([torch.ones(c.numel(), dtype=torch.long) for c in completions]).to(self.device)
         return BagelTokenBatch(
-            inputs={}, completion_ids=ids, completion_mask=mask, prompts=list(thoughts.prompts[rows]),
+            inputs={},
+            completion_ids=ids,
+            completion_mask=mask,
+            prompts=list(thoughts.prompts[rows]),
             images=list(thoughts.images[rows]),
-        )  # fmt: skip
+        )
 
     def token_logprobs(self, batch: TokenBatch, reference: bool = False) -> Tensor:
         """(B, L) completion log-probs at temperature 1, one full forward: π_θ (gradients if enabled), or
@@ -403,9 +415,13 @@ def build_bagel_unified(cfg: R3BagelPolicy, device: torch.device) -> BagelUnifie
             )
     log.info(
         "R3 on BAGEL (%s): one network, thinking %s; %s: %d text parameters (understanding), %d image "
-        "(generation)", "tiny" if bagel.tiny else bagel.path, "on" if cfg.think else "off",
-        "LoRA" if bagel.lora.enabled else "full fine-tuning", _numel(policy.tracks[TEXT]), _numel(policy.tracks[IMAGE]),
-    )  # fmt: skip
+        "(generation)",
+        "tiny" if bagel.tiny else bagel.path,
+        "on" if cfg.think else "off",
+        "LoRA" if bagel.lora.enabled else "full fine-tuning",
+        _numel(policy.tracks[TEXT]),
+        _numel(policy.tracks[IMAGE]),
+    )
     return policy
 
 

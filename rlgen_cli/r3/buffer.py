@@ -73,9 +73,12 @@ class StageOneBuffer:
             pool = torch.arange(len(self))
         pick = int(pool[torch.randint(pool.numel(), (), generator=generator)])
         return Draw(
-            index=int(self.indices[pick]), image=self.images[pick : pick + 1].float() / 255,
-            score=float(self.scores[pick]), perfect=bool(self.perfect[pick]), wanted_perfect=wanted,
-        )  # fmt: skip
+            index=int(self.indices[pick]),
+            image=self.images[pick : pick + 1].float() / 255,
+            score=float(self.scores[pick]),
+            perfect=bool(self.perfect[pick]),
+            wanted_perfect=wanted,
+        )
 
     def state_dict(self) -> dict[str, Tensor]:
         return {

@@ -241,9 +241,12 @@ def _shared_processor(cfg: ModelConfig, tokenizer: Any) -> Any:
         from transformers import AutoProcessor
 
         processor = AutoProcessor.from_pretrained(
-            cfg.path, min_pixels=vlm.min_pixels, max_pixels=vlm.max_pixels,
-            local_files_only=cfg.local_files_only, revision=cfg.revision,
-        )  # fmt: skip
+            cfg.path,
+            min_pixels=vlm.min_pixels,
+            max_pixels=vlm.max_pixels,
+            local_files_only=cfg.local_files_only,
+            revision=cfg.revision,
+        )
     processor.tokenizer = tokenizer
     return processor
 
@@ -267,7 +270,10 @@ def build_composite(cfg: R3CompositePolicy, device: torch.device) -> CompositePo
         else build_vlm(cfg.text, device)
     )
     log.info(
-        "R3 composite: text %s, generator %s, editor %s%s", cfg.text.family, generator.family, editor.family,
+        "R3 composite: text %s, generator %s, editor %s%s",
+        cfg.text.family,
+        generator.family,
+        editor.family,
         " (text policy shares the generator's encoder)" if cfg.share_text_encoder else "",
-    )  # fmt: skip
+    )
     return CompositePolicy(text, generator, editor, cfg.share_text_encoder)

@@ -86,9 +86,14 @@ def _generate(policy: UnifiedPolicy, prompts: list[str], r3: R3Config, seed: int
     )
     plans = [extract_plan(t) for t in thoughts.texts]
     images = _ode(
-        policy, lambda rows: policy.encode_generate(prompts[rows], plans[rows]), GENERATE, r3.steps_gen,
-        list(range(n)), seed, 0,
-    )  # fmt: skip
+        policy,
+        lambda rows: policy.encode_generate(prompts[rows], plans[rows]),
+        GENERATE,
+        r3.steps_gen,
+        list(range(n)),
+        seed,
+        0,
+    )
     return images, thoughts.texts
 
 
@@ -105,14 +110,23 @@ def _refine_round(
     m = len(prompts)
     thoughts = text_rollout(
         lambda rows, s: policy.reflect(images[rows], prompts[rows], _greedy(r3.max_output_token_n_edit), s),
-        m, None, seed, round_, 0,
-    )  # fmt: skip
+        m,
+        None,
+        seed,
+        round_,
+        0,
+    )
     stop = torch.tensor([is_no_edit(t) for t in thoughts.texts], dtype=torch.bool)
     instructions = [extract_instruction(t) or NO_EDIT for t in thoughts.texts]
     edited = _ode(
-        policy, lambda part: policy.encode_edit(images[part], instructions[part]), EDIT, r3.steps_edit,
-        rows, seed, round_,
-    )  # fmt: skip
+        policy,
+        lambda part: policy.encode_edit(images[part], instructions[part]),
+        EDIT,
+        r3.steps_edit,
+        rows,
+        seed,
+        round_,
+    )
     return thoughts.texts, stop, edited
 
 

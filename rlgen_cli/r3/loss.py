@@ -61,9 +61,15 @@ def text_track_loss(
         kl_weight: β of the k3 KL.
     """
     out = token_grpo_loss(
-        logp, old_logp, advantages, mask, loss_type="grpo", epsilon=clip_range, kl_weight=kl_weight,
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        loss_type="grpo",
+        epsilon=clip_range,
+        kl_weight=kl_weight,
         ref_logp=ref_logp,
-    )  # fmt: skip
+    )
     stats = {f"text/{k}": v for k, v in out.stats.items()}
     stats |= {"text/policy_loss": out.policy_loss.item(), "text/kl": out.kl.item()}
     return TrackLoss(ce_weight * out.loss, stats)

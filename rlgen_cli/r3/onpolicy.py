@@ -101,14 +101,21 @@ def print_report(rows: list[CheckRow]) -> bool:
         table.add_column(column, justify="right")
     for row in rows:
         table.add_row(
-            row.stage, row.track, str(row.rows), f"{row.ratio_error:.3e}", f"{row.logp_error:.3e}",
-            f"{row.tolerance:.1e}", "ok" if row.passed else "FAIL",
-        )  # fmt: skip
+            row.stage,
+            row.track,
+            str(row.rows),
+            f"{row.ratio_error:.3e}",
+            f"{row.logp_error:.3e}",
+            f"{row.tolerance:.1e}",
+            "ok" if row.passed else "FAIL",
+        )
     passed = all(row.passed for row in rows)
     worst = max(rows, key=lambda row: row.error / row.tolerance)
     console = Console()
     console.print(table)
     verdict = "[green]PASS[/]" if passed else "[bold red]FAIL[/]"
-    console.print(f"{verdict} worst: {worst.stage} {worst.track}, max error {worst.error:.3e} "
-                  f"(tolerance {worst.tolerance:.1e})")  # fmt: skip
+    console.print(
+        f"{verdict} worst: {worst.stage} {worst.track}, max error {worst.error:.3e} "
+        f"(tolerance {worst.tolerance:.1e})"
+    )
     return passed

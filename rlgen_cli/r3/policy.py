@@ -46,8 +46,10 @@ def stage_of(cond: Cond) -> str:
     """The stage (``generate`` / ``edit``) a conditioning was encoded for."""
     stage = cond.extras.get(STAGE_KEY)
     if stage not in (GENERATE, EDIT):
-        raise ValueError(f"conditioning without an R3 stage (extras {sorted(cond.extras)}); encode it with "
-                         "encode_generate or encode_edit")  # fmt: skip
+        raise ValueError(
+            f"conditioning without an R3 stage (extras {sorted(cond.extras)}); encode it with "
+            "encode_generate or encode_edit"
+        )
     return stage
 
 

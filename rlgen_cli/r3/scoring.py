@@ -67,8 +67,10 @@ class R3Scorer:
         if r3.offline.enabled:
             log.warning(
                 "offline stand-in of this model: scoring with %s instead of reward_fn=%s "
-                "(r3.offline.enabled=false to use reward_fn)", r3.offline.reward, r3.reward_fn,
-            )  # fmt: skip
+                "(r3.offline.enabled=false to use reward_fn)",
+                r3.offline.reward,
+                r3.reward_fn,
+            )
         try:
             self.mix = build_mix(weights, **kwargs)
         except ValueError as err:

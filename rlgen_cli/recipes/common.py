@@ -230,9 +230,16 @@ def load_resume(
 
 
 def save_trainer_checkpoint(
-    dist: Dist, run_dir: Path, epochs_done: int, global_step: int, optimizer: torch.optim.Optimizer,
-    save_weights: Callable[[Path], None], entries: dict[str, Any], raw_cfg: DictConfig, keep_last: int,
-) -> None:  # fmt: skip
+    dist: Dist,
+    run_dir: Path,
+    epochs_done: int,
+    global_step: int,
+    optimizer: torch.optim.Optimizer,
+    save_weights: Callable[[Path], None],
+    entries: dict[str, Any],
+    raw_cfg: DictConfig,
+    keep_last: int,
+) -> None:
     """A full-state checkpoint of a recipe that holds its own optimizer (VLM, R3): the optimizer state,
     the counters, the recipe's ``entries`` and the weights ``save_weights`` writes. Every rank calls (the
     optimizer state may be a collective); rank 0 writes."""
@@ -244,9 +251,14 @@ def save_trainer_checkpoint(
     if not dist.is_main:
         return
     ckpt = save_checkpoint(
-        run_dir, epochs_done, save_weights, state, raw_cfg, keep_last,
+        run_dir,
+        epochs_done,
+        save_weights,
+        state,
+        raw_cfg,
+        keep_last,
         engine_state=staging if dist.shards_optimizer else None,
-    )  # fmt: skip
+    )
     log.info("saved %s", ckpt.path)
 
 

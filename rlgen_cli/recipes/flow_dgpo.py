@@ -114,9 +114,12 @@ def step_weights(
     places = places.sort().values
     try:
         weights = group_weights(
-            advantages[places], gathered, group_ids[places], beta=cfg.algo.forward.dgpo_beta,
+            advantages[places],
+            gathered,
+            group_ids[places],
+            beta=cfg.algo.forward.dgpo_beta,
             group_size=cfg.algo.group_size,
-        )  # fmt: skip
+        )
     except ValueError as err:
         raise UserError(f"algo=dgpo: an optimizer step must cover whole groups: {err}") from err
     return weights[torch.searchsorted(places, local)]
@@ -140,10 +143,16 @@ def train_measured(
                     v_ref = velocity(x, sigma)
             v = velocity(x, sigma)
         out = dgpo_loss(
-            v, x0, noise, advantages, weights[:, j].to(run.device),
+            v,
+            x0,
+            noise,
+            advantages,
+            weights[:, j].to(run.device),
             old_errors=None if m.old_errors is None else m.old_errors[:, j],
-            clip_range=forward.dgpo_clip_range, v_ref=v_ref, kl_weight=algo.kl_weight,
-        )  # fmt: skip
+            clip_range=forward.dgpo_clip_range,
+            v_ref=v_ref,
+            kl_weight=algo.kl_weight,
+        )
         run.dist.backward(out.loss / (num_sigmas * accumulation), sync=sync and j == num_sigmas - 1)
         record_loss(stats, out)
 

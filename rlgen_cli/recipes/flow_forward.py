@@ -189,10 +189,15 @@ def sample_epoch(run: FlowRun, old: OldPolicy, epoch: int, progress: Progress) -
     details = {k: common.Weighted([s[1][k] for s in scores], sizes) for k in scores[0][1]}
     x0 = torch.cat(x0s)
     return Rollouts(
-        indices=torch.tensor(indices), positions=torch.tensor(positions), cond=Cond.cat(conds), x0=x0,
-        sigmas=run.policy.schedule(cfg.model.num_steps, x0[:1]), images=torch.cat(images),
-        components={k: torch.cat([s[0][k] for s in scores]) for k in scores[0][0]}, details=details,
-    )  # fmt: skip
+        indices=torch.tensor(indices),
+        positions=torch.tensor(positions),
+        cond=Cond.cat(conds),
+        x0=x0,
+        sigmas=run.policy.schedule(cfg.model.num_steps, x0[:1]),
+        images=torch.cat(images),
+        components={k: torch.cat([s[0][k] for s in scores]) for k in scores[0][0]},
+        details=details,
+    )
 
 
 def loss_weights(
@@ -206,10 +211,15 @@ def loss_weights(
     ``shape`` (GARDO's diversity shaping) maps A first."""
     algo = run.cfg.algo
     advantages, stats = combine_rewards(
-        components, dict(run.cfg.reward.weights), group_ids, mode=run.cfg.reward.aggregation,
-        global_std=algo.global_std, clip_max=algo.adv_clip_max, std_estimator=algo.std_estimator,
+        components,
+        dict(run.cfg.reward.weights),
+        group_ids,
+        mode=run.cfg.reward.aggregation,
+        global_std=algo.global_std,
+        clip_max=algo.adv_clip_max,
+        std_estimator=algo.std_estimator,
         eps=algo.adv_eps,
-    )  # fmt: skip
+    )
     if shape is not None:
         advantages = shape(advantages)
     if algo.forward.loss == "nft":
@@ -247,14 +257,32 @@ def forward_loss(
     kl_weight = 0.0 if gated else algo.kl_weight
     if forward.loss == "nft":
         out = nft_loss(
-            v, v_old, x0, noise, sigma, weights, beta=forward.nft_beta, adaptive=forward.adaptive_weight,
-            scale=algo.adv_clip_max, v_ref=v_ref, kl_weight=kl_weight,
-        )  # fmt: skip
+            v,
+            v_old,
+            x0,
+            noise,
+            sigma,
+            weights,
+            beta=forward.nft_beta,
+            adaptive=forward.adaptive_weight,
+            scale=algo.adv_clip_max,
+            v_ref=v_ref,
+            kl_weight=kl_weight,
+        )
     else:
         out = awm_loss(
-            v, x0, noise, sigma, weights, weighting=forward.weighting, power=forward.ghuber_power,
-            v_ref=v_ref, kl_weight=kl_weight, v_old=v_old, old_weight=forward.old_weight,
-        )  # fmt: skip
+            v,
+            x0,
+            noise,
+            sigma,
+            weights,
+            weighting=forward.weighting,
+            power=forward.ghuber_power,
+            v_ref=v_ref,
+            kl_weight=kl_weight,
+            v_old=v_old,
+            old_weight=forward.old_weight,
+        )
     if not gated:
         return out
     kl = gated_velocity_kl(v.to(out.loss.dtype), v_ref.to(out.loss.dtype), kl_gate)
@@ -382,10 +410,17 @@ def forward_epoch(
     flow_run.save_rollout_images(run, rollouts.images, epoch)
     local = reduce_over_ranks(run.dist, {**rollouts.details, **stats, "trained_samples": n})
     return {
-        "lr": lr, **flow_run.reward_metrics(run, components), **local, "zero_std_ratio": adv_stats.zero_std_ratio,
-        "num_groups": adv_stats.num_groups, "old_decay": decay, **timings, "global_step": run.global_step,
-        "peak_memory_mb": common.peak_memory_mb(run.device), **gardo_stats,
-    }  # fmt: skip
+        "lr": lr,
+        **flow_run.reward_metrics(run, components),
+        **local,
+        "zero_std_ratio": adv_stats.zero_std_ratio,
+        "num_groups": adv_stats.num_groups,
+        "old_decay": decay,
+        **timings,
+        "global_step": run.global_step,
+        "peak_memory_mb": common.peak_memory_mb(run.device),
+        **gardo_stats,
+    }
 
 
 def console_line(m: dict[str, float]) -> str:

@@ -104,10 +104,14 @@ class Rollouts:
         """The samples at positions ``keep`` (N',)."""
         picked = keep.tolist()
         return Rollouts(
-            self.indices[keep], [self.prompts[i] for i in picked], [self.metadata[i] for i in picked],
-            self.cond.index(keep), self.traj.index(keep), self.images[keep],
+            self.indices[keep],
+            [self.prompts[i] for i in picked],
+            [self.metadata[i] for i in picked],
+            self.cond.index(keep),
+            self.traj.index(keep),
+            self.images[keep],
             None if self.sources is None else self.sources[keep],
-        )  # fmt: skip
+        )
 
 
 RolloutBatch = Callable[[Tensor, list[str], list[dict], "Tensor | None"], None]
@@ -168,10 +172,15 @@ def grpo_epoch(
     order = dist.gather(mine).cpu().argsort()  # gathered rank by rank → global order
     components = {k: dist.gather(v).cpu()[order] for k, v in local.items()}
     advantages, adv_stats = combine_rewards(
-        components, dict(cfg.reward.weights), dist.gather(rollouts.indices).cpu()[order],
-        mode=cfg.reward.aggregation, global_std=algo.global_std, clip_max=algo.adv_clip_max,
-        std_estimator=algo.std_estimator, eps=algo.adv_eps,
-    )  # fmt: skip
+        components,
+        dict(cfg.reward.weights),
+        dist.gather(rollouts.indices).cpu()[order],
+        mode=cfg.reward.aggregation,
+        global_std=algo.global_std,
+        clip_max=algo.adv_clip_max,
+        std_estimator=algo.std_estimator,
+        eps=algo.adv_eps,
+    )
     total = flow_run.weighted_total(run, components)
     kl_gate, gardo_stats = None, {}
     if gardo is not None:  # GARDO: diversity-shaped advantages, the KL gate, the reference refresh
@@ -192,20 +201,31 @@ def grpo_epoch(
     with timed(timings, "time/update"):
         orders = training_orders(algo.shuffle_samples, cfg.seed, epoch, algo.num_inner_epochs, len(keep))
         update_stats = update_values(
-            run, rollouts.select(keep), advantages[keep], progress, num_batches,
-            None if kl_gate is None else kl_gate[keep], orders,
-        )  # fmt: skip
+            run,
+            rollouts.select(keep),
+            advantages[keep],
+            progress,
+            num_batches,
+            None if kl_gate is None else kl_gate[keep],
+            orders,
+        )
         update_stats[common.KL_TO_REFERENCE] = reference_kl(run, rollouts, mine.tolist())
 
     flow_run.save_rollout_images(run, rollouts.images, epoch)
     stats = common.reduce_over_ranks(dist, {**reward_details, **update_stats, "trained_samples": len(keep)})
     return {
-        "lr": lr, **flow_run.reward_metrics(run, components),
+        "lr": lr,
+        **flow_run.reward_metrics(run, components),
         **{f"reward/{k}/std": v.std().item() for k, v in components.items()},
-        **stats, "zero_std_ratio": adv_stats.zero_std_ratio, "num_groups": adv_stats.num_groups, **timings,
-        "peak_memory_mb": common.peak_memory_mb(run.device), "global_step": run.global_step,
-        **dist.loss_scale_metrics(), **gardo_stats,
-    }  # fmt: skip
+        **stats,
+        "zero_std_ratio": adv_stats.zero_std_ratio,
+        "num_groups": adv_stats.num_groups,
+        **timings,
+        "peak_memory_mb": common.peak_memory_mb(run.device),
+        "global_step": run.global_step,
+        **dist.loss_scale_metrics(),
+        **gardo_stats,
+    }
 
 
 # -- rollout -------------------------------------------------------------------------------------------
@@ -214,9 +234,13 @@ def plan_for(run: FlowRun, epoch: int, batch_size: int) -> WindowPlan:
     window = run.cfg.algo.window
     generator = torch.Generator().manual_seed(stream_seed(run.cfg.seed, epoch, 0, salt=Stream.WINDOW))
     return plan_window(
-        window.kind, run.cfg.model.num_steps, epoch=epoch, generator=generator, batch_size=batch_size,
+        window.kind,
+        run.cfg.model.num_steps,
+        epoch=epoch,
+        generator=generator,
+        batch_size=batch_size,
         **window.options(),
-    )  # fmt: skip
+    )
 
 
 def sample_rollouts(
@@ -256,9 +280,14 @@ def sample_rollouts(
     if plan.train_mask is not None:
         traj = replace(traj, train_mask=plan.train_mask.to(run.device))
     return Rollouts(
-        indices=torch.tensor(indices), prompts=prompts, metadata=metadata, cond=Cond.cat(conds), traj=traj,
-        images=torch.cat(images), sources=sources,
-    )  # fmt: skip
+        indices=torch.tensor(indices),
+        prompts=prompts,
+        metadata=metadata,
+        cond=Cond.cat(conds),
+        traj=traj,
+        images=torch.cat(images),
+        sources=sources,
+    )
 
 
 def rollout_cfg_mode(algo: FlowGrpoAlgoConfig) -> str:
@@ -298,10 +327,16 @@ def rollout_batch(
     sigmas = run.policy.schedule(plan.num_steps, x)
     velocity = functools.partial(conditioned, run.policy, cond)
     return rollout(
-        velocity, x, sigmas, plan, spec, steps, start=start,
+        velocity,
+        x,
+        sigmas,
+        plan,
+        spec,
+        steps,
+        start=start,
         flash_ratio=algo.flash.ratio if algo.flash.enabled else None,
         store_means=algo.objective == "grpo_guard",  # GRPO-Guard's loss compares new and old step means
-    )  # fmt: skip
+    )
 
 
 # -- update --------------------------------------------------------------------------------------------
@@ -366,10 +401,19 @@ def folded_logprobs(
     with torch.no_grad(), run.policy.trainable.reference():
         refs = recompute_steps(velocity, traj, fold, spec)
     return [
-        (out, step_kl(out.mean, ref.mean, out.std, traj.sigmas_next[j] - traj.sigmas[j], form=algo.kl_form,
-                      kind=spec.kind))
+        (
+            out,
+            step_kl(
+                out.mean,
+                ref.mean,
+                out.std,
+                traj.sigmas_next[j] - traj.sigmas[j],
+                form=algo.kl_form,
+                kind=spec.kind,
+            ),
+        )
         for (j, _), out, ref in zip(fold, outs, refs)
-    ]  # fmt: skip
+    ]
 
 
 def step_loss(
@@ -387,12 +431,24 @@ def step_loss(
         kl = kl * gated_kl_weights(kl_gate).to(kl)
     if algo.objective == "grpo_guard":
         return guard_loss(
-            out.logprob, step_traj.logprobs[:, j], out.mean, step_traj.means[:, j], *guard_scales(step_traj, j),
-            adv, clip_range=algo.clip_range, kl=kl, kl_weight=algo.kl_weight,
-        )  # fmt: skip
+            out.logprob,
+            step_traj.logprobs[:, j],
+            out.mean,
+            step_traj.means[:, j],
+            *guard_scales(step_traj, j),
+            adv,
+            clip_range=algo.clip_range,
+            kl=kl,
+            kl_weight=algo.kl_weight,
+        )
     return grpo_loss(
-        out.logprob, step_traj.logprobs[:, j], adv, clip_range=algo.clip_range, kl=kl, kl_weight=algo.kl_weight,
-    )  # fmt: skip
+        out.logprob,
+        step_traj.logprobs[:, j],
+        adv,
+        clip_range=algo.clip_range,
+        kl=kl,
+        kl_weight=algo.kl_weight,
+    )
 
 
 def step_folds(trained: list[tuple[int, Tensor | slice]], per_pass: int) -> list[Fold]:
@@ -543,9 +599,12 @@ def _report_onpolicy(
         table.add_column(column, justify="right")
     for j in range(len(ratio_err)):
         table.add_row(
-            str(int(traj.step_indices[j])), f"{float(traj.sigmas[j]):.4f}", f"{float(traj.sigmas_next[j]):.4f}",
-            f"{float(ratio_err[j]):.3e}", f"{float(logp_err[j]):.3e}",
-        )  # fmt: skip
+            str(int(traj.step_indices[j])),
+            f"{float(traj.sigmas[j]):.4f}",
+            f"{float(traj.sigmas_next[j]):.4f}",
+            f"{float(ratio_err[j]):.3e}",
+            f"{float(logp_err[j]):.3e}",
+        )
     console = Console()
     console.print(table)
     verdict = "[green]PASS[/]" if worst <= tolerance else "[bold red]FAIL[/]"

@@ -131,9 +131,16 @@ def pref_epoch(run: FlowRun, pref_state: Preference, epoch: int, progress: Progr
         sampler = pref_state.reference(run) if algo.pref.loss == "dpo" else nullcontext()
         with sampler, common.progress_task(progress, "sampling", len(prompts)) as advance:
             x0 = sample_latents(
-                run.policy, prompts, cfg.model.num_steps, algo.sample_batch_size, cfg.seed,
-                spec=flow_run.step_spec(cfg), epoch=epoch, on_batch=advance, keys=positions,
-            )  # fmt: skip
+                run.policy,
+                prompts,
+                cfg.model.num_steps,
+                algo.sample_batch_size,
+                cfg.seed,
+                spec=flow_run.step_spec(cfg),
+                epoch=epoch,
+                on_batch=advance,
+                keys=positions,
+            )
         parts = list(batches(len(x0), algo.sample_batch_size))
         images = torch.cat([run.policy.decode(x0[p]).cpu() for p in parts])
     with timed(timings, "time/reward"):  # batch by batch, as on any process count
@@ -148,9 +155,14 @@ def pref_epoch(run: FlowRun, pref_state: Preference, epoch: int, progress: Progr
         else:
             stats, counts = sft_update(run, pref_state, epoch, samples)
     return {
-        "lr": lr, **flow_run.reward_metrics(run, components), **reduce_over_ranks(run.dist, {**details, **stats}),
-        **counts, **timings, "global_step": run.global_step, **run.dist.loss_scale_metrics(),
-    }  # fmt: skip
+        "lr": lr,
+        **flow_run.reward_metrics(run, components),
+        **reduce_over_ranks(run.dist, {**details, **stats}),
+        **counts,
+        **timings,
+        "global_step": run.global_step,
+        **run.dist.loss_scale_metrics(),
+    }
 
 
 def gather_samples(
@@ -165,9 +177,11 @@ def gather_samples(
     everyone = run.sampler.global_indices_for_epoch(epoch)
     _, prompts, _ = flow_run.examples_of(run.train_set, everyone)
     samples = EpochSamples(
-        x0=dist.gather(x0).to(run.device)[order.to(run.device)], prompts=prompts,
-        rewards=flow_run.weighted_total(run, components), groups=torch.tensor(everyone),
-    )  # fmt: skip
+        x0=dist.gather(x0).to(run.device)[order.to(run.device)],
+        prompts=prompts,
+        rewards=flow_run.weighted_total(run, components),
+        groups=torch.tensor(everyone),
+    )
     return samples, components
 
 
@@ -263,9 +277,12 @@ def sft_update(
     algo, pref = run.cfg.algo, run.cfg.algo.pref
     keep = select_best(samples.rewards, samples.groups, top_k=pref.top_k)
     advantages, _ = group_advantages(
-        samples.rewards, samples.groups, global_std=algo.global_std, std_estimator=algo.std_estimator,
+        samples.rewards,
+        samples.groups,
+        global_std=algo.global_std,
+        std_estimator=algo.std_estimator,
         eps=algo.adv_eps,
-    )  # fmt: skip
+    )
     units = TrainingUnits(keep, weights=advantages[keep].clamp(min=0))
     loss = functools.partial(_sft_loss, run, pref_state, samples)
     return train_units(run, epoch, units, loss), {"trained_samples": float(len(units))}
@@ -286,9 +303,13 @@ def _sft_loss(
         with torch.no_grad(), run.policy.trainable.reference():
             v_base = velocity(x_sigma, sigma)
     out = sft_loss(
-        velocity(x_sigma, sigma), x0, noise, v_base=v_base, anchor_weight=pref.anchor_weight,
+        velocity(x_sigma, sigma),
+        x0,
+        noise,
+        v_base=v_base,
+        anchor_weight=pref.anchor_weight,
         weights=units.weights.to(run.device),
-    )  # fmt: skip
+    )
     return out.loss, {**out.stats, "sft_loss": out.loss.item()}
 
 

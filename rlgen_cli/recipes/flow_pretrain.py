@@ -74,16 +74,19 @@ def pretrain_epoch(run: FlowRun, epoch: int, progress: Progress) -> dict[str, fl
     progress.remove(task)
     loss = common.reduce_over_ranks(run.dist, {"loss": losses})["loss"]  # every process's steps, pooled
     return {
-        "lr": run.optimizer.param_groups[0]["lr"], "loss": loss,
-        "global_step": run.global_step, **run.dist.loss_scale_metrics(),
-    }  # fmt: skip
+        "lr": run.optimizer.param_groups[0]["lr"],
+        "loss": loss,
+        "global_step": run.global_step,
+        **run.dist.loss_scale_metrics(),
+    }
 
 
 def pretrain_step(run: FlowRun, epoch: int, step: int) -> float:
     """One optimizer step on this process's share of a fresh batch; returns its loss."""
     cfg, pre, policy, dist = run.cfg, run.cfg.algo.pretrain, run.policy, run.dist
-    lr = learning_rate(run.global_step, cfg.algo.lr, pre.warmup_steps, cfg.epochs * pre.steps_per_epoch,
-                       pre.min_lr_ratio)  # fmt: skip
+    lr = learning_rate(
+        run.global_step, cfg.algo.lr, pre.warmup_steps, cfg.epochs * pre.steps_per_epoch, pre.min_lr_ratio
+    )
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     prompts, images = pretrain_batch(run, epoch, step)

@@ -175,17 +175,26 @@ def setup(cfg: FlowRunConfig, raw_cfg: DictConfig) -> FlowRun:
     require_ema_engine(cfg.algo.ema.enabled, fsdp=dist.engine == "fsdp")
     reward = build_mix(dict(cfg.reward.weights), **{k: dict(v) for k, v in cfg.reward.kwargs.items()})
     sampler = GroupSampler(
-        len(train_set), cfg.algo.prompts_per_epoch, cfg.algo.group_size, seed=cfg.seed,
-        num_replicas=dist.world_size, rank=dist.rank,
-        prompts_per_draw=getattr(cfg.algo, "prompts_per_draw", None),  # flow_grpo's key; the others use passes
-    )  # fmt: skip
+        len(train_set),
+        cfg.algo.prompts_per_epoch,
+        cfg.algo.group_size,
+        seed=cfg.seed,
+        num_replicas=dist.world_size,
+        rank=dist.rank,
+        prompts_per_draw=getattr(
+            cfg.algo, "prompts_per_draw", None
+        ),  # flow_grpo's key; the others use passes
+    )
     params = policy.trainable.parameters()
     num_trainable = sum(p.numel() for p in params)  # counted before an engine shards them
     algo = cfg.algo
     optimizer = torch.optim.AdamW(
-        params, lr=algo.lr, betas=(algo.adam_beta1, algo.adam_beta2), eps=algo.adam_eps,
+        params,
+        lr=algo.lr,
+        betas=(algo.adam_beta1, algo.adam_beta2),
+        eps=algo.adam_eps,
         weight_decay=algo.weight_decay,
-    )  # fmt: skip
+    )
     ema = (  # ZeRO-3: updates and swaps gather the shards in the engine's own context
         EMA(
             params,
@@ -193,23 +202,37 @@ def setup(cfg: FlowRunConfig, raw_cfg: DictConfig) -> FlowRun:
             update_every=algo.ema.update_every,
             warmup=algo.ema.warmup,
             gather=dist.gathered,
-        )  # fmt: skip
+        )
         if algo.ema.enabled
         else None
     )
     run = FlowRun(
-        cfg, raw_cfg, run_dir, dist, policy, reward, train_set, test_set, sampler, optimizer, ema,
-        logger=NullLogger(), report=eval_report(cfg.eval_report, run_dir),
-    )  # fmt: skip
+        cfg,
+        raw_cfg,
+        run_dir,
+        dist,
+        policy,
+        reward,
+        train_set,
+        test_set,
+        sampler,
+        optimizer,
+        ema,
+        logger=NullLogger(),
+        report=eval_report(cfg.eval_report, run_dir),
+    )
     if cfg.eval_heldout:
         run.heldout_set = load_prompts(cfg.eval_heldout, run_dir, "eval_heldout")
     resumed = _resume_weights(run)  # into the whole modules, before an engine shards them
     # DDP wraps the transformer; DeepSpeed / FSDP also take the optimizer (training/distributed/dist.py)
     run.optimizer = dist.prepare(
-        policy.trainable, optimizer, max_grad_norm=algo.max_grad_norm, micro_batch_size=algo.train_batch_size,
+        policy.trainable,
+        optimizer,
+        max_grad_norm=algo.max_grad_norm,
+        micro_batch_size=algo.train_batch_size,
         compute_dtype=cfg.model.dtype,  # fp16 compute: the engine scales the loss
         exact_reduction=cfg.launcher.reduces_exactly,  # float64 gradient sums: any process count, same bits
-    )  # fmt: skip
+    )
     if resumed is not None:
         ckpt, state = resumed
         dist.load_optimizer_state(run.optimizer, state[OPTIMIZER_KEY], ckpt.engine)
@@ -220,8 +243,12 @@ def setup(cfg: FlowRunConfig, raw_cfg: DictConfig) -> FlowRun:
         run.logger = build_loggers(run_dir, cfg.logging, raw_cfg)
     log.info(
         "%s on %s: %d trainable parameters, %d prompts × %d samples per epoch",
-        cfg.model.family, dist.device, num_trainable, algo.prompts_per_epoch, algo.group_size,
-    )  # fmt: skip
+        cfg.model.family,
+        dist.device,
+        num_trainable,
+        algo.prompts_per_epoch,
+        algo.group_size,
+    )
     return run
 
 
@@ -378,9 +405,14 @@ def evaluate(run: FlowRun, epoch: int, progress: Progress, split: str = "eval") 
     sources = sources_of(run, examples, dataset)
     with ema_weights(run), progress_task(progress, "sampling", len(prompts)) as advance:
         images = sample_images(
-            run.policy, prompts, cfg.model.eval_num_steps, cfg.algo.sample_batch_size, cfg.seed,
-            sources=sources, on_batch=advance,
-        )  # fmt: skip
+            run.policy,
+            prompts,
+            cfg.model.eval_num_steps,
+            cfg.algo.sample_batch_size,
+            cfg.seed,
+            sources=sources,
+            on_batch=advance,
+        )
     components, samples = score_samples(run, images, prompts, metadata, sources)
     details = detail_summaries(samples, by_tag=True)
     total = weighted_total(run, components)
@@ -530,9 +562,15 @@ def save(
         if not run.dist.is_main:
             return
         ckpt = save_checkpoint(
-            run.run_dir, epochs_done, run.policy.trainable.save, state, run.raw_cfg, run.cfg.keep_last,
-            engine_state=staging if run.dist.shards_optimizer else None, name=name,
-        )  # fmt: skip
+            run.run_dir,
+            epochs_done,
+            run.policy.trainable.save,
+            state,
+            run.raw_cfg,
+            run.cfg.keep_last,
+            engine_state=staging if run.dist.shards_optimizer else None,
+            name=name,
+        )
     log.info("saved %s", ckpt.path)
 
 

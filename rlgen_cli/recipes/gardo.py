@@ -27,9 +27,13 @@ class GardoHooks:
         self.cfg = cfg
         self.device = device
         self.fraction = gardo.GateFraction(
-            base=cfg.gate_fraction, low=cfg.gate_fraction_min, high=cfg.gate_fraction_max,
-            rate=cfg.gate_fraction_rate, window=cfg.gate_window, fraction=cfg.gate_fraction,
-        )  # fmt: skip
+            base=cfg.gate_fraction,
+            low=cfg.gate_fraction_min,
+            high=cfg.gate_fraction_max,
+            rate=cfg.gate_fraction_rate,
+            window=cfg.gate_window,
+            fraction=cfg.gate_fraction,
+        )
         self._encoder: Any = None
 
     @classmethod

@@ -185,13 +185,16 @@ class R3Recipe:
         )
         self.run.resume_and_prepare(  # into the bare modules, before DDP wraps them
             {
-                "max_grad_norm": r3.max_grad_norm, "micro_batch_size": self.geometry.micro_batch,
-                "compute_dtype": compute_dtype(r3, self.tracks, cfg.model.family),  # fp16: the Dist scales the loss
+                "max_grad_norm": r3.max_grad_norm,
+                "micro_batch_size": self.geometry.micro_batch,
+                "compute_dtype": compute_dtype(
+                    r3, self.tracks, cfg.model.family
+                ),  # fp16: the Dist scales the loss
                 "exact_reduction": cfg.launcher.reduces_exactly,  # float64 gradient sums: same bits on any count
             },
             lambda state: self.buffer.load_state_dict(state[BUFFER_KEY]),
             lambda: build_loggers(self.run_dir, cfg.logging, self.raw_cfg),
-        )  # fmt: skip
+        )
         self.run.evaluation = lambda step, progress: self.evaluate(step)
         (self.run_dir / SAMPLES_DIR).mkdir(parents=True, exist_ok=True)
         self.sample_log = (self.run_dir / SAMPLES_DIR / f"rank_{self.dist.rank}.jsonl").open(
@@ -200,10 +203,16 @@ class R3Recipe:
         geometry = self.geometry
         log.info(
             "R3 on %s: %d prompts × %d branches per step over %d processes (%d per process, each group on "
-            "%d), %d per forward, tracks %s", self.device, r3.prompts_per_step, r3.group_size,
-            self.dist.world_size, geometry.per_process, geometry.ranks_per_group, geometry.micro_batch,
+            "%d), %d per forward, tracks %s",
+            self.device,
+            r3.prompts_per_step,
+            r3.group_size,
+            self.dist.world_size,
+            geometry.per_process,
+            geometry.ranks_per_group,
+            geometry.micro_batch,
             self.tracks,
-        )  # fmt: skip
+        )
 
     # -- the loop -------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
@@ -226,11 +235,15 @@ class R3Recipe:
         update_stats = self.update(batch)
         self._log_samples(step, batch)
         return {
-            **batch.stats, **update_stats, "stage": float(STAGE_NAMES.index(batch.stage)),
-            "time/rollout": rollout_time, "time/step": time.perf_counter() - start,
-            "lr": self.run.scheduler.get_last_lr()[0], "global_step": self.run.global_step,
+            **batch.stats,
+            **update_stats,
+            "stage": float(STAGE_NAMES.index(batch.stage)),
+            "time/rollout": rollout_time,
+            "time/step": time.perf_counter() - start,
+            "lr": self.run.scheduler.get_last_lr()[0],
+            "global_step": self.run.global_step,
             **self.dist.loss_scale_metrics(),
-        }  # fmt: skip
+        }
 
     # -- rollouts -------------------------------------------------------------------------------
     @property
@@ -245,12 +258,21 @@ class R3Recipe:
         conditions rows of this process."""
         seed, out = self.cfg.seed, []
         for local in self.groups:
-            out.append(image_rollout(
-                self.policy, functools.partial(_encode_shifted, encode, local.rows.start), stage,
-                stage_plan(num_steps, sde, max_index, seed, step, local.group), self._spec(stage),
-                local.positions, [local.group] * len(local.positions), seed, step, self.geometry.micro_batch,
-                self.cfg.r3.eta_schedule,
-            ))  # fmt: skip
+            out.append(
+                image_rollout(
+                    self.policy,
+                    functools.partial(_encode_shifted, encode, local.rows.start),
+                    stage,
+                    stage_plan(num_steps, sde, max_index, seed, step, local.group),
+                    self._spec(stage),
+                    local.positions,
+                    [local.group] * len(local.positions),
+                    seed,
+                    step,
+                    self.geometry.micro_batch,
+                    self.cfg.r3.eta_schedule,
+                )
+            )
         return out
 
     def _spec(self, stage: str) -> StepSpec:
@@ -264,14 +286,22 @@ class R3Recipe:
         prompts = [s.prompt for s in samples]
         options = SamplingOptions(r3.temperature, r3.top_p, 0, r3.max_output_token_n_gen)
         thoughts = text_rollout(
-            lambda rows, s: self.policy.think(prompts[rows], options, s), len(samples),
-            self.geometry.micro_batch, seed, step, self.first_position,
-        )  # fmt: skip
+            lambda rows, s: self.policy.think(prompts[rows], options, s),
+            len(samples),
+            self.geometry.micro_batch,
+            seed,
+            step,
+            self.first_position,
+        )
         plans = [extract_plan(text) for text in thoughts.texts]
         images = self._images(
-            GENERATE, lambda rows: self.policy.encode_generate(prompts[rows], plans[rows]), r3.steps_gen,
-            r3.enable_sde_gen, None, step,
-        )  # fmt: skip
+            GENERATE,
+            lambda rows: self.policy.encode_generate(prompts[rows], plans[rows]),
+            r3.steps_gen,
+            r3.enable_sde_gen,
+            None,
+            step,
+        )
         pixels = torch.cat([rollout.images for rollout in images])
         scores = self.scorer.score(pixels, samples)
         self._fill_buffer(torch.tensor([s.index for s in samples]), pixels, scores)
@@ -298,15 +328,23 @@ class R3Recipe:
         sources = torch.cat([draw.image.expand(share, -1, -1, -1) for draw in draws])  # (n, 3, H, W)
         options = SamplingOptions(r3.temperature, r3.top_p, 0, r3.max_output_token_n_edit)
         thoughts = text_rollout(
-            lambda rows, s: self.policy.reflect(sources[rows], prompts[rows], options, s), n,
-            self.geometry.micro_batch, seed, step, self.first_position,
-        )  # fmt: skip
+            lambda rows, s: self.policy.reflect(sources[rows], prompts[rows], options, s),
+            n,
+            self.geometry.micro_batch,
+            seed,
+            step,
+            self.first_position,
+        )
         instructions = [extract_instruction(t) or NO_EDIT for t in thoughts.texts]
         kept = torch.tensor([is_no_edit(t) for t in thoughts.texts])
         images = self._images(
-            EDIT, lambda rows: self.policy.encode_edit(sources[rows], instructions[rows]), r3.steps_edit,
-            r3.enable_sde_edit, r3.max_sde_timestep_idx_for_edit, step,
-        )  # fmt: skip
+            EDIT,
+            lambda rows: self.policy.encode_edit(sources[rows], instructions[rows]),
+            r3.steps_edit,
+            r3.enable_sde_edit,
+            r3.max_sde_timestep_idx_for_edit,
+            step,
+        )
         prev = torch.tensor([draw.score for draw in draws]).repeat_interleave(share)
         perfect = torch.tensor([draw.perfect for draw in draws]).repeat_interleave(share)
         new = prev.clone()
@@ -317,17 +355,24 @@ class R3Recipe:
         batch = self._stage_batch(REFINE, samples, thoughts, images, rewards)
         batch.stats |= reduce_over_ranks(  # per branch: a draw counts for each branch of its group
             self.dist,
-            {"no_edit_rate": kept.float().tolist(), "delta/mean": rewards.delta.tolist(),
-             "refine/drew_perfect": perfect.float().tolist(),
-             "refine/missed_kind": [float(d.missed) for d in draws for _ in range(share)]}
-        )  # fmt: skip
+            {
+                "no_edit_rate": kept.float().tolist(),
+                "delta/mean": rewards.delta.tolist(),
+                "refine/drew_perfect": perfect.float().tolist(),
+                "refine/missed_kind": [float(d.missed) for d in draws for _ in range(share)],
+            },
+        )
         return batch
 
     # -- advantages and π_old -------------------------------------------------------------------
     def _stage_batch(
-        self, stage: str, samples: list[R3Sample], thoughts: Thoughts, images: list[ImageRollout],
+        self,
+        stage: str,
+        samples: list[R3Sample],
+        thoughts: Thoughts,
+        images: list[ImageRollout],
         rewards: StageRewards,
-    ) -> StageBatch:  # fmt: skip
+    ) -> StageBatch:
         """Group advantages over every rank's branches in global order (a rank holds consecutive
         positions, so rank order is global order: the group sums run in the same order on any process
         count), this rank's rows kept."""
@@ -399,9 +444,15 @@ class R3Recipe:
         for mb in batch.text_micro:
             logp = self.policy.token_logprobs(mb.batch)
             loss = text_track_loss(
-                logp, mb.old, batch.text_adv[mb.rows].to(dev), mb.batch.completion_mask, mb.ref,
-                clip_range=r3.clip_range, ce_weight=r3.ce_weight, kl_weight=r3.kl_weight_text,
-            )  # fmt: skip
+                logp,
+                mb.old,
+                batch.text_adv[mb.rows].to(dev),
+                mb.batch.completion_mask,
+                mb.ref,
+                clip_range=r3.clip_range,
+                ce_weight=r3.ce_weight,
+                kl_weight=r3.kl_weight_text,
+            )
             self.dist.backward(loss.loss * self.step_share(mb.rows))
             _collect(stats, loss.stats)
         for local, rollout in batch.group_rollouts():
@@ -411,10 +462,15 @@ class R3Recipe:
                 traj, mine = rollout.traj.index(rows), shifted(rows, local.rows.start)
                 out, kl = self.image_step(traj, rollout.cond.index(rows), rollout.spec)
                 loss = image_track_loss(
-                    out, traj.logprobs[:, 0], batch.image_adv[mine].to(dev),
-                    batch.rewards.image_mask[mine].to(dev), kl, clip_range=r3.clip_range,
-                    mse_weight=r3.mse_weight, kl_weight=r3.kl_weight_image,
-                )  # fmt: skip
+                    out,
+                    traj.logprobs[:, 0],
+                    batch.image_adv[mine].to(dev),
+                    batch.rewards.image_mask[mine].to(dev),
+                    kl,
+                    clip_range=r3.clip_range,
+                    mse_weight=r3.mse_weight,
+                    kl_weight=r3.kl_weight_image,
+                )
                 self.dist.backward(loss.loss * self.step_share(rows))
                 _collect(stats, loss.stats)
         max_norm = r3.max_grad_norm if r3.max_grad_norm > 0 else math.inf
@@ -480,10 +536,13 @@ def local_groups(geometry: R3Geometry, rank: int) -> list[LocalGroup]:
     """The groups process ``rank`` holds, in order: its consecutive positions cut at group boundaries."""
     first, share = geometry.first_position(rank), geometry.group_share
     return [
-        LocalGroup(start // geometry.group_size, slice(start - first, start - first + share),
-                   list(range(start, start + share)))
+        LocalGroup(
+            start // geometry.group_size,
+            slice(start - first, start - first + share),
+            list(range(start, start + share)),
+        )
         for start in range(first, first + geometry.per_process, share)
-    ]  # fmt: skip
+    ]
 
 
 def _encode_shifted(encode: Any, offset: int, rows: slice) -> Any:

@@ -140,9 +140,13 @@ class Session:
             yield epoch
 
     def end_epoch(
-        self, epoch: int, metrics: dict[str, float], console: Callable[[dict[str, float]], str],
-        headline: str, extra_state: dict[str, Any] | None = None,
-    ) -> bool:  # fmt: skip
+        self,
+        epoch: int,
+        metrics: dict[str, float],
+        console: Callable[[dict[str, float]], str],
+        headline: str,
+        extra_state: dict[str, Any] | None = None,
+    ) -> bool:
         """After ``epoch``'s training: its time, the evaluation when due, the log line (``console`` of the
         metrics), the checkpoint when due (``extra_state``: see :func:`save`), the epochs bar (``headline``).
         True when this was the run's last epoch."""

@@ -74,9 +74,11 @@ class TrainerRun:
         self.scheduler = make_scheduler(self.optimizer, total_steps, token.warmup_ratio, token.lr_schedule)
 
     def resume_and_prepare(
-        self, engine_options: dict[str, Any], restore: Callable[[dict[str, Any]], None] = lambda state: None,
+        self,
+        engine_options: dict[str, Any],
+        restore: Callable[[dict[str, Any]], None] = lambda state: None,
         loggers: Callable[[], Any] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Weights, schedule, RNG and counters of the checkpoint to resume (if any; ``restore`` takes the
         recipe's own entries, e.g. its sampler) into the bare model; then DDP / the engine wraps the model
         (``engine_options``: ``Dist.prepare``'s) and takes the optimizer, whose state is restored last
@@ -112,9 +114,16 @@ class TrainerRun:
         """A full-state checkpoint with the recipe's ``entries`` (every rank calls; rank 0 writes)."""
         entries = {**(entries or {}), SCHEDULER_KEY: self.scheduler.state_dict()}
         save_trainer_checkpoint(
-            self.dist, self.run_dir, epochs_done, self.global_step, self.optimizer, self.policy.save_trainable,
-            entries, self.raw_cfg, self.cfg.keep_last,
-        )  # fmt: skip
+            self.dist,
+            self.run_dir,
+            epochs_done,
+            self.global_step,
+            self.optimizer,
+            self.policy.save_trainable,
+            entries,
+            self.raw_cfg,
+            self.cfg.keep_last,
+        )
 
     # -- the epoch session's Run (recipes/session.py) ------------------------------------------------------
     def time_limit(self) -> TimeLimit:
@@ -163,9 +172,12 @@ def open_vlm_run(cfg: Any, raw_cfg: DictConfig, engine: str = "hf") -> TrainerRu
     require_whole_weights(dist, engine)
     policy = build_vlm(cfg.model, dist.device)
     optimizer = torch.optim.AdamW(
-        policy.trainable_parameters(), lr=algo.lr, betas=(algo.adam_beta1, algo.adam_beta2),
-        eps=algo.adam_eps, weight_decay=algo.weight_decay,
-    )  # fmt: skip
+        policy.trainable_parameters(),
+        lr=algo.lr,
+        betas=(algo.adam_beta1, algo.adam_beta2),
+        eps=algo.adam_eps,
+        weight_decay=algo.weight_decay,
+    )
     return TrainerRun(cfg, raw_cfg, Path(cfg.run_dir), dist, policy, optimizer)
 
 
@@ -174,9 +186,11 @@ def vlm_engine_options(cfg: Any) -> dict[str, Any]:
     model's compute dtype, float64 gradient sums under ``launcher.exact_reduction``."""
     algo = cfg.algo
     return {
-        "max_grad_norm": algo.max_grad_norm, "micro_batch_size": algo.train_batch_size,
-        "compute_dtype": cfg.model.dtype, "exact_reduction": cfg.launcher.reduces_exactly,
-    }  # fmt: skip
+        "max_grad_norm": algo.max_grad_norm,
+        "micro_batch_size": algo.train_batch_size,
+        "compute_dtype": cfg.model.dtype,
+        "exact_reduction": cfg.launcher.reduces_exactly,
+    }
 
 
 class Recipe(Protocol):

@@ -114,8 +114,10 @@ def assignment_unit(algo: Any, world_size: int) -> int:
         "an optimizer step's %d samples do not split into whole rollout batches of lcm(algo.sample_batch_size,"
         " algo.train_batch_size) = %d over %d processes: each process takes training micro-batches and "
         "samples them in its own batches (the same run to sampling statistics, not bit for bit)",
-        per_step, unit, world_size,
-    )  # fmt: skip
+        per_step,
+        unit,
+        world_size,
+    )
     return algo.train_batch_size
 
 
@@ -162,9 +164,13 @@ class VLMRLRecipe:
         self.train_set = load_vlm_examples(cfg.data.train)
         self.test_set = load_vlm_examples(cfg.data.test) if cfg.eval_every else []
         self.sampler = GroupSampler(
-            len(self.train_set), algo.prompts_per_epoch, algo.group_size, seed=cfg.seed,
-            num_replicas=self.dist.world_size, rank=self.dist.rank,
-        )  # fmt: skip
+            len(self.train_set),
+            algo.prompts_per_epoch,
+            algo.group_size,
+            seed=cfg.seed,
+            num_replicas=self.dist.world_size,
+            rank=self.dist.rank,
+        )
         self.unit = assignment_unit(algo, self.dist.world_size)  # samples dealt round-robin as one piece
         micro = self.sampler.samples_per_rank // algo.train_batch_size  # per rank: the steps are shared
         accum = accumulation_per_process(algo, self.dist.world_size)  # the global count ÷ processes
@@ -206,9 +212,13 @@ class VLMRLRecipe:
         group_ids = self._in_global_order(rollouts.indices, order)
         algo = self.cfg.algo
         advantages, adv_stats = combine_rewards(
-            components, dict(self.cfg.reward.weights), group_ids, mode=self.cfg.reward.aggregation,
-            **advantage_options(algo.token.scale_rewards, algo.token.std_estimator, algo.adv_eps), clip_max=algo.adv_clip_max,
-        )  # fmt: skip
+            components,
+            dict(self.cfg.reward.weights),
+            group_ids,
+            mode=self.cfg.reward.aggregation,
+            **advantage_options(algo.token.scale_rewards, algo.token.std_estimator, algo.adv_eps),
+            clip_max=algo.adv_clip_max,
+        )
         advantages = advantages[rollouts.positions]
         start = time.perf_counter()
         micro_batches = self.prepare(rollouts)
@@ -218,13 +228,18 @@ class VLMRLRecipe:
             self.dist, {**update_stats, "sampler/logp_gap_max": self._sampler_gap(rollouts, micro_batches)}
         )
         return {
-            "reward/mean": total.mean().item(), "reward/std": total.std().item(),
+            "reward/mean": total.mean().item(),
+            "reward/std": total.std().item(),
             **{f"reward/{k}/mean": v.mean().item() for k, v in components.items()},
             **{f"reward/{k}/std": v.std().item() for k, v in components.items()},
-            "zero_std_ratio": adv_stats.zero_std_ratio, "num_groups": adv_stats.num_groups,
-            **self._completion_stats(rollouts, order), **local_stats, **timings,
-            "lr": self.run.scheduler.get_last_lr()[0], "global_step": self.run.global_step,
-        }  # fmt: skip
+            "zero_std_ratio": adv_stats.zero_std_ratio,
+            "num_groups": adv_stats.num_groups,
+            **self._completion_stats(rollouts, order),
+            **local_stats,
+            **timings,
+            "lr": self.run.scheduler.get_last_lr()[0],
+            "global_step": self.run.global_step,
+        }
 
     def _in_global_order(self, local: Tensor, order: Tensor) -> Tensor:
         """Every rank's values of this epoch, (prompts_per_epoch × group_size,), in global batch order
@@ -236,9 +251,11 @@ class VLMRLRecipe:
         lengths = self._in_global_order(torch.tensor([float(c.numel()) for c in rollouts.completions]), order)
         truncated = self._in_global_order(torch.tensor([float(t) for t in rollouts.truncated]), order)
         return {
-            "completions/mean_length": lengths.mean().item(), "completions/max_length": lengths.max().item(),
-            "completions/min_length": lengths.min().item(), "completions/clipped_ratio": truncated.mean().item(),
-        }  # fmt: skip
+            "completions/mean_length": lengths.mean().item(),
+            "completions/max_length": lengths.max().item(),
+            "completions/min_length": lengths.min().item(),
+            "completions/clipped_ratio": truncated.mean().item(),
+        }
 
     # -- phases ---------------------------------------------------------------------------------
     def sampling_options(self) -> SamplingOptions:
@@ -262,10 +279,12 @@ class VLMRLRecipe:
         task = progress.task("rollout", total=len(indices))
         for part in batches(len(indices), cfg.algo.sample_batch_size):
             done = self.engine.generate(
-                prompts[part], images[part], options,
+                prompts[part],
+                images[part],
+                options,
                 seed=stream_seed(cfg.seed, epoch, positions[part.start], Stream.VLM_ROLLOUT),
                 labels=[f"#{i}" for i in indices[part]],
-            )  # fmt: skip
+            )
             ids += done.ids
             truncated += done.truncated
             logprobs += done.logprobs or []
@@ -273,9 +292,16 @@ class VLMRLRecipe:
         progress.remove(task)
         texts = self.policy.tokenizer.batch_decode(ids, skip_special_tokens=True)
         return Rollouts(
-            torch.tensor(indices), torch.tensor(positions), prompts, images, ids, truncated, texts,
-            [dict(ex.metadata) for ex in examples], logprobs,
-        )  # fmt: skip
+            torch.tensor(indices),
+            torch.tensor(positions),
+            prompts,
+            images,
+            ids,
+            truncated,
+            texts,
+            [dict(ex.metadata) for ex in examples],
+            logprobs,
+        )
 
     @torch.no_grad()
     def score(self, rollouts: Rollouts) -> tuple[dict[str, Tensor], Tensor]:
@@ -362,11 +388,20 @@ class VLMRLRecipe:
         algo = self.cfg.algo
         logp = completion_logprobs(self.policy, mb.batch)
         return token_grpo_loss(
-            logp, mb.old, adv, self._loss_mask(mb, truncated), loss_type=algo.token.loss_type,
-            importance_level=algo.token.importance_level, epsilon=algo.clip_range, epsilon_high=algo.token.epsilon_high,
-            kl_weight=algo.kl_weight, ref_logp=mb.ref, max_completion_length=self.max_completion_tokens, num_items=num_items,
+            logp,
+            mb.old,
+            adv,
+            self._loss_mask(mb, truncated),
+            loss_type=algo.token.loss_type,
+            importance_level=algo.token.importance_level,
+            epsilon=algo.clip_range,
+            epsilon_high=algo.token.epsilon_high,
+            kl_weight=algo.kl_weight,
+            ref_logp=mb.ref,
+            max_completion_length=self.max_completion_tokens,
+            num_items=num_items,
             bias_correction_kl=algo.token.use_bias_correction_kl,
-        )  # fmt: skip
+        )
 
     def optimizer_step(self) -> float:
         grad_norm = self.run.optimizer_step()  # the pre-clip global norm

@@ -227,9 +227,11 @@ class VLMSFTRecipe:
         stats = reduce_over_ranks(self.dist, {"loss": losses, "tokens": float(tokens), "grad_norm": norms})
         return {
             **stats,
-            "lr": self.run.scheduler.get_last_lr()[0], "dropped_reflective": float(self.dropped),
-            "time/epoch": time.perf_counter() - start, "global_step": self.run.global_step,
-        }  # fmt: skip
+            "lr": self.run.scheduler.get_last_lr()[0],
+            "dropped_reflective": float(self.dropped),
+            "time/epoch": time.perf_counter() - start,
+            "global_step": self.run.global_step,
+        }
 
     def cleanup(self) -> None:
         self.run.close()

@@ -200,9 +200,15 @@ class AestheticHead(nn.Module):
         """Create the head (upstream state-dict keys ``layers.{0,2,4,6,7}.{weight,bias}``)."""
         super().__init__()
         self.layers = nn.Sequential(
-            nn.Linear(input_size, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
-            nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1),
-        )  # fmt: skip
+            nn.Linear(input_size, 1024),
+            nn.Dropout(0.2),
+            nn.Linear(1024, 128),
+            nn.Dropout(0.2),
+            nn.Linear(128, 64),
+            nn.Dropout(0.1),
+            nn.Linear(64, 16),
+            nn.Linear(16, 1),
+        )
 
     def forward(self, embeddings: Tensor) -> Tensor:
         """Map ``(B, D)`` normalised CLIP image embeddings to ``(B, 1)`` scores."""

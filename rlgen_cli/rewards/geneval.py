@@ -209,8 +209,12 @@ def geneval(**kwargs: Any) -> GenEvalReward:
     )
     min_threshold = min(args.threshold, args.counting_threshold)
     detector = TransformersDetector(
-        str(args.detector_path), args.device, args.local_files_only, min_threshold, args.label_aliases,
+        str(args.detector_path),
+        args.device,
+        args.local_files_only,
+        min_threshold,
+        args.label_aliases,
         args.batch_size,
-    )  # fmt: skip
+    )
     colors = CLIPColorClassifier(str(args.clip_path), args.device, args.local_files_only, args.colour_crop)
     return GenEvalReward(detector, colors, thresholds, args.clamp_count_term, args.position_credit)

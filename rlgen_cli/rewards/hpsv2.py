@@ -270,9 +270,12 @@ class HPSv2Reward:
         model = self.load()
         context = int(model.config.text_config.max_position_embeddings)
         tokens = self._tokenizer(
-            [openclip_clean(p) for p in prompts], padding=True, truncation=True, max_length=context,
+            [openclip_clean(p) for p in prompts],
+            padding=True,
+            truncation=True,
+            max_length=context,
             return_tensors="pt",
-        )  # fmt: skip
+        )
         return _unit(
             model.get_text_features(
                 input_ids=tokens["input_ids"].to(self.device),

@@ -210,6 +210,10 @@ def shapes_geneval(
         )
     thresholds = GenEvalThresholds(position_margin=position_margin)
     return ShapesGenEvalReward(
-        mode, extra_penalty, ShapeDetector(min_area), thresholds, position_credit=position_credit,
+        mode,
+        extra_penalty,
+        ShapeDetector(min_area),
+        thresholds,
+        position_credit=position_credit,
         credit=ObjectCredit(wrong_shape=wrong_shape_credit),
-    )  # fmt: skip
+    )

@@ -240,8 +240,11 @@ class QwenVLJudge:
         if unparsed.any():
             logger.warning(
                 "reward %r: %d of %d answers had no valid <Score>1-5</Score> (scored NaN), e.g. %r",
-                self.name, int(unparsed.sum()), len(answers), answers[int(unparsed.argmax())][:200],
-            )  # fmt: skip
+                self.name,
+                int(unparsed.sum()),
+                len(answers),
+                answers[int(unparsed.argmax())][:200],
+            )
         return RewardResult(scores=scores, details={"answers": answers, "unparsed": unparsed})
 
 

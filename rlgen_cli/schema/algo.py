@@ -471,15 +471,21 @@ class FlowGrpoAlgoConfig(PolicyGradientConfig):
         makes a step's samples depend on the process count."""
         found = []
         if self.drop_zero_advantage:
-            found.append((
-                "algo.drop_zero_advantage=true", "packs each process's kept samples into its own micro-batches",
-                "algo.drop_zero_advantage=false (every sample trains; zero-advantage ones add no policy gradient)",
-            ))  # fmt: skip
+            found.append(
+                (
+                    "algo.drop_zero_advantage=true",
+                    "packs each process's kept samples into its own micro-batches",
+                    "algo.drop_zero_advantage=false (every sample trains; zero-advantage ones add no policy gradient)",
+                )
+            )
         if self.shuffle_samples == "per_process":
-            found.append((
-                "algo.shuffle_samples=per_process", "permutes each process's own samples before cutting micro-batches",
-                "algo.shuffle_samples=none (rollout order: a step covers the same samples on any process count)",
-            ))  # fmt: skip
+            found.append(
+                (
+                    "algo.shuffle_samples=per_process",
+                    "permutes each process's own samples before cutting micro-batches",
+                    "algo.shuffle_samples=none (rollout order: a step covers the same samples on any process count)",
+                )
+            )
         return found
 
 

@@ -73,10 +73,21 @@ ModelWeights = Literal["pretrained", "random_init"]
 """``model.weights``: load ``model.path``, or build ``model.variant``'s published architecture with random
 weights (``models/real_size.py``)."""
 RealSizeVariant = Literal[
-    "auto", "sd3_5_medium", "sd3_5_large", "flux_1_dev", "flux_1_kontext_dev", "qwen_image", "qwen_image_edit",
-    "wan2_1_t2v_1_3b", "wan2_1_t2v_14b", "qwen2_vl_2b", "qwen2_vl_7b", "qwen2_5_vl_3b", "qwen2_5_vl_7b",
+    "auto",
+    "sd3_5_medium",
+    "sd3_5_large",
+    "flux_1_dev",
+    "flux_1_kontext_dev",
+    "qwen_image",
+    "qwen_image_edit",
+    "wan2_1_t2v_1_3b",
+    "wan2_1_t2v_14b",
+    "qwen2_vl_2b",
+    "qwen2_vl_7b",
+    "qwen2_5_vl_3b",
+    "qwen2_5_vl_7b",
     "bagel_7b_mot",
-]  # fmt: skip
+]
 """``model.variant``: the checkpoint ``model.weights=random_init`` builds (``schema/run.py:
 REAL_SIZE_VARIANTS`` says which family builds which)."""
 TextEncoderSize = Literal["real_size", "stand_in"]

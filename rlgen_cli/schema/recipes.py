@@ -176,10 +176,11 @@ class VlmRlTrainConfig(RunConfig):
         # without exact reduction a step too small for whole rollout batches is dealt in micro-batches
         if self.launcher.reduces_exactly:
             require_whole_rollout_pieces(
-                self.algo, self.launcher.world_size,
+                self.algo,
+                self.launcher.world_size,
                 otherwise=", or pass launcher.exact_reduction=false (each process then samples its training "
                 "micro-batches in its own rollout batches: the same run statistically, not bit for bit)",
-            )  # fmt: skip
+            )
 
 
 @dataclass

@@ -69,9 +69,11 @@ def randn_per_sample(
 
 
 def standard_normal(
-    n: int, shape: Sequence[int], generator: torch.Generator | Sequence[torch.Generator] | None,
+    n: int,
+    shape: Sequence[int],
+    generator: torch.Generator | Sequence[torch.Generator] | None,
     device: torch.device | str,
-) -> Tensor:  # fmt: skip
+) -> Tensor:
     """(n, *shape) fp32 standard normals: from one generator (or the global RNG) for all rows, or row i
     from ``generator[i]`` (the per-sample streams that make results independent of batching)."""
     if generator is None or isinstance(generator, torch.Generator):

@@ -155,10 +155,17 @@ def rollout(
             break
         kind, level = (spec.kind, spec.noise_level) if i in sde else ("ode", 0.0)
         out = step(
-            kind, x, velocity(x, sigmas[i]), sigmas[i], sigmas[i + 1], noise_level=level, sigma_max=sigma_max,
-            reduce=spec.reduce, logprob_form=spec.logprob_form,
+            kind,
+            x,
+            velocity(x, sigmas[i]),
+            sigmas[i],
+            sigmas[i + 1],
+            noise_level=level,
+            sigma_max=sigma_max,
+            reduce=spec.reduce,
+            logprob_form=spec.logprob_form,
             **_noise_source(generator, x, stochastic=kind != "ode" and level > 0),
-        )  # fmt: skip
+        )
         if i in trained:
             for key, value in (("x", x), ("next", out.prev), ("logp", out.logprob), ("std", out.std)):
                 stored[key].append(value)
@@ -201,10 +208,17 @@ def recompute_step(velocity: Velocity, traj: Trajectory, j: int, spec: StepSpec)
     x = traj.latents[:, j]
     v = velocity(x, traj.sigmas[j])
     return step(
-        spec.kind, x, v, traj.sigmas[j], traj.sigmas_next[j], noise_level=spec.noise_level,
+        spec.kind,
+        x,
+        v,
+        traj.sigmas[j],
+        traj.sigmas_next[j],
+        noise_level=spec.noise_level,
         prev=traj.next_latents[:, j],
-        sigma_max=traj.sigma_max, reduce=spec.reduce, logprob_form=spec.logprob_form,
-    )  # fmt: skip
+        sigma_max=traj.sigma_max,
+        reduce=spec.reduce,
+        logprob_form=spec.logprob_form,
+    )
 
 
 def fold_rows(batch: int, fold: Fold, device: torch.device | str = "cpu") -> Tensor:
@@ -234,6 +248,6 @@ def recompute_steps(velocity: Velocity, traj: Trajectory, fold: Fold, spec: Step
             sigma_max=traj.sigma_max,
             reduce=spec.reduce,
             logprob_form=spec.logprob_form,
-        )  # fmt: skip
+        )
         for (j, rows), x, v in zip(fold, xs, velocities)
     ]

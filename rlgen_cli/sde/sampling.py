@@ -98,7 +98,14 @@ def sample_images(
 ) -> Tensor:
     """Images (B, 3, H, W) in [0, 1] for ``prompts``: :func:`sample_latents`, decoded batch by batch."""
     latents = sample_latents(
-        policy, prompts, num_steps, batch_size, seed, spec=spec, epoch=epoch, sources=sources,
+        policy,
+        prompts,
+        num_steps,
+        batch_size,
+        seed,
+        spec=spec,
+        epoch=epoch,
+        sources=sources,
         on_batch=on_batch,
-    )  # fmt: skip
+    )
     return torch.cat([policy.decode(latents[part]).cpu() for part in batches(len(latents), batch_size)])

@@ -268,8 +268,11 @@ def _supervise(workers: list[Worker], stopping: threading.Event, stop_all: Calla
             report = logger.warning if code == 0 else logger.error
             report(
                 "worker %d (pid %d, port %d) %s; stopping the other workers",
-                worker.index, worker.proc.pid, worker.port, how,
-            )  # fmt: skip
+                worker.index,
+                worker.proc.pid,
+                worker.port,
+                how,
+            )
             stop_all()
         time.sleep(0.2)
     return code

@@ -112,12 +112,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, path in paths.items():
         rows = splits[name]
         tags = sorted({r["tag"] for r in rows})
-        logger.info("%-8s %4d rows, %3d distinct prompts, tags %s -> %s", name, len(rows),
-                    len({r["prompt"] for r in rows}), ",".join(tags), path)  # fmt: skip
+        logger.info(
+            "%-8s %4d rows, %3d distinct prompts, tags %s -> %s",
+            name,
+            len(rows),
+            len({r["prompt"] for r in rows}),
+            ",".join(tags),
+            path,
+        )
         if args.images:
             strict = render_split(rows, name, args.out_dir, args.seed, RenderConfig(size=args.size))
-            logger.info("%-8s ground-truth images in %s; detector strict accuracy %.4f", name,
-                        Path(args.out_dir) / "images" / name, strict)  # fmt: skip
+            logger.info(
+                "%-8s ground-truth images in %s; detector strict accuracy %.4f",
+                name,
+                Path(args.out_dir) / "images" / name,
+                strict,
+            )
     return 0
 
 

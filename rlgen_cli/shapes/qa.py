@@ -288,18 +288,23 @@ def build_split(split: str, size: int | None = None) -> list[Question]:
 def row_of(question: Question, image_path: str) -> dict[str, Any]:
     """An R1-VL-10K row (plus the question type as ``category``)."""
     return {
-        "image_path": image_path, "problem": question.text, "solution": question.answer,
-        "key_steps": {"Steps": [[key_step(question)]]}, "category": question.kind,
-    }  # fmt: skip
+        "image_path": image_path,
+        "problem": question.text,
+        "solution": question.answer,
+        "key_steps": {"Steps": [[key_step(question)]]},
+        "category": question.kind,
+    }
 
 
 def sft_row_of(question: Question, image_path: str) -> dict[str, Any]:
     """A ShareGPT conversation: the image and question, answered with the chain."""
     return {
-        "messages": [{"role": "user", "content": f"<image>{question.text}"},
-                     {"role": "assistant", "content": chain_of(question)}],
+        "messages": [
+            {"role": "user", "content": f"<image>{question.text}"},
+            {"role": "assistant", "content": chain_of(question)},
+        ],
         "images": [image_path],
-    }  # fmt: skip
+    }
 
 
 def save_image(question: Question, path: Path) -> None:

@@ -51,8 +51,12 @@ def perturb_weights(params: Sequence[torch.nn.Parameter], std: float, seed: int)
         for param in params:
             noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
             param.add_(noise.to(device=param.device, dtype=param.dtype), alpha=std)
-    log.warning("check.perturb_weights=%g: noise added to %d trainable tensors after the rollout; the check "
-                "must fail", std, len(params))  # fmt: skip
+    log.warning(
+        "check.perturb_weights=%g: noise added to %d trainable tensors after the rollout; the check "
+        "must fail",
+        std,
+        len(params),
+    )
 
 
 @user_errors

@@ -67,9 +67,14 @@ def eval_task(cfg: DictConfig) -> float:
     with Progress(typed.progress) as progress:
         task = progress.task("sampling", total=len(prompts))
         images = sample_images(
-            policy, prompts, num_steps, typed.batch_size, typed.seed, sources=sources,
+            policy,
+            prompts,
+            num_steps,
+            typed.batch_size,
+            typed.seed,
+            sources=sources,
             on_batch=lambda n: progress.advance(task, n),
-        )  # fmt: skip
+        )
     metadata = [dict(ex.metadata) for ex in examples]
     result = reward.score(RewardBatch(prompts=prompts, images=images, metadata=metadata, ref_images=sources))
     summary = _summary(result.scores, {name: result.details[name] for name in reward.rewards})
@@ -137,8 +142,12 @@ def _finite(value: torch.Tensor | float) -> float | None:
 
 def _stats(values: torch.Tensor) -> dict[str, float]:
     values = values.float()
-    return {"mean": values.mean().item(), "std": values.std().item() if values.numel() > 1 else 0.0,
-            "min": values.min().item(), "max": values.max().item()}  # fmt: skip
+    return {
+        "mean": values.mean().item(),
+        "std": values.std().item() if values.numel() > 1 else 0.0,
+        "min": values.min().item(),
+        "max": values.max().item(),
+    }
 
 
 def _summary(total: torch.Tensor, components: dict[str, torch.Tensor]) -> dict:

@@ -131,10 +131,14 @@ def plan_run(cfg: Any) -> dict[str, Any]:
         training = training_of(cfg, components, trained, held=(*held, *cache_rows(policy, tracer)))
         activations = trace_activations(policy, cfg, [components[name] for name in trained], encode)
         epoch = Epoch(
-            shape_of(cfg).samples_per_epoch(cfg), tracer.kept_per_sample(), tracer.rollout_peak, tracer.step_peak,
-            update_copies=tracer.update_copies, update_global_copies=tracer.update_global_copies,
+            shape_of(cfg).samples_per_epoch(cfg),
+            tracer.kept_per_sample(),
+            tracer.rollout_peak,
+            tracer.step_peak,
+            update_copies=tracer.update_copies,
+            update_global_copies=tracer.update_global_copies,
             phase=tracer.phase,
-        )  # fmt: skip
+        )
         launch = launch_of(cfg.launcher)
         plan = plan_memory(groups, activations, launch, training, epoch)
         device_bytes = int(cfg.plan.device_memory_gb * GIB)
@@ -149,10 +153,14 @@ def plan_run(cfg: Any) -> dict[str, Any]:
     notes = [note for note in (model_note, *reward_notes) if note]
     how = [] if fix is None else [_setting_or_note(step) for step in fix.how]
     return {
-        "model": cfg.model.family, "recipe": cfg.recipe, "launcher": cfg.launcher.name,
-        "processes": cfg.launcher.world_size, "micro_batch": training.micro_batch,
+        "model": cfg.model.family,
+        "recipe": cfg.recipe,
+        "launcher": cfg.launcher.name,
+        "processes": cfg.launcher.world_size,
+        "micro_batch": training.micro_batch,
         "micro_batch_unit": shape_of(cfg).micro_batch_unit(cfg),
-        "sample_batch": training.sample_batch, "timesteps_per_pass": getattr(cfg.algo, "timesteps_per_pass", 1),
+        "sample_batch": training.sample_batch,
+        "timesteps_per_pass": getattr(cfg.algo, "timesteps_per_pass", 1),
         "resolution": [*_size(cfg.model), cfg.model.num_frames],
         "gradient_checkpointing": training.gradient_checkpointing,
         "rows": [{"what": r.what, "bytes": r.nbytes, "note": r.note} for r in plan.rows],
@@ -166,17 +174,28 @@ def plan_run(cfg: Any) -> dict[str, Any]:
         "rollout_peak_bytes": tracer.rollout_peak(training.sample_batch),
         "kept_per_sample_bytes": epoch.kept_per_sample,
         "state_bytes": plan.state,
-        "total_bytes": plan.total, "device_bytes": device_bytes,
+        "total_bytes": plan.total,
+        "device_bytes": device_bytes,
         "usable_bytes": int(device_bytes * (1 - cfg.plan.headroom)),
         "fits": plan.fits(device_bytes, cfg.plan.headroom),
-        "devices": [{
-            "device_gb": device.device_gb, "changes": list(device.changes),
-            "how": [_setting_or_note(step) for step in device.how], "total_bytes": device.plan.total,
-        } for device in devices],
-        "fix": None if fix is None else {
-            "changes": list(fix.changes), "how": how, "total_bytes": fix.plan.total, "fits": fix.fits,
+        "devices": [
+            {
+                "device_gb": device.device_gb,
+                "changes": list(device.changes),
+                "how": [_setting_or_note(step) for step in device.how],
+                "total_bytes": device.plan.total,
+            }
+            for device in devices
+        ],
+        "fix": None
+        if fix is None
+        else {
+            "changes": list(fix.changes),
+            "how": how,
+            "total_bytes": fix.plan.total,
+            "fits": fix.fits,
         },
-    }  # fmt: skip
+    }
 
 
 def _setting_or_note(override: str) -> str:
@@ -467,9 +486,11 @@ def _checkpointing(modules: list[nn.Module], on: bool) -> Iterator[None]:
     """Gradient checkpointing of the trained modules switched ``on`` or off inside (a module without it
     stays as it is), as configured after."""
     switched = [
-        m for m in modules
-        if getattr(m, "gradient_checkpointing", False) != on and getattr(m, "_supports_gradient_checkpointing", False)
-    ]  # fmt: skip
+        m
+        for m in modules
+        if getattr(m, "gradient_checkpointing", False) != on
+        and getattr(m, "_supports_gradient_checkpointing", False)
+    ]
     for module in switched:
         module.enable_gradient_checkpointing() if on else module.disable_gradient_checkpointing()
     try:
@@ -567,9 +588,13 @@ class EpochTracer(abc.ABC):
 
         blocks = [block for module in self.trained for block in repeated_blocks(module)]
         with (
-            autocast_on_meta(), meta_values(), fused_attention_on_meta(), meta_scalars(), generators_on_meta(),
+            autocast_on_meta(),
+            meta_values(),
+            fused_attention_on_meta(),
+            meta_scalars(),
+            generators_on_meta(),
             recomputed_in_modes(blocks),
-        ):  # fmt: skip
+        ):
             yield
 
     def _keep(self, batch: int, kept: tuple[Tensor, ...], cond: Any) -> None:
@@ -686,18 +711,24 @@ class ForwardTracer(EpochTracer):
         rows = micro_batch * micro_batches
         x0 = self._kept[0]
         rollouts = types.SimpleNamespace(
-            indices=torch.arange(rows), positions=torch.arange(rows), x0=_rows_of(x0, rows),
-            cond=self.encode(rows), sigmas=self._sigmas,
-        )  # fmt: skip
+            indices=torch.arange(rows),
+            positions=torch.arange(rows),
+            x0=_rows_of(x0, rows),
+            cond=self.encode(rows),
+            sigmas=self._sigmas,
+        )
         # ``sigmas`` σ a sample: drawn from the rollout's schedule as the run draws them (which ones does
         # not change the memory)
         forward = _with(
             algo.forward, timestep_sampling="subset", timestep_fraction=(sigmas + 0.5) / num_steps
         )
         algo = _with(
-            algo, train_batch_size=micro_batch, gradient_accumulation_steps=micro_batches, num_inner_epochs=1,
+            algo,
+            train_batch_size=micro_batch,
+            gradient_accumulation_steps=micro_batches,
+            num_inner_epochs=1,
             forward=forward,
-        )  # fmt: skip
+        )
         run = _with(self.run, cfg=_with(self.cfg, algo=algo))
         weights = torch.zeros(rows, device=META)
         return lambda: flow_forward.update(run, self.old, rollouts, weights, 0, Progress(False))
@@ -731,9 +762,14 @@ class PrefTracer(EpochTracer):
         weights = self.pref.reference(run) if cfg.algo.pref.loss == "dpo" else contextlib.nullcontext()
         with weights:
             x0 = sample_latents(
-                run.policy, [""] * batch, cfg.model.num_steps, batch, cfg.seed, spec=flow_run.step_spec(cfg),
+                run.policy,
+                [""] * batch,
+                cfg.model.num_steps,
+                batch,
+                cfg.seed,
+                spec=flow_run.step_spec(cfg),
                 keys=range(batch),
-            )  # fmt: skip
+            )
         run.policy.decode(x0)  # the images go to host memory
         self._keep(batch, (x0,), run.policy.last_cond)
 
@@ -748,9 +784,11 @@ class PrefTracer(EpochTracer):
             chosen, rejected=chosen + 1 if dpo else None, weights=None if dpo else torch.ones(units)
         )
         samples = flow_pref.EpochSamples(
-            x0=_rows_of(self._kept[0], rows), prompts=[""] * rows, rewards=torch.zeros(rows),
+            x0=_rows_of(self._kept[0], rows),
+            prompts=[""] * rows,
+            rewards=torch.zeros(rows),
             groups=torch.arange(rows),
-        )  # fmt: skip
+        )
         algo = _with(
             self.cfg.algo,
             train_batch_size=micro_batch,
@@ -886,9 +924,13 @@ def _meta_run(cfg: Any, policy: Any) -> Any:
     dist = LocalDist(META)
     exact = cfg.launcher.reduces_exactly and LAUNCH_KINDS[cfg.launcher.name] in ("local", "ddp")
     dist.prepare(
-        policy.trainable, optimizer, max_grad_norm=algo.max_grad_norm, micro_batch_size=algo.train_batch_size,
-        compute_dtype=cfg.model.dtype, exact_reduction=exact,
-    )  # fmt: skip
+        policy.trainable,
+        optimizer,
+        max_grad_norm=algo.max_grad_norm,
+        micro_batch_size=algo.train_batch_size,
+        compute_dtype=cfg.model.dtype,
+        exact_reduction=exact,
+    )
     ema = None
     if algo.ema.enabled:
         ema = EMA(params, decay=algo.ema.decay, update_every=algo.ema.update_every, warmup=algo.ema.warmup)
@@ -1038,9 +1080,18 @@ def _safetensors_bytes(path: str, dtype: torch.dtype | None) -> int | None:
 
 
 def _safetensors_dtype(name: str) -> torch.dtype:
-    return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-            "BOOL": torch.bool}[name]  # fmt: skip
+    return {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I16": torch.int16,
+        "I8": torch.int8,
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
+    }[name]
 
 
 def _tensors_bytes(tensors: list[Tensor], dtype: torch.dtype | None) -> int:
@@ -1156,8 +1207,12 @@ def print_report(report: dict[str, Any]) -> None:
         note = ("the larger phase: counted; " if counted else "the smaller phase; ") + row["note"]
         table.add_row(row["what"], amount(row["bytes"]), note, style=None if counted else "dim")
     table.add_section()
-    table.add_row("total", amount(report["total_bytes"]), f"device {_gib(report['device_bytes'])} GiB, "
-                  f"usable {_gib(report['usable_bytes'])} GiB", style="bold")  # fmt: skip
+    table.add_row(
+        "total",
+        amount(report["total_bytes"]),
+        f"device {_gib(report['device_bytes'])} GiB, usable {_gib(report['usable_bytes'])} GiB",
+        style="bold",
+    )
     console = new_console()
     console.print(table)
     for line in report["notes"]:

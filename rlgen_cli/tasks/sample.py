@@ -67,9 +67,15 @@ def sample_task(cfg: DictConfig) -> str:
     with Progress(typed.progress) as progress:
         task = progress.task("sampling", total=len(expanded))
         images = sample_images(
-            policy, expanded, num_steps, typed.batch_size, typed.seed, spec=spec, sources=sources,
+            policy,
+            expanded,
+            num_steps,
+            typed.batch_size,
+            typed.seed,
+            spec=spec,
+            sources=sources,
             on_batch=lambda n: progress.advance(task, n),
-        )  # fmt: skip
+        )
     out_dir = run_dir / "images"
     out_dir.mkdir(exist_ok=True)
     stochastic = spec.kind != "ode" and spec.noise_level > 0  # draws step noise too

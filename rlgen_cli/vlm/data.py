@@ -160,7 +160,7 @@ def load_vlm_examples(spec: str) -> list[VLMExample]:
                 solution=solution,
                 category=None if category is None else str(category),
                 metadata={**extras, "solution": solution, "key_steps": key_steps},
-            )  # fmt: skip
+            )
         )
     if not examples:
         raise UserError(f"{path} holds no examples")

@@ -229,15 +229,23 @@ class VLLMEngine(RolloutEngine):
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         start = time.perf_counter()
         llm = LLM(
-            model=source, revision=revision, dtype=cfg.dtype, seed=seed,
+            model=source,
+            revision=revision,
+            dtype=cfg.dtype,
+            seed=seed,
             gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=min(cfg.vlm.max_context, policy.max_positions),
             limit_mm_per_prompt={"image": 1},
             mm_processor_kwargs={"min_pixels": cfg.vlm.min_pixels, "max_pixels": cfg.vlm.max_pixels},
-            distributed_executor_backend="external_launcher", logprobs_mode="raw_logprobs",
-        )  # fmt: skip
-        log.info("vLLM engine on %s (%.1fs, gpu_memory_utilization %.2f)", source, time.perf_counter() - start,
-                 gpu_memory_utilization)  # fmt: skip
+            distributed_executor_backend="external_launcher",
+            logprobs_mode="raw_logprobs",
+        )
+        log.info(
+            "vLLM engine on %s (%.1fs, gpu_memory_utilization %.2f)",
+            source,
+            time.perf_counter() - start,
+            gpu_memory_utilization,
+        )
         return llm
 
     def vllm_model(self) -> Any:
@@ -267,12 +275,19 @@ class VLLMEngine(RolloutEngine):
 
         sample = options.temperature > 0
         return SamplingParams(
-            n=n, temperature=options.temperature if sample else 0.0, top_p=options.top_p if sample else 1.0,
-            top_k=options.top_k if sample and options.top_k > 0 else -1, min_p=0.0, repetition_penalty=1.0,
-            max_tokens=options.max_new_tokens, seed=seed, stop_token_ids=list(self.policy.stop_ids),
-            logprobs=0, logit_bias={i: SUPPRESS_BIAS for i in self.policy.suppressed_ids} or None,
+            n=n,
+            temperature=options.temperature if sample else 0.0,
+            top_p=options.top_p if sample else 1.0,
+            top_k=options.top_k if sample and options.top_k > 0 else -1,
+            min_p=0.0,
+            repetition_penalty=1.0,
+            max_tokens=options.max_new_tokens,
+            seed=seed,
+            stop_token_ids=list(self.policy.stop_ids),
+            logprobs=0,
+            logit_bias={i: SUPPRESS_BIAS for i in self.policy.suppressed_ids} or None,
             detokenize=False,
-        )  # fmt: skip
+        )
 
     def generate(
         self,

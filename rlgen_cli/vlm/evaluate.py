@@ -121,9 +121,10 @@ def _reward_means(cfg: Any, answers: list[Answer]) -> dict[str, float]:
         )
     mix = build_mix(dict(cfg.reward.weights), **{k: dict(v) for k, v in cfg.reward.kwargs.items()})
     batch = RewardBatch(
-        prompts=[a.example.problem for a in answers], texts=[a.response for a in answers],
+        prompts=[a.example.problem for a in answers],
+        texts=[a.response for a in answers],
         metadata=[dict(a.example.metadata) for a in answers],
-    )  # fmt: skip
+    )
     result = mix.score(batch)
     return {"mix": result.scores.mean().item(), **{k: result.details[k].mean().item() for k in mix.rewards}}
 

@@ -178,9 +178,12 @@ def _processor(cfg: ModelConfig) -> Any:
     from transformers import AutoProcessor
 
     return AutoProcessor.from_pretrained(
-        model_source(cfg.path), min_pixels=vlm.min_pixels, max_pixels=vlm.max_pixels,
-        local_files_only=cfg.local_files_only, revision=cfg.revision,
-    )  # fmt: skip
+        model_source(cfg.path),
+        min_pixels=vlm.min_pixels,
+        max_pixels=vlm.max_pixels,
+        local_files_only=cfg.local_files_only,
+        revision=cfg.revision,
+    )
 
 
 def _base_model(cfg: ModelConfig, processor: Any) -> Any:
@@ -214,10 +217,12 @@ def _make_trainable(model: Any, cfg: ModelConfig) -> Any:
 
         names = "|".join(sorted({t.split(".")[-1] for t in cfg.lora.target_modules}))
         lora = LoraConfig(
-            r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=0.0,
+            r=cfg.lora.rank,
+            lora_alpha=cfg.lora.alpha,
+            lora_dropout=0.0,
             target_modules=LANGUAGE_LORA_TARGETS.format(names=names),
             init_lora_weights=cfg.lora.init if cfg.lora.init == "gaussian" else True,
-        )  # fmt: skip
+        )
         model = get_peft_model(model, lora)
         for param in model.parameters():  # trainable weights stay fp32 whatever the base dtype
             if param.requires_grad:
@@ -267,11 +272,13 @@ def build_vlm(cfg: ModelConfig, device: torch.device) -> VLMPolicy:
     prepare_vlm(model, cfg)  # attention kernel, gradient checkpointing, train/eval mode
     policy = VLMPolicy(model=model, processor=processor, cfg=cfg, device=device)
     log.info(
-        "%s%s: %d parameters, %d trainable (%s)", cfg.family,
+        "%s%s: %d parameters, %d trainable (%s)",
+        cfg.family,
         " (tiny)" if cfg.tiny else " (random init)" if cfg.weights == "random_init" else "",
-        sum(p.numel() for p in model.parameters()), sum(p.numel() for p in policy.trainable_parameters()),
+        sum(p.numel() for p in model.parameters()),
+        sum(p.numel() for p in policy.trainable_parameters()),
         "LoRA" if cfg.lora.enabled else "full fine-tuning",
-    )  # fmt: skip
+    )
     return policy
 
 

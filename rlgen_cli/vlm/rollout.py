@@ -160,12 +160,18 @@ def generation_config(policy: VLMPolicy, options: SamplingOptions, record: bool)
 
     sample = options.temperature > 0
     return GenerationConfig(
-        do_sample=sample, temperature=options.temperature if sample else None,
-        top_p=options.top_p if sample else None, top_k=options.top_k if sample else None,
-        max_new_tokens=options.max_new_tokens, eos_token_id=policy.stop_ids,
-        pad_token_id=policy.tokenizer.pad_token_id, suppress_tokens=policy.suppressed_ids or None,
-        output_logits=record, return_dict_in_generate=True, use_cache=True,
-    )  # fmt: skip
+        do_sample=sample,
+        temperature=options.temperature if sample else None,
+        top_p=options.top_p if sample else None,
+        top_k=options.top_k if sample else None,
+        max_new_tokens=options.max_new_tokens,
+        eos_token_id=policy.stop_ids,
+        pad_token_id=policy.tokenizer.pad_token_id,
+        suppress_tokens=policy.suppressed_ids or None,
+        output_logits=record,
+        return_dict_in_generate=True,
+        use_cache=True,
+    )
 
 
 @torch.no_grad()

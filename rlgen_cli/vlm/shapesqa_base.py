@@ -60,9 +60,12 @@ def _trained_bpe(vocab_size: int) -> str:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[],
-    )  # fmt: skip
+        vocab_size=vocab_size,
+        min_frequency=2,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+    )
     tokenizer.train_from_iterator(_corpus(), trainer)
     return tokenizer.to_str()
 
@@ -76,9 +79,13 @@ def shapesqa_tokenizer(vocab_size: int = BaseSize.vocab) -> Any:
     vocab.update({token: len(vocab) + i for i, token in enumerate(SPECIAL_TOKENS)})
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
     return Qwen2Tokenizer(
-        vocab=vocab, merges=merges, unk_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        vocab=vocab,
+        merges=merges,
+        unk_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
         additional_special_tokens=list(SPECIAL_TOKENS[1:]),
-    )  # fmt: skip
+    )
 
 
 def shapesqa_processor(vocab_size: int = BaseSize.vocab) -> Any:
@@ -119,10 +126,15 @@ def random_base(processor: Any, size: BaseSize = BaseSize(), seed: int = 0) -> A
         temporal_patch_size=TEMPORAL, embed_dim=size.vision_width, hidden_size=size.hidden, mlp_ratio=2,
     )  # fmt: skip
     config = Qwen2VLConfig(
-        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=True, **special,
-    )  # fmt: skip
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True,
+        **special,
+    )
     torch.manual_seed(seed)
     return Qwen2VLForConditionalGeneration(config).eval()
 

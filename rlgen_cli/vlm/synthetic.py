@@ -49,8 +49,14 @@ def write_tiny_sets(out_dir: str | Path) -> list[Path]:
         name = f"images/squares_{i}.png"
         draw(count, colour, seed=i).save(out / name)
         key_steps = {"Steps": [[f"{colour} squares", f"squares are {colour}"], f"{count} squares"]}
-        rows.append({"image_path": name, "problem": "How many squares are there?",
-                     "solution": f"### The final answer is: {count}", "key_steps": key_steps})  # fmt: skip
+        rows.append(
+            {
+                "image_path": name,
+                "problem": "How many squares are there?",
+                "solution": f"### The final answer is: {count}",
+                "key_steps": key_steps,
+            }
+        )
         if i < 6:
             category, query, answer = (
                 ("counting", "How many squares are there?", str(count))
@@ -63,8 +69,15 @@ def write_tiny_sets(out_dir: str | Path) -> list[Path]:
         reply = _answer(count, colour)
         if i == 7:  # Mulberry-style reflective data: the warm-up filter removes it
             reply = reply.replace("### Step 2:", "Wait, let me re-examine.\n### Step 2:")
-        sft.append({"messages": [{"role": "user", "content": "<image>How many squares are there?"},
-                                 {"role": "assistant", "content": reply}], "images": [name]})  # fmt: skip
+        sft.append(
+            {
+                "messages": [
+                    {"role": "user", "content": "<image>How many squares are there?"},
+                    {"role": "assistant", "content": reply},
+                ],
+                "images": [name],
+            }
+        )
     files = [out / "tiny_r1vl.json", out / "tiny_mathvista.jsonl", out / "tiny_sft.jsonl"]
     files[0].write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
     files[1].write_text("".join(json.dumps(r) + "\n" for r in evals), encoding="utf-8")

@@ -63,9 +63,12 @@ def trained_bpe(vocab_size: int = 512) -> tuple[tuple[tuple[str, int], ...], tup
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[],
-    )  # fmt: skip
+        vocab_size=vocab_size,
+        min_frequency=2,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+    )
     tokenizer.train_from_iterator(list(_CORPUS) * 4, trainer)
     model = json.loads(tokenizer.to_str())["model"]
     merges = tuple(tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"])
@@ -81,9 +84,13 @@ def tiny_tokenizer(vocab_size: int = 512) -> Any:
     vocab = dict(pairs)
     vocab.update({token: len(pairs) + i for i, token in enumerate(SPECIAL_TOKENS)})
     return Qwen2Tokenizer(
-        vocab=vocab, merges=[tuple(m) for m in merges], unk_token=None, eos_token="<|im_end|>",
-        pad_token="<|endoftext|>", additional_special_tokens=list(SPECIAL_TOKENS[1:]),
-    )  # fmt: skip
+        vocab=vocab,
+        merges=[tuple(m) for m in merges],
+        unk_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=list(SPECIAL_TOKENS[1:]),
+    )
 
 
 def tiny_processor(min_pixels: int = 64, max_pixels: int = 32 * 32) -> Any:

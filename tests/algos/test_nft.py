@@ -51,9 +51,18 @@ def test_adaptive_weight_divides_each_error_by_its_mean_absolute_value():
 
 def test_kl_term_is_weighted_into_the_loss():
     out = nft_loss(
-        V_THETA, V_OLD, X0, NOISE, SIGMA, R, beta=0.5, adaptive=False, scale=5.0,
-        v_ref=torch.zeros_like(V_THETA), kl_weight=0.1,
-    )  # fmt: skip
+        V_THETA,
+        V_OLD,
+        X0,
+        NOISE,
+        SIGMA,
+        R,
+        beta=0.5,
+        adaptive=False,
+        scale=5.0,
+        v_ref=torch.zeros_like(V_THETA),
+        kl_weight=0.1,
+    )
     # mean(v_θ²) = mean(9, 1, 4, 4) = 4.5; loss = 2.5 + 0.1·4.5
     assert out.kl_loss.item() == pytest.approx(4.5)
     assert out.loss.item() == pytest.approx(2.95)

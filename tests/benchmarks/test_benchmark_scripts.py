@@ -26,9 +26,15 @@ def _json_of(script: str, *args: str) -> dict:
 @pytest.mark.slow
 def test_overhead_replays_the_epoch_and_compares_with_a_baseline():
     result = _json_of(
-        "overhead.py", "--repeats", "1", "--warmup", "1", "algo.cfg_grad=conditional", "--baseline",
+        "overhead.py",
+        "--repeats",
+        "1",
+        "--warmup",
+        "1",
+        "algo.cfg_grad=conditional",
+        "--baseline",
         "algo.cfg_grad=both",
-    )  # fmt: skip
+    )
     for arm in ("recipe", "baseline"):
         assert result[arm]["epoch_s"] > 0 and result[arm]["model_calls_s"] > 0, result[arm]
         assert result[arm]["calls_per_epoch"]["backwards"] > 0

@@ -23,9 +23,13 @@ ROWS = ("sd3_epoch", "rollout_vs_diffusers", "onpolicy", "flux_step", "wan_step"
 
 def _gpu_check(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "gpu_check.py", *args], cwd=BENCHMARKS, capture_output=True, text=True, timeout=900,
+        [sys.executable, "gpu_check.py", *args],
+        cwd=BENCHMARKS,
+        capture_output=True,
+        text=True,
+        timeout=900,
         env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})},
-    )  # fmt: skip
+    )
 
 
 def _record(*args: str) -> dict:
@@ -162,9 +166,12 @@ print("not reached")
 def test_a_row_stuck_in_native_code_is_cut_at_the_limit_and_the_record_printed():
     start = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-c", STUCK_ROW.format(benchmarks=str(BENCHMARKS))], capture_output=True, text=True,
-        timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )  # fmt: skip
+        [sys.executable, "-c", STUCK_ROW.format(benchmarks=str(BENCHMARKS))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     lines = done.stdout.strip().splitlines()
     assert done.returncode == 0 and lines and "not reached" not in done.stdout, done.stderr[-2000:]
     rows = json.loads(lines[-1])["rows"]

@@ -27,9 +27,13 @@ def test_check_onpolicy_lists_every_missing_prerequisite_before_building(
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))  # nothing cached
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     code, out = _rlgen(
-        "check-onpolicy", "model=sd3", "algo=grpo", f"data.train={tmp_path / 'train.txt'}",
-        f"data.test={tmp_path / 'test.txt'}", f"hydra.run.dir={tmp_path / 'run'}",
-    )  # fmt: skip
+        "check-onpolicy",
+        "model=sd3",
+        "algo=grpo",
+        f"data.train={tmp_path / 'train.txt'}",
+        f"data.test={tmp_path / 'test.txt'}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
     message = _message(out, capsys)
     assert code == 2, message
     assert "3 prerequisites are missing (no model was loaded)" in message

@@ -64,9 +64,15 @@ def test_cfg_job_prints_composed_config_without_running(cli, capsys):
 def test_multirun_writes_one_run_dir_per_job(cli, tmp_path: Path):
     sweep = tmp_path / "sweep"
     code, _ = cli(
-        "train", "-m", "algo.lr=1e-4,3e-4", *TINY_RUN, "epochs=1", "eval_every=0", "images_every=0",
+        "train",
+        "-m",
+        "algo.lr=1e-4,3e-4",
+        *TINY_RUN,
+        "epochs=1",
+        "eval_every=0",
+        "images_every=0",
         f"hydra.sweep.dir={sweep}",
-    )  # fmt: skip
+    )
     assert code == 0
     runs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
     assert [p.name for p in runs] == ["0", "1"]
@@ -97,9 +103,17 @@ def test_plot_draws_several_runs_and_rejects_non_runs(cli, tmp_path: Path):
 def test_submitit_local_sweep_writes_one_run_per_job(cli, tmp_path: Path):
     sweep = tmp_path / "sweep"
     code, out = cli(
-        "train", "-m", "hydra/launcher=submitit_local", "algo.lr=1e-3,3e-3", *TINY_RUN, "epochs=1",
-        "eval_every=0", "images_every=0", "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={sweep}",
-    )  # fmt: skip
+        "train",
+        "-m",
+        "hydra/launcher=submitit_local",
+        "algo.lr=1e-3,3e-3",
+        *TINY_RUN,
+        "epochs=1",
+        "eval_every=0",
+        "images_every=0",
+        "hydra.launcher.timeout_min=10",
+        f"hydra.sweep.dir={sweep}",
+    )
     assert code == 0, out
     runs = sorted(p.name for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
     assert runs == ["0", "1"]
@@ -178,9 +192,12 @@ def test_an_editing_model_without_source_images_exits_2_naming_the_row(tmp_path:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("make it red\n")
     code, out = _rlgen(
-        "check-onpolicy", "model=tiny_flux_kontext", f"data.train={prompts}", f"data.test={prompts}",
+        "check-onpolicy",
+        "model=tiny_flux_kontext",
+        f"data.train={prompts}",
+        f"data.test={prompts}",
         f"hydra.run.dir={tmp_path / 'run'}",
-    )  # fmt: skip
+    )
     message = " ".join((out + capsys.readouterr().err).split())
     assert code == 2 and "example 0 of" in message and "has no 'image' field" in message, message
 

@@ -110,9 +110,13 @@ def test_a_sweep_job_opens_with_a_header_naming_its_overrides(cli, tmp_path: Pat
     assert job_header(1, "multirun/x/1", ["algo.lr=3e-4"]) == "sweep job 1 → multirun/x/1: algo.lr=3e-4"
     # the job fails its data check at once: the header has already said which overrides it ran
     code, out = cli(
-        "train", "-m", "algo.lr=1e-3,3e-3", "experiment=tiny_cpu", "data.train=/nonexistent.txt",
+        "train",
+        "-m",
+        "algo.lr=1e-3,3e-3",
+        "experiment=tiny_cpu",
+        "data.train=/nonexistent.txt",
         f"hydra.sweep.dir={tmp_path}",
-    )  # fmt: skip
+    )
     assert code == 2, out
     header = next(line for line in out.splitlines() if "sweep job" in line)
     assert (

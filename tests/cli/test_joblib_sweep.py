@@ -17,9 +17,17 @@ pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
 def test_joblib_sweep_runs_each_job_with_its_metrics(cli, tmp_path: Path):
     sweep = tmp_path / "sweep"
     code, out = cli(
-        "train", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "algo.lr=1e-4,2e-4", *TINY_RUN,
-        "epochs=1", "eval_every=0", "images_every=0", f"hydra.sweep.dir={sweep}",
-    )  # fmt: skip
+        "train",
+        "-m",
+        "hydra/launcher=joblib",
+        "hydra.launcher.n_jobs=2",
+        "algo.lr=1e-4,2e-4",
+        *TINY_RUN,
+        "epochs=1",
+        "eval_every=0",
+        "images_every=0",
+        f"hydra.sweep.dir={sweep}",
+    )
     assert code == 0, out
     launcher = OmegaConf.load(sweep / "multirun.yaml").hydra.launcher
     assert launcher._target_.endswith("JoblibLauncher") and launcher.n_jobs == 2

@@ -60,9 +60,13 @@ def _message(out: str, capsys) -> str:
 def test_train_lists_every_missing_prerequisite_at_once(tmp_path, monkeypatch, capsys, no_model):
     monkeypatch.chdir(tmp_path)  # no dataset/geneval here
     code, out = _rlgen(
-        "train", "model=tiny_flux", "algo=grpo_fast", "reward=geneval", f"resume={tmp_path / 'gone'}",
+        "train",
+        "model=tiny_flux",
+        "algo=grpo_fast",
+        "reward=geneval",
+        f"resume={tmp_path / 'gone'}",
         f"hydra.run.dir={tmp_path / 'run'}",
-    )  # fmt: skip
+    )
     message = _message(out, capsys)
     assert code == 2, message
     assert "4 prerequisites are missing (no model was loaded)" in message
@@ -77,9 +81,14 @@ def test_train_lists_every_missing_prerequisite_at_once(tmp_path, monkeypatch, c
 
 def test_a_missing_detector_exits_2_before_the_model_is_built(tmp_path, capsys, no_model):
     code, out = _rlgen(
-        "train", "model=tiny_flux", "algo=grpo_fast", "reward=geneval", *TINY_DATA,
-        f"reward.kwargs.geneval.clip_path={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}",
-    )  # fmt: skip
+        "train",
+        "model=tiny_flux",
+        "algo=grpo_fast",
+        "reward=geneval",
+        *TINY_DATA,
+        f"reward.kwargs.geneval.clip_path={tmp_path}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
     message = _message(out, capsys)
     assert code == 2, message
     assert "reward 'geneval' needs detector_path: set reward.kwargs.geneval.detector_path=" in message
@@ -96,10 +105,15 @@ def test_offline_hub_sources_not_in_the_cache_are_named_with_how_to_fetch_them(
     tmp_path, capsys, no_model, empty_hub_cache
 ):
     code, out = _rlgen(
-        "train", "model=sd3", "algo=grpo_fast", "reward=geneval", *TINY_DATA,
-        f"reward.kwargs.geneval.detector_path={MASK2FORMER}", f"reward.kwargs.geneval.clip_path={CLIP_L14}",
+        "train",
+        "model=sd3",
+        "algo=grpo_fast",
+        "reward=geneval",
+        *TINY_DATA,
+        f"reward.kwargs.geneval.detector_path={MASK2FORMER}",
+        f"reward.kwargs.geneval.clip_path={CLIP_L14}",
         f"hydra.run.dir={tmp_path / 'run'}",
-    )  # fmt: skip
+    )
     message = _message(out, capsys)
     assert code == 2, message
     assert "3 prerequisites are missing" in message
@@ -114,9 +128,11 @@ def test_offline_hub_sources_not_in_the_cache_are_named_with_how_to_fetch_them(
 
 def test_sample_lists_a_missing_checkpoint_and_prompt_file(tmp_path, capsys, no_model):
     code, out = _rlgen(
-        "sample", f"checkpoint={tmp_path / 'ckpt'}", f"prompts_file={tmp_path / 'prompts.jsonl'}",
+        "sample",
+        f"checkpoint={tmp_path / 'ckpt'}",
+        f"prompts_file={tmp_path / 'prompts.jsonl'}",
         f"hydra.run.dir={tmp_path / 'run'}",
-    )  # fmt: skip
+    )
     message = _message(out, capsys)
     assert code == 2, message
     assert "2 prerequisites are missing" in message
@@ -129,9 +145,12 @@ def test_sample_lists_a_missing_checkpoint_and_prompt_file(tmp_path, capsys, no_
 
 def test_eval_lists_checkpoint_data_model_and_reward(tmp_path, capsys, no_model):
     code, out = _rlgen(
-        "eval", f"checkpoint={tmp_path / 'ckpt'}", f"data.test={tmp_path / 'test.txt'}", "reward=geneval",
+        "eval",
+        f"checkpoint={tmp_path / 'ckpt'}",
+        f"data.test={tmp_path / 'test.txt'}",
+        "reward=geneval",
         f"hydra.run.dir={tmp_path / 'run'}",
-    )  # fmt: skip
+    )
     message = _message(out, capsys)
     assert code == 2, message
     assert "3 prerequisites are missing" in message

@@ -12,9 +12,16 @@ from tests.conftest import TINY_RUN
 @pytest.mark.slow  # ≈ 25 s: two one-epoch tiny trainings
 def test_each_sweep_job_starts_after_a_rule_line(cli, tmp_path: Path):
     code, out = cli(
-        "train", "-m", "algo.lr=1e-3,3e-3", *TINY_RUN, "epochs=1", "eval_every=0", "images_every=0",
-        "save_every=0", f"hydra.sweep.dir={tmp_path}",
-    )  # fmt: skip
+        "train",
+        "-m",
+        "algo.lr=1e-3,3e-3",
+        *TINY_RUN,
+        "epochs=1",
+        "eval_every=0",
+        "images_every=0",
+        "save_every=0",
+        f"hydra.sweep.dir={tmp_path}",
+    )
     assert code == 0, out
     lines = out.splitlines()
     headers = [i for i, line in enumerate(lines) if line.startswith("sweep job ")]

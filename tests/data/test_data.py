@@ -91,8 +91,9 @@ def test_repeated_by_tag_copies_each_tagged_prompt_and_reindexes(tmp_path: Path)
     # a pass over the expanded set visits counting prompts 3× as often as two_object ones
     sampler = GroupSampler(len(out), prompts_per_step=7, group_size=1, seed=0)
     assert Counter(out[i].metadata["tag"] for i in sampler.prompt_indices_for_epoch(0)) == {
-        "counting": 6, "two_object": 1,
-    }  # fmt: skip
+        "counting": 6,
+        "two_object": 1,
+    }
 
 
 @pytest.mark.parametrize(

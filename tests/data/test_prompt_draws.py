@@ -68,9 +68,13 @@ def test_a_draw_larger_than_the_dataset_says_how_to_fix_it():
 @pytest.mark.slow  # the refusal comes once the data and the tiny model are loaded: ~20 s
 def test_the_cli_refuses_a_draw_larger_than_the_dataset_with_exit_2(cli, tmp_path: Path, capsys):
     code, out = cli(
-        "train", *TINY_RUN, "algo.prompts_per_epoch=32", "algo.prompts_per_draw=32", "epochs=1",
+        "train",
+        *TINY_RUN,
+        "algo.prompts_per_epoch=32",
+        "algo.prompts_per_draw=32",
+        "epochs=1",
         f"hydra.run.dir={tmp_path}",
-    )  # fmt: skip
+    )
     assert code == 2, out
     assert (
         "algo.prompts_per_draw=32 draws that many distinct prompts per sampling batch, but data.train has 16"
@@ -92,9 +96,12 @@ def test_resume_checks_the_draw_and_reads_old_checkpoints_as_passes():
 
 def test_the_config_refuses_a_draw_that_does_not_divide_the_epoch(cli, tmp_path: Path, capsys):
     code, out = cli(
-        "train", "experiment=tiny_cpu", "algo.prompts_per_epoch=2", "algo.prompts_per_draw=3",
+        "train",
+        "experiment=tiny_cpu",
+        "algo.prompts_per_epoch=2",
+        "algo.prompts_per_draw=3",
         f"hydra.run.dir={tmp_path}",
-    )  # fmt: skip
+    )
     assert code == 2, out
     assert (
         "algo.prompts_per_draw=3 must be null or a positive divisor of algo.prompts_per_epoch (2)"
@@ -109,9 +116,17 @@ def test_a_prompt_drawn_twice_trains_as_one_group(cli, tmp_path: Path):
     sampler = GroupSampler(16, 2, 4, seed=1, prompts_per_draw=1)
     assert [len(set(sampler.prompt_indices_for_epoch(e))) for e in (0, 1)] == [2, 1]
     code, out = cli(
-        "train", *TINY_RUN, "seed=1", "algo.prompts_per_draw=1", "algo.group_size=4", "epochs=2",
-        "eval_every=0", "images_every=0", "algo.gradient_accumulation_steps=2", f"hydra.run.dir={tmp_path}",
-    )  # fmt: skip
+        "train",
+        *TINY_RUN,
+        "seed=1",
+        "algo.prompts_per_draw=1",
+        "algo.group_size=4",
+        "epochs=2",
+        "eval_every=0",
+        "images_every=0",
+        "algo.gradient_accumulation_steps=2",
+        f"hydra.run.dir={tmp_path}",
+    )
     assert code == 0, out
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [row["num_groups"] for row in rows] == [2, 1]

@@ -71,8 +71,11 @@ def _resume_equals_uninterrupted(tmp_path: Path, launcher: str, *extra: str) -> 
 def _engine_files(run: Path, epoch: int) -> list[str]:
     ckpt = open_checkpoint(run / "checkpoints" / f"epoch_{epoch:06d}")
     state = ckpt.state()
-    assert state[OPTIMIZER_KEY] == {"engine": "deepspeed", "zero_stage": state[OPTIMIZER_KEY]["zero_stage"],
-                                    "world_size": 2}  # fmt: skip
+    assert state[OPTIMIZER_KEY] == {
+        "engine": "deepspeed",
+        "zero_stage": state[OPTIMIZER_KEY]["zero_stage"],
+        "world_size": 2,
+    }
     prefix = f"{ENGINE_DIR}/"
     names = sorted(name.removeprefix(prefix) for name in ckpt.manifest() if name.startswith(prefix))
     assert names and all((ckpt.engine / name).is_file() for name in names)
@@ -108,8 +111,10 @@ def test_zero3_ema_equals_zero2_ema_and_resumes(tmp_path: Path):
     for epoch in (1, 2):
         a, b = _weights(whole, epoch), _weights(resumed, epoch)  # the EMA weights
         assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
-        raw_a, raw_b = (open_checkpoint(run / "checkpoints" / f"epoch_{epoch:06d}").state()["raw_trainable"]
-                        for run in (whole, resumed))  # fmt: skip
+        raw_a, raw_b = (
+            open_checkpoint(run / "checkpoints" / f"epoch_{epoch:06d}").state()["raw_trainable"]
+            for run in (whole, resumed)
+        )
         assert max((x - y).abs().max().item() for x, y in zip(raw_a, raw_b, strict=True)) < 1e-5
     one, two = _metrics(whole)[1], _metrics(resumed)[0]
     assert two["eval/reward/mean"] == pytest.approx(one["eval/reward/mean"], rel=1e-5)

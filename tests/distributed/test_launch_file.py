@@ -52,15 +52,26 @@ def test_an_accelerate_yaml_that_agrees_is_passed_as_config_file(tmp_path: Path)
 @pytest.mark.parametrize(
     ("changes", "launcher_changes", "expected"),
     [
-        ({"num_processes": 8}, {}, "sets num_processes: 8 but launcher.num_processes × launcher.num_machines is 2: "
-         "pass launcher.num_processes=8"),
+        (
+            {"num_processes": 8},
+            {},
+            "sets num_processes: 8 but launcher.num_processes × launcher.num_machines is 2: "
+            "pass launcher.num_processes=8",
+        ),
         ({"num_processes": 8, "num_machines": 2}, {"num_machines": 2}, "is 4: pass launcher.num_processes=4"),
-        ({"mixed_precision": "bf16"}, {}, "sets mixed_precision: bf16 but launcher.mixed_precision is fp32: "
-         "pass launcher.mixed_precision=bf16"),
-        ({"main_process_port": 29501}, {"main_process_port": 29600}, "sets main_process_port: 29501 but "
-         "launcher.main_process_port is 29600"),
+        (
+            {"mixed_precision": "bf16"},
+            {},
+            "sets mixed_precision: bf16 but launcher.mixed_precision is fp32: "
+            "pass launcher.mixed_precision=bf16",
+        ),
+        (
+            {"main_process_port": 29501},
+            {"main_process_port": 29600},
+            "sets main_process_port: 29501 but launcher.main_process_port is 29600",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_yaml_value_that_differs_from_the_launcher_is_a_conflict(
     tmp_path, changes, launcher_changes, expected
 ):
@@ -94,10 +105,17 @@ def test_a_deepspeed_json_turns_deepspeed_on_with_its_file(tmp_path: Path):
 
 
 def test_deepspeed_settings_rlgen_owns_must_agree(tmp_path: Path):
-    path = _json(tmp_path, {
-        "optimizer": {"type": "AdamW"}, "gradient_accumulation_steps": 4, "train_micro_batch_size_per_gpu": 8,
-        "train_batch_size": 8, "gradient_clipping": 0.5, "bf16": {"enabled": True},
-    })  # fmt: skip
+    path = _json(
+        tmp_path,
+        {
+            "optimizer": {"type": "AdamW"},
+            "gradient_accumulation_steps": 4,
+            "train_micro_batch_size_per_gpu": 8,
+            "train_batch_size": 8,
+            "gradient_clipping": 0.5,
+            "bf16": {"enabled": True},
+        },
+    )
     conflicts = launch_file_conflicts(_launcher(path), read_launch_file(str(path)), ALGO)
     expected = [  # train_batch_size 8 = algo.train_batch_size 4 × 2 processes agrees
         'has a DeepSpeed "optimizer" section', "sets gradient_accumulation_steps: 4",
@@ -136,9 +154,12 @@ def test_launcher_local_refuses_a_config_file():
 def test_a_conflicting_file_stops_the_cli_with_exit_2_before_any_worker(cli, tmp_path: Path):
     path = _yaml(tmp_path, num_processes=4)
     code, out = cli(
-        "train", "launcher=accelerate", "launcher.num_processes=2", f"launcher.config_file={path}",
+        "train",
+        "launcher=accelerate",
+        "launcher.num_processes=2",
+        f"launcher.config_file={path}",
         f"hydra.run.dir={tmp_path / 'run'}",
-    )  # fmt: skip
+    )
     assert code == 2 and "sets num_processes: 4" in out and "launcher.num_processes=4" in out, out
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     code, out = cli("train", f"launcher.config_file={path}", f"hydra.run.dir={tmp_path / 'local'}")
@@ -152,9 +173,13 @@ def test_a_two_process_accelerate_yaml_trains_one_epoch(cli, tmp_path: Path):
     path = _yaml(tmp_path)
     run = tmp_path / "run"
     code, out = cli(
-        "train", *GEOMETRY, "launcher=accelerate", "launcher.num_processes=2", f"launcher.config_file={path}",
+        "train",
+        *GEOMETRY,
+        "launcher=accelerate",
+        "launcher.num_processes=2",
+        f"launcher.config_file={path}",
         f"hydra.run.dir={run}",
-    )  # fmt: skip
+    )
     assert code == 0, out
     (row,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert row["num_groups"] == 2  # both ranks' groups were gathered: two processes ran

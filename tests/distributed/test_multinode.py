@@ -72,9 +72,13 @@ def test_two_nodes_of_one_process_equal_one_node_of_two(cli, tmp_path: Path):
 # -- the command each node runs, without processes ----------------------------------------------------
 def test_multinode_command_counts_every_machines_processes(tmp_path: Path):
     launcher = LauncherConfig(
-        name="multinode", num_processes=4, num_machines=2, machine_rank=1,
-        main_process_ip="10.0.0.1", main_process_port=1234,
-    )  # fmt: skip
+        name="multinode",
+        num_processes=4,
+        num_machines=2,
+        machine_rank=1,
+        main_process_ip="10.0.0.1",
+        main_process_port=1234,
+    )
     argv = launch_command(launcher, tmp_path / "resolved.yaml")
 
     def flag(name: str) -> str:

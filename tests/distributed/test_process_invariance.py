@@ -126,14 +126,28 @@ def test_a_parameter_no_backward_reached_keeps_no_gradient():
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        (["algo.gradient_accumulation_steps=3", "algo.train_batch_size=2", "algo.sample_batch_size=2",
-          "algo.prompts_per_epoch=3", "algo.group_size=4"],
-         "algo.gradient_accumulation_steps=3 micro-batches per optimizer step cannot be split over 2 processes"),
-        (["algo.gradient_accumulation_steps=2", "algo.train_batch_size=2", "algo.sample_batch_size=4",
-          "algo.prompts_per_epoch=2", "algo.group_size=4"],
-         "lcm(algo.sample_batch_size=4, algo.train_batch_size=2) = 4 samples at a time"),
+        (
+            [
+                "algo.gradient_accumulation_steps=3",
+                "algo.train_batch_size=2",
+                "algo.sample_batch_size=2",
+                "algo.prompts_per_epoch=3",
+                "algo.group_size=4",
+            ],
+            "algo.gradient_accumulation_steps=3 micro-batches per optimizer step cannot be split over 2 processes",
+        ),
+        (
+            [
+                "algo.gradient_accumulation_steps=2",
+                "algo.train_batch_size=2",
+                "algo.sample_batch_size=4",
+                "algo.prompts_per_epoch=2",
+                "algo.group_size=4",
+            ],
+            "lcm(algo.sample_batch_size=4, algo.train_batch_size=2) = 4 samples at a time",
+        ),
     ],
-)  # fmt: skip
+)
 def test_an_unsplittable_step_stops_with_the_reason(cli, overrides: list[str], expected: str):
     code, out = cli("train", *overrides, "launcher=accelerate", "launcher.num_processes=2")
     assert code == 2 and expected in out, out

@@ -164,9 +164,11 @@ def test_each_process_holds_consecutive_whole_groups_or_part_of_one():
     assert layout[1] == [[(0, slice(0, 4), [0, 1, 2, 3]), (1, slice(4, 8), [4, 5, 6, 7])]]  # both groups
     assert layout[2] == [[(0, slice(0, 4), [0, 1, 2, 3])], [(1, slice(0, 4), [4, 5, 6, 7])]]  # one each
     assert layout[4] == [  # half a group each: group 0 over processes 0 and 1, group 1 over 2 and 3
-        [(0, slice(0, 2), [0, 1])], [(0, slice(0, 2), [2, 3])],
-        [(1, slice(0, 2), [4, 5])], [(1, slice(0, 2), [6, 7])],
-    ]  # fmt: skip
+        [(0, slice(0, 2), [0, 1])],
+        [(0, slice(0, 2), [2, 3])],
+        [(1, slice(0, 2), [4, 5])],
+        [(1, slice(0, 2), [6, 7])],
+    ]
     geometry = r3_geometry(r3, 4)
     shape = (geometry.per_process, geometry.group_share, geometry.ranks_per_group, geometry.micro_batch)
     assert shape == (2, 2, 2, 2)  # micro-batch null = a process's part of a group

@@ -96,8 +96,11 @@ def test_a_worker_started_alone_refuses_a_two_process_config(cli, tmp_path: Path
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE")}
     done = subprocess.run(
         [sys.executable, "-m", "rlgen_cli.launch.worker", str(resolved)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2, done.stderr
     assert "asks for 2 processes in all" in done.stderr and "the launch started 1 process" in done.stderr
     assert "launch started 1 process" in (resolved.parent / REFUSAL_FILE).read_text()
@@ -130,9 +133,12 @@ def test_the_controller_reports_a_refusal_with_exit_2(cli, tmp_path: Path, monke
     monkeypatch.setattr(commands, "launch_command", old_command)
     run = tmp_path / "run"
     code, out = cli(
-        "train", "launcher=accelerate", "launcher.num_processes=2", f"launcher.config_file={path}",
+        "train",
+        "launcher=accelerate",
+        "launcher.num_processes=2",
+        f"launcher.config_file={path}",
         f"hydra.run.dir={run}",
-    )  # fmt: skip
+    )
     assert code == 2, out
     assert f"launcher.config_file={path}" in out and "the launch started 1 process" in out, out
     assert not (run / "metrics.jsonl").exists() and not (run / REFUSAL_FILE).exists()
@@ -145,9 +151,13 @@ def test_a_multi_cpu_yaml_trains_on_two_processes(cli, tmp_path: Path):
     path = _cpu_yaml(tmp_path)
     run = tmp_path / "run"
     code, out = cli(
-        "train", *GEOMETRY, "launcher=accelerate", "launcher.num_processes=2", f"launcher.config_file={path}",
+        "train",
+        *GEOMETRY,
+        "launcher=accelerate",
+        "launcher.num_processes=2",
+        f"launcher.config_file={path}",
         f"hydra.run.dir={run}",
-    )  # fmt: skip
+    )
     assert code == 0, out
     log = (run / "run.log").read_text()
     assert "worker rank 0 of 2 processes" in log, log

@@ -112,9 +112,13 @@ def test_the_scaler_state_is_saved_and_restored_with_the_optimizer(caplog):
     dist.scaler.scale, dist.scaler.growth_tracker, dist.scaler.skipped_steps = 2.0**9, 11, 3
     saved = _through_a_checkpoint(dist.optimizer_state(optimizer, Path("unused")))
     assert saved[SCALER_KEY] == {
-        "scale": 2.0**9, "growth_tracker": 11, "skipped_steps": 3,
-        "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000,
-    }  # fmt: skip
+        "scale": 2.0**9,
+        "growth_tracker": 11,
+        "skipped_steps": 3,
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 2000,
+    }
 
     resumed, resumed_optimizer = _fp16_dist(torch.nn.Parameter(torch.tensor([1.0, 2.0])))
     resumed.load_optimizer_state(resumed_optimizer, saved, Path("unused"))

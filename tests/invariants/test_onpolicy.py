@@ -30,8 +30,13 @@ def test_check_onpolicy_fails_when_training_uses_another_noise_level(cli, tmp_pa
 
 def test_check_onpolicy_holds_at_another_training_batch_size(cli, tmp_path):
     # SD3's outputs depend slightly on batch size (GEMM blocking); fp32 keeps it well under 1e-5
-    code, out = cli("check-onpolicy", *TINY_RUN, "check.train_batch_size=1", "check.tolerance=1e-5",
-                    f"hydra.run.dir={tmp_path}")  # fmt: skip
+    code, out = cli(
+        "check-onpolicy",
+        *TINY_RUN,
+        "check.train_batch_size=1",
+        "check.tolerance=1e-5",
+        f"hydra.run.dir={tmp_path}",
+    )
     assert code == 0, out
 
 
@@ -62,9 +67,12 @@ def test_check_onpolicy_fails_when_weights_change_after_the_rollout(cli, tmp_pat
 
 @pytest.mark.parametrize(
     ("override", "key"),
-    [("check.perturb_weights=-1e-3", "check.perturb_weights"), ("check.text_tolerance=0", "check.text_tolerance"),
-     ("check.tolerance=-1", "check.tolerance")],
-)  # fmt: skip
+    [
+        ("check.perturb_weights=-1e-3", "check.perturb_weights"),
+        ("check.text_tolerance=0", "check.text_tolerance"),
+        ("check.tolerance=-1", "check.tolerance"),
+    ],
+)
 def test_bad_check_settings_exit_2_naming_the_key(cli, tmp_path, override, key):
     code, out = cli("check-onpolicy", *TINY_RUN, override, f"hydra.run.dir={tmp_path}")
     assert code == 2 and key in out, out

@@ -126,8 +126,13 @@ def _set_checkpointing(policy, on: bool) -> None:
 def _cond(policy):
     if policy.capabilities.takes_source_images:
         cfg = policy.cfg
-        sources = torch.rand(len(PROMPTS), 3, cfg.height or cfg.resolution, cfg.width or cfg.resolution,
-                             generator=torch.Generator().manual_seed(2))  # fmt: skip
+        sources = torch.rand(
+            len(PROMPTS),
+            3,
+            cfg.height or cfg.resolution,
+            cfg.width or cfg.resolution,
+            generator=torch.Generator().manual_seed(2),
+        )
         return policy.encode(PROMPTS, sources)
     return policy.encode(PROMPTS)
 

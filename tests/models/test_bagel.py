@@ -111,9 +111,15 @@ def test_autoencoder_names_are_the_flux_release_names():
     vae = bagel_vae.build_vae(TINY_BAGEL.vae)
     state = bagel_vae.flux_layout_state_dict(vae)
     # ch_mult (1, 2, 2): level 1 widens 4 → 8 (a shortcut); the decoder's up.2 is diffusers' up_blocks.0
-    for name in ("encoder.down.1.block.0.nin_shortcut.weight", "encoder.down.0.downsample.conv.weight",
-                 "encoder.mid.block_2.conv1.weight", "decoder.up.2.block.1.norm2.bias",
-                 "decoder.up.1.upsample.conv.weight", "decoder.norm_out.weight", "encoder.conv_out.weight"):  # fmt: skip
+    for name in (
+        "encoder.down.1.block.0.nin_shortcut.weight",
+        "encoder.down.0.downsample.conv.weight",
+        "encoder.mid.block_2.conv1.weight",
+        "decoder.up.2.block.1.norm2.bias",
+        "decoder.up.1.upsample.conv.weight",
+        "decoder.norm_out.weight",
+        "encoder.conv_out.weight",
+    ):
         assert name in state, name
     assert state["encoder.mid.attn_1.q.weight"].shape == (8, 8, 1, 1)  # 1×1 convolutions
     assert torch.equal(
@@ -147,8 +153,11 @@ def test_each_token_goes_through_its_own_expert():
 
     def outputs():
         with torch.no_grad():
-            return (network.text_logits(ids), network.generation_velocity(ids, text_mask, markers, latents, t, (2, 2)),
-                    network.generation_velocity(ids, ~text_mask, markers, latents, t, (2, 2)))  # fmt: skip
+            return (
+                network.text_logits(ids),
+                network.generation_velocity(ids, text_mask, markers, latents, t, (2, 2)),
+                network.generation_velocity(ids, ~text_mask, markers, latents, t, (2, 2)),
+            )
 
     base = outputs()
     _perturbed(network, "mlp_moe_gen.down_proj")
@@ -162,13 +171,15 @@ def test_each_token_goes_through_its_own_expert():
 
 def test_generation_mask_by_hand():
     mask = generation_mask(torch.tensor([[True, True, False]]), block=2)[0].int()
-    expected = torch.tensor([
-        [1, 0, 0, 0, 0],  # prompt token 0: itself
-        [1, 1, 0, 0, 0],  # prompt token 1: causal
-        [0, 0, 1, 0, 0],  # padding: only itself
-        [1, 1, 0, 1, 1],  # image block: the valid prompt and the whole block
-        [1, 1, 0, 1, 1],
-    ])  # fmt: skip
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0],  # prompt token 0: itself
+            [1, 1, 0, 0, 0],  # prompt token 1: causal
+            [0, 0, 1, 0, 0],  # padding: only itself
+            [1, 1, 0, 1, 1],  # image block: the valid prompt and the whole block
+            [1, 1, 0, 1, 1],
+        ]
+    )
     assert torch.equal(mask, expected)
 
 

@@ -125,17 +125,19 @@ def test_vit_resize_rule_by_hand():
 def test_edit_mask_by_hand():
     """[VAE block 2][ViT block 2][instruction 3, last padded][generated block 2]."""
     mask = editing.edit_mask(2, 2, torch.tensor([[True, True, False]]), 2)[0].int()
-    expected = torch.tensor([
-        [1, 1, 0, 0, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0, 0, 0, 0],
-        [1, 1, 1, 1, 0, 0, 0, 0, 0],
-        [1, 1, 1, 1, 0, 0, 0, 0, 0],
-        [1, 1, 1, 1, 1, 0, 0, 0, 0],
-        [1, 1, 1, 1, 1, 1, 0, 0, 0],
-        [0, 0, 0, 0, 0, 0, 1, 0, 0],  # the padded position sees only itself
-        [1, 1, 1, 1, 1, 1, 0, 1, 1],
-        [1, 1, 1, 1, 1, 1, 0, 1, 1],
-    ])  # fmt: skip
+    expected = torch.tensor(
+        [
+            [1, 1, 0, 0, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0, 0, 0, 0],
+            [1, 1, 1, 1, 0, 0, 0, 0, 0],
+            [1, 1, 1, 1, 0, 0, 0, 0, 0],
+            [1, 1, 1, 1, 1, 0, 0, 0, 0],
+            [1, 1, 1, 1, 1, 1, 0, 0, 0],
+            [0, 0, 0, 0, 0, 0, 1, 0, 0],  # the padded position sees only itself
+            [1, 1, 1, 1, 1, 1, 0, 1, 1],
+            [1, 1, 1, 1, 1, 1, 0, 1, 1],
+        ]
+    )
     assert torch.equal(mask, expected)
 
 

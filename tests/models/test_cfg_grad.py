@@ -27,9 +27,15 @@ PROMPTS = ["a red circle", "two blue squares"]
 
 def _shapes_policy(unet: ShapesUNet, guidance: float) -> ShapesPolicy:
     cfg = model_config(
-        "shapes", tiny=True, dtype="float32", resolution=16, guidance_scale=guidance, shift=1.0,
-        max_sequence_length=16, lora=LoraConfig(enabled=False, target_modules=["to_q"], init="kaiming"),
-    )  # fmt: skip
+        "shapes",
+        tiny=True,
+        dtype="float32",
+        resolution=16,
+        guidance_scale=guidance,
+        shift=1.0,
+        max_sequence_length=16,
+        lora=LoraConfig(enabled=False, target_modules=["to_q"], init="kaiming"),
+    )
     return ShapesPolicy(unet, cfg, torch.device("cpu"))
 
 
@@ -37,9 +43,13 @@ def _shapes_policy(unet: ShapesUNet, guidance: float) -> ShapesPolicy:
 def policies() -> tuple[ShapesPolicy, ShapesPolicy]:
     torch.manual_seed(0)
     unet = ShapesUNet(
-        channels=(8, 16), cross_attention=(False, True), self_attention=(False, False), text_dim=16,
-        text_layers=1, emb_dim=16,
-    )  # fmt: skip
+        channels=(8, 16),
+        cross_attention=(False, True),
+        self_attention=(False, False),
+        text_dim=16,
+        text_layers=1,
+        emb_dim=16,
+    )
     return _shapes_policy(unet, GUIDANCE), _shapes_policy(unet, 1.0)  # one network, with and without CFG
 
 
@@ -121,7 +131,10 @@ def test_mode_is_scoped_and_checked():
 
 def test_check_onpolicy_stays_exact_with_conditional_gradient(cli, tmp_path):
     code, out = cli(
-        "check-onpolicy", *TINY_RUN, f"model.guidance_scale={GUIDANCE}", "algo.cfg_grad=conditional",
+        "check-onpolicy",
+        *TINY_RUN,
+        f"model.guidance_scale={GUIDANCE}",
+        "algo.cfg_grad=conditional",
         f"hydra.run.dir={tmp_path}",
-    )  # fmt: skip
+    )
     assert code == 0, out

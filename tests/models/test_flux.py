@@ -47,8 +47,12 @@ def test_yaml_targets_match_the_constant(cfg):
     assert cfg.lora.target_modules == FLUX_LORA_TARGETS == model_cfg("flux").lora.target_modules
     flux = model_cfg("flux")
     assert (flux.guidance_scale, flux.num_steps, flux.eval_num_steps, flux.lora.rank, flux.lora.alpha) == (
-        3.5, 6, 28, 64, 128,
-    )  # fmt: skip
+        3.5,
+        6,
+        28,
+        64,
+        128,
+    )
 
 
 def test_save_pretrained_round_trip_through_the_real_loader(tmp_path: Path, cfg, policy, probe):
@@ -109,9 +113,15 @@ def test_euler_sampling_equals_flux_pipeline(policy):
     """Same noise, ODE with velocity()/schedule() == FluxPipeline.__call__ (σ timestep, guidance, ids)."""
     x = policy.noise(2, torch.Generator().manual_seed(5))
     expected = policy.pipeline(
-        prompt=PROMPTS, height=32, width=32, num_inference_steps=3, guidance_scale=3.5, latents=x.clone(),
-        max_sequence_length=32, output_type="latent",
-    ).images  # fmt: skip
+        prompt=PROMPTS,
+        height=32,
+        width=32,
+        num_inference_steps=3,
+        guidance_scale=3.5,
+        latents=x.clone(),
+        max_sequence_length=32,
+        output_type="latent",
+    ).images
     cond, sigmas = policy.encode(PROMPTS), policy.schedule(3, x)
     with torch.no_grad():
         for i in range(3):
@@ -215,9 +225,16 @@ def _initial_lora(cfg: ModelConfig) -> dict[str, torch.Tensor]:
 def test_cli_training_changes_every_lora_tensor(tmp_path: Path, cfg):
     run = tmp_path / "run"
     code, out = run_cli(
-        "train", "model=tiny_flux", *TINY_RUN, "algo.lr=1e-2", "epochs=2", "save_every=2", "eval_every=0", "images_every=0",
+        "train",
+        "model=tiny_flux",
+        *TINY_RUN,
+        "algo.lr=1e-2",
+        "epochs=2",
+        "save_every=2",
+        "eval_every=0",
+        "images_every=0",
         f"hydra.run.dir={run}",
-    )  # fmt: skip
+    )
     assert code == 0, out
     trained = load_file(run / "checkpoints" / "epoch_000002" / "weights" / LORA_WEIGHTS_NAME)
     initial = _initial_lora(cfg)

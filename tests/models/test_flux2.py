@@ -187,9 +187,16 @@ def _initial_lora(cfg: ModelConfig) -> dict[str, torch.Tensor]:
 def test_cli_training_changes_every_lora_tensor(tmp_path: Path, klein_cfg):
     run = tmp_path / "run"
     code, out = run_cli(
-        "train", "model=tiny_flux2_klein", *TINY_RUN, "algo.lr=1e-2", "epochs=2", "save_every=2", "eval_every=0",
-        "images_every=0", f"hydra.run.dir={run}",
-    )  # fmt: skip
+        "train",
+        "model=tiny_flux2_klein",
+        *TINY_RUN,
+        "algo.lr=1e-2",
+        "epochs=2",
+        "save_every=2",
+        "eval_every=0",
+        "images_every=0",
+        f"hydra.run.dir={run}",
+    )
     assert code == 0, out
     trained = load_file(run / "checkpoints" / "epoch_000002" / "weights" / LORA_WEIGHTS_NAME)
     initial = _initial_lora(klein_cfg)

@@ -83,10 +83,18 @@ def test_source_image_changes_the_velocity(policy, probe, sources):
 def test_euler_sampling_equals_flux_kontext_pipeline(policy, sources):
     x = policy.noise(2, torch.Generator().manual_seed(5))
     expected = policy.pipeline(
-        image=sources, prompt=PROMPTS, height=32, width=32, max_area=32 * 32, _auto_resize=False,
-        num_inference_steps=3, guidance_scale=2.5, latents=x.clone(), max_sequence_length=32,
+        image=sources,
+        prompt=PROMPTS,
+        height=32,
+        width=32,
+        max_area=32 * 32,
+        _auto_resize=False,
+        num_inference_steps=3,
+        guidance_scale=2.5,
+        latents=x.clone(),
+        max_sequence_length=32,
         output_type="latent",
-    ).images  # fmt: skip
+    ).images
     cond, sigmas = policy.encode(PROMPTS, sources), policy.schedule(3, x)
     with torch.no_grad():
         for i in range(3):
@@ -170,9 +178,17 @@ def test_cli_training_changes_every_lora_tensor(tmp_path: Path, cfg, editing_dat
 
     run = tmp_path / "run"
     code, out = run_cli(
-        "train", "model=tiny_flux_kontext", *TINY_RUN, *editing_data, "algo.lr=1e-2", "epochs=2",
-        "save_every=2", "eval_every=2", "images_every=0", f"hydra.run.dir={run}",
-    )  # fmt: skip
+        "train",
+        "model=tiny_flux_kontext",
+        *TINY_RUN,
+        *editing_data,
+        "algo.lr=1e-2",
+        "epochs=2",
+        "save_every=2",
+        "eval_every=2",
+        "images_every=0",
+        f"hydra.run.dir={run}",
+    )
     assert code == 0, out
     trained = load_file(run / "checkpoints" / "epoch_000002" / "weights" / LORA_WEIGHTS_NAME)
     torch.manual_seed(42)  # the recipe seeds torch with cfg.seed before building the adapter

@@ -100,9 +100,14 @@ def test_the_real_loader_reads_fp32_weights_straight_from_the_checkpoint(tmp_pat
     saved = tiny_sd3_pipeline(0)
     saved.save_pretrained(tmp_path / "sd3")
     cfg = _cfg(
-        "tiny_sd3", tiny=False, path=str(tmp_path / "sd3"), local_files_only=True, dtype="bfloat16",
-        frozen_dtype="float32", vae_dtype="float32",
-    )  # fmt: skip
+        "tiny_sd3",
+        tiny=False,
+        path=str(tmp_path / "sd3"),
+        local_files_only=True,
+        dtype="bfloat16",
+        frozen_dtype="float32",
+        vae_dtype="float32",
+    )
     pipe = load_sd3_pipeline(cfg)
     assert {p.dtype for p in pipe.transformer.parameters()} == {FP32}
     assert {p.dtype for p in pipe.vae.parameters()} == {FP32}

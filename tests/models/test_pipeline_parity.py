@@ -68,27 +68,47 @@ def _sources() -> torch.Tensor:
 def _sd3(policy, generators, sources, monkeypatch) -> torch.Tensor:
     pipe = as_loaded(tiny_sd3_pipeline(policy.cfg.tiny_seed))
     return pipe(
-        PROMPTS, negative_prompt=policy.cfg.negative_prompt, height=32, width=32, num_inference_steps=STEPS,
-        guidance_scale=policy.guidance_scale, generator=generators,
-        max_sequence_length=policy.cfg.max_sequence_length, output_type="pt",
-    ).images  # fmt: skip
+        PROMPTS,
+        negative_prompt=policy.cfg.negative_prompt,
+        height=32,
+        width=32,
+        num_inference_steps=STEPS,
+        guidance_scale=policy.guidance_scale,
+        generator=generators,
+        max_sequence_length=policy.cfg.max_sequence_length,
+        output_type="pt",
+    ).images
 
 
 def _flux(policy, generators, sources, monkeypatch) -> torch.Tensor:
     pipe = as_loaded(tiny_flux_pipeline(policy.cfg.tiny_seed))
     return pipe(
-        PROMPTS, height=32, width=32, num_inference_steps=STEPS, guidance_scale=policy.guidance_scale,
-        generator=generators, max_sequence_length=policy.cfg.max_sequence_length, output_type="pt",
-    ).images  # fmt: skip
+        PROMPTS,
+        height=32,
+        width=32,
+        num_inference_steps=STEPS,
+        guidance_scale=policy.guidance_scale,
+        generator=generators,
+        max_sequence_length=policy.cfg.max_sequence_length,
+        output_type="pt",
+    ).images
 
 
 def _flux_kontext(policy, generators, sources, monkeypatch) -> torch.Tensor:
     pipe = as_loaded(tiny_flux_kontext_pipeline(policy.cfg.tiny_seed))
     return pipe(
-        image=sources, prompt=PROMPTS, height=32, width=32, max_area=32 * 32, _auto_resize=False,
-        num_inference_steps=STEPS, guidance_scale=policy.guidance_scale, generator=generators,
-        max_sequence_length=policy.cfg.max_sequence_length, output_type="pt",
-    ).images  # fmt: skip
+        image=sources,
+        prompt=PROMPTS,
+        height=32,
+        width=32,
+        max_area=32 * 32,
+        _auto_resize=False,
+        num_inference_steps=STEPS,
+        guidance_scale=policy.guidance_scale,
+        generator=generators,
+        max_sequence_length=policy.cfg.max_sequence_length,
+        output_type="pt",
+    ).images
 
 
 def _true_cfg_kwargs(policy) -> dict:
@@ -100,9 +120,15 @@ def _true_cfg_kwargs(policy) -> dict:
 def _qwen_image(policy, generators, sources, monkeypatch) -> torch.Tensor:
     pipe = as_loaded(tiny_qwen_image_pipeline(policy.cfg.tiny_seed))
     return pipe(
-        PROMPTS, **_true_cfg_kwargs(policy), height=32, width=32, num_inference_steps=STEPS,
-        generator=generators, max_sequence_length=policy.cfg.max_sequence_length, output_type="pt",
-    ).images  # fmt: skip
+        PROMPTS,
+        **_true_cfg_kwargs(policy),
+        height=32,
+        width=32,
+        num_inference_steps=STEPS,
+        generator=generators,
+        max_sequence_length=policy.cfg.max_sequence_length,
+        output_type="pt",
+    ).images
 
 
 def _qwen_image_edit(policy, generators, sources, monkeypatch) -> torch.Tensor:
@@ -113,9 +139,15 @@ def _qwen_image_edit(policy, generators, sources, monkeypatch) -> torch.Tensor:
     monkeypatch.setattr(module, "calculate_dimensions", lambda area, ratio: resize(32 * 32, ratio))
     pipe = as_loaded(tiny_qwen_image_edit_pipeline(policy.cfg.tiny_seed))
     return pipe(
-        image=to_pil(sources), prompt=PROMPTS, **_true_cfg_kwargs(policy), height=32, width=32,
-        num_inference_steps=STEPS, generator=generators, output_type="pt",
-    ).images  # fmt: skip
+        image=to_pil(sources),
+        prompt=PROMPTS,
+        **_true_cfg_kwargs(policy),
+        height=32,
+        width=32,
+        num_inference_steps=STEPS,
+        generator=generators,
+        output_type="pt",
+    ).images
 
 
 def _qwen_image_2_edit(policy, generators, sources, monkeypatch) -> torch.Tensor:
@@ -126,10 +158,18 @@ def _qwen_image_2_edit(policy, generators, sources, monkeypatch) -> torch.Tensor
     images = []
     for prompt, source, generator in zip(PROMPTS, to_pil(sources), generators, strict=True):
         rgba = pipe(
-            prompt, image=source, negative_prompt=negative, true_cfg_scale=policy.guidance_scale,
-            height=policy.cfg.resolution, width=policy.cfg.resolution, output_resolution=source.width,
-            num_inference_steps=STEPS, generator=[generator], output_type="pt", use_kv_cache=False,
-        ).images  # fmt: skip
+            prompt,
+            image=source,
+            negative_prompt=negative,
+            true_cfg_scale=policy.guidance_scale,
+            height=policy.cfg.resolution,
+            width=policy.cfg.resolution,
+            output_resolution=source.width,
+            num_inference_steps=STEPS,
+            generator=[generator],
+            output_type="pt",
+            use_kv_cache=False,
+        ).images
         images.append(rgba[:, :3] * rgba[:, 3:] + 1 - rgba[:, 3:])
     return torch.cat(images)
 
@@ -144,11 +184,17 @@ def _wan(policy, generators, sources, monkeypatch) -> torch.Tensor:
         pipe.scheduler.config, solver_order=1, disable_corrector=list(range(STEPS))
     )
     frames = pipe(
-        PROMPTS, negative_prompt=cfg.negative_prompt if policy.guidance_scale > 1 else None,
-        height=cfg.height, width=cfg.width, num_frames=cfg.num_frames, num_inference_steps=STEPS,
-        guidance_scale=policy.guidance_scale, generator=generators, max_sequence_length=cfg.max_sequence_length,
+        PROMPTS,
+        negative_prompt=cfg.negative_prompt if policy.guidance_scale > 1 else None,
+        height=cfg.height,
+        width=cfg.width,
+        num_frames=cfg.num_frames,
+        num_inference_steps=STEPS,
+        guidance_scale=policy.guidance_scale,
+        generator=generators,
+        max_sequence_length=cfg.max_sequence_length,
         output_type="pt",
-    ).frames  # fmt: skip
+    ).frames
     return frames.permute(0, 2, 1, 3, 4)  # (B, F, 3, H, W) → rlgen's (B, 3, F, H, W)
 
 
@@ -157,10 +203,16 @@ def _z_image(policy, generators, sources, monkeypatch) -> torch.Tensor:
     # the pipeline writes CFG as c + g'·(c − u): its g' is rlgen's g − 1 (0 = no unconditional branch);
     # it rewrites the prompt list it is given in place, so it gets a copy
     return pipe(
-        list(PROMPTS), negative_prompt=[policy.cfg.negative_prompt] * len(PROMPTS), height=32, width=32,
-        num_inference_steps=STEPS, guidance_scale=policy.guidance_scale - 1, generator=generators,
-        max_sequence_length=policy.cfg.max_sequence_length, output_type="pt",
-    ).images  # fmt: skip
+        list(PROMPTS),
+        negative_prompt=[policy.cfg.negative_prompt] * len(PROMPTS),
+        height=32,
+        width=32,
+        num_inference_steps=STEPS,
+        guidance_scale=policy.guidance_scale - 1,
+        generator=generators,
+        max_sequence_length=policy.cfg.max_sequence_length,
+        output_type="pt",
+    ).images
 
 
 def _flux2(policy, generators, sources, monkeypatch) -> torch.Tensor:
@@ -168,9 +220,15 @@ def _flux2(policy, generators, sources, monkeypatch) -> torch.Tensor:
     build = tiny_flux2_pipeline if policy.family == "flux2" else tiny_flux2_klein_pipeline
     pipe = as_loaded(build(policy.cfg.tiny_seed))
     return pipe(
-        prompt=PROMPTS, height=32, width=32, num_inference_steps=STEPS, guidance_scale=policy.guidance_scale,
-        generator=generators, max_sequence_length=policy.cfg.max_sequence_length, output_type="pt",
-    ).images  # fmt: skip
+        prompt=PROMPTS,
+        height=32,
+        width=32,
+        num_inference_steps=STEPS,
+        guidance_scale=policy.guidance_scale,
+        generator=generators,
+        max_sequence_length=policy.cfg.max_sequence_length,
+        output_type="pt",
+    ).images
 
 
 PipelineCall = Callable[..., torch.Tensor]

@@ -35,9 +35,14 @@ def guided_cfg(tiny_model_cfg):
 def _pipeline_encode(policy, prompts: list[str], negative: str = "") -> dict[str, torch.Tensor]:
     """What the diffusers pipeline gives in one call, negative branch included (no rlgen code)."""
     embeds, neg, pooled, neg_pooled = policy.pipeline.encode_prompt(
-        prompt=prompts, prompt_2=None, prompt_3=None, device=CPU, do_classifier_free_guidance=True,
-        negative_prompt=[negative] * len(prompts), max_sequence_length=policy.cfg.max_sequence_length,
-    )  # fmt: skip
+        prompt=prompts,
+        prompt_2=None,
+        prompt_3=None,
+        device=CPU,
+        do_classifier_free_guidance=True,
+        negative_prompt=[negative] * len(prompts),
+        max_sequence_length=policy.cfg.max_sequence_length,
+    )
     return {"prompt_embeds": embeds, "pooled": pooled, "neg_prompt_embeds": neg, "neg_pooled": neg_pooled}
 
 

@@ -53,10 +53,13 @@ def _raw(policy: QwenImagePolicy, x, sigma: float, embeds, mask):
     keep = int(mask.sum(1).max())
     h, w = policy.latent_hw
     return policy.transformer(
-        hidden_states=x, timestep=torch.full((x.shape[0],), sigma), encoder_hidden_states=embeds[:, :keep],
-        encoder_hidden_states_mask=mask[:, :keep], img_shapes=[[(1, h // 2, w // 2)]] * x.shape[0],
+        hidden_states=x,
+        timestep=torch.full((x.shape[0],), sigma),
+        encoder_hidden_states=embeds[:, :keep],
+        encoder_hidden_states_mask=mask[:, :keep],
+        img_shapes=[[(1, h // 2, w // 2)]] * x.shape[0],
         return_dict=False,
-    )[0]  # fmt: skip
+    )[0]
 
 
 def test_save_pretrained_round_trip_through_the_real_loader(tmp_path: Path, qwen_cfg, shared):
@@ -94,9 +97,16 @@ def test_sampling_equals_the_diffusers_pipeline(qwen_cfg):
         for i in range(3):
             z = z + policy.velocity(z, sigmas[i], cond) * (sigmas[i + 1] - sigmas[i])
         expected = policy.pipeline(
-            PROMPTS[:1], negative_prompt=" ", true_cfg_scale=4.0, height=32, width=32, num_inference_steps=3,
-            latents=x, output_type="pt", max_sequence_length=qwen_cfg.max_sequence_length,
-        ).images  # fmt: skip
+            PROMPTS[:1],
+            negative_prompt=" ",
+            true_cfg_scale=4.0,
+            height=32,
+            width=32,
+            num_inference_steps=3,
+            latents=x,
+            output_type="pt",
+            max_sequence_length=qwen_cfg.max_sequence_length,
+        ).images
     torch.testing.assert_close(policy.decode(z), expected, atol=1e-5, rtol=1e-5)
 
 

@@ -72,13 +72,22 @@ def _raw(policy: QwenImage2Policy, x, sigma: float, embeds, mask=None) -> torch.
     """One plain transformer call over [prompt tokens, image tokens] as the pipeline makes it (mask marks
     valid prompt tokens; None = all valid)."""
     batch, tokens = x.shape[:2]
-    img_mask = torch.cat([torch.zeros(batch, embeds.shape[1], dtype=torch.bool),
-                          torch.ones(batch, tokens // 4, dtype=torch.bool)], dim=1)  # fmt: skip
+    img_mask = torch.cat(
+        [
+            torch.zeros(batch, embeds.shape[1], dtype=torch.bool),
+            torch.ones(batch, tokens // 4, dtype=torch.bool),
+        ],
+        dim=1,
+    )
     out = policy.transformer(
-        hidden_states=x, encoder_hidden_states=embeds, timestep=torch.full((batch,), sigma),
-        img_shapes=[[(1, *policy.latent_hw)]] * batch, img_mask=img_mask, encoder_hidden_states_mask=mask,
+        hidden_states=x,
+        encoder_hidden_states=embeds,
+        timestep=torch.full((batch,), sigma),
+        img_shapes=[[(1, *policy.latent_hw)]] * batch,
+        img_mask=img_mask,
+        encoder_hidden_states_mask=mask,
         return_dict=False,
-    )[0]  # fmt: skip
+    )[0]
     return out[:, -tokens:]
 
 
@@ -92,10 +101,16 @@ def _pipeline_samples(pipe, policy, use_kv_cache: bool) -> torch.Tensor:
     images = []
     for prompt, generator in zip(PROMPTS, initial_noise_generators(SEED, len(PROMPTS)), strict=True):
         rgba = pipe(
-            prompt, negative_prompt=policy.cfg.negative_prompt if policy.guidance_scale > 1 else None,
-            true_cfg_scale=policy.guidance_scale, height=side, width=side, num_inference_steps=STEPS,
-            generator=[generator], output_type="pt", use_kv_cache=use_kv_cache,
-        ).images  # fmt: skip
+            prompt,
+            negative_prompt=policy.cfg.negative_prompt if policy.guidance_scale > 1 else None,
+            true_cfg_scale=policy.guidance_scale,
+            height=side,
+            width=side,
+            num_inference_steps=STEPS,
+            generator=[generator],
+            output_type="pt",
+            use_kv_cache=use_kv_cache,
+        ).images
         images.append(rgba[:, :3] * rgba[:, 3:] + 1 - rgba[:, 3:])
     return torch.cat(images)
 
@@ -217,8 +232,17 @@ def test_cfg_is_plain_without_the_norm_rescale(lora_policy):
     t = cond.tensors
     sigma = 0.6
     with torch.no_grad():
-        c = torch.cat([_raw(policy, x[i : i + 1], sigma, t["prompt_embeds"][i : i + 1, : int(t["prompt_mask"][i].sum())])
-                       for i in range(2)])  # fmt: skip
+        c = torch.cat(
+            [
+                _raw(
+                    policy,
+                    x[i : i + 1],
+                    sigma,
+                    t["prompt_embeds"][i : i + 1, : int(t["prompt_mask"][i].sum())],
+                )
+                for i in range(2)
+            ]
+        )
         u = _raw(policy, x, sigma, t["neg_prompt_embeds"][:, : int(t["neg_prompt_mask"][0].sum())])
         got = policy.velocity(x, torch.tensor(sigma), cond)
     expected = u + 4.0 * (c - u)
@@ -306,9 +330,12 @@ def test_check_onpolicy_is_exact(tmp_path: Path, cli):
 def test_check_onpolicy_fails_when_weights_move_after_the_rollout(tmp_path: Path, cli):
     """The check can fail: noise of std 1e-3 on the LoRA between rollout and recompute exits 1."""
     code, out = cli(
-        "check-onpolicy", "model=tiny_qwen_image_2", *TINY_RUN, "check.perturb_weights=1e-3",
+        "check-onpolicy",
+        "model=tiny_qwen_image_2",
+        *TINY_RUN,
+        "check.perturb_weights=1e-3",
         f"hydra.run.dir={tmp_path}",
-    )  # fmt: skip
+    )
     assert code == 1, out
     assert "FAIL max error" in out, out
 

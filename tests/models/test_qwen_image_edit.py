@@ -67,9 +67,13 @@ def test_velocity_is_the_target_slice_of_one_joint_call_with_true_cfg(shared):
     def raw(embeds, mask):
         keep = int(mask.sum(1).max())
         return policy.transformer(
-            hidden_states=hidden, timestep=torch.full((2,), 0.4), encoder_hidden_states=embeds[:, :keep],
-            encoder_hidden_states_mask=mask[:, :keep], img_shapes=shapes, return_dict=False,
-        )[0][:, : x.shape[1]]  # fmt: skip
+            hidden_states=hidden,
+            timestep=torch.full((2,), 0.4),
+            encoder_hidden_states=embeds[:, :keep],
+            encoder_hidden_states_mask=mask[:, :keep],
+            img_shapes=shapes,
+            return_dict=False,
+        )[0][:, : x.shape[1]]
 
     with torch.no_grad():
         expected = true_cfg(
@@ -115,9 +119,11 @@ def test_real_loader_and_lora_file_reproduce_the_velocity(tmp_path: Path, edit_c
     sigma = torch.tensor(0.3)
     with torch.no_grad():
         torch.testing.assert_close(
-            loaded.velocity(x, sigma, loaded.encode(PROMPTS, _sources(0))), policy.velocity(x, sigma, cond),
-            atol=1e-5, rtol=1e-5,
-        )  # fmt: skip
+            loaded.velocity(x, sigma, loaded.encode(PROMPTS, _sources(0))),
+            policy.velocity(x, sigma, cond),
+            atol=1e-5,
+            rtol=1e-5,
+        )
         with policy.trainable.reference():
             base = policy.velocity(x, sigma, cond)
         assert not torch.allclose(base, policy.velocity(x, sigma, cond))
@@ -143,9 +149,14 @@ def test_cli_training_on_an_edit_set_changes_every_lora_tensor(
 
     run = tmp_path / "run"
     code, out = cli(
-        "train", "model=tiny_qwen_image_edit", *TINY_RUN, f"data.train={edit_data}", f"data.test={edit_data}",
-        "epochs=1", f"hydra.run.dir={run}",
-    )  # fmt: skip
+        "train",
+        "model=tiny_qwen_image_edit",
+        *TINY_RUN,
+        f"data.train={edit_data}",
+        f"data.test={edit_data}",
+        "epochs=1",
+        f"hydra.run.dir={run}",
+    )
     assert code == 0, out
     torch.manual_seed(42)  # the recipe seeds torch with cfg.seed before building the adapter
     fresh = QwenImageEditPolicy(tiny_qwen_image_edit_pipeline(0), edit_cfg, CPU)

@@ -36,14 +36,22 @@ def _pipeline_samples(guidance: float, sources: torch.Tensor, monkeypatch) -> to
     monkeypatch.setattr(module, "VAE_IMAGE_SIZE", 32 * 32)
     pipe = as_loaded(tiny_qwen_image_edit_plus_pipeline(0))
     gens = initial_noise_generators(SEED, len(PROMPTS))
-    return torch.cat([
-        pipe(
-            image=to_pil(sources[i]), prompt=[PROMPTS[i]], negative_prompt=[" "] if guidance > 1 else None,
-            true_cfg_scale=guidance, height=32, width=32, num_inference_steps=STEPS, generator=[gens[i]],
-            output_type="pt",
-        ).images
-        for i in range(len(PROMPTS))
-    ])  # fmt: skip
+    return torch.cat(
+        [
+            pipe(
+                image=to_pil(sources[i]),
+                prompt=[PROMPTS[i]],
+                negative_prompt=[" "] if guidance > 1 else None,
+                true_cfg_scale=guidance,
+                height=32,
+                width=32,
+                num_inference_steps=STEPS,
+                generator=[gens[i]],
+                output_type="pt",
+            ).images
+            for i in range(len(PROMPTS))
+        ]
+    )
 
 
 @pytest.mark.parametrize("guidance", [1.0, 4.0], ids=["no_cfg", "true_cfg"])
@@ -73,9 +81,13 @@ def test_source_block_equals_separate_source_shapes():
     keep = int(mask.sum(1).max())
     with torch.no_grad():
         by_pipeline = policy.transformer(
-            hidden_states=hidden, timestep=torch.full((2,), 0.6), encoder_hidden_states=embeds[:, :keep],
-            encoder_hidden_states_mask=mask[:, :keep], img_shapes=separate, return_dict=False,
-        )[0][:, :16]  # fmt: skip
+            hidden_states=hidden,
+            timestep=torch.full((2,), 0.6),
+            encoder_hidden_states=embeds[:, :keep],
+            encoder_hidden_states_mask=mask[:, :keep],
+            img_shapes=separate,
+            return_dict=False,
+        )[0][:, :16]
         torch.testing.assert_close(policy.velocity(x, torch.tensor(0.6), cond), by_pipeline)
 
 
@@ -221,9 +233,16 @@ def test_cli_training_with_two_sources_per_example(tmp_path: Path, tiny_clip: Pa
         for key, value in (("model_path", tiny_clip), ("device", "cpu"), ("local_files_only", "true"))
     ]
     code, out = cli(
-        "train", "model=tiny_qwen_image_edit_plus", *TINY_RUN, "reward=image_similarity", *clip_kwargs,
-        f"data.train={data}", f"data.test={data}", "epochs=2", f"hydra.run.dir={run}",
-    )  # fmt: skip
+        "train",
+        "model=tiny_qwen_image_edit_plus",
+        *TINY_RUN,
+        "reward=image_similarity",
+        *clip_kwargs,
+        f"data.train={data}",
+        f"data.test={data}",
+        "epochs=2",
+        f"hydra.run.dir={run}",
+    )
     assert code == 0, out
     torch.manual_seed(42)  # the recipe seeds torch with cfg.seed before building the adapter
     fresh = QwenImageEditPlusPolicy(
@@ -244,7 +263,11 @@ def test_cli_training_with_two_sources_per_example(tmp_path: Path, tiny_clip: Pa
 def test_check_onpolicy_passes_with_two_sources_per_example(tmp_path: Path, cli):
     data = _two_source_set(tmp_path / "data")
     code, out = cli(
-        "check-onpolicy", "model=tiny_qwen_image_edit_plus", *TINY_RUN, f"data.train={data}", f"data.test={data}",
+        "check-onpolicy",
+        "model=tiny_qwen_image_edit_plus",
+        *TINY_RUN,
+        f"data.train={data}",
+        f"data.test={data}",
         f"hydra.run.dir={tmp_path / 'check'}",
-    )  # fmt: skip
+    )
     assert code == 0 and "PASS" in out, out

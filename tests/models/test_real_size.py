@@ -62,13 +62,20 @@ def test_vlm_parameters_match_the_published_figure(name):
 @pytest.mark.parametrize(
     ("name", "components"),
     [
-        ("sd3_5_medium", {"text_encoder": "clip_l", "text_encoder_2": "clip_g", "text_encoder_3": "t5_xxl",
-                          "vae": "sd3_vae"}),
+        (
+            "sd3_5_medium",
+            {
+                "text_encoder": "clip_l",
+                "text_encoder_2": "clip_g",
+                "text_encoder_3": "t5_xxl",
+                "vae": "sd3_vae",
+            },
+        ),
         ("flux_1_dev", {"text_encoder_2": "t5_xxl", "vae": "sd3_vae"}),
         ("wan2_1_t2v_1_3b", {"text_encoder": "umt5_xxl", "vae": "wan_vae"}),
         ("qwen_image", {"text_encoder": "qwen2_5_vl_7b", "vae": "wan_vae"}),
     ],
-)  # fmt: skip
+)
 def test_real_size_text_encoders_and_vaes_match_the_published_figures(name, components):
     with torch.device(META):
         parts = flow_components(name, stand_in=False)
@@ -200,9 +207,14 @@ def test_each_family_encodes_denoises_and_decodes_with_its_real_size_components(
     ):  # T5 pads to it; Qwen-Image's bound covers the source image
         geometry["max_sequence_length"] = 32
     cfg = replace(
-        base, weights="random_init", variant=name, text_encoders="stand_in", dtype="bfloat16",
-        lora=replace(base.lora, enabled=False), **geometry,
-    )  # fmt: skip
+        base,
+        weights="random_init",
+        variant=name,
+        text_encoders="stand_in",
+        dtype="bfloat16",
+        lora=replace(base.lora, enabled=False),
+        **geometry,
+    )
     policy = build_policy(cfg, torch.device("cpu"))
     sources = torch.rand(1, 3, 64, 64) if variant.family in ("flux_kontext", "qwen_image_edit") else None
     cond = policy.encode(["a photo of a red circle"], sources)

@@ -29,8 +29,10 @@ def test_save_pretrained_round_trip_through_the_real_loader(tmp_path: Path, tiny
     built = SD3Policy(tiny_sd3_pipeline(seed=0), tiny_model_cfg, CPU)
     x, cond = _probe(built)
     sigma = torch.tensor(0.7)
-    torch.testing.assert_close(loaded.velocity(x, sigma, loaded.encode(["a red circle", "a blue square"])),
-                               built.velocity(x, sigma, cond))  # fmt: skip
+    torch.testing.assert_close(
+        loaded.velocity(x, sigma, loaded.encode(["a red circle", "a blue square"])),
+        built.velocity(x, sigma, cond),
+    )
 
 
 def test_missing_local_path_is_a_user_error(tmp_path: Path, tiny_model_cfg):
@@ -85,8 +87,12 @@ def test_cfg_lives_in_velocity(tiny_model_cfg):
     policy = SD3Policy(tiny_sd3_pipeline(0), cfg, CPU)
     x, cond = _probe(policy)
     t = torch.full((2,), 700.0)
-    call = lambda e, p: policy.transformer(hidden_states=x, timestep=t, encoder_hidden_states=e,  # noqa: E731
-                                           pooled_projections=p, return_dict=False)[0]  # fmt: skip
+
+    def call(e: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        return policy.transformer(
+            hidden_states=x, timestep=t, encoder_hidden_states=e, pooled_projections=p, return_dict=False
+        )[0]
+
     c = call(cond.tensors["prompt_embeds"], cond.tensors["pooled"])
     u = call(cond.tensors["neg_prompt_embeds"], cond.tensors["neg_pooled"])
     torch.testing.assert_close(
@@ -99,9 +105,13 @@ def test_guidance_one_has_no_unconditional_branch(tiny_model_cfg):
     policy = SD3Policy(tiny_sd3_pipeline(0), cfg, CPU)
     x, cond = _probe(policy)
     assert set(cond.tensors) == {"prompt_embeds", "pooled"}
-    direct = policy.transformer(hidden_states=x, timestep=torch.full((2,), 500.0),
-                                encoder_hidden_states=cond.tensors["prompt_embeds"],
-                                pooled_projections=cond.tensors["pooled"], return_dict=False)[0]  # fmt: skip
+    direct = policy.transformer(
+        hidden_states=x,
+        timestep=torch.full((2,), 500.0),
+        encoder_hidden_states=cond.tensors["prompt_embeds"],
+        pooled_projections=cond.tensors["pooled"],
+        return_dict=False,
+    )[0]
     torch.testing.assert_close(policy.velocity(x, torch.tensor(0.5), cond), direct)
 
 

@@ -119,8 +119,12 @@ def test_lora_on_self_and_cross_attention_only(cfg_policy: WanPolicy, wan_cfg):
 def test_cfg_is_two_separate_forwards_inside_velocity(cfg_policy: WanPolicy):
     x, cond = _probe(cfg_policy)
     t = torch.full((2,), 700.0)
-    call = lambda e: cfg_policy.transformer(hidden_states=x, timestep=t, encoder_hidden_states=e,  # noqa: E731
-                                            return_dict=False)[0]  # fmt: skip
+
+    def call(e: torch.Tensor) -> torch.Tensor:
+        return cfg_policy.transformer(
+            hidden_states=x, timestep=t, encoder_hidden_states=e, return_dict=False
+        )[0]
+
     c, u = call(cond.tensors["prompt_embeds"]), call(cond.tensors["neg_prompt_embeds"])
     torch.testing.assert_close(cfg_policy.velocity(x, torch.tensor(0.7), cond), u + 4.5 * (c - u))
 
@@ -172,9 +176,16 @@ def test_cli_training_changes_every_lora_tensor(tmp_path: Path, wan_cfg, cli):
 
     run_dir = tmp_path / "run"
     code, out = cli(
-        "train", "model=tiny_wan2_1", *TINY_RUN, "epochs=2", "save_every=1", "images_every=0", "eval_every=0",
-        "algo.lr=1e-2", f"hydra.run.dir={run_dir}",
-    )  # fmt: skip
+        "train",
+        "model=tiny_wan2_1",
+        *TINY_RUN,
+        "epochs=2",
+        "save_every=1",
+        "images_every=0",
+        "eval_every=0",
+        "algo.lr=1e-2",
+        f"hydra.run.dir={run_dir}",
+    )
     assert code == 0, out
     torch.manual_seed(42)  # the recipe seeds torch with cfg.seed before building the adapter
     initial = WanPolicy(tiny_wan_pipeline(0), wan_cfg, CPU)
@@ -186,9 +197,12 @@ def test_cli_training_changes_every_lora_tensor(tmp_path: Path, wan_cfg, cli):
 
 def test_check_onpolicy_passes_with_cfg(tmp_path: Path, cli):
     code, out = cli(
-        "check-onpolicy", "model=tiny_wan2_1", "model.guidance_scale=4.5", *TINY_RUN,
+        "check-onpolicy",
+        "model=tiny_wan2_1",
+        "model.guidance_scale=4.5",
+        *TINY_RUN,
         f"hydra.run.dir={tmp_path / 'check'}",
-    )  # fmt: skip
+    )
     assert code == 0, out
     assert "PASS" in out
 

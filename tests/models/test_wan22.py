@@ -91,10 +91,11 @@ def test_each_expert_gets_gradient_only_at_its_own_steps(cfg_policy: Wan22Policy
             param.grad = None
         recompute_step(velocity, traj, j, SPEC).logprob.sum().backward()
         touched = {
-            expert for expert in ("high_noise", "low_noise")
+            expert
+            for expert in ("high_noise", "low_noise")
             for name, p in cfg_policy.trainable.named()
             if name.startswith(expert) and p.grad is not None and p.grad.abs().sum() > 0
-        }  # fmt: skip
+        }
         assert touched == ({"high_noise"} if j in HIGH_STEPS else {"low_noise"}), j
 
 
@@ -150,11 +151,18 @@ def _t2v_pipeline_call(policy: Wan22Policy, sources) -> torch.Tensor:
     cfg = policy.cfg
     pipe = _unipc_euler(as_loaded(tiny_wan22_pipeline(cfg.tiny_seed, cfg.max_sequence_length)))
     frames = pipe(
-        PROMPTS, negative_prompt=cfg.negative_prompt if policy.guidance_scale > 1 else None, height=cfg.height,
-        width=cfg.width, num_frames=cfg.num_frames, num_inference_steps=STEPS, guidance_scale=policy.guidance_scale,
-        guidance_scale_2=policy.guidance_scale_2, generator=initial_noise_generators(3, 2),
-        max_sequence_length=cfg.max_sequence_length, output_type="pt",
-    ).frames  # fmt: skip
+        PROMPTS,
+        negative_prompt=cfg.negative_prompt if policy.guidance_scale > 1 else None,
+        height=cfg.height,
+        width=cfg.width,
+        num_frames=cfg.num_frames,
+        num_inference_steps=STEPS,
+        guidance_scale=policy.guidance_scale,
+        guidance_scale_2=policy.guidance_scale_2,
+        generator=initial_noise_generators(3, 2),
+        max_sequence_length=cfg.max_sequence_length,
+        output_type="pt",
+    ).frames
     return frames.permute(0, 2, 1, 3, 4)
 
 
@@ -171,15 +179,24 @@ def _i2v_pipeline_call(policy: Wan22Policy, sources) -> torch.Tensor:
     videos = []
     for i, generator in enumerate(initial_noise_generators(3, 2)):
         embeds, neg = text.encode_prompt(
-            PROMPTS[i], [cfg.negative_prompt], do_classifier_free_guidance=policy.guidance_scale > 1,
+            PROMPTS[i],
+            [cfg.negative_prompt],
+            do_classifier_free_guidance=policy.guidance_scale > 1,
             max_sequence_length=cfg.max_sequence_length,
-        )  # fmt: skip
+        )
         frames = pipe(
-            image=sources[i : i + 1], prompt_embeds=embeds, negative_prompt_embeds=neg, height=cfg.height,
-            width=cfg.width, num_frames=cfg.num_frames, num_inference_steps=STEPS,
-            guidance_scale=policy.guidance_scale, guidance_scale_2=policy.guidance_scale_2, generator=[generator],
+            image=sources[i : i + 1],
+            prompt_embeds=embeds,
+            negative_prompt_embeds=neg,
+            height=cfg.height,
+            width=cfg.width,
+            num_frames=cfg.num_frames,
+            num_inference_steps=STEPS,
+            guidance_scale=policy.guidance_scale,
+            guidance_scale_2=policy.guidance_scale_2,
+            generator=[generator],
             output_type="pt",
-        ).frames  # fmt: skip
+        ).frames
         videos.append(frames.permute(0, 2, 1, 3, 4))
     return torch.cat(videos)
 
@@ -191,7 +208,7 @@ def _i2v_pipeline_call(policy: Wan22Policy, sources) -> torch.Tensor:
         ("tiny_wan2_2", 4.5, 3.0, _t2v_pipeline_call),
         ("tiny_wan2_2_i2v", 4.5, 2.0, _i2v_pipeline_call),
     ],
-)  # fmt: skip
+)
 def test_decoded_samples_equal_the_pipelines_own_call_with_both_experts(
     name, guidance, guidance_2, pipeline_call
 ):
@@ -280,9 +297,17 @@ def test_a_one_transformer_checkpoint_is_refused(tmp_path: Path):
 def test_cli_training_changes_every_lora_tensor_of_both_experts(tmp_path: Path, cli):
     run_dir = tmp_path / "run"
     code, out = cli(
-        "train", "model=tiny_wan2_2", *TINY_RUN, "model.num_steps=4", "epochs=2", "save_every=1",
-        "images_every=0", "eval_every=0", "algo.lr=1e-2", f"hydra.run.dir={run_dir}",
-    )  # fmt: skip
+        "train",
+        "model=tiny_wan2_2",
+        *TINY_RUN,
+        "model.num_steps=4",
+        "epochs=2",
+        "save_every=1",
+        "images_every=0",
+        "eval_every=0",
+        "algo.lr=1e-2",
+        f"hydra.run.dir={run_dir}",
+    )
     assert code == 0, out
     from peft.utils import get_peft_model_state_dict
 
@@ -299,8 +324,13 @@ def test_cli_training_changes_every_lora_tensor_of_both_experts(tmp_path: Path, 
 
 def test_check_onpolicy_passes_across_the_boundary_with_cfg(tmp_path: Path, cli):
     code, out = cli(
-        "check-onpolicy", "model=tiny_wan2_2", "model.guidance_scale=4.5", "model.experts.guidance_scale_2=3.0",
-        *TINY_RUN, "model.num_steps=4", f"hydra.run.dir={tmp_path / 'check'}",
-    )  # fmt: skip
+        "check-onpolicy",
+        "model=tiny_wan2_2",
+        "model.guidance_scale=4.5",
+        "model.experts.guidance_scale_2=3.0",
+        *TINY_RUN,
+        "model.num_steps=4",
+        f"hydra.run.dir={tmp_path / 'check'}",
+    )
     assert code == 0, out
     assert "PASS" in out

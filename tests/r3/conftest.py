@@ -26,6 +26,8 @@ def warm_text_dir(tmp_path_factory) -> Path:
 def warm_text_overrides(directory: Path) -> list[str]:
     """Overrides that load the warm-started text policy from ``directory`` (a saved model, not tiny)."""
     return [
-        "r3.policy.text.tiny=false", f"r3.policy.text.path={directory}", "r3.policy.text.local_files_only=true",
+        "r3.policy.text.tiny=false",
+        f"r3.policy.text.path={directory}",
+        "r3.policy.text.local_files_only=true",
         "r3.max_output_token_n_gen=16",
-    ]  # fmt: skip
+    ]

@@ -292,12 +292,25 @@ def test_full_ft_tracks_own_the_experts_and_the_vit_is_frozen(full):
     text = {names[id(p)] for p in full.trainable_parameters(TEXT)}
     image = {names[id(p)] for p in full.trainable_parameters(IMAGE)}
     layer = "language_model.model.layers.0."
-    assert {f"{layer}self_attn.q_proj.weight", f"{layer}self_attn.q_norm.weight", f"{layer}mlp.up_proj.weight",
-            f"{layer}input_layernorm.weight", "language_model.model.norm.weight", "language_model.lm_head.weight",
-            "language_model.model.embed_tokens.weight", "connector.fc1.weight"} <= text  # fmt: skip
-    assert {f"{layer}self_attn.q_proj_moe_gen.weight", f"{layer}mlp_moe_gen.up_proj.weight",
-            f"{layer}input_layernorm_moe_gen.weight", "language_model.model.norm_moe_gen.weight",
-            "vae2llm.weight", "llm2vae.weight", "time_embedder.mlp.0.weight"} <= image  # fmt: skip
+    assert {
+        f"{layer}self_attn.q_proj.weight",
+        f"{layer}self_attn.q_norm.weight",
+        f"{layer}mlp.up_proj.weight",
+        f"{layer}input_layernorm.weight",
+        "language_model.model.norm.weight",
+        "language_model.lm_head.weight",
+        "language_model.model.embed_tokens.weight",
+        "connector.fc1.weight",
+    } <= text
+    assert {
+        f"{layer}self_attn.q_proj_moe_gen.weight",
+        f"{layer}mlp_moe_gen.up_proj.weight",
+        f"{layer}input_layernorm_moe_gen.weight",
+        "language_model.model.norm_moe_gen.weight",
+        "vae2llm.weight",
+        "llm2vae.weight",
+        "time_embedder.mlp.0.weight",
+    } <= image
     assert not any("_moe_gen" in n for n in text) and not text & image
     vit = {n for n in names.values() if n.startswith("vit_model.")}
     assert vit and not vit & (text | image)

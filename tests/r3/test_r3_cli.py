@@ -46,9 +46,14 @@ def test_seed_keys_reach_the_reward_client():
 @pytest.mark.slow  # ≈ 40 s on 2 cores; tests/r3/test_r3_recipe.py runs the same path with model=tiny_r3
 def test_the_issue_command_runs_both_stages_offline(tmp_path: Path):
     code, out = run_cli(
-        "train", "experiment=r3_geneval", "model=tiny_r3", "epochs=2", "eval_every=0", "progress=false",
+        "train",
+        "experiment=r3_geneval",
+        "model=tiny_r3",
+        "epochs=2",
+        "eval_every=0",
+        "progress=false",
         f"hydra.run.dir={tmp_path}",
-    )  # fmt: skip
+    )
     assert code == 0, out
     stages = [json.loads(line)["stage"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert stages == [0.0, 1.0]

@@ -35,9 +35,12 @@ def _write(tmp_path: Path, rows: list, name: str = "data.jsonl") -> Path:
 
 @pytest.mark.parametrize(
     ("name", "dataset", "size"),
-    [("r3_geneval_tiny.jsonl", "geneval", 6), ("r3_geneval_plus_tiny.jsonl", "geneval_plus", 5),
-     ("r3_tiif_tiny.jsonl", "tiif", 5)],
-)  # fmt: skip
+    [
+        ("r3_geneval_tiny.jsonl", "geneval", 6),
+        ("r3_geneval_plus_tiny.jsonl", "geneval_plus", 5),
+        ("r3_tiif_tiny.jsonl", "tiif", 5),
+    ],
+)
 def test_builtin_tiny_files_load(name, dataset, size):
     samples = load_r3_dataset(f"builtin:{name}", dataset)
     assert len(samples) == size and [s.index for s in samples] == list(range(size))
@@ -89,18 +92,36 @@ def test_geneval_rows_satisfy_the_geneval_scorer():
         ("geneval", {**GENEVAL, "include": [{"class": "car", "count": True}]}, '"count" >= 1'),
         ("geneval", {**GENEVAL, "include": [{"count": 1}]}, '"class"'),
         ("geneval", {**GENEVAL, "include": [{"class": "car", "count": 1, "color": 3}]}, '"color"'),
-        ("geneval", {**GENEVAL, "include": [{"class": "a", "count": 1, "position": ["left of", 0]}]}, "earlier"),
-        ("geneval", {**GENEVAL, "include": [{"class": "a", "count": 1}, {"class": "b", "count": 1,
-                                                                          "position": ["near", 0]}]}, "relation"),
+        (
+            "geneval",
+            {**GENEVAL, "include": [{"class": "a", "count": 1, "position": ["left of", 0]}]},
+            "earlier",
+        ),
+        (
+            "geneval",
+            {
+                **GENEVAL,
+                "include": [{"class": "a", "count": 1}, {"class": "b", "count": 1, "position": ["near", 0]}],
+            },
+            "relation",
+        ),
         ("geneval", {**GENEVAL, "exclude": [{"class": "car"}]}, "exclude"),
-        ("geneval_plus", {**GENEVAL_PLUS, "include": [{"class": "cat", "count": 1, "region": "top"}]}, '"region"'),
-        ("geneval_plus", {**GENEVAL_PLUS, "include": [{"class": "cat", "count": 1, "size": "huge"}]}, '"size"'),
+        (
+            "geneval_plus",
+            {**GENEVAL_PLUS, "include": [{"class": "cat", "count": 1, "region": "top"}]},
+            '"region"',
+        ),
+        (
+            "geneval_plus",
+            {**GENEVAL_PLUS, "include": [{"class": "cat", "count": 1, "size": "huge"}]},
+            '"size"',
+        ),
         ("tiif", {k: v for k, v in TIIF.items() if k != "short_description"}, '"short_description"'),
         ("tiif", {k: v for k, v in TIIF.items() if k != "type"}, '"type"'),
         ("tiif", {**TIIF, "yn_answer_list": []}, "yn_answer_list"),
         ("tiif", {**TIIF, "yn_answer_list": ["perhaps"]}, "yes"),
     ],
-)  # fmt: skip
+)
 def test_bad_rows_name_file_and_line(tmp_path, dataset, row, message):
     good = {"geneval": GENEVAL, "geneval_plus": GENEVAL_PLUS, "tiif": TIIF}[dataset]
     path = _write(tmp_path, [good, "", row])

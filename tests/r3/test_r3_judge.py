@@ -19,9 +19,10 @@ from tests.rewards.test_judge_prompts import _fake_judge
 def _batch(samples) -> RewardBatch:
     n = len(samples)
     return RewardBatch(
-        prompts=[s.prompt for s in samples], images=torch.rand(n, 3, 16, 16),
+        prompts=[s.prompt for s in samples],
+        images=torch.rand(n, 3, 16, 16),
         metadata=[s.metadata for s in samples],
-    )  # fmt: skip
+    )
 
 
 def test_geneval_plus_rows_judged_and_rewarded():

@@ -38,9 +38,19 @@ GEOMETRY = [
 def test_algorithm_trains_two_epochs(cli, tmp_path, algo, extra):
     run = tmp_path / algo
     code, out = cli(
-        "train", *TINY_RUN, *GEOMETRY, f"algo={algo}", *extra, "algo.lr=1e-2", "model.num_steps=4", "epochs=2",
-        "save_every=1", "eval_every=0", "images_every=2", f"hydra.run.dir={run}",
-    )  # fmt: skip
+        "train",
+        *TINY_RUN,
+        *GEOMETRY,
+        f"algo={algo}",
+        *extra,
+        "algo.lr=1e-2",
+        "model.num_steps=4",
+        "epochs=2",
+        "save_every=1",
+        "eval_every=0",
+        "images_every=2",
+        f"hydra.run.dir={run}",
+    )
     assert code == 0, out
     # every flow recipe saves the epoch's samples every images_every epochs: epoch 0, not epoch 1
     assert sorted(p.name for p in (run / "images").glob("train_epoch_*.png")) == ["train_epoch_000001.png"]

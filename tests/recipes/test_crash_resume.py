@@ -51,7 +51,7 @@ def _final(run: Path) -> dict[str, torch.Tensor]:
             ],
             id="two-processes",
             marks=pytest.mark.slow,
-        ),  # fmt: skip
+        ),
         pytest.param(  # the optimizer state is ZeRO's per-rank shards, in the checkpoint's engine/
             [
                 "launcher=deepspeed_zero2",
@@ -191,8 +191,13 @@ def test_resume_to_a_checkpoint_without_a_manifest_needs_resume_unverified(tmp_p
     checked = []
     monkeypatch.setattr(train, "require_prerequisites", lambda cfg, run_dir: checked.append(cfg))
     monkeypatch.setattr(importlib.import_module("rlgen_cli.recipes.flow_grpo"), "run", lambda cfg, raw: {})
-    code, out = run_cli("train", *THREE_EPOCHS, f"resume={ckpt}", "resume_unverified=true",
-                        f"hydra.run.dir={tmp_path / 'run'}")  # fmt: skip
+    code, out = run_cli(
+        "train",
+        *THREE_EPOCHS,
+        f"resume={ckpt}",
+        "resume_unverified=true",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
     assert code == 0, out
     assert prerequisites.resume_problems(checked[0]) == []
 

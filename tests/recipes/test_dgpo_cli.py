@@ -26,8 +26,13 @@ RUN = [
     "overrides,message",
     [
         (  # a step of 3 × 2 = 6 samples splits a group of 4
-            ["algo.group_size=4", "algo.train_batch_size=3", "algo.sample_batch_size=3",
-             "algo.prompts_per_epoch=3", "algo.gradient_accumulation_steps=2"],
+            [
+                "algo.group_size=4",
+                "algo.train_batch_size=3",
+                "algo.sample_batch_size=3",
+                "algo.prompts_per_epoch=3",
+                "algo.gradient_accumulation_steps=2",
+            ],
             "algo.train_batch_size × algo.gradient_accumulation_steps = 6 samples, not a multiple of "
             "algo.group_size=4",
         ),
@@ -38,7 +43,7 @@ RUN = [
         (["algo.forward.dgpo_reference=ema"], "algo.forward.dgpo_reference"),
         (["algo.forward.dgpo_beta=0"], "algo.forward.dgpo_beta"),
     ],
-)  # fmt: skip
+)
 def test_settings_dgpo_cannot_train_exit_2_naming_the_key(
     cli, tmp_path: Path, capsys, overrides: list[str], message: str
 ):

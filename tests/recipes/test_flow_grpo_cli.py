@@ -52,9 +52,24 @@ def test_losses_finite_and_metrics_complete(trained_run: Path):
     rows = [json.loads(line) for line in (trained_run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
-        for key in ("reward/mean", "reward/std", "reward/jpeg_compressibility/mean", "approx_kl", "clipfrac",
-                    "ratio_min", "ratio_mean", "ratio_max", "zero_std_ratio", "policy_loss", "kl_loss",
-                    "grad_norm", "time/rollout", "time/reward", "time/update", "peak_memory_mb"):  # fmt: skip
+        for key in (
+            "reward/mean",
+            "reward/std",
+            "reward/jpeg_compressibility/mean",
+            "approx_kl",
+            "clipfrac",
+            "ratio_min",
+            "ratio_mean",
+            "ratio_max",
+            "zero_std_ratio",
+            "policy_loss",
+            "kl_loss",
+            "grad_norm",
+            "time/rollout",
+            "time/reward",
+            "time/update",
+            "peak_memory_mb",
+        ):
             assert row[key] is not None and row[key] == row[key], key
     assert "eval/reward/mean" in rows[1]
 
@@ -70,9 +85,14 @@ def test_every_lora_tensor_changed(trained_run: Path, tiny_model_cfg):
 def test_sample_from_checkpoint_writes_pngs_and_manifest(trained_run: Path, tmp_path: Path, cli):
     out = tmp_path / "samples"
     code, output = cli(
-        "sample", f"checkpoint={trained_run / 'checkpoints' / 'epoch_000002'}", "prompts=[a red circle,a dog]",
-        "images_per_prompt=2", "num_steps=3", "progress=false", f"hydra.run.dir={out}",
-    )  # fmt: skip
+        "sample",
+        f"checkpoint={trained_run / 'checkpoints' / 'epoch_000002'}",
+        "prompts=[a red circle,a dog]",
+        "images_per_prompt=2",
+        "num_steps=3",
+        "progress=false",
+        f"hydra.run.dir={out}",
+    )
     assert code == 0, output
     rows = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in rows] == ["a red circle"] * 2 + ["a dog"] * 2
@@ -82,9 +102,13 @@ def test_sample_from_checkpoint_writes_pngs_and_manifest(trained_run: Path, tmp_
 def test_eval_of_checkpoint_writes_results(trained_run: Path, tmp_path: Path, cli):
     out = tmp_path / "eval"
     code, output = cli(
-        "eval", f"checkpoint={trained_run / 'checkpoints' / 'epoch_000002'}", "max_prompts=3", "num_steps=3",
-        "progress=false", f"hydra.run.dir={out}",
-    )  # fmt: skip
+        "eval",
+        f"checkpoint={trained_run / 'checkpoints' / 'epoch_000002'}",
+        "max_prompts=3",
+        "num_steps=3",
+        "progress=false",
+        f"hydra.run.dir={out}",
+    )
     assert code == 0, output
     results = json.loads((out / "results.json").read_text())
     assert results["num_samples"] == 3
@@ -113,9 +137,17 @@ def test_resume_equals_uninterrupted_run(trained_run: Path, tmp_path: Path, cli)
 def test_lr_schedule_decays_the_optimizer_rate_epoch_by_epoch(tmp_path: Path, cli):
     run = tmp_path / "linear"
     code, out = cli(
-        "train", *TINY_RUN, "epochs=3", "eval_every=0", "save_every=0", "images_every=0", "algo.lr=1e-3",
-        "algo.lr_schedule=linear", "algo.lr_min_ratio=0.1", f"hydra.run.dir={run}",
-    )  # fmt: skip
+        "train",
+        *TINY_RUN,
+        "epochs=3",
+        "eval_every=0",
+        "save_every=0",
+        "images_every=0",
+        "algo.lr=1e-3",
+        "algo.lr_schedule=linear",
+        "algo.lr_min_ratio=0.1",
+        f"hydra.run.dir={run}",
+    )
     assert code == 0, out
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     lrs = [row["lr"] for row in rows if "lr" in row]
@@ -131,8 +163,14 @@ def test_sample_builds_an_editing_set(tmp_path: Path, cli):
     ]  # fmt: skip
     meta.write_text("\n".join(json.dumps(r) for r in rows))
     out = tmp_path / "edit"
-    code, output = cli("sample", f"prompts_file={meta}", "edit_set=true", "num_steps=2", "progress=false",
-                       f"hydra.run.dir={out}")  # fmt: skip
+    code, output = cli(
+        "sample",
+        f"prompts_file={meta}",
+        "edit_set=true",
+        "num_steps=2",
+        "progress=false",
+        f"hydra.run.dir={out}",
+    )
     assert code == 0, output
     written = [json.loads(line) for line in (out / "edit_set.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in written] == ["make it three apples", "make it one dog"]

@@ -20,9 +20,14 @@ TINY = [
 
 def test_the_kl_gate_names_rewards_the_mix_lacks_with_exit_2(tmp_path: Path) -> None:
     code, out = run_cli(
-        "train", *TINY, "algo.kl_weight=0.04", "algo.gardo.kl_gate=true", "algo.gardo.proxy_reward=jpeg_compressibility",
-        "algo.gardo.auxiliary_rewards=[brightness]", f"hydra.run.dir={tmp_path / 'run'}",
-    )  # fmt: skip
+        "train",
+        *TINY,
+        "algo.kl_weight=0.04",
+        "algo.gardo.kl_gate=true",
+        "algo.gardo.proxy_reward=jpeg_compressibility",
+        "algo.gardo.auxiliary_rewards=[brightness]",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
     assert code == 2 and "algo.gardo names rewards not in reward.weights: ['brightness']" in " ".join(
         out.split()
     )

@@ -44,9 +44,13 @@ def _interrupt_once(ready: Callable[[], bool], args: list[str]) -> tuple[int, st
     """Start ``rlgen train ARGS``, send SIGINT once ``ready()``; returns its exit code and output."""
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [*_rlgen(), "train", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        [*_rlgen(), "train", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
         preexec_fn=_default_sigint,
-    )  # fmt: skip
+    )
     deadline = time.monotonic() + STARTUP_S
     while not ready() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -25,10 +25,12 @@ def _row(cli, tmp_path: Path, *args: str) -> dict[str, float]:
 
 @pytest.mark.parametrize(
     ("recipe", "update", "extra"),
-    [(flow_grpo, "update_values", ["algo.kl_weight=0", "algo.lr=3e-2"]),
-     (flow_forward, "update", [*NFT, "algo.kl_weight=0", "algo.lr=3e-2"])],
+    [
+        (flow_grpo, "update_values", ["algo.kl_weight=0", "algo.lr=3e-2"]),
+        (flow_forward, "update", [*NFT, "algo.kl_weight=0", "algo.lr=3e-2"]),
+    ],
     ids=["grpo", "nft"],
-)  # fmt: skip
+)
 @pytest.mark.slow  # ≈ 25 s per recipe: four one-epoch tiny trainings
 def test_without_a_kl_term_the_divergence_is_measured_zero_until_the_policy_moves(
     cli, tmp_path: Path, monkeypatch, recipe, update, extra

@@ -67,10 +67,18 @@ def test_every_output_numbers_the_same_evaluation_alike(cli, tmp_path: Path, mon
     monkeypatch.setenv("WANDB_DISABLE_SERVICE", "false")
     run = tmp_path / "run"
     code, out = cli(
-        "train", *TINY_RUN, "epochs=2", "eval_every=1", "eval_before=true", "images_every=1", "save_every=1",
-        "logging.tensorboard=true", "logging.wandb.enabled=true", "logging.wandb.mode=offline",
+        "train",
+        *TINY_RUN,
+        "epochs=2",
+        "eval_every=1",
+        "eval_before=true",
+        "images_every=1",
+        "save_every=1",
+        "logging.tensorboard=true",
+        "logging.wandb.enabled=true",
+        "logging.wandb.mode=offline",
         f"hydra.run.dir={run}",
-    )  # fmt: skip
+    )
     assert code == 0, out
     jsonl = {row["step"]: row for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
     assert sorted(jsonl) == [0, 1, 2]
@@ -135,5 +143,6 @@ def test_a_sweep_job_is_named_after_its_overrides_and_grouped_by_its_sweep(tmp_p
     identity, rows = wandb_records(job)
     assert identity == {"name": "tiny_cpu algo.lr=3e-4", "group": "multirun/train/2026-01-01_00-00-00"}
     assert [(r["_step"], r.get("eval/reward/mean"), r.get("reward/mean")) for r in rows] == [
-        (0, 0.25, None), (1, None, 0.5),
-    ]  # fmt: skip
+        (0, 0.25, None),
+        (1, None, 0.5),
+    ]

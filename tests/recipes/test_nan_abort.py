@@ -50,9 +50,14 @@ def _train(run: Path, epochs: int, fails_from_call: int, value: str = "nan", *ex
     from tests.conftest import run_cli
 
     return run_cli(
-        "train", *RUN, f"epochs={epochs}", f"+reward.weights.{NAME}=1.0",
-        f"+reward.kwargs.{NAME}={{from_call: {fails_from_call}, value: {value}}}", *extra, f"hydra.run.dir={run}",
-    )  # fmt: skip
+        "train",
+        *RUN,
+        f"epochs={epochs}",
+        f"+reward.weights.{NAME}=1.0",
+        f"+reward.kwargs.{NAME}={{from_call: {fails_from_call}, value: {value}}}",
+        *extra,
+        f"hydra.run.dir={run}",
+    )
 
 
 def _lora(run: Path, epoch: int) -> dict[str, torch.Tensor]:

@@ -95,9 +95,15 @@ def flux_checkpoint(tmp_path_factory) -> Path:
 
     run = tmp_path_factory.mktemp("flux") / "run"
     code, out = run_cli(
-        "train", *TINY_RUN, "model=tiny_flux", "epochs=1", "save_every=1", "eval_every=0", "images_every=0",
+        "train",
+        *TINY_RUN,
+        "model=tiny_flux",
+        "epochs=1",
+        "save_every=1",
+        "eval_every=0",
+        "images_every=0",
         f"hydra.run.dir={run}",
-    )  # fmt: skip
+    )
     assert code == 0, out
     (checkpoint,) = (run / "checkpoints").iterdir()
     return checkpoint
@@ -139,9 +145,14 @@ def test_a_model_override_on_a_checkpoint_is_recorded_on_top_of_its_model(flux_c
 
     run = tmp_path / "sample"
     code, out = run_cli(
-        "sample", f"checkpoint={flux_checkpoint}", "model.guidance_scale=2.0", "prompts=[a red cube]",
-        "num_steps=2", "progress=false", f"hydra.run.dir={run}",
-    )  # fmt: skip
+        "sample",
+        f"checkpoint={flux_checkpoint}",
+        "model.guidance_scale=2.0",
+        "prompts=[a red cube]",
+        "num_steps=2",
+        "progress=false",
+        f"hydra.run.dir={run}",
+    )
     assert code == 0, out
     trained = OmegaConf.to_container(OmegaConf.load(flux_checkpoint / "config.yaml").model)
     assert _model_written(run) == trained | {"guidance_scale": 2.0}

@@ -39,9 +39,15 @@ def sampled(tmp_path_factory) -> tuple[Path, list[dict], torch.Tensor]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(SD3Policy, "noise", recorded)
         code, out = run_cli(
-            "sample", "model=tiny_sd3", f"prompts=[{','.join(PROMPTS)}]", "images_per_prompt=2", "batch_size=3",
-            "num_steps=2", "progress=false", f"hydra.run.dir={run}",
-        )  # fmt: skip
+            "sample",
+            "model=tiny_sd3",
+            f"prompts=[{','.join(PROMPTS)}]",
+            "images_per_prompt=2",
+            "batch_size=3",
+            "num_steps=2",
+            "progress=false",
+            f"hydra.run.dir={run}",
+        )
     assert code == 0, out
     rows = [json.loads(line) for line in (run / "manifest.jsonl").read_text().splitlines()]
     return run, rows, torch.cat(drawn)
@@ -64,10 +70,16 @@ def test_plain_diffusers_redraws_the_image_from_the_rows_generator(sampled, tiny
     pipe = as_loaded(tiny_sd3_pipeline(cfg.tiny_seed))
     for row in (rows[0], rows[3]):
         image = pipe(
-            row["prompt"], negative_prompt=cfg.negative_prompt, height=cfg.resolution, width=cfg.resolution,
-            num_inference_steps=row["num_steps"], guidance_scale=cfg.guidance_scale,
-            generator=noise_generator(row), max_sequence_length=cfg.max_sequence_length, output_type="pt",
-        ).images[0]  # fmt: skip
+            row["prompt"],
+            negative_prompt=cfg.negative_prompt,
+            height=cfg.resolution,
+            width=cfg.resolution,
+            num_inference_steps=row["num_steps"],
+            guidance_scale=cfg.guidance_scale,
+            generator=noise_generator(row),
+            max_sequence_length=cfg.max_sequence_length,
+            output_type="pt",
+        ).images[0]
         saved = torch.from_numpy(np.array(Image.open(run / row["file"]))).permute(2, 0, 1) / 255.0
         assert (image - saved).abs().max() <= 0.5 / 255 + 1e-4  # the PNG's rounding, nothing else
 

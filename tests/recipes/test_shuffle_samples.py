@@ -65,9 +65,14 @@ def _trained(monkeypatch, shuffle: str, accumulation: int) -> tuple[list[list[in
     """Which samples (ids) each optimizer step trains, in order, and d(loss)/d(log-prob) per sample,
     through the recipe's own micro-batching: 8 samples in micro-batches of 2."""
     algo = SimpleNamespace(
-        train_batch_size=2, gradient_accumulation_steps=accumulation, num_inner_epochs=1, objective="grpo",
-        clip_range=1e-4, kl_weight=0.0, timesteps_per_pass=1,
-    )  # fmt: skip
+        train_batch_size=2,
+        gradient_accumulation_steps=accumulation,
+        num_inner_epochs=1,
+        objective="grpo",
+        clip_range=1e-4,
+        kl_weight=0.0,
+        timesteps_per_pass=1,
+    )
     sampler = SimpleNamespace(
         kind="flow_sde", noise_level=0.7, logprob_reduce="mean", logprob_form="gaussian"
     )

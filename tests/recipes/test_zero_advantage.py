@@ -57,10 +57,16 @@ def _one_step_rollouts(n: int) -> Rollouts:
     """n samples with one trained step whose stored log-prob is 0; the conditioning carries sample ids."""
     zeros = torch.zeros(n, 1, 1)
     traj = Trajectory(
-        latents=zeros, next_latents=zeros, logprobs=torch.zeros(n, 1), stds=torch.ones(n, 1),
-        sigmas=torch.tensor([1.0]), sigmas_next=torch.tensor([0.5]), step_indices=torch.tensor([0]),
-        sigma_max=1.0, final=zeros[:, 0],
-    )  # fmt: skip
+        latents=zeros,
+        next_latents=zeros,
+        logprobs=torch.zeros(n, 1),
+        stds=torch.ones(n, 1),
+        sigmas=torch.tensor([1.0]),
+        sigmas_next=torch.tensor([0.5]),
+        step_indices=torch.tensor([0]),
+        sigma_max=1.0,
+        final=zeros[:, 0],
+    )
     return Rollouts(torch.arange(n), [""] * n, [{}] * n, Cond({"ids": torch.arange(n)}), traj, zeros)
 
 
@@ -68,9 +74,14 @@ def _logp_gradient(monkeypatch, drop: bool) -> tuple[torch.Tensor, int]:
     """d(loss of one epoch)/d(new log-prob) per sample, through the recipe's own micro-batching and
     loss, and the number of optimizer steps. 8 samples, train batches of 4, 2 micro-batches per step."""
     algo = SimpleNamespace(
-        train_batch_size=4, gradient_accumulation_steps=2, num_inner_epochs=1, objective="grpo",
-        clip_range=1e-4, kl_weight=0.0, timesteps_per_pass=1,
-    )  # fmt: skip
+        train_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_inner_epochs=1,
+        objective="grpo",
+        clip_range=1e-4,
+        kl_weight=0.0,
+        timesteps_per_pass=1,
+    )
     sampler = SimpleNamespace(
         kind="flow_sde", noise_level=0.7, logprob_reduce="mean", logprob_form="gaussian"
     )
@@ -112,9 +123,15 @@ def test_a_run_with_equal_rewards_trains_one_sample_per_micro_batch(cli, tmp_pat
 
     monkeypatch.setattr(flow_grpo.loop, "score", equal_rewards)
     code, out = cli(
-        "train", *TINY_RUN, "epochs=1", "eval_every=0", "save_every=0", "images_every=0",
-        "algo.drop_zero_advantage=true", f"hydra.run.dir={tmp_path}",
-    )  # fmt: skip
+        "train",
+        *TINY_RUN,
+        "epochs=1",
+        "eval_every=0",
+        "save_every=0",
+        "images_every=0",
+        "algo.drop_zero_advantage=true",
+        f"hydra.run.dir={tmp_path}",
+    )
     assert code == 0, out
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [row["trained_samples"] for row in rows if "trained_samples" in row] == [1]  # of 4 sampled

@@ -82,8 +82,13 @@ def _reference(
 
 def test_pickscore_is_logit_scale_cosine_over_26(clip_dirs):
     model_dir, processor_dir = clip_dirs
-    reward = build_reward("pickscore", model_path=str(model_dir), processor_path=str(processor_dir),
-                          device="cpu", local_files_only=True)  # fmt: skip
+    reward = build_reward(
+        "pickscore",
+        model_path=str(model_dir),
+        processor_path=str(processor_dir),
+        device="cpu",
+        local_files_only=True,
+    )
     images = _images()
     result = reward.score(RewardBatch(prompts=PROMPTS, images=images))
     diag, hand = _reference(model_dir, processor_dir, images)
@@ -131,15 +136,21 @@ def _head_file(path: Path, width: int, bias: float, random: bool = False) -> Pat
 def test_aesthetic_hand_set_head(clip_dirs, tmp_path):
     model_dir, _ = clip_dirs
     const = _head_file(tmp_path / "const.pth", 24, bias=5.0)
-    reward = build_reward("aesthetic", head_path=str(const), model_path=str(model_dir), device="cpu",
-                          local_files_only=True)  # fmt: skip
+    reward = build_reward(
+        "aesthetic", head_path=str(const), model_path=str(model_dir), device="cpu", local_files_only=True
+    )
     images = _images(seed=4)
     assert torch.equal(
         reward.score(RewardBatch(prompts=PROMPTS, images=images)).scores, torch.full((3,), 5.0)
     )
 
-    rand = build_reward("aesthetic", head_path=str(_head_file(tmp_path / "r.pth", 24, 0.0, random=True)),
-                        model_path=str(model_dir), device="cpu", local_files_only=True)  # fmt: skip
+    rand = build_reward(
+        "aesthetic",
+        head_path=str(_head_file(tmp_path / "r.pth", 24, 0.0, random=True)),
+        model_path=str(model_dir),
+        device="cpu",
+        local_files_only=True,
+    )
     scores = rand.score(RewardBatch(prompts=PROMPTS, images=images)).scores
     with torch.no_grad():
         feats = rand.model.get_image_features(pixel_values=clip_mod.clip_pixel_values(images, rand.processor))
@@ -156,8 +167,13 @@ def test_aesthetic_errors(clip_dirs, tmp_path):
     torch.save({"w": torch.zeros(1)}, tmp_path / "bad.pth")
     with pytest.raises(ValueError, match="layers.0.weight"):
         build_reward("aesthetic", head_path=str(tmp_path / "bad.pth"))
-    wrong = build_reward("aesthetic", head_path=str(_head_file(tmp_path / "h.pth", 768, 5.0)),
-                         model_path=str(clip_dirs[0]), device="cpu", local_files_only=True)  # fmt: skip
+    wrong = build_reward(
+        "aesthetic",
+        head_path=str(_head_file(tmp_path / "h.pth", 768, 5.0)),
+        model_path=str(clip_dirs[0]),
+        device="cpu",
+        local_files_only=True,
+    )
     with pytest.raises(ValueError, match="768-d"):
         wrong.score(RewardBatch(prompts=PROMPTS, images=_images()))
 

@@ -387,15 +387,26 @@ def tiny_paths(tmp_path_factory):
     tok = tiny_clip_tokenizer()
     clip_cfg = CLIPConfig(
         text_config=dict(
-            vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-            num_attention_heads=2, max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=1,
+            vocab_size=len(tok),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=77,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=1,
         ),
         vision_config=dict(
-            image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+            image_size=32,
+            patch_size=8,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
             num_attention_heads=2,
         ),
         projection_dim=16,
-    )  # fmt: skip
+    )
     CLIPModel(clip_cfg).save_pretrained(root / "clip")
     image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
     CLIPProcessor(image_processor=image_processor, tokenizer=tok).save_pretrained(root / "clip")

@@ -69,13 +69,30 @@ def test_geneval_config_uses_the_original_mask_crop():
 def _mask2former_config():
     from transformers import Mask2FormerConfig, SwinConfig
 
-    swin = SwinConfig(image_size=64, patch_size=4, embed_dim=16, depths=[1, 1, 1, 1], num_heads=[1, 1, 2, 2],
-                      window_size=4, out_features=["stage1", "stage2", "stage3", "stage4"])  # fmt: skip
+    swin = SwinConfig(
+        image_size=64,
+        patch_size=4,
+        embed_dim=16,
+        depths=[1, 1, 1, 1],
+        num_heads=[1, 1, 2, 2],
+        window_size=4,
+        out_features=["stage1", "stage2", "stage3", "stage4"],
+    )
     return Mask2FormerConfig(
-        backbone_config=swin, hidden_dim=32, mask_feature_size=32, feature_size=32, num_queries=8, encoder_layers=1,
-        decoder_layers=2, num_attention_heads=2, dim_feedforward=32, encoder_feedforward_dim=32, common_stride=4,
-        id2label=dict(enumerate(LABELS)), label2id={n: i for i, n in enumerate(LABELS)},
-    )  # fmt: skip
+        backbone_config=swin,
+        hidden_dim=32,
+        mask_feature_size=32,
+        feature_size=32,
+        num_queries=8,
+        encoder_layers=1,
+        decoder_layers=2,
+        num_attention_heads=2,
+        dim_feedforward=32,
+        encoder_feedforward_dim=32,
+        common_stride=4,
+        id2label=dict(enumerate(LABELS)),
+        label2id={n: i for i, n in enumerate(LABELS)},
+    )
 
 
 def _save_processor(path: Path) -> None:
@@ -117,13 +134,27 @@ def tiny_models(tmp_path_factory):
     _save_processor(root / "m2f")
     tok = tiny_clip_tokenizer()
     clip = CLIPConfig(
-        text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, max_position_embeddings=77, bos_token_id=0, eos_token_id=1,
-                         pad_token_id=1),
-        vision_config=dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=2),
+        text_config=dict(
+            vocab_size=len(tok),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=77,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=1,
+        ),
+        vision_config=dict(
+            image_size=32,
+            patch_size=8,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+        ),
         projection_dim=16,
-    )  # fmt: skip
+    )
     CLIPModel(clip).save_pretrained(root / "clip")
     processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
     CLIPProcessor(image_processor=processor, tokenizer=tok).save_pretrained(root / "clip")
@@ -144,8 +175,14 @@ def test_tiny_mask2former_gives_masked_detections_at_each_images_size(tiny_model
 
 def test_reward_end_to_end_with_mask_crops(tiny_models):
     m2f, clip = tiny_models
-    reward = build_reward("geneval", detector_path=m2f, clip_path=clip, local_files_only=True, threshold=0.0,
-                          counting_threshold=0.0)  # fmt: skip
+    reward = build_reward(
+        "geneval",
+        detector_path=m2f,
+        clip_path=clip,
+        local_files_only=True,
+        threshold=0.0,
+        counting_threshold=0.0,
+    )
     assert reward.color_classifier.colour_crop == "mask"
     images = torch.rand(2, 3, 48, 64)
     found = reward.detector.detect(_to_pil(images))  # what score() will see

@@ -74,8 +74,16 @@ def tiny(tmp_path_factory):
 
 def _reward(tiny, name: str = "hpsv2_1", **overrides):
     _, checkpoint, config, tokenizer = tiny
-    kwargs = dict(model_path=str(checkpoint), config_path=str(config), tokenizer_path=str(tokenizer),
-                  device="cpu", local_files_only=True) | overrides  # fmt: skip
+    kwargs = (
+        dict(
+            model_path=str(checkpoint),
+            config_path=str(config),
+            tokenizer_path=str(tokenizer),
+            device="cpu",
+            local_files_only=True,
+        )
+        | overrides
+    )
     return build_reward(name, **kwargs)
 
 

@@ -66,9 +66,16 @@ def tiny(tmp_path_factory):
 def _reward(tiny, instruction_file: Path, new_layout: bool = False):
     _, base, old_file, new_file = tiny
     path = new_file if new_layout else old_file
-    return build_reward("hpsv3", instruction_path=str(instruction_file), model_path=str(path),
-                        base_path=str(base), image_pixels=PIXELS, device="cpu", dtype="float32",
-                        local_files_only=True)  # fmt: skip
+    return build_reward(
+        "hpsv3",
+        instruction_path=str(instruction_file),
+        model_path=str(path),
+        base_path=str(base),
+        image_pixels=PIXELS,
+        device="cpu",
+        dtype="float32",
+        local_files_only=True,
+    )
 
 
 def _images(n: int, seed: int = 0) -> torch.Tensor:

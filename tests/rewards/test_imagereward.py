@@ -78,8 +78,16 @@ def tiny(tmp_path_factory):
 
 def _reward(tiny, **overrides):
     _, checkpoint, config, tokenizer = tiny
-    kwargs = dict(model_path=str(checkpoint), config_path=str(config), tokenizer_path=str(tokenizer),
-                  device="cpu", local_files_only=True) | overrides  # fmt: skip
+    kwargs = (
+        dict(
+            model_path=str(checkpoint),
+            config_path=str(config),
+            tokenizer_path=str(tokenizer),
+            device="cpu",
+            local_files_only=True,
+        )
+        | overrides
+    )
     return build_reward("imagereward", **kwargs)
 
 
@@ -107,9 +115,11 @@ def test_scores_are_the_standardised_head_on_cls(tiny):
             imagereward_pixel_values(images, reward._image_size)
         ).last_hidden_state
         cls = model.text_encoder(
-            input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"],
-            encoder_hidden_states=image_tokens, is_decoder=False,
-        ).last_hidden_state[:, 0]  # fmt: skip
+            input_ids=tokens["input_ids"],
+            attention_mask=tokens["attention_mask"],
+            encoder_hidden_states=image_tokens,
+            is_decoder=False,
+        ).last_hidden_state[:, 0]
         expected = (model.mlp(cls).squeeze(-1) - IMAGEREWARD_MEAN) / IMAGEREWARD_STD
     torch.testing.assert_close(result.scores, expected, atol=1e-5, rtol=1e-5)
     assert abs(float(result.scores[0] - result.scores[1])) > 1e-3
@@ -139,13 +149,15 @@ def test_identical_pairs_score_equally_and_images_matter(tiny):
 
 
 def test_converter_maps_blip_vit_names():
-    out = imagereward_state_dict({
-        "blip.visual_encoder.blocks.3.attn.qkv.weight": torch.zeros(1),
-        "blip.visual_encoder.blocks.3.norm2.bias": torch.zeros(1),
-        "blip.visual_encoder.cls_token": torch.zeros(1),
-        "blip.text_encoder.encoder.layer.0.crossattention.self.key.weight": torch.zeros(1),
-        "blip.vision_proj.weight": torch.zeros(1),
-    })  # fmt: skip
+    out = imagereward_state_dict(
+        {
+            "blip.visual_encoder.blocks.3.attn.qkv.weight": torch.zeros(1),
+            "blip.visual_encoder.blocks.3.norm2.bias": torch.zeros(1),
+            "blip.visual_encoder.cls_token": torch.zeros(1),
+            "blip.text_encoder.encoder.layer.0.crossattention.self.key.weight": torch.zeros(1),
+            "blip.vision_proj.weight": torch.zeros(1),
+        }
+    )
     assert sorted(out) == [
         "text_encoder.encoder.layer.0.crossattention.self.key.weight",
         "vision_model.embeddings.class_embedding",

@@ -150,9 +150,15 @@ def test_parse_tiif_golden(answer, expected):
 
 @pytest.mark.parametrize(
     "answer",
-    ["", "Q1: yes\nQ2: yes\nQ3: no", '{"Q1": "yes", "Q2": "yes"}', '{"1": "yes", "2": "yes", "3": "no"}',
-     '{"Q1": "yes", "Q2": "perhaps", "Q3": "no"}', '{"Q1": "yes", "Q2": "yes", "Q3": "no"'],
-)  # fmt: skip
+    [
+        "",
+        "Q1: yes\nQ2: yes\nQ3: no",
+        '{"Q1": "yes", "Q2": "yes"}',
+        '{"1": "yes", "2": "yes", "3": "no"}',
+        '{"Q1": "yes", "Q2": "perhaps", "Q3": "no"}',
+        '{"Q1": "yes", "Q2": "yes", "Q3": "no"',
+    ],
+)
 def test_parse_tiif_malformed_raises(answer):
     with pytest.raises(ValueError):
         parse_tiif(answer, TIIF_META)

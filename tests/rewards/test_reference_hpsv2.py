@@ -90,19 +90,40 @@ def reference(tmp_path_factory):
     root = tmp_path_factory.mktemp("hpsv2_reference")
     torch.save({"state_dict": model.state_dict()}, root / "HPS_reference.pt")
     config = CLIPConfig(
-        text_config=dict(vocab_size=49408, hidden_size=WIDTH, intermediate_size=4 * WIDTH, num_hidden_layers=LAYERS,
-                         num_attention_heads=4, max_position_embeddings=77, hidden_act="gelu", layer_norm_eps=1e-5,
-                         bos_token_id=49406, eos_token_id=49407, pad_token_id=0),
-        vision_config=dict(hidden_size=WIDTH, intermediate_size=4 * WIDTH, num_hidden_layers=LAYERS,
-                           num_attention_heads=2, image_size=224, patch_size=PATCH, hidden_act="gelu",
-                           layer_norm_eps=1e-5),
+        text_config=dict(
+            vocab_size=49408,
+            hidden_size=WIDTH,
+            intermediate_size=4 * WIDTH,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=4,
+            max_position_embeddings=77,
+            hidden_act="gelu",
+            layer_norm_eps=1e-5,
+            bos_token_id=49406,
+            eos_token_id=49407,
+            pad_token_id=0,
+        ),
+        vision_config=dict(
+            hidden_size=WIDTH,
+            intermediate_size=4 * WIDTH,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=2,
+            image_size=224,
+            patch_size=PATCH,
+            hidden_act="gelu",
+            layer_norm_eps=1e-5,
+        ),
         projection_dim=EMBED,
-    )  # fmt: skip
+    )
     config.save_pretrained(root / "config")
     reward = build_reward(
-        "hpsv2", model_path=str(root / "HPS_reference.pt"), config_path=str(root / "config"),
-        tokenizer_path=str(_transformers_tokenizer(bpe, root / "tokenizer")), device="cpu", local_files_only=True,
-    )  # fmt: skip
+        "hpsv2",
+        model_path=str(root / "HPS_reference.pt"),
+        config_path=str(root / "config"),
+        tokenizer_path=str(_transformers_tokenizer(bpe, root / "tokenizer")),
+        device="cpu",
+        local_files_only=True,
+    )
     return SimpleNamespace(
         model=model, transform=transform, tokenize=tokenizer_module.tokenize, reward=reward
     )

@@ -65,11 +65,16 @@ class _Qwen2VL445(nn.Module):
 def _flat_config(config) -> SimpleNamespace:
     """The attributes 4.45's flat ``Qwen2VLConfig`` gave the reference class."""
     return SimpleNamespace(
-        text_config=config.text_config, vision_config=config.vision_config,
-        hidden_size=config.text_config.hidden_size, image_token_id=config.image_token_id,
-        video_token_id=config.video_token_id, pad_token_id=config.text_config.pad_token_id,
-        output_attentions=False, output_hidden_states=False, use_return_dict=True,
-    )  # fmt: skip
+        text_config=config.text_config,
+        vision_config=config.vision_config,
+        hidden_size=config.text_config.hidden_size,
+        image_token_id=config.image_token_id,
+        video_token_id=config.video_token_id,
+        pad_token_id=config.text_config.pad_token_id,
+        output_attentions=False,
+        output_hidden_states=False,
+        use_return_dict=True,
+    )
 
 
 def _tiny_base(root):
@@ -99,10 +104,14 @@ def _tiny_base(root):
     vision = dict(depth=2, num_heads=2, embed_dim=16, hidden_size=32, mlp_ratio=2, **geometry)
     vision["spatial_merge_size"] = vision.pop("merge_size")
     config = Qwen2VLConfig(
-        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"], **special,
-    )  # fmt: skip
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        **special,
+    )
     config.save_pretrained(root)
     processor.save_pretrained(root)
     return root
@@ -130,17 +139,25 @@ def reference(tmp_path_factory):
     torch.manual_seed(0)
     # HPSv3_7B.yaml: rm_head_type ranknet (no kwargs: the 1024-16 MLP), output_dim 2, the special token.
     model = reward_model_cls(
-        _flat_config(config), output_dim=2, reward_token="special", special_token_ids=reward_ids,
+        _flat_config(config),
+        output_dim=2,
+        reward_token="special",
+        special_token_ids=reward_ids,
         rm_head_type="ranknet",
-    ).eval()  # fmt: skip
+    ).eval()
     checkpoint = root / "HPSv3.safetensors"
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(checkpoint))
     instruction = root / "instruction.txt"
     instruction.write_text(constants["INSTRUCTION"], encoding="utf-8")
     return SimpleNamespace(
-        model=model, processor=processor, constants=constants, vision=vision, base=base,
-        checkpoint=checkpoint, instruction=instruction,
-    )  # fmt: skip
+        model=model,
+        processor=processor,
+        constants=constants,
+        vision=vision,
+        base=base,
+        checkpoint=checkpoint,
+        instruction=instruction,
+    )
 
 
 def _reference_scores(ref, pil_images: list[Image.Image], prompts: list[str]) -> torch.Tensor:
@@ -148,17 +165,25 @@ def _reference_scores(ref, pil_images: list[Image.Image], prompts: list[str]) ->
     text = ref.constants["INSTRUCTION"]
     suffix = ref.constants["prompt_with_special_token"]
     messages = [
-        [{"role": "user", "content": [
-            {"type": "image", "image": image, "min_pixels": PIXELS, "max_pixels": PIXELS},
-            {"type": "text", "text": text.format(text_prompt=prompt) + suffix},
-        ]}]
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "image": image, "min_pixels": PIXELS, "max_pixels": PIXELS},
+                    {"type": "text", "text": text.format(text_prompt=prompt) + suffix},
+                ],
+            }
+        ]
         for prompt, image in zip(prompts, pil_images)
-    ]  # fmt: skip
+    ]
     image_inputs, _ = ref.vision.process_vision_info(messages)
     batch = ref.processor(
         text=ref.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
-        images=image_inputs, padding=True, return_tensors="pt", videos_kwargs={"do_rescale": True},
-    )  # fmt: skip
+        images=image_inputs,
+        padding=True,
+        return_tensors="pt",
+        videos_kwargs={"do_rescale": True},
+    )
     batch = {k: v for k, v in batch.items() if k in PROCESSOR_KEYS_445}
     with torch.no_grad():
         return ref.model(return_dict=True, **batch)["logits"].float()
@@ -171,9 +196,16 @@ def _uint8_images(sizes, seed: int) -> list[np.ndarray]:
 
 def _rlgen_scores(ref, arrays: list[np.ndarray], prompts: list[str], positions: str) -> torch.Tensor:
     reward = build_reward(
-        "hpsv3", instruction_path=str(ref.instruction), model_path=str(ref.checkpoint), base_path=str(ref.base),
-        image_pixels=PIXELS, device="cpu", dtype="float32", local_files_only=True, positions=positions,
-    )  # fmt: skip
+        "hpsv3",
+        instruction_path=str(ref.instruction),
+        model_path=str(ref.checkpoint),
+        base_path=str(ref.base),
+        image_pixels=PIXELS,
+        device="cpu",
+        dtype="float32",
+        local_files_only=True,
+        positions=positions,
+    )
     rows = []
     for array, prompt in zip(arrays, prompts):  # one image size per batch: rlgen scores (B, 3, H, W) tensors
         image = torch.from_numpy(array).permute(2, 0, 1)[None].float() / 255

@@ -121,9 +121,14 @@ def reference(tmp_path_factory):
 
     def shrunk_create_vit(vit_name, image_size, use_grad_checkpointing=False, ckpt_layer=0, drop_path_rate=0):
         encoder = vit.VisionTransformer(
-            img_size=image_size, patch_size=16, embed_dim=VISION_WIDTH, depth=VISION_DEPTH,
-            num_heads=VISION_HEADS, use_grad_checkpointing=use_grad_checkpointing, ckpt_layer=ckpt_layer,
-        )  # fmt: skip
+            img_size=image_size,
+            patch_size=16,
+            embed_dim=VISION_WIDTH,
+            depth=VISION_DEPTH,
+            num_heads=VISION_HEADS,
+            use_grad_checkpointing=use_grad_checkpointing,
+            ckpt_layer=ckpt_layer,
+        )
         return encoder, VISION_WIDTH
 
     vocab_size = len(LocalBertTokenizer.from_pretrained("bert-base-uncased")) + 2  # + [DEC], [ENC]
@@ -149,18 +154,39 @@ def reference(tmp_path_factory):
     torch.save(model.state_dict(), root / "ImageReward.pt")
     model.blip.tokenizer.save_pretrained(root / "tokenizer")
     config = BlipConfig(
-        vision_config=dict(hidden_size=VISION_WIDTH, intermediate_size=4 * VISION_WIDTH, num_hidden_layers=VISION_DEPTH,
-                           num_attention_heads=VISION_HEADS, image_size=224, patch_size=16, hidden_act="gelu",
-                           layer_norm_eps=1e-6),
-        text_config=dict(vocab_size=vocab_size, hidden_size=TEXT_WIDTH, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=TEXT_HEADS, max_position_embeddings=64, encoder_hidden_size=VISION_WIDTH,
-                         hidden_act="gelu", layer_norm_eps=1e-12, is_decoder=True, pad_token_id=0),
-    )  # fmt: skip
+        vision_config=dict(
+            hidden_size=VISION_WIDTH,
+            intermediate_size=4 * VISION_WIDTH,
+            num_hidden_layers=VISION_DEPTH,
+            num_attention_heads=VISION_HEADS,
+            image_size=224,
+            patch_size=16,
+            hidden_act="gelu",
+            layer_norm_eps=1e-6,
+        ),
+        text_config=dict(
+            vocab_size=vocab_size,
+            hidden_size=TEXT_WIDTH,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=TEXT_HEADS,
+            max_position_embeddings=64,
+            encoder_hidden_size=VISION_WIDTH,
+            hidden_act="gelu",
+            layer_norm_eps=1e-12,
+            is_decoder=True,
+            pad_token_id=0,
+        ),
+    )
     config.save_pretrained(root / "config")
     reward = build_reward(
-        "imagereward", model_path=str(root / "ImageReward.pt"), config_path=str(root / "config"),
-        tokenizer_path=str(root / "tokenizer"), device="cpu", local_files_only=True,
-    )  # fmt: skip
+        "imagereward",
+        model_path=str(root / "ImageReward.pt"),
+        config_path=str(root / "config"),
+        tokenizer_path=str(root / "tokenizer"),
+        device="cpu",
+        local_files_only=True,
+    )
     return SimpleNamespace(model=model, reward=reward)
 
 

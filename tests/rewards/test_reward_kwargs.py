@@ -46,15 +46,26 @@ def test_the_kwargs_dataclass_matches_the_factory(name: str):
 @pytest.mark.parametrize(
     ("name", "kwargs", "message"),
     [
-        ("pickscore", {"modle_path": "x"}, "reward.kwargs.pickscore.modle_path: reward 'pickscore' takes no "
-         "'modle_path'; did you mean model_path\\? its kwargs are model_path, device"),
+        (
+            "pickscore",
+            {"modle_path": "x"},
+            "reward.kwargs.pickscore.modle_path: reward 'pickscore' takes no "
+            "'modle_path'; did you mean model_path\\? its kwargs are model_path, device",
+        ),
         ("brightness", {"gain": 2}, "reward 'brightness' takes no 'gain'; its kwargs are none"),
-        ("jpeg_compressibility", {"quality": "high"}, "reward.kwargs.jpeg_compressibility.quality: Value 'high'"),
+        (
+            "jpeg_compressibility",
+            {"quality": "high"},
+            "reward.kwargs.jpeg_compressibility.quality: Value 'high'",
+        ),
         ("remote", {"endpoint": "http://h:1"}, "did you mean endpoints\\?"),
-        ("geneval", {"colour_crop": "circle"}, "reward.kwargs.geneval.colour_crop='circle' is not valid; choose "
-         "one of mask, box"),
+        (
+            "geneval",
+            {"colour_crop": "circle"},
+            "reward.kwargs.geneval.colour_crop='circle' is not valid; choose one of mask, box",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_bad_kwarg_is_named_with_the_valid_ones(name: str, kwargs: dict, message: str):
     with pytest.raises(UserError, match=message):
         check_kwargs(name, kwargs)
@@ -82,9 +93,11 @@ def test_each_component_of_a_mix_is_checked():
 
 def test_a_kwargs_typo_exits_2_through_the_cli_before_any_model_loads(tmp_path: Path, capsys):
     code, out = run_cli(
-        "train", "reward=jpeg_compressibility", "+reward.kwargs.jpeg_compressibility.qualty=80",
+        "train",
+        "reward=jpeg_compressibility",
+        "+reward.kwargs.jpeg_compressibility.qualty=80",
         f"hydra.run.dir={tmp_path / 'run'}",
-    )  # fmt: skip
+    )
     message = " ".join((out + capsys.readouterr().err).split())
     assert code == 2, message
     assert "reward 'jpeg_compressibility' takes no 'qualty'; did you mean quality?" in message

@@ -78,7 +78,7 @@ CASES = [
     Case("experiment=geneval_sd3", "sd3", {"geneval"}, GENEVAL, (10000, 0.0, True), ("all", 0)),
     Case("experiment=mixgrpo_flux", "flux", {"hpsv2_1", "imagereward", "pickscore"}, PICKSCORE, (300, 0.0, False), ("sliding", 4)),
     Case("experiment=counting_flux_kontext", "flux_kontext", {"geneval", "image_similarity"}, COUNTING_EDIT,
-         (10000, 0.0, True), ("all", 0)),  # fmt: skip
+         (10000, 0.0, True), ("all", 0)),
     Case("experiment=tiny_cpu", "sd3", JPEG, TINY, (80, 0.0, False), ("all", 0)),
     Case("experiment=tiny_cpu model=tiny_qwen_image_edit", "qwen_image_edit", JPEG, TINY_EDIT, (80, 0.0, False), ("all", 0)),
     Case("sampler=cps", "sd3", JPEG, TINY, N, ("all", 0)),
@@ -226,18 +226,28 @@ def test_serve_reward_composes_every_paired_reward():
 @pytest.mark.parametrize(
     ("arg", "group"),
     [
-        ("model=flux", "model"), ("+experiment=x", "experiment"), ("~experiment", "experiment"),
-        ("data@data=tiny", "data"), ("algo.lr=1e-4", None), ("data.train=a.txt", None), ("--cfg", None),
-        ("job", None), ("hydra/launcher=joblib", "hydra/launcher"), ("launcher=accelerate", "launcher"),
+        ("model=flux", "model"),
+        ("+experiment=x", "experiment"),
+        ("~experiment", "experiment"),
+        ("data@data=tiny", "data"),
+        ("algo.lr=1e-4", None),
+        ("data.train=a.txt", None),
+        ("--cfg", None),
+        ("job", None),
+        ("hydra/launcher=joblib", "hydra/launcher"),
+        ("launcher=accelerate", "launcher"),
     ],
-)  # fmt: skip
+)
 def test_chosen_group(arg, group):
     assert chosen_group(arg) == group
 
 
 def test_only_train_without_a_content_choice_gets_the_default_run():
     assert verb_overrides("train", ["--cfg", "job", "launcher=accelerate"]) == [
-        "--cfg", "job", "experiment=shapes_nft", "launcher=accelerate",
-    ]  # fmt: skip
+        "--cfg",
+        "job",
+        "experiment=shapes_nft",
+        "launcher=accelerate",
+    ]
     assert verb_overrides("train", ["sampler=cps"]) == ["sampler=cps"]
     assert verb_overrides("check_onpolicy", []) == []

@@ -79,16 +79,31 @@ def _validate(*overrides: str):
     [
         ("sampler.kind=sde", "sampler.kind='sde' is not valid; choose one of ode, flow_sde, dance, cps"),
         ("algo.window.kind=fast", "algo.window.kind='fast' is not valid; choose one of all, random_window, "),
-        ("algo.window.strategy=linear", "algo.window.strategy='linear' is not valid; choose one of progressive"),
+        (
+            "algo.window.strategy=linear",
+            "algo.window.strategy='linear' is not valid; choose one of progressive",
+        ),
         ("algo.kl_form=exact", "algo.kl_form='exact' is not valid; choose one of gaussian, upstream"),
         ("model.lora.init=true", "model.lora.init='True' is not valid; choose one of gaussian, kaiming"),
-        ("launcher.mixed_precision=no", "launcher.mixed_precision='no' is not valid; choose one of fp32, fp16, bf16"),
-        ("model=tiny_qwen2_vl algo.token.loss_type=ppo", "algo.token.loss_type='ppo' is not valid; choose one of grpo, bnpo"),
-        ("model=tiny_r3 r3.sde_kind=ode", "r3.sde_kind='ode' is not valid; choose one of flow_sde, dance, cps"),
-        ("model=tiny_r3 r3.policy.editor.dtype=fp8", "r3.policy.editor.dtype='fp8' is not valid; choose one of float32"),
+        (
+            "launcher.mixed_precision=no",
+            "launcher.mixed_precision='no' is not valid; choose one of fp32, fp16, bf16",
+        ),
+        (
+            "model=tiny_qwen2_vl algo.token.loss_type=ppo",
+            "algo.token.loss_type='ppo' is not valid; choose one of grpo, bnpo",
+        ),
+        (
+            "model=tiny_r3 r3.sde_kind=ode",
+            "r3.sde_kind='ode' is not valid; choose one of flow_sde, dance, cps",
+        ),
+        (
+            "model=tiny_r3 r3.policy.editor.dtype=fp8",
+            "r3.policy.editor.dtype='fp8' is not valid; choose one of float32",
+        ),
         ("reward.aggregation=mean", "reward.aggregation='mean' is not valid"),
     ],
-)  # fmt: skip
+)
 def test_a_bad_choice_is_named_with_the_valid_values(override: str, message: str):
     with pytest.raises(UserError, match=message.replace("(", r"\(")):
         _validate(*override.split())  # a recipe's own section needs that recipe chosen (model=...)
@@ -116,16 +131,36 @@ def test_a_bad_choice_exits_2_through_the_cli_before_any_model_loads(tmp_path: P
     [
         (["model.num_steps=1", "algo.window.timestep_fraction=0.5"], r"int\(1 × timestep_fraction 0.5\) = 0"),
         (["algo.window.kind=random_window", "algo.window.size=5"], "size=5 is longer than the schedule"),
-        (["algo.window.kind=random_window", "algo.window.size=3", "algo.window.range=[0,2]"], r"\[0, 2\), too short for size=3"),
+        (
+            ["algo.window.kind=random_window", "algo.window.size=3", "algo.window.range=[0,2]"],
+            r"\[0, 2\), too short for size=3",
+        ),
         (["algo.window.kind=sliding", "algo.window.size=0"], r"size=0 must be in \[1, 4\]"),
-        (["algo.window.kind=sliding", "algo.window.size=3", "algo.window.end_offset=2"], r"size=3 must be in \[1, 2\]"),
-        (["algo.window.kind=sliding", "algo.window.size=1", "algo.window.end_offset=4"], "end_offset=4 leaves no step"),
-        (["algo.window.kind=sliding", "algo.window.size=1", "algo.window.shift_every=8", "algo.window.min_shift_every=9"], r"min_shift_every \(9"),
-        (["algo.window.kind=random_subset", "algo.window.timestep_fraction=0.2"], r"int\(3 candidate steps × timestep_fraction 0.2\) = 0"),
+        (
+            ["algo.window.kind=sliding", "algo.window.size=3", "algo.window.end_offset=2"],
+            r"size=3 must be in \[1, 2\]",
+        ),
+        (
+            ["algo.window.kind=sliding", "algo.window.size=1", "algo.window.end_offset=4"],
+            "end_offset=4 leaves no step",
+        ),
+        (
+            [
+                "algo.window.kind=sliding",
+                "algo.window.size=1",
+                "algo.window.shift_every=8",
+                "algo.window.min_shift_every=9",
+            ],
+            r"min_shift_every \(9",
+        ),
+        (
+            ["algo.window.kind=random_subset", "algo.window.timestep_fraction=0.2"],
+            r"int\(3 candidate steps × timestep_fraction 0.2\) = 0",
+        ),
         (["algo.window.kind=single", "algo.window.max_index=5"], "max_index=5 exceeds the 4 steps"),
         (["sampler=cps", "sampler.noise_level=1.2"], r"sampler.kind=cps takes a noise level in \[0, 1\]"),
     ],
-)  # fmt: skip
+)
 def test_a_window_that_does_not_fit_the_schedule_is_named(overrides: list[str], message: str):
     with pytest.raises(UserError, match=message):
         _validate("model.num_steps=4", *overrides)

@@ -31,11 +31,16 @@ def test_a_saved_catch_all_section_loads_under_its_familys_schema():
 
 def test_a_saved_policy_holding_both_r3_families_parts_loads_as_the_composite():
     part = dict(CATCH_ALL)
-    saved = OmegaConf.create({
-        "text": {**part, "family": "qwen2_5_vl"}, "generator": {**part, "family": "qwen_image"},
-        "editor": {**part, "family": "qwen_image_edit"}, "share_text_encoder": False,
-        "bagel": {**part, "family": "bagel"}, "think": True,
-    })  # fmt: skip
+    saved = OmegaConf.create(
+        {
+            "text": {**part, "family": "qwen2_5_vl"},
+            "generator": {**part, "family": "qwen_image"},
+            "editor": {**part, "family": "qwen_image_edit"},
+            "share_text_encoder": False,
+            "bagel": {**part, "family": "bagel"},
+            "think": True,
+        }
+    )
     policy = OmegaConf.to_object(typed_policy("r3_composite", saved))
     assert type(policy) is R3CompositePolicy and not hasattr(policy, "think")
     assert type(policy.text) is model_schema("qwen2_5_vl") and policy.text.lora.rank == 4

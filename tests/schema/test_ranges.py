@@ -106,13 +106,25 @@ def _validate(*overrides: str):
         ("model.lora.rank=0", "model.lora.rank must be ≥ 1, got 0"),
         ("model=tiny_r3 r3.top_p=1.5", r"r3.top_p must be in \(0, 1\], got 1.5"),
         ("model=tiny_r3 r3.policy.editor.num_steps=0", "r3.policy.editor.num_steps must be ≥ 1, got 0"),
-        ("reward.weights.jpeg_compressibility=inf", "reward.weights.jpeg_compressibility must be a finite number"),
+        (
+            "reward.weights.jpeg_compressibility=inf",
+            "reward.weights.jpeg_compressibility must be a finite number",
+        ),
         ("+algo.lrr=1e-3", r"algo.lrr is not a setting of algo; did you mean algo.lr\?"),
-        ("+model.lora.rnk=4", r"model.lora.rnk is not a setting of model.lora; did you mean model.lora.rank\?"),
-        ("+bogus_key=1", "bogus_key is not a setting of the top level; the top level has: recipe, seed, epochs"),
-        ("+reward.weights.bogus_reward=1.0", "reward.weights names unknown reward 'bogus_reward'; known rewards: .*jpeg_compressibility"),
+        (
+            "+model.lora.rnk=4",
+            r"model.lora.rnk is not a setting of model.lora; did you mean model.lora.rank\?",
+        ),
+        (
+            "+bogus_key=1",
+            "bogus_key is not a setting of the top level; the top level has: recipe, seed, epochs",
+        ),
+        (
+            "+reward.weights.bogus_reward=1.0",
+            "reward.weights names unknown reward 'bogus_reward'; known rewards: .*jpeg_compressibility",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_bad_setting_is_named_at_the_config_boundary(override: str, message: str):
     with pytest.raises(UserError, match=message):
         _validate(*override.split())  # a recipe's own section needs that recipe chosen (model=...)
@@ -148,9 +160,13 @@ def test_an_unreachable_reward_server_is_named_before_any_model_loads(tmp_path: 
         probe.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{probe.getsockname()[1]}"
     code, out = _train_cli(
-        tmp_path, "reward=geneval_remote", f"reward.kwargs.remote.endpoints=[{url}]", "reward.kwargs.remote.ports=null",
-        "data.train=builtin:tiny_train.txt", "data.test=builtin:tiny_test.txt",
-    )  # fmt: skip
+        tmp_path,
+        "reward=geneval_remote",
+        f"reward.kwargs.remote.endpoints=[{url}]",
+        "reward.kwargs.remote.ports=null",
+        "data.train=builtin:tiny_train.txt",
+        "data.test=builtin:tiny_test.txt",
+    )
     message = " ".join((out + capsys.readouterr().err).split())
     assert code == 2, message
     assert f"reward 'remote': no server answers ({url}:" in message

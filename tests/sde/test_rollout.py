@@ -86,8 +86,13 @@ def test_trajectory_index_and_cat_round_trip():
 
 def test_sigma_count_must_fit_the_plan():
     with pytest.raises(AssertionError, match="4 sigmas for a 4-step plan"):
-        rollout(_velocity, torch.randn(1, 2), sd3_sigmas(3), plan_window("all", 4, timestep_fraction=0.99),
-                StepSpec("flow_sde", 0.7))  # fmt: skip
+        rollout(
+            _velocity,
+            torch.randn(1, 2),
+            sd3_sigmas(3),
+            plan_window("all", 4, timestep_fraction=0.99),
+            StepSpec("flow_sde", 0.7),
+        )
 
 
 def test_per_sample_streams_make_rollouts_independent_of_batching():

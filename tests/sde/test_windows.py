@@ -134,9 +134,17 @@ def test_mixgrpo_progressive_shrinks_at_the_end_and_rolls_back():
         25, [0, 24, 25, 49, 50, 19 * 25, 20 * 25, 21 * 25, 22 * 25, 22 * 25 + 24], roll_back=True, **MIXGRPO
     )
     assert got == [
-        (0, 1, 2, 3), (0, 1, 2, 3), (1, 2, 3, 4), (1, 2, 3, 4), (2, 3, 4, 5),
-        (19, 20, 21, 22), (20, 21, 22), (21, 22), (22,), (22,),
-    ]  # fmt: skip
+        (0, 1, 2, 3),
+        (0, 1, 2, 3),
+        (1, 2, 3, 4),
+        (1, 2, 3, 4),
+        (2, 3, 4, 5),
+        (19, 20, 21, 22),
+        (20, 21, 22),
+        (21, 22),
+        (22,),
+        (22,),
+    ]
     # 23 positions × 25 iterations = 575 per cycle; then back to the first window
     assert _windows(25, [575, 600, 575 + 22 * 25], roll_back=True, **MIXGRPO) == [
         (0, 1, 2, 3),

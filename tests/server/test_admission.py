@@ -55,8 +55,13 @@ def _score(port: int, body: bytes) -> tuple[int, dict]:
 def test_concurrent_cap_sized_requests_stay_within_the_inflight_budget(serve):
     # A reward that takes float pixels: each request holds its body, its parsed copy and a float batch.
     # In this process (the reward is a test double), the request bodies are built before measuring.
-    server = serve({"mean": MeanReward()}, max_decoded_mb=4, max_request_mb=8,
-                   max_inflight_decoded_mb=BUDGET_MB, admission_wait_s=120)  # fmt: skip
+    server = serve(
+        {"mean": MeanReward()},
+        max_decoded_mb=4,
+        max_request_mb=8,
+        max_inflight_decoded_mb=BUDGET_MB,
+        admission_wait_s=120,
+    )
     return_large_frees_to_the_os()  # what every server process does at start (rlgen serve-reward)
     values = [10 * i + 5 for i in range(16)]
     bodies = [_raw_body(value) for value in values]

@@ -189,8 +189,10 @@ def test_a_client_that_disconnects_mid_body_is_logged_as_a_disconnect(serve, cap
     caplog.set_level(logging.INFO, logger="rlgen_cli.server")
     for _ in range(3):
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
-            sock.sendall(b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b'Content-Length: 1000\r\n\r\n{"reward": "mean", "ima')  # fmt: skip
+            sock.sendall(
+                b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 1000\r\n\r\n{"reward": "mean", "ima'
+            )
             time.sleep(0.1)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:

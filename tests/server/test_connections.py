@@ -73,8 +73,11 @@ def test_idle_slow_header_and_slow_body_connections_are_closed(worker):
     slow_body = _connect(port)
     head = f"POST /v1/score HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
     slow_body.sendall(head.encode() + b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
-    for name, sock, trickle in (("idle", idle, b""), ("slow header", slow_header, b"X-Slow: " + b"a" * 60),
-                                ("slow body", slow_body, b'"reward"' * 10)):  # fmt: skip
+    for name, sock, trickle in (
+        ("idle", idle, b""),
+        ("slow header", slow_header, b"X-Slow: " + b"a" * 60),
+        ("slow body", slow_body, b'"reward"' * 10),
+    ):
         with sock:
             reply, seconds = _read_until_closed(sock, trickle)
         assert seconds < CLOSE_WITHIN_S, f"{name} connection still open after {seconds:.1f} s"

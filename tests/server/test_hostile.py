@@ -187,8 +187,14 @@ def _bad_raw() -> Iterator[Case]:
             {"Shape": [3, 8, 8], "dtype": "uint8", "data": good["data"]}]  # fmt: skip
     for i, entry in enumerate(keys):
         yield Case(f"raw/keys/{i}", _packed([entry]), dict(RAW_TYPE))
-    byte_keys = msgpack.packb({"reward": "mean", "images": [{b"shape": [3, 8, 8], b"dtype": b"uint8",
-                               b"data": good["data"]}], "prompts": ["p"]}, use_bin_type=True)  # fmt: skip
+    byte_keys = msgpack.packb(
+        {
+            "reward": "mean",
+            "images": [{b"shape": [3, 8, 8], b"dtype": b"uint8", b"data": good["data"]}],
+            "prompts": ["p"],
+        },
+        use_bin_type=True,
+    )
     yield Case("raw/keys/bytes", byte_keys, dict(RAW_TYPE))
     shapes = [[], [8, 8], [3, 8], [3, 8, 8, 1], [1, 3, 8, 8], "3x8x8", None, 192, {"c": 3}, [3, 8, -8], [3, 0, 8],
               [0, 8, 8], [3, 8.0, 8], [3, True, 8], [True, 8, 8], [3, "8", 8], [3, None, 8], [5, 8, 8], [6, 8, 8],
@@ -310,8 +316,10 @@ def _deeply_nested() -> Iterator[Case]:
     for depth in (10_000, 100_000):
         yield Case(f"nested/array/{depth}", b"[" * depth + b"]" * depth)
         yield Case(f"nested/object/{depth}", b'{"a":' * depth + b"1" + b"}" * depth)
-        yield Case(f"nested/images/{depth}", b'{"reward":"mean","prompts":["p"],"images":' + b"[" * depth
-                   + b"]" * depth + b"}")  # fmt: skip
+        yield Case(
+            f"nested/images/{depth}",
+            b'{"reward":"mean","prompts":["p"],"images":' + b"[" * depth + b"]" * depth + b"}",
+        )
         nested_meta = b'[{"a":' * depth + b"1" + b"}]" * depth
         yield Case(f"nested/metadata/{depth}", _body(_valid())[:-1] + b', "metadata": ' + nested_meta + b"}")
         msgpack_headers = {"Content-Type": "application/msgpack"} | AUTH
@@ -325,8 +333,18 @@ def _wrong_routes() -> Iterator[Case]:
         yield Case(f"method/{method}", body if method != "GET" else None, dict(JSON), method, statuses=(405,))
     yield Case("method/post_healthz", body, dict(JSON), "POST", "/healthz", statuses=(405,))
     yield Case("method/post_metrics", body, dict(JSON), "POST", "/metrics", statuses=(405,))
-    for path in ("/", "/v1", "/v1/score/", "/V1/score", "/v2/score", "/v1/score%00", "/admin", "/v1/rewards/mean",
-                 "/.env", "/v1//score"):  # fmt: skip
+    for path in (
+        "/",
+        "/v1",
+        "/v1/score/",
+        "/V1/score",
+        "/v2/score",
+        "/v1/score%00",
+        "/admin",
+        "/v1/rewards/mean",
+        "/.env",
+        "/v1//score",
+    ):
         yield Case(f"path/{path}", body, dict(JSON), "POST", path, statuses=(404, 405))
 
 
@@ -426,8 +444,10 @@ def test_hostile_requests_get_4xx_json_errors_and_the_server_stays_healthy(serve
     status, text = http("GET", running.url + "/metrics", headers=AUTH)
     assert status == 200
     assert metric(text, 'rlgen_errors_total{kind="internal"}') == 0
-    errors = sum(metric(text, f'rlgen_errors_total{{kind="{kind}"}}') for kind in
-                 ("validation", "auth", "not_found", "too_large", "http", "scoring"))  # fmt: skip
+    errors = sum(
+        metric(text, f'rlgen_errors_total{{kind="{kind}"}}')
+        for kind in ("validation", "auth", "not_found", "too_large", "http", "scoring")
+    )
     assert errors >= len(cases)
 
 

@@ -40,8 +40,11 @@ def _dead_url() -> str:
 def test_parse_endpoints():
     assert parse_endpoints(["h:1", "http://h:1/"]) == ["http://h:1"]
     assert parse_endpoints(hosts=["a", "b"], ports=[1, 2], suffix="/v1") == [
-        "http://a:1/v1", "http://a:2/v1", "http://b:1/v1", "http://b:2/v1"
-    ]  # fmt: skip
+        "http://a:1/v1",
+        "http://a:2/v1",
+        "http://b:1/v1",
+        "http://b:2/v1",
+    ]
     assert parse_endpoints(ports=8765) == ["http://127.0.0.1:8765"]
     with pytest.raises(UserError, match="no reward endpoints"):
         parse_endpoints()
@@ -198,8 +201,14 @@ def test_a_frozen_endpoint_cools_down_after_a_timeout(serve):
     frozen_url = f"http://127.0.0.1:{frozen.getsockname()[1]}"
     server = serve({"mean": MeanReward()})
     timeout_s, cooldown_s = 1.5, 2.0
-    pool = EndpointPool([frozen_url, server.url], timeout_s=timeout_s, retries=1, backoff_s=0.0,
-                        health_path=None, health_interval_s=cooldown_s)  # fmt: skip
+    pool = EndpointPool(
+        [frozen_url, server.url],
+        timeout_s=timeout_s,
+        retries=1,
+        backoff_s=0.0,
+        health_path=None,
+        health_interval_s=cooldown_s,
+    )
     body = json.dumps({"reward": "mean", "images": [], "prompts": []}).encode()
 
     def call() -> float:

@@ -63,9 +63,13 @@ class Group:
         ]  # fmt: skip
         # its own session: the cleanup below reaches the workers too, whatever the test left running
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
             env=os.environ | {"NO_COLOR": "1", "OMP_NUM_THREADS": "1"},
-        )  # fmt: skip
+        )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()

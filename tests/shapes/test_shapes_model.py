@@ -147,11 +147,19 @@ def test_learning_rate_warms_up_then_decays_on_a_cosine():
 def test_pretraining_through_the_cli_changes_the_weights(cli, tmp_path: Path):
     run = tmp_path / "pretrain"
     code, out = cli(
-        "train", "experiment=shapes_pretrain", "epochs=2", "algo.pretrain.steps_per_epoch=2",
-        "algo.pretrain.batch_size=8", "algo.pretrain.warmup_steps=1", "data.eval_num_prompts=6",
-        "eval_every=1", "algo.sample_batch_size=8", "model.eval_num_steps=2", "progress=false",
+        "train",
+        "experiment=shapes_pretrain",
+        "epochs=2",
+        "algo.pretrain.steps_per_epoch=2",
+        "algo.pretrain.batch_size=8",
+        "algo.pretrain.warmup_steps=1",
+        "data.eval_num_prompts=6",
+        "eval_every=1",
+        "algo.sample_batch_size=8",
+        "model.eval_num_steps=2",
+        "progress=false",
         f"hydra.run.dir={run}",
-    )  # fmt: skip
+    )
     assert code == 0, out
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(r["loss"] > 0 for r in rows)

@@ -79,8 +79,11 @@ def test_marks_follow_the_strict_score():
 def _metrics(prefix: str, strict: float, lenient: float, extra: float) -> dict[str, float]:
     base = f"{prefix}reward/shapes_geneval"
     out = {f"{base}/strict/mean": strict, f"{base}/accuracy/mean": lenient, f"{base}/n_extra/mean": extra}
-    return out | {f"{base}/strict/tag/counting": strict, f"{base}/accuracy/tag/counting": lenient,
-                  f"{base}/n_extra/tag/counting": extra}  # fmt: skip
+    return out | {
+        f"{base}/strict/tag/counting": strict,
+        f"{base}/accuracy/tag/counting": lenient,
+        f"{base}/n_extra/tag/counting": extra,
+    }
 
 
 def test_the_before_after_table_ends_with_the_heldout_row():
@@ -90,9 +93,23 @@ def test_the_before_after_table_ends_with_the_heldout_row():
     lines = before_after_table(before, after).splitlines()
     assert [line.split()[0] for line in lines] == ["tag", "counting", "overall", "unseen", "unseen:"]
     assert lines[3].split() == [
-        "unseen", "10.0", "→", "15.0", "(", "+5.0)", "20.0", "→", "30.0", "(", "+10.0)", "0.8", "→", "0.6",
-        "(", "-0.2)",
-    ]  # fmt: skip
+        "unseen",
+        "10.0",
+        "→",
+        "15.0",
+        "(",
+        "+5.0)",
+        "20.0",
+        "→",
+        "30.0",
+        "(",
+        "+10.0)",
+        "0.8",
+        "→",
+        "0.6",
+        "(",
+        "-0.2)",
+    ]
     assert lines[4] == "unseen: 162 samples of prompt combinations never trained on (eval_heldout)"
     # without the held-out split on both sides: no row
     assert len(before_after_table(_metrics("eval/", 0.25, 0.5, 1.0), after).splitlines()) == 3

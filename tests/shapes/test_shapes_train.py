@@ -95,9 +95,15 @@ def test_training_from_the_shipped_base_changes_weights_and_reports(cli, tmp_pat
 def test_time_limit_stops_after_the_epoch_that_crosses_it_and_saves(cli, tmp_path: Path, counts: str):
     run = tmp_path / "limited"
     code, out = cli(
-        "train", "experiment=shapes_grpo_fast", *SMALL, "epochs=50", "time_limit_minutes=0.0001", f"time_limit_counts={counts}",
-        "eval_before=false", f"hydra.run.dir={run}",
-    )  # fmt: skip
+        "train",
+        "experiment=shapes_grpo_fast",
+        *SMALL,
+        "epochs=50",
+        "time_limit_minutes=0.0001",
+        f"time_limit_counts={counts}",
+        "eval_before=false",
+        f"hydra.run.dir={run}",
+    )
     assert code == 0, out
     rows = _rows(run)
     assert [r["step"] for r in rows] == [1] and STRICT in rows[0] and rows[0]["time/epoch"] > 0

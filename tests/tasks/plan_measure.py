@@ -222,8 +222,15 @@ def _measure_pref(cfg: Any, raw: Any) -> Epoch:
 
     def sampling() -> tuple[Any, ...]:
         with pref_state.reference(run) if dpo else nullcontext():
-            x0 = sample_latents(run.policy, prompts, cfg.model.num_steps, algo.sample_batch_size, cfg.seed,
-                                spec=flow_run.step_spec(cfg), keys=positions)  # fmt: skip
+            x0 = sample_latents(
+                run.policy,
+                prompts,
+                cfg.model.num_steps,
+                algo.sample_batch_size,
+                cfg.seed,
+                spec=flow_run.step_spec(cfg),
+                keys=positions,
+            )
         parts = list(batches(len(x0), algo.sample_batch_size))
         images = torch.cat([run.policy.decode(x0[p]) for p in parts])
         return x0, images, [flow_run.score(run, images[p], prompts[p], metadata[p]) for p in parts]
@@ -295,8 +302,12 @@ def docs_row(args: list[str]) -> str:
     """A row of docs/plan.md's table: state, rollout and update peaks, total, predicted | measured."""
     result = compare(args)
     p, m = result["predicted"], result["measured"]
-    cells = [f"{a / MIB:.2f} \\| {b / MIB:.2f}" for a, b in zip(
-        (p.state, p.rollout, p.update, p.total), (m.state, m.rollout, m.update, m.total), strict=True)]  # fmt: skip
+    cells = [
+        f"{a / MIB:.2f} \\| {b / MIB:.2f}"
+        for a, b in zip(
+            (p.state, p.rollout, p.update, p.total), (m.state, m.rollout, m.update, m.total), strict=True
+        )
+    ]
     private = f"{m.private / MIB:.2f}" if m.private else "0"
     return f"| `{' '.join(args)}` | " + " | ".join(cells) + f" | {100 * result['error']:+.1f} % | {private} |"
 

@@ -62,8 +62,13 @@ def test_the_same_run_under_ddp_keeps_everything_whole_plus_buckets():
     alone = plan_memory(_full_ft_1b(), NO_ACTIVATIONS, Launch("local", 1), full_ft, NO_EPOCH)
     assert alone.total == 16 * BILLION
     # float64 gradient sums over 3 tensors: 8 B × (1e9 + 3) more
-    exact = plan_memory(_full_ft_1b(), NO_ACTIVATIONS, Launch("local", 1),
-                        Training(1, full_reference=True, exact_sum_tensors=3), NO_EPOCH)  # fmt: skip
+    exact = plan_memory(
+        _full_ft_1b(),
+        NO_ACTIVATIONS,
+        Launch("local", 1),
+        Training(1, full_reference=True, exact_sum_tensors=3),
+        NO_EPOCH,
+    )
     assert _rows(exact)["float64 gradient sums"] == 8 * (BILLION + 3)
     assert exact.total == 24 * BILLION + 24
 
@@ -152,14 +157,16 @@ def test_a_rollout_that_does_not_fit_gets_a_smaller_sampling_batch():
     # 10 % headroom leaves 9 GiB: batches of 16 do not fit, of 8 they do (the largest divisor of 16 that fits)
     groups = [ParamGroup("transformer", "float32", 10, trainable=True, lora=True)]
     epoch = Epoch(16, 0, lambda b: b * GIB, lambda b, ckpt: GIB)
-    fix = smallest_fix(groups, NO_ACTIVATIONS, Launch("local"), Training(1, sample_batch=16), epoch,
-                       10 * GIB, 0.1)  # fmt: skip
+    fix = smallest_fix(
+        groups, NO_ACTIVATIONS, Launch("local"), Training(1, sample_batch=16), epoch, 10 * GIB, 0.1
+    )
     assert fix is not None and fix.fits
     assert fix.how == ("algo.sample_batch_size=8",)
     # perturbation arm: when the training step is what does not fit, the sampling batch is not offered
     heavy_step = Epoch(16, 0, lambda b: b * GIB // 4, lambda b, ckpt: 20 * GIB)
-    fix = smallest_fix(groups, NO_ACTIVATIONS, Launch("local"), Training(1, sample_batch=16), heavy_step,
-                       10 * GIB, 0.1)  # fmt: skip
+    fix = smallest_fix(
+        groups, NO_ACTIVATIONS, Launch("local"), Training(1, sample_batch=16), heavy_step, 10 * GIB, 0.1
+    )
     assert fix is not None and not any("sample_batch_size" in how for how in fix.how)
 
 
@@ -188,8 +195,9 @@ def test_checkpointing_is_tried_before_a_smaller_micro_batch():
     assert fix.how == ("model.gradient_checkpointing=true",)
     # already checkpointed: the largest micro-batch that fits, with the accumulation keeping the batch
     flat = Activations(0, 10 * GIB, 0, 10 * GIB)
-    fix = smallest_fix(groups, flat, Launch("local"), Training(8, accumulation=2), Epoch.of_activations(flat),
-                       40 * GIB, 0.1)  # fmt: skip
+    fix = smallest_fix(
+        groups, flat, Launch("local"), Training(8, accumulation=2), Epoch.of_activations(flat), 40 * GIB, 0.1
+    )
     assert fix is not None and fix.fits
     assert fix.how == ("algo.train_batch_size=2", "algo.gradient_accumulation_steps=8")
 
@@ -200,14 +208,28 @@ def test_several_processes_take_the_first_change_that_fits_in_order_of_cost():
     # kept between steps) + 2 bucket + 4 + 2 master + 4 = 18e9 (16.8 GiB), no;
     # no activations to checkpoint, micro-batch 1 already; ZeRO-3: 2 + 2 + 2 + 4 + 2 + 4 = 16e9 (14.9 GiB),
     # no; offload under ZeRO-2: 4 + 2 + 2 + 0 + 0 + 4 = 12e9 (11.2 GiB): fits
-    fix = smallest_fix(_full_ft_1b(), NO_ACTIVATIONS, Launch("ddp", 2), Training(1, full_reference=True),
-                       NO_EPOCH, 16 * GIB, 0.1)  # fmt: skip
+    fix = smallest_fix(
+        _full_ft_1b(),
+        NO_ACTIVATIONS,
+        Launch("ddp", 2),
+        Training(1, full_reference=True),
+        NO_EPOCH,
+        16 * GIB,
+        0.1,
+    )
     assert fix is not None and fix.fits
     assert fix.plan.launch == Launch("zero2", 2, offload_optimizer=True)
     assert fix.plan.total == 12 * BILLION
     # with 20 GiB (18 usable): DDP's 20e9 B (18.6 GiB) does not fit, ZeRO-2 alone (16.8 GiB) does
-    fix = smallest_fix(_full_ft_1b(), NO_ACTIVATIONS, Launch("ddp", 2), Training(1, full_reference=True),
-                       NO_EPOCH, 20 * GIB, 0.1)  # fmt: skip
+    fix = smallest_fix(
+        _full_ft_1b(),
+        NO_ACTIVATIONS,
+        Launch("ddp", 2),
+        Training(1, full_reference=True),
+        NO_EPOCH,
+        20 * GIB,
+        0.1,
+    )
     assert fix is not None and fix.how == ("launcher=deepspeed_zero2",)
     assert fix.plan.total == 18 * BILLION
 

@@ -193,8 +193,15 @@ def test_plan_prints_the_table_and_exits_0_when_it_fits(cli, tmp_path: Path):
 
 def test_a_too_small_device_gets_the_change_that_makes_it_fit(cli, tmp_path: Path):
     # the tiny SD3's training step needs a few MiB: 1e-4 GiB (≈ 105 kB) cannot hold it on one process
-    code, out = cli("plan", "model=tiny_sd3", *SMALL_EPOCH, "model.num_steps=4", "plan.device_memory_gb=0.0001",
-                    "plan.format=json", f"hydra.run.dir={tmp_path}")  # fmt: skip
+    code, out = cli(
+        "plan",
+        "model=tiny_sd3",
+        *SMALL_EPOCH,
+        "model.num_steps=4",
+        "plan.device_memory_gb=0.0001",
+        "plan.format=json",
+        f"hydra.run.dir={tmp_path}",
+    )
     assert code == 1, out
     report = json.loads((tmp_path / "plan.json").read_text())
     assert not report["fits"]
@@ -226,8 +233,15 @@ def test_a_reward_model_the_plan_cannot_build_is_refused_by_name_or_counted_as_d
     assert code == 2, out
     assert "reward pickscore" in out and "plan.reward_memory_gb" in out and "fits" not in out
     # declared, it is counted at that size in every phase
-    code, out = cli("plan", "model=tiny_flux", "reward=pickscore", "data=tiny", "+plan.reward_memory_gb.pickscore=1.5",
-                    "plan.format=json", f"hydra.run.dir={tmp_path}")  # fmt: skip
+    code, out = cli(
+        "plan",
+        "model=tiny_flux",
+        "reward=pickscore",
+        "data=tiny",
+        "+plan.reward_memory_gb.pickscore=1.5",
+        "plan.format=json",
+        f"hydra.run.dir={tmp_path}",
+    )
     assert code == 0, out
     rows = {row["what"]: row["bytes"] for row in json.loads((tmp_path / "plan.json").read_text())["rows"]}
     assert rows["reward pickscore"] == int(1.5 * 2**30)
@@ -278,8 +292,14 @@ def test_rows_that_print_as_zero_are_folded_into_one_other_row(cli, tmp_path: Pa
 
 def test_an_epoch_that_does_not_split_over_the_processes_names_the_setting_to_change(cli, tmp_path: Path):
     # 2 prompts × 8 samples over 8 processes: 2 each, less than one batch of 8; 8 prompts give each 8
-    code, out = cli("plan", "model=wan2_1", "launcher=deepspeed_zero2", "launcher.num_processes=8",
-                    "plan.device_memory_gb=141", f"hydra.run.dir={tmp_path}")  # fmt: skip
+    code, out = cli(
+        "plan",
+        "model=wan2_1",
+        "launcher=deepspeed_zero2",
+        "launcher.num_processes=8",
+        "plan.device_memory_gb=141",
+        f"hydra.run.dir={tmp_path}",
+    )
     assert code == 2, out
     assert "algo.prompts_per_epoch to a multiple of 8" in out, out
 
@@ -350,9 +370,15 @@ def test_a_one_layer_real_width_bagel_is_predicted_within_15_percent_of_a_real_s
         real_size.VARIANTS, "bagel_7b_mot", real_size.with_layers(real_size.VARIANTS["bagel_7b_mot"], 1)
     )
     result = compare(
-        ["model=bagel", "model.weights=random_init", "model.resolution=128", "model.max_sequence_length=64",
-         "model.num_steps=4", *SMALL_EPOCH]
-    )  # fmt: skip
+        [
+            "model=bagel",
+            "model.weights=random_init",
+            "model.resolution=128",
+            "model.max_sequence_length=64",
+            "model.num_steps=4",
+            *SMALL_EPOCH,
+        ]
+    )
     assert abs(result["error"]) <= TOLERANCE, result
     assert result["measured"].state > 2 * 2.0e9  # the bf16 network was built with its weights
 
@@ -371,9 +397,16 @@ def test_a_reward_model_whose_config_is_local_is_counted_at_its_weights_bytes(cl
     )
     CLIPModel(config).save_pretrained(tmp_path / "clip")
     saved = load_file(tmp_path / "clip" / "model.safetensors")
-    code, out = cli("plan", "model=tiny_flux", "reward=pickscore", "data=tiny", "plan.format=json",
-                    f"reward.kwargs.pickscore.model_path={tmp_path / 'clip'}",
-                    f"reward.kwargs.pickscore.processor_path={tmp_path / 'clip'}", f"hydra.run.dir={tmp_path}")  # fmt: skip
+    code, out = cli(
+        "plan",
+        "model=tiny_flux",
+        "reward=pickscore",
+        "data=tiny",
+        "plan.format=json",
+        f"reward.kwargs.pickscore.model_path={tmp_path / 'clip'}",
+        f"reward.kwargs.pickscore.processor_path={tmp_path / 'clip'}",
+        f"hydra.run.dir={tmp_path}",
+    )
     assert code == 0, out
     rows = {row["what"]: row["bytes"] for row in json.loads((tmp_path / "plan.json").read_text())["rows"]}
     assert rows["reward pickscore weights"] == sum(t.numel() * t.element_size() for t in saved.values())

@@ -65,13 +65,21 @@ def test_tiny_cpu_with_eval_before_writes_before_after_and_says_it(cli, tmp_path
     from tests.conftest import TINY_RUN
 
     code, out = cli(
-        "train", *TINY_RUN, "epochs=1", "eval_every=1", "eval_before=true", "images_every=0", "save_every=0",
+        "train",
+        *TINY_RUN,
+        "epochs=1",
+        "eval_every=1",
+        "eval_before=true",
+        "images_every=0",
+        "save_every=0",
         f"hydra.run.dir={tmp_path}",
-    )  # fmt: skip
+    )
     assert code == 0, out
     assert "evaluation before → after training" in out
     table = (tmp_path / BEFORE_AFTER_TABLE).read_text().splitlines()
     assert [row.split()[0] for row in table[1:]] == [
-        "reward", "jpeg_compressibility", "jpeg_compressibility/jpeg_kb",
-    ]  # fmt: skip
+        "reward",
+        "jpeg_compressibility",
+        "jpeg_compressibility/jpeg_kb",
+    ]
     assert (tmp_path / BEFORE_AFTER_GRID).is_file()

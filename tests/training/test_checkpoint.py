@@ -47,8 +47,14 @@ def _weight_writer(value: float) -> Callable[[Path], None]:
 
 
 def _save(run_dir: Path, epoch: int, keep_last: int = 2):
-    return save_checkpoint(run_dir, epoch, _weight_writer(epoch), {"counters": {"epoch": epoch}},
-                           OmegaConf.create({"seed": 1}), keep_last)  # fmt: skip
+    return save_checkpoint(
+        run_dir,
+        epoch,
+        _weight_writer(epoch),
+        {"counters": {"epoch": epoch}},
+        OmegaConf.create({"seed": 1}),
+        keep_last,
+    )
 
 
 def test_save_rotates_and_keeps_the_newest(tmp_path: Path):
@@ -109,8 +115,15 @@ def _save_with_engine(run_dir: Path, epoch: int) -> Checkpoint:
     (staging / "zero").mkdir(parents=True)
     for rank in (0, 1):
         torch.save({"rank": rank}, staging / "zero" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
-    return save_checkpoint(run_dir, epoch, _weight_writer(epoch), {"counters": {"epoch": epoch}},
-                           OmegaConf.create({}), keep_last=3, engine_state=staging)  # fmt: skip
+    return save_checkpoint(
+        run_dir,
+        epoch,
+        _weight_writer(epoch),
+        {"counters": {"epoch": epoch}},
+        OmegaConf.create({}),
+        keep_last=3,
+        engine_state=staging,
+    )
 
 
 def test_engine_shards_move_into_the_checkpoint_and_its_manifest(tmp_path: Path):
@@ -118,8 +131,9 @@ def test_engine_shards_move_into_the_checkpoint_and_its_manifest(tmp_path: Path)
     shard = ckpt.engine / "zero" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     assert shard.is_file() and not engine_staging(tmp_path, 1).exists()
     assert ckpt.manifest()["engine/zero/zero_pp_rank_1_mp_rank_00_optim_states.pt"] == {
-        "bytes": shard.stat().st_size, "sha256": hashlib.sha256(shard.read_bytes()).hexdigest()
-    }  # fmt: skip
+        "bytes": shard.stat().st_size,
+        "sha256": hashlib.sha256(shard.read_bytes()).hexdigest(),
+    }
     assert resolve_resume("auto", tmp_path).path == ckpt.path
 
 
@@ -299,8 +313,11 @@ def test_the_startup_sweep_removes_only_temporaries_of_dead_processes(tmp_path: 
         removed = sweep_stale_temporaries(tmp_path)
         assert sorted(removed) == sorted([folders["dead"], folders["dead, older name"]])
         assert {name for name, folder in folders.items() if folder.exists()} == {
-            "alive", "this process", "another host", "engine staging"
-        }  # fmt: skip
+            "alive",
+            "this process",
+            "another host",
+            "engine staging",
+        }
         assert [c.path.name for c in list_checkpoints(tmp_path)] == ["epoch_000001"]
     finally:
         alive.kill()

@@ -272,9 +272,13 @@ def test_decide_stops_and_reports_best():
     assert (second.new_best, second.action, guard.stop_requested) == (False, "stop", True)
     assert second.event.metrics() == {"guard/event/stop": 1.0}
     assert guard.status_metrics() == {
-        "guard/best": 0.5, "guard/best_step": 0.0, "guard/train_rise": 0.25, "guard/train_rise_se": 0.0,
-        "guard/heldout_drop": 0.25, "guard/heldout_drop_se": 0.0,
-    }  # fmt: skip
+        "guard/best": 0.5,
+        "guard/best_step": 0.0,
+        "guard/train_rise": 0.25,
+        "guard/train_rise_se": 0.0,
+        "guard/heldout_drop": 0.25,
+        "guard/heldout_drop_se": 0.0,
+    }
     assert "rose +0.25 (no spread) over 1 evaluation while the held-out metric fell 0.25 (no spread)" in (
         second.event.describe(1, 0.125)
     )
@@ -355,20 +359,42 @@ MONITOR = "+guard.monitors.brightness=1.0"
     ("overrides", "message"),
     [
         ([MONITOR, "eval_every=0"], "eval_every=0 never evaluates: set eval_every=N"),
-        ([MONITOR, "guard.action=undo"], "guard.action='undo' is not valid; choose one of warn, stop, rollback"),
+        (
+            [MONITOR, "guard.action=undo"],
+            "guard.action='undo' is not valid; choose one of warn, stop, rollback",
+        ),
         ([MONITOR, "guard.margin=-0.1"], "guard.margin must be ≥ 0, got -0.1"),
         ([MONITOR, "guard.window=0"], "guard.window must be ≥ 1, got 0"),
         ([MONITOR, "guard.noise_k=-1"], "guard.noise_k must be ≥ 0, got -1"),
         ([MONITOR, "guard.rise_k=-0.5"], "guard.rise_k must be ≥ 0, got -0.5"),
-        ([MONITOR, "data.eval_num_prompts=1"], "data.eval_num_prompts=1 evaluates one: set data.eval_num_prompts ≥ 2"),
+        (
+            [MONITOR, "data.eval_num_prompts=1"],
+            "data.eval_num_prompts=1 evaluates one: set data.eval_num_prompts ≥ 2",
+        ),
         ([MONITOR, "guard.rollback_lr_scale=2"], r"guard.rollback_lr_scale must be in \(0, 1\], got 2"),
-        ([MONITOR, "+guard.kwargs.jpeg_compressibility={quality: 90}"], r"guard.kwargs names rewards not in guard.monitors: \['jpeg_compressibility'\]"),
+        (
+            [MONITOR, "+guard.kwargs.jpeg_compressibility={quality: 90}"],
+            r"guard.kwargs names rewards not in guard.monitors: \['jpeg_compressibility'\]",
+        ),
         (["+guard.monitors.clipscroe=1.0"], "guard.monitors names unknown reward 'clipscroe'"),
-        ([MONITOR, "guard.action=rollback", "launcher=deepspeed_zero2", "launcher.num_processes=2", "algo.sample_batch_size=2", "algo.train_batch_size=2"], "which launcher=deepspeed_zero2 shards"),
-        ([MONITOR, "guard.action=rollback", "guard.rollback_kl_scale=2", "algo.kl_weight=0"], "algo.kl_weight=0.0 does not train with"),
+        (
+            [
+                MONITOR,
+                "guard.action=rollback",
+                "launcher=deepspeed_zero2",
+                "launcher.num_processes=2",
+                "algo.sample_batch_size=2",
+                "algo.train_batch_size=2",
+            ],
+            "which launcher=deepspeed_zero2 shards",
+        ),
+        (
+            [MONITOR, "guard.action=rollback", "guard.rollback_kl_scale=2", "algo.kl_weight=0"],
+            "algo.kl_weight=0.0 does not train with",
+        ),
         ([MONITOR, "guard.action=rollback", "algo=nft"], "not recipe=flow_forward's old policy"),
     ],
-)  # fmt: skip
+)
 def test_bad_guard_settings_are_named_at_the_boundary(overrides: list[str], message: str):
     with pytest.raises(UserError, match=message):
         _validate(*overrides)
@@ -377,9 +403,11 @@ def test_bad_guard_settings_are_named_at_the_boundary(overrides: list[str], mess
 def test_good_guard_settings_pass():
     typed = _validate(
         "+guard.monitors.brightness=-1.0",
-        "+guard.monitors.jpeg_incompressibility=0.5", "guard.action=rollback",
-        "guard.rollback_kl_scale=2", "algo.kl_weight=0.01",
-    )  # fmt: skip
+        "+guard.monitors.jpeg_incompressibility=0.5",
+        "guard.action=rollback",
+        "guard.rollback_kl_scale=2",
+        "algo.kl_weight=0.01",
+    )
     assert dict(typed.guard.monitors) == {"brightness": -1.0, "jpeg_incompressibility": 0.5}
     assert typed.guard.enabled and not _validate().guard.enabled
 
@@ -459,9 +487,13 @@ def test_a_disagreeing_monitor_is_flagged_rolled_back_then_stopped(tmp_path: Pat
     ``max_rollbacks`` and stops the run after 3 of 4 epochs."""
     run = tmp_path / "run"
     code, out = run_cli(
-        "train", *GUARDED_RUN, "epochs=4", "guard.margin=0.0005", "guard.max_rollbacks=1",
+        "train",
+        *GUARDED_RUN,
+        "epochs=4",
+        "guard.margin=0.0005",
+        "guard.max_rollbacks=1",
         f"hydra.run.dir={run}",
-    )  # fmt: skip
+    )
     assert code == 0, out
     rows = _rows(run)
     assert _guard_events(rows) == {2: ["rollback"], 3: ["stop"]}  # metrics.jsonl steps: epochs completed
@@ -470,8 +502,11 @@ def test_a_disagreeing_monitor_is_flagged_rolled_back_then_stopped(tmp_path: Pat
     assert (by_step[2]["lr"], by_step[3]["lr"]) == (pytest.approx(3e-2), pytest.approx(1.5e-2))
     checkpoints = run / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == [
-        "best_heldout", "epoch_000001", "epoch_000002", "epoch_000003",
-    ]  # fmt: skip
+        "best_heldout",
+        "epoch_000001",
+        "epoch_000002",
+        "epoch_000003",
+    ]
     # right after the rollback: best_heldout's weights, bit for bit; the epoch trained from there moved them
     _assert_same_weights(checkpoints / "epoch_000002", checkpoints / "best_heldout")
     moved, best = _weights(checkpoints / "epoch_000003"), _weights(checkpoints / "best_heldout")

@@ -16,9 +16,10 @@ JPEG = "reward/jpeg_compressibility"
 def _jpeg_metrics(kb: float, prefix: str = "") -> dict[str, float]:
     """What a JPEG-compressibility run logs for images of ``kb`` kB: the score −kB/500 and the size."""
     return {
-        f"{prefix}reward/mean": -kb / 500, f"{prefix}{JPEG}/mean": -kb / 500,
+        f"{prefix}reward/mean": -kb / 500,
+        f"{prefix}{JPEG}/mean": -kb / 500,
         f"{prefix}{JPEG}/jpeg_kb/mean": kb,
-    }  # fmt: skip
+    }
 
 
 def test_console_lines_show_the_size_beside_the_score():

@@ -21,10 +21,18 @@ def _run(root: Path, name: str, overrides: list[str], resolved: dict | None = No
 
 def test_a_wandb_name_leaves_out_logging_switches_and_bookkeeping(tmp_path: Path):
     run = _run(
-        tmp_path, "run",
-        ["experiment=tiny_cpu", "logging.wandb.enabled=true", "algo.lr=3e-4", "logging.tensorboard=true",
-         "+logging.wandb.mode=offline", "resume=auto", "hydra.run.dir=out"],
-    )  # fmt: skip
+        tmp_path,
+        "run",
+        [
+            "experiment=tiny_cpu",
+            "logging.wandb.enabled=true",
+            "algo.lr=3e-4",
+            "logging.tensorboard=true",
+            "+logging.wandb.mode=offline",
+            "resume=auto",
+            "hydra.run.dir=out",
+        ],
+    )
     assert run_name(run) == "tiny_cpu algo.lr=3e-4"
     only_switches = _run(tmp_path, "only", ["logging.wandb.enabled=true"])
     assert run_name(only_switches) == "only"  # nothing says what it trains: the folder's name

@@ -53,16 +53,27 @@ class FakeTime:
         return self.now
 
 
-def _clock(monkeypatch, clock: str = "time_or_epochs", minutes: float = 10.0, clock_seconds: float = 0.0,
-           train_seconds: float = 0.0, counts: str = "wall") -> tuple[EpochClock, SimpleNamespace, FakeTime]:  # fmt: skip
+def _clock(
+    monkeypatch,
+    clock: str = "time_or_epochs",
+    minutes: float = 10.0,
+    clock_seconds: float = 0.0,
+    train_seconds: float = 0.0,
+    counts: str = "wall",
+) -> tuple[EpochClock, SimpleNamespace, FakeTime]:
     fake = FakeTime()
     monkeypatch.setattr(session_module.time, "monotonic", fake)
     cfg = SimpleNamespace(epochs=100)
     run = SimpleNamespace(
-        cfg=cfg, start_epoch=0, dist=SimpleNamespace(gather=lambda t: t), time_progress=0.0,
-        train_seconds=train_seconds, clock_seconds=clock_seconds,
-        time_limit=lambda: TimeLimit(minutes, counts, clock), unit="epoch",
-    )  # fmt: skip
+        cfg=cfg,
+        start_epoch=0,
+        dist=SimpleNamespace(gather=lambda t: t),
+        time_progress=0.0,
+        train_seconds=train_seconds,
+        clock_seconds=clock_seconds,
+        time_limit=lambda: TimeLimit(minutes, counts, clock),
+        unit="epoch",
+    )
     progress = SimpleNamespace(task=lambda *a, **k: 0)
     return EpochClock.start(run, progress), run, fake  # type: ignore[arg-type]
 

@@ -61,9 +61,17 @@ def test_real_loader_reads_a_saved_qwen3_vl_with_the_configured_pixel_bounds(qwe
     from rlgen_cli.vlm.rollout import encode_prompts
 
     typed, _ = compose_config(
-        "train", [*TINY_QWEN3_VL, "algo=token_grpo", "reward=length", "model.tiny=false",
-                  f"model.path={qwen3_vl_dir}", "model.local_files_only=true", "model.vlm.max_pixels=256"],
-    )  # fmt: skip
+        "train",
+        [
+            *TINY_QWEN3_VL,
+            "algo=token_grpo",
+            "reward=length",
+            "model.tiny=false",
+            f"model.path={qwen3_vl_dir}",
+            "model.local_files_only=true",
+            "model.vlm.max_pixels=256",
+        ],
+    )
     policy = build_vlm(typed.model, torch.device("cpu"))
     assert type(policy.model.base_model.model).__name__ == "Qwen3VLForConditionalGeneration"
     lora = [name for name, _ in policy.model.named_parameters() if "lora_" in name]
@@ -73,9 +81,16 @@ def test_real_loader_reads_a_saved_qwen3_vl_with_the_configured_pixel_bounds(qwe
     encoded = encode_prompts(policy, ["<|vision_start|><|image_pad|><|vision_end|>hi"], [image])
     assert encoded["image_grid_thw"].tolist() == [[1, 4, 4]]  # 32² px > 256 → 16² px: 4 × 4 patches of 4 px
     bad, _ = compose_config(
-        "train", [*TINY_QWEN3_VL, "algo=token_grpo", "reward=length", "model.tiny=false",
-                  f"model.path={tmp_path / 'absent'}", "model.local_files_only=true"],
-    )  # fmt: skip
+        "train",
+        [
+            *TINY_QWEN3_VL,
+            "algo=token_grpo",
+            "reward=length",
+            "model.tiny=false",
+            f"model.path={tmp_path / 'absent'}",
+            "model.local_files_only=true",
+        ],
+    )
     with pytest.raises(UserError, match="cannot load qwen3_vl"):
         build_vlm(bad.model, torch.device("cpu"))
 
@@ -133,9 +148,14 @@ def test_step_grpo_trains_every_lora_tensor_of_qwen3_vl(tmp_path: Path):
 
 def test_qwenvl_judge_scores_with_a_qwen3_vl(qwen3_vl_dir):
     judge = build_reward(
-        "qwenvl", model_path=str(qwen3_vl_dir), device="cpu", dtype="float32", local_files_only=True,
-        max_new_tokens=6, batch_size=2,
-    )  # fmt: skip
+        "qwenvl",
+        model_path=str(qwen3_vl_dir),
+        device="cpu",
+        dtype="float32",
+        local_files_only=True,
+        max_new_tokens=6,
+        batch_size=2,
+    )
     result = judge.score(RewardBatch(prompts=["a cat", "a dog", "a cow"], images=torch.rand(3, 3, 20, 28)))
     assert type(judge._model).__name__ == "Qwen3VLForConditionalGeneration"
     assert result.scores.shape == (3,) and len(result.details["answers"]) == 3

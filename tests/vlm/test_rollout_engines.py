@@ -87,8 +87,14 @@ class FakeLLM:
                 stops = c % 2 == 0
                 ids = [self.token] * 3 + [self.stop] if stops else [self.token] * p.max_tokens
                 logprobs = [{t: SimpleNamespace(logprob=-0.5 - k)} for k, t in enumerate(ids)]
-                completions.append(SimpleNamespace(token_ids=ids, finish_reason="stop" if stops else "length",
-                                                   stop_reason=None, logprobs=logprobs))  # fmt: skip
+                completions.append(
+                    SimpleNamespace(
+                        token_ids=ids,
+                        finish_reason="stop" if stops else "length",
+                        stop_reason=None,
+                        logprobs=logprobs,
+                    )
+                )
             outputs.append(SimpleNamespace(outputs=completions))
         return outputs
 
@@ -165,8 +171,10 @@ def test_vllm_engine_pushes_merged_weights_once_per_rollout_after_steps(fake_vll
     assert all(torch.allclose(sent[k], merged[k].detach(), atol=1e-7) for k in merged)
     adapted = [k for k in merged if k.endswith("q_proj.weight") and "visual" not in k]
     base = lora_policy.model.base_model.model
-    assert adapted and all(not torch.equal(sent[k], base.get_parameter(k.replace(".weight", ".base_layer.weight")))
-                           for k in adapted)  # fmt: skip
+    assert adapted and all(
+        not torch.equal(sent[k], base.get_parameter(k.replace(".weight", ".base_layer.weight")))
+        for k in adapted
+    )
     assert all(torch.equal(v, dict(lora_policy.model.named_parameters())[k]) for k, v in base_before.items())
 
 

@@ -23,9 +23,16 @@ NO_ADVANTAGE = torch.zeros(2)  # the policy term's gradient is 0: only the KL mo
 def _kl_gradient(old: torch.Tensor, corrected: bool, level: str = "token") -> tuple[float, torch.Tensor]:
     logp = LOGP.clone().requires_grad_(True)
     out = token_grpo_loss(
-        logp, old, NO_ADVANTAGE, MASK, loss_type="bnpo", importance_level=level, kl_weight=BETA, ref_logp=REF,
+        logp,
+        old,
+        NO_ADVANTAGE,
+        MASK,
+        loss_type="bnpo",
+        importance_level=level,
+        kl_weight=BETA,
+        ref_logp=REF,
         bias_correction_kl=corrected,
-    )  # fmt: skip
+    )
     out.loss.backward()
     return out.loss.item(), logp.grad
 

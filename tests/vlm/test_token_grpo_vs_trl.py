@@ -41,13 +41,24 @@ def _trl_loss(b: dict[str, torch.Tensor], logp: torch.Tensor, loss_type: str, le
     )
     trainer = SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **k: (logp, torch.zeros_like(logp), None),
-        aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
-        importance_sampling_level=level, beta=BETA, loss_type=loss_type, epsilon_low=EPS[0], epsilon_high=EPS[1],
+        aux_loss_enabled=False,
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        importance_sampling_level=level,
+        beta=BETA,
+        loss_type=loss_type,
+        epsilon_low=EPS[0],
+        epsilon_high=EPS[1],
         args=SimpleNamespace(use_bias_correction_kl=corrected, delta=None, steps_per_generation=1),
-        use_vllm=False, vllm_importance_sampling_correction=False, model=SimpleNamespace(training=True),
-        current_gradient_accumulation_steps=1, max_completion_length=TOKENS, _entropy_bonus_enabled=False,
-        _metrics={"train": defaultdict(list)}, accelerator=accelerator,
-    )  # fmt: skip
+        use_vllm=False,
+        vllm_importance_sampling_correction=False,
+        model=SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=1,
+        max_completion_length=TOKENS,
+        _entropy_bonus_enabled=False,
+        _metrics={"train": defaultdict(list)},
+        accelerator=accelerator,
+    )
     inputs = {
         "prompt_ids": torch.zeros(3, 1, dtype=torch.long), "prompt_mask": torch.ones(3, 1, dtype=torch.long),
         "completion_ids": torch.zeros(3, TOKENS, dtype=torch.long), "completion_mask": b["mask"],
@@ -64,10 +75,20 @@ def test_loss_and_gradient_equal_trls(loss_type: str, level: str, corrected: boo
     b = _batch(seed=3)
     ours_logp = b["logp"].clone().requires_grad_(True)
     ours = token_grpo_loss(
-        ours_logp, b["old"], b["adv"], b["mask"], loss_type=loss_type, importance_level=level, epsilon=EPS[0],
-        epsilon_high=EPS[1], kl_weight=BETA, ref_logp=b["ref"], max_completion_length=TOKENS,
-        num_items=float(b["mask"].sum()), bias_correction_kl=corrected,
-    ).loss  # fmt: skip
+        ours_logp,
+        b["old"],
+        b["adv"],
+        b["mask"],
+        loss_type=loss_type,
+        importance_level=level,
+        epsilon=EPS[0],
+        epsilon_high=EPS[1],
+        kl_weight=BETA,
+        ref_logp=b["ref"],
+        max_completion_length=TOKENS,
+        num_items=float(b["mask"].sum()),
+        bias_correction_kl=corrected,
+    ).loss
     # TRL reads log-probs at padded positions too: give it ours where the mask is 0 (its mask removes them)
     trl_logp = b["logp"].clone().requires_grad_(True)
     theirs = _trl_loss(b, trl_logp, loss_type, level, corrected)

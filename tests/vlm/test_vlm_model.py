@@ -78,17 +78,35 @@ def test_real_loading_from_a_saved_directory_applies_pixel_bounds(tmp_path):
 
     path = save_tiny_vlm(tmp_path / "qwen25", kind="qwen2_5_vl")
     typed, _ = compose_config(
-        "train", TINY_VLM + ["algo=step_grpo", "reward=length", "model.family=qwen2_5_vl", "model.tiny=false",
-                             f"model.path={path}", "model.local_files_only=true", "model.vlm.max_pixels=256"],
-    )  # fmt: skip
+        "train",
+        TINY_VLM
+        + [
+            "algo=step_grpo",
+            "reward=length",
+            "model.family=qwen2_5_vl",
+            "model.tiny=false",
+            f"model.path={path}",
+            "model.local_files_only=true",
+            "model.vlm.max_pixels=256",
+        ],
+    )
     policy = build_vlm(typed.model, torch.device("cpu"))
     assert type(policy.model.base_model.model).__name__ == "Qwen2_5_VLForConditionalGeneration"
     encoded = encode_prompts(
         policy, ["<|vision_start|><|image_pad|><|vision_end|>hi"], [load_image(_image(tmp_path))]
     )
     assert int(encoded["image_grid_thw"].prod()) <= 256 // 16  # ≤ max_pixels / patch² patches
-    bad, _ = compose_config("train", TINY_VLM + ["algo=step_grpo", "reward=length", "model.tiny=false",
-                                                  f"model.path={tmp_path / 'absent'}", "model.local_files_only=true"])  # fmt: skip
+    bad, _ = compose_config(
+        "train",
+        TINY_VLM
+        + [
+            "algo=step_grpo",
+            "reward=length",
+            "model.tiny=false",
+            f"model.path={tmp_path / 'absent'}",
+            "model.local_files_only=true",
+        ],
+    )
     with pytest.raises(UserError, match="cannot load qwen2_vl"):
         build_vlm(bad.model, torch.device("cpu"))
 

@@ -33,8 +33,17 @@ def test_two_step_grpo_steps_change_every_trainable_tensor(step_grpo_run: Path):
     assert [r["step"] for r in rows] == [1, 2] and rows[-1]["global_step"] == 2  # epochs completed
     for row in rows:  # a reward that varies: every group carries signal
         assert row["reward/std"] > 0 and row["zero_std_ratio"] == 0.0
-        for key in ("policy_loss", "kl_loss", "clipfrac", "ratio_min", "ratio_max", "grad_norm",
-                    "completions/mean_length", "completions/clipped_ratio", "sampler/logp_gap_max"):  # fmt: skip
+        for key in (
+            "policy_loss",
+            "kl_loss",
+            "clipfrac",
+            "ratio_min",
+            "ratio_max",
+            "grad_norm",
+            "completions/mean_length",
+            "completions/clipped_ratio",
+            "sampler/logp_gap_max",
+        ):
             assert row[key] is not None, key
     assert rows[0]["ratio_min"] == rows[0]["ratio_max"] == 1.0  # one on-policy update per rollout
     assert rows[1]["kl_loss"] > 0  # the policy moved away from the reference after step 1

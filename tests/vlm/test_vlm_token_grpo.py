@@ -60,9 +60,13 @@ def test_clipping_with_epsilon_and_epsilon_high():
     assert out.stats["clipfrac_high"] == pytest.approx(0.5) and out.stats["clipfrac_low"] == 0.0
     # ε_high = 0.28 and r = 1.25 with A > 0: not clipped → ℓ = −1.25
     out = token_grpo_loss(
-        torch.full((1, 1), math.log(1.25)), torch.zeros(1, 1), torch.tensor([1.0]), torch.ones(1, 1),
-        epsilon=0.2, epsilon_high=0.28,
-    )  # fmt: skip
+        torch.full((1, 1), math.log(1.25)),
+        torch.zeros(1, 1),
+        torch.tensor([1.0]),
+        torch.ones(1, 1),
+        epsilon=0.2,
+        epsilon_high=0.28,
+    )
     assert out.loss.item() == pytest.approx(-1.25) and out.stats["clipfrac"] == 0.0
     # r = 0.5 with A = −1: min(−0.5, −0.8) = −0.8 → ℓ = 0.8, counted as low-clipped
     out = token_grpo_loss(

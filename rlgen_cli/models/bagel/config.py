@@ -143,17 +143,26 @@ EDITING = EditingDefaults()
 
 TINY_BAGEL = BagelConfig(
     llm=LLMConfig(
-        vocab_size=263, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, rope_theta=10_000.0,
+        vocab_size=263,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=10_000.0,
     ),
     vit=ViTConfig(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=4,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        patch_size=4,
         image_size=32,
     ),
     vae=VAEConfig(ch=4, ch_mult=(1, 2, 2), num_res_blocks=1, z_channels=4, norm_groups=1),
     max_latent_size=16,
     vit_max_num_patch_per_side=8,
-)  # fmt: skip
+)
 """rlgen's tiny BAGEL: 2 MoT layers of width 32, a 1-layer ViT on 4-px patches, a 3-level VAE (4× down,
 4 channels), so a 32 px image is 16 latent tokens of 2×2 patches; vocabulary of the offline tokenizer."""
 

@@ -104,9 +104,13 @@ def _latent_tokens(network: Bagel, latents: Tensor, t: Tensor, grid: tuple[int, 
 
 
 def source_blocks(
-    network: Bagel, markers: tuple[int, int], source: Tensor, source_grid: tuple[int, int], patches: Tensor,
+    network: Bagel,
+    markers: tuple[int, int],
+    source: Tensor,
+    source_grid: tuple[int, int],
+    patches: Tensor,
     vit_grid: tuple[int, int],
-) -> tuple[Tensor, int]:  # fmt: skip
+) -> tuple[Tensor, int]:
     """The two source blocks' embeddings (B, n + 2 + m + 2, D) and the length n + 2 of the VAE block:
     clean latent tokens ``source`` (B, n, patch_dim) at t = 0, then ViT tokens of ``patches`` (B, m, 3·p²)."""
     batch = source.shape[0]
@@ -135,10 +139,18 @@ def edit_mask(vae_block: int, vit_block: int, text_mask: Tensor, block: int) -> 
 
 
 def edit_velocity(
-    network: Bagel, markers: tuple[int, int], source: Tensor, source_grid: tuple[int, int], patches: Tensor,
-    vit_grid: tuple[int, int], text_ids: Tensor, text_mask: Tensor, latents: Tensor, t: Tensor,
+    network: Bagel,
+    markers: tuple[int, int],
+    source: Tensor,
+    source_grid: tuple[int, int],
+    patches: Tensor,
+    vit_grid: tuple[int, int],
+    text_ids: Tensor,
+    text_mask: Tensor,
+    latents: Tensor,
+    t: Tensor,
     grid: tuple[int, int],
-) -> Tensor:  # fmt: skip
+) -> Tensor:
     """Velocity tokens (B, n, patch_dim) of the generated latent tokens ``latents`` at ``t`` (B,), with the
     source image (its clean latent tokens and ViT patches) and then the instruction (``text_ids`` /
     ``text_mask``, right-padded; an all-False row is the text-CFG branch's empty instruction) as context."""

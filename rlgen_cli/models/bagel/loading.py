@@ -188,7 +188,7 @@ def random_init_checkpoint(cfg: Any, device: torch.device) -> tuple[Bagel, Any, 
 
 def save_checkpoint(
     model: Bagel, vae: Any, tokenizer: Any, directory: Path, *, shards: int = 1, ema: bool = True
-) -> None:  # fmt: skip
+) -> None:
     """Write ``model``, ``vae`` and ``tokenizer`` in the release layout (``shards > 1``: sharded files
     with a ``*.safetensors.index.json``; ``ema=False``: ``model.*`` names instead of ``ema.*``)."""
     from safetensors.torch import save_file

@@ -119,8 +119,12 @@ class MoTAttention(nn.Module, AttentionModuleMixin):
         und_fn, gen_fn = getattr(self, f"{name}_proj"), getattr(self, f"{name}_proj_moe_gen")
         out = routed(x, gen, und_fn, gen_fn).unflatten(-1, (heads, self.head_dim))  # (B, S, H, hd)
         if norm:
-            out = routed(out, gen[..., None].expand(out.shape[:-1]), getattr(self, f"{name}_norm"),
-                         getattr(self, f"{name}_norm_moe_gen"))  # fmt: skip
+            out = routed(
+                out,
+                gen[..., None].expand(out.shape[:-1]),
+                getattr(self, f"{name}_norm"),
+                getattr(self, f"{name}_norm_moe_gen"),
+            )
         return out
 
     def forward(self, x: Tensor, gen: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
@@ -294,9 +298,14 @@ class Bagel(nn.Module, PeftAdapterMixin):
         return method(self, *args)
 
     def generation_velocity(
-        self, text_ids: Tensor, text_mask: Tensor, markers: tuple[int, int], latents: Tensor, t: Tensor,
+        self,
+        text_ids: Tensor,
+        text_mask: Tensor,
+        markers: tuple[int, int],
+        latents: Tensor,
+        t: Tensor,
         grid: tuple[int, int],
-    ) -> Tensor:  # fmt: skip
+    ) -> Tensor:
         """Velocity tokens (B, N, patch_dim) for latent patch tokens ``latents`` (B, N, patch_dim) at time
         ``t`` (B,), conditioned on the prompt ``text_ids`` (B, S) whose valid tokens ``text_mask`` (B, S)
         marks (right-padded; a row with none is the empty context of the text-CFG branch); ``markers``
@@ -307,9 +316,11 @@ class Bagel(nn.Module, PeftAdapterMixin):
         embed = self.language_model.model.embed_tokens
         lengths = text_mask.sum(1)
         start, end = embed(torch.tensor(markers, device=device)).unbind(0)
-        image_tokens = self.vae2llm(latents) + self.time_embedder(t)[:, None] + self.latent_pos_embed(
-            self.latent_position_ids(*grid, device)
-        )  # fmt: skip
+        image_tokens = (
+            self.vae2llm(latents)
+            + self.time_embedder(t)[:, None]
+            + self.latent_pos_embed(self.latent_position_ids(*grid, device))
+        )
         dtype = embed.weight.dtype
         block = torch.cat(
             [start.expand(batch, 1, -1), image_tokens.to(dtype), end.expand(batch, 1, -1)], dim=1

@@ -126,9 +126,14 @@ class BagelPolicy:
     velocity, FLUX VAE. ``model.family=bagel_edit`` declares that every prompt comes with a source image."""
 
     def __init__(
-        self, network: Bagel, vae: Any, tokenizer: Any, markers: dict[str, int], cfg: ModelConfig,
+        self,
+        network: Bagel,
+        vae: Any,
+        tokenizer: Any,
+        markers: dict[str, int],
+        cfg: ModelConfig,
         device: torch.device,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.cfg = cfg
         self.device = device
         self.dtype = TORCH_DTYPES[cfg.dtype]
@@ -321,9 +326,12 @@ class BagelPolicy:
             cond_v = self._edit_tokens(tokens, t, cond, text, mask)
         else:
             pair = self._edit_tokens(
-                torch.cat([tokens, tokens]), torch.cat([t, t]), Cond.cat([cond, cond]), torch.cat([text, neg]),
+                torch.cat([tokens, tokens]),
+                torch.cat([t, t]),
+                Cond.cat([cond, cond]),
+                torch.cat([text, neg]),
                 torch.cat([mask, neg_mask]),
-            )  # fmt: skip
+            )
             cond_v, text_uncond = pair.chunk(2)
             if self.image_guidance_scale > 1.0:
                 image_uncond = self._text_only_tokens(tokens, t, text, mask)
@@ -340,10 +348,18 @@ class BagelPolicy:
         source_grid = (source.shape[-2] // p, source.shape[-1] // p)
         with autocast(self.device, self.dtype):
             out = self.trainable.forward_module()(
-                editing.edit_velocity, self._vision_markers(), patchify_latents(source, p).to(self.dtype),
-                source_grid, cond.tensors[editing.VIT_PATCHES_KEY], cond.extras[editing.VIT_GRID_KEY], ids, mask,
-                tokens.to(self.dtype), t, self._patch_grid(),
-            )  # fmt: skip
+                editing.edit_velocity,
+                self._vision_markers(),
+                patchify_latents(source, p).to(self.dtype),
+                source_grid,
+                cond.tensors[editing.VIT_PATCHES_KEY],
+                cond.extras[editing.VIT_GRID_KEY],
+                ids,
+                mask,
+                tokens.to(self.dtype),
+                t,
+                self._patch_grid(),
+            )
         return out.float()
 
     def _text_only_tokens(self, tokens: Tensor, t: Tensor, ids: Tensor, mask: Tensor) -> Tensor:

@@ -26,13 +26,23 @@ def diffusers_vae_config(config: VAEConfig) -> dict[str, Any]:
     """The ``AutoencoderKL`` config of ``config`` (FLUX's for the released one)."""
     levels = len(config.ch_mult)
     return dict(
-        in_channels=config.in_channels, out_channels=config.in_channels,
-        down_block_types=["DownEncoderBlock2D"] * levels, up_block_types=["UpDecoderBlock2D"] * levels,
-        block_out_channels=[config.ch * m for m in config.ch_mult], layers_per_block=config.num_res_blocks,
-        act_fn="silu", latent_channels=config.z_channels, norm_num_groups=config.norm_groups,
-        sample_size=256, scaling_factor=config.scale_factor, shift_factor=config.shift_factor,
-        use_quant_conv=False, use_post_quant_conv=False, mid_block_add_attention=True, force_upcast=True,
-    )  # fmt: skip
+        in_channels=config.in_channels,
+        out_channels=config.in_channels,
+        down_block_types=["DownEncoderBlock2D"] * levels,
+        up_block_types=["UpDecoderBlock2D"] * levels,
+        block_out_channels=[config.ch * m for m in config.ch_mult],
+        layers_per_block=config.num_res_blocks,
+        act_fn="silu",
+        latent_channels=config.z_channels,
+        norm_num_groups=config.norm_groups,
+        sample_size=256,
+        scaling_factor=config.scale_factor,
+        shift_factor=config.shift_factor,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        mid_block_add_attention=True,
+        force_upcast=True,
+    )
 
 
 def build_vae(config: VAEConfig) -> Any:

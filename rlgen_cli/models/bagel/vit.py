@@ -50,8 +50,10 @@ class SiglipAttention(nn.Module, AttentionModuleMixin):
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(d, d) for _ in range(4))
 
     def forward(self, x: Tensor) -> Tensor:
-        q, k, v = (proj(x).unflatten(-1, (self.num_heads, -1)).transpose(0, 1) for proj in
-                   (self.q_proj, self.k_proj, self.v_proj))  # fmt: skip
+        q, k, v = (
+            proj(x).unflatten(-1, (self.num_heads, -1)).transpose(0, 1)
+            for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
         out = self.processor(self, q[None], k[None], v[None])[0]
         return self.out_proj(out.transpose(0, 1).flatten(1))
 

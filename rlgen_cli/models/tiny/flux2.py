@@ -41,10 +41,17 @@ def tiny_flux2_transformer(guidance_embeds: bool) -> Any:
     from diffusers import Flux2Transformer2DModel
 
     return Flux2Transformer2DModel(
-        patch_size=1, in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=3 * TEXT_WIDTH, timestep_guidance_channels=32,
-        axes_dims_rope=(4, 4, 4, 4), guidance_embeds=guidance_embeds,
-    )  # fmt: skip
+        patch_size=1,
+        in_channels=8,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=3 * TEXT_WIDTH,
+        timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=guidance_embeds,
+    )
 
 
 def tiny_flux2_vae() -> Any:
@@ -52,10 +59,14 @@ def tiny_flux2_vae() -> Any:
     from diffusers import AutoencoderKLFlux2
 
     vae = AutoencoderKLFlux2(
-        block_out_channels=(4, 4), down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, latent_channels=2, norm_num_groups=1,
+        block_out_channels=(4, 4),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        layers_per_block=1,
+        latent_channels=2,
+        norm_num_groups=1,
         sample_size=32,
-    )  # fmt: skip
+    )
     vae.bn.running_mean.normal_(0.0, 0.5)
     vae.bn.running_var.uniform_(0.5, 2.0)
     return vae
@@ -66,9 +77,14 @@ def flux2_scheduler() -> Any:
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     return FlowMatchEulerDiscreteScheduler(
-        shift=3.0, use_dynamic_shifting=True, base_image_seq_len=256, max_image_seq_len=4096,
-        base_shift=0.5, max_shift=1.15, time_shift_type="exponential",
-    )  # fmt: skip
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+        base_shift=0.5,
+        max_shift=1.15,
+        time_shift_type="exponential",
+    )
 
 
 def tiny_mistral_processor() -> Any:
@@ -92,9 +108,11 @@ def tiny_mistral_processor() -> Any:
     tokenizer.add_special_tokens({"additional_special_tokens": markers})
     tokenizer.add_tokens([AddedToken(SYSTEM_MESSAGE, normalized=False, special=False)])
     return PixtralProcessor(
-        image_processor=PixtralImageProcessor(), tokenizer=tokenizer, patch_size=16,
+        image_processor=PixtralImageProcessor(),
+        tokenizer=tokenizer,
+        patch_size=16,
         chat_template=MISTRAL_CHAT_TEMPLATE,
-    )  # fmt: skip
+    )
 
 
 def tiny_mistral3(vocab_size: int, pad_token_id: int) -> Any:
@@ -110,9 +128,11 @@ def tiny_mistral3(vocab_size: int, pad_token_id: int) -> Any:
         hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=16
     )
     config = Mistral3Config(
-        text_config={"model_type": "mistral", **text}, vision_config={"model_type": "pixtral", **vision},
-        projector_hidden_act="gelu", spatial_merge_size=1,
-    )  # fmt: skip
+        text_config={"model_type": "mistral", **text},
+        vision_config={"model_type": "pixtral", **vision},
+        projector_hidden_act="gelu",
+        spatial_merge_size=1,
+    )
     return Mistral3ForConditionalGeneration(config).eval()
 
 
@@ -122,10 +142,18 @@ def tiny_qwen3(vocab_size: int, pad_token_id: int) -> Any:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(
-        vocab_size=vocab_size, hidden_size=TEXT_WIDTH, intermediate_size=32, num_hidden_layers=27,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=1024,
-        pad_token_id=pad_token_id, tie_word_embeddings=True, initializer_range=0.5,
-    )  # fmt: skip
+        vocab_size=vocab_size,
+        hidden_size=TEXT_WIDTH,
+        intermediate_size=32,
+        num_hidden_layers=27,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=1024,
+        pad_token_id=pad_token_id,
+        tie_word_embeddings=True,
+        initializer_range=0.5,
+    )
     return Qwen3ForCausalLM(config).eval()
 
 
@@ -140,9 +168,12 @@ def tiny_flux2_pipeline(seed: int = 0) -> Any:
         transformer, vae = tiny_flux2_transformer(guidance_embeds=True), tiny_flux2_vae()
         text_encoder = tiny_mistral3(len(tokenizer), tokenizer.pad_token_id)
     return Flux2Pipeline(
-        scheduler=flux2_scheduler(), vae=vae, text_encoder=text_encoder, tokenizer=processor,
+        scheduler=flux2_scheduler(),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=processor,
         transformer=transformer,
-    )  # fmt: skip
+    )
 
 
 def tiny_flux2_klein_pipeline(seed: int = 0, is_distilled: bool = False) -> Any:
@@ -158,6 +189,10 @@ def tiny_flux2_klein_pipeline(seed: int = 0, is_distilled: bool = False) -> Any:
         transformer, vae = tiny_flux2_transformer(guidance_embeds=False), tiny_flux2_vae()
         text_encoder = tiny_qwen3(len(tokenizer), tokenizer.pad_token_id)
     return Flux2KleinPipeline(
-        scheduler=flux2_scheduler(), vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
-        transformer=transformer, is_distilled=is_distilled,
-    )  # fmt: skip
+        scheduler=flux2_scheduler(),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+        is_distilled=is_distilled,
+    )

@@ -49,35 +49,69 @@ def tiny_sd3_pipeline(seed: int = 0, *, sizes: SD3Sizes = SD3Sizes()) -> Any:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         clip_config = CLIPTextConfig(
-            vocab_size=vocab_size(clip_tok), hidden_size=32, intermediate_size=sizes.clip_intermediate_size,
-            num_attention_heads=4, num_hidden_layers=2, projection_dim=32, max_position_embeddings=77,
-            bos_token_id=0, eos_token_id=1, pad_token_id=1, hidden_act="gelu",
-        )  # fmt: skip
+            vocab_size=vocab_size(clip_tok),
+            hidden_size=32,
+            intermediate_size=sizes.clip_intermediate_size,
+            num_attention_heads=4,
+            num_hidden_layers=2,
+            projection_dim=32,
+            max_position_embeddings=77,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=1,
+            hidden_act="gelu",
+        )
         t5_config = T5Config(
-            vocab_size=vocab_size(t5_tok), d_model=64, d_kv=sizes.t5_d_kv, d_ff=sizes.t5_d_ff, num_layers=2,
-            num_heads=4, relative_attention_num_buckets=8, decoder_start_token_id=0,
-        )  # fmt: skip
+            vocab_size=vocab_size(t5_tok),
+            d_model=64,
+            d_kv=sizes.t5_d_kv,
+            d_ff=sizes.t5_d_ff,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            decoder_start_token_id=0,
+        )
         transformer = SD3Transformer2DModel(
-            sample_size=32, patch_size=sizes.patch_size, in_channels=4, num_layers=sizes.num_layers,
-            attention_head_dim=sizes.attention_head_dim, num_attention_heads=4, joint_attention_dim=64,
-            caption_projection_dim=sizes.caption_projection_dim, pooled_projection_dim=64, out_channels=4,
-        )  # fmt: skip
+            sample_size=32,
+            patch_size=sizes.patch_size,
+            in_channels=4,
+            num_layers=sizes.num_layers,
+            attention_head_dim=sizes.attention_head_dim,
+            num_attention_heads=4,
+            joint_attention_dim=64,
+            caption_projection_dim=sizes.caption_projection_dim,
+            pooled_projection_dim=64,
+            out_channels=4,
+        )
         vae = AutoencoderKL(
-            sample_size=sizes.vae_sample_size, in_channels=3, out_channels=3,
+            sample_size=sizes.vae_sample_size,
+            in_channels=3,
+            out_channels=3,
             block_out_channels=sizes.vae_block_out_channels,
-            down_block_types=("DownEncoderBlock2D",) * levels, up_block_types=("UpDecoderBlock2D",) * levels,
-            layers_per_block=1, latent_channels=4, norm_num_groups=sizes.vae_norm_groups,
-            use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035,
-        )  # fmt: skip
+            down_block_types=("DownEncoderBlock2D",) * levels,
+            up_block_types=("UpDecoderBlock2D",) * levels,
+            layers_per_block=1,
+            latent_channels=4,
+            norm_num_groups=sizes.vae_norm_groups,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+            shift_factor=0.0609,
+            scaling_factor=1.5035,
+        )
         encoders = {
             "text_encoder": CLIPTextModelWithProjection(clip_config),
             "text_encoder_2": CLIPTextModelWithProjection(clip_config),
             "text_encoder_3": T5EncoderModel(t5_config),
         }
     return StableDiffusion3Pipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), transformer=transformer, vae=vae,
-        tokenizer=clip_tok, tokenizer_2=tiny_clip_tokenizer(77), tokenizer_3=t5_tok, **encoders,
-    )  # fmt: skip
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        transformer=transformer,
+        vae=vae,
+        tokenizer=clip_tok,
+        tokenizer_2=tiny_clip_tokenizer(77),
+        tokenizer_3=t5_tok,
+        **encoders,
+    )
 
 
 # -- FLUX.1 / FLUX.1-Kontext ----------------------------------------------------------------------
@@ -94,34 +128,73 @@ def tiny_flux_components(seed: int = 0) -> dict[str, Any]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         clip_config = CLIPTextConfig(
-            vocab_size=vocab_size(clip_tok), hidden_size=32, intermediate_size=37, num_attention_heads=4,
-            num_hidden_layers=2, projection_dim=32, max_position_embeddings=77,
-            bos_token_id=0, eos_token_id=1, pad_token_id=1, hidden_act="gelu",
-        )  # fmt: skip
+            vocab_size=vocab_size(clip_tok),
+            hidden_size=32,
+            intermediate_size=37,
+            num_attention_heads=4,
+            num_hidden_layers=2,
+            projection_dim=32,
+            max_position_embeddings=77,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=1,
+            hidden_act="gelu",
+        )
         t5_config = T5Config(
-            vocab_size=vocab_size(t5_tok), d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
-            relative_attention_num_buckets=8, decoder_start_token_id=0,
-        )  # fmt: skip
+            vocab_size=vocab_size(t5_tok),
+            d_model=32,
+            d_kv=8,
+            d_ff=37,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            decoder_start_token_id=0,
+        )
         transformer = FluxTransformer2DModel(
-            patch_size=1, in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=16,
-            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8],
+            patch_size=1,
+            in_channels=8,
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            pooled_projection_dim=32,
+            axes_dims_rope=[4, 4, 8],
             guidance_embeds=True,
-        )  # fmt: skip
+        )
         vae = AutoencoderKL(
-            sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4, 4),
-            down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-            layers_per_block=1, latent_channels=2, norm_num_groups=1, use_quant_conv=False,
-            use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035,
-        )  # fmt: skip
+            sample_size=32,
+            in_channels=3,
+            out_channels=3,
+            block_out_channels=(4, 4),
+            down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+            layers_per_block=1,
+            latent_channels=2,
+            norm_num_groups=1,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+            shift_factor=0.0609,
+            scaling_factor=1.5035,
+        )
         text_encoder, text_encoder_2 = CLIPTextModel(clip_config), T5EncoderModel(t5_config)
     scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=3.0, use_dynamic_shifting=True, base_image_seq_len=256, max_image_seq_len=4096,
-        base_shift=0.5, max_shift=1.15,
-    )  # fmt: skip
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+        base_shift=0.5,
+        max_shift=1.15,
+    )
     return {
-        "scheduler": scheduler, "vae": vae, "text_encoder": text_encoder, "tokenizer": clip_tok,
-        "text_encoder_2": text_encoder_2, "tokenizer_2": t5_tok, "transformer": transformer,
-    }  # fmt: skip
+        "scheduler": scheduler,
+        "vae": vae,
+        "text_encoder": text_encoder,
+        "tokenizer": clip_tok,
+        "text_encoder_2": text_encoder_2,
+        "tokenizer_2": t5_tok,
+        "transformer": transformer,
+    }
 
 
 def tiny_flux_pipeline(seed: int = 0) -> Any:
@@ -182,13 +255,24 @@ def tiny_qwen_pipeline(pipeline_cls: type, seed: int = 0) -> Any:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         transformer = QwenImageTransformer2DModel(
-            patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
-            num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
-        )  # fmt: skip
+            patch_size=2,
+            in_channels=16,
+            out_channels=4,
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            axes_dims_rope=(4, 6, 6),
+        )
         vae = AutoencoderKLQwenImage(
-            base_dim=4, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1, temperal_downsample=[False, True],
-            latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.8, 1.2, 1.0],
-        )  # fmt: skip
+            base_dim=4,
+            z_dim=4,
+            dim_mult=[1, 2, 4],
+            num_res_blocks=1,
+            temperal_downsample=[False, True],
+            latents_mean=[0.1, -0.2, 0.3, 0.0],
+            latents_std=[1.5, 0.8, 1.2, 1.0],
+        )
         parts = {"scheduler": FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER), "vae": vae,
                  "transformer": transformer, "text_encoder": None, "tokenizer": None}  # fmt: skip
         if "processor" in inspect.signature(pipeline_cls.__init__).parameters:
@@ -235,23 +319,45 @@ def tiny_wan_pipeline(seed: int = 0, max_sequence_length: int = 32) -> Any:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         text_config = UMT5Config(
-            vocab_size=vocab_size(tokenizer), d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
-            relative_attention_num_buckets=8, decoder_start_token_id=0,
-        )  # fmt: skip
+            vocab_size=vocab_size(tokenizer),
+            d_model=32,
+            d_kv=8,
+            d_ff=37,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            decoder_start_token_id=0,
+        )
         text_encoder = UMT5EncoderModel(text_config)
         transformer = WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
-            text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
-        )  # fmt: skip
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=12,
+            in_channels=16,
+            out_channels=16,
+            text_dim=32,
+            freq_dim=256,
+            ffn_dim=32,
+            num_layers=2,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32,
+        )
         vae = AutoencoderKLWan(
-            base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-            temperal_downsample=[False, True, True], scale_factor_temporal=4, scale_factor_spatial=8,
-        )  # fmt: skip
+            base_dim=3,
+            z_dim=16,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+            scale_factor_temporal=4,
+            scale_factor_spatial=8,
+        )
     scheduler = UniPCMultistepScheduler(
-        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
+        prediction_type="flow_prediction",
+        use_flow_sigmas=True,
+        flow_shift=3.0,
         num_train_timesteps=1000,
-    )  # fmt: skip
+    )
     return WanPipeline(
         tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer, vae=vae, scheduler=scheduler
     )

@@ -70,14 +70,25 @@ def _text_config(tokenizer: Any, hidden_size: int) -> dict:
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in ("<|endoftext|>", "<|im_end|>")}
     head_dim = 16
     return dict(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
-        max_position_embeddings=1024, pad_token_id=ids["<|endoftext|>"],
-        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        max_position_embeddings=1024,
+        pad_token_id=ids["<|endoftext|>"],
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
         # interleaved M-RoPE over head_dim / 2 = 8 frequencies: 4 temporal, 2 height, 2 width
-        rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [4, 2, 2],
-                         "mrope_interleaved": True},
-    )  # fmt: skip
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 5_000_000.0,
+            "mrope_section": [4, 2, 2],
+            "mrope_interleaved": True,
+        },
+    )
 
 
 def tiny_qwen3_vl(processor: Any, hidden_size: int = 32, seed: int = 0) -> Any:

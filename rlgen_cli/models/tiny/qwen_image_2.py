@@ -46,16 +46,29 @@ def tiny_qwen_image_2_pipeline(seed: int = 0, processor: Any = None) -> Any:
         text_encoder = tiny_qwen3_vl(processor, hidden_size=32, seed=seed)
         torch.manual_seed(seed + 1)
         transformer = QwenImage21Transformer2DModel(
-            patch_size=1, in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS, num_layers=2,
-            attention_head_dim=16, num_attention_heads=2, context_in_dim=32, axes_dims_rope=(4, 6, 6),
-        )  # fmt: skip
+            patch_size=1,
+            in_channels=LATENT_CHANNELS,
+            out_channels=LATENT_CHANNELS,
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            context_in_dim=32,
+            axes_dims_rope=(4, 6, 6),
+        )
         vae = AutoencoderKLQwenImage21(
-            base_dim=4, decoder_base_dim=4, z_dim=LATENT_CHANNELS, dim_mult=[1, 1, 1, 1, 1], num_res_blocks=1,
+            base_dim=4,
+            decoder_base_dim=4,
+            z_dim=LATENT_CHANNELS,
+            dim_mult=[1, 1, 1, 1, 1],
+            num_res_blocks=1,
             temperal_downsample=[False, True, True, True],
             latents_mean=[0.1, -0.2, 0.3, 0.0, 0.5, -0.4, 0.2, -0.1],
             latents_std=[1.5, 0.8, 1.2, 1.0, 0.9, 1.1, 1.3, 0.7],
-        )  # fmt: skip
+        )
     return QwenImage21Pipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER), vae=vae, text_encoder=text_encoder,
-        processor=processor, transformer=transformer,
-    )  # fmt: skip
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER),
+        vae=vae,
+        text_encoder=text_encoder,
+        processor=processor,
+        transformer=transformer,
+    )

@@ -21,10 +21,19 @@ def _tiny_expert(in_channels: int) -> Any:
     from diffusers import WanTransformer3DModel
 
     return WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=in_channels,
-        out_channels=LATENT_CHANNELS, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
-    )  # fmt: skip
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=in_channels,
+        out_channels=LATENT_CHANNELS,
+        text_dim=32,
+        freq_dim=256,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
 
 
 def tiny_wan22_pipeline(
@@ -54,15 +63,26 @@ def tiny_wan22_pipeline(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         text_config = UMT5Config(
-            vocab_size=vocab_size(tokenizer), d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
-            relative_attention_num_buckets=8, decoder_start_token_id=0,
-        )  # fmt: skip
+            vocab_size=vocab_size(tokenizer),
+            d_model=32,
+            d_kv=8,
+            d_ff=37,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            decoder_start_token_id=0,
+        )
         text_encoder = UMT5EncoderModel(text_config)
         high_noise, low_noise = _tiny_expert(in_channels), _tiny_expert(in_channels)
         vae = AutoencoderKLWan(
-            base_dim=3, z_dim=LATENT_CHANNELS, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-            temperal_downsample=[False, True, True], scale_factor_temporal=4, scale_factor_spatial=8,
-        )  # fmt: skip
+            base_dim=3,
+            z_dim=LATENT_CHANNELS,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+            scale_factor_temporal=4,
+            scale_factor_spatial=8,
+        )
     scheduler = UniPCMultistepScheduler(
         prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0, num_train_timesteps=1000
     )

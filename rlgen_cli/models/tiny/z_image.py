@@ -26,11 +26,19 @@ def tiny_qwen3_encoder(tokenizer: Any, hidden_size: int = 32, seed: int = 0) -> 
 
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     config = Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4,
-        max_position_embeddings=1024, bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"], tie_word_embeddings=True,
-    )  # fmt: skip
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden_size // 4,
+        max_position_embeddings=1024,
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        tie_word_embeddings=True,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return Qwen3Model(config).eval()
@@ -55,16 +63,37 @@ def tiny_z_image_pipeline(seed: int = 0) -> Any:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + 1)
         transformer = ZImageTransformer2DModel(
-            all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=32, n_layers=2, n_refiner_layers=1,
-            n_heads=2, n_kv_heads=2, cap_feat_dim=32, axes_dims=[8, 4, 4], axes_lens=[1024, 64, 64],
-        )  # fmt: skip
+            all_patch_size=(2,),
+            all_f_patch_size=(1,),
+            in_channels=4,
+            dim=32,
+            n_layers=2,
+            n_refiner_layers=1,
+            n_heads=2,
+            n_kv_heads=2,
+            cap_feat_dim=32,
+            axes_dims=[8, 4, 4],
+            axes_lens=[1024, 64, 64],
+        )
         vae = AutoencoderKL(
-            sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4, 4, 4),
-            down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
-            layers_per_block=1, latent_channels=4, norm_num_groups=1, use_quant_conv=False,
-            use_post_quant_conv=False, shift_factor=0.1159, scaling_factor=0.3611,
-        )  # fmt: skip
+            sample_size=32,
+            in_channels=3,
+            out_channels=3,
+            block_out_channels=(4, 4, 4),
+            down_block_types=("DownEncoderBlock2D",) * 3,
+            up_block_types=("UpDecoderBlock2D",) * 3,
+            layers_per_block=1,
+            latent_channels=4,
+            norm_num_groups=1,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+            shift_factor=0.1159,
+            scaling_factor=0.3611,
+        )
     return ZImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**Z_IMAGE_TURBO_SCHEDULER), vae=vae, text_encoder=text_encoder,
-        tokenizer=tokenizer, transformer=transformer,
-    )  # fmt: skip
+        scheduler=FlowMatchEulerDiscreteScheduler(**Z_IMAGE_TURBO_SCHEDULER),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )

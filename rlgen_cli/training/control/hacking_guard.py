@@ -166,9 +166,11 @@ class WindowChange:
 
     def metrics(self) -> dict[str, float]:
         return {
-            "guard/train_rise": self.train_rise, "guard/train_rise_se": self.train_rise_se,
-            "guard/heldout_drop": self.heldout_drop, "guard/heldout_drop_se": self.heldout_drop_se,
-        }  # fmt: skip
+            "guard/train_rise": self.train_rise,
+            "guard/train_rise_se": self.train_rise_se,
+            "guard/heldout_drop": self.heldout_drop,
+            "guard/heldout_drop_se": self.heldout_drop_se,
+        }
 
 
 @dataclass(frozen=True)
@@ -274,9 +276,11 @@ class HackingGuard:
         if not all(map(math.isfinite, current.trained_scores + current.heldout_scores)):
             log.warning(
                 "guard: the evaluation after epoch %d has non-finite scores (trained %s, held-out %s): "
-                "skipped, the window is the finite evaluations around it", epoch + 1,
-                _count_non_finite(current.trained_scores), _count_non_finite(current.heldout_scores),
-            )  # fmt: skip
+                "skipped, the window is the finite evaluations around it",
+                epoch + 1,
+                _count_non_finite(current.trained_scores),
+                _count_non_finite(current.heldout_scores),
+            )
             return Verdict(False, None, skipped=True)
         new_best = self.best is None or current.heldout > self.best.heldout
         if new_best:
@@ -421,8 +425,13 @@ class RunGuard:
             guard._scale(algo, guard.lr_scale, guard.kl_scale)
         log.info(
             "guard: monitors %s, window W=%d, margin δ=%g, noise_k k=%g, rise_k k_r=%g, action %s",
-            dict(cfg.monitors), cfg.window, cfg.margin, cfg.noise_k, cfg.rise_k, cfg.action,
-        )  # fmt: skip
+            dict(cfg.monitors),
+            cfg.window,
+            cfg.margin,
+            cfg.noise_k,
+            cfg.rise_k,
+            cfg.action,
+        )
         return guard
 
     def score_evaluation(

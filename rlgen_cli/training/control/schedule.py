@@ -102,9 +102,15 @@ def apply_lr_schedule(
     keep it).
     """
     lr = epoch_lr(
-        algo.lr, algo.lr_schedule, epoch, epochs, algo.lr_decay_start, algo.lr_min_ratio, time_progress,
+        algo.lr,
+        algo.lr_schedule,
+        epoch,
+        epochs,
+        algo.lr_decay_start,
+        algo.lr_min_ratio,
+        time_progress,
         algo.lr_warmup_epochs,
-    )  # fmt: skip
+    )
     if algo.lr_schedule != "constant" or algo.lr_warmup_epochs > 0:
         for group in optimizer.param_groups:
             group["lr"] = lr

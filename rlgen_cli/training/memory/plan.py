@@ -281,8 +281,13 @@ def _weight_rows(groups: Iterable[ParamGroup], launch: Launch, training: Trainin
     sharded = launch.kind in SHARDED_KINDS
     for (component, dtype), nbytes in sorted(frozen.items()):
         if sharded and component in training.trained:
-            rows.append(Row(f"{component} weights ({dtype}, frozen)", _share(nbytes, launch.processes),
-                            f"sharded over {launch.processes}"))  # fmt: skip
+            rows.append(
+                Row(
+                    f"{component} weights ({dtype}, frozen)",
+                    _share(nbytes, launch.processes),
+                    f"sharded over {launch.processes}",
+                )
+            )
         else:
             rows.append(Row(f"{component} weights ({dtype}, frozen)", nbytes))
     what = "LoRA weights (float32)" if lora == trainable else "trainable weights (float32)"
@@ -301,8 +306,13 @@ def _state_rows(trainable_numel: int, trained_numel: int, launch: Launch, traini
     if partitioned:
         rows.append(Row("gradients (float32)", _share(grads, n), f"partitioned over {n}"))
     elif training.exact_sum_tensors:
-        rows.append(Row("float64 gradient sums", (trainable_numel + training.exact_sum_tensors) * EXACT_SUM_BYTES,
-                        "launcher.exact_reduction: one float64 per trainable element"))  # fmt: skip
+        rows.append(
+            Row(
+                "float64 gradient sums",
+                (trainable_numel + training.exact_sum_tensors) * EXACT_SUM_BYTES,
+                "launcher.exact_reduction: one float64 per trainable element",
+            )
+        )
     if kind == "ddp" and n > 1:
         rows.append(
             Row("DDP gradient buckets (float32)", grads, "a flat copy of the gradients to all-reduce")
@@ -312,23 +322,41 @@ def _state_rows(trainable_numel: int, trained_numel: int, launch: Launch, traini
         rows.append(Row("DeepSpeed reduce bucket (float32)", bucket, "reduce_bucket_size, at most 5e8"))
     adam = trainable_numel * ADAM_BYTES
     adam_here = 0 if launch.offload_optimizer else (_share(adam, n) if partitioned else adam)
-    adam_note = "offloaded to host memory" if launch.offload_optimizer else (
-        f"partitioned over {n}" if partitioned else "")  # fmt: skip
+    adam_note = (
+        "offloaded to host memory"
+        if launch.offload_optimizer
+        else (f"partitioned over {n}" if partitioned else "")
+    )
     rows.append(Row("optimizer states (AdamW, 2 × float32)", adam_here, adam_note))
     if kind in DEEPSPEED_KINDS:
         master = 0 if launch.offload_optimizer else _share(trainable_numel * MASTER_BYTES, n)
-        rows.append(Row("fp32 master copy (DeepSpeed)", master,
-                        "offloaded to host memory" if launch.offload_optimizer else f"partitioned over {n}"))  # fmt: skip
+        rows.append(
+            Row(
+                "fp32 master copy (DeepSpeed)",
+                master,
+                "offloaded to host memory" if launch.offload_optimizer else f"partitioned over {n}",
+            )
+        )
     if training.ema:
         rows.append(Row("EMA shadows (float32)", trainable_numel * EMA_BYTES, "whole on every process"))
     for copy in training.weight_copies:
         rows.append(Row(f"{copy} (float32)", trainable_numel * EMA_BYTES, "a copy of the trainable weights"))
     if training.full_reference:
-        rows.append(Row("KL reference copy (float32)", trained_numel * 4,
-                        "full fine-tuning: a frozen copy of the trained model"))  # fmt: skip
+        rows.append(
+            Row(
+                "KL reference copy (float32)",
+                trained_numel * 4,
+                "full fine-tuning: a frozen copy of the trained model",
+            )
+        )
     if kind in SHARDED_KINDS:
-        rows.append(Row("gathered blocks", 2 * training.largest_block_bytes,
-                        "the largest block, in use and prefetched"))  # fmt: skip
+        rows.append(
+            Row(
+                "gathered blocks",
+                2 * training.largest_block_bytes,
+                "the largest block, in use and prefetched",
+            )
+        )
     return rows + list(training.held)
 
 
@@ -347,19 +375,38 @@ def _peak_rows(
     other = activations.at(training.micro_batch, not checkpointing)
     held = epoch.update_copies * kept + epoch.update_global_copies * epoch.samples * epoch.kept_per_sample
     sampling = (
-        Row(f"rollout peak (sample batch {batch})", rollout,
-            f"{samples} samples kept ({kept / GIB:.2f} GiB) + one batch sampled and decoded"),
-    ) if epoch.phase == "rollout" else () if training.ema else (
-        Row(f"evaluation peak (sample batch {batch})", epoch.rollout_peak(batch),
-            "one batch sampled and decoded"),
-    )  # fmt: skip
-    return sampling + (
-        Row(f"training step peak (micro-batch {training.micro_batch})", held + step,
-            f"one step {step / GIB:.2f} GiB (activations, gradients, the backward's buffers; saved "
-            f"activations {saved / GIB:.2f} GiB with gradient checkpointing {'on' if checkpointing else 'off'}, "
-            f"{other / GIB:.2f} {'off' if checkpointing else 'on'}) + the samples it trains on "
-            f"{held / GIB:.2f} GiB"),
-    ) + _evaluation_rows(epoch, training, trainable_numel, batch)  # fmt: skip
+        (
+            Row(
+                f"rollout peak (sample batch {batch})",
+                rollout,
+                f"{samples} samples kept ({kept / GIB:.2f} GiB) + one batch sampled and decoded",
+            ),
+        )
+        if epoch.phase == "rollout"
+        else ()
+        if training.ema
+        else (
+            Row(
+                f"evaluation peak (sample batch {batch})",
+                epoch.rollout_peak(batch),
+                "one batch sampled and decoded",
+            ),
+        )
+    )
+    return (
+        sampling
+        + (
+            Row(
+                f"training step peak (micro-batch {training.micro_batch})",
+                held + step,
+                f"one step {step / GIB:.2f} GiB (activations, gradients, the backward's buffers; saved "
+                f"activations {saved / GIB:.2f} GiB with gradient checkpointing {'on' if checkpointing else 'off'}, "
+                f"{other / GIB:.2f} {'off' if checkpointing else 'on'}) + the samples it trains on "
+                f"{held / GIB:.2f} GiB",
+            ),
+        )
+        + _evaluation_rows(epoch, training, trainable_numel, batch)
+    )
 
 
 def _evaluation_rows(epoch: Epoch, training: Training, trainable_numel: int, batch: int) -> tuple[Row, ...]:
@@ -368,9 +415,14 @@ def _evaluation_rows(epoch: Epoch, training: Training, trainable_numel: int, bat
     if not training.ema:
         return ()
     backup = trainable_numel * EMA_BYTES
-    return (Row(f"evaluation peak (sample batch {batch})", backup + epoch.rollout_peak(batch),
-                f"the live weights backed up while the EMA weights sample ({backup / GIB:.2f} GiB) + one "
-                "batch sampled and decoded, its trajectory included (an evaluation keeps none)"),)  # fmt: skip
+    return (
+        Row(
+            f"evaluation peak (sample batch {batch})",
+            backup + epoch.rollout_peak(batch),
+            f"the live weights backed up while the EMA weights sample ({backup / GIB:.2f} GiB) + one "
+            "batch sampled and decoded, its trajectory included (an evaluation keeps none)",
+        ),
+    )
 
 
 def plan_memory(
@@ -424,16 +476,23 @@ LAUNCHER_NAMES = {"zero2": "deepspeed_zero2", "zero3": "deepspeed_zero3", "fsdp"
 def _zero2(launch: Launch, training: Training, judge: Judge) -> Change | None:
     if launch.processes == 1 or launch.kind in PARTITIONED_KINDS:
         return None
-    return Change(dataclasses.replace(launch, kind="zero2"), training,
-                  "DeepSpeed ZeRO-2: gradients and optimizer states partitioned", ("launcher=deepspeed_zero2",))  # fmt: skip
+    return Change(
+        dataclasses.replace(launch, kind="zero2"),
+        training,
+        "DeepSpeed ZeRO-2: gradients and optimizer states partitioned",
+        ("launcher=deepspeed_zero2",),
+    )
 
 
 def _checkpointing(launch: Launch, training: Training, judge: Judge) -> Change | None:
     if training.gradient_checkpointing:
         return None
-    return Change(launch, dataclasses.replace(training, gradient_checkpointing=True),
-                  "gradient checkpointing: only block inputs kept, blocks recomputed in the backward",
-                  ("model.gradient_checkpointing=true",))  # fmt: skip
+    return Change(
+        launch,
+        dataclasses.replace(training, gradient_checkpointing=True),
+        "gradient checkpointing: only block inputs kept, blocks recomputed in the backward",
+        ("model.gradient_checkpointing=true",),
+    )
 
 
 def _micro_batch(launch: Launch, training: Training, judge: Judge) -> Change | None:
@@ -453,8 +512,9 @@ def _micro_batch(launch: Launch, training: Training, judge: Judge) -> Change | N
     how = [f"{training.micro_batch_setting}={smaller}"]
     if training.accumulation_setting is not None:
         how.append(f"{training.accumulation_setting}={candidate.accumulation * launch.processes}")
-    return Change(launch, candidate, f"micro-batch {smaller} with {factor}× the gradient accumulation",
-                  tuple(how))  # fmt: skip
+    return Change(
+        launch, candidate, f"micro-batch {smaller} with {factor}× the gradient accumulation", tuple(how)
+    )
 
 
 def _sample_batch(launch: Launch, training: Training, judge: Judge) -> Change | None:
@@ -468,26 +528,39 @@ def _sample_batch(launch: Launch, training: Training, judge: Judge) -> Change | 
     smaller = next(
         (d for d in divisors if judge.fits(launch, dataclasses.replace(training, sample_batch=d))), 1
     )
-    return Change(launch, dataclasses.replace(training, sample_batch=smaller),
-                  f"sampling batch {smaller}", (f"algo.sample_batch_size={smaller}",))  # fmt: skip
+    return Change(
+        launch,
+        dataclasses.replace(training, sample_batch=smaller),
+        f"sampling batch {smaller}",
+        (f"algo.sample_batch_size={smaller}",),
+    )
 
 
 def _zero3(launch: Launch, training: Training, judge: Judge) -> Change | None:
     if launch.processes == 1 or launch.kind in SHARDED_KINDS:
         return None
-    return Change(dataclasses.replace(launch, kind="zero3", offload_optimizer=False), training,
-                  "DeepSpeed ZeRO-3 (or FSDP): the trained model's weights partitioned too",
-                  ("launcher=deepspeed_zero3",))  # fmt: skip
+    return Change(
+        dataclasses.replace(launch, kind="zero3", offload_optimizer=False),
+        training,
+        "DeepSpeed ZeRO-3 (or FSDP): the trained model's weights partitioned too",
+        ("launcher=deepspeed_zero3",),
+    )
 
 
 def _offload(launch: Launch, training: Training, judge: Judge) -> Change | None:
     if launch.offload_optimizer or launch.kind == "fsdp":
         return None
     kind = launch.kind if launch.kind in DEEPSPEED_KINDS else "zero2"
-    return Change(dataclasses.replace(launch, kind=kind, offload_optimizer=True), training,
-                  f"optimizer offload to host memory (DeepSpeed {LAUNCHER_NAMES[kind]})",
-                  ("launcher=accelerate", "launcher.config_file=DS.json with zero_optimization.stage="
-                   f"{kind[-1]} and offload_optimizer.device=cpu"))  # fmt: skip
+    return Change(
+        dataclasses.replace(launch, kind=kind, offload_optimizer=True),
+        training,
+        f"optimizer offload to host memory (DeepSpeed {LAUNCHER_NAMES[kind]})",
+        (
+            "launcher=accelerate",
+            "launcher.config_file=DS.json with zero_optimization.stage="
+            f"{kind[-1]} and offload_optimizer.device=cpu",
+        ),
+    )
 
 
 def _more_processes(launch: Launch, training: Training, judge: Judge) -> Change | None:
@@ -499,9 +572,12 @@ def _more_processes(launch: Launch, training: Training, judge: Judge) -> Change 
     ):
         processes *= 2
     processes = min(processes, MAX_PROCESSES)
-    return Change(dataclasses.replace(launch, kind=kind, processes=processes), training,
-                  f"{processes} processes with {LAUNCHER_NAMES[kind]}",
-                  (f"launcher={LAUNCHER_NAMES[kind]}", f"launcher.num_processes × launcher.num_machines = {processes}"))  # fmt: skip
+    return Change(
+        dataclasses.replace(launch, kind=kind, processes=processes),
+        training,
+        f"{processes} processes with {LAUNCHER_NAMES[kind]}",
+        (f"launcher={LAUNCHER_NAMES[kind]}", f"launcher.num_processes × launcher.num_machines = {processes}"),
+    )
 
 
 CHANGES_BY_COST = (_zero2, _checkpointing, _micro_batch, _sample_batch, _zero3, _offload, _more_processes)

@@ -116,16 +116,44 @@ class _FusedAttentionSaves(torch.autograd.Function):
         return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), None
 
 
-LOWER_PRECISION_OPS = frozenset({
-    F.linear, F.bilinear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d,
-    F.conv_transpose3d, F.scaled_dot_product_attention, torch.matmul, torch.mm, torch.bmm, torch.baddbmm,
-    torch.addmm, torch.addbmm, torch.einsum, Tensor.matmul, Tensor.__matmul__, Tensor.mm, Tensor.bmm,
-})  # fmt: skip
+LOWER_PRECISION_OPS = frozenset(
+    {
+        F.linear,
+        F.bilinear,
+        F.conv1d,
+        F.conv2d,
+        F.conv3d,
+        F.conv_transpose1d,
+        F.conv_transpose2d,
+        F.conv_transpose3d,
+        F.scaled_dot_product_attention,
+        torch.matmul,
+        torch.mm,
+        torch.bmm,
+        torch.baddbmm,
+        torch.addmm,
+        torch.addbmm,
+        torch.einsum,
+        Tensor.matmul,
+        Tensor.__matmul__,
+        Tensor.mm,
+        Tensor.bmm,
+    }
+)
 """What CUDA autocast runs in the low dtype (the matrix products): their floating inputs are cast."""
-FP32_OPS = frozenset({
-    F.layer_norm, F.group_norm, F.softmax, F.log_softmax, F.mse_loss, torch.softmax, torch.log_softmax,
-    Tensor.softmax, Tensor.log_softmax,
-})  # fmt: skip
+FP32_OPS = frozenset(
+    {
+        F.layer_norm,
+        F.group_norm,
+        F.softmax,
+        F.log_softmax,
+        F.mse_loss,
+        torch.softmax,
+        torch.log_softmax,
+        Tensor.softmax,
+        Tensor.log_softmax,
+    }
+)
 """What CUDA autocast runs in fp32 (normalisations, softmax, losses): their floating inputs are cast up."""
 
 

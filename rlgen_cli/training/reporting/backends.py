@@ -77,9 +77,14 @@ class WandbLogger:
 
         self._wandb = wandb
         self.run = wandb.init(
-            project=project, mode=mode, dir=str(run_dir), config=config, name=name or run_name(run_dir),
-            group=sweep_group(run_dir), reinit="create_new",
-        )  # fmt: skip
+            project=project,
+            mode=mode,
+            dir=str(run_dir),
+            config=config,
+            name=name or run_name(run_dir),
+            group=sweep_group(run_dir),
+            reinit="create_new",
+        )
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         self.run.log({k: v for k, v in metrics.items() if v is not None}, step=step)

@@ -71,9 +71,13 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, keys: Sequence[tuple[str, str
     ]
     present = present or [(keys[0][0], keys[0][1])]
     fig, axes = plt.subplots(
-        1, len(present), figsize=(PANEL_WIDTH * len(present), PANEL_HEIGHT), squeeze=False, sharex=True,
+        1,
+        len(present),
+        figsize=(PANEL_WIDTH * len(present), PANEL_HEIGHT),
+        squeeze=False,
+        sharex=True,
         layout="constrained",
-    )  # fmt: skip
+    )
     for ax, (key, title) in zip(axes[0], present):
         drawn, axis_title = shown[key]
         for color, (run_dir, rows) in enumerate(runs.items()):

@@ -57,7 +57,7 @@ class Progress:
                 MeanPaceRemainingColumn(),
                 console=shared_console(),
                 transient=False,
-            )  # fmt: skip
+            )
             if enabled
             else None
         )

@@ -206,9 +206,12 @@ def save_before_after_grid(
         if key in (labels_after or {})
     }
     path = save_grid(
-        torch.cat([images_before[:n], images_after[:n]]), run_dir / BEFORE_AFTER_GRID, columns=n, upscale=2,
+        torch.cat([images_before[:n], images_after[:n]]),
+        run_dir / BEFORE_AFTER_GRID,
+        columns=n,
+        upscale=2,
         **labels,
-    )  # fmt: skip
+    )
     if path.suffix == ".png":
         name_rows(path, ROW_LABELS)
     return path
@@ -243,10 +246,13 @@ def reward_before_after_table(before: Mapping[str, float], after: Mapping[str, f
     if total not in before or total not in after:
         return None
     parts = sorted(
-        (key for key in after
-         if key.startswith(REWARD_PREFIX) and key.endswith("/mean") and key != total and key in before),
+        (
+            key
+            for key in after
+            if key.startswith(REWARD_PREFIX) and key.endswith("/mean") and key != total and key in before
+        ),
         key=lambda key: key[: -len("/mean")].split("/"),  # a reward, then its details
-    )  # fmt: skip
+    )
     rows = [("reward", total)] + [(key[len(REWARD_PREFIX) : -len("/mean")], key) for key in parts]
     width = max(len(name) for name, _ in rows) + 2
     lines = [f"{'eval (test split)':<{width}}before → after (Δ)"]
@@ -284,9 +290,12 @@ class EvalReport(Protocol):
     ``save_grid``) and writes its files at the end."""
 
     def evaluated(
-        self, epoch: int, images: Tensor, prompts: Sequence[str] | None = None,
+        self,
+        epoch: int,
+        images: Tensor,
+        prompts: Sequence[str] | None = None,
         details: Mapping[str, Any] | None = None,
-    ) -> None: ...  # fmt: skip
+    ) -> None: ...
     def tile_labels(self, prompts: Sequence[str], details: Mapping[str, Any]) -> dict[str, list]: ...
     def write(self, before: Mapping[str, float] | None, after: Mapping[str, float]) -> None: ...
 
@@ -302,9 +311,12 @@ class NoReport:
         self.images_last: Tensor | None = None
 
     def evaluated(
-        self, epoch: int, images: Tensor, prompts: Sequence[str] | None = None,
+        self,
+        epoch: int,
+        images: Tensor,
+        prompts: Sequence[str] | None = None,
         details: Mapping[str, Any] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if epoch < 0:
             self.images_before = images
         self.images_last = images
@@ -335,9 +347,12 @@ class ShapesReport:
         self.labels_last: dict[str, list] = {}
 
     def evaluated(
-        self, epoch: int, images: Tensor, prompts: Sequence[str] | None = None,
+        self,
+        epoch: int,
+        images: Tensor,
+        prompts: Sequence[str] | None = None,
         details: Mapping[str, Any] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         labels = self.tile_labels(prompts, details) if prompts is not None and details is not None else {}
         if epoch < 0:
             self.images_before, self.labels_before = images, labels
@@ -358,9 +373,15 @@ class ShapesReport:
             plot_runs([self.run_dir], self.run_dir / SHAPES_CURVE, keys=SHAPES_CURVES)
         if before and "eval/reward/mean" in after:
             table = write_before_after(
-                self.run_dir, before, after, self.images_before, self.images_last, self.reward,
-                self.labels_before, self.labels_last,
-            )  # fmt: skip
+                self.run_dir,
+                before,
+                after,
+                self.images_before,
+                self.images_last,
+                self.reward,
+                self.labels_before,
+                self.labels_last,
+            )
             if table:
                 log.info("test accuracy before → after training (%s):\n%s", self.run_dir, table)
                 return

@@ -108,9 +108,16 @@ def _write_webp(array: np.ndarray, path: Path, fps: int) -> None:
     """
     images = [Image.fromarray(frame) for frame in array]
     images[0].save(
-        path, format="WEBP", save_all=True, append_images=images[1:], duration=round(1000 / fps), loop=0,
-        lossless=True, minimize_size=False, allow_mixed=False,
-    )  # fmt: skip
+        path,
+        format="WEBP",
+        save_all=True,
+        append_images=images[1:],
+        duration=round(1000 / fps),
+        loop=0,
+        lossless=True,
+        minimize_size=False,
+        allow_mixed=False,
+    )
 
 
 def _write_mp4(array: np.ndarray, path: Path, fps: int) -> None:
@@ -120,9 +127,15 @@ def _write_mp4(array: np.ndarray, path: Path, fps: int) -> None:
     _, height, width, _ = array.shape
     array = np.pad(array, ((0, 0), (0, height % 2), (0, width % 2), (0, 0)), mode="edge")
     writer = imageio_ffmpeg.write_frames(
-        str(path), (array.shape[2], array.shape[1]), fps=fps, codec="libx264", pix_fmt_out="yuv420p",
-        macro_block_size=1, quality=8, ffmpeg_log_level="error",
-    )  # fmt: skip
+        str(path),
+        (array.shape[2], array.shape[1]),
+        fps=fps,
+        codec="libx264",
+        pix_fmt_out="yuv420p",
+        macro_block_size=1,
+        quality=8,
+        ffmpeg_log_level="error",
+    )
     writer.send(None)  # start the ffmpeg process
     try:
         for frame in array:
