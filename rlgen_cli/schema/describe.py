@@ -22,12 +22,12 @@ from typing import Annotated, Any
 
 from rlgen_cli.schema.check import CheckSection
 from rlgen_cli.schema.choices import choices_of
-from rlgen_cli.schema.model import section_variants, variant_name
 from rlgen_cli.schema.plan import PlanSection
 from rlgen_cli.schema.r3 import R3PolicySection
 from rlgen_cli.schema.ranges import range_of
 from rlgen_cli.schema.recipes import FREE_FORM, TRAIN_SCHEMAS
 from rlgen_cli.schema.serve import ServeRewardConfig
+from rlgen_cli.schema.variants import section_variants, variant_name
 
 __all__ = [
     "DEFAULT_RECIPE",

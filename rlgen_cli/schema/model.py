@@ -371,27 +371,6 @@ FAMILY_SCHEMAS: dict[str, type] = {name: _family_schema(row) for name, row in FA
 globals().update({cls.__name__: cls for cls in FAMILY_SCHEMAS.values()})  # importable by name (pickling)
 
 
-def section_variants(section: type) -> list[type]:
-    """The schemas a section declared as ``section`` can be composed as: the family schemas (and R3's
-    policies) that extend it when an option picks them, else ``section`` itself."""
-    from rlgen_cli.schema.r3 import R3_POLICY_SCHEMAS
-
-    picked = [*FAMILY_SCHEMAS.values(), *R3_POLICY_SCHEMAS.values()]
-    variants = [schema for schema in picked if issubclass(schema, section)]
-    return variants or [section]
-
-
-def variant_name(schema: type) -> str:
-    """The ``model.family`` whose schema (or R3 policy schema) ``schema`` is."""
-    from rlgen_cli.schema.r3 import R3_POLICY_SCHEMAS
-
-    named = {
-        **{cls: name for name, cls in FAMILY_SCHEMAS.items()},
-        **{cls: n for n, cls in R3_POLICY_SCHEMAS.items()},
-    }
-    return named.get(schema, schema.__name__)
-
-
 def model_schema(family: str) -> type:
     """The schema of ``family``'s model section."""
     return FAMILY_SCHEMAS[family]

@@ -28,7 +28,7 @@ from rlgen_cli.schema.algo import (
 from rlgen_cli.schema.check import CheckSection
 from rlgen_cli.schema.choices import EvalReportKind, LrScheduleClock, TimeLimitCounts
 from rlgen_cli.schema.hacking_guard import GuardConfig, check_guard
-from rlgen_cli.schema.model import FlowModelConfig, VlmModelConfig, model_schema, section_variants
+from rlgen_cli.schema.model import FlowModelConfig, VlmModelConfig, model_schema
 from rlgen_cli.schema.r3 import R3Config, R3TrainConfig, typed_policy
 from rlgen_cli.schema.ranges import NON_NEGATIVE
 from rlgen_cli.schema.run import (
@@ -40,6 +40,7 @@ from rlgen_cli.schema.run import (
     require_whole_batches,
     tiny_flow_model,
 )
+from rlgen_cli.schema.variants import section_variants
 
 __all__ = [
     "CHECK_SCHEMAS",
