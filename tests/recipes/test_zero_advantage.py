@@ -96,7 +96,7 @@ def _logp_gradient(monkeypatch, drop: bool) -> tuple[torch.Tensor, int]:
         lambda _run, _traj, cond, _j, _spec: (SimpleNamespace(logprob=logp[cond.tensors["ids"]]), None),
     )
     steps = []
-    monkeypatch.setattr(flow_grpo.loop, "optimizer_step", lambda _run: steps.append(1) or 0.0)
+    monkeypatch.setattr(flow_grpo.flow_run, "optimizer_step", lambda _run: steps.append(1) or 0.0)
     keep, num_batches = torch.arange(len(ADV)), None
     if drop:
         num_batches = len(ADV) // algo.train_batch_size
@@ -121,7 +121,7 @@ def test_a_run_with_equal_rewards_trains_one_sample_per_micro_batch(cli, tmp_pat
     def equal_rewards(run, images, prompts, metadata, sources=None, by_tag=False):
         return {name: torch.full((len(prompts),), 0.5) for name in run.reward.rewards}, {}
 
-    monkeypatch.setattr(flow_grpo.loop, "score", equal_rewards)
+    monkeypatch.setattr(flow_grpo.flow_run, "score", equal_rewards)
     code, out = cli(
         "train",
         *TINY_RUN,

@@ -26,6 +26,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+import rlgen_cli
+
 RESOLVED_FILE = "resolved.yaml"
 PROVENANCE_FILE = "provenance.json"
 # distribution → the module it imports as
@@ -33,7 +35,9 @@ _PACKAGES = {
     "rlgen": "rlgen_cli", "torch": "torch", "diffusers": "diffusers", "transformers": "transformers",
     "accelerate": "accelerate", "peft": "peft", "hydra-core": "hydra",
 }  # fmt: skip
-_PACKAGE_DIR = Path(__file__).resolve().parent.parent  # rlgen_cli/
+_PACKAGE_DIR = (
+    Path(rlgen_cli.__file__).resolve().parent
+)  # the imported package, wherever this module sits in it
 
 
 def _git(*args: str) -> str | None:
