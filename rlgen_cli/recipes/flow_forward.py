@@ -32,7 +32,9 @@ with the configured sampler step, ``dpm2`` deterministic ones.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import types
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -41,7 +43,7 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig
-from torch import Tensor
+from torch import Tensor, nn
 
 from rlgen_cli.algos import combine_rewards
 from rlgen_cli.algos.awm import (
@@ -65,6 +67,7 @@ from rlgen_cli.recipes.flow_run import splits_read as splits_read
 from rlgen_cli.recipes.forward_draws import frozen_velocity, record_loss, trained_indices
 from rlgen_cli.recipes.gardo import GardoHooks
 from rlgen_cli.recipes.plan_shape import PlanShape
+from rlgen_cli.recipes.plan_trace import META, Encode, EpochTracer, replaced, rows_of
 from rlgen_cli.recipes.session import session
 from rlgen_cli.schema.forward import check_forward_steps
 from rlgen_cli.schema.recipes import FlowForwardTrainConfig
@@ -432,8 +435,71 @@ def console_line(m: dict[str, float]) -> str:
     )
 
 
+class ForwardTracer(EpochTracer):
+    """DiffusionNFT and AWM (``recipe=flow_forward``): ``solve`` and the decode for one
+    rollout batch (under the old policy's weights when it samples), its x₀ and conditioning kept;
+    ``update`` for one optimizer step — per trained σ the old policy's and the reference's
+    velocities without gradients (the old policy swapped in: a backup of the trained weights), the
+    trained forward, the loss and its backward, then the clip, the AdamW step and the EMA. The update
+    trains on slices of the rollout's samples (no copy). It traces two trained σ of a micro-batch, or two
+    micro-batches when a sample trains one σ and gradients accumulate over micro-batches."""
+
+    update_copies = 1
+
+    def __init__(self, cfg: Any, policy: Any, trained: list[nn.Module], encode: Encode) -> None:
+        super().__init__(cfg, policy, trained, encode)
+        self.old = OldPolicy.build(self.run)
+        self._sigmas: Tensor | None = None
+
+    def _rollout(self, batch: int) -> None:
+        cfg, run, forward = self.cfg, self.run, self.cfg.algo.forward
+        weights = self.old.swap() if forward.sample_with_old else contextlib.nullcontext()
+        with weights:
+            cond = self.encode(batch)
+            x = run.policy.noise(batch)
+            steps = sample_generators(cfg.seed, 0, range(batch), META, salt=Stream.STEP_NOISE)
+            x0 = solve(
+                run.policy, cond, x, cfg.model.num_steps, forward.solver, flow_run.step_spec(cfg), steps
+            )
+            run.policy.decode(x0)  # the images go to host memory
+        self._sigmas = run.policy.schedule(cfg.model.num_steps, x0[:1])
+        self._keep(batch, (x0, *cond.tensors.values()), cond)
+
+    def _update_of(self, micro_batch: int) -> Callable[[], Any]:
+        algo, num_steps = self.cfg.algo, self.cfg.model.num_steps
+        per_sample = len(trained_indices(algo.forward, num_steps, torch.Generator().manual_seed(0)))
+        sigmas = min(per_sample, 2)
+        micro_batches = 2 if sigmas < 2 and self._accumulates() else 1
+        rows = micro_batch * micro_batches
+        x0 = self._kept[0]
+        rollouts = types.SimpleNamespace(
+            indices=torch.arange(rows),
+            positions=torch.arange(rows),
+            x0=rows_of(x0, rows),
+            cond=self.encode(rows),
+            sigmas=self._sigmas,
+        )
+        # ``sigmas`` σ a sample: drawn from the rollout's schedule as the run draws them (which ones does
+        # not change the memory)
+        forward = replaced(
+            algo.forward, timestep_sampling="subset", timestep_fraction=(sigmas + 0.5) / num_steps
+        )
+        algo = replaced(
+            algo,
+            train_batch_size=micro_batch,
+            gradient_accumulation_steps=micro_batches,
+            num_inner_epochs=1,
+            forward=forward,
+        )
+        run = replaced(self.run, cfg=replaced(self.cfg, algo=algo))
+        weights = torch.zeros(rows, device=META)
+        return lambda: update(run, self.old, rollouts, weights, 0, Progress(False))
+
+
 class ForwardShape(PlanShape):
     """Per-sample training beside an old copy of the policy (the sampling policy of DiffusionNFT / AWM)."""
+
+    tracer = ForwardTracer
 
     def weight_copies(self, cfg: Any) -> tuple[str, ...]:
         return ("old policy",)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import types
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -64,6 +65,7 @@ from rlgen_cli.recipes.flow_run import FlowRun
 from rlgen_cli.recipes.flow_run import splits_read as splits_read
 from rlgen_cli.recipes.gardo import GardoHooks
 from rlgen_cli.recipes.plan_shape import PlanShape
+from rlgen_cli.recipes.plan_trace import META, EpochTracer, distinct_bytes, replaced, resized
 from rlgen_cli.recipes.registry import Perturb
 from rlgen_cli.recipes.session import session
 from rlgen_cli.schema.algo import FlowGrpoAlgoConfig
@@ -542,11 +544,65 @@ def console_line(m: dict[str, float]) -> str:
     )
 
 
+def planned_window(cfg: Any, batch: int) -> WindowPlan:
+    """The first epoch's window (which steps are stochastic and trained) of ``batch`` samples, as the run
+    plans it."""
+    return plan_for(types.SimpleNamespace(cfg=cfg), 0, batch)  # plan_for reads run.cfg only
+
+
+class GrpoTracer(EpochTracer):
+    """Flow-GRPO (``recipe=flow_grpo``): ``rollout_batch`` and ``policy.decode`` for one rollout
+    batch, its trajectory and conditioning kept; ``update`` for one optimizer step — its folds of
+    ``algo.timesteps_per_pass`` steps, the KL reference forward, the CFG branches as ``algo.cfg_grad``
+    takes them, the backward, the clip, the AdamW step and the EMA. The step scores two folds of trained
+    steps, or two micro-batches when one fold holds every trained step and gradients accumulate over
+    micro-batches."""
+
+    def kept_per_sample(self) -> int:
+        batch = self.cfg.algo.sample_batch_size
+        self.rollout_peak(batch)
+        traj, cond = self._kept
+        tensors = [getattr(traj, k) for k in traj._PER_SAMPLE] + list(cond.tensors.values())
+        return math.ceil(distinct_bytes([t for t in tensors if isinstance(t, Tensor)]) / batch)
+
+    def _rollout(self, batch: int) -> None:
+        run, algo = self.run, self.cfg.algo
+        cond = self.encode(batch)
+        with cfg_gradient(rollout_cfg_mode(algo)):
+            x = run.policy.noise(batch)
+            traj = rollout_batch(
+                run, cond, x, planned_window(self.cfg, batch), flow_run.step_spec(self.cfg), None
+            )
+        run.policy.decode(traj.final)  # the images go to host memory
+        self._keep(batch, (traj, cond), cond)
+
+    def _update_of(self, micro_batch: int) -> Callable[[], Any]:
+        """The recipe's update of one optimizer step, ready to run (its inputs made outside the trace:
+        they are the rollout's samples, counted as kept)."""
+        traj, _ = self._kept
+        per_pass = self.cfg.algo.timesteps_per_pass
+        steps = min(traj.num_steps, 2 * per_pass)
+        micro_batches = 2 if steps <= per_pass and self._accumulates() else 1
+        rows = micro_batch * micro_batches
+        samples = types.SimpleNamespace(
+            indices=torch.arange(rows), traj=resized(traj, rows, steps), cond=self.encode(rows)
+        )
+        algo = replaced(
+            self.cfg.algo, train_batch_size=micro_batch, gradient_accumulation_steps=micro_batches
+        )
+        run = replaced(self.run, cfg=replaced(self.cfg, algo=algo))
+        advantages = torch.zeros(rows, device=META)
+        return lambda: update(run, samples, advantages, Progress(False))
+
+
 class GrpoShape(PlanShape):
     """Per-sample training whose forward scores ``algo.timesteps_per_pass`` trained steps of a sample."""
 
-    def folded_steps(self, cfg: Any, window_steps: Callable[[], int]) -> int:
-        return min(cfg.algo.timesteps_per_pass, window_steps())
+    tracer = GrpoTracer
+
+    def folded_steps(self, cfg: Any) -> int:
+        """``algo.timesteps_per_pass``, at most the steps the first epoch's window trains."""
+        return min(cfg.algo.timesteps_per_pass, len(planned_window(cfg, 1).train_steps))
 
 
 PLAN = GrpoShape()

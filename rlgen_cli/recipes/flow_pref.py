@@ -19,9 +19,11 @@ wraps the epochs in the shared loop (``recipes/flow_run.py``): evaluation, logs,
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
+import types
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -30,7 +32,7 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig
-from torch import Tensor
+from torch import Tensor, nn
 
 from rlgen_cli.algos import (
     dpo_loss,
@@ -46,6 +48,7 @@ from rlgen_cli.recipes.common import reduce_over_ranks, timed
 from rlgen_cli.recipes.flow_run import FlowRun
 from rlgen_cli.recipes.flow_run import splits_read as splits_read
 from rlgen_cli.recipes.plan_shape import PlanShape
+from rlgen_cli.recipes.plan_trace import Encode, EpochTracer, replaced, rows_of, rows_per_unit
 from rlgen_cli.recipes.session import session
 from rlgen_cli.schema.recipes import FlowPrefTrainConfig
 from rlgen_cli.sde.noise import Stream, randn_per_sample, sample_generators
@@ -350,10 +353,73 @@ def console_line(m: dict[str, float]) -> str:
     return f"reward {m['reward/mean']:+.4g}±{m['reward/std']:.3g}{flow_run.eval_suffix(m)}  loss {loss:.4g}  {seconds:.1f}s"
 
 
+class PrefTracer(EpochTracer):
+    """Flow-DPO and reward-filtered SFT (``recipe=flow_pref``): ``sample_latents`` (DPO: under the
+    reference's weights) and the decode for one batch, its x₀ kept; ``train_units`` for one
+    optimizer step over its micro-batches of ``algo.train_batch_size`` units — DPO: a pair's reference
+    velocities without gradients, then the policy's on the winner and on the loser, both graphs alive until
+    the backward; SFT: the kept samples (and the base model's velocity for the anchor) — the backward, the
+    clip, the AdamW step, the EMA, the online reference's refresh. The update holds this process's x₀ and
+    the epoch's, gathered from every process. Two micro-batches are traced when gradients accumulate over
+    them."""
+
+    update_copies = 1
+    update_global_copies = 1
+
+    def __init__(self, cfg: Any, policy: Any, trained: list[nn.Module], encode: Encode) -> None:
+        super().__init__(cfg, policy, trained, encode)
+        with self._modes():
+            self.pref = Preference.build(self.run)
+
+    def _rollout(self, batch: int) -> None:
+        cfg, run = self.cfg, self.run
+        weights = self.pref.reference(run) if cfg.algo.pref.loss == "dpo" else contextlib.nullcontext()
+        with weights:
+            x0 = sample_latents(
+                run.policy,
+                [""] * batch,
+                cfg.model.num_steps,
+                batch,
+                cfg.seed,
+                spec=flow_run.step_spec(cfg),
+                keys=range(batch),
+            )
+        run.policy.decode(x0)  # the images go to host memory
+        self._keep(batch, (x0,), run.policy.last_cond)
+
+    def _update_of(self, micro_batch: int) -> Callable[[], Any]:
+        dpo = self.cfg.algo.pref.loss == "dpo"
+        units = micro_batch * (2 if self._accumulates() else 1)
+        rows = units * rows_per_unit(self.cfg)
+        chosen = torch.arange(0, rows, rows_per_unit(self.cfg))
+        training = TrainingUnits(
+            chosen, rejected=chosen + 1 if dpo else None, weights=None if dpo else torch.ones(units)
+        )
+        samples = EpochSamples(
+            x0=rows_of(self._kept[0], rows),
+            prompts=[""] * rows,
+            rewards=torch.zeros(rows),
+            groups=torch.arange(rows),
+        )
+        algo = replaced(
+            self.cfg.algo,
+            train_batch_size=micro_batch,
+            pref=replaced(self.cfg.algo.pref, timesteps_per_sample=1),
+        )
+        run = replaced(
+            self.run, cfg=replaced(self.cfg, algo=algo), sampler=types.SimpleNamespace(global_batch_size=rows)
+        )
+        loss = _dpo_loss if dpo else _sft_loss
+        after = functools.partial(_refresh_reference, run, self.pref)
+        return lambda: train_units(run, 0, training, functools.partial(loss, run, self.pref, samples), after)
+
+
 class PrefShape(PlanShape):
     """DPO trains pairs (a winner and a loser, two forwards kept for one backward), SFT its kept samples;
     one optimizer step per training σ over every unit of the epoch, so the micro-batches per step follow
     from the epoch (no setting chooses them). Online DPO keeps a reference copy."""
+
+    tracer = PrefTracer
 
     accumulation_setting = None
 

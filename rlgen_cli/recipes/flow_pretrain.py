@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ from rlgen_cli.recipes import common, flow_run
 from rlgen_cli.recipes.flow_run import FlowRun
 from rlgen_cli.recipes.flow_run import splits_read as splits_read
 from rlgen_cli.recipes.plan_shape import PlanShape
+from rlgen_cli.recipes.plan_trace import EpochTracer, replaced
 from rlgen_cli.recipes.session import session
 from rlgen_cli.schema.recipes import FlowPretrainTrainConfig
 from rlgen_cli.sde.noise import Stream, stream_seed
@@ -140,9 +141,47 @@ def require_pretrainable(run: FlowRun) -> None:
         )
 
 
+class PretrainTracer(EpochTracer):
+    """Flow-matching pretraining (``recipe=flow_pretrain``): no rollout — its sampling phase is the
+    evaluation, one batch of ``algo.sample_batch_size`` sampled (ODE) and decoded; and
+    ``pretrain_step`` for one optimizer step on this process's share of
+    ``algo.pretrain.batch_size``: the batch's ground-truth images rendered and encoded, the unguided
+    forward, the loss, the backward, the clip, the AdamW step and the EMA. Nothing is kept from one phase
+    to the other."""
+
+    phase = "evaluation"
+    update_copies = 0
+
+    def kept_per_sample(self) -> int:
+        return 0
+
+    def _rollout(self, batch: int) -> None:
+        from rlgen_cli.sde.sampling import sample_latents
+
+        cfg, run = self.cfg, self.run
+        x0 = sample_latents(run.policy, [""] * batch, cfg.model.eval_num_steps, batch, cfg.seed)
+        run.policy.decode(x0)  # the images go to host memory
+        self._keep(batch, (), run.policy.last_cond)
+
+    def _update_of(self, micro_batch: int) -> Callable[[], Any]:
+        algo = replaced(self.cfg.algo, pretrain=replaced(self.cfg.algo.pretrain, batch_size=micro_batch))
+        run = replaced(self.run, cfg=replaced(self.cfg, algo=algo), train_set=self._train_set())
+        return lambda: pretrain_step(run, 0, 0)
+
+    def _train_set(self) -> Any:
+        from pathlib import Path
+
+        from rlgen_cli.data.paths import load_prompts
+
+        workdir = Path(self.cfg.run_dir) if self.cfg.run_dir else None
+        return load_prompts(self.cfg.data.train, workdir, "data.train")
+
+
 class PretrainShape(PlanShape):
     """Pretraining rolls nothing out; each process trains its share of ``algo.pretrain.batch_size`` in one
     micro-batch per step."""
+
+    tracer = PretrainTracer
 
     def require_plannable(self, cfg: Any, policy: Any) -> None:
         dist = types.SimpleNamespace(world_size=cfg.launcher.world_size)

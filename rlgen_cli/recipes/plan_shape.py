@@ -5,7 +5,6 @@ recipe module offers one as ``PLAN``; the defaults are those of the recipes that
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 
@@ -13,6 +12,9 @@ class PlanShape:
     """A per-sample recipe: ``algo.train_batch_size`` samples per micro-batch, ``algo.gradient_accumulation_steps``
     micro-batches per step over the processes, one trained step per forward, no extra weight copy."""
 
+    tracer: Any = None
+    """The recipe's :class:`~rlgen_cli.recipes.plan_trace.EpochTracer` subclass: its sampling and optimizer
+    step run on the meta device."""
     accumulation_setting: str | None = "algo.gradient_accumulation_steps"
     """The setting that chooses the micro-batches per step (None when the recipe derives them)."""
 
@@ -44,7 +46,6 @@ class PlanShape:
         world = cfg.launcher.world_size
         return cfg.algo.micro_batches_per_step(world) // world
 
-    def folded_steps(self, cfg: Any, window_steps: Callable[[], int]) -> int:
-        """Trained steps one training forward scores per sample (``window_steps()``: how many the first
-        epoch's window trains)."""
+    def folded_steps(self, cfg: Any) -> int:
+        """Trained steps one training forward scores per sample."""
         return 1

@@ -32,17 +32,14 @@ device, where integer tensors stay on the CPU (``training/memory/trace.py``).
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import dataclasses
 import functools
 import json
 import logging
-import math
 import os
 import sys
-import types
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -50,7 +47,18 @@ from omegaconf import DictConfig
 from torch import Tensor, nn
 
 from rlgen_cli.errors import UserError
-from rlgen_cli.recipes.plan_shape import PlanShape
+from rlgen_cli.recipes.plan_trace import (
+    LAUNCH_KINDS,
+    META,
+    Encode,
+    EpochTracer,
+    folded_steps,
+    gradient_checkpointing,
+    micro_batch_of,
+    repeated_blocks,
+    rows_per_unit,
+    shape_of,
+)
 from rlgen_cli.recipes.registry import PLANNED_RECIPES, plan_of
 from rlgen_cli.tasks.common import run_dir_of, user_errors, validated
 
@@ -58,11 +66,6 @@ log = logging.getLogger(__name__)
 
 EXIT_DOES_NOT_FIT = 1
 MODELLED_RECIPES = PLANNED_RECIPES  # every flow recipe runs its own epoch on the meta device
-LAUNCH_KINDS = {
-    "local": "local", "accelerate": "ddp", "multinode": "ddp", "deepspeed_zero2": "zero2",
-    "deepspeed_zero3": "zero3", "fsdp": "fsdp",
-}  # fmt: skip
-META = torch.device("meta")
 TRACE_SIGMA = 0.5
 
 
@@ -211,13 +214,6 @@ def _setting_or_note(override: str) -> str:
     return override
 
 
-def shape_of(cfg: Any) -> PlanShape:
-    """What the run's recipe tells the planner about its training (``recipes/plan_shape.py``)."""
-    shape = plan_of(cfg)
-    assert shape is not None, cfg.recipe  # plan_task refused the recipes without one
-    return shape
-
-
 # -- the model on the meta device ----------------------------------------------------------------------
 def planned_model(model_cfg: Any) -> tuple[Any, str | None]:
     """The model config to build: a pretrained family with a real-size variant is planned on that
@@ -307,29 +303,6 @@ def param_groups(components: dict[str, nn.Module]) -> list[Any]:
     ]
 
 
-def repeated_blocks(module: nn.Module) -> list[nn.Module]:
-    """The transformer blocks: every element of the module lists directly under ``module`` (diffusers'
-    ``transformer_blocks``, ``single_transformer_blocks``, ``blocks``, ``layers``, …) — what gradient
-    checkpointing wraps and FSDP / ZeRO-3 gather one at a time. A network that keeps them deeper (BAGEL's
-    ``language_model.model.layers``) names them by its checkpointing switch: the module lists of the
-    submodules that carry a ``gradient_checkpointing`` attribute."""
-    blocks = _blocks_in(module)
-    if blocks:
-        return blocks
-    for sub in module.modules():
-        if sub is not module and hasattr(sub, "gradient_checkpointing"):
-            blocks += _blocks_in(sub)
-    return blocks
-
-
-def _blocks_in(module: nn.Module) -> list[nn.Module]:
-    blocks: list[nn.Module] = []
-    for child in module.children():
-        if isinstance(child, nn.ModuleList):
-            blocks += [block for block in child if any(True for _ in block.parameters())]
-    return blocks
-
-
 def _module_bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
@@ -364,17 +337,6 @@ def training_of(
     )
 
 
-def micro_batch_of(cfg: Any) -> tuple[int, str | None]:
-    """Units in one gradient-carrying training call on one process, and the setting that chooses it (None
-    when the recipe derives it): the recipe's :meth:`PlanShape.micro_batch`."""
-    return shape_of(cfg).micro_batch(cfg)
-
-
-def rows_per_unit(cfg: Any) -> int:
-    """Rows of a micro-batch unit in the training forwards whose graphs live together (a DPO pair: 2)."""
-    return shape_of(cfg).rows_per_unit(cfg)
-
-
 def launch_of(launcher: Any) -> Any:
     from rlgen_cli.training.memory.plan import Launch
 
@@ -382,8 +344,6 @@ def launch_of(launcher: Any) -> Any:
 
 
 # -- activations ---------------------------------------------------------------------------------------
-Encode = Callable[[int], Any]
-"""Batch size → the conditioning of that many prompts (and source images) on the meta device."""
 
 
 def trace_activations(policy: Any, cfg: Any, trained: list[nn.Module], encode: Encode) -> Any:
@@ -394,24 +354,11 @@ def trace_activations(policy: Any, cfg: Any, trained: list[nn.Module], encode: E
     from rlgen_cli.training.memory.plan import Activations
 
     batch, _ = micro_batch_of(cfg)
-    with _checkpointing(trained, False):
+    with gradient_checkpointing(trained, False):
         saved = _trace(policy, cfg, batch * rows_per_unit(cfg) * folded_steps(cfg), trained, encode)
     return Activations.from_two(
         batch, (saved.total, saved.checkpointed), batch, (saved.total, saved.checkpointed)
     )
-
-
-def folded_steps(cfg: Any) -> int:
-    """Trained steps one training forward scores per sample (Flow-GRPO: ``algo.timesteps_per_pass``, at
-    most the steps the first epoch's window trains; one in the other recipes)."""
-    return shape_of(cfg).folded_steps(cfg, lambda: len(window_of(cfg, 1).train_steps))
-
-
-def window_of(cfg: Any, batch: int) -> Any:
-    """The first epoch's window (which steps are stochastic and trained), as the recipe plans it."""
-    from rlgen_cli.recipes import flow_grpo
-
-    return flow_grpo.plan_for(types.SimpleNamespace(cfg=cfg), 0, batch)
 
 
 def _trace(policy: Any, cfg: Any, rows: int, trained: list[nn.Module], encode: Encode) -> Any:
@@ -481,469 +428,16 @@ def _takes_images(policy: Any) -> bool:
     return policy.capabilities.takes_source_images
 
 
-@contextlib.contextmanager
-def _checkpointing(modules: list[nn.Module], on: bool) -> Iterator[None]:
-    """Gradient checkpointing of the trained modules switched ``on`` or off inside (a module without it
-    stays as it is), as configured after."""
-    switched = [
-        m
-        for m in modules
-        if getattr(m, "gradient_checkpointing", False) != on
-        and getattr(m, "_supports_gradient_checkpointing", False)
-    ]
-    for module in switched:
-        module.enable_gradient_checkpointing() if on else module.disable_gradient_checkpointing()
-    try:
-        yield
-    finally:
-        for module in switched:
-            module.disable_gradient_checkpointing() if on else module.enable_gradient_checkpointing()
-
-
 def _size(model_cfg: Any) -> tuple[int, int]:
     return model_cfg.height or model_cfg.resolution, model_cfg.width or model_cfg.resolution
 
 
 # -- the epoch, run on the meta device -------------------------------------------------------------------
-class EpochTracer(abc.ABC):
-    """Runs the recipe's own sampling and training step on the meta device and traces their peaks
-    (``memory_trace.trace_peak``), each setting once. One subclass per recipe (:func:`tracer_for`); this
-    base holds what they share: the meta run, the trace's modes, the caches of each traced setting.
-
-    The run it drives is the recipe's, as a :class:`FlowRun` on the meta device (:func:`_meta_run`): the
-    policy (its ``encode`` the plan's, :class:`_PlannedPolicy`), a local ``Dist`` prepared as the run
-    prepares it (float64 gradient sums under ``launcher.exact_reduction``), AdamW as a GPU runs it
-    (``foreach``) with its moments already there, the EMA. A step's peak is traced over two backwards
-    where gradients stay alive from one to the next (the second runs with the first one's gradients, as
-    every later one does), so later backwards peak as high as the traced ones.
-    """
-
-    phase = "rollout"
-    """What the sampling phase of an epoch is (pretraining samples only to evaluate)."""
-    update_copies = 2
-    """Copies of this process's samples the update holds (Flow-GRPO: the epoch's and the one trained on)."""
-    update_global_copies = 0
-    """Copies of the whole epoch's samples, over every process, the update holds (DPO / SFT gather them)."""
-
-    def __init__(self, cfg: Any, policy: Any, trained: list[nn.Module], encode: Encode) -> None:
-        self.cfg = cfg
-        self.policy = policy
-        self.trained = trained
-        self.encode = encode
-        self.run = _meta_run(cfg, _PlannedPolicy(policy, encode))
-        self._rollouts: dict[int, int] = {}
-        self._steps: dict[tuple[int, bool], int] = {}
-        self._kept: tuple[Tensor, ...] | None = None  # one sampling batch's tensors kept for the update
-        self._cond: Any = None  # one sampling batch's conditioning
-
-    def rollout_peak(self, batch: int) -> int:
-        """The peak of sampling and decoding one batch of ``batch`` samples (encode included)."""
-        if batch not in self._rollouts:
-            self._rollouts[batch] = self._trace(lambda: self._rollout(batch))
-        return self._rollouts[batch]
-
-    def kept_per_sample(self) -> int:
-        """Bytes of one sample's tensors kept from its rollout to the update (trajectory, conditioning)."""
-        batch = self.cfg.algo.sample_batch_size
-        self.rollout_peak(batch)
-        return math.ceil(_distinct_bytes(list(self._kept)) / batch)
-
-    def negative_per_sample(self) -> int:
-        """Bytes of one sample's negative-prompt conditioning (none without CFG)."""
-        self.rollout_peak(self.cfg.algo.sample_batch_size)
-        negatives = [t for k, t in self._cond.tensors.items() if k.startswith("neg_")]
-        return math.ceil(_distinct_bytes(negatives) / len(self._cond))
-
-    def largest_encode(self) -> int:
-        """The most prompts the run encodes at once: a sampling batch, or a training call's rows."""
-        batch, _ = micro_batch_of(self.cfg)
-        return max(self.cfg.algo.sample_batch_size, batch * rows_per_unit(self.cfg) * folded_steps(self.cfg))
-
-    def step_peak(self, micro_batch: int, checkpointing: bool) -> int:
-        """The peak of one training step on ``micro_batch`` samples, checkpointing on or off."""
-        key = (micro_batch, checkpointing)
-        if key not in self._steps:
-            self.kept_per_sample()  # the samples' shapes come from a rollout
-            update = self._update_of(micro_batch)
-            with _checkpointing(self.trained, checkpointing):
-                self._steps[key] = self._trace(update)
-        return self._steps[key]
-
-    def _trace(self, work: Callable[[], Any]) -> int:
-        from rlgen_cli.training.memory.trace import trace_peak
-
-        with self._modes():
-            return trace_peak(work)
-
-    @contextlib.contextmanager
-    def _modes(self) -> Iterator[None]:
-        from rlgen_cli.training.memory.trace import (
-            autocast_on_meta,
-            fused_attention_on_meta,
-            generators_on_meta,
-            meta_scalars,
-            meta_values,
-            recomputed_in_modes,
-        )
-
-        blocks = [block for module in self.trained for block in repeated_blocks(module)]
-        with (
-            autocast_on_meta(),
-            meta_values(),
-            fused_attention_on_meta(),
-            meta_scalars(),
-            generators_on_meta(),
-            recomputed_in_modes(blocks),
-        ):
-            yield
-
-    def _keep(self, batch: int, kept: tuple[Tensor, ...], cond: Any) -> None:
-        if batch == self.cfg.algo.sample_batch_size:
-            self._kept, self._cond = kept, cond
-
-    def _accumulates(self) -> bool:
-        """Whether gradients stay alive from one micro-batch to the next (no float64 sums clearing them)."""
-        return shape_of(self.cfg).micro_batches_per_process(self.cfg) > 1 and self.run.dist.exact is None
-
-    @abc.abstractmethod
-    def _rollout(self, batch: int) -> None:
-        """Run the recipe's sampling of one rollout batch of ``batch`` samples (traced by :meth:`rollout_peak`)."""
-
-    @abc.abstractmethod
-    def _update_of(self, micro_batch: int) -> Callable[[], Any]:
-        """The recipe's optimizer step at ``micro_batch`` samples per forward, as a call to trace."""
-
-
-class GrpoTracer(EpochTracer):
-    """Flow-GRPO (``recipe=flow_grpo``): ``flow_grpo.rollout_batch`` and ``policy.decode`` for one rollout
-    batch, its trajectory and conditioning kept; ``flow_grpo.update`` for one optimizer step — its folds of
-    ``algo.timesteps_per_pass`` steps, the KL reference forward, the CFG branches as ``algo.cfg_grad``
-    takes them, the backward, the clip, the AdamW step and the EMA. The step scores two folds of trained
-    steps, or two micro-batches when one fold holds every trained step and gradients accumulate over
-    micro-batches."""
-
-    def kept_per_sample(self) -> int:
-        batch = self.cfg.algo.sample_batch_size
-        self.rollout_peak(batch)
-        traj, cond = self._kept
-        tensors = [getattr(traj, k) for k in traj._PER_SAMPLE] + list(cond.tensors.values())
-        return math.ceil(_distinct_bytes([t for t in tensors if isinstance(t, Tensor)]) / batch)
-
-    def _rollout(self, batch: int) -> None:
-        from rlgen_cli.models.base import cfg_gradient
-        from rlgen_cli.recipes import flow_grpo, flow_run
-
-        run, algo = self.run, self.cfg.algo
-        cond = self.encode(batch)
-        with cfg_gradient(flow_grpo.rollout_cfg_mode(algo)):
-            x = run.policy.noise(batch)
-            traj = flow_grpo.rollout_batch(
-                run, cond, x, window_of(self.cfg, batch), flow_run.step_spec(self.cfg), None
-            )
-        run.policy.decode(traj.final)  # the images go to host memory
-        self._keep(batch, (traj, cond), cond)
-
-    def _update_of(self, micro_batch: int) -> Callable[[], Any]:
-        """The recipe's update of one optimizer step, ready to run (its inputs made outside the trace:
-        they are the rollout's samples, counted as kept)."""
-        from rlgen_cli.recipes import flow_grpo
-        from rlgen_cli.training.reporting.progress import Progress
-
-        traj, _ = self._kept
-        per_pass = self.cfg.algo.timesteps_per_pass
-        steps = min(traj.num_steps, 2 * per_pass)
-        micro_batches = 2 if steps <= per_pass and self._accumulates() else 1
-        rows = micro_batch * micro_batches
-        samples = types.SimpleNamespace(
-            indices=torch.arange(rows), traj=_resized(traj, rows, steps), cond=self.encode(rows)
-        )
-        algo = _with(self.cfg.algo, train_batch_size=micro_batch, gradient_accumulation_steps=micro_batches)
-        run = _with(self.run, cfg=_with(self.cfg, algo=algo))
-        advantages = torch.zeros(rows, device=META)
-        return lambda: flow_grpo.update(run, samples, advantages, Progress(False))
-
-
-class ForwardTracer(EpochTracer):
-    """DiffusionNFT and AWM (``recipe=flow_forward``): ``flow_forward.solve`` and the decode for one
-    rollout batch (under the old policy's weights when it samples), its x₀ and conditioning kept;
-    ``flow_forward.update`` for one optimizer step — per trained σ the old policy's and the reference's
-    velocities without gradients (the old policy swapped in: a backup of the trained weights), the
-    trained forward, the loss and its backward, then the clip, the AdamW step and the EMA. The update
-    trains on slices of the rollout's samples (no copy). It traces two trained σ of a micro-batch, or two
-    micro-batches when a sample trains one σ and gradients accumulate over micro-batches."""
-
-    update_copies = 1
-
-    def __init__(self, cfg: Any, policy: Any, trained: list[nn.Module], encode: Encode) -> None:
-        from rlgen_cli.recipes import flow_forward
-
-        super().__init__(cfg, policy, trained, encode)
-        self.old = flow_forward.OldPolicy.build(self.run)
-        self._sigmas: Tensor | None = None
-
-    def _rollout(self, batch: int) -> None:
-        from rlgen_cli.recipes import flow_forward, flow_run
-        from rlgen_cli.sde.noise import Stream, sample_generators
-
-        cfg, run, forward = self.cfg, self.run, self.cfg.algo.forward
-        weights = self.old.swap() if forward.sample_with_old else contextlib.nullcontext()
-        with weights:
-            cond = self.encode(batch)
-            x = run.policy.noise(batch)
-            steps = sample_generators(cfg.seed, 0, range(batch), META, salt=Stream.STEP_NOISE)
-            x0 = flow_forward.solve(
-                run.policy, cond, x, cfg.model.num_steps, forward.solver, flow_run.step_spec(cfg), steps
-            )
-            run.policy.decode(x0)  # the images go to host memory
-        self._sigmas = run.policy.schedule(cfg.model.num_steps, x0[:1])
-        self._keep(batch, (x0, *cond.tensors.values()), cond)
-
-    def _update_of(self, micro_batch: int) -> Callable[[], Any]:
-        from rlgen_cli.recipes import flow_forward
-        from rlgen_cli.training.reporting.progress import Progress
-
-        algo, num_steps = self.cfg.algo, self.cfg.model.num_steps
-        per_sample = len(
-            flow_forward.trained_indices(algo.forward, num_steps, torch.Generator().manual_seed(0))
-        )
-        sigmas = min(per_sample, 2)
-        micro_batches = 2 if sigmas < 2 and self._accumulates() else 1
-        rows = micro_batch * micro_batches
-        x0 = self._kept[0]
-        rollouts = types.SimpleNamespace(
-            indices=torch.arange(rows),
-            positions=torch.arange(rows),
-            x0=_rows_of(x0, rows),
-            cond=self.encode(rows),
-            sigmas=self._sigmas,
-        )
-        # ``sigmas`` σ a sample: drawn from the rollout's schedule as the run draws them (which ones does
-        # not change the memory)
-        forward = _with(
-            algo.forward, timestep_sampling="subset", timestep_fraction=(sigmas + 0.5) / num_steps
-        )
-        algo = _with(
-            algo,
-            train_batch_size=micro_batch,
-            gradient_accumulation_steps=micro_batches,
-            num_inner_epochs=1,
-            forward=forward,
-        )
-        run = _with(self.run, cfg=_with(self.cfg, algo=algo))
-        weights = torch.zeros(rows, device=META)
-        return lambda: flow_forward.update(run, self.old, rollouts, weights, 0, Progress(False))
-
-
-class PrefTracer(EpochTracer):
-    """Flow-DPO and reward-filtered SFT (``recipe=flow_pref``): ``sample_latents`` (DPO: under the
-    reference's weights) and the decode for one batch, its x₀ kept; ``flow_pref.train_units`` for one
-    optimizer step over its micro-batches of ``algo.train_batch_size`` units — DPO: a pair's reference
-    velocities without gradients, then the policy's on the winner and on the loser, both graphs alive until
-    the backward; SFT: the kept samples (and the base model's velocity for the anchor) — the backward, the
-    clip, the AdamW step, the EMA, the online reference's refresh. The update holds this process's x₀ and
-    the epoch's, gathered from every process. Two micro-batches are traced when gradients accumulate over
-    them."""
-
-    update_copies = 1
-    update_global_copies = 1
-
-    def __init__(self, cfg: Any, policy: Any, trained: list[nn.Module], encode: Encode) -> None:
-        from rlgen_cli.recipes import flow_pref
-
-        super().__init__(cfg, policy, trained, encode)
-        with self._modes():
-            self.pref = flow_pref.Preference.build(self.run)
-
-    def _rollout(self, batch: int) -> None:
-        from rlgen_cli.recipes import flow_run
-        from rlgen_cli.sde.sampling import sample_latents
-
-        cfg, run = self.cfg, self.run
-        weights = self.pref.reference(run) if cfg.algo.pref.loss == "dpo" else contextlib.nullcontext()
-        with weights:
-            x0 = sample_latents(
-                run.policy,
-                [""] * batch,
-                cfg.model.num_steps,
-                batch,
-                cfg.seed,
-                spec=flow_run.step_spec(cfg),
-                keys=range(batch),
-            )
-        run.policy.decode(x0)  # the images go to host memory
-        self._keep(batch, (x0,), run.policy.last_cond)
-
-    def _update_of(self, micro_batch: int) -> Callable[[], Any]:
-        from rlgen_cli.recipes import flow_pref
-
-        dpo = self.cfg.algo.pref.loss == "dpo"
-        units = micro_batch * (2 if self._accumulates() else 1)
-        rows = units * rows_per_unit(self.cfg)
-        chosen = torch.arange(0, rows, rows_per_unit(self.cfg))
-        training = flow_pref.TrainingUnits(
-            chosen, rejected=chosen + 1 if dpo else None, weights=None if dpo else torch.ones(units)
-        )
-        samples = flow_pref.EpochSamples(
-            x0=_rows_of(self._kept[0], rows),
-            prompts=[""] * rows,
-            rewards=torch.zeros(rows),
-            groups=torch.arange(rows),
-        )
-        algo = _with(
-            self.cfg.algo,
-            train_batch_size=micro_batch,
-            pref=_with(self.cfg.algo.pref, timesteps_per_sample=1),
-        )
-        run = _with(
-            self.run, cfg=_with(self.cfg, algo=algo), sampler=types.SimpleNamespace(global_batch_size=rows)
-        )
-        loss = flow_pref._dpo_loss if dpo else flow_pref._sft_loss
-        after = functools.partial(flow_pref._refresh_reference, run, self.pref)
-        return lambda: flow_pref.train_units(
-            run, 0, training, functools.partial(loss, run, self.pref, samples), after
-        )
-
-
-class PretrainTracer(EpochTracer):
-    """Flow-matching pretraining (``recipe=flow_pretrain``): no rollout — its sampling phase is the
-    evaluation, one batch of ``algo.sample_batch_size`` sampled (ODE) and decoded; and
-    ``flow_pretrain.pretrain_step`` for one optimizer step on this process's share of
-    ``algo.pretrain.batch_size``: the batch's ground-truth images rendered and encoded, the unguided
-    forward, the loss, the backward, the clip, the AdamW step and the EMA. Nothing is kept from one phase
-    to the other."""
-
-    phase = "evaluation"
-    update_copies = 0
-
-    def kept_per_sample(self) -> int:
-        return 0
-
-    def _rollout(self, batch: int) -> None:
-        from rlgen_cli.sde.sampling import sample_latents
-
-        cfg, run = self.cfg, self.run
-        x0 = sample_latents(run.policy, [""] * batch, cfg.model.eval_num_steps, batch, cfg.seed)
-        run.policy.decode(x0)  # the images go to host memory
-        self._keep(batch, (), run.policy.last_cond)
-
-    def _update_of(self, micro_batch: int) -> Callable[[], Any]:
-        from rlgen_cli.recipes import flow_pretrain
-
-        algo = _with(self.cfg.algo, pretrain=_with(self.cfg.algo.pretrain, batch_size=micro_batch))
-        run = _with(self.run, cfg=_with(self.cfg, algo=algo), train_set=self._train_set())
-        return lambda: flow_pretrain.pretrain_step(run, 0, 0)
-
-    def _train_set(self) -> Any:
-        from pathlib import Path
-
-        from rlgen_cli.data.paths import load_prompts
-
-        workdir = Path(self.cfg.run_dir) if self.cfg.run_dir else None
-        return load_prompts(self.cfg.data.train, workdir, "data.train")
-
-
-TRACERS = {"flow_grpo": GrpoTracer, "flow_forward": ForwardTracer, "flow_pref": PrefTracer,
-           "flow_pretrain": PretrainTracer}  # fmt: skip
 
 
 def tracer_for(cfg: Any, policy: Any, trained: list[nn.Module], encode: Encode) -> EpochTracer:
     """The tracer of ``cfg.recipe``'s epoch."""
-    return TRACERS[cfg.recipe](cfg, policy, trained, encode)
-
-
-class _PlannedPolicy:
-    """The policy, with the plan's ``encode`` (:data:`Encode`: the planning prompt, shaped as the run's,
-    whatever the prompts asked for): a recipe that encodes inside its step (DPO's and SFT's losses,
-    pretraining) gets the same conditioning as one handed the plan's. Everything else — attributes set
-    included (pretraining's unguided forward sets ``guidance_scale``) — is the policy's own."""
-
-    def __init__(self, policy: Any, encode: Encode) -> None:
-        object.__setattr__(self, "_policy", policy)
-        object.__setattr__(self, "_encode", encode)
-        object.__setattr__(self, "last_cond", None)
-
-    def encode(self, prompts: list[str], images: Any = None) -> Any:
-        cond = self._encode(len(prompts))
-        object.__setattr__(self, "last_cond", cond)
-        return cond
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._policy, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._policy, name, value)
-
-
-def _rows_of(tensor: Tensor, rows: int) -> Tensor:
-    """``rows`` rows of ``tensor`` (its own, repeated)."""
-    return tensor[torch.arange(rows) % len(tensor)]
-
-
-def _with(obj: Any, /, **fields: Any) -> Any:
-    """``obj`` (a config section or the meta run) with some fields replaced, unvalidated (the trace steps
-    through other batch sizes)."""
-    return types.SimpleNamespace(**{**vars(obj), **fields})
-
-
-def _resized(traj: Any, rows: int, steps: int) -> Any:
-    """A trajectory of ``rows`` samples (the rollout's, repeated) and its first ``steps`` trained steps:
-    shaped as the run's, and with the values the rollout left on the CPU (per-step σ, stds, a train mask),
-    which the loss reads."""
-    samples = torch.arange(rows) % len(traj.final)
-    per_sample = {
-        key: value[samples.to(value.device)][:, :steps]
-        if value.dim() > 1 and key != "final"
-        else value[samples.to(value.device)]
-        for key in traj._PER_SAMPLE
-        if isinstance(value := getattr(traj, key), Tensor)
-    }
-    per_step = {k: getattr(traj, k)[:steps] for k in ("sigmas", "sigmas_next", "step_indices")}
-    return dataclasses.replace(traj, **per_sample, **per_step)
-
-
-def _distinct_bytes(tensors: list[Tensor]) -> int:
-    from rlgen_cli.training.memory.trace import storage_key
-
-    return sum({storage_key(t): t.untyped_storage().nbytes() for t in tensors}.values())
-
-
-def _meta_run(cfg: Any, policy: Any) -> Any:
-    """What the recipe's functions read of a ``FlowRun``, on the meta device: the policy, a local
-    ``Dist`` prepared as the run prepares it, AdamW (``foreach``, as on a GPU) with its moments made, the
-    EMA."""
-    from rlgen_cli.training.control.ema import EMA
-    from rlgen_cli.training.distributed.dist import LocalDist
-
-    algo = cfg.algo
-    params = policy.trainable.parameters()
-    optimizer = torch.optim.AdamW(params, lr=algo.lr, weight_decay=algo.weight_decay, foreach=True)
-    for param in params:  # one step makes the moments: the traced steps find them, as every later step does
-        param.grad = torch.zeros_like(param)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    dist = LocalDist(META)
-    exact = cfg.launcher.reduces_exactly and LAUNCH_KINDS[cfg.launcher.name] in ("local", "ddp")
-    dist.prepare(
-        policy.trainable,
-        optimizer,
-        max_grad_norm=algo.max_grad_norm,
-        micro_batch_size=algo.train_batch_size,
-        compute_dtype=cfg.model.dtype,
-        exact_reduction=exact,
-    )
-    ema = None
-    if algo.ema.enabled:
-        ema = EMA(params, decay=algo.ema.decay, update_every=algo.ema.update_every, warmup=algo.ema.warmup)
-    return types.SimpleNamespace(
-        cfg=cfg,
-        policy=policy,
-        dist=dist,
-        optimizer=optimizer,
-        ema=ema,
-        global_step=0,
-        device=META,
-        resumed_extra={},
-    )
+    return shape_of(cfg).tracer(cfg, policy, trained, encode)
 
 
 def cache_rows(policy: Any, tracer: EpochTracer) -> list[Any]:

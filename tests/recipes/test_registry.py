@@ -58,16 +58,24 @@ def _plan_cfg(recipe: str, **algo) -> SimpleNamespace:
     return SimpleNamespace(recipe=recipe, algo=algo_ns, launcher=launcher)
 
 
-def test_plan_shapes_by_hand():
+def test_plan_shapes_by_hand(monkeypatch: pytest.MonkeyPatch):
+    from rlgen_cli.recipes import flow_grpo
+
+    def window_training(steps: int) -> None:
+        window = SimpleNamespace(train_steps=list(range(steps)))
+        monkeypatch.setattr(flow_grpo, "planned_window", lambda cfg, batch: window)
+
     grpo = _plan_cfg("flow_grpo")
     shape = plan_of(grpo)
     assert shape.samples_per_epoch(grpo) == 24  # 6 prompts × 4
     assert shape.micro_batches_per_process(grpo) == 4  # 8 over 2 processes
-    assert shape.folded_steps(grpo, lambda: 2) == 2  # at most the window's trained steps
-    assert shape.folded_steps(grpo, lambda: 5) == 3  # at most timesteps_per_pass
+    window_training(2)
+    assert shape.folded_steps(grpo) == 2  # at most the window's trained steps
+    window_training(5)
+    assert shape.folded_steps(grpo) == 3  # at most timesteps_per_pass
     forward = _plan_cfg("flow_forward")
     assert plan_of(forward).weight_copies(forward) == ("old policy",)
-    assert plan_of(forward).folded_steps(forward, lambda: 5) == 1
+    assert plan_of(forward).folded_steps(forward) == 1
     # DPO: a pair per group (6), micro-batches of min(4, 6) pairs, ⌈⌈6 / 4⌉ / 2⌉ = 1 per process, 2 rows a pair
     dpo = _plan_cfg("flow_pref", pref=SimpleNamespace(loss="dpo", ref_update_step=10, top_k=2))
     pref = plan_of(dpo)
