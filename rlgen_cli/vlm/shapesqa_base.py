@@ -12,16 +12,14 @@ pretrains it with ``rlgen train`` and ships the result as ``builtin:shapesqa_bas
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from rlgen_cli.models.tiny.vlm import qwen_vl_model, special_token_ids
 from rlgen_cli.shapes.qa import build_split, chain_of, describe
 from rlgen_cli.shapes.vocab import COLORS, SHAPES, plural
-from rlgen_cli.vlm.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS
+from rlgen_cli.vlm.tokenizer import CHAT_TEMPLATE, BytePairs, qwen_tokenizer, train_byte_bpe
 
 __all__ = ["BaseSize", "shapesqa_processor", "shapesqa_tokenizer", "random_base", "save_random_base"]
 
@@ -53,39 +51,13 @@ def _corpus() -> list[str]:
 
 
 @functools.cache
-def _trained_bpe(vocab_size: int) -> str:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=[],
-    )
-    tokenizer.train_from_iterator(_corpus(), trainer)
-    return tokenizer.to_str()
+def _trained_bpe(vocab_size: int) -> BytePairs:
+    return train_byte_bpe(_corpus(), vocab_size)
 
 
 def shapesqa_tokenizer(vocab_size: int = BaseSize.vocab) -> Any:
     """A ``Qwen2Tokenizer`` on the ShapesQA BPE plus Qwen's special tokens (EOS ``<|im_end|>``)."""
-    from transformers import Qwen2Tokenizer
-
-    model = json.loads(_trained_bpe(vocab_size))["model"]
-    vocab = dict(model["vocab"])
-    vocab.update({token: len(vocab) + i for i, token in enumerate(SPECIAL_TOKENS)})
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
-    return Qwen2Tokenizer(
-        vocab=vocab,
-        merges=merges,
-        unk_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=list(SPECIAL_TOKENS[1:]),
-    )
+    return qwen_tokenizer(*_trained_bpe(vocab_size))
 
 
 def shapesqa_processor(vocab_size: int = BaseSize.vocab) -> Any:
@@ -107,9 +79,7 @@ def random_base(processor: Any, size: BaseSize = BaseSize(), seed: int = 0) -> A
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     tokenizer = processor.tokenizer
-    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
-    special = {"bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"]}
-    special["pad_token_id"] = ids["<|endoftext|>"]
+    ids, special = special_token_ids(tokenizer)
     half = size.hidden // size.heads // 2  # M-RoPE splits half the head between time, height and width
     text = dict(
         vocab_size=len(tokenizer), hidden_size=size.hidden, intermediate_size=3 * size.hidden,
@@ -125,18 +95,7 @@ def random_base(processor: Any, size: BaseSize = BaseSize(), seed: int = 0) -> A
         depth=size.vision_depth, num_heads=2, patch_size=PATCH, spatial_merge_size=MERGE,
         temporal_patch_size=TEMPORAL, embed_dim=size.vision_width, hidden_size=size.hidden, mlp_ratio=2,
     )  # fmt: skip
-    config = Qwen2VLConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=True,
-        **special,
-    )
-    torch.manual_seed(seed)
-    return Qwen2VLForConditionalGeneration(config).eval()
+    return qwen_vl_model(Qwen2VLConfig, Qwen2VLForConditionalGeneration, text, vision, (ids, special), seed)
 
 
 def save_random_base(path: str | Path, size: BaseSize = BaseSize(), seed: int = 0) -> Path:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from rlgen_cli.models.tiny.vlm import MERGE, PATCH, TEMPORAL
@@ -47,15 +48,16 @@ _CORPUS = (
 )
 
 
-@functools.cache
-def trained_bpe(vocab_size: int = 512) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, str], ...]]:
-    """Train a byte-level BPE on the built-in corpus.
+BytePairs = tuple[tuple[tuple[str, int], ...], tuple[tuple[str, str], ...]]
+"""A byte-level BPE as ``(vocab, merges)``: (token, id) pairs by id, and the merges in order."""
+
+
+def train_byte_bpe(corpus: Iterable[str], vocab_size: int) -> BytePairs:
+    """Train a byte-level BPE on ``corpus`` (deterministic for a given corpus and size).
 
     Args:
+        corpus: The texts, in order.
         vocab_size: Target size before the special tokens (the 256 byte symbols are always present).
-
-    Returns:
-        ``(vocab, merges)`` as tuples (cached; deterministic for a given size).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -69,28 +71,38 @@ def trained_bpe(vocab_size: int = 512) -> tuple[tuple[tuple[str, int], ...], tup
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[],
     )
-    tokenizer.train_from_iterator(list(_CORPUS) * 4, trainer)
+    tokenizer.train_from_iterator(list(corpus), trainer)
     model = json.loads(tokenizer.to_str())["model"]
     merges = tuple(tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"])
     vocab = tuple(sorted(model["vocab"].items(), key=lambda item: item[1]))
     return vocab, merges  # type: ignore[return-value]
 
 
-def tiny_tokenizer(vocab_size: int = 512) -> Any:
-    """A ``Qwen2Tokenizer`` from :func:`trained_bpe` plus Qwen's special tokens (EOS ``<|im_end|>``)."""
+@functools.cache
+def trained_bpe(vocab_size: int = 512) -> BytePairs:
+    """A byte-level BPE trained on the built-in corpus (cached)."""
+    return train_byte_bpe(list(_CORPUS) * 4, vocab_size)
+
+
+def qwen_tokenizer(vocab: Sequence[tuple[str, int]], merges: Sequence[tuple[str, str]]) -> Any:
+    """A ``Qwen2Tokenizer`` of this BPE plus Qwen's special tokens (EOS ``<|im_end|>``) after its ids."""
     from transformers import Qwen2Tokenizer
 
-    pairs, merges = trained_bpe(vocab_size)
-    vocab = dict(pairs)
-    vocab.update({token: len(pairs) + i for i, token in enumerate(SPECIAL_TOKENS)})
+    ids = dict(vocab)
+    ids.update({token: len(vocab) + i for i, token in enumerate(SPECIAL_TOKENS)})
     return Qwen2Tokenizer(
-        vocab=vocab,
+        vocab=ids,
         merges=[tuple(m) for m in merges],
         unk_token=None,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         additional_special_tokens=list(SPECIAL_TOKENS[1:]),
     )
+
+
+def tiny_tokenizer(vocab_size: int = 512) -> Any:
+    """:func:`qwen_tokenizer` of :func:`trained_bpe`."""
+    return qwen_tokenizer(*trained_bpe(vocab_size))
 
 
 def tiny_processor(min_pixels: int = 64, max_pixels: int = 32 * 32) -> Any:

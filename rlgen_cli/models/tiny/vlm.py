@@ -88,9 +88,7 @@ def tiny_vlm(processor: Any, kind: str = "qwen2_5_vl", hidden_size: int = 32, se
     if kind not in families:
         raise ValueError(f"unknown tiny VLM kind {kind!r}; use one of {sorted(families)}.")
     tokenizer = processor.tokenizer
-    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
-    special = {"bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"]}
-    special["pad_token_id"] = ids["<|endoftext|>"]
+    ids, special = special_token_ids(tokenizer)
     head_dim = hidden_size // 4
     text = dict(
         vocab_size=len(tokenizer),
@@ -119,6 +117,28 @@ def tiny_vlm(processor: Any, kind: str = "qwen2_5_vl", hidden_size: int = 32, se
     else:
         vision.update(embed_dim=16, hidden_size=hidden_size, mlp_ratio=2)
     config_cls, model_cls = families[kind]
+    return qwen_vl_model(config_cls, model_cls, text, vision, (ids, special), seed)
+
+
+def special_token_ids(tokenizer: Any) -> tuple[dict[str, int], dict[str, int]]:
+    """The ids of Qwen's special tokens in ``tokenizer``, and the bos / eos / pad ids a config takes."""
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
+    special = {"bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"]}
+    special["pad_token_id"] = ids["<|endoftext|>"]
+    return ids, special
+
+
+def qwen_vl_model(
+    config_cls: Any,
+    model_cls: Any,
+    text: dict[str, Any],
+    vision: dict[str, Any],
+    token_ids: tuple[dict[str, int], dict[str, int]],
+    seed: int,
+) -> Any:
+    """A randomly initialised Qwen VL model (seeded) of these text and vision settings, its special tokens
+    those of ``token_ids`` (:func:`special_token_ids`), word embeddings tied."""
+    ids, special = token_ids
     config = config_cls(
         text_config=text,
         vision_config=vision,
