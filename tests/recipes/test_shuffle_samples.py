@@ -17,7 +17,7 @@ from rlgen_cli.recipes import flow_grpo
 from rlgen_cli.training.distributed.dist import LocalDist
 from rlgen_cli.training.reporting.progress import Progress
 from tests.conftest import TINY_RUN
-from tests.recipes.test_zero_advantage import ADV, _one_step_rollouts
+from tests.recipes.test_zero_advantage import ADV, _composed, _one_step_rollouts
 
 # the module whose optimizer_step the recipe calls (recipes/flow_run.py; recipes/loop.py before it)
 STEPPER = getattr(flow_grpo, "flow_run", None) or flow_grpo.loop
@@ -162,9 +162,8 @@ def test_a_one_process_run_differs_only_in_which_samples_share_a_step(cli, tmp_p
             k: v for k, v in kept_row.items() if k.startswith("reward")
         }
         moved = max((weights[k] - kept_weights[k]).abs().max().item() for k in weights)
-        if (
-            num_steps == 1
-        ):  # one step over the same 8 per-sample gradients (summed in float64): the same update
+        # one step over the same 8 per-sample gradients (summed in float64): the same update
+        if num_steps == 1:
             for key, value in weights.items():
                 torch.testing.assert_close(value, kept_weights[key], rtol=4 * eps, atol=4 * eps * 1e-2)
         else:  # the first step sees other samples: another update
@@ -175,17 +174,6 @@ def test_a_one_process_run_differs_only_in_which_samples_share_a_step(cli, tmp_p
 TWO_PROCESSES = (
     "model=tiny_sd3 algo=grpo launcher=accelerate launcher.num_processes=2 algo.drop_zero_advantage=false"
 )
-
-
-def _composed(args: str):
-    from omegaconf import OmegaConf
-
-    from rlgen_cli._hydra import compose_verb
-
-    cfg = compose_verb("train", args.split())
-    OmegaConf.set_struct(cfg, False)
-    cfg.run_dir = "/tmp/unused"
-    return cfg
 
 
 def test_several_processes_warn_and_exactness_refuses(caplog):
