@@ -29,6 +29,19 @@ LAUNCH_KINDS = {
 META = torch.device("meta")
 
 
+@contextlib.contextmanager
+def empty_weights(enabled: bool) -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device (accelerate's ``init_empty_weights``,
+    buffers kept) when ``enabled``: a loading path allocates nothing."""
+    if not enabled:
+        yield
+        return
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        yield
+
+
 Encode = Callable[[int], Any]
 """Batch size → the conditioning of that many prompts (and source images) on the meta device."""
 

@@ -32,14 +32,10 @@ device, where integer tensors stay on the CPU (``training/memory/trace.py``).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import json
 import logging
-import os
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -52,6 +48,7 @@ from rlgen_cli.recipes.plan_trace import (
     META,
     Encode,
     EpochTracer,
+    empty_weights,
     folded_steps,
     gradient_checkpointing,
     micro_batch_of,
@@ -61,6 +58,8 @@ from rlgen_cli.recipes.plan_trace import (
 )
 from rlgen_cli.recipes.registry import PLANNED_RECIPES, plan_of
 from rlgen_cli.tasks.common import run_dir_of, user_errors, validated
+from rlgen_cli.tasks.plan_report import print_report
+from rlgen_cli.tasks.plan_rewards import reward_rows
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +238,7 @@ def build_on_meta(model_cfg: Any) -> Any:
     from rlgen_cli.models import build_policy
 
     loads = not model_cfg.tiny and model_cfg.weights != "random_init"  # random_init builds on META itself
-    with _empty_weights(loads):
+    with empty_weights(loads):
         try:
             policy = build_policy(model_cfg, META)
         except (NotImplementedError, RuntimeError, OSError, ValueError) as err:
@@ -250,17 +249,6 @@ def build_on_meta(model_cfg: Any) -> Any:
         if hasattr(module, "tie_weights"):  # moving a built model to meta unties shared embeddings (T5's)
             module.tie_weights()
     return policy
-
-
-@contextlib.contextmanager
-def _empty_weights(enabled: bool) -> Iterator[None]:
-    if not enabled:
-        yield
-        return
-    from accelerate import init_empty_weights
-
-    with init_empty_weights(include_buffers=False):
-        yield
 
 
 def components_of(policy: Any) -> dict[str, nn.Module]:
@@ -465,264 +453,4 @@ def cache_rows(policy: Any, tracer: EpochTracer) -> list[Any]:
     return rows
 
 
-# -- reward models ---------------------------------------------------------------------------------------
-def reward_rows(cfg: Any) -> tuple[list[Any], list[str]]:
-    """What the rewards scored in the training process keep on the device (served ones live elsewhere):
-    the declared size (``plan.reward_memory_gb``) of a reward, else the weights of the modules it builds
-    with empty weights and no network. A reward that runs a model the plan cannot build, or that does not
-    build offline, stops the plan (exit code 2) naming it, with what to do; plus notes for the table."""
-    from rlgen_cli.rewards.registry import REWARDS, build_reward
-    from rlgen_cli.rewards.remote import client as remote
-    from rlgen_cli.training.memory.plan import GIB, Row
-
-    declared = dict(cfg.plan.reward_memory_gb)
-    unknown = sorted(set(declared) - set(cfg.reward.weights))
-    if unknown:
-        raise UserError(
-            f"plan.reward_memory_gb names rewards that are not in reward.weights: {unknown}; "
-            f"the run scores {sorted(cfg.reward.weights)}"
-        )
-    rows, notes, refused = [], [], []
-    for name in cfg.reward.weights:
-        if getattr(REWARDS.get(name), "__module__", None) == remote.__name__:
-            notes.append(f"reward {name} is served (its model lives in the reward server)")
-            continue
-        if name in declared:
-            rows.append(Row(f"reward {name}", int(declared[name] * GIB), f"plan.reward_memory_gb.{name}"))
-            continue
-        kwargs = dict(cfg.reward.kwargs.get(name, {}))
-        try:
-            with _empty_weights(True), _offline():
-                reward = build_reward(name, **kwargs)
-        except (OSError, ValueError, ImportError, RuntimeError) as err:
-            refused.append(f"reward {name} does not build offline ({str(err).splitlines()[0]})")
-            continue
-        modules = _modules_in(reward)
-        if not modules and hasattr(reward, "device") and str(kwargs.get("device", "")) != "cpu":
-            counted = lazy_weights(reward)
-            if counted is None:
-                refused.append(
-                    f"reward {name} loads its model on the device at its first score, and none of its "
-                    "sources is a config or a safetensors file readable offline"
-                )
-            else:
-                rows.append(Row(f"reward {name} weights", *counted))
-        for module in modules:
-            rows.append(
-                Row(f"reward {name} weights", _module_state_bytes(module), "built with empty weights")
-            )
-    if refused:
-        raise UserError(
-            "rlgen plan cannot count the memory of:\n  " + "\n  ".join(refused) + "\nserve such a reward "
-            "(rlgen serve-reward; its model then lives in the server), or declare its memory on the device "
-            "with +plan.reward_memory_gb.NAME=GiB"
-        )
-    return rows, notes
-
-
-def lazy_weights(reward: Any) -> tuple[int, str] | None:
-    """Bytes of the weights a reward loads on its first score, counted without reading them, and how:
-    its first source (``requirements()``) that is a ``from_pretrained`` directory (or cached hub id) with a
-    config, built with empty weights, or a safetensors file, read from its header — in the reward's
-    ``dtype`` where it sets one; None when none can be read offline."""
-    from rlgen_cli.rewards.requirements import ModelSource, requirements_of
-
-    dtype = getattr(reward, "dtype", None)
-    dtype = dtype if isinstance(dtype, torch.dtype) else None
-    for source in requirements_of(reward):
-        if not isinstance(source, ModelSource):
-            continue
-        counted = (
-            _safetensors_bytes(source.path, dtype)
-            if source.single_file
-            else _config_bytes(source.path, dtype)
-        )
-        if counted is not None:
-            return (
-                counted,
-                f"{source.key}={source.path}: {'its header' if source.single_file else 'built from its config'}, weights not read",
-            )
-    return None
-
-
-def _config_bytes(path: str, dtype: torch.dtype | None) -> int | None:
-    """Bytes of the parameters of the model ``path``'s config describes (built with empty weights)."""
-    from transformers import AutoConfig, AutoModel
-
-    try:
-        with _offline():
-            config = AutoConfig.from_pretrained(path, local_files_only=True)
-        with _empty_weights(True):
-            model = AutoModel.from_config(config)
-    except (OSError, ValueError, KeyError, ImportError):
-        return None
-    return _tensors_bytes(list(model.parameters()), dtype)
-
-
-def _safetensors_bytes(path: str, dtype: torch.dtype | None) -> int | None:
-    """Bytes of the tensors a local safetensors file holds, read from its header."""
-    from safetensors import safe_open
-
-    if not (path.endswith(".safetensors") and os.path.isfile(path)):
-        return None
-    with safe_open(path, framework="pt") as file:
-        slices = [file.get_slice(key) for key in file.keys()]  # noqa: SIM118 (a safe_open is no mapping)
-        tensors = [
-            torch.empty(s.get_shape(), dtype=_safetensors_dtype(s.get_dtype()), device=META) for s in slices
-        ]
-    return _tensors_bytes(tensors, dtype)
-
-
-def _safetensors_dtype(name: str) -> torch.dtype:
-    return {
-        "F64": torch.float64,
-        "F32": torch.float32,
-        "F16": torch.float16,
-        "BF16": torch.bfloat16,
-        "I64": torch.int64,
-        "I32": torch.int32,
-        "I16": torch.int16,
-        "I8": torch.int8,
-        "U8": torch.uint8,
-        "BOOL": torch.bool,
-    }[name]
-
-
-def _tensors_bytes(tensors: list[Tensor], dtype: torch.dtype | None) -> int:
-    """Bytes of ``tensors``, their floating ones in ``dtype`` where given (a reward loads in its own)."""
-    loaded = None if dtype is None else torch.empty((), dtype=dtype).element_size()
-
-    def size(tensor: Tensor) -> int:
-        return loaded if loaded is not None and tensor.is_floating_point() else tensor.element_size()
-
-    return sum(t.numel() * size(t) for t in tensors)
-
-
-@contextlib.contextmanager
-def _offline() -> Iterator[None]:
-    saved = os.environ.get("HF_HUB_OFFLINE")
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("HF_HUB_OFFLINE", None)
-        else:
-            os.environ["HF_HUB_OFFLINE"] = saved
-
-
-def _modules_in(obj: Any) -> list[nn.Module]:
-    if isinstance(obj, nn.Module):
-        return [obj]
-    return (
-        [value for value in vars(obj).values() if isinstance(value, nn.Module)]
-        if hasattr(obj, "__dict__")
-        else []
-    )
-
-
-def _module_state_bytes(module: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
-
-
 # -- output ----------------------------------------------------------------------------------------------
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f}"
-
-
-def table_unit(report: dict[str, Any]) -> tuple[str, int]:
-    """The table's unit: GiB, or MiB for a run under 1 GiB (a tiny model's rows all read 0.00 GiB)."""
-    return ("GiB", 2**30) if report["total_bytes"] >= 2**30 else ("MiB", 2**20)
-
-
-def folded_rows(rows: list[dict[str, Any]], unit: int) -> list[dict[str, Any]]:
-    """``rows`` with those that print as 0.00 in ``unit`` (an encoder's int64 position ids, …) folded into
-    one "other" row after the rest, naming them; the JSON keeps every row."""
-    small = [row for row in rows if round(row["bytes"] / unit, 2) == 0]
-    kept = [row for row in rows if row not in small]
-    if len(small) < 2:
-        return rows
-    names = ", ".join(row["what"] for row in small)
-    return [
-        *kept,
-        {"what": f"other ({len(small)} rows)", "bytes": sum(r["bytes"] for r in small), "note": names},
-    ]
-
-
-def _in_unit(nbytes: int, unit: int) -> str:
-    return f"{nbytes / unit:.2f}"
-
-
-def smallest_device_line(report: dict[str, Any]) -> str:
-    """Which of the common devices (24 / 40 / 48 / 80 / 141 GB) is the smallest that holds one process of
-    the run, with which settings, and each larger one that needs fewer changes."""
-    from rlgen_cli.training.memory.plan import COMMON_DEVICES_GB
-
-    sizes = " / ".join(map(str, COMMON_DEVICES_GB))
-    if not report["devices"]:
-        return f"smallest common device ({sizes} GB): none holds one process of this run; it needs more processes"
-    kept_free = 100 * (1 - report["usable_bytes"] / report["device_bytes"])
-    fits = [
-        f"{d['device_gb']} GB {'as configured' if not d['how'] else 'with ' + ' '.join(d['how'])} "
-        f"({_gib(d['total_bytes'])} GiB)"
-        for d in report["devices"]
-    ]
-    return f"smallest common device ({sizes} GB, {kept_free:.0f} % kept free): " + "; or ".join(fits)
-
-
-def print_report(report: dict[str, Any]) -> None:
-    """The plan as a rich table, whether it fits, the smallest common device that holds it, and the
-    change that makes it fit."""
-    from rich.table import Table
-
-    from rlgen_cli.training.reporting.console import new_console
-
-    height, width, frames = report["resolution"]
-    title = (
-        f"{report['model']} · {report['recipe']} · launcher={report['launcher']} × {report['processes']} · "
-        f"micro-batch {report['micro_batch']}"
-        + (f" {report['micro_batch_unit']}" if report.get("micro_batch_unit", "samples") != "samples" else "")
-        + (f" × {report['timesteps_per_pass']} steps per pass" if report["recipe"] == "flow_grpo" else "")
-        + f" · sample batch {report['sample_batch']} · {height}×{width}"
-        + (f"×{frames} frames" if frames > 1 else "")
-    )
-    name, unit = table_unit(report)
-    amount = functools.partial(_in_unit, unit=unit)
-    table = Table(title=f"memory per process — {title}", title_justify="left")
-    table.add_column("what")
-    table.add_column(name, justify="right")
-    table.add_column("note", style="dim")
-    for row in folded_rows(report["rows"], unit):
-        table.add_row(row["what"], amount(row["bytes"]), row["note"])
-    table.add_section()
-    largest = max(report["peaks"], key=lambda row: row["bytes"])
-    for row in report["peaks"]:
-        counted = row is largest
-        note = ("the larger phase: counted; " if counted else "the smaller phase; ") + row["note"]
-        table.add_row(row["what"], amount(row["bytes"]), note, style=None if counted else "dim")
-    table.add_section()
-    table.add_row(
-        "total",
-        amount(report["total_bytes"]),
-        f"device {_gib(report['device_bytes'])} GiB, usable {_gib(report['usable_bytes'])} GiB",
-        style="bold",
-    )
-    console = new_console()
-    console.print(table)
-    for line in report["notes"]:
-        console.print(f"[yellow]note[/]: {line}", highlight=False)
-    console.print(smallest_device_line(report), highlight=False, markup=False)
-    if report["fits"]:
-        console.print(
-            f"[bold green]fits[/]: {_gib(report['total_bytes'])} of {_gib(report['usable_bytes'])} GiB"
-        )
-        return
-    console.print(
-        f"[bold red]does not fit[/]: {_gib(report['total_bytes'])} GiB > {_gib(report['usable_bytes'])} GiB"
-    )
-    fix = report["fix"]
-    verdict = "fits" if fix["fits"] else "still does not fit"
-    console.print(
-        f"smallest change: {' + '.join(fix['changes'])} → {_gib(fix['total_bytes'])} GiB ({verdict})"
-    )
-    console.print(f"  {' '.join(fix['how'])}", markup=False, highlight=False)
