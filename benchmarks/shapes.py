@@ -23,8 +23,13 @@ it, so every run trains at least ``--minutes``):
   duplicates and other classes: reward hacking — lenient accuracy rises while strict accuracy falls and
   extra objects multiply (docs/guard.md measures it).
 
-The default ``--runs`` are the five the comparison needs plus the hacked run; ``dance``, ``nft``, ``awm``
-and ``dgpo`` run when named.
+* ``gdpo`` / ``gdpo_sum``  DiffusionNFT (as ``nft``) on two rewards, strict accuracy and JPEG compressibility
+  at weight 0.25, aggregated by GDPO (each reward normalised in its group) or summed then normalised; the
+  summary adds the evaluation images' JPEG size (``jpeg_kb``);
+* ``grpo_gardo``  ``grpo_fast`` with GARDO's uncertainty-gated KL (β 0.04; JPEG compressibility, at weight 0,
+  the auxiliary reward) and a reference refreshed every 16 epochs (diversity shaping needs a CLIP).
+
+The default ``--runs`` are the five the comparison needs plus the hacked run; the others run when named.
 
 Each run is evaluated before training and every few epochs (ODE sampling of the test prompts, the same
 noise every time). Time is the cumulative training seconds (``time/epoch``), evaluations excluded.
@@ -63,15 +68,28 @@ GEOMETRY = [
     "algo.gradient_accumulation_steps=1", "algo.lr=3e-5", "algo.kl_weight=0.0",
     "algo.ema.enabled=true", "algo.ema.decay=0.95", "algo.ema.update_every=1", "algo.lr_schedule=constant",
 ]  # fmt: skip
+NFT = ["algo=nft_shapes", "algo.lr_schedule=constant"]  # the default run's algorithm
+TWO_REWARDS = [  # docs/shapes.md "Two rewards": strict accuracy and JPEG compressibility at a quarter of its weight
+    "reward.kwargs.shapes_geneval.mode=strict", "+reward.weights.jpeg_compressibility=0.25",
+]  # fmt: skip
+GARDO = [  # the KL on the samples the auxiliary reward disagrees on, the reference refreshed every 16 epochs;
+    # diversity shaping needs a CLIP (algo.gardo.feature_model), which this machine cannot download
+    "algo.kl_weight=0.04", "+reward.weights.jpeg_compressibility=0", "algo.gardo.kl_gate=true",
+    "algo.gardo.proxy_reward=shapes_geneval", "algo.gardo.auxiliary_rewards=[jpeg_compressibility]",
+    "algo.gardo.refresh_every=16",
+]  # fmt: skip
 RUNS: dict[str, list[str]] = {
     "grpo": ["algo=grpo", *GEOMETRY, "algo.clip_range=1e-3"],
     "grpo_fast": ["algo.lr_schedule=constant"],  # the default experiment, at a constant lr like the others
     "mix_grpo": ["algo=mix_grpo", *GEOMETRY, "algo.clip_range=1e-3", "algo.window.shift_every=5"],
     "dance": ["algo=dance", *GEOMETRY, "algo.clip_range=1e-3", "sampler=dance"],
     "dpo": ["algo=dpo", *GEOMETRY],
-    "nft": ["algo=nft_shapes", "algo.lr_schedule=constant"],  # the default run's algorithm
+    "nft": NFT,
     "awm": ["algo=awm", *GEOMETRY],
     "dgpo": ["algo=dgpo", *GEOMETRY],
+    "gdpo": [*NFT, *TWO_REWARDS, "reward.aggregation=gdpo"],
+    "gdpo_sum": [*NFT, *TWO_REWARDS, "reward.aggregation=sum_then_normalize"],
+    "grpo_gardo": ["algo.lr_schedule=constant", *GARDO],
     "grpo_partial": [
         "algo=grpo",
         *GEOMETRY,
@@ -92,6 +110,8 @@ METRICS = {
     "lenient": "eval/reward/shapes_geneval/accuracy/mean",
     "extra_per_image": "eval/reward/shapes_geneval/n_extra/mean",
 }
+OPTIONAL_METRICS = {"jpeg_kb": "eval/reward/jpeg_compressibility/jpeg_kb/mean"}
+"""Logged by the runs that score JPEG size (the two-reward arms, GARDO's auxiliary reward)."""
 
 
 def train(
@@ -112,13 +132,16 @@ def train(
 
 def curve(rows: list[dict]) -> dict[str, list[float]]:
     """Evaluation points against cumulative training minutes (the before-training one at 0)."""
-    points: dict[str, list[float]] = {"minutes": [], **{k: [] for k in METRICS}}
+    evaluations = [row for row in rows if METRICS["strict"] in row]
+    logged = {k: key for k, key in OPTIONAL_METRICS.items() if evaluations and key in evaluations[0]}
+    metrics = METRICS | logged
+    points: dict[str, list[float]] = {"minutes": [], **{k: [] for k in metrics}}
     elapsed = 0.0
     for row in sorted(rows, key=lambda r: r["step"]):
         elapsed += row.get("time/epoch", 0.0)
         if METRICS["strict"] in row:
             points["minutes"].append(round(elapsed / 60, 3))
-            for short, key in METRICS.items():
+            for short, key in metrics.items():
                 points[short].append(round(row[key], 4))
     return points
 
@@ -177,7 +200,7 @@ def summary(seeds: dict[int, dict[str, list[float]]]) -> dict[str, float]:
         "seeds": len(runs),
         "minutes": round(sum(p["minutes"][-1] for p in runs) / len(runs), 3),
     }
-    for metric in METRICS:
+    for metric in [*METRICS, *(m for m in OPTIONAL_METRICS if all(m in p for p in runs))]:
         deltas = [p[metric][-1] - p[metric][0] for p in runs]
         out |= {
             f"{metric}_before": round(sum(p[metric][0] for p in runs) / len(runs), 4),

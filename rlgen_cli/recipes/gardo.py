@@ -38,24 +38,18 @@ class GardoHooks:
 
     @classmethod
     def for_run(cls, run: Any) -> GardoHooks | None:
-        """The hooks of ``run.cfg.algo.gardo``, checked against the rest of the config (exit 2)."""
+        """The hooks of ``run.cfg.algo.gardo``, checked against what the run loaded (exit 2); the config's
+        own cross-section checks ran before (``GardoConfig.require_valid``)."""
         cfg, algo = run.cfg, run.cfg.algo
         switches = algo.gardo
         if not (switches.kl_gate or switches.refresh_every or switches.diversity):
             return None
-        switches.require_valid(algo.kl_weight, list(cfg.reward.weights))
         if (switches.kl_gate or switches.refresh_every) and run.start_epoch > 0:
             raise UserError(
                 "algo.gardo.kl_gate / refresh_every keep state a checkpoint does not carry (the gate "
                 "fraction, the refreshed reference); start the run afresh or turn them off to resume"
             )
-        forward = getattr(algo, "forward", None)
-        if switches.kl_gate and forward is not None and forward.loss == "dgpo":
-            raise UserError(
-                "algo.gardo.kl_gate is not wired into DGPO's group loss; use algo=nft or algo=awm, or turn "
-                "algo.gardo.kl_gate off"
-            )
-        if switches.refresh_every and run.dist.sharded:
+        if switches.refresh_every and run.dist.sharded:  # also a user's accelerate config with ZeRO-3
             raise UserError(
                 "algo.gardo.refresh_every copies whole weights into the reference, which a sharded launcher "
                 "(fsdp, deepspeed_zero3) splits over processes; use launcher=accelerate or local"

@@ -53,12 +53,18 @@ class GardoConfig:
                 f"{self.gate_fraction_rate}, {self.gate_window}, {self.refresh_every}"
             )
 
-    def require_valid(self, kl_weight: float, rewards: list[str]) -> None:
-        """What the switches need of the rest of the config (exit 2 through the CLI)."""
+    def require_valid(self, kl_weight: float, rewards: list[str], forward_loss: str | None = None) -> None:
+        """What the switches need of the rest of the run's config, checked before any model loads (exit 2
+        through the CLI); ``forward_loss`` is ``algo.forward.loss`` on the forward-process recipe."""
         if (self.kl_gate or self.refresh_every) and kl_weight <= 0:
             raise UserError(
                 "algo.gardo.kl_gate and algo.gardo.refresh_every shape the KL to the reference, which "
                 "algo.kl_weight=0 turns off; set algo.kl_weight > 0 or turn them off"
+            )
+        if self.kl_gate and forward_loss == "dgpo":
+            raise UserError(
+                "algo.gardo.kl_gate is not wired into DGPO's group loss; use algo=nft or algo=awm, or turn "
+                "algo.gardo.kl_gate off"
             )
         if not self.kl_gate:
             return

@@ -119,6 +119,7 @@ class FlowGrpoTrainConfig(FlowRolloutRunConfig):
         self.algo.require_process_split(self.launcher.world_size)
         self.algo.require_rank_symmetric(self.launcher.world_size > 1 or self.launcher.shards_weights)
         self.algo.require_process_invariance(self.launcher.world_size, self.launcher.exact_reduction)
+        self.algo.gardo.require_valid(self.algo.kl_weight, list(self.reward.weights))
 
 
 @dataclass
@@ -155,6 +156,7 @@ class FlowForwardTrainConfig(FlowRolloutRunConfig):
         super().__post_init__()
         require_whole_batches(self)
         self.algo.require_process_split(self.launcher.world_size)
+        self.algo.gardo.require_valid(self.algo.kl_weight, list(self.reward.weights), self.algo.forward.loss)
 
 
 def tiny_vlm_model() -> VlmModelConfig:

@@ -46,3 +46,31 @@ def test_plot_draws_a_band_per_algorithm(bench, tmp_path: Path):
     out = tmp_path / "shapes.png"
     bench.plot({"grpo_fast": SEEDS, "grpo_partial": {0: SEEDS[0]}}, out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("name", ["gdpo", "gdpo_sum", "grpo_gardo", "nft", "awm", "dgpo", "grpo_lenient"])
+def test_every_arm_composes_to_a_valid_run(bench, name: str):
+    """An arm that no longer composes would fail only after the earlier arms' hours of training."""
+    from tests.vlm.conftest import compose_config
+
+    run, _ = compose_config("train", [*bench.COMMON, *bench.RUNS[name]])
+    if name.startswith("gdpo"):
+        assert run.reward.weights == {"shapes_geneval": 1.0, "jpeg_compressibility": 0.25}
+        assert run.reward.aggregation == ("gdpo" if name == "gdpo" else "sum_then_normalize")
+    if name == "grpo_gardo":
+        assert run.algo.gardo.kl_gate and run.algo.gardo.refresh_every == 16 and run.algo.kl_weight == 0.04
+
+
+def test_the_two_reward_arms_report_jpeg_size(bench):
+    rows = [
+        {"step": 0, bench.METRICS["strict"]: 0.3, bench.METRICS["lenient"]: 0.4, bench.METRICS["extra_per_image"]: 0.6,
+         bench.OPTIONAL_METRICS["jpeg_kb"]: 1.10},
+        {"step": 1, "time/epoch": 60.0},
+        {"step": 2, "time/epoch": 60.0, bench.METRICS["strict"]: 0.35, bench.METRICS["lenient"]: 0.4,
+         bench.METRICS["extra_per_image"]: 0.5, bench.OPTIONAL_METRICS["jpeg_kb"]: 1.05},
+    ]  # fmt: skip
+    points = bench.curve(rows)
+    assert points["minutes"] == [0.0, 2.0] and points["jpeg_kb"] == [1.1, 1.05]
+    out = bench.summary({0: points})
+    assert out["jpeg_kb_delta"] == pytest.approx(-0.05)
+    assert "jpeg_kb_delta" not in bench.summary(SEEDS)  # arms that do not score it

@@ -33,6 +33,24 @@ def test_the_kl_gate_names_rewards_the_mix_lacks_with_exit_2(tmp_path: Path) -> 
     )
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["algo.gardo.kl_gate=true", "algo.gardo.proxy_reward=jpeg_compressibility",
+          "algo.gardo.auxiliary_rewards=[brightness]"], "algo.gardo names rewards not in reward.weights"),
+        (["algo=dgpo", "algo.gradient_accumulation_steps=1", "algo.gardo.kl_gate=true", "algo.gardo.proxy_reward=jpeg_compressibility",
+          "+reward.weights.brightness=0", "algo.gardo.auxiliary_rewards=[brightness]"], "not wired into DGPO"),
+    ],
+)  # fmt: skip
+def test_the_config_checks_run_when_the_run_is_composed(overrides: list[str], message: str) -> None:
+    """Refused by the typed config itself, so before any model loads (and for every verb that types it)."""
+    from rlgen_cli.errors import UserError
+    from tests.vlm.conftest import compose_config
+
+    with pytest.raises(UserError, match=message):
+        compose_config("train", [*TINY, "algo.kl_weight=0.04", *overrides])
+
+
 def test_a_refresh_without_a_kl_is_refused(tmp_path: Path) -> None:
     code, out = run_cli(
         "train", *TINY, "algo.kl_weight=0", "algo.gardo.refresh_every=2", f"hydra.run.dir={tmp_path / 'run'}"
