@@ -46,6 +46,19 @@ PHASES = (
 )  # fmt: skip
 
 
+MODULE_PHASES = {
+    flow_grpo: {"rollout": "sde_step", "recompute_step": "sde_step", "recompute_steps": "sde_step", "euler": "sde_step",
+                "sample_generators": "data", "plan_for": "data", "combine_rewards": "advantages",
+                "best_and_worst": "advantages", "nonzero_advantage_rows": "advantages",
+                "grpo_loss": "objective", "guard_loss": "objective",
+                "summarise": "logging", "console_line": "logging"},
+    flow_run: {"optimizer_step": "optimizer", "sources_of": "data", "log_epoch": "logging", "save_grid": "logging"},
+    common: {"reduce_over_ranks": "logging"},
+}  # fmt: skip
+"""The recipe functions each phase label wraps, by the module the recipe looks them up in."""
+CLASS_PHASES = {flow_grpo.RewardScoring: {"results": "reward"}, flow_grpo.Rollouts: {"select": "data"}}
+
+
 def labelled(label: str, fn: Callable) -> Callable:
     """``fn`` inside a ``record_function`` range named ``phase:<label>``."""
 
@@ -82,22 +95,9 @@ def phase_labels(run: FlowRun) -> Iterator[dict[str, float]]:
         run.sampler: {"indices_for_epoch": "data"},
         run.logger: {"log": "logging", "log_images": "logging"},
     }  # fmt: skip
-    module = {
-        flow_grpo: {"rollout": "sde_step", "recompute_step": "sde_step", "recompute_steps": "sde_step", "euler": "sde_step",
-                    "sample_generators": "data", "plan_for": "data", "combine_rewards": "advantages",
-                    "best_and_worst": "advantages", "nonzero_advantage_rows": "advantages",
-                    "grpo_loss": "objective", "guard_loss": "objective", "save_grid": "logging",
-                    "summarise": "logging", "console_line": "logging"},
-        flow_run: {"optimizer_step": "optimizer", "sources_of": "data", "log_epoch": "logging"},
-        common: {"reduce_over_ranks": "logging"},
-    }  # fmt: skip
-    classes = {
-        flow_grpo.RewardScoring: {"results": "reward"},
-        flow_grpo.Rollouts: {"select": "data"},
-        type(run.train_set): {"__getitem__": "data"},
-    }
+    classes = {**CLASS_PHASES, type(run.train_set): {"__getitem__": "data"}}
     saved: list[tuple[Any, str, Any, bool]] = []
-    for owner, names in [*instance.items(), *module.items(), *classes.items()]:
+    for owner, names in [*instance.items(), *MODULE_PHASES.items(), *classes.items()]:
         for name, label in names.items():
             had_own = name in vars(owner)
             original = getattr(owner, name)

@@ -48,3 +48,16 @@ def test_profile_epoch_splits_the_epoch_into_phases():
     assert result["seconds"]["transformer_forward"] > 0 and result["seconds"]["backward"] > 0
     shares = result["share"]  # rounded to 4 decimals each: the phases cover the epoch
     assert abs(sum(shares.values()) - 1.0) <= 1e-4 * len(shares), shares
+
+
+def test_every_function_profile_epoch_labels_is_where_it_looks(monkeypatch):
+    """The profiler wraps recipe functions by module attribute; one moved elsewhere (as ``save_grid`` did
+    to recipes/flow_run.py) breaks the script with an AttributeError only the slow smoke above would see."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import profile_epoch
+
+    tables = [*profile_epoch.MODULE_PHASES.items(), *profile_epoch.CLASS_PHASES.items()]
+    missing = [
+        f"{owner.__name__}.{name}" for owner, names in tables for name in names if name not in vars(owner)
+    ]
+    assert not missing, f"profile_epoch.py labels functions that moved: {missing}"
