@@ -1,7 +1,8 @@
 """Rollout overhead of the VLM recipe: rlgen's rollout vs the bare ``generate`` call on the same batch.
 
 Builds the policy of ``model=tiny_qwen2_vl algo=step_grpo data=tiny_vlm`` (plus any overrides), then on
-one batch of ``sample_batch_size`` prompts times, alternately and ``--repeats`` times each:
+one batch of ``sample_batch_size`` prompts laid out as the recipe's (each prompt ``group_size`` times in a
+row, their images loaded once) times, alternately and ``--repeats`` times each:
 
 * **bare** — ``model.generate(**inputs, …)`` with the same sampling options and seed, nothing else;
 * **rlgen** — encode (chat template + processor), context check, seeded ``generate`` with raw-logit
@@ -38,7 +39,7 @@ from rlgen_cli.vlm.rollout import (
     encode_prompts,
     generate,
     generation_config,
-    load_image,
+    load_images,
 )
 from rlgen_cli.vlm.training import completion_budget
 
@@ -74,10 +75,11 @@ def main(argv: list[str]) -> dict[str, float]:
     budget = completion_budget(token.max_completion_tokens, cfg.model.vlm.completion_cap)
     options = SamplingOptions(token.temperature, token.top_p, token.top_k, budget)
     examples = load_vlm_examples(cfg.data.train)
-    examples = [examples[i % len(examples)] for i in range(cfg.algo.sample_batch_size)]
+    group = cfg.algo.group_size  # laid out as the recipe's batches: each prompt group_size times in a row
+    examples = [examples[(i // group) % len(examples)] for i in range(cfg.algo.sample_batch_size)]
     vlm = cfg.model.vlm
     prompts = [prompt_text(policy.processor, ex, vlm.prompt_format, vlm.system_prompt) for ex in examples]
-    images = [load_image(ex.image) for ex in examples]
+    images = load_images([ex.image for ex in examples])
     encoded = encode_prompts(policy, prompts, images)
     bare_config = generation_config(policy, options, record=False)
 

@@ -88,7 +88,7 @@ from rlgen_cli.vlm.rollout import (
     TokenBatch,
     collate,
     completion_logprobs,
-    load_image,
+    load_images,
     pad_stack,
 )
 from rlgen_cli.vlm.training import (
@@ -273,7 +273,7 @@ class VLMRLRecipe:
         prompts = [
             prompt_text(self.policy.processor, ex, vlm.prompt_format, vlm.system_prompt) for ex in examples
         ]
-        images = [load_image(ex.image) for ex in examples]
+        images = load_images([ex.image for ex in examples])
         options = self.sampling_options()
         ids, truncated, logprobs = [], [], []
         task = progress.task("rollout", total=len(indices))

@@ -42,6 +42,7 @@ __all__ = [
     "generate",
     "generation_config",
     "load_image",
+    "load_images",
     "pad_stack",
 ]
 
@@ -101,6 +102,13 @@ def load_image(path: Path | None) -> Image.Image | None:
         return image.convert("RGB")
 
 
+def load_images(paths: Sequence[Path | None]) -> list[Image.Image | None]:
+    """:func:`load_image` of each path, every file read once: the rows of a path share one image object,
+    which is how :func:`encode_prompts` knows a group's copies of a prompt for the same."""
+    loaded: dict[Path, Image.Image | None] = {}
+    return [None if path is None else loaded.setdefault(path, load_image(path)) for path in paths]
+
+
 def encode_prompts(
     policy: VLMPolicy,
     prompts: Sequence[str],
@@ -114,8 +122,57 @@ def encode_prompts(
     present = [image for image in images if image is not None]
     if present and len(present) != len(images):
         raise UserError("a batch mixes prompts with and without images; keep one kind per dataset")
-    encoded = policy.processor(text=list(prompts), images=present or None, return_tensors="pt", padding=True)
+    rows, firsts = distinct_rows(prompts, images)
+    encoded = policy.processor(
+        text=[prompts[i] for i in firsts],
+        images=[images[i] for i in firsts] if present else None,
+        return_tensors="pt",
+        padding=True,
+    )
+    if len(firsts) < len(rows):
+        encoded = repeated_rows(dict(encoded), rows)
     return {key: value.to(device or policy.device) for key, value in encoded.items()}
+
+
+def distinct_rows(
+    prompts: Sequence[str], images: Sequence[Image.Image | None]
+) -> tuple[list[int], list[int]]:
+    """``(rows, firsts)``: each row's index among the distinct (prompt, image object) pairs, and the row
+    where each distinct pair first appears. A GRPO batch holds every prompt ``group_size`` times; encoding
+    each once is exact, since a row's encoding depends on its own text and image alone (and on the
+    longest row for the left padding, which is among the distinct ones)."""
+    index: dict[tuple[str, int], int] = {}
+    rows = [
+        index.setdefault((prompt, id(image)), len(index))
+        for prompt, image in zip(prompts, images, strict=True)
+    ]
+    firsts = [rows.index(k) for k in range(len(index))]
+    return rows, firsts
+
+
+ROW_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
+"""Processor outputs with one row per prompt."""
+
+
+def repeated_rows(encoded: dict[str, Tensor], rows: Sequence[int]) -> dict[str, Tensor]:
+    """The processor outputs of the distinct prompts laid out as ``rows``: per-prompt tensors indexed by
+    row; the images' patches (``pixel_values``, one block of ``t·h·w`` rows per image, concatenated) and
+    their grids repeated likewise.
+
+    Raises:
+        ValueError: For an output this layout does not know (another processor's), rather than guess it.
+    """
+    unknown = set(encoded) - {*ROW_KEYS, "pixel_values", "image_grid_thw"}
+    if unknown:
+        raise ValueError(f"encode_prompts: cannot repeat processor outputs {sorted(unknown)} by row")
+    index = torch.tensor(rows)
+    out = {key: value[index] for key, value in encoded.items() if key in ROW_KEYS}
+    if "pixel_values" in encoded:
+        grids = encoded["image_grid_thw"]
+        blocks = encoded["pixel_values"].split(grids.prod(-1).tolist())
+        out["pixel_values"] = torch.cat([blocks[row] for row in rows])
+        out["image_grid_thw"] = grids[index]
+    return out
 
 
 def check_context(policy: VLMPolicy, encoded: dict, max_new_tokens: int, labels: Sequence[Any]) -> None:
@@ -142,16 +199,24 @@ def check_context(policy: VLMPolicy, encoded: dict, max_new_tokens: int, labels:
 def masked_log_softmax_gather(logits: Tensor, ids: Tensor, suppressed: Sequence[int]) -> Tensor:
     """log softmax(logits with ``suppressed`` columns at −inf) at ``ids``; (B, L, V), (B, L) → (B, L).
 
-    Row by row, so only one (L, V) float32 copy is alive at a time.
+    In chunks of rows whose float32 copy fits :data:`CHUNK_BYTES` (at least one row): a real vocabulary
+    keeps one (L, V) copy alive at a time, small ones take the batch in a few calls instead of one per row.
     """
     columns = torch.tensor(list(suppressed), device=logits.device, dtype=torch.long)
-    rows = []
-    for row_logits, row_ids in zip(logits, ids, strict=True):
-        row = row_logits.float()
+    row_bytes = logits.shape[1] * logits.shape[2] * 4
+    step = max(1, CHUNK_BYTES // max(row_bytes, 1))
+    parts = []
+    for start in range(0, logits.shape[0], step):
+        chunk = logits[start : start + step].float()
         if columns.numel():
-            row = row.index_fill(-1, columns, float("-inf"))
-        rows.append(row.gather(-1, row_ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(row, dim=-1))
-    return torch.stack(rows)
+            chunk = chunk.index_fill(-1, columns, float("-inf"))
+        picked = chunk.gather(-1, ids[start : start + step].unsqueeze(-1)).squeeze(-1)
+        parts.append(picked - torch.logsumexp(chunk, dim=-1))
+    return torch.cat(parts)
+
+
+CHUNK_BYTES = 64 << 20
+"""Float32 logits :func:`masked_log_softmax_gather` converts at a time (64 MiB), beyond one row."""
 
 
 def generation_config(policy: VLMPolicy, options: SamplingOptions, record: bool) -> Any:
