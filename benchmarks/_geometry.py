@@ -6,8 +6,10 @@ downsampling VAE, 2×2 patches: 256 image tokens), saved with ``save_pretrained`
 4.5 and a rank-32 LoRA on 2 prompts × 4 images per epoch from the 16 tiny prompts (JPEG
 compressibility), 8 steps, sampling and training batches of 4 (one transformer batch of 8 with
 ``algo.cfg_grad=both``, two of 4 with ``conditional``): 2 optimizer steps per epoch.
-``shapes``: the ShapesEval Flow-GRPO-Fast recipe (``experiment=shapes_grpo_fast``; the default
-``rlgen train`` trains the same geometry with DiffusionNFT, which has no SDE step to profile).
+``shapes``: the ShapesEval Flow-GRPO-Fast recipe (``experiment=shapes_grpo_fast``).
+``shapes_nft``: what the default ``rlgen train`` runs (``experiment=shapes_nft``): the same model and
+prompts trained by DiffusionNFT (ODE rollouts from the old policy, forward-noised training passes; no SDE
+step, so ``profile_epoch.py``'s phases do not apply to it).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from rlgen_cli.models.tiny import SD3Sizes, tiny_sd3_pipeline
-from rlgen_cli.recipes import flow_grpo, flow_run
+from rlgen_cli.recipes import flow_forward, flow_grpo, flow_run
 from rlgen_cli.training.reporting.progress import Progress
 
 SD3_CFG_ALGO = [
@@ -25,7 +27,10 @@ SD3_CFG_ALGO = [
     "algo.train_batch_size=4", "algo.gradient_accumulation_steps=1", "algo.kl_weight=0",
     "algo.window.timestep_fraction=1.0", "algo.ema.enabled=false",
 ]  # fmt: skip
-GEOMETRIES = ("sd3_cfg", "shapes")
+GRPO_GEOMETRIES = ("sd3_cfg", "shapes")
+"""The geometries trained by Flow-GRPO, whose SDE steps ``profile_epoch.py`` labels."""
+GEOMETRIES = (*GRPO_GEOMETRIES, "shapes_nft")
+EXPERIMENTS = {"shapes": "shapes_grpo_fast", "shapes_nft": "shapes_nft"}
 SD3_CFG_SIZES = SD3Sizes(
     clip_intermediate_size=64,
     t5_d_kv=16,
@@ -49,8 +54,8 @@ def save_sd3_cfg_pipeline(directory: Path, seed: int = 0) -> Path:
 
 def overrides_for(geometry: str, workdir: Path | None = None) -> list[str]:
     """Hydra overrides of ``geometry`` (``sd3_cfg`` saves its pipeline under ``workdir`` first)."""
-    if geometry == "shapes":
-        return ["experiment=shapes_grpo_fast"]
+    if geometry in EXPERIMENTS:
+        return [f"experiment={EXPERIMENTS[geometry]}"]
     if geometry != "sd3_cfg":
         raise ValueError(f"unknown geometry {geometry!r}; choose one of {', '.join(GEOMETRIES)}")
     path = save_sd3_cfg_pipeline(Path(workdir or tempfile.mkdtemp(prefix="rlgen-sd3cfg-")) / "pipeline")
@@ -73,10 +78,19 @@ def overrides_for(geometry: str, workdir: Path | None = None) -> list[str]:
 
 
 def run_epoch(run: flow_run.FlowRun, epoch: int, progress: Progress) -> dict[str, float]:
-    """What ``flow_grpo.run`` does per epoch without evaluation or checkpoints: the epoch and its logging."""
+    """What the recipe's ``run`` does per epoch without evaluation or checkpoints: the epoch and its
+    logging (DiffusionNFT's old policy is built at the first epoch and kept, as its ``run`` does)."""
+    if run.cfg.recipe == "flow_forward":
+        old = _OLD_POLICIES.setdefault(id(run), flow_forward.OldPolicy.build(run))
+        metrics = flow_forward.forward_epoch(run, old, epoch, progress)
+        flow_run.log_epoch(run, epoch, metrics, flow_forward.console_line(metrics))
+        return metrics
     metrics = flow_grpo.grpo_epoch(run, epoch, progress)
     flow_run.log_epoch(run, epoch, metrics, flow_grpo.console_line(metrics))
     return metrics
+
+
+_OLD_POLICIES: dict[int, flow_forward.OldPolicy] = {}
 
 
 def default_warmup(recipe: flow_run.FlowRun) -> int:

@@ -16,7 +16,7 @@ of the prompt conditioning is ``model.prompt_cache_mb=0``; the old cost of ``alg
 ``algo.cfg_grad=both`` computes; the old update (a transformer call and a backward per trained step) is
 ``algo.timesteps_per_pass=1``, so an arm that folds steps names it in its baseline.
 
-    python benchmarks/overhead.py [--geometry sd3_cfg|shapes] [--repeats 5] [--baseline K=V …] [K=V …]
+    python benchmarks/overhead.py [--geometry sd3_cfg|shapes|shapes_nft] [--repeats 5] [--baseline K=V …] [K=V …]
     python benchmarks/overhead.py algo.timesteps_per_pass=8 --baseline algo.cfg_grad=both \
         --baseline model.prompt_cache_mb=0 --baseline algo.timesteps_per_pass=1
 """

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 from _common import compose_recipe
-from _geometry import GEOMETRIES, default_warmup, overrides_for, run_epoch
+from _geometry import GRPO_GEOMETRIES, default_warmup, overrides_for, run_epoch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from rlgen_cli.recipes import common, flow_grpo, flow_run
@@ -206,12 +206,12 @@ def _measure(recipe: FlowRun, geometry: str, warmup: int | None, repeats: int) -
 
 def main(argv: list[str]) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--geometry", choices=[*GEOMETRIES, "all"], default="all")
+    parser.add_argument("--geometry", choices=[*GRPO_GEOMETRIES, "all"], default="all")
     parser.add_argument("--warmup", type=int, default=None, help="unmeasured epochs first (default: a pass)")
     parser.add_argument("--repeats", type=int, default=3, help="plain (unprofiled) epochs timed")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides applied after the geometry's")
     args = parser.parse_args(argv)
-    geometries = GEOMETRIES if args.geometry == "all" else (args.geometry,)
+    geometries = GRPO_GEOMETRIES if args.geometry == "all" else (args.geometry,)
     torch.manual_seed(0)
     return [profile_geometry(g, args.overrides, args.warmup, args.repeats) for g in geometries]
 

@@ -42,6 +42,14 @@ def test_overhead_replays_the_epoch_and_compares_with_a_baseline():
 
 
 @pytest.mark.slow
+def test_overhead_measures_the_default_runs_diffusion_nft_epoch():
+    result = _json_of("overhead.py", "--geometry", "shapes_nft", "--repeats", "1", "--warmup", "1")
+    calls = result["recipe"]["calls_per_epoch"]
+    assert calls["no_grad_forwards"] > 0 and calls["grad_forwards"] > 0 and calls["backwards"] > 0, calls
+    assert result["recipe"]["model_calls_s"] > 0 and "overhead_ratio" in result
+
+
+@pytest.mark.slow
 def test_profile_epoch_splits_the_epoch_into_phases():
     result = _json_of("profile_epoch.py", "--repeats", "1", "--warmup", "1")
     assert result["profiled_epoch_s"] > 0
