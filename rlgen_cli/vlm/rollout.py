@@ -106,7 +106,10 @@ def load_images(paths: Sequence[Path | None]) -> list[Image.Image | None]:
     """:func:`load_image` of each path, every file read once: the rows of a path share one image object,
     which is how :func:`encode_prompts` knows a group's copies of a prompt for the same."""
     loaded: dict[Path, Image.Image | None] = {}
-    return [None if path is None else loaded.setdefault(path, load_image(path)) for path in paths]
+    for path in paths:
+        if path is not None and path not in loaded:
+            loaded[path] = load_image(path)
+    return [None if path is None else loaded[path] for path in paths]
 
 
 def encode_prompts(

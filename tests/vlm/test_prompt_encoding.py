@@ -88,3 +88,18 @@ def test_an_output_of_another_processor_is_refused_rather_than_guessed():
 
     with pytest.raises(ValueError, match="video_grid_thw"):
         repeated_rows({"input_ids": torch.zeros(2, 3), "video_grid_thw": torch.ones(1, 3)}, [0, 1, 0])
+
+
+def test_load_images_reads_each_file_once(tmp_path, monkeypatch):
+    from PIL import Image
+
+    from rlgen_cli.vlm import rollout
+
+    paths = [tmp_path / "a.png", tmp_path / "b.png"]
+    for path in paths:
+        Image.new("RGB", (4, 4)).save(path)
+    reads = []
+    monkeypatch.setattr(rollout, "load_image", lambda path: reads.append(path) or Image.open(path))
+    images = rollout.load_images([paths[0], paths[0], None, paths[1], paths[0]])
+    assert reads == paths  # one read per file
+    assert images[0] is images[1] is images[4] and images[2] is None and images[3] is not images[0]
