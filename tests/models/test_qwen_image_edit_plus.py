@@ -152,21 +152,9 @@ def test_check_onpolicy_passes(tmp_path: Path, cli):
 @pytest.fixture(scope="module")
 def tiny_clip(tmp_path_factory) -> Path:
     """A tiny random CLIP and its processor saved in one directory (what ``image_similarity`` loads)."""
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+    from rlgen_cli.models.tiny.clip import save_tiny_clip
 
-    from rlgen_cli.models.tokenizers import tiny_clip_tokenizer
-
-    root = tmp_path_factory.mktemp("tiny_clip")
-    tokenizer = tiny_clip_tokenizer()
-    text = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                num_attention_heads=4, max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=1)  # fmt: skip
-    vision = dict(image_size=16, patch_size=4, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                  num_attention_heads=4)  # fmt: skip
-    torch.manual_seed(0)
-    CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=24)).save_pretrained(root)
-    processor = CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
-    CLIPProcessor(image_processor=processor, tokenizer=tokenizer).save_pretrained(root)
-    return root
+    return save_tiny_clip(tmp_path_factory.mktemp("tiny_clip"))
 
 
 def test_image_similarity_averages_the_cosines_with_every_source(tiny_clip: Path):

@@ -11,7 +11,10 @@ deterministic in its ``seed``.
   :func:`tiny_vlm_processor` (a byte-level BPE tokenizer over the 256 byte symbols, no merges, plus the
   Qwen chat special tokens; a minimal chat template; 4-pixel patches), :func:`tiny_vlm` (≈ 40 k
   parameters) and :func:`save_tiny_vlm`, which writes it where ``from_pretrained(...,
-  local_files_only=True)`` loads it like a real checkpoint. Its answers are noise.
+  local_files_only=True)`` loads it like a real checkpoint. Its answers are noise;
+* a CLIP for the CLIP-backed pieces (``reward=image_similarity``, GARDO's feature model):
+  ``rlgen_cli.models.tiny.clip.save_tiny_clip`` (also ``python -m rlgen_cli.models.tiny.clip DIR``; not
+  imported here, so that ``-m`` runs it without a second copy of the module).
 """
 
 from __future__ import annotations
