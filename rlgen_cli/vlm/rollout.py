@@ -145,11 +145,12 @@ def distinct_rows(
     each once is exact, since a row's encoding depends on its own text and image alone (and on the
     longest row for the left padding, which is among the distinct ones)."""
     index: dict[tuple[str, int], int] = {}
-    rows = [
-        index.setdefault((prompt, id(image)), len(index))
-        for prompt, image in zip(prompts, images, strict=True)
-    ]
-    firsts = [rows.index(k) for k in range(len(index))]
+    rows, firsts = [], []
+    for row, key in enumerate(zip(prompts, map(id, images), strict=True)):
+        if key not in index:
+            index[key] = len(firsts)
+            firsts.append(row)
+        rows.append(index[key])
     return rows, firsts
 
 

@@ -9,11 +9,14 @@ the pixels, not a learnt embedding.
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 import torch
 
 from rlgen_cli.models.tokenizers import tiny_clip_tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 def save_tiny_clip(directory: Path, image_size: int = 16, seed: int = 0) -> Path:
@@ -43,7 +46,8 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=16, help="the input side the processor resizes to")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    print(save_tiny_clip(args.directory, args.image_size, args.seed))
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logger.info("saved a tiny CLIP to %s", save_tiny_clip(args.directory, args.image_size, args.seed))
 
 
 if __name__ == "__main__":
