@@ -106,20 +106,44 @@ def test_a_worker_started_alone_refuses_a_two_process_config(cli, tmp_path: Path
     assert "launch started 1 process" in (resolved.parent / REFUSAL_FILE).read_text()
 
 
-def test_every_rank_of_a_wrong_launch_stops_with_exit_2(cli, tmp_path: Path):
-    """Two real gloo ranks for a config that asks for four: both refuse before the process group forms."""
-    resolved = _resolved(
+def _four_process_config(tmp_path: Path, cli) -> Path:
+    return _resolved(
         tmp_path, cli, "launcher.num_processes=4", "algo.sample_batch_size=2", "algo.train_batch_size=2"
     )
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_each_rank_refuses_on_its_own_before_meeting_its_peers(cli, tmp_path: Path, rank: int):
+    """Every rank of a two-process launch refuses a four-process config by itself: it needs no peer (none
+    is started here, so a rank that tried to form the process group would wait for rank 0 until the
+    timeout) and exits 2 with its own line."""
+    resolved = _four_process_config(tmp_path, cli)
+    launch = {"WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"}
+    done = subprocess.run(
+        [sys.executable, "-m", "rlgen_cli.launch.worker", str(resolved)],
+        env={**os.environ, **launch, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    line = f"rlgen worker (rank {rank}): {resolved} asks for 4 processes in all"
+    assert line in done.stderr and "the launch started 2 processes" in done.stderr, done.stderr
+
+
+def test_a_real_wrong_launch_stops_with_the_refusal(cli, tmp_path: Path):
+    """Two real gloo ranks for a config that asks for four. The launcher stops the other rank as soon as
+    one exits, so how many ranks print their line before that is a race: at least one does, every line
+    printed names both numbers, and the launch fails."""
+    resolved = _four_process_config(tmp_path, cli)
     argv = launch_command(_two(), resolved)  # the command of a two-process launch, on a four-process config
     done = subprocess.run(
         argv, env={**os.environ, **launch_env(_two())}, capture_output=True, text=True, timeout=300
     )
     assert done.returncode != 0
     refusals = [line for line in done.stderr.splitlines() if line.startswith("rlgen worker (rank")]
-    assert len(refusals) == 2 and all("asks for 4 processes" in r and "started 2" in r for r in refusals), (
-        done.stderr
-    )
+    assert refusals and all("asks for 4 processes" in r and "started 2" in r for r in refusals), done.stderr
+    assert "asks for 4 processes" in (resolved.parent / REFUSAL_FILE).read_text()
 
 
 def test_the_controller_reports_a_refusal_with_exit_2(cli, tmp_path: Path, monkeypatch):
