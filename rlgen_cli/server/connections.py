@@ -98,7 +98,7 @@ class ServerRunner(web.AppRunner):
     """
 
     def __init__(self, app: web.Application, **kwargs: Any) -> None:
-        from rlgen_cli.server.app import STATE
+        from rlgen_cli.server.state import STATE
 
         state = app.get(STATE)  # None for another aiohttp app (test doubles of foreign servers)
         if state is not None:

@@ -14,7 +14,7 @@ from rlgen_cli.errors import UserError
 from rlgen_cli.rewards import RewardBatch, build_reward
 from rlgen_cli.rewards.base import RewardResult
 from rlgen_cli.rewards.remote import RemoteReward, RequestRefusedError, wire
-from rlgen_cli.server.app import STATE
+from rlgen_cli.server.state import STATE
 from tests.server.helpers import MeanReward, constant_images, http, metric
 
 
