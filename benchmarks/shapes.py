@@ -33,7 +33,7 @@ The default ``--runs`` are the five the comparison needs plus the hacked run; th
 
 Each run is evaluated before training and every few epochs (ODE sampling of the test prompts, the same
 noise every time). Time is the cumulative training seconds (``time/epoch``), evaluations excluded.
-``--seeds N`` repeats every algorithm with seeds 0 … N−1 (the seed draws the prompts, the noise and the
+``--seeds N`` repeats every algorithm with seeds 0 … N−1 (``--first-seed S``: S … S+N−1) (the seed draws the prompts, the noise and the
 evaluation noise, so the base itself reads differently per seed): the plot draws each algorithm's change
 from its own base, the mean over seeds as a line and the spread (min to max) as a band, and the summary
 gives the mean change with its min and max.
@@ -42,7 +42,14 @@ gives the mean change with its min and max.
 cores to spare; the budget is then per run on its share, and the plot says so. On a 2-core machine it
 gains nothing: two one-thread runs took 12 s an epoch each against 5.3 s for one two-thread run.
 
+``--merge A.json B.json …`` trains nothing: it draws the runs of several earlier results in one plot and
+one JSON, for a comparison that does not fit one sitting (other arms, or other seeds of the same arms).
+Their budget, threads per run and jobs must be equal and each arm's seed must come from one file; the
+JSON lists its sources.
+
     python benchmarks/shapes.py [--minutes 5] [--seeds 2] [--hack-minutes 5] [--jobs 1] [--runs grpo_fast,grpo_partial] [--out benchmarks/results]
+    python benchmarks/shapes.py --runs awm --first-seed 1 --out later      # seed 1 only, another day
+    python benchmarks/shapes.py --merge docs/images/shapes_benchmark.json later/shapes.json --out docs/images
 
 Writes ``shapes.json`` and ``shapes.png`` under ``--out`` and prints the JSON summary on one line.
 """
@@ -169,28 +176,50 @@ def plot(curves: dict[str, dict[int, dict[str, list[float]]]], out: Path, clock:
 
     titles = {"strict": "strict accuracy (headline)", "lenient": "lenient (GenEval) accuracy",
               "extra_per_image": "extra objects per image"}  # fmt: skip
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    palette = plt.get_cmap("tab20").colors
+    colours = dict(zip(curves, palette[::2] + palette[1::2], strict=False))  # the ten dark ones first
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.5), gridspec_kw={"width_ratios": [3, 3, 3, 2]})
     for ax, (metric, title) in zip(axes, titles.items()):
         for name, seeds in curves.items():
             grid, mean, low, high = gain_band(seeds, metric)
-            (line,) = ax.plot(
+            ax.plot(
                 grid,
                 mean,
                 marker="o",
                 ms=3,
+                color=colours[name],
                 label=f"{name} ({len(seeds)} seeds)",
                 linestyle="--" if name in HACKABLE else "-",
             )
-            ax.fill_between(grid, low, high, color=line.get_color(), alpha=0.15, linewidth=0)
+            ax.fill_between(grid, low, high, color=colours[name], alpha=0.15, linewidth=0)
         ax.axhline(0.0, color="grey", linewidth=0.8)
         ax.set_title(f"{title}: change from the base")
         ax.set_xlabel(f"training minutes ({clock})")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
+    final_strict_panel(axes[3], curves, colours)
     fig.suptitle("ShapesEval test set: RL from the same base and budget — mean over seeds, band = min…max")
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
+
+
+def final_strict_panel(ax, curves: dict[str, dict[int, dict[str, list[float]]]], colours: dict) -> None:
+    """Each arm's strict change at the end of its budget, best on top: the mean as a bar, every seed as
+    a dot (the spread the verdict has to beat)."""
+    finals = {
+        name: [100 * (p["strict"][-1] - p["strict"][0]) for p in seeds.values()]
+        for name, seeds in curves.items()
+    }
+    order = sorted(finals, key=lambda name: sum(finals[name]) / len(finals[name]))
+    for row, name in enumerate(order):
+        ax.barh(row, sum(finals[name]) / len(finals[name]), color=colours[name], alpha=0.6)
+        ax.plot(finals[name], [row] * len(finals[name]), "k.", ms=5)
+    ax.set_yticks(range(len(order)), order, fontsize=8)
+    ax.axvline(0.0, color="grey", linewidth=0.8)
+    ax.set_xlabel("strict accuracy change at the budget (points; dots = seeds)")
+    ax.set_title("where each arm ends")
+    ax.grid(alpha=0.3, axis="x")
 
 
 def summary(seeds: dict[int, dict[str, list[float]]]) -> dict[str, float]:
@@ -218,29 +247,54 @@ def clock(jobs: int, threads: int) -> str:
     return cores if jobs == 1 else f"{cores} per run, {jobs} runs side by side"
 
 
-def write(
-    curves: dict[str, dict[int, dict[str, list[float]]]],
-    args: argparse.Namespace,
-    threads: int,
-    wall_s: float,
-) -> dict:
-    """Write ``shapes.json`` and ``shapes.png`` for the runs so far; returns the JSON."""
+def write(curves: dict[str, dict[int, dict[str, list[float]]]], settings: dict, out: Path) -> dict:
+    """Write ``shapes.json`` and ``shapes.png`` under ``out`` for the runs so far (``settings``: how they
+    ran); returns the JSON."""
     done = {name: seeds for name, seeds in curves.items() if seeds}
-    result = {
-        "benchmark": "shapes", "minutes_per_run": args.minutes, "seeds": args.seeds, "jobs": args.jobs,
-        "hack_run": {"name": DEMO, "seeds": 1, "minutes": args.hack_minutes},
-        "threads_per_run": threads, "wall_s": round(wall_s, 1),
-        "summary": {name: summary(seeds) for name, seeds in done.items()}, "curves": done,
-    }  # fmt: skip
-    (args.out / "shapes.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
-    plot(done, args.out / "shapes.png", clock(args.jobs, threads))
+    result = {"benchmark": "shapes", **settings, "summary": {name: summary(seeds) for name, seeds in done.items()},
+              "curves": done}  # fmt: skip
+    (out / "shapes.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
+    plot(done, out / "shapes.png", clock(settings["jobs"], settings["threads_per_run"]))
     return result
+
+
+MERGE_MUST_AGREE = ("minutes_per_run", "threads_per_run", "jobs")
+"""What makes two results' training minutes the same minutes."""
+
+
+def merge(paths: list[Path]) -> tuple[dict[str, dict[int, dict[str, list[float]]]], dict]:
+    """The curves of several results and the settings they share; raises SystemExit naming the file and
+    the key when their budgets differ or an arm is in two files."""
+    results = [(path, json.loads(path.read_text(encoding="utf-8"))) for path in paths]
+    first_path, first = results[0]
+    curves: dict[str, dict[int, dict[str, list[float]]]] = {}
+    for path, result in results:
+        for key in MERGE_MUST_AGREE:
+            if result[key] != first[key]:
+                raise SystemExit(
+                    f"{path}: {key}={result[key]} but {first_path} has {first[key]}; merge equal budgets"
+                )
+        for name, seeds in result["curves"].items():
+            for seed, points in seeds.items():
+                if int(seed) in curves.setdefault(name, {}):
+                    raise SystemExit(
+                        f"{path}: {name} seed {seed} is in an earlier file too; give each run once"
+                    )
+                curves[name][int(seed)] = points
+    hack = next((r["hack_run"] for _, r in results if DEMO in r["curves"]), first["hack_run"])
+    settings = {key: first[key] for key in MERGE_MUST_AGREE} | {
+        "seeds": max(len(seeds) for name, seeds in curves.items() if name != DEMO), "hack_run": hack,
+        "wall_s": round(sum(r["wall_s"] for _, r in results), 1),
+        "sources": [{"file": path.name, "arms": sorted(r["curves"]), "wall_s": r["wall_s"]} for path, r in results],
+    }  # fmt: skip
+    return curves, settings
 
 
 def main() -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=5.0, help="training budget per algorithm")
-    parser.add_argument("--seeds", type=int, default=1, help="seeds per algorithm (0 … N−1)")
+    parser.add_argument("--seeds", type=int, default=1, help="seeds per algorithm (S … S+N−1)")
+    parser.add_argument("--first-seed", type=int, default=0, help="S, the first seed")
     parser.add_argument("--eval-every", type=int, default=10, help="epochs between evaluations")
     parser.add_argument(
         "--runs", default=",".join(DEFAULT_RUNS), help=f"comma-separated subset of {','.join(RUNS)}"
@@ -250,13 +304,19 @@ def main() -> dict[str, object]:
     )
     parser.add_argument("--jobs", type=int, default=1, help="runs trained side by side, sharing the cores")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--merge", type=Path, nargs="+", help="draw these results together; train nothing")
     args = parser.parse_args()
+    if args.merge:
+        args.out.mkdir(parents=True, exist_ok=True)
+        return write(*merge(args.merge), args.out)
     names = [n for n in args.runs.split(",") if n]
     unknown = sorted(set(names) - set(RUNS))
     if unknown:
         parser.error(f"unknown runs {unknown}; choose from {list(RUNS)}")
     if args.seeds < 1:
         parser.error(f"--seeds {args.seeds}: give at least 1")
+    if args.first_seed < 0:
+        parser.error(f"--first-seed {args.first_seed}: give 0 or more")
     cores = os.cpu_count() or 1
     if not 1 <= args.jobs <= cores:
         parser.error(f"--jobs {args.jobs}: give 1 … {cores} (this machine's cores)")
@@ -268,7 +328,8 @@ def main() -> dict[str, object]:
         args.hack_minutes = args.minutes
     # the demonstration first, then seed-major: a run cut short keeps whole seeds
     runs = [(DEMO, 0, args.hack_minutes)] if DEMO in names else []
-    runs += [(name, seed, args.minutes) for seed in range(args.seeds) for name in names if name != DEMO]
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    runs += [(name, seed, args.minutes) for seed in seeds for name in names if name != DEMO]
     with tempfile.TemporaryDirectory(prefix="rlgen-shapes-") as tmp, ThreadPoolExecutor(args.jobs) as pool:
         pending = {
             pool.submit(train, name, seed, RUNS[name], minutes, args.eval_every, Path(tmp), threads): (
@@ -280,7 +341,12 @@ def main() -> dict[str, object]:
         for future in as_completed(pending):  # written after every run: one cut short keeps the rest
             name, seed = pending[future]
             curves[name][seed] = curve(future.result())
-            result = write(curves, args, threads, time.perf_counter() - started)
+            settings = {
+                "minutes_per_run": args.minutes, "seeds": args.seeds, "jobs": args.jobs,
+                "hack_run": {"name": DEMO, "seeds": 1, "minutes": args.hack_minutes},
+                "threads_per_run": threads, "wall_s": round(time.perf_counter() - started, 1),
+            }  # fmt: skip
+            result = write(curves, settings, args.out)
     return result
 
 

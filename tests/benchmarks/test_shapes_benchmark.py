@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,42 @@ def test_the_two_reward_arms_report_jpeg_size(bench):
     out = bench.summary({0: points})
     assert out["jpeg_kb_delta"] == pytest.approx(-0.05)
     assert "jpeg_kb_delta" not in bench.summary(SEEDS)  # arms that do not score it
+
+
+def _result(tmp_path: Path, name: str, curves: dict, **settings) -> Path:
+    result = {"benchmark": "shapes", "minutes_per_run": 10.0, "seeds": 2, "jobs": 1, "threads_per_run": 2,
+              "hack_run": {"name": "grpo_lenient", "seeds": 1, "minutes": 4.0}, "wall_s": 60.0, **settings,
+              "curves": {arm: {str(seed): points for seed, points in seeds.items()} for arm, seeds in curves.items()}}  # fmt: skip
+    path = tmp_path / name
+    path.write_text(json.dumps(result))
+    return path
+
+
+def test_merge_draws_the_arms_of_several_results_together(bench, tmp_path: Path):
+    first = _result(tmp_path, "a.json", {"grpo_fast": SEEDS, "grpo_lenient": {0: SEEDS[0]}})
+    second = _result(tmp_path, "b.json", {"nft": {1: SEEDS[1]}}, seeds=1, wall_s=30.0)
+    third = _result(
+        tmp_path, "c.json", {"nft": {0: SEEDS[0]}}, seeds=1, wall_s=10.0
+    )  # the same arm, another seed
+    curves, settings = bench.merge([first, second, third])
+    assert sorted(curves) == ["grpo_fast", "grpo_lenient", "nft"] and curves["nft"] == SEEDS
+    assert settings["wall_s"] == 100.0 and settings["seeds"] == 2 and settings["hack_run"]["minutes"] == 4.0
+    assert [s["arms"] for s in settings["sources"]] == [["grpo_fast", "grpo_lenient"], ["nft"], ["nft"]]
+    result = bench.write(curves, settings, tmp_path)
+    assert result["summary"]["grpo_fast"]["strict_delta"] == pytest.approx(0.07)
+    assert (tmp_path / "shapes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("settings", "arms", "found"),
+    [
+        ({"minutes_per_run": 5.0}, ("nft",), "minutes_per_run=5.0 but"),
+        ({"threads_per_run": 1}, ("nft",), "threads_per_run=1 but"),
+        ({}, ("grpo_fast",), "grpo_fast seed 0 is in an earlier file too"),
+    ],
+)
+def test_merge_refuses_unequal_budgets_and_repeated_arms(bench, tmp_path: Path, settings, arms, found):
+    first = _result(tmp_path, "a.json", {"grpo_fast": SEEDS})
+    second = _result(tmp_path, "b.json", dict.fromkeys(arms, SEEDS), **settings)
+    with pytest.raises(SystemExit, match=found):
+        bench.merge([first, second])
