@@ -3,8 +3,9 @@
 * :func:`generate` — batched ``model.generate`` with the KV cache, explicit sampling options
   (temperature, top-p, top-k — generate's implicit top-k 50 and the checkpoint's near-greedy
   generation config are both overridden), stop at ``<|im_end|>`` / ``<|endoftext|>``, vision tokens
-  suppressed, and per-token log-probs of the sampled tokens from the *raw* logits (``output_logits``:
-  before the temperature, top-k / top-p and suppression processors), put through the training
+  suppressed, and per-token log-probs of the sampled tokens from the *raw* logits (before the
+  temperature, top-k / top-p and suppression processors; from ``output_logits`` for a small model,
+  step by step beyond :data:`RECORD_ALL_BYTES`: ``vlm/sampler_logprobs.py``), put through the training
   transform — temperature 1, vision tokens out of the softmax — so they are the trainer's quantity,
   computed by the sampler (``rlgen check-onpolicy`` compares the two).
 * :func:`check_context` — prompt + image tokens + completion budget must fit the context: prompts are
@@ -19,6 +20,7 @@ GRPO: Shao et al. 2024 (DeepSeekMath); StepGRPO: R1-VL, Zhang et al. 2025; layou
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +32,7 @@ from torch import Tensor
 
 from rlgen_cli.errors import UserError
 from rlgen_cli.vlm.policy import VLMPolicy
+from rlgen_cli.vlm.sampler_logprobs import SamplerLogprobs
 
 __all__ = [
     "Completions",
@@ -256,11 +259,18 @@ def generate(
         seed: Seeds torch's RNG for this call only (the global RNG state is restored afterwards).
         record_logprobs: Also return the sampled tokens' log-probs from the raw logits.
     """
-    config = generation_config(policy, options, record_logprobs)
+    from transformers import StoppingCriteriaList
+
+    rows = encoded["input_ids"].shape[0]
+    streamed = record_logprobs and not whole_record_fits(policy, rows, options.max_new_tokens)
+    config = generation_config(policy, options, record=record_logprobs and not streamed)
+    recorder = SamplerLogprobs(policy.suppressed_ids)
+    criteria = StoppingCriteriaList([recorder] if streamed else [])
     devices = [policy.device] if policy.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), policy.autocast():
+    recording = recorder.hooked(policy.model) if streamed else contextlib.nullcontext()
+    with torch.random.fork_rng(devices=devices), policy.autocast(), recording:
         torch.manual_seed(seed)
-        out = policy.model.generate(**encoded, generation_config=config)
+        out = policy.model.generate(**encoded, generation_config=config, stopping_criteria=criteria)
     generated = out.sequences[:, encoded["input_ids"].shape[1] :]  # (B, L_max)
     stops = torch.isin(generated, torch.tensor(policy.stop_ids, device=generated.device))
     ends, truncated = [], []
@@ -270,11 +280,27 @@ def generate(
         truncated.append(not hits.numel())
     ids = [generated[i, :end].cpu() for i, end in enumerate(ends)]
     logprobs = None
+    if streamed:
+        lp = recorder.result(generated.shape[1]).cpu()
+    elif record_logprobs:  # (B, L_max, V) raw logits: temperature 1, no filtering
+        lp = masked_log_softmax_gather(torch.stack(out.logits, dim=1), generated, policy.suppressed_ids).cpu()
     if record_logprobs:
-        raw = torch.stack(out.logits, dim=1)  # (B, L_max, V) raw logits: temperature 1, no filtering
-        lp = masked_log_softmax_gather(raw, generated, policy.suppressed_ids).cpu()
         logprobs = [lp[i, :end] for i, end in enumerate(ends)]
     return Completions(ids=ids, truncated=truncated, logprobs=logprobs)
+
+
+RECORD_ALL_BYTES = 64 << 20
+"""Up to this many bytes of float32 logits (rows × max_new_tokens × vocabulary), :func:`generate` records
+the sampler's log-probs from ``generate``'s own ``output_logits``, read in one batched pass: the fewest
+small ops for a small model. Beyond it — every real Qwen-VL rollout: one row of 128 tokens over the
+151 936-token vocabulary is 78 MB — step by step (``vlm/sampler_logprobs.py``), holding one step."""
+
+
+def whole_record_fits(policy: VLMPolicy, rows: int, max_new_tokens: int) -> bool:
+    """Whether ``output_logits`` of ``rows`` completions of up to ``max_new_tokens`` stays within
+    :data:`RECORD_ALL_BYTES`."""
+    vocabulary = policy.model.get_output_embeddings().weight.shape[0]
+    return rows * max_new_tokens * vocabulary * 4 <= RECORD_ALL_BYTES
 
 
 def pad_stack(rows: Sequence[Tensor], length: int | None = None, value: float = 0.0) -> Tensor:
