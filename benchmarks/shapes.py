@@ -49,7 +49,7 @@ JSON lists its sources.
 
     python benchmarks/shapes.py [--minutes 5] [--seeds 2] [--hack-minutes 5] [--jobs 1] [--runs grpo_fast,grpo_partial] [--out benchmarks/results]
     python benchmarks/shapes.py --runs awm --first-seed 1 --out later      # seed 1 only, another day
-    python benchmarks/shapes.py --merge docs/images/shapes_benchmark.json later/shapes.json --out docs/images
+    python benchmarks/shapes.py --merge docs/images/shapes_benchmark.json later/shapes.json --out merged
 
 Writes ``shapes.json`` and ``shapes.png`` under ``--out`` and prints the JSON summary on one line.
 """
@@ -217,8 +217,8 @@ def final_strict_panel(ax, curves: dict[str, dict[int, dict[str, list[float]]]],
         ax.plot(finals[name], [row] * len(finals[name]), "k.", ms=5)
     ax.set_yticks(range(len(order)), order, fontsize=8)
     ax.axvline(0.0, color="grey", linewidth=0.8)
-    ax.set_xlabel("strict accuracy change at the budget (points; dots = seeds)")
-    ax.set_title("where each arm ends")
+    ax.set_xlabel("strict change at the budget (points)")
+    ax.set_title("where each arm ends (dots: seeds)")
     ax.grid(alpha=0.3, axis="x")
 
 
