@@ -3,7 +3,8 @@
 The declared ``Content-Length`` is checked before a byte is read; the body then arrives chunk by chunk
 within ``body_timeout_s``, each chunk fed to a counter (JSON items, msgpack items and image headers,
 pickle opcodes) so an oversized body is refused before the rest of it is read. A body of known length is
-read into one buffer allocated up front.
+read into one buffer allocated up front. :func:`read_payload` then parses rlgen's own wire (JSON or
+msgpack), in the decode pool above :data:`INLINE_PARSE_BYTES`.
 """
 
 from __future__ import annotations
