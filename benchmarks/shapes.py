@@ -33,10 +33,10 @@ The default ``--runs`` are the five the comparison needs plus the hacked run; th
 
 Each run is evaluated before training and every few epochs (ODE sampling of the test prompts, the same
 noise every time). Time is the cumulative training seconds (``time/epoch``), evaluations excluded.
-``--seeds N`` repeats every algorithm with seeds 0 … N−1 (``--first-seed S``: S … S+N−1) (the seed draws the prompts, the noise and the
-evaluation noise, so the base itself reads differently per seed): the plot draws each algorithm's change
-from its own base, the mean over seeds as a line and the spread (min to max) as a band, and the summary
-gives the mean change with its min and max.
+``--seeds N`` repeats every algorithm with seeds 0 … N−1, or S … S+N−1 with ``--first-seed S`` (the seed
+draws the prompts, the noise and the evaluation noise, so the base itself reads differently per seed):
+the plot draws each algorithm's change from its own base, the mean over seeds as a line and the spread
+(min to max) as a band, and the summary gives the mean change with its min and max.
 
 ``--jobs N`` trains N runs side by side, each on cores / N threads (``OMP_NUM_THREADS``), for machines with
 cores to spare; the budget is then per run on its share, and the plot says so. On a 2-core machine it
@@ -283,7 +283,7 @@ def merge(paths: list[Path]) -> tuple[dict[str, dict[int, dict[str, list[float]]
                 curves[name][int(seed)] = points
     hack = next((r["hack_run"] for _, r in results if DEMO in r["curves"]), first["hack_run"])
     settings = {key: first[key] for key in MERGE_MUST_AGREE} | {
-        "seeds": max(len(seeds) for name, seeds in curves.items() if name != DEMO), "hack_run": hack,
+        "seeds": max((len(seeds) for name, seeds in curves.items() if name != DEMO), default=1), "hack_run": hack,
         "wall_s": round(sum(r["wall_s"] for _, r in results), 1),
         "sources": [{"file": path.name, "arms": sorted(r["curves"]), "wall_s": r["wall_s"]} for path, r in results],
     }  # fmt: skip

@@ -264,10 +264,10 @@ def generate(
     rows = encoded["input_ids"].shape[0]
     streamed = record_logprobs and not whole_record_fits(policy, rows, options.max_new_tokens)
     config = generation_config(policy, options, record=record_logprobs and not streamed)
-    recorder = SamplerLogprobs(policy.suppressed_ids)
-    criteria = StoppingCriteriaList([recorder] if streamed else [])
+    recorder = SamplerLogprobs(policy.suppressed_ids) if streamed else None
+    criteria = StoppingCriteriaList([] if recorder is None else [recorder])
     devices = [policy.device] if policy.device.type == "cuda" else []
-    recording = recorder.hooked(policy.model) if streamed else contextlib.nullcontext()
+    recording = contextlib.nullcontext() if recorder is None else recorder.hooked(policy.model)
     with torch.random.fork_rng(devices=devices), policy.autocast(), recording:
         torch.manual_seed(seed)
         out = policy.model.generate(**encoded, generation_config=config, stopping_criteria=criteria)
@@ -280,11 +280,11 @@ def generate(
         truncated.append(not hits.numel())
     ids = [generated[i, :end].cpu() for i, end in enumerate(ends)]
     logprobs = None
-    if streamed:
-        lp = recorder.result(generated.shape[1]).cpu()
-    elif record_logprobs:  # (B, L_max, V) raw logits: temperature 1, no filtering
-        lp = masked_log_softmax_gather(torch.stack(out.logits, dim=1), generated, policy.suppressed_ids).cpu()
-    if record_logprobs:
+    if record_logprobs:  # raw logits: temperature 1, no filtering
+        if recorder is not None:
+            lp = recorder.result(generated.shape[1]).cpu()
+        else:  # output_logits: L_max × (B, V)
+            lp = masked_log_softmax_gather(torch.stack(out.logits, 1), generated, policy.suppressed_ids).cpu()
         logprobs = [lp[i, :end] for i, end in enumerate(ends)]
     return Completions(ids=ids, truncated=truncated, logprobs=logprobs)
 
