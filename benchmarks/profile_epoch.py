@@ -6,8 +6,10 @@ the epoch in each phase — transformer forward, backward, optimizer, text encod
 objective, advantages, reward, data, logging — and ``rest`` (whatever no phase covers), plus the
 operators that make up the rest. Phases are ``record_function`` labels the script wraps around the
 recipe's own calls; each phase counts its own time only (a transformer call inside a rollout is
-transformer time, not SDE time). Scoring runs in a background thread while the next batch samples: the
-main thread's wait for it is ``reward``, the thread's own busy time ``reward_thread_s`` (wall clock).
+transformer time, not SDE time). Scoring (``algo.reward_scoring``) runs in line on a CPU with local
+rewards, where ``reward`` is its time; on a worker thread while the next batch samples (an accelerator, a
+served reward, or ``thread``), ``reward`` is the main thread's wait for it. ``scoring_s`` is the wall
+clock spent scoring, on whichever thread.
 
     python benchmarks/profile_epoch.py [--geometry sd3_cfg|shapes|all] [--warmup 2] [key=value …]
 
@@ -56,7 +58,10 @@ MODULE_PHASES = {
     common: {"reduce_over_ranks": "logging"},
 }  # fmt: skip
 """The recipe functions each phase label wraps, by the module the recipe looks them up in."""
-CLASS_PHASES = {flow_grpo.RewardScoring: {"results": "reward"}, flow_grpo.Rollouts: {"select": "data"}}
+CLASS_PHASES = {
+    flow_grpo.RewardScoring: {"submit": "reward", "results": "reward"},
+    flow_grpo.Rollouts: {"select": "data"},
+}
 
 
 def labelled(label: str, fn: Callable) -> Callable:
@@ -87,7 +92,7 @@ def clocked(clock: dict[str, float], key: str, fn: Callable) -> Callable:
 @contextmanager
 def phase_labels(run: FlowRun) -> Iterator[dict[str, float]]:
     """Wrap the recipe's calls in phase labels for the duration of the block (this process only); yields
-    the seconds the scorer thread spent scoring (``reward_thread``)."""
+    the seconds spent scoring on any thread (``scoring``)."""
     instance = {
         run.policy: {"encode": "text_encoders", "velocity": "transformer_forward", "decode": "vae",
                      "noise": "data"},
@@ -104,8 +109,8 @@ def phase_labels(run: FlowRun) -> Iterator[dict[str, float]]:
             saved.append((owner, name, vars(owner).get(name) if had_own else None, had_own))
             setattr(owner, name, labelled(label, original))
     clock: dict[str, float] = {}
-    score = flow_run.score  # called on the scorer thread, which the profiler does not follow
-    flow_run.score = clocked(clock, "reward_thread", score)
+    score = flow_run.score  # maybe called on the scorer thread, which the profiler does not follow
+    flow_run.score = clocked(clock, "scoring", score)
     try:
         yield clock
     finally:
@@ -187,7 +192,7 @@ def _measure(recipe: FlowRun, geometry: str, warmup: int | None, repeats: int) -
     total_s = sum(main.values()) / 1e6  # the epoch's range: its own time plus every phase's
     seconds = {phase: main.get(phase, 0.0) / 1e6 for phase in PHASES}  # reward: the wait for the scorer
     seconds["rest"] = main[EPOCH] / 1e6
-    reward_thread_s = clock.get("reward_thread", 0.0)
+    scoring_s = clock.get("scoring", 0.0)
     return {
         "geometry": geometry,
         "epoch_s_median": round(statistics.median(plain), 4) if plain else None,
@@ -195,7 +200,7 @@ def _measure(recipe: FlowRun, geometry: str, warmup: int | None, repeats: int) -
         "share": {k: round(v / total_s, 4) for k, v in seconds.items()},
         "seconds": {k: round(v, 4) for k, v in seconds.items()},
         "calls": {k: v for k, v in sorted(calls.items()) if k != EPOCH},
-        "reward_thread_s": round(reward_thread_s, 4),
+        "scoring_s": round(scoring_s, 4),
         "prompt_cache": None
         if cache is None
         else {"hits": cache.hits - hits, "misses": cache.misses - misses},

@@ -23,7 +23,8 @@ from torch import Tensor
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "Reward", "RewardBatch", "RewardResult", "accepts_uint8", "all_finite", "check_result", "source_stack",
+    "Reward", "RewardBatch", "RewardResult", "accepts_uint8", "all_finite", "check_result", "is_served",
+    "source_stack",
 ]  # fmt: skip
 
 
@@ -157,6 +158,12 @@ def accepts_uint8(reward: Reward) -> bool:
     that received uint8 pixels passes them on unchanged instead of converting to float and back.
     """
     return bool(getattr(reward, "accepts_uint8", False))
+
+
+def is_served(reward: Reward) -> bool:
+    """Whether ``reward`` scores by waiting on another process (its optional ``served`` attribute: the
+    clients of reward servers and judge APIs), rather than computing here."""
+    return bool(getattr(reward, "served", False))
 
 
 def all_finite(values: Tensor) -> bool:

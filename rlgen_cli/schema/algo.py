@@ -22,6 +22,7 @@ from rlgen_cli.schema.choices import (
     Objective,
     PrefLoss,
     PretrainSource,
+    RewardScoringMode,
     ShuffleSamples,
     SigmaSampling,
     SlidingStrategy,
@@ -391,6 +392,11 @@ class FlowGrpoAlgoConfig(PolicyGradientConfig):
     count (docs/maths.md §4.5)."""
     objective: Annotated[str, Objective] = "grpo"
     """Per-step loss: ``grpo`` (clipped ratio) or ``grpo_guard`` (ratio normalisation, reweighting)."""
+    reward_scoring: Annotated[str, RewardScoringMode] = "auto"
+    """Where each rollout batch is scored: ``thread`` = on a worker thread while the next batch samples;
+    ``inline`` = between batches, in the sampling thread; ``auto`` = ``thread`` on an accelerator or with a
+    served reward, ``inline`` on a CPU run whose rewards compute locally (a thread there competes with the
+    sampler for the same cores). Same scores either way."""
     window: WindowConfig = field(default_factory=WindowConfig)
     branch: Annotated[str, Branch] = "independent"
     """``shared_prefix``: one ODE prefix per prompt up to the window, then the group branches (Fast)."""

@@ -42,6 +42,7 @@ __all__ = [
     "R3Dataset",
     "RealSizeVariant",
     "Recipe",
+    "RewardScoringMode",
     "SdeKind",
     "SigmaSampling",
     "SlidingStrategy",
@@ -107,6 +108,7 @@ Objective = Literal["grpo", "grpo_guard"]
 Branch = Literal["independent", "shared_prefix"]
 CfgGrad = Literal["conditional", "both"]
 ShuffleSamples = Literal["none", "per_process"]
+RewardScoringMode = Literal["auto", "thread", "inline"]
 StdEstimator = Literal["population", "unbiased"]
 AdvAggregation = Literal["sum_then_normalize", "normalize_then_sum", "gdpo"]
 LrSchedule = Literal["constant", "cosine", "linear"]

@@ -137,6 +137,7 @@ def _collect(n: int, parts: list[tuple[list[int], list[float], dict[str, list[An
 class _RemoteBase:
     """Chunking, parallelism and failure policy shared by the remote rewards."""
 
+    served = True  # scores by waiting on a server: a worker thread can hide that wait (base.is_served)
     name: str
     pool: EndpointPool
     batch_size: int
