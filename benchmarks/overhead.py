@@ -9,6 +9,12 @@ prompts, so the prompt cache is warm as in a long run) epochs and replays altern
 medians and ends with ``overhead_ratio`` = epoch ÷ replay. The epoch contains every replayed call, so a
 ratio below 1 is a measurement error: it is flagged (``valid: false``) and the script exits 1.
 
+On a CPU the epoch's own calls are clocked too (``model_calls_in_epoch_s``), which splits the overhead in
+two: ``outside_calls_share``, the epoch's time between its model calls (Python, SDE maths, VAE, reward),
+and ``calls_in_epoch_vs_replay``, how much slower the same calls ran inside the epoch than bare (what runs
+beside them: another thread's work competing for the cores, caches). On a GPU a clock around each call
+would have to synchronise the device, which changes what is measured, so they are left out.
+
 ``--baseline KEY=VALUE`` (repeatable) runs a second recipe with those overrides side by side, epochs
 interleaved A/B/A/B, and reports ``epoch_vs_baseline`` (median of the per-repeat ratios). The old path
 of the prompt conditioning is ``model.prompt_cache_mb=0``; the old cost of ``algo.cfg_grad=conditional``
@@ -69,9 +75,10 @@ Calls = list[Call | str]  # velocity calls and BACKWARD markers, in the epoch's 
 
 
 @contextmanager
-def recording(recipe: FlowRun, calls: Calls, passes: Counter) -> Iterator[None]:
+def recording(recipe: FlowRun, calls: Calls, passes: Counter, in_calls: list[float]) -> Iterator[None]:
     """Append every velocity call and backward of the block to ``calls``; count the transformer's passes
-    by batch size and grad mode in ``passes``."""
+    by batch size and grad mode in ``passes``; add the wall-clock seconds spent inside those calls to
+    ``in_calls[0]`` (meaningful on a CPU only: nothing here waits for a GPU)."""
     policy, dist = recipe.policy, recipe.dist
     velocity, reference, backward = policy.velocity, policy.trainable.reference, dist.backward
     depth = [0]
@@ -83,7 +90,11 @@ def recording(recipe: FlowRun, calls: Calls, passes: Counter) -> Iterator[None]:
                 x.detach().clone(), sigma.detach().clone(), cond, torch.is_grad_enabled(), mode, depth[0] > 0
             )
         )
-        return velocity(x, sigma, cond)
+        start = time.perf_counter()
+        try:
+            return velocity(x, sigma, cond)
+        finally:
+            in_calls[0] += time.perf_counter() - start
 
     @contextmanager
     def recorded_reference() -> Iterator[None]:
@@ -96,7 +107,11 @@ def recording(recipe: FlowRun, calls: Calls, passes: Counter) -> Iterator[None]:
 
     def recorded_backward(loss: Tensor, sync: bool = True) -> None:
         calls.append(BACKWARD)
-        backward(loss, sync)
+        start = time.perf_counter()
+        try:
+            backward(loss, sync)
+        finally:
+            in_calls[0] += time.perf_counter() - start
 
     def recorded_pass(_: Any, args: tuple, kwargs: dict) -> None:
         first = kwargs.get("hidden_states", args[0] if args else None)
@@ -164,14 +179,16 @@ class Arm:
         self.passes: Counter = Counter()
         self.epoch_s: list[tuple[float, float]] = []  # (wall, cpu) per measured epoch
         self.calls_s: list[tuple[float, float]] = []
+        self.in_epoch_calls_s: list[float] = []  # wall seconds inside the epoch's own model calls
 
     def run_epoch(self, progress: Progress, measured: bool) -> None:
-        self.calls, self.passes = [], Counter()
-        with recording(self.recipe, self.calls, self.passes):
+        self.calls, self.passes, in_calls = [], Counter(), [0.0]
+        with recording(self.recipe, self.calls, self.passes, in_calls):
             seconds = timed(lambda: run_epoch(self.recipe, self.epoch, progress), self.recipe.device)
         self.epoch += 1
         if measured:
             self.epoch_s.append(seconds)
+            self.in_epoch_calls_s.append(in_calls[0])
 
     def replay(self, measured: bool) -> None:
         seconds = timed(lambda: replay(self.recipe, self.calls), self.recipe.device)
@@ -197,6 +214,14 @@ class Arm:
         cache = getattr(self.recipe.policy.encode, "cache", None)
         epoch_s, calls_s = (statistics.median(s for s, _ in t) for t in (self.epoch_s, self.calls_s))
         epoch_cpu, calls_cpu = (statistics.median(c for _, c in t) for t in (self.epoch_s, self.calls_s))
+        in_epoch = {}
+        if self.recipe.device.type == "cpu":
+            in_epoch_s = statistics.median(self.in_epoch_calls_s)
+            in_epoch = {
+                "model_calls_in_epoch_s": round(in_epoch_s, 4),
+                "outside_calls_share": round(1 - in_epoch_s / epoch_s, 4),
+                "calls_in_epoch_vs_replay": round(in_epoch_s / calls_s, 4),
+            }
         return {
             "overrides": self.overrides,
             "epoch_s": round(epoch_s, 4),
@@ -205,6 +230,7 @@ class Arm:
             "epoch_cpu_s": round(epoch_cpu, 4),
             "model_calls_cpu_s": round(calls_cpu, 4),
             "overhead_ratio_cpu": round(epoch_cpu / calls_cpu, 4),
+            **in_epoch,
             "epoch_s_all": [round(s, 4) for s, _ in self.epoch_s],
             "model_calls_s_all": [round(s, 4) for s, _ in self.calls_s],
             "calls_per_epoch": {

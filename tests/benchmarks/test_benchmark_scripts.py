@@ -38,6 +38,11 @@ def test_overhead_replays_the_epoch_and_compares_with_a_baseline():
     for arm in ("recipe", "baseline"):
         assert result[arm]["epoch_s"] > 0 and result[arm]["model_calls_s"] > 0, result[arm]
         assert result[arm]["calls_per_epoch"]["backwards"] > 0
+        inside = result[arm]["model_calls_in_epoch_s"]  # the epoch's own calls, clocked on a CPU
+        assert 0 < inside < result[arm]["epoch_s"], result[arm]
+        assert result[arm]["outside_calls_share"] == pytest.approx(
+            1 - inside / result[arm]["epoch_s"], abs=2e-4
+        )
     assert "epoch_vs_baseline" in result and "valid" in result
 
 
