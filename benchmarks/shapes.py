@@ -90,7 +90,7 @@ RUNS: dict[str, list[str]] = {
     "grpo_fast": ["algo.lr_schedule=constant"],  # the default experiment, at a constant lr like the others
     "mix_grpo": ["algo=mix_grpo", *GEOMETRY, "algo.clip_range=1e-3", "algo.window.shift_every=5"],
     "dance": ["algo=dance", *GEOMETRY, "algo.clip_range=1e-3", "sampler=dance"],
-    "dpo": ["algo=dpo", *GEOMETRY],
+    "dpo": ["algo=dpo", *(o for o in GEOMETRY if "gradient_accumulation" not in o)],  # a step per σ: refused
     "nft": NFT,
     "awm": ["algo=awm", *GEOMETRY],
     "dgpo": ["algo=dgpo", *GEOMETRY],

@@ -32,6 +32,7 @@ from rlgen_cli.training.checkpoints.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
+from rlgen_cli.training.checkpoints.resume_config import check_resume_config
 from rlgen_cli.training.distributed.dist import Dist
 from rlgen_cli.training.reporting.progress import Progress
 
@@ -66,6 +67,7 @@ class Run(Protocol):
     start_epoch: int
     train_seconds: float
     clock_seconds: float
+    last_epoch_seconds: float
     time_progress: float
     unit: str
     """What one pass of the loop is called in bars and lines: ``epoch`` (R3: ``step``)."""
@@ -214,15 +216,22 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 def load_resume(
-    resume: str | None, run_dir: Path, load_weights: Callable[[Path], None], unverified: bool = False
+    resume: str | None,
+    run_dir: Path,
+    load_weights: Callable[[Path], None],
+    config: DictConfig,
+    unverified: bool = False,
 ) -> tuple[Checkpoint, dict[str, Any]] | None:
     """The checkpoint ``resume`` names (``auto``: the run's latest intact one), its trained weights
     loaded by ``load_weights`` (what wrote them, read back: e.g. a VLM policy's ``load_trainable``), and
     its trainer state; ``None`` for a fresh run. Each recipe restores the rest of the state (optimizer,
-    sampler, counters, …) itself. ``unverified``: ``resume_unverified`` (a checkpoint without a manifest)."""
+    sampler, counters, …) itself. ``config``: this run's, which must not differ from the checkpoint's in
+    what training computes (``check_resume_config``; these recipes' schedules span ``epochs``).
+    ``unverified``: ``resume_unverified`` (a checkpoint without a manifest)."""
     ckpt = resolve_resume(resume, run_dir, unverified)
     if ckpt is None:
         return None
+    check_resume_config(ckpt.path, ckpt.config(), config, schedule_uses_length=True)
     state = ckpt.state()
     load_weights(ckpt.weights)
     log.info("resuming from %s", ckpt.path)

@@ -5,7 +5,8 @@
   noised with the same σ (logit-normal over the 1000-step training schedule) and ε, and the policy is
   pushed to lower its flow-matching error on the winner relative to the reference more than on the
   loser. ``ref_update_step = 0`` keeps the base model as reference (offline); N > 0 copies the policy
-  into the reference every N optimizer steps (online DPO).
+  into the reference every N optimizer steps (online DPO), and checkpoints keep that copy, so a resumed
+  run samples from the same reference as an uninterrupted one.
 * **SFT**: the policy samples; the ``top_k`` best of each group are regressed on with the flow-matching
   loss, weighted by their (non-negative) advantage — honoured whatever the anchor weight is (upstream
   drops it at 0) — plus ``anchor_weight``·‖v_θ − v_base‖² to stay near the base model.
@@ -43,6 +44,7 @@ from rlgen_cli.algos import (
     select_best,
     sft_loss,
 )
+from rlgen_cli.errors import UserError
 from rlgen_cli.recipes import common, flow_run
 from rlgen_cli.recipes.common import reduce_over_ranks, timed
 from rlgen_cli.recipes.flow_run import FlowRun
@@ -60,6 +62,7 @@ from rlgen_cli.training.reporting.progress import Progress
 log = logging.getLogger(__name__)
 
 TRAIN_SCHEDULE_STEPS = 1000
+REFERENCE_KEY = "dpo_reference"  # trainer-state entry of online DPO's reference copy
 
 
 @dataclass
@@ -73,13 +76,25 @@ class Preference:
 
     @classmethod
     def build(cls, run: FlowRun) -> Preference:
+        """The σ table and, for online DPO, the reference copy: the resumed checkpoint's, else a copy of
+        the current weights (:func:`_resumed_reference` says when that is refused)."""
         pref = run.cfg.algo.pref
         table = run.policy.schedule(TRAIN_SCHEDULE_STEPS, run.policy.noise(1))[:-1]
         copy = None
         if pref.loss == "dpo" and pref.ref_update_step > 0:
             params = run.policy.trainable.parameters()
             copy = EMA(params, decay=0.0, update_every=pref.ref_update_step, gather=run.dist.gathered)
+            saved = _resumed_reference(run)
+            if saved is not None:
+                copy.load_state_dict(saved)
         return cls(table, copy)
+
+    def extra_state(self) -> dict[str, Any] | None:
+        """What a checkpoint keeps of this state (``flow_run.save``'s ``extra_state``): the online
+        reference copy, which a resume cannot rebuild from the weights between two refreshes."""
+        if self.reference_copy is None:
+            return None
+        return {REFERENCE_KEY: self.reference_copy.state_dict()}
 
     def reference(self, run: FlowRun) -> AbstractContextManager[Any]:
         """The DPO reference: the periodic copy of the policy (online) or the base model (offline)."""
@@ -88,6 +103,30 @@ class Preference:
             if self.reference_copy is not None
             else run.policy.trainable.reference()
         )
+
+
+def _resumed_reference(run: FlowRun) -> dict[str, Any] | None:
+    """Online DPO: the reference copy the resumed checkpoint saved (None when the run starts afresh, or
+    resumes a checkpoint without one at a refresh, where the copy equals the weights it was loaded with).
+
+    Raises:
+        UserError: A checkpoint without the copy (saved before rlgen kept it, or the guard's
+            ``best_heldout``) between two refreshes: the copy was the weights of an earlier step, which
+            the checkpoint does not hold.
+    """
+    if REFERENCE_KEY in run.resumed_extra:
+        return run.resumed_extra[REFERENCE_KEY]
+    every, step = run.cfg.algo.pref.ref_update_step, run.global_step
+    if step % every:
+        raise UserError(
+            f"the resumed checkpoint (epoch {run.start_epoch}, global_step {step}) does not hold online "
+            "DPO's reference copy (one saved by an older rlgen, or the guard's best_heldout, lacks it), and "
+            f"with algo.pref.ref_update_step={every} that copy holds the weights of global_step "
+            f"{step - step % every}, not the checkpoint's: resume a checkpoint whose global_step is a "
+            f"multiple of algo.pref.ref_update_step={every} (resume=PATH; "
+            "there the copy equals the weights), or start the run afresh"
+        )
+    return None
 
 
 @dataclass
@@ -458,6 +497,7 @@ def run(cfg: FlowPrefTrainConfig, raw_cfg: DictConfig) -> dict[str, Any]:
         pref_state = Preference.build(s.run)
         for epoch in s.epochs():
             metrics = pref_epoch(s.run, pref_state, epoch, s.progress)
-            if s.end_epoch(epoch, metrics, console_line, headline=f"reward {metrics['reward/mean']:+.4g}"):
+            headline = f"reward {metrics['reward/mean']:+.4g}"
+            if s.end_epoch(epoch, metrics, console_line, headline, extra_state=pref_state.extra_state()):
                 break
     return s.metrics

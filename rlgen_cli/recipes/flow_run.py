@@ -54,6 +54,7 @@ from rlgen_cli.training.checkpoints.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from rlgen_cli.training.checkpoints.resume_config import check_resume_config
 from rlgen_cli.training.control.ema import EMA
 from rlgen_cli.training.control.hacking_guard import (
     BEST_HELDOUT,
@@ -112,6 +113,9 @@ class FlowRun:
     clock_seconds: float = 0.0
     """Seconds on the time limit's clock (epochs, evaluations, checkpoints) since the first epoch;
     carried over a resume in the counters."""
+    last_epoch_seconds: float = 0.0
+    """Seconds of the latest epoch, from which the time-aware lr clock predicts the next one's
+    (``recipes/session.py``); carried over a resume in the counters."""
     unit: str = "epoch"
     """What one pass of the session's loop is called in logs and bars."""
 
@@ -249,6 +253,8 @@ def setup(cfg: FlowRunConfig, raw_cfg: DictConfig) -> FlowRun:
         algo.prompts_per_epoch,
         algo.group_size,
     )
+    if run.guard is not None and run.guard.stop_requested and dist.is_main:  # resumed after the guard's stop
+        log.warning(run.guard.resumed_message())  # and the session trains no epoch (recipes/session.py)
     return run
 
 
@@ -270,6 +276,10 @@ def _resume_weights(run: FlowRun) -> tuple[Checkpoint, dict[str, Any]] | None:
     ckpt = resolve_resume(run.cfg.resume, run.run_dir, run.cfg.resume_unverified)
     if ckpt is None:
         return None
+    steps_per_process = run.cfg.recipe not in STEPS_OF_FIXED_SIZE
+    check_resume_config(
+        ckpt.path, ckpt.config(), run.raw_cfg, schedule_spans_length(run.cfg), steps_per_process
+    )
     state = ckpt.state()
     _load_trained(run, ckpt, state)
     run.sampler.load_state_dict(state[SAMPLER_KEY])
@@ -277,8 +287,20 @@ def _resume_weights(run: FlowRun) -> tuple[Checkpoint, dict[str, Any]] | None:
     run.global_step = state[COUNTERS_KEY]["global_step"]
     run.train_seconds = state[COUNTERS_KEY].get("train_seconds", 0.0)  # absent from older checkpoints
     run.clock_seconds = state[COUNTERS_KEY].get("clock_seconds", 0.0)
+    run.last_epoch_seconds = state[COUNTERS_KEY].get("last_epoch_seconds", 0.0)
     log.info("resumed from %s at epoch %d", ckpt.path, run.start_epoch)
     return ckpt, state
+
+
+STEPS_OF_FIXED_SIZE = ("flow_pref", "flow_pretrain")
+"""Recipes whose optimizer step is the same on any process count (they refuse
+``algo.gradient_accumulation_steps``): a resume on another count changes nothing there."""
+
+
+def schedule_spans_length(cfg: FlowRunConfig) -> bool:
+    """Whether the learning rate depends on ``epochs`` / ``time_limit_minutes``: a decaying schedule, or
+    pretraining's per-step one (a constant schedule, warm-up included, depends on the epoch alone)."""
+    return cfg.recipe == "flow_pretrain" or cfg.algo.lr_schedule != "constant"
 
 
 def _load_trained(run: FlowRun, ckpt: Checkpoint, state: dict[str, Any]) -> None:
@@ -547,6 +569,7 @@ def save(
             "global_step": run.global_step,
             "train_seconds": run.train_seconds,
             "clock_seconds": run.clock_seconds,
+            "last_epoch_seconds": run.last_epoch_seconds,
         },
         **(extra_state or {}),
     }

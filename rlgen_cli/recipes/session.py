@@ -13,11 +13,13 @@ What an epoch is made of stays in the recipe; what the session asks of the run i
 run: ``recipes/flow_run.py``; a run whose recipe holds its own optimizer, VLM or R3: ``recipes/trainer_run.py``).
 
 The time limit's clock (:class:`EpochClock`) starts at the first epoch (after any evaluation before
-training) and counts everything after it: epochs, evaluations, checkpoints. Its seconds, and the seconds
-spent in epochs alone, travel in the checkpoint's counters, so a resumed run goes on with the time it
-had left. Under ``lr_schedule_clock=time_or_epochs`` it also tells the lr schedule, before each epoch,
-which share of the time budget will have been used when that epoch ends (``FlowRun.time_progress``,
-``training/control/schedule.py``): training seconds against the budget net of the time spent elsewhere.
+training) and counts everything after it: epochs, evaluations, checkpoints. Its seconds, the seconds
+spent in epochs alone and the latest epoch's seconds travel in the checkpoint's counters, so a resumed
+run goes on with the time it had left. Under ``lr_schedule_clock=time_or_epochs`` it also tells the lr
+schedule, before each epoch, which share of the time budget will have been used when that epoch ends
+(``FlowRun.time_progress``, ``training/control/schedule.py``): training seconds against the budget net of
+the time spent elsewhere, plus the next epoch's seconds predicted from the latest one's (a resumed run's
+first epoch from the checkpoint's, as the uninterrupted run predicts it).
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ class EpochClock:
     time_aware: bool
     """``lr_schedule_clock=time_or_epochs`` under a time limit."""
     last_epoch_seconds: float = 0.0
+    """The latest epoch's seconds, the predicted length of the next; a resumed run's comes from its
+    checkpoint's counters (0 from one saved without them)."""
 
     @classmethod
     def start(cls, run: Run, progress: Progress) -> EpochClock:
@@ -66,7 +70,8 @@ class EpochClock:
         task = progress.task(f"{run.unit}s", total=run.cfg.epochs, completed=run.start_epoch)
         budget = 60 * limit.minutes if limit.minutes else math.inf
         time_aware = limit.schedule_clock == "time_or_epochs" and budget < math.inf
-        return cls(run, progress, task, budget, time.monotonic() - run.clock_seconds, time_aware)
+        started = time.monotonic() - run.clock_seconds
+        return cls(run, progress, task, budget, started, time_aware, run.last_epoch_seconds)
 
     def elapsed(self) -> float:
         """Seconds on the clock, resumed runs' earlier seconds included."""
@@ -92,6 +97,7 @@ class EpochClock:
         """Count an epoch's ``seconds`` of training, and stamp the clock into the run's counters."""
         self.run.train_seconds += seconds
         self.last_epoch_seconds = seconds
+        self.run.last_epoch_seconds = seconds  # into the counters of the runs whose checkpoints save it
         self.stamp()
 
     def stamp(self) -> None:
@@ -103,6 +109,10 @@ class EpochClock:
         limit (rank 0's clock decides, so every rank stops together): call it once per epoch on every rank."""
         if epoch + 1 == self.run.cfg.epochs:
             return True
+        return self.budget_used_up()
+
+    def budget_used_up(self) -> bool:
+        """Whether the time limit's seconds are spent. Collective (rank 0's clock decides)."""
         if self.budget == math.inf:
             return False
         late = torch.tensor([float(self.spent() >= self.budget)])
@@ -133,7 +143,19 @@ class Session:
     """Epochs trained and logged, resumed ones included (what a Ctrl-C reports)."""
 
     def epochs(self) -> Iterator[int]:
-        """The epochs left to run (after a resume, from the first not yet done), each one timed."""
+        """The epochs left to run (after a resume, from the first not yet done), each one timed; none
+        when the run resumed from a checkpoint its guard had stopped (``recipes/flow_run.py`` says so) or
+        whose time limit is already used up (the run is complete: a requeue loop ends there)."""
+        if self.run.stop_requested():
+            return
+        if self.run.start_epoch > 0 and self.clock.budget_used_up():  # resumed from a run its limit ended
+            limit = self.run.time_limit()
+            log.warning(
+                "time limit (%g min, %s) already used up by the %d epochs this run resumed from: no further "
+                "epoch trains; raise time_limit_minutes (or 0 = none) to train on",
+                limit.minutes, limit.counts, self.run.start_epoch,
+            )  # fmt: skip
+            return
         for epoch in range(self.run.start_epoch, self.run.cfg.epochs):
             self.clock.before_epoch()
             self.epoch_started = time.perf_counter()

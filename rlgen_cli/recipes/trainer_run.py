@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 from rlgen_cli.recipes.common import REWARD_CURVE, TimeLimit, due, load_resume, save_trainer_checkpoint
 from rlgen_cli.training.checkpoints.checkpoint import COUNTERS_KEY, OPTIMIZER_KEY, set_rng_state
 from rlgen_cli.training.distributed.dist import Dist, make_dist
-from rlgen_cli.training.reporting.metrics import JsonlLogger, NullLogger, step_after
+from rlgen_cli.training.reporting.metrics import NullLogger, build_loggers, step_after
 from rlgen_cli.training.reporting.plots import plot_runs
 from rlgen_cli.training.reporting.progress import Progress
 from rlgen_cli.vlm.policy import build_vlm
@@ -61,6 +61,7 @@ class TrainerRun:
     global_step: int = 0
     train_seconds: float = 0.0
     clock_seconds: float = 0.0
+    last_epoch_seconds: float = 0.0  # no time limit here: not carried over a resume
     time_progress: float = 0.0
 
     @property
@@ -83,9 +84,11 @@ class TrainerRun:
         recipe's own entries, e.g. its sampler) into the bare model; then DDP / the engine wraps the model
         (``engine_options``: ``Dist.prepare``'s) and takes the optimizer, whose state is restored last
         (DeepSpeed reads its shards from the checkpoint's engine/); the loggers on rank 0 (default: the
-        metrics log alone)."""
+        metrics log and the backends ``logging.*`` enables, as every recipe builds them: ``build_loggers``)."""
         cfg = self.cfg
-        resumed = load_resume(cfg.resume, self.run_dir, self.policy.load_trainable, cfg.resume_unverified)
+        resumed = load_resume(
+            cfg.resume, self.run_dir, self.policy.load_trainable, self.raw_cfg, cfg.resume_unverified
+        )
         if resumed is not None:
             state = resumed[1]
             self.scheduler.load_state_dict(state[SCHEDULER_KEY])
@@ -100,7 +103,9 @@ class TrainerRun:
         if not self.dist.is_main:
             self.logger = NullLogger()
         else:
-            self.logger = loggers() if loggers is not None else JsonlLogger(self.run_dir)
+            self.logger = (
+                loggers() if loggers is not None else build_loggers(self.run_dir, cfg.logging, self.raw_cfg)
+            )
 
     def optimizer_step(self) -> float:
         """Clip, step, advance the schedule and count the step; the pre-clip global gradient norm."""

@@ -10,8 +10,13 @@ upstream runs LLaMA-Factory). Here:
   up to and including ``<|im_end|>``), averaged over those tokens per micro-batch; prompts, images and
   system turns are masked; sequences are never truncated (too long → a clear error);
 * loop — ``epochs`` passes in a seeded shuffled order, gradient accumulation, grad-norm clip, warm-up +
-  cosine / linear / constant schedule, metrics.jsonl, full-state checkpoints (resume), optional accuracy
-  on ``data.test`` every ``eval_every`` epochs;
+  cosine / linear / constant schedule, metrics.jsonl (and TensorBoard / W&B as ``logging.*`` asks),
+  full-state checkpoints (resume), optional accuracy on ``data.test`` every ``eval_every`` epochs;
+* not read — the RL recipes' ``algo.group_size``, ``algo.prompts_per_epoch`` and ``algo.sample_batch_size``
+  and ``data.eval_images_per_prompt`` (refused unless at their defaults: ``schema/vlm.py``), and the
+  ``reward`` section: SFT scores nothing and its evaluation reports accuracy alone, yet every run schema
+  still asks for a non-empty ``reward.weights`` (``schema/run.py: require_rewards``), so the examples below
+  pass a text reward (``reward=length``), which scores nothing here;
 * several processes (``launcher=accelerate`` / ``deepspeed_zero2``, ``training/distributed/dist.py``) — the flow
   recipe's contract (docs/distributed.md, "process-count invariance"): the epoch's shuffled order is cut
   into global micro-batches of ``train_batch_size`` and micro-batch b goes to rank b mod N

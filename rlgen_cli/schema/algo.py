@@ -220,6 +220,22 @@ class PrefConfig:
     timesteps_per_sample: Annotated[int, COUNT] = 1
     """Training σ drawn per kept sample (or pair) per epoch."""
 
+    def __post_init__(self) -> None:
+        defaults = {f.name: f.default for f in fields(PrefConfig)}
+        for loss, keys in PREF_LOSS_OPTIONS.items():
+            for key in keys if loss != self.loss else ():
+                value = getattr(self, key)
+                require(
+                    value == defaults[key],
+                    f"algo.pref.{key}={value!r} is read by algo.pref.loss={loss} alone, and this run trains "
+                    f"algo.pref.loss={self.loss}, which ignores it: drop the override (back to "
+                    f"{defaults[key]!r}), or set algo.pref.loss={loss} (algo={loss})",
+                )
+
+
+PREF_LOSS_OPTIONS = {"dpo": ("dpo_beta", "ref_update_step"), "sft": ("anchor_weight", "top_k")}
+"""The ``algo.pref`` options one loss alone reads (``recipes/flow_pref.py``): the other refuses them set."""
+
 
 @dataclass
 class PretrainConfig:
@@ -517,10 +533,52 @@ def require_whole_rollout_pieces(algo: AlgoConfig, world_size: int, otherwise: s
 class FlowPrefAlgoConfig(AdvantageConfig):
     """``recipe=flow_pref``: Flow-DPO / reward-filtered SFT on the reference's samples."""
 
+    gradient_accumulation_steps: Annotated[int | None, COUNT] = None
+    """Must stay null here: DPO / SFT take one optimizer step per training σ over ALL of an epoch's pairs
+    (kept samples), cut into micro-batches of ``algo.train_batch_size`` (``algo.pref.timesteps_per_sample``
+    steps per epoch); a number is refused."""
+    kl_weight: Annotated[float, NON_NEGATIVE] = 0.0
+    """Must stay 0 here: DPO and SFT train no KL term (DPO's reference enters its loss through
+    ``algo.pref.dpo_beta``; SFT's pull towards the base is ``algo.pref.anchor_weight``); non-zero is refused."""
     cfg_grad: Annotated[str, CfgGrad] = "both"
-    """See ``FlowGrpoAlgoConfig.cfg_grad``."""
+    """Must stay ``both`` here: DPO's and SFT's training forwards back-propagate through both CFG branches;
+    ``conditional`` (``FlowGrpoAlgoConfig.cfg_grad``) is refused."""
     pref: PrefConfig = field(default_factory=PrefConfig)
     ema: EMAConfig = field(default_factory=EMAConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(
+            self.cfg_grad == "both",
+            f"algo.cfg_grad={self.cfg_grad} is not read by recipe=flow_pref: DPO's and SFT's training forwards "
+            "always back-propagate through both classifier-free-guidance branches. Drop the override "
+            "(algo.cfg_grad=both); the conditional-only gradient exists for algo=grpo and the flow_forward "
+            "algorithms (nft, awm, dgpo)",
+        )
+        require(
+            self.kl_weight == 0,
+            f"algo.kl_weight={self.kl_weight} is not read by recipe=flow_pref: DPO and SFT train no KL term. "
+            "Set algo.kl_weight=0; to keep the policy near the base use algo.pref.dpo_beta (DPO's reference "
+            "term) or algo.pref.anchor_weight (SFT's ‖v_θ − v_base‖²)",
+        )
+        require(
+            self.gradient_accumulation_steps is None,
+            f"algo.gradient_accumulation_steps={self.gradient_accumulation_steps} is not read by "
+            "recipe=flow_pref: DPO / SFT take one optimizer step per training σ over all of an epoch's pairs "
+            "(kept samples), in micro-batches of algo.train_batch_size. Set "
+            "algo.gradient_accumulation_steps=null; a step's size is algo.prompts_per_epoch (× "
+            "algo.pref.top_k for SFT), the steps per epoch algo.pref.timesteps_per_sample",
+        )
+        if self.pref.loss == "dpo":
+            defaults = {f.name: f.default for f in fields(AdvantageConfig)}
+            for key in ("global_std", "std_estimator", "adv_eps"):
+                value = getattr(self, key)
+                require(
+                    value == defaults[key],
+                    f"algo.{key}={value!r} normalises SFT's advantages, and algo.pref.loss=dpo computes none "
+                    f"(it pairs each group's best and worst sample by reward): drop the override (back to "
+                    f"{defaults[key]!r}), or train algo.pref.loss=sft (algo=sft)",
+                )
 
 
 EPOCH_SCHEDULE_KEYS = ("lr_schedule", "lr_decay_start", "lr_min_ratio", "lr_warmup_epochs")
@@ -546,6 +604,18 @@ def refuse_epoch_schedule(algo: AlgoConfig, recipe: str, instead: str) -> None:
 class FlowPretrainAlgoConfig(AlgoConfig):
     """``recipe=flow_pretrain``: flow matching on ground-truth images."""
 
+    group_size: Annotated[int, at_least(2)] = 2
+    """Fixed here (``conf/algo/flow_pretrain.yaml``'s value): pretraining draws no groups, each optimizer
+    step trains ``algo.pretrain.batch_size`` images; another value is refused."""
+    prompts_per_epoch: Annotated[int, COUNT] = 32
+    """Fixed here (``conf/algo/flow_pretrain.yaml``'s value): an epoch is ``algo.pretrain.steps_per_epoch``
+    optimizer steps of ``algo.pretrain.batch_size`` images; another value is refused."""
+    train_batch_size: Annotated[int, COUNT] = 16
+    """Fixed here (``conf/algo/flow_pretrain.yaml``'s value): each process trains its share of
+    ``algo.pretrain.batch_size`` in one forward; another value is refused."""
+    gradient_accumulation_steps: Annotated[int | None, COUNT] = None
+    """Must stay null here: each optimizer step is one backward on ``algo.pretrain.batch_size`` images; a
+    number is refused."""
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     ema: EMAConfig = field(default_factory=EMAConfig)
 
@@ -554,6 +624,25 @@ class FlowPretrainAlgoConfig(AlgoConfig):
         refuse_epoch_schedule(
             self, "flow_pretrain", "algo.pretrain.warmup_steps and algo.pretrain.min_lr_ratio (per step)"
         )
+        defaults = {f.name: f.default for f in fields(FlowPretrainAlgoConfig)}
+        for key in PRETRAIN_FIXED_KEYS:
+            value, default = getattr(self, key), defaults[key]
+            require(
+                value == default,
+                f"algo.{key}={value} has no effect with recipe=flow_pretrain: each optimizer step is one "
+                "backward on algo.pretrain.batch_size ground-truth images (split over the processes), "
+                f"algo.pretrain.steps_per_epoch steps an epoch. Leave algo.{key} at "
+                f"{'null' if default is None else default} and size the training with "
+                "algo.pretrain.batch_size and algo.pretrain.steps_per_epoch",
+            )
+
+    def require_whole_epoch_batches(self) -> None:
+        """None to check here: pretraining rolls out no epoch of prompts_per_epoch × group_size samples;
+        ``algo.sample_batch_size`` is the evaluation's batch, which may leave a smaller last one."""
+
+
+PRETRAIN_FIXED_KEYS = ("group_size", "prompts_per_epoch", "train_batch_size", "gradient_accumulation_steps")
+"""``AlgoConfig`` keys of the RL loop's batch geometry that pretraining never reads: fixed at their defaults."""
 
 
 @dataclass

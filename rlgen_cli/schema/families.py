@@ -48,6 +48,14 @@ class FamilySpec:
     """Owns a VAE that ``model.vae_dtype`` places."""
     own_language_model: bool = False
     """Reads the prompt with its own language model (no separate text encoders to stand in for)."""
+    own_negative_prompt: str | None = None
+    """The prompt its unguided (CFG) branch always encodes, whatever ``model.negative_prompt`` says
+    (ShapesEval: the empty prompt); None: it encodes ``model.negative_prompt``. The family's schema
+    defaults the key to it and refuses any other value (``schema/model.py``)."""
+    own_prompt_tokens: int | None = None
+    """The prompt length its tokenizer always reads, whatever ``model.max_sequence_length`` says
+    (ShapesEval: the 16 word tokens of its checkpoint, ``<bos>`` included); None: it reads
+    ``model.max_sequence_length``. The family's schema defaults the key to it and refuses any other value."""
 
     @property
     def takes_source_images(self) -> bool:
@@ -131,7 +139,7 @@ _ROWS = (
         own_language_model=True,
     ),
     _flow("bagel_edit", "bagel", editing=True, image_guidance=True, own_language_model=True),
-    _flow("shapes", "shapes", has_vae=False),
+    _flow("shapes", "shapes", has_vae=False, own_negative_prompt="", own_prompt_tokens=16),
     _vlm("qwen2_vl", ("qwen2_vl_2b", "qwen2_vl_7b")),
     _vlm("qwen2_5_vl", ("qwen2_5_vl_3b", "qwen2_5_vl_7b")),
     _vlm("qwen3_vl"),

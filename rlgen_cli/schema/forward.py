@@ -58,7 +58,8 @@ class ForwardConfig:
     timestep_draw: Annotated[str, TimestepDraw] = "per_sample"
     """Whose draw those σ are: ``per_sample`` (every sample its own, from its own stream: the σ of one
     micro-batch spread out, less variance between micro-batches) or ``per_microbatch`` (the micro-batch's
-    first sample draws, every sample trains on those σ: AWM's script). Same expectation."""
+    first sample draws, every sample trains on those σ: AWM's script). Same expectation. DGPO reads
+    neither (each group shares its σ) and refuses ``per_microbatch``."""
     timestep_fraction: Annotated[float, FRACTION] = 0.99
     """``subset``: share of the T rollout σ trained; ``stratified`` / ``truncated``: the indices drawn
     from end at int(T·fraction)."""
@@ -88,6 +89,15 @@ class ForwardConfig:
     """DGPO: PPO-style clip c against the old policy (upstream 1e-2): an error whose ratio
     exp(e_old − e_θ) passed 1 + c (A > 0) or 1 − c (A ≤ 0) is detached; 0 turns it off."""
     old: OldPolicyConfig = field(default_factory=OldPolicyConfig)
+
+    def __post_init__(self) -> None:
+        require(
+            self.loss != "dgpo" or self.timestep_draw == "per_sample",
+            f"algo.forward.timestep_draw={self.timestep_draw} is not read by algo.forward.loss=dgpo: DGPO "
+            "shares the σ and ε of each prompt's group (drawn from the group's stream, whatever the "
+            "micro-batch), which its group weight needs. Drop the override (algo.forward.timestep_draw="
+            "per_sample); per_microbatch is AWM's draw (algo=awm)",
+        )
 
 
 def check_forward_steps(forward: ForwardConfig, num_steps: int) -> None:

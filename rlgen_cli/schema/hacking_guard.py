@@ -95,6 +95,22 @@ def check_guard(cfg: Any) -> None:
         "guard.action=rollback restores the trained weights but not recipe=flow_forward's old policy, "
         "which samples the rollouts: use guard.action=warn or stop with this algorithm",
     )
+    pref = cfg.algo.pref if cfg.recipe == "flow_pref" else None
+    if pref is not None and pref.loss == "dpo":
+        require(
+            pref.ref_update_step == 0,
+            "guard.action=rollback restores the trained weights but not online DPO's reference copy "
+            f"(algo.pref.ref_update_step={pref.ref_update_step}), which samples the rollouts: use "
+            "guard.action=warn or stop with online DPO, or algo.pref.ref_update_step=0 (offline DPO)",
+        )
+    gardo = getattr(cfg.algo, "gardo", None)  # GARDO's switches: flow_grpo's and flow_forward's algorithms
+    if gardo is not None:
+        require(
+            gardo.refresh_every == 0,
+            "guard.action=rollback restores the trained weights but not the reference that "
+            f"algo.gardo.refresh_every={gardo.refresh_every} refreshes, which the KL anchors the policy to: "
+            "use guard.action=warn or stop with it, or algo.gardo.refresh_every=0",
+        )
     require(
         cfg.launcher.name not in ENGINE_LAUNCHERS,  # an engine's shards cannot be reloaded mid-run
         f"guard.action=rollback reloads weights and optimizer state mid-run, which launcher="

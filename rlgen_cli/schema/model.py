@@ -169,7 +169,8 @@ class FlowModelConfig(ModelConfig):
     guidance_scale: Annotated[float, at_least(1)] = 4.5
     """Classifier-free guidance scale; 1.0 means no unconditional branch ("nocfg")."""
     negative_prompt: str = ""
-    """Prompt of the unconditional branch when CFG is on."""
+    """Prompt of the unconditional branch when CFG is on (family shapes: always the empty prompt, the only
+    value it takes)."""
     shift: Annotated[float, ANY] = 3.0
     """Timestep shift of the sigma schedule (SD3: static shift). FLUX families: ≤ 0 = dynamic,
     resolution-dependent shift (μ from the image token count); > 0 = static shift of linspace(1, 0, T+1)."""
@@ -180,7 +181,7 @@ class FlowModelConfig(ModelConfig):
     noise_level: Annotated[float, NON_NEGATIVE] = 0.7
     """The family's default SDE noise level a (``sampler.noise_level`` overrides it)."""
     max_sequence_length: Annotated[int, COUNT] = 256
-    """T5 tokens of the prompt."""
+    """T5 tokens of the prompt (family shapes: its word tokenizer's own 16, the only value it takes)."""
     prompt_cache_mb: Annotated[float, NON_NEGATIVE] = 256.0
     """Keep the text conditioning of batches of prompts already encoded, up to this many MiB on the
     model's device (least recently used evicted first); 0 re-encodes every batch. Cached conditioning is
@@ -200,6 +201,7 @@ class FlowModelConfig(ModelConfig):
         super().check()
         check_frozen_dtype(self)
         check_stand_in_encoders(self)
+        check_own_prompt_settings(self)
         if isinstance(self, ImageGuidanceFacet):
             check_image_guidance(self)
 
@@ -316,6 +318,29 @@ def check_image_guidance(cfg: Any) -> None:
     )
 
 
+def check_own_prompt_settings(cfg: FlowModelConfig) -> None:
+    """A family whose text side fixes the unguided prompt or the prompt length (``own_negative_prompt``,
+    ``own_prompt_tokens`` in ``schema/families.py``: ShapesEval) would silently ignore
+    ``model.negative_prompt`` / ``model.max_sequence_length``: any value but its own is refused."""
+    if not isinstance(cfg, model_schema(cfg.family)):
+        return  # composed as another family's section: require_family_schema names that first
+    row = family_spec(cfg.family)
+    own = row.own_negative_prompt
+    require(
+        own is None or cfg.negative_prompt == own,
+        f"model.negative_prompt={cfg.negative_prompt!r} does nothing for model.family={cfg.family}: its unguided "
+        f"branch always encodes {own!r} ({row.module}). Drop model.negative_prompt: this family takes "
+        "no negative prompt",
+    )
+    tokens = row.own_prompt_tokens
+    require(
+        tokens is None or cfg.max_sequence_length == tokens,
+        f"model.max_sequence_length={cfg.max_sequence_length} does nothing for model.family={cfg.family}: its "
+        f"tokenizer always reads {tokens} tokens, the length its checkpoint was built with (longer prompts "
+        f"are refused when encoded). Drop model.max_sequence_length (or set it to {tokens})",
+    )
+
+
 def check_frozen_dtype(cfg: FlowModelConfig) -> None:
     """Frozen weights in fp32 or in the forward's dtype: below fp32 the forward runs under autocast, which
     takes fp32 weights; an fp32 forward has no autocast to take weights of a lower dtype, and weights of
@@ -356,10 +381,16 @@ def _class_name(family: str) -> str:
 
 
 def _family_schema(row: FamilySpec) -> type:
-    """``row``'s schema: its kind's, the facets of its columns, and ``family`` defaulting to its name."""
-    family = ("family", Annotated[str, Family], field(default=row.name))
+    """``row``'s schema: its kind's, the facets of its columns, ``family`` defaulting to its name, and the
+    prompt settings its text side fixes (``own_negative_prompt``, ``own_prompt_tokens``) defaulting to
+    those values."""
+    own: list[Any] = [("family", Annotated[str, Family], field(default=row.name))]
+    if row.own_negative_prompt is not None:  # the family's own value, the only one it takes
+        own.append(("negative_prompt", str, field(default=row.own_negative_prompt)))
+    if row.own_prompt_tokens is not None:
+        own.append(("max_sequence_length", Annotated[int, COUNT], field(default=row.own_prompt_tokens)))
     cls = dataclasses.make_dataclass(
-        _class_name(row.name), [family], bases=(*_facets(row), KIND_SCHEMAS[row.kind])
+        _class_name(row.name), own, bases=(*_facets(row), KIND_SCHEMAS[row.kind])
     )
     cls.__module__ = __name__  # found where it is built (pickling, type hints, error messages)
     cls.__doc__ = f"``model.family={row.name}``: {KIND_SCHEMAS[row.kind].__doc__}"

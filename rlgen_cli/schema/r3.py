@@ -44,7 +44,7 @@ from rlgen_cli.schema.ranges import (
     PROBABILITY,
     at_least,
 )
-from rlgen_cli.schema.run import RunConfig
+from rlgen_cli.schema.run import DataConfig, RunConfig
 
 EtaSchedule = Literal["constant", "monotonic"]
 
@@ -422,6 +422,34 @@ def _check_bagel(bagel: FlowModelConfig) -> None:
     )
 
 
+R3_DATA_KEYS = {
+    "train": "R3 reads its training prompts from r3.train_data_path (in the format of r3.dataset_name): set "
+    "r3.train_data_path instead",
+    "test": "R3 evaluates on r3.val_data_path (null = r3.train_data_path): set r3.val_data_path instead",
+    "eval_num_prompts": "R3's periodic evaluation takes the first r3.eval_max_prompts prompts of "
+    "r3.val_data_path: set r3.eval_max_prompts instead",
+    "eval_images_per_prompt": "R3's evaluation draws one image per prompt and refines it over r3.eval_rounds "
+    "reflect → refine rounds; no setting draws more",
+}
+"""``data.*`` → where R3 takes it from: it reads none of the ``data`` section every run composes."""
+
+
+def require_data_unread(data: DataConfig) -> None:
+    """``recipe=r3`` reads none of ``data.*`` (:data:`R3_DATA_KEYS`): a value other than the schema's default
+    would silently do nothing, so it is refused, naming the ``r3.*`` key that does it. R3's model options
+    leave the data group unset (``- override /data@_global_.data: null``), so a reward option's natural
+    data (``reward=geneval_remote`` → ``data=geneval``) does not land here."""
+    defaults = {f.name: f.default for f in dataclasses.fields(DataConfig)}
+    for key, instead in R3_DATA_KEYS.items():
+        value = getattr(data, key)
+        require(
+            value == defaults[key],
+            f"data.{key}={value} does nothing with recipe=r3: {instead}. Drop data.{key} (or the data= "
+            "option; a model YAML of your own for R3 adds '- override /data@_global_.data: null' to its "
+            "defaults, as conf/model/r3_qwen.yaml does, so that a reward option's data stays out)",
+        )
+
+
 @dataclass
 class R3TrainConfig(RunConfig):
     """``recipe=r3``: the shared run keys plus ``r3`` (no ``algo``, no ``sampler``)."""
@@ -433,6 +461,7 @@ class R3TrainConfig(RunConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        require_data_unread(self.data)
         require_same_forwards(r3_geometry(self.r3, self.launcher.world_size), self.launcher.exact_reduction)
         require_policy_schema(self.model.family, self.r3.policy)
         if isinstance(self.r3.policy, R3BagelPolicy):  # model.family=r3_bagel (required just above)

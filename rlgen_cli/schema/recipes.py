@@ -15,6 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
+from rlgen_cli.errors import require
 from rlgen_cli.schema.algo import (
     FlowForwardAlgoConfig,
     FlowGrpoAlgoConfig,
@@ -36,11 +37,13 @@ from rlgen_cli.schema.run import (
     EvalConfig,
     FlowDataConfig,
     RunConfig,
+    check_noise_level,
     require_sde_sampler,
     require_whole_batches,
     tiny_flow_model,
 )
 from rlgen_cli.schema.variants import section_variants
+from rlgen_cli.schema.vlm import refuse_unread_settings
 
 __all__ = [
     "CHECK_SCHEMAS",
@@ -137,26 +140,86 @@ class FlowPrefTrainConfig(FlowRolloutRunConfig):
 @dataclass
 class FlowPretrainTrainConfig(FlowRunConfig):
     recipe: str = "flow_pretrain"
+    lr_schedule_clock: Annotated[str, LrScheduleClock] = "epochs"
+    """Must stay ``epochs`` here: pretraining's learning rate (``algo.pretrain.warmup_steps``, then a cosine
+    to ``algo.pretrain.min_lr_ratio``) follows the optimizer step over ``epochs`` ×
+    ``algo.pretrain.steps_per_epoch``, never the time limit; ``time_or_epochs`` is refused."""
     algo: FlowPretrainAlgoConfig = field(default_factory=FlowPretrainAlgoConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require_whole_batches(self)
+        require(
+            self.lr_schedule_clock == "epochs",
+            f"lr_schedule_clock={self.lr_schedule_clock} is not read by recipe=flow_pretrain: its learning "
+            "rate follows the optimizer step over epochs × algo.pretrain.steps_per_epoch (warm-up, then a "
+            "cosine decay), never the time limit's share. Drop the override (lr_schedule_clock=epochs); to "
+            "end the decay within a time budget, set epochs to what fits in it",
+        )
+        require_pretrain_split(self)
+
+
+def require_pretrain_split(cfg: FlowPretrainTrainConfig) -> None:
+    """What pretraining's process count must divide (instead of :func:`require_whole_batches`: it rolls
+    out no epoch of samples): each optimizer step's images, split evenly; and the shared loop's prompt
+    sampler, which deals its (fixed) algo.prompts_per_epoch × algo.group_size over the processes."""
+    world, algo = cfg.launcher.world_size, cfg.algo
+    require(
+        algo.pretrain.batch_size % world == 0,
+        f"algo.pretrain.batch_size={algo.pretrain.batch_size} must be divisible by the {world} processes "
+        "(launcher.num_processes × launcher.num_machines): each trains an equal share of every step's images",
+    )
+    dealt = algo.prompts_per_epoch * algo.group_size
+    require(
+        dealt % world == 0,
+        f"recipe=flow_pretrain runs on a process count that divides {dealt}, not {world}: the shared loop's "
+        f"prompt sampler deals algo.prompts_per_epoch × algo.group_size = {dealt} (fixed for this recipe) "
+        "over the processes. Use launcher.num_processes × launcher.num_machines dividing it",
+    )
 
 
 @dataclass
 class FlowForwardTrainConfig(FlowRolloutRunConfig):
     recipe: str = "flow_forward"
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
-    """The rollout step of ``algo.forward.solver=sde`` (and the noise level of every solver)."""
+    """The rollout step of ``algo.forward.solver=sde`` (its ``kind`` and ``noise_level``; no
+    log-probabilities are trained, so ``logprob_*`` shape nothing). ``dpm2`` and ``euler`` solve the ODE and
+    never take it: with them, a sampler other than ``sampler=flow_sde`` as composed is refused."""
     reward: AdvantageRewardConfig = field(default_factory=AdvantageRewardConfig)
     algo: FlowForwardAlgoConfig = field(default_factory=FlowForwardAlgoConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require_whole_batches(self)
+        require_forward_sampler(self)
         self.algo.require_process_split(self.launcher.world_size)
         self.algo.gardo.require_valid(self.algo.kl_weight, list(self.reward.weights), self.algo.forward.loss)
+
+
+def require_forward_sampler(cfg: FlowForwardTrainConfig) -> None:
+    """The ``sampler`` section does something in ``recipe=flow_forward`` only as the rollout step of
+    ``algo.forward.solver=sde``: with the ODE solvers any setting of it is refused, and so is
+    ``logprob_reduce=sum``, which shapes log-probabilities the recipe never computes."""
+    solver, sampler, default = cfg.algo.forward.solver, cfg.sampler, SamplerConfig()
+    require(
+        sampler.logprob_reduce == default.logprob_reduce,
+        f"sampler.logprob_reduce={sampler.logprob_reduce} reduces SDE log-probabilities, which "
+        "recipe=flow_forward never computes (it trains on forward-noised clean samples): drop the override "
+        f"(sampler.logprob_reduce={default.logprob_reduce})",
+    )
+    if solver == "sde":
+        check_noise_level(sampler, cfg.model)
+        return
+    changed = [
+        f"sampler.{f.name}={getattr(sampler, f.name)}"
+        for f in dataclasses.fields(SamplerConfig)
+        if getattr(sampler, f.name) != getattr(default, f.name)
+    ]
+    require(
+        not changed,
+        f"{', '.join(changed)}: algo.forward.solver={solver} rolls out the deterministic ODE and never takes "
+        "the sampler's SDE step, so these settings do nothing. Pass algo.forward.solver=sde to roll out with "
+        "that step, or drop them (sampler=flow_sde, no sampler.* overrides)",
+    )
 
 
 def tiny_vlm_model() -> VlmModelConfig:
@@ -174,6 +237,7 @@ class VlmRlTrainConfig(RunConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        refuse_unread_settings(self)
         require_whole_batches(self)
         self.algo.require_process_split(self.launcher.world_size)
         # without exact reduction a step too small for whole rollout batches is dealt in micro-batches
@@ -195,6 +259,7 @@ class VlmSftTrainConfig(RunConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        refuse_unread_settings(self)
         self.algo.require_process_split(self.launcher.world_size)
 
 

@@ -131,7 +131,9 @@ class LauncherConfig:
     main_process_port: Annotated[int | None, PORT] = None
     """Rank-0 port; null reads MASTER_PORT (else 29500)."""
     mixed_precision: Annotated[str, MixedPrecision] = "fp32"
-    """Mixed precision of the launched workers: ``fp32`` (none), ``fp16`` or ``bf16``."""
+    """Mixed precision of the workers ``accelerate launch`` starts (every launcher but ``local``): ``fp32``
+    (none), ``fp16`` or ``bf16``. launcher=local starts none and refuses fp16 / bf16; ``model.dtype`` sets
+    the compute dtype of any launcher."""
     exact_reduction: bool | None = None
     """Sum each optimizer step's micro-batch gradients in float64 over every micro-batch and process
     before one cast back (``training/distributed/dist.py``), so a run's weights do not depend on the process count
@@ -160,6 +162,14 @@ class LauncherConfig:
         require(
             self.name != "local" or self.num_processes * self.num_machines == 1,
             "launcher=local runs one process; use launcher=accelerate launcher.num_processes=N",
+        )
+        require(
+            self.name != "local" or self.mixed_precision == "fp32",
+            f"launcher.mixed_precision={self.mixed_precision} is accelerate's autocast of the workers it "
+            "launches, and launcher=local trains in this process without accelerate launch, so it would do "
+            "nothing. For 16-bit compute here set model.dtype (e.g. model.dtype=bfloat16: rlgen autocasts the "
+            "transformer) and keep launcher.mixed_precision=fp32; or launch through accelerate "
+            f"(launcher=accelerate launcher.num_processes=1 launcher.mixed_precision={self.mixed_precision})",
         )
 
     @property
@@ -220,6 +230,10 @@ class RunConfig:
     resume_unverified: bool = False
     """Resume from a checkpoint without ``manifest.json`` (its files cannot be checked: damaged, or saved by
     an rlgen before manifests); ``resume=auto`` skips such checkpoints unless this is true."""
+    resume_changes: list[str] = field(default_factory=list)
+    """Settings (or sections) this resume changes on purpose, e.g. ``[reward.kwargs.remote]``. A resume is
+    otherwise refused where its config differs from the checkpoint's in what training computes; the
+    optimizer's rate and decay, the LoRA, the EMA, the recipe and the model family never change on resume."""
     device: Annotated[str, DEVICE] = "auto"
     """``auto`` (cuda if available), ``cpu``, ``cuda``, ``cuda:N``."""
     run_dir: str | None = "${hydra:runtime.output_dir}"

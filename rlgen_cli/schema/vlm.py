@@ -8,11 +8,12 @@ Defaults follow R1-VL (Zhang et al. 2025) and TRL's ``GRPOConfig``.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Any
 
-from rlgen_cli.errors import UserError
+from rlgen_cli.errors import UserError, require
 from rlgen_cli.schema.choices import (
     LrSchedule,
     PromptFormat,
@@ -151,3 +152,61 @@ class TokenGRPOOptions(TokenScheduleOptions):
                     "algo.token.engine=vllm needs algo.token.old_logprobs=recompute: π_old is always recomputed "
                     "by the training model, never taken from vLLM"
                 )
+
+
+_ONE_ANSWER = (
+    "evaluates one near-greedy answer per test question (accuracy on the first data.eval_num_prompts "
+    "questions of data.test): for more questions set data.eval_num_prompts"
+)
+_SFT_PASS = (
+    "an SFT epoch is one shuffled pass over the kept conversations of data.train in micro-batches of "
+    "algo.train_batch_size, algo.gradient_accumulation_steps of them per optimizer step"
+)
+UNREAD_SETTINGS: dict[str, dict[str, str]] = {
+    "vlm_rl": {
+        "algo.global_std": "it is the flow recipes' choice between each group's and the whole batch's reward "
+        "std; token GRPO normalises its advantages as algo.token.scale_rewards says: set "
+        "algo.token.scale_rewards=group (each prompt's group), batch (the whole batch) or none instead",
+        "algo.std_estimator": "it is the flow recipes' advantage std estimator; token GRPO's is "
+        "algo.token.std_estimator: set algo.token.std_estimator=unbiased (÷ (n − 1)) or population (÷ n) "
+        "instead",
+        "data.eval_images_per_prompt": f"it is the flow recipes' images per test prompt; token GRPO {_ONE_ANSWER}",
+    },
+    "vlm_sft": {
+        "algo.group_size": f"it is the RL recipes' completions per prompt, and SFT samples none: {_SFT_PASS}",
+        "algo.prompts_per_epoch": f"it is the RL recipes' prompts per epoch: {_SFT_PASS} (fewer samples per "
+        "epoch: a shorter data.train)",
+        "algo.sample_batch_size": "it is the RL recipes' rollout batch; SFT samples no rollouts, and its "
+        "evaluation answers in batches of algo.train_batch_size",
+        "data.eval_images_per_prompt": f"it is the flow recipes' images per test prompt; SFT {_ONE_ANSWER}",
+    },
+}
+"""Per VLM recipe: the settings every run of it composes (``algo``'s shared batch geometry and advantage
+keys, ``data``) that it never reads → what they are elsewhere and what to set instead."""
+
+
+def refuse_unread_settings(cfg: Any) -> None:
+    """A setting of :data:`UNREAD_SETTINGS` for ``cfg.recipe`` (``vlm_rl``, ``vlm_sft``) at a value other
+    than its schema's default would silently do nothing: refused, naming what to set instead (the recipe
+    schemas' ``__post_init__``, so at validation).
+
+    Raises:
+        UserError: Naming the first such setting, why it does nothing and what to set instead.
+    """
+    for key, why in UNREAD_SETTINGS.get(cfg.recipe, {}).items():
+        section_name, name = key.split(".")
+        section = getattr(cfg, section_name)
+        default = {f.name: f.default for f in dataclasses.fields(section)}[name]
+        value = getattr(section, name)
+        require(
+            value == default,
+            f"{key}={_shown(value)} does nothing with recipe={cfg.recipe}: {why}. Drop {key} (back to its "
+            f"default, {_shown(default)})",
+        )
+
+
+def _shown(value: Any) -> str:
+    """A setting's value as an override writes it (``true``, ``null``, ``population``)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return "null" if value is None else str(value)

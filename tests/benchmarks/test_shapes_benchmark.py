@@ -49,7 +49,17 @@ def test_plot_draws_a_band_per_algorithm(bench, tmp_path: Path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("name", ["gdpo", "gdpo_sum", "grpo_gardo", "nft", "awm", "dgpo", "grpo_lenient"])
+ARMS = (
+    "grpo", "grpo_fast", "mix_grpo", "dance", "dpo", "nft", "awm", "dgpo", "gdpo", "gdpo_sum", "grpo_gardo",
+    "grpo_partial", "grpo_lenient",
+)  # fmt: skip
+
+
+def test_the_arms_below_are_all_the_benchmarks_arms(bench):
+    assert set(bench.RUNS) == set(ARMS)
+
+
+@pytest.mark.parametrize("name", ARMS)
 def test_every_arm_composes_to_a_valid_run(bench, name: str):
     """An arm that no longer composes would fail only after the earlier arms' hours of training."""
     from tests.vlm.conftest import compose_config

@@ -71,10 +71,12 @@ ALGORITHMS = {  # algorithm: (its overrides, which replace LEARNING_RUN's values
     "dance": (["algo=dance", "sampler=dance", "algo.clip_range=1e-2", "algo.best_of_n=1",
                "algo.window.timestep_fraction=0.6", "algo.shared_initial_noise=true"], 0.01),
     "grpo_guard": (["algo=grpo_guard", "sampler=flow_sde", "algo.clip_range=2e-6"], 0.015),
-    "dpo": (["algo=dpo", "sampler=flow_sde", "algo.pref.dpo_beta=100.0", "algo.pref.ref_update_step=0"],
-            0.03),
+    # (DPO / SFT refuse an accumulation setting, DPO SFT's advantage normalisation: neither reads them)
+    "dpo": (["algo=dpo", "sampler=flow_sde", "algo.pref.dpo_beta=100.0", "algo.pref.ref_update_step=0",
+             "algo.gradient_accumulation_steps=null", "algo.global_std=true"], 0.03),
     "sft": (["algo=sft", "sampler=flow_sde", "algo.pref.anchor_weight=0.0", "algo.pref.top_k=1",
-             "algo.pref.timesteps_per_sample=4", "epochs=20", "eval_every=20"], 0.005),
+             "algo.pref.timesteps_per_sample=4", "epochs=20", "eval_every=20",
+             "algo.gradient_accumulation_steps=null"], 0.005),
 }  # fmt: skip
 
 

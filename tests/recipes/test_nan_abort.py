@@ -96,7 +96,10 @@ def _abort_then_resume(crashed: Path) -> None:
     """A NaN at epoch 2 of 2 stops the run; with the reward fixed, ``resume=auto`` finishes it from epoch 1."""
     code, out = _train(crashed, 2, 1, "nan")
     _assert_stopped_after_first_epoch(crashed, code, out, "4 NaN, 0 inf")
-    code, out = _train(crashed, 2, 99, "nan", "resume=auto")  # the reward fixed: it never fails now
+    fixed = f"resume_changes=[reward.kwargs.{NAME}]"  # the reward fixed: it never fails now
+    code, out = _train(crashed, 2, 99, "nan", "resume=auto")
+    assert code == 2 and "reward.kwargs.fails_from_call.from_call: 1 → 99" in out, out  # not by accident
+    code, out = _train(crashed, 2, 99, "nan", "resume=auto", fixed)
     assert code == 0, out
     last_good = crashed / CHECKPOINTS_DIR / "epoch_000001"
     assert f"resumed from {last_good} at epoch 1" in (crashed / "run.log").read_text()

@@ -114,16 +114,23 @@ FLOW_MODELS = [m for m in GROUPS["model"] if family_kind(_family(m)) == "flow"] 
 FLOW_ALGOS = [a for a in GROUPS["algo"] if a not in ("token_grpo", "step_grpo", "vlm_sft")]
 
 
+def _geometry(overrides: list[str]) -> list[str]:
+    """The common batch geometry, as far as the chosen algorithm's recipe reads it: DPO / SFT take no
+    accumulation setting (one optimizer step over the epoch), pretraining none of the RL loop's."""
+    algo = next((o.removeprefix("algo=") for o in overrides if o.startswith("algo=")), None)
+    if algo == "flow_pretrain":
+        return []
+    accumulation = [] if algo in ("dpo", "sft") else ["algo.gradient_accumulation_steps=1"]
+    return ["algo.prompts_per_epoch=8", *accumulation]
+
+
 def _compose_all(combos: list[list[str]]) -> None:
     """Compose and validate every override list (one Hydra context); fail naming every one that fails."""
     failures = []
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         for overrides in combos:
             cfg = compose(
-                config_name="train",
-                overrides=verb_overrides(
-                    "train", [*overrides, "algo.prompts_per_epoch=8", "algo.gradient_accumulation_steps=1"]
-                ),
+                config_name="train", overrides=verb_overrides("train", [*overrides, *_geometry(overrides)])
             )
             OmegaConf.set_struct(cfg, False)
             cfg.run_dir = "/tmp/unused"

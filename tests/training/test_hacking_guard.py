@@ -18,6 +18,7 @@ import io
 import json
 import logging
 import math
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -35,7 +36,7 @@ from rlgen_cli.training.control.hacking_guard import (
     change_standard_error,
     require_known_monitors,
 )
-from tests.conftest import run_cli
+from tests.conftest import TINY_RUN, run_cli
 
 PROMPTS = 4
 
@@ -353,6 +354,8 @@ def _validate(*overrides: str):
 
 
 MONITOR = "+guard.monitors.brightness=1.0"
+ONLINE_DPO_ROLLBACK = r"not online DPO's reference copy \(algo.pref.ref_update_step=2\)"
+GARDO_REFRESH_ROLLBACK = "not the reference that algo.gardo.refresh_every=2 refreshes"
 
 
 @pytest.mark.parametrize(
@@ -393,11 +396,43 @@ MONITOR = "+guard.monitors.brightness=1.0"
             "algo.kl_weight=0.0 does not train with",
         ),
         ([MONITOR, "guard.action=rollback", "algo=nft"], "not recipe=flow_forward's old policy"),
+        (
+            [MONITOR, "guard.action=rollback", "algo=dpo", "algo.pref.ref_update_step=2"],
+            ONLINE_DPO_ROLLBACK,
+        ),
+        (
+            [MONITOR, "guard.action=rollback", "algo.kl_weight=0.01", "algo.gardo.refresh_every=2"],
+            GARDO_REFRESH_ROLLBACK,
+        ),
     ],
 )
 def test_bad_guard_settings_are_named_at_the_boundary(overrides: list[str], message: str):
     with pytest.raises(UserError, match=message):
         _validate(*overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["algo=dpo", "algo.pref.ref_update_step=2"], ONLINE_DPO_ROLLBACK),
+        (["algo.kl_weight=0.01", "algo.gardo.refresh_every=2"], GARDO_REFRESH_ROLLBACK),
+    ],
+)
+def test_rollback_of_a_recipe_state_it_cannot_restore_exits_2(tmp_path: Path, overrides, message):
+    """A rollback restores weights, EMA and optimizer, not a reference the recipe refreshes from them:
+    refused before any model loads, naming what and how to fix it."""
+    code, out = run_cli(
+        "train", *TINY_RUN, MONITOR, "guard.action=rollback", *overrides, f"hydra.run.dir={tmp_path / 'run'}"
+    )
+    assert code == 2, out
+    assert re.search(message, out), out
+    assert "use guard.action=warn or stop" in out, out
+
+
+def test_rollback_is_allowed_where_no_refreshed_reference_is_left_behind():
+    """Offline DPO's reference is the base model and SFT has none: nothing a rollback leaves behind."""
+    for overrides in (["algo=dpo", "algo.pref.ref_update_step=0"], ["algo=sft"]):
+        assert _validate(MONITOR, "guard.action=rollback", *overrides).guard.action == "rollback"
 
 
 def test_good_guard_settings_pass():
@@ -534,9 +569,10 @@ def test_an_agreeing_monitor_is_never_flagged_and_keeps_its_best_evaluation(tmp_
 
 @pytest.mark.slow
 def test_a_resumed_guarded_run_equals_an_uninterrupted_one(tmp_path: Path):
-    """Rolled back at epochs 1, 2 and 3 (margin 0.0005; the lr halved each time): stopped after 2 epochs
-    and resumed, the run flags, rolls back and ends with the weights of one that never stopped (without
-    the guard's state in the checkpoint the resumed run would take epoch 2 for its best and never flag)."""
+    """Rolled back at epochs 1, 2 and 3 (logged at steps 2, 3 and 4: step s is the state after s epochs;
+    margin 0.0005; the lr halved each time): stopped after 2 epochs and resumed, the run flags, rolls back
+    and ends with the weights of one that never stopped (without the guard's state in the checkpoint the
+    resumed run would take epoch 2 for its best and never flag)."""
     settings = [*GUARDED_RUN, "guard.margin=0.0005"]
     straight, parted = tmp_path / "straight", tmp_path / "parted"
     assert run_cli("train", *settings, "epochs=4", f"hydra.run.dir={straight}")[0] == 0
@@ -548,7 +584,7 @@ def test_a_resumed_guarded_run_equals_an_uninterrupted_one(tmp_path: Path):
 
     expected = guard_rows(straight)
     events = _guard_events(_rows(straight))
-    assert events == {1: ["rollback"], 2: ["rollback"], 3: ["rollback"]}  # on both sides of the cut
+    assert events == {2: ["rollback"], 3: ["rollback"], 4: ["rollback"]}  # on both sides of the cut
     assert guard_rows(parted) == expected
     _assert_same_weights(parted / "checkpoints" / "epoch_000004", straight / "checkpoints" / "epoch_000004")
 
@@ -561,7 +597,7 @@ def test_a_rollback_with_ema_restores_the_raw_weights_and_the_average(tmp_path: 
     ema = ["algo.ema.enabled=true", "algo.ema.decay=0.5", "algo.ema.update_every=1"]
     code, out = run_cli("train", *GUARDED_RUN, *ema, "epochs=1", "guard.margin=0", f"hydra.run.dir={run}")
     assert code == 0, out
-    assert _guard_events(_rows(run)) == {0: ["rollback"]}
+    assert _guard_events(_rows(run)) == {1: ["rollback"]}  # after the first epoch (step 1)
     best, after = run / "checkpoints" / "best_heldout", run / "checkpoints" / "epoch_000001"
     _assert_same_weights(after, best)
     best_state, after_state = _state(best), _state(after)
@@ -578,7 +614,7 @@ def test_a_rollback_with_ema_restores_the_raw_weights_and_the_average(tmp_path: 
 @pytest.mark.slow
 def test_two_processes_share_the_decision_and_roll_back_together(tmp_path: Path):
     """DDP: rank 0 evaluates and decides; both ranks save best_heldout and roll back together (the
-    samples do not depend on the process count, so epoch 0 is flagged as in one process)."""
+    samples do not depend on the process count, so the first epoch, step 1, is flagged as in one process)."""
     run = tmp_path / "run"
     ddp = [
         "launcher=accelerate",
@@ -588,7 +624,7 @@ def test_two_processes_share_the_decision_and_roll_back_together(tmp_path: Path)
     ]
     code, out = run_cli("train", *GUARDED_RUN, *ddp, "epochs=2", "guard.margin=0", f"hydra.run.dir={run}")
     assert code == 0, out
-    assert _guard_events(_rows(run)) == {0: ["rollback"], 1: ["rollback"]}
+    assert _guard_events(_rows(run)) == {1: ["rollback"], 2: ["rollback"]}
     checkpoints = run / "checkpoints"
     _assert_same_weights(checkpoints / "epoch_000001", checkpoints / "best_heldout")
     _assert_same_weights(checkpoints / "epoch_000002", checkpoints / "best_heldout")

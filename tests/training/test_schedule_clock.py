@@ -60,7 +60,9 @@ def _clock(
     clock_seconds: float = 0.0,
     train_seconds: float = 0.0,
     counts: str = "wall",
+    last_epoch_seconds: float = 0.0,
 ) -> tuple[EpochClock, SimpleNamespace, FakeTime]:
+    """A clock on a run holding the counters a checkpoint carries (as a FlowRun, fresh or resumed)."""
     fake = FakeTime()
     monkeypatch.setattr(session_module.time, "monotonic", fake)
     cfg = SimpleNamespace(epochs=100)
@@ -71,6 +73,7 @@ def _clock(
         time_progress=0.0,
         train_seconds=train_seconds,
         clock_seconds=clock_seconds,
+        last_epoch_seconds=last_epoch_seconds,
         time_limit=lambda: TimeLimit(minutes, counts, clock),
         unit="epoch",
     )
@@ -124,15 +127,46 @@ def test_the_epochs_clock_leaves_the_schedule_to_the_epochs(monkeypatch):
 
 
 def test_a_resumed_clock_goes_on_from_the_saved_seconds(monkeypatch):
-    # resumed with 400 s on the clock, 300 of them training: 200 s of the 600 s budget are left
-    clock, run, fake = _clock(monkeypatch, clock_seconds=400.0, train_seconds=300.0)
+    # resumed with 400 s on the clock, 300 of them training, the last epoch 20 s: 200 s of the 600 s
+    # budget are left, and the first epoch is expected to take 20 s as the uninterrupted run expects it
+    clock, run, fake = _clock(monkeypatch, clock_seconds=400.0, train_seconds=300.0, last_epoch_seconds=20.0)
     assert clock.elapsed() == pytest.approx(400.0)
     clock.before_epoch()
-    assert run.time_progress == pytest.approx(300 / 500)  # (300 + 0 expected) / (600 − 100)
+    assert run.time_progress == pytest.approx(320 / 500)  # (300 + 20 expected) / (600 − 100)
     fake.now += 199.0
     assert not clock.is_last(50)
     fake.now += 1.0
     assert clock.is_last(50)
+    # a checkpoint saved before the counters held the last epoch's seconds: 0 expected, as then
+    older, run, _ = _clock(monkeypatch, clock_seconds=400.0, train_seconds=300.0)
+    older.before_epoch()
+    assert run.time_progress == pytest.approx(300 / 500)
+
+
+COUNTERS = ("train_seconds", "clock_seconds", "last_epoch_seconds")
+"""The clock's entries of a checkpoint's counters (``recipes/flow_run.py``'s ``save``)."""
+
+
+def test_a_resumed_clock_predicts_its_first_epoch_as_the_uninterrupted_one(monkeypatch):
+    """Two epochs (30 s, then 90 s of evaluation, then 40 s), a checkpoint, and the third epoch's time
+    share: a run resumed from the checkpoint's counters sets the one the uninterrupted run sets."""
+    clock, run, fake = _clock(monkeypatch)  # 600 s budget
+    for seconds, evaluation in ((30.0, 90.0), (40.0, 0.0)):
+        clock.before_epoch()
+        fake.now += seconds
+        clock.epoch_ended(seconds)
+        fake.now += evaluation
+        clock.stamp()  # before the checkpoint
+    counters = {key: getattr(run, key) for key in COUNTERS}
+    assert counters == {"train_seconds": 70.0, "clock_seconds": 160.0, "last_epoch_seconds": 40.0}
+    clock.before_epoch()
+    uninterrupted = run.time_progress
+    assert uninterrupted == pytest.approx((70 + 40) / (600 - 90))
+
+    resumed, resumed_run, _ = _clock(monkeypatch, **counters)
+    resumed.before_epoch()
+    assert resumed_run.time_progress == uninterrupted
+    assert resumed.last_epoch_seconds == clock.last_epoch_seconds == 40.0
 
 
 @pytest.mark.parametrize(
@@ -179,7 +213,9 @@ def _counters(run: Path, epochs_done: int) -> dict:
 @pytest.mark.slow
 def test_resume_restores_the_clock_from_the_checkpoint_counters(cli, tmp_path: Path):
     """A ShapesEval run stopped after 2 epochs and resumed for a third: the third checkpoint's training
-    seconds are the second's plus the third epoch's (a fresh clock would hold the third epoch's alone)."""
+    seconds are the second's plus the third epoch's (a fresh clock would hold the third epoch's alone),
+    and the third epoch's time share predicts its length from the second epoch's, saved in the
+    counters, as the uninterrupted run would (a fresh clock would predict 0 s)."""
     from tests.shapes.test_shapes_train import SMALL
 
     run = tmp_path / "clock"
@@ -188,7 +224,8 @@ def test_resume_restores_the_clock_from_the_checkpoint_counters(cli, tmp_path: P
               "time_limit_minutes=600", f"hydra.run.dir={run}"]  # fmt: skip
     code, out = cli("train", *common, "epochs=2")
     assert code == 0, out
-    code, out = cli("train", *common, "epochs=3", "resume=auto")
+    # the cosine schedule spans the epochs: a longer run is a change the resume names
+    code, out = cli("train", *common, "epochs=3", "resume=auto", "resume_changes=[epochs]")
     assert code == 0, out
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -198,3 +235,9 @@ def test_resume_restores_the_clock_from_the_checkpoint_counters(cli, tmp_path: P
     assert third["train_seconds"] == second["train_seconds"] + rows[2]["time/epoch"]
     assert third["clock_seconds"] > second["clock_seconds"] >= second["train_seconds"]
     assert all(0 < r["time/budget_share"] < 0.01 for r in rows[1:])  # 600 minutes: barely started
+    assert [c["last_epoch_seconds"] for c in (first, second, third)] == [r["time/epoch"] for r in rows]
+    # resumed: (trained + the second epoch's length) / (budget − the clock's other seconds at the save);
+    # the clock runs on a few milliseconds between resuming and the third epoch, a relative 1e-7 here
+    budget, other = 600 * 60, second["clock_seconds"] - second["train_seconds"]
+    predicted = (second["train_seconds"] + second["last_epoch_seconds"]) / (budget - other)
+    assert rows[2]["time/budget_share"] == pytest.approx(predicted, rel=1e-5)

@@ -114,7 +114,9 @@ def test_sft_warm_up_lowers_the_loss_on_assistant_tokens(tmp_path: Path):
     """Full fine-tuning (R1-VL's warm-up), 3 epochs of 2 steps on the 7 kept conversations."""
     from rlgen_cli.recipes.vlm_sft import VLMSFTRecipe
 
-    rollout_only = ("algo.token.max_completion_tokens",)  # SFT generates no rollouts
+    rollout_only = (  # SFT generates no rollouts (and refuses these settings of them)
+        "algo.token.max_completion_tokens", "algo.group_size", "algo.prompts_per_epoch", "algo.sample_batch_size",
+    )  # fmt: skip
     tiny = [o for o in TINY_VLM if not o.startswith(rollout_only)]
     overrides = [*tiny, "algo=vlm_sft", "reward=length", "data.train=builtin:tiny_sft.jsonl", "epochs=3",
                  "save_every=0", "algo.lr=1e-2", "algo.token.lr_schedule=constant", "model.lora.enabled=false"]  # fmt: skip

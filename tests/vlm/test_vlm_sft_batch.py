@@ -29,7 +29,10 @@ def test_an_epoch_shorter_than_one_step_takes_one_step(tmp_path: Path):
     """7 kept conversations = 2 micro-batches of 4 per epoch, accumulation 32: one optimizer step an epoch."""
     from rlgen_cli.recipes.vlm_sft import VLMSFTRecipe
 
-    tiny = [o for o in TINY_VLM if not o.startswith("algo.token.max_completion_tokens")]
+    rollout_only = (  # SFT generates no rollouts (and refuses these settings of them)
+        "algo.token.max_completion_tokens", "algo.group_size", "algo.prompts_per_epoch", "algo.sample_batch_size",
+    )  # fmt: skip
+    tiny = [o for o in TINY_VLM if not o.startswith(rollout_only)]
     overrides = [*tiny, "algo=vlm_sft", "reward=length", "data.train=builtin:tiny_sft.jsonl", "epochs=2",
                  "save_every=0", "algo.train_batch_size=4", "algo.gradient_accumulation_steps=32"]  # fmt: skip
     typed, raw = compose_config("train", overrides, run_dir=tmp_path)

@@ -57,9 +57,13 @@ with, so a run shows how close it came; a skipped evaluation ``guard/skipped`` =
 (cumulative); the console gets one warning line per event. ``guard_curves.png`` draws r and h with the
 events at the end of the run.
 
-**Resume.** The guard's state (history, best, rollbacks, scales) travels in every checkpoint, so a
-resumed run flags, saves and rolls back as an uninterrupted one does; the scales are applied to
-``algo.lr`` / ``algo.kl_weight`` again at resume.
+**Resume.** The guard's state (history, best, rollbacks, scales, and a stop) travels in every
+checkpoint, so a resumed run flags, saves and rolls back as an uninterrupted one does; the scales are
+applied to ``algo.lr`` / ``algo.kl_weight`` again at resume. A run the guard stopped stays stopped: resumed
+from the checkpoint written after the stop (a requeue's ``resume=auto``), it trains no further epoch and
+ends with exit code 0, saying when and why the guard stopped it and how to go on
+(:meth:`RunGuard.resumed_message`). A checkpoint written before the guard recorded its stops reads as
+not stopped.
 
 **Processes.** Rank 0 evaluates and decides; the decision (new best? which action?) is shared with every
 rank, which all take part in saving and rolling back. Rollbacks need weights that can be reloaded
@@ -93,7 +97,8 @@ from rlgen_cli.training.reporting.metrics import read_metrics
 
 __all__ = [
     "BEST_HELDOUT", "GUARD_CURVES", "GUARD_KEY", "HELDOUT", "TRAINED", "Decision", "Evaluation", "GuardEvent",
-    "HackingGuard", "RunGuard", "WindowChange", "change_standard_error", "plot_guard", "require_known_monitors",
+    "GuardStop", "HackingGuard", "RunGuard", "WindowChange", "change_standard_error", "plot_guard",
+    "require_known_monitors",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -201,13 +206,17 @@ class GuardEvent:
             "rollback": f"rolling back to checkpoints/{BEST_HELDOUT} ({_when(self.best.epoch)}, held-out "
             f"{self.best.heldout:.4g})",
         }[self.action]
+        evidence = self.evidence(window, margin)
+        return f"guard: reward hacking suspected after epoch {self.epoch + 1}: {evidence}; {then}"
+
+    def evidence(self, window: int, margin: float) -> str:
+        """What flagged the evaluation: the window's two changes against their noise and the margin."""
         change = self.change
+        rise, drop = change.train_rise, change.heldout_drop
         return (
-            f"guard: reward hacking suspected after epoch {self.epoch + 1}: the trained reward rose "
-            f"{change.train_rise:+.4g} ({_in_errors(change.train_rise, change.train_rise_se)}) over {window} "
-            f"evaluation{'s' if window > 1 else ''} while the held-out metric fell {change.heldout_drop:.4g} "
-            f"({_in_errors(change.heldout_drop, change.heldout_drop_se)}) below its best of the window "
-            f"(margin {margin:g}); {then}"
+            f"the trained reward rose {rise:+.4g} ({_in_errors(rise, change.train_rise_se)}) over {window} "
+            f"evaluation{'s' if window > 1 else ''} while the held-out metric fell {drop:.4g} "
+            f"({_in_errors(drop, change.heldout_drop_se)}) below its best of the window (margin {margin:g})"
         )
 
 
@@ -370,6 +379,24 @@ def _count_non_finite(scores: Sequence[float]) -> str:
 
 
 @dataclass(frozen=True)
+class GuardStop:
+    """A ``stop`` decision, kept in the guard's state so that a resumed run stays stopped."""
+
+    epochs_done: int
+    """The run stopped after this many epochs (the checkpoint written then is ``epoch_<epochs_done>``)."""
+    reason: str
+    """What flagged the evaluation (:meth:`GuardEvent.evidence`); empty where it is not known (a rank
+    other than 0, which never writes the state)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"epochs_done": self.epochs_done, "reason": self.reason}
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> GuardStop:
+        return cls(int(values["epochs_done"]), str(values["reason"]))
+
+
+@dataclass(frozen=True)
 class Decision:
     """The guard's decision after an evaluation, the same on every rank (``event``: rank 0 only)."""
 
@@ -392,12 +419,18 @@ class RunGuard:
         self.rule = rule
         self.lr_scale = 1.0
         self.kl_scale = 1.0
-        self.stop_requested = False
-        """Set by a ``stop`` decision: the recipe's loop ends after this epoch."""
+        self.stop: GuardStop | None = None
+        """Set by a ``stop`` decision (or a resumed state holding one): the recipe's loop ends after this
+        epoch, a resumed run before its first."""
         self.verdict: Verdict | None = None
         """Rank 0's latest observation."""
         self.pending: tuple[Tensor, Tensor] | None = None
         """The latest evaluation's per-prompt trained reward and held-out metric, for :meth:`decide`."""
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether the guard stopped the run (:attr:`stop`)."""
+        return self.stop is not None
 
     @classmethod
     def build(
@@ -461,8 +494,36 @@ class RunGuard:
         new_best, code = dist.gather(torch.tensor([local], dtype=torch.float64))[0].tolist()
         action = _ACTIONS[int(code) - 1] if code else None
         if action == "stop":
-            self.stop_requested = True
+            self.stop = GuardStop(epoch + 1, self._stop_reason(verdict))
         return Decision(bool(new_best), action, verdict.event if verdict is not None else None)
+
+    def _stop_reason(self, verdict: Verdict | None) -> str:
+        """Why the guard stops: the flagged change, and the rollbacks spent when they ran out (rank 0)."""
+        if verdict is None or verdict.event is None:
+            return ""
+        reason = verdict.event.evidence(self.cfg.window, self.cfg.margin)
+        if self.cfg.action == "rollback":
+            reason += (
+                f", after {self.rule.rollbacks} rollbacks (guard.max_rollbacks={self.cfg.max_rollbacks})"
+            )
+        return reason
+
+    def resumed_message(self) -> str:
+        """What a run resumed after the guard's stop says before it ends untrained: when and why the guard
+        stopped it, where its result is, and how to train further."""
+        assert self.stop is not None
+        cfg, epochs = self.cfg, self.stop.epochs_done
+        why = f": {self.stop.reason}" if self.stop.reason else ""
+        monitors = [f"~guard.monitors.{name}" for name in cfg.monitors]
+        without = " ".join(monitors + [f"~guard.kwargs.{name}" for name in cfg.kwargs])
+        return (
+            f"guard: the reward-hacking guard stopped this run after epoch {epochs}{why}. The run is complete "
+            "and trains no further epoch (exit code 0: a requeue loop ends here). Its last checkpoint holds "
+            f"the state after epoch {epochs}, checkpoints/{BEST_HELDOUT} the best by the held-out metric. "
+            "To train further, start a new run (another hydra.run.dir) with a looser guard (a larger "
+            "guard.margin or guard.noise_k, or guard.action=warn), or resume this one without the guard "
+            f"(drop its monitors: {without})"
+        )
 
     def status_metrics(self) -> dict[str, float]:
         """The best held-out value so far and its step, the window's change and its standard errors once
@@ -514,11 +575,14 @@ class RunGuard:
             algo.kl_weight *= kl_factor
 
     def state_dict(self) -> dict[str, Any]:
-        return {**self.rule.state_dict(), "lr_scale": self.lr_scale, "kl_scale": self.kl_scale}
+        stop = None if self.stop is None else self.stop.as_dict()
+        return {**self.rule.state_dict(), "lr_scale": self.lr_scale, "kl_scale": self.kl_scale, "stop": stop}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.rule.load_state_dict(state)
         self.lr_scale, self.kl_scale = float(state["lr_scale"]), float(state["kl_scale"])
+        stop = state.get("stop")  # absent from checkpoints written before the guard kept its stops
+        self.stop = None if stop is None else GuardStop.from_dict(stop)
 
 
 def _per_prompt(scores: Tensor, images_per_prompt: int) -> Tensor:
