@@ -86,6 +86,20 @@ def run_cli(*args: str) -> tuple[int, str]:
     return result.exit_code, result.output
 
 
+def validated_train(*overrides: str, experiment: str | None = "experiment=tiny_cpu"):
+    """The validated config ``rlgen train`` composes from ``overrides`` (on the tiny SD3 demo unless
+    ``experiment`` is None), without a run directory: what the config boundary accepts or refuses."""
+    from omegaconf import OmegaConf
+
+    from rlgen_cli._hydra import compose_verb
+    from rlgen_cli.tasks.common import validated
+
+    cfg = compose_verb("train", [*([experiment] if experiment else []), *overrides])
+    OmegaConf.set_struct(cfg, False)
+    cfg.run_dir = "/tmp/unused"
+    return validated(cfg)
+
+
 @pytest.fixture
 def cli():
     return run_cli

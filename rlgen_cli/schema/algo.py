@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from rlgen_cli.errors import require
@@ -42,6 +42,7 @@ from rlgen_cli.schema.ranges import (
     PROBABILITY,
     at_least,
 )
+from rlgen_cli.schema.unread import require_defaults
 from rlgen_cli.schema.vlm import TokenGRPOOptions, TokenSftOptions
 
 log = logging.getLogger(__name__)
@@ -221,15 +222,17 @@ class PrefConfig:
     """Training σ drawn per kept sample (or pair) per epoch."""
 
     def __post_init__(self) -> None:
-        defaults = {f.name: f.default for f in fields(PrefConfig)}
         for loss, keys in PREF_LOSS_OPTIONS.items():
-            for key in keys if loss != self.loss else ():
-                value = getattr(self, key)
-                require(
-                    value == defaults[key],
-                    f"algo.pref.{key}={value!r} is read by algo.pref.loss={loss} alone, and this run trains "
-                    f"algo.pref.loss={self.loss}, which ignores it: drop the override (back to "
-                    f"{defaults[key]!r}), or set algo.pref.loss={loss} (algo={loss})",
+            if loss != self.loss:
+                require_defaults(
+                    self,
+                    PrefConfig,
+                    keys,
+                    lambda key, value, default, loss=loss: (
+                        f"algo.pref.{key}={value!r} is read by algo.pref.loss={loss} alone, and this run trains "
+                        f"algo.pref.loss={self.loss}, which ignores it: drop the override (back to "
+                        f"{default!r}), or set algo.pref.loss={loss} (algo={loss})"
+                    ),
                 )
 
 
@@ -570,15 +573,16 @@ class FlowPrefAlgoConfig(AdvantageConfig):
             "algo.pref.top_k for SFT), the steps per epoch algo.pref.timesteps_per_sample",
         )
         if self.pref.loss == "dpo":
-            defaults = {f.name: f.default for f in fields(AdvantageConfig)}
-            for key in ("global_std", "std_estimator", "adv_eps"):
-                value = getattr(self, key)
-                require(
-                    value == defaults[key],
+            require_defaults(
+                self,
+                AdvantageConfig,
+                ("global_std", "std_estimator", "adv_eps"),
+                lambda key, value, default: (
                     f"algo.{key}={value!r} normalises SFT's advantages, and algo.pref.loss=dpo computes none "
                     f"(it pairs each group's best and worst sample by reward): drop the override (back to "
-                    f"{defaults[key]!r}), or train algo.pref.loss=sft (algo=sft)",
-                )
+                    f"{default!r}), or train algo.pref.loss=sft (algo=sft)"
+                ),
+            )
 
 
 EPOCH_SCHEDULE_KEYS = ("lr_schedule", "lr_decay_start", "lr_min_ratio", "lr_warmup_epochs")
@@ -590,14 +594,15 @@ TOKEN_SCHEDULE = "algo.token.lr_schedule and algo.token.warmup_ratio (per step)"
 
 def refuse_epoch_schedule(algo: AlgoConfig, recipe: str, instead: str) -> None:
     """A recipe with its own per-step schedule refuses the per-epoch keys rather than ignore them."""
-    defaults = {f.name: f.default for f in fields(AlgoConfig)}
-    for key in EPOCH_SCHEDULE_KEYS:
-        value = getattr(algo, key)
-        require(
-            value == defaults[key],
+    require_defaults(
+        algo,
+        AlgoConfig,
+        EPOCH_SCHEDULE_KEYS,
+        lambda key, value, _: (
             f"algo.{key}={value!r} sets the flow RL loop's per-epoch schedule, which recipe={recipe} does not "
-            f"read; its schedule is {instead}",
-        )
+            f"read; its schedule is {instead}"
+        ),
+    )
 
 
 @dataclass
@@ -624,17 +629,18 @@ class FlowPretrainAlgoConfig(AlgoConfig):
         refuse_epoch_schedule(
             self, "flow_pretrain", "algo.pretrain.warmup_steps and algo.pretrain.min_lr_ratio (per step)"
         )
-        defaults = {f.name: f.default for f in fields(FlowPretrainAlgoConfig)}
-        for key in PRETRAIN_FIXED_KEYS:
-            value, default = getattr(self, key), defaults[key]
-            require(
-                value == default,
+        require_defaults(
+            self,
+            FlowPretrainAlgoConfig,
+            PRETRAIN_FIXED_KEYS,
+            lambda key, value, default: (
                 f"algo.{key}={value} has no effect with recipe=flow_pretrain: each optimizer step is one "
                 "backward on algo.pretrain.batch_size ground-truth images (split over the processes), "
                 f"algo.pretrain.steps_per_epoch steps an epoch. Leave algo.{key} at "
                 f"{'null' if default is None else default} and size the training with "
-                "algo.pretrain.batch_size and algo.pretrain.steps_per_epoch",
-            )
+                "algo.pretrain.batch_size and algo.pretrain.steps_per_epoch"
+            ),
+        )
 
     def require_whole_epoch_batches(self) -> None:
         """None to check here: pretraining rolls out no epoch of prompts_per_epoch × group_size samples;

@@ -45,6 +45,7 @@ from rlgen_cli.schema.ranges import (
     at_least,
 )
 from rlgen_cli.schema.run import DataConfig, RunConfig
+from rlgen_cli.schema.unread import require_defaults
 
 EtaSchedule = Literal["constant", "monotonic"]
 
@@ -439,15 +440,16 @@ def require_data_unread(data: DataConfig) -> None:
     would silently do nothing, so it is refused, naming the ``r3.*`` key that does it. R3's model options
     leave the data group unset (``- override /data@_global_.data: null``), so a reward option's natural
     data (``reward=geneval_remote`` → ``data=geneval``) does not land here."""
-    defaults = {f.name: f.default for f in dataclasses.fields(DataConfig)}
-    for key, instead in R3_DATA_KEYS.items():
-        value = getattr(data, key)
-        require(
-            value == defaults[key],
-            f"data.{key}={value} does nothing with recipe=r3: {instead}. Drop data.{key} (or the data= "
-            "option; a model YAML of your own for R3 adds '- override /data@_global_.data: null' to its "
-            "defaults, as conf/model/r3_qwen.yaml does, so that a reward option's data stays out)",
-        )
+    require_defaults(
+        data,
+        DataConfig,
+        R3_DATA_KEYS,
+        lambda key, value, _: (
+            f"data.{key}={value} does nothing with recipe=r3: {R3_DATA_KEYS[key]}. Drop data.{key} (or the "
+            "data= option; a model YAML of your own for R3 adds '- override /data@_global_.data: null' to its "
+            "defaults, as conf/model/r3_qwen.yaml does, so that a reward option's data stays out)"
+        ),
+    )
 
 
 @dataclass

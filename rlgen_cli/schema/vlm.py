@@ -8,12 +8,11 @@ Defaults follow R1-VL (Zhang et al. 2025) and TRL's ``GRPOConfig``.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from rlgen_cli.errors import UserError, require
+from rlgen_cli.errors import UserError
 from rlgen_cli.schema.choices import (
     LrSchedule,
     PromptFormat,
@@ -26,6 +25,7 @@ from rlgen_cli.schema.choices import (
 )
 from rlgen_cli.schema.families import families
 from rlgen_cli.schema.ranges import BELOW_ONE, COUNT, FRACTION, NON_NEGATIVE, POSITIVE, at_least
+from rlgen_cli.schema.unread import require_defaults
 
 VLM_FAMILIES = families("vlm")
 """The vision-language families (``kind=vlm`` rows of ``schema/families.py``)."""
@@ -196,12 +196,14 @@ def refuse_unread_settings(cfg: Any) -> None:
     for key, why in UNREAD_SETTINGS.get(cfg.recipe, {}).items():
         section_name, name = key.split(".")
         section = getattr(cfg, section_name)
-        default = {f.name: f.default for f in dataclasses.fields(section)}[name]
-        value = getattr(section, name)
-        require(
-            value == default,
-            f"{key}={_shown(value)} does nothing with recipe={cfg.recipe}: {why}. Drop {key} (back to its "
-            f"default, {_shown(default)})",
+        require_defaults(
+            section,
+            type(section),
+            (name,),
+            lambda _, value, default, key=key, why=why: (
+                f"{key}={_shown(value)} does nothing with recipe={cfg.recipe}: {why}. Drop {key} (back to its "
+                f"default, {_shown(default)})"
+            ),
         )
 
 

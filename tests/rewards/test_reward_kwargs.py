@@ -9,14 +9,11 @@ import inspect
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 
 import rlgen_cli.rewards  # noqa: F401  (registers every reward)
-from rlgen_cli._hydra import compose_verb
 from rlgen_cli.errors import UserError
 from rlgen_cli.rewards.registry import REWARD_KWARGS, REWARDS, check_kwargs
-from rlgen_cli.tasks.common import validated
-from tests.conftest import run_cli
+from tests.conftest import run_cli, validated_train
 
 
 def _keyword_params(factory) -> dict[str, inspect.Parameter]:
@@ -78,10 +75,7 @@ def test_good_kwargs_pass():
 
 
 def _validate(*overrides: str):
-    cfg = compose_verb("train", ["experiment=tiny_cpu", *overrides])
-    OmegaConf.set_struct(cfg, False)
-    cfg.run_dir = "/tmp/unused"
-    return validated(cfg)
+    return validated_train(*overrides)
 
 
 def test_each_component_of_a_mix_is_checked():

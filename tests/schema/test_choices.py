@@ -12,12 +12,10 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from rlgen_cli._hydra import compose_verb
 from rlgen_cli.errors import UserError
 from rlgen_cli.schema.choices import choices_of
 from rlgen_cli.schema.store import all_schemas
-from rlgen_cli.tasks.common import validated
-from tests.conftest import run_cli
+from tests.conftest import run_cli, validated_train
 
 
 def _schemas() -> set[type]:
@@ -67,11 +65,8 @@ def test_no_choice_value_reads_as_a_yaml_boolean_or_null():
 
 def _validate(*overrides: str):
     # the tiny SD3 demo; a case naming its model composes that model's own recipe (tiny_cpu picks a flow one)
-    base = [] if any(o.startswith("model=") for o in overrides) else ["experiment=tiny_cpu"]
-    cfg = compose_verb("train", [*base, *overrides])
-    OmegaConf.set_struct(cfg, False)
-    cfg.run_dir = "/tmp/unused"
-    return validated(cfg)
+    names_a_model = any(o.startswith("model=") for o in overrides)
+    return validated_train(*overrides, experiment=None if names_a_model else "experiment=tiny_cpu")
 
 
 @pytest.mark.parametrize(

@@ -13,19 +13,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 
-from rlgen_cli._hydra import compose_verb
 from rlgen_cli.errors import UserError
-from rlgen_cli.tasks.common import validated
-from tests.conftest import run_cli
+from tests.conftest import run_cli, validated_train
 
 
 def _validate(*overrides: str):
-    cfg = compose_verb("train", ["experiment=tiny_cpu", *overrides])
-    OmegaConf.set_struct(cfg, False)
-    cfg.run_dir = "/tmp/unused"
-    return validated(cfg)
+    return validated_train(*overrides)
 
 
 PRETRAIN = "experiment=shapes_pretrain"

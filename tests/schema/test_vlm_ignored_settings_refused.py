@@ -18,14 +18,12 @@ import re
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 
 from rlgen_cli._hydra import compose_verb, conf_dir, config_groups
 from rlgen_cli.errors import UserError
 from rlgen_cli.schema.run import DataConfig
 from rlgen_cli.schema.vlm import UNREAD_SETTINGS, refuse_unread_settings
-from rlgen_cli.tasks.common import validated
-from tests.conftest import run_cli
+from tests.conftest import run_cli, validated_train
 from tests.vlm.conftest import TINY_VLM
 
 VLM_RL = [*TINY_VLM, "algo=step_grpo", "reward=length"]
@@ -37,10 +35,7 @@ R3 = ["model=tiny_r3", "progress=false", "eval_every=0"]
 
 
 def _validate(*overrides: str):
-    cfg = compose_verb("train", list(overrides))
-    OmegaConf.set_struct(cfg, False)
-    cfg.run_dir = "/tmp/unused"
-    return validated(cfg)
+    return validated_train(*overrides, experiment=None)
 
 
 VLM_REFUSALS = [

@@ -24,19 +24,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from rlgen_cli._hydra import compose_verb
 from rlgen_cli.errors import UserError
 from rlgen_cli.schema.hacking_guard import GuardConfig
-from rlgen_cli.tasks.common import validated
 from rlgen_cli.training.control.hacking_guard import (
     HackingGuard,
     RunGuard,
     change_standard_error,
     require_known_monitors,
 )
-from tests.conftest import TINY_RUN, run_cli
+from tests.conftest import TINY_RUN, run_cli, validated_train
 
 PROMPTS = 4
 
@@ -347,10 +344,7 @@ def test_unknown_monitors_and_bad_monitor_kwargs_are_named():
 
 # -- the config boundary -------------------------------------------------------------------------------
 def _validate(*overrides: str):
-    cfg = compose_verb("train", ["experiment=tiny_cpu", *overrides])
-    OmegaConf.set_struct(cfg, False)
-    cfg.run_dir = "/tmp/unused"
-    return validated(cfg)
+    return validated_train(*overrides)
 
 
 MONITOR = "+guard.monitors.brightness=1.0"
