@@ -75,6 +75,16 @@ Calls = list[Call | str]  # velocity calls and BACKWARD markers, in the epoch's 
 
 
 @contextmanager
+def clocked(seconds: list[float]) -> Iterator[None]:
+    """Add the block's wall-clock seconds to ``seconds[0]``."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[0] += time.perf_counter() - start
+
+
+@contextmanager
 def recording(recipe: FlowRun, calls: Calls, passes: Counter, in_calls: list[float]) -> Iterator[None]:
     """Append every velocity call and backward of the block to ``calls``; count the transformer's passes
     by batch size and grad mode in ``passes``; add the wall-clock seconds spent inside those calls to
@@ -90,11 +100,8 @@ def recording(recipe: FlowRun, calls: Calls, passes: Counter, in_calls: list[flo
                 x.detach().clone(), sigma.detach().clone(), cond, torch.is_grad_enabled(), mode, depth[0] > 0
             )
         )
-        start = time.perf_counter()
-        try:
+        with clocked(in_calls):
             return velocity(x, sigma, cond)
-        finally:
-            in_calls[0] += time.perf_counter() - start
 
     @contextmanager
     def recorded_reference() -> Iterator[None]:
@@ -107,11 +114,8 @@ def recording(recipe: FlowRun, calls: Calls, passes: Counter, in_calls: list[flo
 
     def recorded_backward(loss: Tensor, sync: bool = True) -> None:
         calls.append(BACKWARD)
-        start = time.perf_counter()
-        try:
+        with clocked(in_calls):
             backward(loss, sync)
-        finally:
-            in_calls[0] += time.perf_counter() - start
 
     def recorded_pass(_: Any, args: tuple, kwargs: dict) -> None:
         first = kwargs.get("hidden_states", args[0] if args else None)

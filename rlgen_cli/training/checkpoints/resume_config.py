@@ -59,9 +59,8 @@ NEVER_CHANGE = ("recipe", "model.family", "model.lora", "algo.ema", "algo.lr", "
 """Settings a resume cannot honour, even when named in ``resume_changes``."""
 
 
-def flat(config: DictConfig, null_accumulation_per_process: bool = True) -> dict[str, Any]:
-    """The resolved config as ``{"a.b.c": leaf}`` (lists are leaves); a null
-    ``algo.gradient_accumulation_steps`` as the micro-batches per step it means, where the recipe reads it."""
+def flat(config: DictConfig) -> dict[str, Any]:
+    """The resolved config as ``{"a.b.c": leaf}`` (lists are leaves)."""
     out: dict[str, Any] = {}
 
     def walk(node: Any, prefix: str) -> None:
@@ -72,9 +71,16 @@ def flat(config: DictConfig, null_accumulation_per_process: bool = True) -> dict
             out[prefix[:-1]] = node
 
     walk(OmegaConf.to_container(config, resolve=True), "")
-    if null_accumulation_per_process and ACCUMULATION in out and out[ACCUMULATION] is None:
-        out[ACCUMULATION] = out.get("launcher.num_processes", 1) * out.get("launcher.num_machines", 1)
     return out
+
+
+def _per_step(flat_config: dict[str, Any]) -> dict[str, Any]:
+    """``flat_config`` with a null ``algo.gradient_accumulation_steps`` replaced by the micro-batches per
+    optimizer step it means: one per process."""
+    if ACCUMULATION in flat_config and flat_config[ACCUMULATION] is None:
+        processes = flat_config.get("launcher.num_processes", 1) * flat_config.get("launcher.num_machines", 1)
+        return {**flat_config, ACCUMULATION: processes}
+    return flat_config
 
 
 def config_differences(
@@ -83,7 +89,9 @@ def config_differences(
     """``(key, saved value, current value)`` of every key both configs hold with different values (the
     micro-batches per optimizer step compared as a number, ``null`` resolved by the process count, unless
     the recipe's steps do not depend on the process count: ``null_accumulation_per_process=False``)."""
-    old, new = flat(saved, null_accumulation_per_process), flat(current, null_accumulation_per_process)
+    old, new = flat(saved), flat(current)
+    if null_accumulation_per_process:
+        old, new = _per_step(old), _per_step(new)
     return [
         (key, old[key], new[key]) for key in sorted(old.keys() & new.keys()) if not _same(old[key], new[key])
     ]
