@@ -36,7 +36,7 @@ from _common import compose_recipe
 from _geometry import GRPO_GEOMETRIES, default_warmup, overrides_for, run_epoch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from rlgen_cli.recipes import common, flow_grpo, flow_run
+from rlgen_cli.recipes import common, flow_grpo, flow_run, reward_scoring
 from rlgen_cli.recipes.flow_run import FlowRun
 from rlgen_cli.training.reporting.progress import Progress
 
@@ -59,7 +59,7 @@ MODULE_PHASES = {
 }  # fmt: skip
 """The recipe functions each phase label wraps, by the module the recipe looks them up in."""
 CLASS_PHASES = {
-    flow_grpo.RewardScoring: {"submit": "reward", "results": "reward"},
+    reward_scoring.RewardScoring: {"submit": "reward", "results": "reward"},
     flow_grpo.Rollouts: {"select": "data"},
 }
 

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlgen_cli.models.sd3 import LORA_WEIGHTS_NAME
-from rlgen_cli.recipes import flow_grpo, flow_run
+from rlgen_cli.recipes import flow_run, reward_scoring
 from rlgen_cli.rewards.base import is_served
 from rlgen_cli.rewards.jpeg import jpeg_compressibility
 from rlgen_cli.rewards.remote.client import FlowGrpoRemoteReward, OpenAIJudgeReward, RemoteReward
@@ -49,7 +49,7 @@ def test_the_served_rewards_say_so_and_the_local_ones_do_not():
 )
 def test_auto_uses_a_thread_only_where_it_can_hide_something(mode, device, served, thread):
     rewards = [jpeg_compressibility(), *([SimpleNamespace(served=True)] if served else [])]
-    assert flow_grpo.overlaps_sampling(_run(mode, device, *rewards)) is thread
+    assert reward_scoring.overlaps_sampling(_run(mode, device, *rewards)) is thread
 
 
 def _train(monkeypatch, run_dir: Path, mode: str) -> tuple[list[dict], dict[str, torch.Tensor], set[str]]:
