@@ -78,8 +78,11 @@ class Run(Protocol):
     def evaluate_before(self, progress: Progress) -> dict[str, float] | None:
         """The evaluation of the starting weights (logged at step 0), or None."""
 
-    def evaluate_if_due(self, epoch: int, last: bool, progress: Progress) -> dict[str, float]:
-        """The evaluation after ``epoch`` when one is due (its metrics), else {}."""
+    def evaluate_if_due(
+        self, epoch: int, last: bool, progress: Progress, extra_state: dict[str, Any] | None
+    ) -> dict[str, float]:
+        """The evaluation after ``epoch`` when one is due (its metrics), else {}; ``extra_state`` goes into
+        a checkpoint the evaluation saves (the guard's best one), as into :meth:`save_if_due`'s."""
 
     def stop_requested(self) -> bool:
         """Whether a guard asked the run to stop after this epoch."""

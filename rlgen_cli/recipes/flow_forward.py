@@ -104,11 +104,18 @@ class OldPolicy:
 
     @classmethod
     def build(cls, run: FlowRun) -> OldPolicy:
-        """A copy of the current weights, or the resumed run's old policy."""
+        """A copy of the current weights, or the resumed run's old policy.
+
+        Raises:
+            UserError: A resumed checkpoint without the old policy (saved by an older rlgen) whose last
+                refresh kept part of the earlier old weights (decay > 0), which the checkpoint does not hold.
+        """
         params = run.policy.trainable.parameters()
         old = cls(EMA(params, decay=0.0, update_every=1, gather=run.dist.gathered))
         if OLD_KEY in run.resumed_extra:
             old.weights.load_state_dict(run.resumed_extra[OLD_KEY])
+        elif run.global_step > 0:
+            require_rebuildable_old_policy(run)
         return old
 
     def swap(self) -> AbstractContextManager[Any]:
@@ -124,6 +131,24 @@ class OldPolicy:
         self.weights.decay = decay  # the schedule changes the decay between refreshes
         self.weights.step(run.global_step)
         return decay
+
+
+def require_rebuildable_old_policy(run: FlowRun) -> None:
+    """A resumed checkpoint without the old policy rebuilds it as a copy of its weights, which is the old
+    policy only when the last refresh (at the checkpoint's ``global_step``) had decay 0.
+
+    Raises:
+        UserError: Otherwise, naming the decay and what to do.
+    """
+    old, step = run.cfg.algo.forward.old, run.global_step
+    decay = old_policy_decay(step, flat_steps=old.flat_steps, rate=old.rate, max_decay=old.max_decay)
+    if decay > 0:
+        raise UserError(
+            f"the resumed checkpoint (epoch {run.start_epoch}, global_step {step}) does not hold the old "
+            f"policy (a checkpoint saved by an older rlgen lacks it), and its last refresh had decay {decay:.4g} "
+            "(algo.forward.old), so the old policy was not the checkpoint's weights: resume a checkpoint saved "
+            "while the decay was 0 (within algo.forward.old.flat_steps), or start the run afresh"
+        )
 
 
 def require_valid(cfg: FlowForwardTrainConfig) -> None:

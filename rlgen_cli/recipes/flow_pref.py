@@ -110,9 +110,8 @@ def _resumed_reference(run: FlowRun) -> dict[str, Any] | None:
     resumes a checkpoint without one at a refresh, where the copy equals the weights it was loaded with).
 
     Raises:
-        UserError: A checkpoint without the copy (saved before rlgen kept it, or the guard's
-            ``best_heldout``) between two refreshes: the copy was the weights of an earlier step, which
-            the checkpoint does not hold.
+        UserError: A checkpoint without the copy (saved before rlgen kept it) between two refreshes:
+            the copy was the weights of an earlier step, which the checkpoint does not hold.
     """
     if REFERENCE_KEY in run.resumed_extra:
         return run.resumed_extra[REFERENCE_KEY]
@@ -120,7 +119,7 @@ def _resumed_reference(run: FlowRun) -> dict[str, Any] | None:
     if step % every:
         raise UserError(
             f"the resumed checkpoint (epoch {run.start_epoch}, global_step {step}) does not hold online "
-            "DPO's reference copy (one saved by an older rlgen, or the guard's best_heldout, lacks it), and "
+            "DPO's reference copy (one saved by an older rlgen lacks it), and "
             f"with algo.pref.ref_update_step={every} that copy holds the weights of global_step "
             f"{step - step % every}, not the checkpoint's: resume a checkpoint whose global_step is a "
             f"multiple of algo.pref.ref_update_step={every} (resume=PATH; "

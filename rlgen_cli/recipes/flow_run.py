@@ -66,7 +66,14 @@ from rlgen_cli.training.control.hacking_guard import (
 from rlgen_cli.training.distributed.dist import Dist, make_dist
 from rlgen_cli.training.reporting.images import grid_name, save_grid
 from rlgen_cli.training.reporting.labels import readable_reward
-from rlgen_cli.training.reporting.metrics import BEFORE_TRAINING, NullLogger, build_loggers, step_after
+from rlgen_cli.training.reporting.metrics import (
+    BEFORE_TRAINING,
+    METRICS_FILE,
+    NullLogger,
+    build_loggers,
+    read_metrics,
+    step_after,
+)
 from rlgen_cli.training.reporting.plots import plot_runs
 from rlgen_cli.training.reporting.progress import Progress
 from rlgen_cli.training.reporting.report import EvalReport, detail_summaries, eval_report
@@ -104,7 +111,8 @@ class FlowRun:
     guard: RunGuard | None = None
     """The reward-hacking guard (``guard.monitors`` set): :func:`guard_evaluation` after every evaluation."""
     heldout_set: PromptDataset | None = None
-    """``eval_heldout``'s prompts, evaluated before and after training (:func:`evaluates_heldout`)."""
+    """``eval_heldout``'s prompts, evaluated after the last epoch (and before the first with
+    ``eval_before``)."""
     time_progress: float = 0.0
     """Share of the time budget used by the end of the epoch about to run, under
     ``lr_schedule_clock=time_or_epochs`` (``recipes/session.py``; 0 otherwise): the lr schedule reads it."""
@@ -131,8 +139,10 @@ class FlowRun:
     def evaluate_before(self, progress: Progress) -> dict[str, float] | None:
         return evaluate_before(self, progress)
 
-    def evaluate_if_due(self, epoch: int, last: bool, progress: Progress) -> dict[str, float]:
-        return evaluate_if_due(self, epoch, last, progress)
+    def evaluate_if_due(
+        self, epoch: int, last: bool, progress: Progress, extra_state: dict[str, Any] | None
+    ) -> dict[str, float]:
+        return evaluate_if_due(self, epoch, last, progress, extra_state)
 
     def stop_requested(self) -> bool:
         return self.guard is not None and self.guard.stop_requested
@@ -457,13 +467,6 @@ def evaluate(run: FlowRun, epoch: int, progress: Progress, split: str = "eval") 
     }
 
 
-def evaluates_heldout(run: FlowRun) -> bool:
-    """Whether this run evaluates ``eval_heldout``: only with an evaluation before training (a fresh run
-    with ``eval_before``), so that the report can set the held-out split's before against its after."""
-    cfg = run.cfg
-    return run.heldout_set is not None and bool(cfg.eval_before and cfg.eval_every) and run.start_epoch == 0
-
-
 def save_rollout_images(run: FlowRun, images: Tensor, epoch: int) -> None:
     """Every ``images_every`` epochs rank 0 saves the epoch's rollouts as a grid and logs the first 16."""
     every = run.cfg.images_every
@@ -473,14 +476,17 @@ def save_rollout_images(run: FlowRun, images: Tensor, epoch: int) -> None:
 
 
 def evaluate_before(run: FlowRun, progress: Progress) -> dict[str, float] | None:
-    """With ``eval_before``, evaluate the starting weights of a fresh run (logged at step 0)."""
+    """With ``eval_before``, evaluate the starting weights of a fresh run (logged at step 0); a resumed
+    run reads that evaluation back (:func:`logged_before`)."""
     cfg = run.cfg
-    if not (cfg.eval_before and cfg.eval_every and run.start_epoch == 0):
+    if not (cfg.eval_before and cfg.eval_every):
         return None
+    if run.start_epoch > 0:
+        return logged_before(run)
     metrics: dict[str, float] = {}
     if run.dist.is_main or run.dist.sharded:  # sharded weights: every rank takes part in the forwards
         metrics = evaluate(run, -1, progress)
-        if evaluates_heldout(run):
+        if run.heldout_set is not None:
             metrics |= evaluate(run, -1, progress, split="eval_heldout")
     metrics = guard_evaluation(run, -1, metrics)
     if run.dist.is_main:
@@ -490,27 +496,50 @@ def evaluate_before(run: FlowRun, progress: Progress) -> dict[str, float] | None
     return metrics
 
 
-def evaluate_if_due(run: FlowRun, epoch: int, last: bool, progress: Progress) -> dict[str, float]:
-    """The evaluation after ``epoch`` when one is due (the first, the last, every ``eval_every``)."""
+def logged_before(run: FlowRun) -> dict[str, float] | None:
+    """The evaluation before training as the run's ``metrics.jsonl`` holds it (its step-0 row), for the
+    before → after report of a resumed run (rank 0; None elsewhere, or, with a warning, where the file
+    holds none: a checkpoint resumed into another run directory)."""
+    if not run.dist.is_main:
+        return None
+    rows = [row for row in read_metrics(run.run_dir) if row.get("step") == BEFORE_TRAINING]
+    if not rows:
+        log.warning(
+            "%s holds no evaluation before training (step %d): this resumed run writes no before → after report",
+            run.run_dir / METRICS_FILE,
+            BEFORE_TRAINING,
+        )
+        return None
+    return {key: value for key, value in rows[-1].items() if value is not None}  # null: a non-finite value
+
+
+def evaluate_if_due(
+    run: FlowRun, epoch: int, last: bool, progress: Progress, extra_state: dict[str, Any] | None = None
+) -> dict[str, float]:
+    """The evaluation after ``epoch`` when one is due (the first, the last, every ``eval_every``);
+    ``extra_state``: the recipe's entries, for the guard's best checkpoint (:func:`guard_evaluation`)."""
     cfg = run.cfg
     if not (cfg.eval_every and (epoch == 0 or last or due(epoch, cfg.eval_every, cfg.epochs))):
         return {}
     evaluates = run.dist.is_main or run.dist.sharded  # sharded weights: every rank runs the forwards
     metrics = evaluate(run, epoch, progress) if evaluates else {}
-    if evaluates and last and evaluates_heldout(run):  # the held-out split: before and after only
+    if evaluates and last and run.heldout_set is not None:  # the held-out split: after the last epoch
         metrics |= evaluate(run, epoch, progress, split="eval_heldout")
-    return guard_evaluation(run, epoch, metrics)
+    return guard_evaluation(run, epoch, metrics, extra_state)
 
 
-def guard_evaluation(run: FlowRun, epoch: int, metrics: dict[str, float]) -> dict[str, float]:
+def guard_evaluation(
+    run: FlowRun, epoch: int, metrics: dict[str, float], extra_state: dict[str, Any] | None = None
+) -> dict[str, float]:
     """The guard's look at the evaluation after ``epoch`` (−1: before training; ``metrics``: rank 0's):
-    a new best held-out value is saved to ``checkpoints/best_heldout``; a flagged evaluation warns, stops
-    or rolls back (``training/control/hacking_guard.py``). Every rank enters: saving and rolling back are collective."""
+    a new best held-out value is saved to ``checkpoints/best_heldout`` (with the recipe's ``extra_state``,
+    so that it resumes as any checkpoint does); a flagged evaluation warns, stops or rolls back
+    (``training/control/hacking_guard.py``). Every rank enters: saving and rolling back are collective."""
     if run.guard is None:
         return metrics
     decision = run.guard.decide(run.dist, epoch)
     if decision.new_best:
-        save(run, epoch + 1, name=BEST_HELDOUT)
+        save(run, epoch + 1, extra_state, name=BEST_HELDOUT)
     metrics = {**metrics, **run.guard.status_metrics()}
     if decision.event is not None:
         log.warning(decision.event.describe(run.cfg.guard.window, run.cfg.guard.margin))

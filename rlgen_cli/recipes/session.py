@@ -170,14 +170,15 @@ class Session:
         extra_state: dict[str, Any] | None = None,
     ) -> bool:
         """After ``epoch``'s training: its time, the evaluation when due, the log line (``console`` of the
-        metrics), the checkpoint when due (``extra_state``: see :func:`save`), the epochs bar (``headline``).
+        metrics), the checkpoint when due, the epochs bar (``headline``). ``extra_state``: the recipe's own
+        entries of the state after this epoch, for every checkpoint it saves (the guard's best one too).
         True when this was the run's last epoch."""
         metrics["time/epoch"] = time.perf_counter() - self.epoch_started
         self.clock.epoch_ended(metrics["time/epoch"])
         if self.clock.time_aware:
             metrics["time/budget_share"] = self.run.time_progress  # where the lr schedule's clock stood
         last = self.clock.is_last(epoch)
-        metrics |= self.run.evaluate_if_due(epoch, last, self.progress)
+        metrics |= self.run.evaluate_if_due(epoch, last, self.progress, extra_state)
         stopped = self.run.stop_requested() and not last
         last = last or stopped
         self.run.log_epoch(epoch, metrics, console(metrics))

@@ -137,7 +137,9 @@ class TrainerRun:
     def evaluate_before(self, progress: Progress) -> dict[str, float] | None:
         return None  # these recipes evaluate after epochs only
 
-    def evaluate_if_due(self, epoch: int, last: bool, progress: Progress) -> dict[str, float]:
+    def evaluate_if_due(
+        self, epoch: int, last: bool, progress: Progress, extra_state: dict[str, Any] | None
+    ) -> dict[str, float]:
         """Rank 0 alone (whole weights on every rank: ``require_whole_weights``), every ``eval_every``."""
         cfg = self.cfg
         if self.evaluation is None or not (self.dist.is_main and cfg.eval_every):

@@ -82,11 +82,14 @@ class FlowRunConfig(RunConfig):
     eval_before: bool = False
     """Also evaluate before the first epoch (logged at step 0): the run ends with a before → after table
     (``before_after.txt``: the reward, each reward of the mix and its details; per prompt tag when the
-    reward reports tags) and the sample grid before / after (``images/before_after.png``)."""
+    reward reports tags) and the sample grid before / after (``images/before_after.png``); needs
+    ``eval_every`` > 0. A resumed run reads its evaluation before training back from ``metrics.jsonl``
+    (the table, without the grid)."""
     eval_heldout: str | None = None
     """A second test split (e.g. ``builtin:shapes_heldout.jsonl``: combinations never trained on),
-    evaluated like ``data.test`` but only before and after training (with ``eval_before``) and reported
-    as the ``unseen`` row of the before → after table; null = off."""
+    evaluated like ``data.test`` but only after the last epoch (``eval_heldout/…`` metrics) and, with
+    ``eval_before``, before the first, then reported as the ``unseen`` row of the before → after table;
+    needs ``eval_every`` > 0; null = off."""
     eval_report: Annotated[str, EvalReportKind] = "none"
     """What the run writes from its evaluations at the end besides ``eval_before``'s table and grid:
     ``none``, or ``shapes`` (ShapesEval's ``shapes_curves.png``, a per-tag table, captioned grids)."""
@@ -97,6 +100,29 @@ class FlowRunConfig(RunConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_guard(self)
+        require_evaluations(self)
+
+
+def require_evaluations(cfg: FlowRunConfig) -> None:
+    """``eval_before`` and ``eval_heldout`` ask for evaluations, which ``eval_every=0`` turns off.
+
+    Raises:
+        UserError: Naming the settings that would do nothing, and both fixes.
+    """
+    if cfg.eval_every:
+        return
+    asked = [
+        key for key, value in (("eval_before", cfg.eval_before), ("eval_heldout", cfg.eval_heldout)) if value
+    ]
+    require(
+        not asked,
+        f"eval_every=0 never evaluates, so {' and '.join(f'{k}={getattr(cfg, k)}' for k in asked)} would do "
+        f"nothing: set eval_every=N, or {' '.join(f'{k}={NOTHING[k]}' for k in asked)}",
+    )
+
+
+NOTHING = {"eval_before": "false", "eval_heldout": "null"}
+"""Each evaluation setting's value that asks for nothing."""
 
 
 @dataclass

@@ -15,7 +15,6 @@ import torch
 from rlgen_cli._hydra import compose_verb
 from rlgen_cli.recipes import session as session_module
 from rlgen_cli.recipes.common import TimeLimit
-from rlgen_cli.recipes.flow_run import evaluates_heldout
 from rlgen_cli.recipes.session import EpochClock
 from rlgen_cli.training.control.schedule import epoch_lr, time_share
 
@@ -181,17 +180,6 @@ def test_rlgen_train_defaults_to_shapes_eval_with_the_time_aware_clock_and_the_h
     assert cfg.lr_schedule_clock == "time_or_epochs" and cfg.time_limit_minutes > 0
     assert cfg.eval_heldout == "builtin:shapes_heldout.jsonl"
     assert compose_verb("train", ["experiment=shapes_grpo_fast", "eval_heldout=null"]).eval_heldout is None
-
-
-def test_the_heldout_split_is_evaluated_only_with_an_evaluation_before_training():
-    def run(eval_before: bool, start_epoch: int = 0, heldout: object = object()) -> SimpleNamespace:
-        cfg = SimpleNamespace(eval_before=eval_before, eval_every=20)
-        return SimpleNamespace(cfg=cfg, heldout_set=heldout, start_epoch=start_epoch)
-
-    assert evaluates_heldout(run(True))  # type: ignore[arg-type]
-    assert not evaluates_heldout(run(False))  # type: ignore[arg-type]
-    assert not evaluates_heldout(run(True, start_epoch=20))  # type: ignore[arg-type]  # resumed: no before
-    assert not evaluates_heldout(run(True, heldout=None))  # type: ignore[arg-type]  # eval_heldout=null
 
 
 def test_the_time_share_reaches_every_rank_from_rank_0(monkeypatch):
