@@ -74,3 +74,19 @@ def test_every_function_profile_epoch_labels_is_where_it_looks(monkeypatch):
         f"{owner.__name__}.{name}" for owner, names in tables for name in names if name not in vars(owner)
     ]
     assert not missing, f"profile_epoch.py labels functions that moved: {missing}"
+
+
+def test_vlm_rollout_times_the_same_tokens_three_ways():
+    done = subprocess.run(
+        [sys.executable, "vlm_rollout.py", "--repeats", "1"],
+        cwd=BENCHMARKS,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert min(result["bare_s"], result["pipeline_s"], result["rlgen_s"]) > 0
+    assert result["overhead_ratio"] == pytest.approx(result["rlgen_s"] / result["bare_s"])
+    assert result["overhead_vs_pipeline"] == pytest.approx(result["rlgen_s"] / result["pipeline_s"])
+    assert result["bare_tokens_per_s"] > 0 and result["logprob_ms_per_token"] > 0
