@@ -6,7 +6,8 @@
 * any other name — that local reward of the registry (``jpeg_compressibility``, ``shapes_geneval``, …).
 
 Served rewards reach every ``reward_server_urls`` × ``reward_server_port`` endpoint (empty lists keep
-the client's defaults); their other options come from ``reward.kwargs.<component>``. With an offline
+the client's defaults); their other options come from ``reward.kwargs.<component>``, which may not name
+another server reward or other endpoints (:func:`~rlgen_cli.schema.r3.require_served_reward_keys`). With an offline
 stand-in (``r3.offline``, see ``schema/r3.py``) its local reward replaces all of this. A failed score
 is an error, never a silent 0.
 """
@@ -23,7 +24,13 @@ from torch import Tensor
 from rlgen_cli.errors import UserError
 from rlgen_cli.r3.data import R3Sample
 from rlgen_cli.rewards import RewardBatch, build_mix
-from rlgen_cli.schema.r3 import SERVED_REWARDS, R3Config
+from rlgen_cli.schema.r3 import (
+    SERVED_COMPONENTS,
+    SERVED_GENEVAL,
+    SERVED_REWARDS,
+    R3Config,
+    require_served_reward_keys,
+)
 from rlgen_cli.schema.run import RewardConfig
 from rlgen_cli.training.checkpoints.checkpoint import NonFiniteRewards
 
@@ -31,15 +38,17 @@ log = logging.getLogger(__name__)
 
 __all__ = ["R3Scorer", "reward_spec"]
 
-COMPONENTS = {"geneval": "remote", "geneval_plus": "geneval_plus", "tiif": "tiif"}
+COMPONENTS = SERVED_COMPONENTS
 """The reward component that scores each served ``reward_fn``."""
 
 
 def _served(r3: R3Config, reward: RewardConfig) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
+    """The served reward's client: its ``reward.kwargs`` with the ``r3`` endpoints (conflicts refused)."""
+    require_served_reward_keys(r3, reward)
     component = COMPONENTS[r3.reward_fn]
     kwargs = dict(reward.kwargs.get(component, {}))
     if component == "remote":
-        kwargs["reward"] = "geneval"
+        kwargs["reward"] = SERVED_GENEVAL
     if r3.reward_server_urls:
         kwargs["hosts"] = list(r3.reward_server_urls)
     if r3.reward_server_port:

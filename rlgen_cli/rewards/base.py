@@ -23,8 +23,8 @@ from torch import Tensor
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "Reward", "RewardBatch", "RewardResult", "accepts_uint8", "all_finite", "check_result", "is_served",
-    "source_stack",
+    "IMAGE_ONLY_REWARDS", "Reward", "RewardBatch", "RewardResult", "accepts_uint8", "all_finite", "check_result",
+    "is_served", "reads_prompts", "source_stack",
 ]  # fmt: skip
 
 
@@ -164,6 +164,36 @@ def is_served(reward: Reward) -> bool:
     """Whether ``reward`` scores by waiting on another process (its optional ``served`` attribute: the
     clients of reward servers and judge APIs), rather than computing here."""
     return bool(getattr(reward, "served", False))
+
+
+IMAGE_ONLY_REWARDS = frozenset(
+    {
+        "aesthetic",
+        "brightness",
+        "deqa",
+        "geneval",
+        "image_similarity",
+        "jpeg_compressibility",
+        "jpeg_incompressibility",
+        "shapes_geneval",
+    }
+)
+"""Built-in rewards that score the image alone (GenEval and ShapesEval read their metadata, not the
+prompt), for :func:`reads_prompts`."""
+
+
+def reads_prompts(reward: Reward) -> bool:
+    """Whether ``reward`` scores a sample against its prompt (pickscore, clipscore, HPS, ImageReward, OCR,
+    judges): its optional ``reads_prompts`` attribute, else False only for :data:`IMAGE_ONLY_REWARDS`.
+
+    A reward that does not say is assumed to read them, so a reward server refuses to score it against
+    prompts a request did not send rather than against empty ones; an image-only reward of your own sets
+    ``reads_prompts = False``.
+    """
+    declared = getattr(reward, "reads_prompts", None)
+    if declared is not None:
+        return bool(declared)
+    return getattr(reward, "name", None) not in IMAGE_ONLY_REWARDS
 
 
 def all_finite(values: Tensor) -> bool:

@@ -44,7 +44,7 @@ from rlgen_cli.schema.ranges import (
     PROBABILITY,
     at_least,
 )
-from rlgen_cli.schema.run import DataConfig, RunConfig
+from rlgen_cli.schema.run import DataConfig, RewardConfig, RunConfig
 from rlgen_cli.schema.unread import require_defaults
 
 EtaSchedule = Literal["constant", "monotonic"]
@@ -57,6 +57,11 @@ R3_FAMILIES = families("unified")
 SERVED_REWARDS = ("geneval", "geneval_plus", "tiif")
 """``reward_fn`` values scored by a server: the GenEval server, or the VLM judge with GenEval++ / TIIF
 prompts. Any other value names a local reward of the registry (``mix`` = the ``reward`` section as is)."""
+SERVED_COMPONENTS = {"geneval": "remote", "geneval_plus": "geneval_plus", "tiif": "tiif"}
+"""The reward component (``reward.kwargs.<component>`` holds its client options) that scores each served
+``reward_fn``."""
+SERVED_GENEVAL = "geneval"
+"""The reward ``reward_fn=geneval`` calls on the server."""
 TINY_DATA = {name: f"builtin:r3_{name}_tiny.jsonl" for name in get_args(R3Dataset)}
 
 
@@ -452,6 +457,50 @@ def require_data_unread(data: DataConfig) -> None:
     )
 
 
+def _as_list(value: Any) -> list[Any]:
+    return [] if value is None else [value] if isinstance(value, str | int) else list(value)
+
+
+def require_served_reward_keys(r3: R3Config, reward: RewardConfig) -> None:
+    """Refuse client options a served ``reward_fn`` would override or merge with the ``r3`` keys.
+
+    ``reward_fn=geneval`` calls the server's ``geneval``, and ``r3.reward_server_urls`` × ``_port`` are
+    the endpoints: a ``reward.kwargs.<component>.reward`` naming another reward, ``endpoints`` beside
+    the ``r3`` keys (the client would balance over both sets) or ``hosts`` other than
+    ``r3.reward_server_urls`` would be overridden or merged without a word. (``ports``, which the
+    client presets fill, are replaced by a non-empty ``r3.reward_server_port``.)
+
+    Raises:
+        UserError: Naming the keys in conflict and how to keep one of them.
+    """
+    if r3.offline.enabled or r3.reward_fn not in SERVED_COMPONENTS:
+        return
+    component = SERVED_COMPONENTS[r3.reward_fn]
+    kwargs, key = dict(reward.kwargs.get(component) or {}), f"reward.kwargs.{component}"
+    named = kwargs.get("reward")
+    if component == "remote" and named not in (None, SERVED_GENEVAL):
+        raise UserError(
+            f"r3.reward_fn=geneval calls the server's {SERVED_GENEVAL!r} reward, but {key}.reward={named} "
+            f"names another: drop {key}.reward, or score with r3.reward_fn=mix and {key}.reward={named}"
+        )
+    r3_keys = [f"r3.{k}={v}" for k, v in (("reward_server_urls", r3.reward_server_urls),
+                                          ("reward_server_port", r3.reward_server_port)) if v]  # fmt: skip
+    endpoints = _as_list(kwargs.get("endpoints"))
+    if endpoints and r3_keys:
+        raise UserError(
+            f"{key}.endpoints={endpoints} and {' '.join(r3_keys)} both name R3's reward servers, and the "
+            f"client would balance over all of them: give them in one place, r3.reward_server_urls and "
+            f"r3.reward_server_port ({key}.endpoints=null), or {key}.endpoints with "
+            f"r3.reward_server_urls=[] r3.reward_server_port=[] {key}.ports=null"
+        )
+    hosts = _as_list(kwargs.get("hosts"))
+    if hosts and r3.reward_server_urls and hosts != list(r3.reward_server_urls):
+        raise UserError(
+            f"{key}.hosts={hosts} differs from r3.reward_server_urls={r3.reward_server_urls}, which R3 "
+            f"uses: set the hosts in r3.reward_server_urls and drop {key}.hosts"
+        )
+
+
 @dataclass
 class R3TrainConfig(RunConfig):
     """``recipe=r3``: the shared run keys plus ``r3`` (no ``algo``, no ``sampler``)."""
@@ -464,6 +513,7 @@ class R3TrainConfig(RunConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         require_data_unread(self.data)
+        require_served_reward_keys(self.r3, self.reward)
         require_same_forwards(r3_geometry(self.r3, self.launcher.world_size), self.launcher.exact_reduction)
         require_policy_schema(self.model.family, self.r3.policy)
         if isinstance(self.r3.policy, R3BagelPolicy):  # model.family=r3_bagel (required just above)

@@ -27,7 +27,10 @@ Across requests, :mod:`rlgen_cli.server.admission` bounds what all requests in f
 arrive within ``body_timeout_s`` gets 408. ``Expect: 100-continue`` is answered 401/403/413 before any
 ``100 Continue`` when the token or the declared size already fails.
 
-Every client mistake is a JSON ``{"error": "..."}`` with a 4xx status that names the problem; a reward
+``GET /v1/rewards`` lists each reward's fingerprint and the settings it hashes
+(:mod:`rlgen_cli.server.fingerprint`); every score reply carries the fingerprint in a header, which the
+clients pin. Every client mistake is a JSON ``{"error": "..."}`` with a 4xx status that names the problem
+(an unknown request field included); a reward
 failure is 422 (the reward rejected the input) or 500. A client that disconnects before sending its whole
 body is logged at INFO and counted as ``rlgen_errors_total{kind="disconnect"}``. With ``token`` set, every
 route except ``/healthz`` needs ``Authorization: Bearer <token>``. Shutting down (``AppRunner.cleanup``)
@@ -58,6 +61,7 @@ from rlgen_cli.rewards.base import Reward
 from rlgen_cli.rewards.remote import wire
 from rlgen_cli.server.batcher import MicroBatcher
 from rlgen_cli.server.body import check_declared_size
+from rlgen_cli.server.fingerprint import describe
 from rlgen_cli.server.pipeline import score, score_flowgrpo
 from rlgen_cli.server.refusal import ApiError, ClientDisconnected
 from rlgen_cli.server.settings import ServerSettings
@@ -176,12 +180,21 @@ def reward_meta(reward: Reward) -> dict[str, Any]:
 
 
 async def list_rewards(request: web.Request) -> web.Response:
-    """``GET /v1/rewards``: hosted reward names, their meta, and the server limits."""
+    """``GET /v1/rewards``: hosted reward names, their fingerprints, the settings those hash (``config``),
+    their meta, and the server limits."""
     state = request.app[STATE]
     settings = state.settings
     return web.json_response(
         {
-            "rewards": [{"name": n, "meta": reward_meta(r)} for n, r in sorted(state.rewards.items())],
+            "rewards": [
+                {
+                    "name": n,
+                    "fingerprint": state.fingerprints[n],
+                    "config": describe(r),
+                    "meta": reward_meta(r),
+                }
+                for n, r in sorted(state.rewards.items())
+            ],
             "limits": {
                 "max_batch": settings.max_batch,
                 "max_request_mb": settings.max_request_mb,

@@ -15,7 +15,8 @@ Flow-GRPO's clients (``flow_grpo/rewards.py``: ``geneval_score``, ``deqa_score_r
 The body is loaded by :func:`~rlgen_cli.server.plain_pickle.load_plain`, which builds only plain data
 and never runs code; the images then take the same checks as ``/v1/score`` (format, sizes, structure,
 decoded bytes). A request without ``prompts`` is scored with each metadata's ``prompt`` (GenEval's carry
-one) or an empty prompt (DeQA's carry no text), so it suits rewards that score the image alone.
+one); an image with neither (DeQA's client sends no text) gets an empty prompt only when the reward scores
+the image alone (:func:`~rlgen_cli.rewards.base.reads_prompts`), else the request is refused (400).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from typing import Any
 from rlgen_cli.rewards.remote.wire import WireError
 from rlgen_cli.server.plain_pickle import load_plain
 
-__all__ = ["GENEVAL_TAGS", "OTHER_TAG", "PICKLE_TYPE", "FlowGrpoRequest", "parse_request", "reply_body"]
+__all__ = [
+    "GENEVAL_TAGS", "OTHER_TAG", "PICKLE_TYPE", "FlowGrpoRequest", "parse_request", "reply_body", "require_prompts",
+]  # fmt: skip
 
 PICKLE_TYPE = "application/octet-stream"
 GENEVAL_TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
@@ -38,12 +41,14 @@ _GENEVAL_DETAILS = ("accuracy", "strict", "tag")
 
 @dataclass
 class FlowGrpoRequest:
-    """One Flow-GRPO request: file bytes per image, a prompt and metadata (or None) per image."""
+    """One Flow-GRPO request: file bytes per image, a prompt and metadata (or None) per image, and the
+    images that came with no prompt at all (their prompt is empty)."""
 
     images: list[bytes]
     prompts: list[str]
     metadata: list[dict] | None
     only_strict: bool
+    unprompted: list[int]
 
 
 def _sequence(payload: dict[str, Any], key: str, item_type: type, n: int | None) -> list | None:
@@ -61,9 +66,9 @@ def _sequence(payload: dict[str, Any], key: str, item_type: type, n: int | None)
     return list(value)
 
 
-def _prompt_of(metadata: dict | None) -> str:
+def _prompt_of(metadata: dict | None) -> str | None:
     prompt = (metadata or {}).get("prompt")
-    return prompt if isinstance(prompt, str) else ""
+    return prompt if isinstance(prompt, str) else None
 
 
 def parse_request(body: bytes | bytearray | memoryview, max_items: int, max_depth: int) -> FlowGrpoRequest:
@@ -92,9 +97,29 @@ def parse_request(body: bytes | bytearray | memoryview, max_items: int, max_dept
     only_strict = payload.get("only_strict", False)
     if not isinstance(only_strict, bool):
         raise WireError(f"field 'only_strict' must be a bool, got {type(only_strict).__name__}")
-    if prompts is None:
-        prompts = [_prompt_of(m) for m in metadata] if metadata is not None else [""] * len(images)
-    return FlowGrpoRequest(images, prompts, metadata, only_strict)
+    if prompts is not None:
+        return FlowGrpoRequest(images, prompts, metadata, only_strict, [])
+    found = [_prompt_of(m) for m in metadata] if metadata is not None else [None] * len(images)
+    unprompted = [i for i, prompt in enumerate(found) if prompt is None]
+    return FlowGrpoRequest(images, [p or "" for p in found], metadata, only_strict, unprompted)
+
+
+def require_prompts(request: FlowGrpoRequest, reward_name: str, reads_prompts: bool) -> None:
+    """Refuse a request whose images came without a prompt when the reward scores against prompts.
+
+    Raises:
+        WireError: 400, naming the images and how to send their prompts.
+    """
+    if not request.unprompted or not reads_prompts:
+        return
+    shown = request.unprompted[:8]
+    more = f" and {len(request.unprompted) - len(shown)} more" if len(request.unprompted) > len(shown) else ""
+    raise WireError(
+        f"reward {reward_name!r} scores each image against its prompt, but this Flow-GRPO request has no "
+        f"'prompts' and images {shown}{more} have no meta_datas 'prompt'; send 'prompts': [str, ...] one per "
+        "image (rlgen's flowgrpo_remote client does), or host a reward that scores the image alone (one "
+        "of your own declares reads_prompts = False)"
+    )
 
 
 def _geneval_fields(details: dict[str, list], only_strict: bool) -> dict[str, Any]:

@@ -4,6 +4,7 @@ then decoding the checked images to ``(C, H, W)`` uint8 pixels."""
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Collection
 from typing import Any
 
@@ -14,7 +15,10 @@ from rlgen_cli.server import limits
 from rlgen_cli.server.refusal import ApiError, wire_error
 from rlgen_cli.server.settings import ServerSettings
 
-__all__ = ["Checked", "check_all", "decode_checked", "score_fields"]
+__all__ = ["SCORE_FIELDS", "Checked", "check_all", "decode_checked", "score_fields"]
+
+SCORE_FIELDS = ("reward", "images", "prompts", "metadata")
+"""The fields of a ``/v1/score`` request (``metadata`` optional); any other is refused."""
 
 
 def _list_field(payload: dict[str, Any], key: str, item_type: type | tuple[type, ...], required: bool) -> Any:
@@ -35,11 +39,31 @@ def _list_field(payload: dict[str, Any], key: str, item_type: type | tuple[type,
     return value
 
 
+def _refuse_unknown_fields(payload: dict[str, Any]) -> None:
+    """400 for a field the server would otherwise ignore (a misspelt ``metadata``, per-request
+    ``kwargs``), naming it and the accepted ones."""
+    unknown = sorted(str(key) for key in payload if key not in SCORE_FIELDS)
+    if not unknown:
+        return
+    hints = [
+        f"{key!r} → {close[0]!r}?"
+        for key in unknown
+        if (close := difflib.get_close_matches(key, SCORE_FIELDS, n=1, cutoff=0.7))
+    ]
+    hint = f" (did you mean {', '.join(hints)})" if hints else ""
+    where = f"; a score request has only {', '.join(SCORE_FIELDS)} (metadata optional)"
+    if "kwargs" in unknown:  # a reward's settings are fixed when the server starts, for every client
+        where += "; reward settings live on the server: rlgen serve-reward reward.kwargs.NAME.KEY=…"
+    raise ApiError(400, f"unknown fields {unknown!r:.300}{hint}{where}")
+
+
 def score_fields(
     payload: dict[str, Any], binary: bool, hosted: Collection[str], max_metadata_depth: int
 ) -> tuple[str, list, list, Any]:
     """Check the fields of a score request for one of the ``hosted`` rewards (images as msgpack sends
-    them when ``binary``, else base64 strings); returns ``(reward, raw_images, prompts, metadata)``."""
+    them when ``binary``, else base64 strings); returns ``(reward, raw_images, prompts, metadata)``.
+    Fields other than :data:`SCORE_FIELDS` are refused (400)."""
+    _refuse_unknown_fields(payload)
     if "reward" not in payload:
         raise ApiError(400, "missing field 'reward': give the name of a hosted reward (GET /v1/rewards)")
     name = payload["reward"]

@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from rlgen_cli.rewards.base import Reward, accepts_uint8
+from rlgen_cli.rewards.base import Reward, accepts_uint8, reads_prompts
 from rlgen_cli.rewards.remote import wire
 from rlgen_cli.server import flowgrpo
 from rlgen_cli.server.admission import Budget
@@ -75,13 +75,15 @@ def _reply(body: dict[str, Any], binary: bool) -> web.Response:
 @dataclass
 class _ScoreJob:
     """A parsed score request, whatever its protocol: the reward, its images (not yet checked), prompts,
-    metadata, and how to answer it from the scores and details."""
+    metadata, how to answer it from the scores and details, and a check that the reward has the prompts
+    it reads."""
 
     reward: str
     raw: list[Any]
     prompts: list[str]
     metadata: list[dict] | None
     respond: Callable[[list[float], dict[str, list]], web.Response]
+    check_prompts: Callable[[], None] = lambda: None  # raises WireError when the reward lacks its prompts
 
 
 async def _native_job(request: web.Request, state: ServerState) -> _ScoreJob:
@@ -127,10 +129,19 @@ async def _flowgrpo_job(request: web.Request, state: ServerState) -> _ScoreJob:
         body = flowgrpo.reply_body(scores, details, parsed.only_strict)
         return web.Response(body=body, content_type=flowgrpo.PICKLE_TYPE)
 
-    return _ScoreJob(name, parsed.images, parsed.prompts, parsed.metadata, respond)
+    def check_prompts() -> None:
+        flowgrpo.require_prompts(parsed, name, reads_prompts(state.rewards[name]))
+
+    return _ScoreJob(name, parsed.images, parsed.prompts, parsed.metadata, respond, check_prompts)
 
 
 JobReader = Callable[[web.Request, ServerState], Awaitable[_ScoreJob]]
+
+
+def _fingerprinted(response: web.Response, state: ServerState, name: str) -> web.Response:
+    """The reply with the reward's fingerprint in its header: clients pin it and refuse another."""
+    response.headers[wire.FINGERPRINT_HEADER] = state.fingerprints[name]
+    return response
 
 
 async def _score_with(request: web.Request, read_job: JobReader) -> web.Response:
@@ -152,9 +163,10 @@ async def _score_with(request: web.Request, read_job: JobReader) -> web.Response
         job = await read_job(request, state)
         name, raw = job.reward, job.raw
         if not job.prompts:
-            return job.respond([], {})
+            return _fingerprinted(job.respond([], {}), state, name)
         inline = all(isinstance(data, dict) for data in raw)  # raw pixels: cheap checks and views
         checked, decoded = await _in_pool(state, inline, check_all, raw, state.settings)
+        await _in_pool(state, True, job.check_prompts)  # after the size checks: limits answer first
         cost = _pixel_cost(decoded, state.rewards[name])
         await _admit(state, state.pixels, cost, budget_key + " (decoded pixels: half of it)")
         pixel_cost = cost
@@ -169,7 +181,7 @@ async def _score_with(request: web.Request, read_job: JobReader) -> web.Response
         if n_bad:
             state.metrics.nan_scores.inc(n_bad, reward=name)
             logger.warning("reward %r returned %d non-finite scores (sent as null)", name, n_bad)
-        return job.respond(scored.scores, scored.details)
+        return _fingerprinted(job.respond(scored.scores, scored.details), state, name)
     finally:
         state.metrics.in_flight.dec()
         state.bodies.release(body_cost)

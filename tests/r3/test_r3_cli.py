@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -41,6 +43,36 @@ def test_seed_keys_reach_the_reward_client():
     assert (
         kwargs["remote"]["reward"] == "geneval" and kwargs["remote"]["timeout_s"] == 120.0
     )  # from reward.kwargs
+
+
+SERVED_CONFLICTS = {  # override: what the refusal names
+    "reward.kwargs.remote.reward=shapes_geneval": "r3.reward_fn=geneval calls the server's 'geneval' reward, "
+    "but reward.kwargs.remote.reward=shapes_geneval names another",
+    "reward.kwargs.remote.endpoints=[http://10.0.0.9:9000]": "reward.kwargs.remote.endpoints=['http://10.0.0.9:9000'] "
+    "and r3.reward_server_urls=['127.0.0.1'] r3.reward_server_port=[8765] both name R3's reward servers",
+    "reward.kwargs.remote.hosts=[gpu1]": "reward.kwargs.remote.hosts=['gpu1'] differs from "
+    "r3.reward_server_urls=['127.0.0.1']",
+}
+
+
+@pytest.mark.parametrize("override", list(SERVED_CONFLICTS))
+def test_served_geneval_refuses_client_keys_it_would_override_or_merge(override):
+    with pytest.raises(UserError, match=re.escape(SERVED_CONFLICTS[override])):
+        compose_r3("train", ["experiment=r3_geneval", override])
+
+
+def test_reward_spec_refuses_the_conflicts_too_and_takes_endpoints_given_alone():
+    from rlgen_cli.r3.scoring import reward_spec
+    from rlgen_cli.schema.r3 import R3Config
+    from rlgen_cli.schema.run import RewardConfig
+
+    r3 = R3Config(reward_server_urls=["10.0.0.2"], reward_server_port=[8765])
+    tiif = RewardConfig(weights={"tiif": 1.0}, kwargs={"tiif": {"endpoints": ["http://judge:8000/v1"]}})
+    with pytest.raises(UserError, match=r"reward.kwargs.tiif.endpoints=\['http://judge:8000/v1'\] and r3"):
+        reward_spec(dataclasses.replace(r3, reward_fn="tiif"), tiif)
+    alone = RewardConfig(weights={"remote": 1.0}, kwargs={"remote": {"endpoints": ["http://10.0.0.9:9000"]}})
+    _, kwargs = reward_spec(R3Config(), alone)
+    assert kwargs == {"remote": {"endpoints": ["http://10.0.0.9:9000"], "reward": "geneval"}}
 
 
 @pytest.mark.slow  # ≈ 40 s on 2 cores; tests/r3/test_r3_recipe.py runs the same path with model=tiny_r3

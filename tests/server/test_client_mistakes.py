@@ -144,6 +144,19 @@ MISTAKES = {  # name: (send(port) -> (status, reply), expected status, a fragmen
         400,
         "field 'reward' must be a string (a hosted reward's name), got int",
     ),
+    "unknown_fields_kwargs_and_misspelt_metadata": (
+        lambda port: _post(port, json.dumps({"reward": "jpeg", "images": [], "prompts": [], "kwargs": {"quality": 5},
+                                             "metdata": []}).encode(), _JSON),
+        400,
+        "unknown fields ['kwargs', 'metdata'] (did you mean 'metdata' → 'metadata'?); a score request has only "
+        "reward, images, prompts, metadata (metadata optional); reward settings live on the server",
+    ),
+    "unknown_field_in_msgpack": (
+        lambda port: _post(port, msgpack.packb({"reward": "jpeg", "images": [], "prompts": [], "image": b""}),
+                           {"Content-Type": "application/msgpack"} | AUTH),
+        400,
+        "unknown fields ['image'] (did you mean 'image' → 'images'?); a score request has only reward,",
+    ),
     "gzip_content_encoding_with_garbage": (
         lambda port: _post(port, b"this is not gzip" * 8, _GZIP), 400, "(Content-Encoding: gzip)"
     ),

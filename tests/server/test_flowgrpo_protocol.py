@@ -174,10 +174,47 @@ def test_rlgens_own_flowgrpo_client_reads_the_reply(geneval):
 
 
 def test_flowgrpo_deqa_client_reads_outputs(serve):
-    server = serve({"mean": MeanReward()}, flowgrpo_protocol=True)
+    server = serve({"brightness": build_reward("brightness")}, flowgrpo_protocol=True)  # image-only
     outputs = _outputs_client(server.url, _images(3, size=16))
     # flat grey images survive JPEG exactly: DC-only blocks of a value the quantiser keeps
     assert outputs == pytest.approx([40 / 255, 70 / 255, 100 / 255], abs=1.5 / 255)
+
+
+def test_rlgens_flowgrpo_client_sends_the_prompts(serve):
+    server = serve({"length": PromptLength()}, flowgrpo_protocol=True)
+    client = build_reward("flowgrpo_remote", endpoints=[server.url], allow_pickle=True, retries=0)
+    batch = RewardBatch(prompts=["a photo of a cat", "two dogs"], images=_images(2, size=8))
+    assert client.score(batch).scores.tolist() == [16.0, 8.0]
+
+
+class ImageOnlyLength(PromptLength):
+    """PromptLength declared image-only: scored against the empty prompt a DeQA request implies."""
+
+    reads_prompts = False
+
+
+def test_a_request_without_prompts_is_refused_for_a_reward_that_reads_them(serve):
+    rewards = {
+        "length": PromptLength(),
+        "brightness": build_reward("brightness"),
+        "declared": ImageOnlyLength(),
+    }
+    server = serve(rewards, flowgrpo_protocol=True)
+    files = _jpeg_batches(_images(2, size=8), 64)[0]
+
+    status, error = http("POST", server.url + "/length", pickle.dumps({"images": files}))
+    assert status == 400 and "reward 'length' scores each image against its prompt" in error["error"]
+    assert "images [0, 1] have no meta_datas 'prompt'; send 'prompts'" in error["error"]
+    half = pickle.dumps({"images": files, "meta_datas": [{"prompt": "abc"}, {}]})
+    status, error = http("POST", server.url + "/length", half)
+    assert status == 400 and "images [1] have no meta_datas 'prompt'" in error["error"]
+    both = pickle.dumps({"images": files, "meta_datas": [{"prompt": "abc"}, {"prompt": "de"}]})
+    assert pickle.loads(_session().post(server.url + "/length", data=both).content)["scores"] == [3.0, 2.0]
+
+    for image_only in ("brightness", "declared"):  # DeQA's client sends images alone: fine for these
+        reply = _session().post(server.url + f"/{image_only}", data=pickle.dumps({"images": files}))
+        assert reply.status_code == 200, reply.text
+    assert pickle.loads(reply.content)["scores"] == [0.0, 0.0]
 
 
 def test_unifiedreward_client_prompts_must_be_a_list_not_a_numpy_array(serve):
@@ -379,7 +416,8 @@ def test_a_pickle_and_msgpack_of_the_same_data_count_the_same_items(serve):
     native = {"reward": "mean", "images": files, "prompts": ["a", "b"], "metadata": metas}
     headers = {"Content-Type": "application/msgpack"}
     for limit, status in [(23, 200), (22, 413)]:
-        server = serve({"mean": MeanReward()}, flowgrpo_protocol=True, max_request_items=limit)
+        image_only = {"brightness": build_reward("brightness")}  # no prompts in the pickle: DeQA-like
+        server = serve(image_only, flowgrpo_protocol=True, max_request_items=limit)
         assert _session().post(server.url, data=pickle.dumps(payload)).status_code == status
         # the native body holds two more entries (reward, prompts) and the prompts list (1 + 2): 23 + 5
         server = serve({"mean": MeanReward()}, max_request_items=limit + 5)

@@ -17,6 +17,7 @@ import zlib
 import pytest
 from PIL import Image
 
+from rlgen_cli.rewards import build_reward
 from rlgen_cli.rewards.remote.wire import WireError
 from rlgen_cli.server import plain_pickle
 from rlgen_cli.server.pickle_scan import PickleScanner
@@ -187,7 +188,7 @@ def test_a_flooded_request_is_refused_before_the_rest_of_its_body_arrives(serve)
 
 
 def test_a_valid_request_is_scored_as_before(serve):
-    server = serve({"mean": MeanReward()}, flowgrpo_protocol=True)
+    server = serve({"brightness": build_reward("brightness")}, flowgrpo_protocol=True)  # image-only
     image = io.BytesIO()
     Image.new("RGB", (8, 8), (255, 255, 255)).save(image, format="PNG")
     import requests

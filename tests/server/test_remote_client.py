@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from rlgen_cli.errors import UserError
 from rlgen_cli.rewards import RewardBatch, build_mix
 from rlgen_cli.rewards.remote import RemoteReward, RemoteRewardError, RequestRefusedError
 from rlgen_cli.rewards.remote.transport import EndpointPool, parse_endpoints
+from rlgen_cli.server.app import ServerSettings, build_app
 from rlgen_cli.server.runner import BackgroundServer
 from tests.server.helpers import MeanReward, constant_images
 
@@ -228,3 +231,116 @@ def test_a_frozen_endpoint_cools_down_after_a_timeout(serve):
     finally:
         pool.close()
         frozen.close()
+
+
+def test_a_retry_reaches_a_server_that_comes_back_during_the_retries():
+    """The only endpoint is down at the first attempt (cool-down 60 s) and up 0.3 s later: the retries
+    probe it early instead of finding "no healthy endpoint" until the cool-down ends."""
+    url = _dead_url()
+    server = BackgroundServer(
+        build_app({"mean": MeanReward()}, ServerSettings(max_wait_ms=0)), port=int(url.rsplit(":", 1)[1])
+    )
+    starter = threading.Timer(0.3, server.start)
+    starter.start()
+    client = RemoteReward("mean", endpoints=url, retries=3, backoff_s=0.5, health_interval_s=60.0)
+    try:
+        began = time.monotonic()
+        assert torch.allclose(client.score(_batch([0.5])).scores, _expected([0.5]))
+        assert time.monotonic() - began < 10
+    finally:
+        starter.join()
+        server.stop()
+    stats = client.stats()
+    assert stats["health_failures"] >= 1 and stats["early_probes"] >= 1 and stats["ok"] == 1
+
+
+@contextlib.contextmanager
+def _raw_server(answer: Callable[[socket.socket], None]) -> Iterator[str]:
+    """A loopback server that reads each request head and lets ``answer`` write whatever it likes."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def handle(conn: socket.socket) -> None:
+        with conn:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += conn.recv(65536)
+            with contextlib.suppress(OSError):  # the client hung up: what this test wants
+                answer(conn)
+
+    def accept() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                threading.Thread(target=handle, args=(listener.accept()[0],), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        listener.close()
+
+
+def _trickle(conn: socket.socket) -> None:
+    """A valid reply, one byte every 0.1 s: each read waits well within the timeout, the whole does not."""
+    body = b'{"scores": [0.5]}'
+    reply = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+    for byte in reply + body:
+        conn.sendall(bytes([byte]))
+        time.sleep(0.1)
+
+
+def test_timeout_s_bounds_the_whole_attempt_not_each_read():
+    with _raw_server(_trickle) as url:
+        pool = EndpointPool([url], timeout_s=0.5, retries=0, health_path=None)
+        began = time.monotonic()
+        with pytest.raises(RemoteRewardError, match=r"timeouts: no complete reply within timeout_s=0.5 s"):
+            pool.request("/v1/score", b"{}", {}, _json)
+        assert time.monotonic() - began < 2.5  # the trickle takes ≈ 9 s
+    assert pool.stats()["timeouts"] == 1
+
+
+def _declares_a_gigabyte(conn: socket.socket) -> None:
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000000000\r\n\r\n{")
+
+
+def _endless_chunks(conn: socket.socket) -> None:
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+    for _ in range(100_000):  # ≈ 26 MB unless the client stops reading
+        conn.sendall(b"100\r\n" + b" " * 256 + b"\r\n")
+
+
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [
+        (_declares_a_gigabyte, "the reply declares 1000000000 bytes, above the client's cap of 4096 bytes"),
+        (_endless_chunks, "the reply goes on past the client's cap of 4096 bytes"),
+    ],
+)
+def test_a_reply_above_the_cap_is_refused_as_a_bad_reply(answer, message):
+    with _raw_server(answer) as url:
+        pool = EndpointPool([url], retries=0, health_path=None, max_reply_bytes=4096)
+        with pytest.raises(RemoteRewardError, match=f"bad_replies: {message}.*not a reward server"):
+            pool.request("/v1/score", b"{}", {}, _json)
+    assert pool.stats()["bad_replies"] == 1
+
+
+def test_a_408_is_retried_like_a_timeout_without_a_cool_down():
+    """A server's 408 (it gave up waiting for the body: a slow link) is worth another attempt, not a
+    refusal of the request."""
+    calls: list[int] = []
+
+    async def score(_request: web.Request) -> web.Response:
+        calls.append(1)
+        if len(calls) == 1:
+            return web.json_response({"error": "the body did not arrive within 60 s"}, status=408)
+        return web.json_response({"scores": [0.5], "details": {}})
+
+    app = web.Application()
+    app.router.add_post("/v1/score", score)
+    with BackgroundServer(app) as server:
+        pool = EndpointPool([server.url], retries=1, backoff_s=0.0, health_path=None, health_interval_s=60)
+        assert pool.request("/v1/score", b"{}", {}, _json) == {"scores": [0.5], "details": {}}
+    stats = pool.stats()
+    assert stats["timeouts"] == 1 and stats["retries"] == 1 and stats.get("http_4xx", 0) == 0
+    assert stats["endpoints"][server.url]["healthy"] is True  # no cool-down: the retry went there at once

@@ -26,6 +26,12 @@ endpoint, lazy health checks, timeouts, retries with exponential backoff and fai
 large) is a configuration mistake and always raises :class:`RequestRefusedError`. An endpoint that
 refuses connections or times out (a frozen server) is left out for a cool-down, so later calls do not
 wait for it again.
+
+Before anything is sent, every client refuses (``ValueError``) images the wire would change — NaN/inf,
+values outside [0, 1], integer pixels (:func:`.wire.check_pixels`) — and ``remote`` and
+``flowgrpo_remote`` metadata that is not JSON data (:func:`.wire.metadata_to_jsonable`). Those two pin
+the reward fingerprint of the first reply and refuse an endpoint that serves another
+(:class:`~.transport.FingerprintMismatchError`).
 """
 
 from __future__ import annotations
@@ -88,11 +94,17 @@ def _check_on_failure(on_failure: str) -> str:
 
 
 def _images_of(batch: RewardBatch, name: str) -> Tensor:
+    """The batch's images, checked before anything is sent: ``(B, C, H, W)``, finite, in [0, 1].
+
+    Raises:
+        ValueError: Otherwise (see :func:`wire.check_pixels`); no request is made.
+    """
     if batch.images is None or batch.images.ndim != 4:
         shape = None if batch.images is None else tuple(batch.images.shape)
         raise ValueError(
             f"reward {name!r} sends images (B, C, H, W) to its server, got {shape}; decode to images first"
         )
+    wire.check_pixels(batch.images, name)
     return batch.images
 
 
@@ -210,7 +222,7 @@ class RemoteReward(_RemoteBase):
             ports: Ports (e.g. one per ``server.workers`` process).
             token: Bearer token (``server.token``).
             batch_size: Images per request; larger batches are split and sent in parallel.
-            timeout_s: Per-request timeout.
+            timeout_s: Per-attempt timeout: connecting, sending and the whole reply.
             retries: Extra attempts per request, each on another endpoint when possible.
             backoff_s: First retry delay (doubles each retry).
             health_interval_s: Cool-down of an endpoint that refused, timed out or failed its probe
@@ -240,7 +252,10 @@ class RemoteReward(_RemoteBase):
         self.on_failure = _check_on_failure(on_failure)
         urls = parse_endpoints(endpoints, hosts, ports)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.pool = EndpointPool(urls, timeout_s, retries, backoff_s, "/healthz", health_interval_s, headers)
+        pin = wire.FINGERPRINT_HEADER  # never balance over servers hosting this reward with other settings
+        self.pool = EndpointPool(
+            urls, timeout_s, retries, backoff_s, "/healthz", health_interval_s, headers, pin_header=pin
+        )
         self.max_concurrency = max_concurrency or len(urls)
         # Raw chunks are quantised at most half-the-cores at a time (and sent in parallel): on a small
         # machine the first request then reaches the server after one chunk's quantisation, not after all
@@ -255,9 +270,12 @@ class RemoteReward(_RemoteBase):
             RemoteRewardError: A chunk failed after every retry (``on_failure='raise'``) or was refused.
         """
         images = _images_of(batch, self.name)
+        metas = (
+            None if batch.metadata is None else wire.metadata_to_jsonable(batch.metadata)
+        )  # before sending
 
         def chunk(indices: list[int]) -> tuple[list[float], dict]:
-            metadata = None if batch.metadata is None else [batch.metadata[i] for i in indices]
+            metadata = None if metas is None else [metas[i] for i in indices]
             with self._encoding:
                 if self.wire_format == "raw":  # chunks are index ranges: one quantisation, no codec
                     encoded = wire.raw_entries(wire.quantize(images[indices[0] : indices[-1] + 1]))
@@ -279,10 +297,16 @@ class RemoteReward(_RemoteBase):
 
 
 def _reply_of(n: int) -> Callable[[bytes, str], tuple[list[float], dict]]:
+    """A parser of ``/v1/score`` replies for ``n`` images: one score and one entry per detail each."""
+
     def parse(body: bytes, ctype: str) -> tuple[list[float], dict]:
         scores, details = wire.decode_reply(body, ctype)
         if len(scores) != n:
             raise wire.WireError(f"server returned {len(scores)} scores for {n} images")
+        for key, values in details.items():
+            if not isinstance(values, list) or len(values) != n:
+                got = f"{len(values)} entries" if isinstance(values, list) else f"a {type(values).__name__}"
+                raise wire.WireError(f"server returned details[{key!r}] with {got} for {n} images")
         return scores, details
 
     return parse
@@ -318,7 +342,7 @@ class FlowGrpoRemoteReward(_RemoteBase):
             allow_pickle: Must be True: the protocol is pickle, which executes code when loaded.
             only_strict: Sent as ``only_strict`` (GenEval: skip the partial-credit scores).
             batch_size: Images per request (Flow-GRPO uses 64).
-            timeout_s: Per-request timeout (Flow-GRPO: 120 s).
+            timeout_s: Per-attempt timeout, the whole reply included (Flow-GRPO: 120 s).
             retries: Extra attempts on connection errors and 500s, each on another endpoint when possible.
                 Flow-GRPO's client retries up to 1000 times (urllib3 backoff from 1 s, capped at 120 s,
                 so practically until the server answers); R3's GenEval client 3 times.
@@ -347,7 +371,9 @@ class FlowGrpoRemoteReward(_RemoteBase):
         self.score_key = score_key
         self.on_failure = _check_on_failure(on_failure)
         urls = parse_endpoints(endpoints, hosts, ports)
-        self.pool = EndpointPool(urls, timeout_s, retries, backoff_s, None, 10.0)
+        self.pool = EndpointPool(
+            urls, timeout_s, retries, backoff_s, None, 10.0, pin_header=wire.FINGERPRINT_HEADER
+        )  # an rlgen server speaking Flow-GRPO's protocol sends its fingerprint; Flow-GRPO's own none
         self.max_concurrency = max_concurrency or len(urls)
 
     def score(self, batch: RewardBatch) -> RewardResult:
@@ -355,11 +381,14 @@ class FlowGrpoRemoteReward(_RemoteBase):
         group rewards (NaN for images of another tag, see :func:`~.protocols.flowgrpo_reply`)
         and each image's tag."""
         images = _images_of(batch, self.name)
-        metadata = batch.metadata or [{} for _ in range(len(batch))]
+        metadata = wire.metadata_to_jsonable(batch.metadata or [{} for _ in range(len(batch))])
 
         def chunk(indices: list[int]) -> tuple[list[float], dict]:
             jpegs = [wire.encode_image(images[i], "jpeg", self.jpeg_quality) for i in indices]
-            body = protocols.flowgrpo_request(jpegs, [metadata[i] for i in indices], self.only_strict)
+            prompts = [batch.prompts[i] for i in indices]
+            body = protocols.flowgrpo_request(
+                jpegs, [metadata[i] for i in indices], self.only_strict, prompts
+            )
             headers = {"Content-Type": "application/octet-stream"}
             parse = protocols.flowgrpo_reply(len(indices), self.score_key)
             return self.pool.request("/", body, headers, parse)
@@ -470,7 +499,7 @@ class OpenAIJudgeReward(_RemoteBase):
             api_key: Sent as ``Authorization: Bearer``.
             max_tokens: Answer length limit.
             temperature: Sampling temperature (0 = deterministic judging).
-            timeout_s: Per-request timeout.
+            timeout_s: Per-attempt timeout: connecting, sending and the whole reply.
             retries: Extra attempts per request (connection errors, 5xx, malformed replies).
             backoff_s: First retry delay (doubles each retry).
             health_interval_s: Cool-down of an endpoint that refused, timed out or failed its probe

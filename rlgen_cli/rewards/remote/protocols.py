@@ -1,7 +1,7 @@
 """Wire formats of the two foreign protocols the remote rewards speak (docs/rewards.md, "Served rewards").
 
 * **Flow-GRPO reward server** (``POST /``): the body is a pickle of ``{"images": [JPEG bytes],
-  "meta_datas": [dict], "only_strict": bool}``; the reply a pickle of ``{"scores", "rewards",
+  "meta_datas": [dict], "only_strict": bool, "prompts": [str]}``; the reply a pickle of ``{"scores", "rewards",
   "strict_rewards", "group_rewards", "group_strict_rewards"}``. Pickle executes code when loaded, so
   replies go through :class:`PlainUnpickler`, which admits only plain containers, numbers, strings and
   numpy arrays/scalars; the client still requires an explicit ``allow_pickle=True`` opt-in.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import json
+import numbers
 import pickle
 from collections.abc import Callable
 from typing import Any
@@ -51,16 +52,54 @@ class PlainUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def flowgrpo_request(jpegs: list[bytes], meta_datas: list[dict], only_strict: bool) -> bytes:
-    """Pickle one Flow-GRPO request body."""
-    return pickle.dumps(
-        {"images": list(jpegs), "meta_datas": list(meta_datas), "only_strict": bool(only_strict)}
-    )
+def flowgrpo_request(
+    jpegs: list[bytes], meta_datas: list[dict], only_strict: bool, prompts: list[str]
+) -> bytes:
+    """Pickle one Flow-GRPO request body, prompts included: the GenEval and DeQA servers ignore them,
+    UnifiedReward's and rlgen's read them (without them, a text-conditioned reward has nothing to score
+    against)."""
+    body = {
+        "images": list(jpegs),
+        "meta_datas": list(meta_datas),
+        "only_strict": bool(only_strict),
+        "prompts": [str(p) for p in prompts],
+    }
+    return pickle.dumps(body)
 
 
-def _tag_column(values: list) -> list[float | None]:
+def _numbers(values: Any, key: str, n: int) -> list[float]:
+    """A reply list (or numpy array) of ``n`` numbers, as floats.
+
+    Raises:
+        WireError: For anything else, naming ``key``.
+    """
+    if hasattr(values, "tolist"):  # a numpy array
+        values = values.tolist()
+    if not isinstance(values, list | tuple):
+        raise WireError(f"Flow-GRPO reply field {key!r} must be a list, got {type(values).__name__}")
+    if len(values) != n:
+        raise WireError(f"Flow-GRPO reply field {key!r} has {len(values)} entries for {n} images")
+    bad = [v for v in values if not isinstance(v, numbers.Real)]
+    if bad:
+        raise WireError(f"Flow-GRPO reply field {key!r} holds {bad[0]!r:.40}, not a number")
+    return [float(v) for v in values]
+
+
+def _tag_column(values: Any, key: str, n: int) -> list[float | None]:
     """One per-tag list of the reply: the server's other-tag sentinel becomes None (not applicable)."""
-    return [None if float(v) == OTHER_TAG else float(v) for v in values]
+    return [None if v == OTHER_TAG else v for v in _numbers(values, key, n)]
+
+
+def _groups(reply: dict, key: str, n: int) -> dict[str, list[float | None]]:
+    """A ``group_*_rewards`` map ``{tag: [value per image]}`` of the reply (empty when absent)."""
+    groups = reply.get(key)
+    if groups is None:
+        return {}
+    if not isinstance(groups, dict):
+        raise WireError(
+            f"Flow-GRPO reply field {key!r} must be a dict of per-tag lists, got {type(groups).__name__}"
+        )
+    return {str(tag): _tag_column(values, f"{key}[{tag!r}]", n) for tag, values in groups.items()}
 
 
 def _tags_from_groups(groups: dict[str, list[float | None]], n: int) -> list[str] | None:
@@ -89,17 +128,17 @@ def flowgrpo_reply(
     def parse(body: bytes, _content_type: str) -> tuple[list[float], dict[str, list]]:
         try:
             reply = PlainUnpickler(io.BytesIO(body)).load()
-            scores = [float(s) for s in reply[score_key]]
         except Exception as err:
             raise WireError(f"malformed Flow-GRPO reply: {type(err).__name__}: {err}") from err
-        if len(scores) != n:
-            raise WireError(f"Flow-GRPO server returned {len(scores)} scores for {n} images")
+        if not isinstance(reply, dict) or score_key not in reply:
+            raise WireError(f"malformed Flow-GRPO reply: no {score_key!r} in {type(reply).__name__} reply")
+        scores = _numbers(reply[score_key], score_key, n)
         details: dict[str, list] = {}
         for key in ("rewards", "strict_rewards"):
-            if isinstance(reply.get(key), list | tuple) and len(reply[key]) == n:
-                details[key] = [float(v) for v in reply[key]]
+            if reply.get(key) is not None:
+                details[key] = _numbers(reply[key], key, n)
         for key in ("group_rewards", "group_strict_rewards"):
-            groups = {tag: _tag_column(v) for tag, v in dict(reply.get(key) or {}).items() if len(v) == n}
+            groups = _groups(reply, key, n)
             details.update({f"{key}/{tag}": values for tag, values in groups.items()})
             tags = _tags_from_groups(groups, n) if groups and "tag" not in details else None
             if tags is not None:

@@ -9,7 +9,10 @@ JSON request (``POST /v1/score``, ``Content-Type: application/json``)::
      "metadata": [{...}, ...]}          # optional, one dict per image
 
 JSON reply: ``{"scores": [float | null, ...], "details": {key: [value per sample]}}``. JSON has no NaN:
-a failed (NaN) or infinite score travels as ``null`` and decodes back to ``NaN``, never to 0.
+a failed (NaN) or infinite score travels as ``null`` and decodes back to ``NaN``, never to 0. Every score
+reply carries the hosted reward's fingerprint in the :data:`FINGERPRINT_HEADER` header. A request has
+only those four fields; metadata must be JSON data on every wire (:func:`metadata_to_jsonable`), and the
+float images must be finite and in [0, 1] before they are quantised (:func:`check_pixels`).
 
 Binary variant (``Content-Type: application/msgpack``): the same map, and the reply is msgpack too. Each
 ``images`` entry is either
@@ -49,6 +52,7 @@ from torch import Tensor
 
 __all__ = [
     "CHANNELS",
+    "FINGERPRINT_HEADER",
     "FORMATS",
     "JSON_TYPE",
     "MAX_SIDE",
@@ -58,6 +62,7 @@ __all__ = [
     "WireError",
     "b64_to_bytes",
     "check_image_size",
+    "check_pixels",
     "decode_image",
     "decode_image_array",
     "decode_image_file",
@@ -66,15 +71,18 @@ __all__ = [
     "encode_image",
     "encode_request",
     "image_to_b64",
+    "metadata_to_jsonable",
     "nan_to_none",
     "none_to_nan",
     "pixels_to_float",
     "quantize",
+    "range_tolerance",
     "raw_entries",
     "read_image_header",
     "to_jsonable",
 ]
 
+FINGERPRINT_HEADER = "X-Rlgen-Reward-Fingerprint"  # what the hosted reward computes (server/fingerprint.py)
 JSON_TYPE = "application/json"
 MSGPACK_TYPE = "application/msgpack"
 FORMATS = ("raw", "msgpack", "json")  # raw pixels in msgpack; PNG in msgpack; base64 PNG in JSON
@@ -367,6 +375,65 @@ def quantize(images: Tensor) -> Tensor:
     return torch.from_numpy(out)
 
 
+_MAX_CLAMP = 0.5 / 255.0  # the largest excess that still rounds to 0 or 255: clamping it changes nothing
+_LISTED = 8  # samples named in an error
+
+
+def _samples(mask: Tensor) -> str:
+    """The indices where ``mask`` is true, the first :data:`_LISTED` of them."""
+    indices = torch.nonzero(mask).flatten().tolist()
+    more = f" and {len(indices) - _LISTED} more" if len(indices) > _LISTED else ""
+    return f"{indices[:_LISTED]}{more}"
+
+
+def range_tolerance(dtype: torch.dtype) -> float:
+    """How far outside [0, 1] a pixel of ``dtype`` may be and still count as in range: a few ulps (4 ε),
+    never more than what rounds to 0 or 255 anyway, so the clamp of :func:`quantize` changes no pixel."""
+    return min(4.0 * torch.finfo(dtype).eps, _MAX_CLAMP)
+
+
+def check_pixels(images: Tensor, reward_name: str) -> None:
+    """Refuse images the wire would change silently: non-float, non-finite, or outside [0, 1].
+
+    The wire quantises ``round(x·255)`` into uint8, which would turn NaN/inf into 0 or 255 and clamp
+    out-of-range values, so a served reward would score pixels the policy never produced (a local one
+    raises on non-finite pixels). One ``aminmax`` pass over the batch; the samples are located only when
+    something is wrong.
+
+    Args:
+        images: ``(B, C, H, W)`` (or any ``(B, ...)``) batch.
+        reward_name: Named in the error.
+
+    Raises:
+        ValueError: Naming the samples and the range received, and how to fix it.
+    """
+    if not images.is_floating_point():
+        raise ValueError(
+            f"reward {reward_name!r} sends float images in [0, 1] to its server, got {images.dtype}; "
+            "convert uint8 pixels with x.float() / 255"
+        )
+    if images.numel() == 0:
+        return
+    low, high = (float(v) for v in torch.aminmax(images.detach()))
+    if not (math.isfinite(low) and math.isfinite(high)):
+        flat = images.detach().flatten(start_dim=1)
+        bad = _samples(~torch.isfinite(flat).all(dim=1))
+        raise ValueError(
+            f"reward {reward_name!r} got non-finite pixel values (NaN or inf) in samples {bad}; the wire "
+            "would send them as 0 or 255 and the server would score an image the policy never made. "
+            "Check the decoder output (a local reward refuses them too)."
+        )
+    tolerance = range_tolerance(images.dtype)
+    if low < -tolerance or high > 1.0 + tolerance:
+        flat = images.detach().flatten(start_dim=1)
+        bad = _samples(((flat < -tolerance) | (flat > 1.0 + tolerance)).any(dim=1))
+        raise ValueError(
+            f"reward {reward_name!r} sends images in [0, 1] but got values in [{low:.4g}, {high:.4g}] "
+            f"(samples {bad}); the wire would clamp them silently. Images in [-1, 1] need (x + 1) / 2; "
+            "other ranges, rescale or clamp to [0, 1] yourself"
+        )
+
+
 def pixels_to_float(pixels: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """uint8 pixels → float32 ``x / 255`` in [0, 1] in one pass (into ``out`` when given); any shape."""
     return np.divide(pixels, np.float32(255.0), out=out, dtype=np.float32)
@@ -489,6 +556,48 @@ def to_jsonable(value: Any) -> Any:
     return str(value)
 
 
+def _metadata_value(value: Any, path: str) -> Any:
+    """One metadata value as JSON data (tensors and numpy values as their plain values, tuples as
+    lists); anything JSON cannot carry as it is raises."""
+    if isinstance(value, Tensor):
+        value = value.detach().cpu().tolist()
+    elif isinstance(value, np.ndarray | np.generic):
+        value = value.tolist()
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        raise ValueError(f"{path} is {value}: JSON has no NaN or inf; send a finite number or None")
+    if isinstance(value, dict):
+        keys = [k for k in value if not isinstance(k, str)]
+        if keys:
+            raise ValueError(f"{path} has keys {keys!r:.80} that are not strings; JSON keys are strings")
+        return {k: _metadata_value(v, f"{path}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_metadata_value(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    raise ValueError(
+        f"{path} is a {type(value).__name__}, which JSON does not carry as it is; send dicts, lists, str, "
+        "int, float, bool or None"
+    )
+
+
+def metadata_to_jsonable(metadata: list[dict]) -> list[dict]:
+    """Per-sample metadata as JSON data, the same on every wire format: refused, naming the place, when
+    it holds what JSON would change (a set, bytes, a non-string key, NaN/inf, another object) rather than
+    sent as ``str(value)`` or ``null``.
+
+    Raises:
+        ValueError: Naming the offending entry, e.g. ``metadata[2]['include'][0]``.
+    """
+    out = []
+    for i, entry in enumerate(metadata):
+        if not isinstance(entry, dict):
+            raise ValueError(f"metadata[{i}] must be a dict (one per sample), got {type(entry).__name__}")
+        out.append(_metadata_value(entry, f"metadata[{i}]"))
+    return out
+
+
 def encode_request(
     reward: str,
     images: list[bytes],
@@ -510,11 +619,12 @@ def encode_request(
         ``(body, content_type)``.
 
     Raises:
-        ValueError: If raw-pixel entries are given for JSON.
+        ValueError: If raw-pixel entries are given for JSON, or metadata is not JSON data
+            (:func:`metadata_to_jsonable`).
     """
     payload: dict[str, Any] = {"reward": reward, "prompts": list(prompts)}
     if metadata is not None:
-        payload["metadata"] = to_jsonable(list(metadata))
+        payload["metadata"] = metadata_to_jsonable(list(metadata))
     if binary:
         import msgpack
 
@@ -549,7 +659,9 @@ def decode_reply(body: bytes, content_type: str) -> tuple[list[float], dict[str,
         else:
             reply = json.loads(body)
         scores = [none_to_nan(s) for s in reply["scores"]]
-        details = dict(reply.get("details") or {})
+        details = reply.get("details") or {}
     except (ValueError, KeyError, TypeError) as err:
         raise WireError(f"malformed reward-server reply ({err}): {body[:200]!r}") from err
+    if not isinstance(details, dict):
+        raise WireError(f"malformed reward-server reply: details is a {type(details).__name__}, not a map")
     return scores, details
