@@ -71,13 +71,27 @@ def load_lora_state(module: nn.Module, state: dict[str, torch.Tensor], path: Pat
     the module must be there and nothing else."""
     from peft.utils import set_peft_model_state_dict
 
-    result = set_peft_model_state_dict(module, state)
+    try:
+        result = set_peft_model_state_dict(module, state)
+    except RuntimeError as err:  # load_state_dict's shape mismatches: another rank or target
+        raise UserError(
+            f"LoRA weights in {path} do not fit this model: {_first_mismatch(err)}; the checkpoint was made "
+            "with other model.lora settings (its own are in its resolved.yaml)"
+        ) from err
     missing = [k for k in result.missing_keys if "lora_" in k]
     if missing or result.unexpected_keys:
         raise UserError(
             f"LoRA weights in {path} do not fit this model (missing {len(missing)}, unexpected "
             f"{len(result.unexpected_keys)}); was the checkpoint made with other model.lora settings?"
         )
+
+
+def _first_mismatch(err: RuntimeError) -> str:
+    """The first "size mismatch for KEY: …" line of ``load_state_dict``'s error (else its first line)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return next(
+        (line for line in lines if line.startswith("size mismatch")), lines[0] if lines else repr(err)
+    )
 
 
 class DiffusersCheckpoint:

@@ -10,7 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated
 
+from rlgen_cli.errors import require
+from rlgen_cli.schema.families import family_spec
 from rlgen_cli.schema.ranges import COUNT, NON_NEGATIVE, POSITIVE
+from rlgen_cli.schema.unread import require_defaults, shown
 
 if TYPE_CHECKING:  # the type checker reads the mixin as the recipe schema it is mixed into
     from rlgen_cli.schema.run import RunConfig as _RecipeSchema
@@ -63,5 +66,51 @@ class CheckSection(_RecipeSchema):
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the recipe's own checks
+        require_one_process(self.launcher.name)
+        refuse_other_tracks(self.check, self.model.family)
         if self.check.text_tolerance is None:
             self.check.text_tolerance = TEXT_TOLERANCES[self.text_policy_dtype()]  # the recipe's schema says
+
+
+def require_one_process(launcher: str) -> None:
+    """The check rolls out and recomputes in this process: it starts no launcher's workers."""
+    require(
+        launcher == "local",
+        f"launcher={launcher} spreads a training run over processes, and rlgen check-onpolicy rolls out and "
+        "recomputes in this one process (it starts no workers), so the launcher would do nothing: drop "
+        "launcher= (the check runs with launcher=local)",
+    )
+
+
+_NOT_READ_BY_KIND: dict[str, dict[str, str]] = {
+    "flow": {
+        "text_tolerance": "bounds the text tracks (VLMs, R3's text policy), and a flow model has none: its "
+        "steps are held to check.tolerance",
+    },
+    "vlm": {
+        "tolerance": "bounds the image / flow tracks, and a VLM's tokens are held to check.text_tolerance: "
+        "set check.text_tolerance instead",
+        "train_noise_level": "recomputes flow steps at another noise level; it has no meaning for a VLM "
+        "(use check.perturb_weights to see the check fail)",
+    },
+    "unified": {
+        "train_noise_level": "recomputes flow steps at another noise level; it has no meaning for a unified "
+        "policy (use check.perturb_weights to see the check fail)",
+    },
+}
+"""Per family kind: the ``check`` settings its tracks never read → what they are for instead."""
+
+
+def refuse_other_tracks(check: CheckConfig, family: str) -> None:
+    """A ``check`` setting of a track ``family``'s kind does not run, at a value other than its default,
+    would do nothing: refused (before ``text_tolerance``'s null takes its dtype's default)."""
+    unread = _NOT_READ_BY_KIND[family_spec(family).kind]
+    require_defaults(
+        check,
+        CheckConfig,
+        unread,
+        lambda key, value, default: (
+            f"check.{key}={shown(value)} does nothing for model.family={family}: it {unread[key]}. Drop "
+            f"check.{key} (back to its default, {shown(default)})"
+        ),
+    )

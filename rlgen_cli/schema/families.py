@@ -48,6 +48,10 @@ class FamilySpec:
     """Owns a VAE that ``model.vae_dtype`` places."""
     own_language_model: bool = False
     """Reads the prompt with its own language model (no separate text encoders to stand in for)."""
+    negative_branch: bool = True
+    """Classifier-free guidance runs an unguided branch on ``model.negative_prompt``, at
+    ``model.guidance_scale`` > 1 only; False: guidance-distilled (FLUX.1-dev, FLUX.1-Kontext, FLUX.2-dev),
+    the guidance scale an input embedding and no negative prompt ever encoded."""
     own_negative_prompt: str | None = None
     """The prompt its unguided (CFG) branch always encodes, whatever ``model.negative_prompt`` says
     (ShapesEval: the empty prompt); None: it encodes ``model.negative_prompt``. The family's schema
@@ -85,15 +89,22 @@ _ROWS = (
         real_size_variants=("sd3_5_medium", "sd3_5_large"),
         diffusers_pipeline="StableDiffusion3Pipeline",
     ),
-    _flow("flux", "flux", real_size_variants=("flux_1_dev",), diffusers_pipeline="FluxPipeline"),
+    _flow(
+        "flux",
+        "flux",
+        real_size_variants=("flux_1_dev",),
+        diffusers_pipeline="FluxPipeline",
+        negative_branch=False,
+    ),
     _flow(
         "flux_kontext",
         "flux_kontext",
         editing=True,
         real_size_variants=("flux_1_kontext_dev",),
         diffusers_pipeline="FluxKontextPipeline",
+        negative_branch=False,
     ),
-    _flow("flux2", "flux2", diffusers_pipeline="Flux2Pipeline"),
+    _flow("flux2", "flux2", diffusers_pipeline="Flux2Pipeline", negative_branch=False),
     _flow("flux2_klein", "flux2_klein", diffusers_pipeline="Flux2KleinPipeline"),
     _flow(
         "qwen_image", "qwen_image", real_size_variants=("qwen_image",), diffusers_pipeline="QwenImagePipeline"

@@ -55,6 +55,21 @@ REAL_SIZE_VARIANTS: dict[str, tuple[str, ...]] = {
 (the checkpoint the family's conf/model option loads): the ``real_size_variants`` column of
 ``schema/families.py``. Their architectures: ``models/real_size.py``."""
 
+WEIGHT_KEYS = (
+    "path",
+    "revision",
+    "tiny",
+    "tiny_seed",
+    "weights",
+    "variant",
+    "text_encoders",
+    "lora",
+    "experts.train",
+)
+"""The keys of a model section that decide which weights a checkpoint's tensors fit (the base they sit on,
+the adapter's shape and scale, which experts were trained): with ``checkpoint=`` they keep the saved values
+(``tasks/loading.py``); the others (dtype, decoding, geometry, guidance) may change."""
+
 OptionalDtype = Literal[None, "float32", "float16", "bfloat16"]
 """A dtype, or null for the default a field names."""
 
@@ -202,6 +217,7 @@ class FlowModelConfig(ModelConfig):
         check_frozen_dtype(self)
         check_stand_in_encoders(self)
         check_own_prompt_settings(self)
+        check_negative_prompt(self)
         if isinstance(self, ImageGuidanceFacet):
             check_image_guidance(self)
 
@@ -338,6 +354,25 @@ def check_own_prompt_settings(cfg: FlowModelConfig) -> None:
         f"model.max_sequence_length={cfg.max_sequence_length} does nothing for model.family={cfg.family}: its "
         f"tokenizer always reads {tokens} tokens, the length its checkpoint was built with (longer prompts "
         f"are refused when encoded). Drop model.max_sequence_length (or set it to {tokens})",
+    )
+
+
+def check_negative_prompt(cfg: FlowModelConfig) -> None:
+    """``model.negative_prompt`` is encoded only by classifier-free guidance's unguided branch: a prompt
+    (anything but blank: the Qwen pipelines' neutral ``" "``) where no such branch runs would do nothing."""
+    if not cfg.negative_prompt.strip():
+        return
+    require(
+        family_spec(cfg.family).negative_branch,
+        f"model.negative_prompt={cfg.negative_prompt!r} does nothing for model.family={cfg.family}: its "
+        "guidance scale is an input embedding (guidance-distilled) and it encodes no negative prompt. Drop "
+        "model.negative_prompt",
+    )
+    require(
+        cfg.guidance_scale > 1.0,
+        f"model.negative_prompt={cfg.negative_prompt!r} is encoded by classifier-free guidance's unguided "
+        f"branch, and model.guidance_scale={cfg.guidance_scale} runs none: set model.guidance_scale > 1 to "
+        "guide away from it, or drop model.negative_prompt",
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args
 
 from rlgen_cli.errors import require
 from rlgen_cli.schema.algo import SamplerConfig
@@ -19,8 +19,10 @@ from rlgen_cli.schema.choices import (
     Launcher,
     MixedPrecision,
     Recipe,
+    SdeKind,
     WandbMode,
 )
+from rlgen_cli.schema.families import family_spec
 from rlgen_cli.schema.fidelity import FidelityConfig
 from rlgen_cli.schema.model import REAL_SIZE_VARIANTS as REAL_SIZE_VARIANTS
 from rlgen_cli.schema.model import ExpertsConfig as ExpertsConfig
@@ -28,6 +30,7 @@ from rlgen_cli.schema.model import FlowModelConfig, ModelSection, require_family
 from rlgen_cli.schema.model import LoraConfig as LoraConfig
 from rlgen_cli.schema.model import ModelConfig as ModelConfig
 from rlgen_cli.schema.ranges import ANY, COUNT, DEVICE, NON_NEGATIVE, PORT
+from rlgen_cli.schema.unread import require_defaults, shown
 
 
 def tiny_flow_model() -> Any:
@@ -79,9 +82,11 @@ class DataConfig:
     test: str = "builtin:tiny_test.txt"
     """Evaluation prompts, same formats."""
     eval_num_prompts: Annotated[int, NON_NEGATIVE] = 8
-    """Test prompts used by periodic evaluation (0 = all)."""
+    """Test prompts used by ``rlgen train``'s periodic evaluation (0 = all); ``rlgen eval`` reads
+    ``max_prompts`` instead."""
     eval_images_per_prompt: Annotated[int, COUNT] = 1
-    """Images drawn per test prompt at each evaluation."""
+    """Images drawn per test prompt at each of ``rlgen train``'s evaluations; ``rlgen eval`` and
+    ``rlgen sample`` read ``images_per_prompt`` instead."""
 
 
 @dataclass
@@ -311,6 +316,42 @@ class SampleConfig:
     def __post_init__(self) -> None:
         require_family_schema(self.model)
         check_noise_level(self.sampler, self.model)
+        require_one_prompt_source(self)
+        require_read_sampler_settings(self.sampler)
+
+
+def require_one_prompt_source(cfg: SampleConfig) -> None:
+    """``prompts`` and ``prompts_file`` exclude each other, and ``edit_set`` builds its set from rows of a
+    file: either would otherwise silently draw something else than what was given."""
+    require(
+        not (cfg.prompts and cfg.prompts_file),
+        f"prompts=[…] and prompts_file={cfg.prompts_file} both name the prompts to draw: pass one of them",
+    )
+    require(
+        not (cfg.edit_set and cfg.prompts),
+        "edit_set=true builds an editing set from the rows of a GenEval-style prompts file (each row's "
+        "source_prompt or prompt, and its metadata), and prompts=[…] has no rows: pass "
+        "prompts_file=FILE.jsonl instead of prompts=",
+    )
+
+
+def require_read_sampler_settings(sampler: SamplerConfig) -> None:
+    """``rlgen sample`` computes no log-probabilities, and its noise level acts only on a stochastic step."""
+    require(
+        sampler.noise_level is None or sampler.kind in get_args(SdeKind),
+        f"sampler.noise_level={sampler.noise_level} sets the step noise of a stochastic sampler, and "
+        f"sampler.kind={sampler.kind} draws without it: set sampler.kind=flow_sde (or dance, cps) to "
+        "sample with noise, or drop sampler.noise_level",
+    )
+    require_defaults(
+        sampler,
+        SamplerConfig,
+        ("logprob_reduce", "logprob_form"),
+        lambda key, value, default: (
+            f"sampler.{key}={shown(value)} shapes the log-probabilities training computes, and rlgen sample "
+            f"computes none: drop sampler.{key} (back to its default, {shown(default)})"
+        ),
+    )
 
 
 @dataclass
@@ -347,3 +388,20 @@ class EvalConfig:
             f"ckpt={self.ckpt} and checkpoint={self.checkpoint} disagree; pass one of them",
         )
         self.checkpoint = self.checkpoint or self.ckpt
+        if family_spec(self.model.family).kind == "vlm":
+            refuse_image_settings(self)
+
+
+def refuse_image_settings(cfg: EvalConfig) -> None:
+    """A VLM's evaluation answers each test question once and draws no images: the image settings of
+    ``rlgen eval`` would do nothing."""
+    require_defaults(
+        cfg,
+        EvalConfig,
+        ("images_per_prompt", "num_steps", "save_images"),
+        lambda key, value, default: (
+            f"{key}={shown(value)} does nothing for model.family={cfg.model.family}: a VLM's evaluation "
+            "answers each test question once with near-greedy decoding (model.vlm.eval_*) and draws no "
+            f"images. Drop {key} (back to its default, {shown(default)})"
+        ),
+    )

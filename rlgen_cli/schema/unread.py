@@ -12,7 +12,7 @@ from typing import Any
 
 from rlgen_cli.errors import require
 
-__all__ = ["require_defaults"]
+__all__ = ["require_defaults", "shown"]
 
 
 def require_defaults(
@@ -24,3 +24,12 @@ def require_defaults(
     for key in keys:
         value = getattr(section, key)
         require(value == defaults[key], message(key, value, defaults[key]))
+
+
+def shown(value: Any) -> str:
+    """A setting's value as an override writes it (``true``, ``null``, ``population``, ``[a, b]``)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list | tuple):
+        return f"[{', '.join(map(shown, value))}]"
+    return "null" if value is None else str(value)

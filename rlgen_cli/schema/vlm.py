@@ -25,7 +25,7 @@ from rlgen_cli.schema.choices import (
 )
 from rlgen_cli.schema.families import families
 from rlgen_cli.schema.ranges import BELOW_ONE, COUNT, FRACTION, NON_NEGATIVE, POSITIVE, at_least
-from rlgen_cli.schema.unread import require_defaults
+from rlgen_cli.schema.unread import require_defaults, shown
 
 VLM_FAMILIES = families("vlm")
 """The vision-language families (``kind=vlm`` rows of ``schema/families.py``)."""
@@ -201,14 +201,7 @@ def refuse_unread_settings(cfg: Any) -> None:
             type(section),
             (name,),
             lambda _, value, default, key=key, why=why: (
-                f"{key}={_shown(value)} does nothing with recipe={cfg.recipe}: {why}. Drop {key} (back to its "
-                f"default, {_shown(default)})"
+                f"{key}={shown(value)} does nothing with recipe={cfg.recipe}: {why}. Drop {key} (back to its "
+                f"default, {shown(default)})"
             ),
         )
-
-
-def _shown(value: Any) -> str:
-    """A setting's value as an override writes it (``true``, ``null``, ``population``)."""
-    if isinstance(value, bool):
-        return str(value).lower()
-    return "null" if value is None else str(value)

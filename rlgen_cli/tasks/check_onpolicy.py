@@ -12,7 +12,8 @@ disagree, and PPO's clip would be silently eating that error. Every track compar
 * **unified policies (R3)** — both tracks in both stages (``r3/onpolicy.py``).
 
 ``check.perturb_weights`` adds noise to the trainable weights between the rollout and the recompute:
-the check must then fail, which is how the tests show that it can.
+the check must then fail, which is how the tests show that it can. The check runs in this one process
+(``launcher=local``; ``schema/check.py`` refuses a launcher, whose workers it would not start).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from omegaconf import DictConfig
 
 from rlgen_cli.errors import UserError
 from rlgen_cli.recipes.registry import check_of
-from rlgen_cli.schema.families import family_spec
 from rlgen_cli.sde.noise import Stream
 from rlgen_cli.tasks.common import run_dir_of, user_errors, validated
 
@@ -66,11 +66,6 @@ def check_onpolicy_task(cfg: DictConfig) -> float:
 
     perturb = functools.partial(perturb_weights, std=typed.check.perturb_weights, seed=typed.seed)
     check, splits = check_of(typed)
-    if family_spec(typed.model.family).kind != "flow" and typed.check.train_noise_level is not None:
-        raise UserError(
-            "check.train_noise_level recomputes flow steps at another noise level; it has no meaning for "
-            f"model.family={typed.model.family} (use check.perturb_weights to see the check fail)"
-        )
     run_dir = prepare_run_dir(run_dir_of(typed), cfg)
     setup_logging(run_dir)
     require_prerequisites(typed, run_dir, splits)

@@ -157,6 +157,30 @@ def _check_shown(cfg: DictConfig) -> None:
     user_errors(validated)(cfg)
 
 
+def command_line_overrides() -> list[Any]:
+    """The overrides the command line gave this run, as Hydra parses them (``hydra.core.override_parser``:
+    ``+`` / ``++`` prefixes, quoting, lists), Hydra's own ``hydra.*`` left out; none outside a Hydra run."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if not HydraConfig.initialized():
+        return []
+    return OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task))
+
+
+def refuse_overrides(unread: dict[str, str], verb: str) -> None:
+    """An override of a key in ``unread`` (key → what to set instead) would do nothing in ``rlgen verb``.
+
+    These keys sit in sections the verb shares with ``rlgen train`` (a ``data`` option sets
+    ``eval_num_prompts`` for training's evaluations), so the composed value is the option's, not a
+    choice: only the command line's override of one is a setting that would silently do nothing.
+    """
+    for override in command_line_overrides():
+        why = unread.get(override.key_or_group)
+        if why is not None and not override.is_delete():
+            raise UserError(f"{override.input_line} is not read by rlgen {verb}: {why}. Drop the override")
+
+
 def run_dir_of(cfg: Any) -> Path:
     if not cfg.run_dir:
         raise UserError("run_dir is empty; leave it to Hydra (hydra.run.dir=DIR) or give run_dir=DIR")

@@ -9,7 +9,7 @@ import torch
 from omegaconf import DictConfig
 
 from rlgen_cli.schema.families import family_spec
-from rlgen_cli.tasks.common import run_dir_of, user_errors, validated
+from rlgen_cli.tasks.common import refuse_overrides, run_dir_of, user_errors, validated
 from rlgen_cli.tasks.prerequisites import (
     Prerequisites,
     checkpoint_problems,
@@ -24,10 +24,21 @@ SAMPLES = "samples.jsonl"
 log = logging.getLogger(__name__)
 
 
+TRAINING_DATA = {
+    "data.train": "it names rlgen train's prompts; rlgen eval scores the test prompts, data.test",
+    "data.eval_num_prompts": "it sizes rlgen train's periodic evaluation; rlgen eval scores the first "
+    "max_prompts test prompts (0 = all): set max_prompts",
+    "data.eval_images_per_prompt": "it sizes rlgen train's periodic evaluation; rlgen eval draws "
+    "images_per_prompt images per test prompt: set images_per_prompt",
+}
+"""The ``data`` keys ``rlgen eval`` composes (the data options are shared with training) and never reads."""
+
+
 @user_errors
 def eval_task(cfg: DictConfig) -> float:
     """Returns the mean mixed reward (the number a sweeper would optimise)."""
     typed = validated(cfg)
+    refuse_overrides(TRAINING_DATA, "eval")
     kind = family_spec(typed.model.family).kind  # what is evaluated is the model, whatever trained it
     if kind == "unified":  # multi-round reflect → refine evaluation of a unified policy
         return _eval_r3(typed, cfg)
@@ -45,7 +56,7 @@ def eval_task(cfg: DictConfig) -> float:
 
     missing = Prerequisites().add(checkpoint_problems(typed.checkpoint, "checkpoint"))
     if not missing.missing:  # the checkpoint's own model draws: resolved.yaml records it
-        cfg = with_checkpoint_model(cfg, typed.checkpoint)
+        cfg = with_checkpoint_model(cfg, typed.checkpoint, "eval")
         typed = validated(cfg)
     run_dir = prepare_run_dir(run_dir_of(typed), cfg)
     setup_logging(run_dir)
@@ -95,14 +106,15 @@ def eval_task(cfg: DictConfig) -> float:
 
 
 def _eval_vlm(typed, cfg: DictConfig) -> float:
-    """Benchmark accuracy of a multimodal LLM (its checkpoint's saved model, as ``load_vlm`` builds it)."""
+    """Benchmark accuracy of a multimodal LLM (its checkpoint's saved model with the command line's
+    decoding / dtype overrides on top, as ``load_vlm`` builds it)."""
     from rlgen_cli.recipes.vlm_rl import evaluate
     from rlgen_cli.tasks.loading import describe_model, with_checkpoint_model
     from rlgen_cli.training.reporting.run_dir import prepare_run_dir, setup_logging
 
     missing = Prerequisites().add(checkpoint_problems(typed.checkpoint, "checkpoint"))
     if not missing.missing:
-        cfg = with_checkpoint_model(cfg, typed.checkpoint, user_overrides=False)
+        cfg = with_checkpoint_model(cfg, typed.checkpoint, "eval")
         typed = validated(cfg)
     run_dir = prepare_run_dir(run_dir_of(typed), cfg)
     setup_logging(run_dir)

@@ -23,7 +23,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from rlgen_cli.tasks.common import run_dir_of, user_errors, validated
+from rlgen_cli.tasks.common import refuse_overrides, run_dir_of, user_errors, validated
 
 MANIFEST = "manifest.jsonl"
 EDIT_SET = "edit_set.jsonl"
@@ -31,9 +31,20 @@ SOURCE_PROMPT_KEY = "source_prompt"
 log = logging.getLogger(__name__)
 
 
+TRAINING_DATA = {
+    "data.train": "it names rlgen train's prompts; rlgen sample draws prompts=[…], prompts_file or data.test",
+    "data.eval_num_prompts": "it sizes rlgen train's periodic evaluation; rlgen sample draws every prompt of "
+    "prompts=[…], prompts_file or data.test",
+    "data.eval_images_per_prompt": "it sizes rlgen train's periodic evaluation; rlgen sample draws "
+    "images_per_prompt images per prompt: set images_per_prompt",
+}
+"""The ``data`` keys ``rlgen sample`` composes (the data options are shared with training) and never reads."""
+
+
 @user_errors
 def sample_task(cfg: DictConfig) -> str:
     typed = validated(cfg)
+    refuse_overrides(_unread_data(typed), "sample")
     from rlgen_cli.sde.rollout import StepSpec
     from rlgen_cli.sde.sampling import sample_images
     from rlgen_cli.tasks.loading import describe_model, load_policy, with_checkpoint_model
@@ -45,7 +56,7 @@ def sample_task(cfg: DictConfig) -> str:
 
     missing = Prerequisites().add(checkpoint_problems(typed.checkpoint, "checkpoint"))
     if not missing.missing:  # the checkpoint's own model draws: resolved.yaml records it
-        cfg = with_checkpoint_model(cfg, typed.checkpoint)
+        cfg = with_checkpoint_model(cfg, typed.checkpoint, "sample")
         typed = validated(cfg)
     run_dir = prepare_run_dir(run_dir_of(typed), cfg)
     setup_logging(run_dir)
@@ -98,6 +109,16 @@ def sample_task(cfg: DictConfig) -> str:
         f"wrote {len(expanded)} samples and {EDIT_SET if typed.edit_set else MANIFEST} to {run_dir}"
     )
     return str(run_dir)
+
+
+def _unread_data(cfg: Any) -> dict[str, str]:
+    """:data:`TRAINING_DATA`, and ``data.test`` when ``prompts`` or ``prompts_file`` say what to draw."""
+    if not (cfg.prompts or cfg.prompts_file):
+        return TRAINING_DATA
+    given = "prompts=[…]" if cfg.prompts else f"prompts_file={cfg.prompts_file}"
+    return TRAINING_DATA | {
+        "data.test": f"rlgen sample draws data.test only without prompts and prompts_file, and {given} is given"
+    }
 
 
 def noise_record(seed: int, index: int, device: Any, stochastic: bool) -> dict[str, Any]:

@@ -283,8 +283,9 @@ def build_vlm(cfg: ModelConfig, device: torch.device) -> VLMPolicy:
 
 
 def load_vlm(cfg: ModelConfig | None, checkpoint: str | None, device: torch.device) -> VLMPolicy:
-    """The policy of ``cfg`` or, with ``checkpoint``, of the checkpoint's saved model config + weights
-    (a checkpoint's weights only fit the model that made them, so its own model section is used)."""
+    """The policy of ``cfg`` with ``checkpoint``'s trained weights loaded (when given). With a checkpoint,
+    ``cfg`` is the model section its weights fit (its saved one with the run's decoding / dtype overrides:
+    ``tasks/loading.py: checkpoint_model``), or None for the saved section as it is."""
     if checkpoint is None:
         if cfg is None:
             raise UserError("nothing to load: give a model config or a checkpoint directory")
@@ -295,8 +296,9 @@ def load_vlm(cfg: ModelConfig | None, checkpoint: str | None, device: torch.devi
     from rlgen_cli.training.checkpoints.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(checkpoint)
-    saved = OmegaConf.to_object(typed_model_section(ckpt.config().model))
-    policy = build_vlm(saved, device)
+    if cfg is None:
+        cfg = OmegaConf.to_object(typed_model_section(ckpt.config().model))
+    policy = build_vlm(cfg, device)
     policy.load_trainable(ckpt.weights)
     log.info("loaded trained weights from %s", ckpt.path)
     return policy

@@ -204,6 +204,12 @@ def test_shapes_own_values_pass_and_are_its_schema_defaults():
     shapes = model_config("shapes", tiny=True)
     assert (shapes.negative_prompt, shapes.max_sequence_length) == ("", 16)
     sd3 = _validate(
-        "experiment=tiny_cpu", "model.negative_prompt=blurry", "model.max_sequence_length=32"
+        "experiment=tiny_cpu",
+        "model.guidance_scale=4.5",
+        "model.negative_prompt=blurry",
+        "model.max_sequence_length=32",
     ).model
-    assert (sd3.negative_prompt, sd3.max_sequence_length) == ("blurry", 32)  # families that read them
+    assert (sd3.negative_prompt, sd3.max_sequence_length) == (
+        "blurry",
+        32,
+    )  # families that read them (with CFG)
