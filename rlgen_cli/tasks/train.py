@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 
 from rlgen_cli.recipes.registry import recipe_of
 from rlgen_cli.tasks.common import run_dir_of, user_errors, validated
+from rlgen_cli.tasks.switched_off import refuse_switched_off
 
 
 @user_errors
@@ -23,6 +24,7 @@ def train_task(cfg: DictConfig) -> Any:
 
     print_job_header()  # a sweep job says which overrides it runs before anything can fail
     typed = validated(cfg)
+    refuse_switched_off(typed)
     from rlgen_cli.training.checkpoints.checkpoint import stop_cleanly, sweep_stale_temporaries
     from rlgen_cli.training.reporting.run_dir import RESOLVED_FILE, prepare_run_dir, setup_logging
 
