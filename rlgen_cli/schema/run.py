@@ -388,8 +388,27 @@ class EvalConfig:
             f"ckpt={self.ckpt} and checkpoint={self.checkpoint} disagree; pass one of them",
         )
         self.checkpoint = self.checkpoint or self.ckpt
-        if family_spec(self.model.family).kind == "vlm":
+        kind = family_spec(self.model.family).kind
+        if kind == "vlm":
             refuse_image_settings(self)
+        elif kind == "unified":
+            refuse_r3_sampling_settings(self)
+
+
+def refuse_r3_sampling_settings(cfg: EvalConfig) -> None:
+    """A unified policy's evaluation (R3) draws one image per prompt with its own step counts and
+    batching: ``rlgen eval``'s flow sampling settings would do nothing."""
+    require_defaults(
+        cfg,
+        EvalConfig,
+        ("images_per_prompt", "num_steps", "batch_size"),
+        lambda key, value, default: (
+            f"{key}={shown(value)} does nothing for model.family={cfg.model.family}: R3's evaluation draws "
+            "one image per prompt in r3.num_timesteps_gen − 1 denoising steps (edits: r3.num_timesteps_edit "
+            f"− 1), then r3.eval_rounds reflect → refine rounds. Drop {key} (back to its default, "
+            f"{shown(default)})"
+        ),
+    )
 
 
 def refuse_image_settings(cfg: EvalConfig) -> None:

@@ -33,6 +33,12 @@ TRAINING_DATA = {
 }
 """The ``data`` keys ``rlgen eval`` composes (the data options are shared with training) and never reads."""
 
+R3_DATA = {
+    "data.test": "a unified policy's evaluation reads its prompts from r3.val_data_path (r3.dataset_name "
+    "says their format): set r3.val_data_path",
+}
+"""The ``data`` keys R3's evaluation does not read either."""
+
 
 @user_errors
 def eval_task(cfg: DictConfig) -> float:
@@ -41,6 +47,7 @@ def eval_task(cfg: DictConfig) -> float:
     refuse_overrides(TRAINING_DATA, "eval")
     kind = family_spec(typed.model.family).kind  # what is evaluated is the model, whatever trained it
     if kind == "unified":  # multi-round reflect → refine evaluation of a unified policy
+        refuse_overrides(R3_DATA, "eval")
         return _eval_r3(typed, cfg)
     if kind == "vlm":  # benchmark accuracy of a multimodal LLM
         return _eval_vlm(typed, cfg)

@@ -116,8 +116,9 @@ def _is_read(code: str, name: str) -> bool:
 
 
 NOT_READ_BY_NAME = {
-    # R3: r3.steps_gen / steps_edit and r3.data_paths() (schema/r3.py) read these for the recipe
-    "r3": {"r3.num_timesteps_gen", "r3.num_timesteps_edit", "r3.val_data_path"},
+    # R3: r3.steps_gen / steps_edit (schema/r3.py) read these for the recipe (r3.val_data_path, which
+    # r3.data_paths() reads, is named by eval's refusal of data.test: tasks/evaluate.py R3_DATA)
+    "r3": {"r3.num_timesteps_gen", "r3.num_timesteps_edit"},
 }
 """Declared keys a recipe's code does not name, listed exactly: a new unread key fails, and so does an
 entry that became read (remove it)."""

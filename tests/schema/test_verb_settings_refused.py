@@ -69,6 +69,17 @@ REFUSED = {
         ("eval", *VLM_EVAL, "save_images=false"),
         r"save_images=false does nothing for model.family=qwen2_vl",
     ),
+    # eval of a unified policy (R3): one image per prompt, its own step counts
+    "r3_images_per_prompt": (
+        ("eval", "model=tiny_r3", "images_per_prompt=2"),
+        r"images_per_prompt=2 does nothing for model.family=\w+: R3's evaluation draws one image per prompt in "
+        r"r3.num_timesteps_gen − 1 denoising steps",
+    ),
+    "r3_num_steps": (("eval", "model=tiny_r3", "num_steps=3"), r"num_steps=3 does nothing for model.family="),
+    "r3_batch_size": (
+        ("eval", "model=tiny_r3", "batch_size=3"),
+        r"batch_size=3 does nothing for model.family=",
+    ),
     # check-onpolicy: one process, and each kind's own tolerance
     "check_launcher": (
         ("check_onpolicy", "launcher=fsdp", "launcher.num_processes=2"),
@@ -114,6 +125,7 @@ READ = {
     "sde_noise_level": ("sample", "sampler.kind=flow_sde", "sampler.noise_level=0.5"),
     "flow_eval_images": ("eval", "images_per_prompt=2", "num_steps=3", "save_images=false"),
     "vlm_eval_defaults": ("eval", *VLM_EVAL, "batch_size=3"),
+    "r3_eval_read_settings": ("eval", "model=tiny_r3", "max_prompts=2", "save_images=false"),
     "check_flow_tolerance": ("check_onpolicy", "check.tolerance=1e-5", "check.train_noise_level=0.8"),
     "check_vlm_text_tolerance": ("check_onpolicy", *VLM_CHECK, "check.text_tolerance=1e-4"),
     "check_unified_tolerances": ("check_onpolicy", "model=tiny_r3", "check.tolerance=1e-5", "check.text_tolerance=1e-4"),
@@ -137,6 +149,11 @@ COMMAND_LINE = {
     "eval_images_per_prompt": (
         ("eval", "++data.eval_images_per_prompt=3"),
         "++data.eval_images_per_prompt=3 is not read by rlgen eval",
+    ),
+    "r3_eval_test": (
+        ("eval", "model=tiny_r3", "data.test=/nonexistent.txt"),
+        "data.test=/nonexistent.txt is not read by rlgen eval: a unified policy's evaluation reads its prompts from "
+        "r3.val_data_path",
     ),
     "sample_train": (("sample", "data.train=/nonexistent.txt"), "data.train=/nonexistent.txt is not read by rlgen sample"),
     "sample_eval_num_prompts": (("sample", "data.eval_num_prompts=1"), "data.eval_num_prompts=1 is not read by rlgen sample"),
