@@ -23,8 +23,8 @@ from torch import Tensor
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "IMAGE_ONLY_REWARDS", "Reward", "RewardBatch", "RewardResult", "accepts_uint8", "all_finite", "check_result",
-    "is_served", "reads_prompts", "source_stack",
+    "Reward", "RewardBatch", "RewardResult", "accepts_uint8", "all_finite", "check_result", "is_served",
+    "reads_prompts", "source_stack",
 ]  # fmt: skip
 
 
@@ -166,34 +166,16 @@ def is_served(reward: Reward) -> bool:
     return bool(getattr(reward, "served", False))
 
 
-IMAGE_ONLY_REWARDS = frozenset(
-    {
-        "aesthetic",
-        "brightness",
-        "deqa",
-        "geneval",
-        "image_similarity",
-        "jpeg_compressibility",
-        "jpeg_incompressibility",
-        "shapes_geneval",
-    }
-)
-"""Built-in rewards that score the image alone (GenEval and ShapesEval read their metadata, not the
-prompt), for :func:`reads_prompts`."""
-
-
 def reads_prompts(reward: Reward) -> bool:
     """Whether ``reward`` scores a sample against its prompt (pickscore, clipscore, HPS, ImageReward, OCR,
-    judges): its optional ``reads_prompts`` attribute, else False only for :data:`IMAGE_ONLY_REWARDS`.
+    judges): its ``reads_prompts`` attribute, which the rewards that score the image alone (or its
+    metadata: GenEval, ShapesEval) set to False.
 
     A reward that does not say is assumed to read them, so a reward server refuses to score it against
     prompts a request did not send rather than against empty ones; an image-only reward of your own sets
     ``reads_prompts = False``.
     """
-    declared = getattr(reward, "reads_prompts", None)
-    if declared is not None:
-        return bool(declared)
-    return getattr(reward, "name", None) not in IMAGE_ONLY_REWARDS
+    return bool(getattr(reward, "reads_prompts", True))
 
 
 def all_finite(values: Tensor) -> bool:

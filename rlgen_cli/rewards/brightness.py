@@ -26,6 +26,7 @@ class BrightnessReward:
     """
 
     name = "brightness"
+    reads_prompts = False  # the pixels alone
     accepts_uint8 = True  # the served uint8 pixels are scaled here, no float round trip needed
 
     def score(self, batch: RewardBatch) -> RewardResult:

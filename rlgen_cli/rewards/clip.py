@@ -245,6 +245,11 @@ def load_aesthetic_head(path: str | Path) -> AestheticHead:
     return head.eval().requires_grad_(False)
 
 
+PROMPT_KINDS = ("pickscore", "clipscore")
+"""The kinds that score an image against its prompt (aesthetic: the image alone; image_similarity: against
+its source image)."""
+
+
 class ClipReward:
     """One CLIP-based reward; ``kind`` picks the score (see the module docstring).
 
@@ -275,6 +280,7 @@ class ClipReward:
             head: Aesthetic head (``kind == "aesthetic"`` only).
         """
         self.name, self.kind, self.head = kind, kind, head
+        self.reads_prompts = kind in PROMPT_KINDS
         self.model_path = str(model_path)
         self.processor_path = str(processor_path or model_path)
         self.device = resolve_device(device)

@@ -64,6 +64,8 @@ class GenEvalReward:
         name: Registry name.
     """
 
+    reads_prompts = False  # the objects its metadata asks for, not the prompt text
+
     def __init__(
         self,
         detector: Detector,

@@ -116,6 +116,7 @@ class JpegReward:
     """
 
     accepts_uint8 = True  # it quantises to uint8 first: served uint8 pixels skip the float round trip
+    reads_prompts = False  # the file size alone
 
     def __init__(self, name: str, sign: float, quality: int = 95) -> None:
         """Create the reward.

@@ -74,6 +74,8 @@ class ShapesGenEvalReward:
         credit: Values of the per-object matches (``"objects"`` mode).
     """
 
+    reads_prompts = False  # the objects its metadata asks for, not the prompt text
+
     def __init__(
         self,
         mode: str = "objects",

@@ -237,3 +237,17 @@ def test_build_mix_rejects_kwargs_for_absent_reward() -> None:
 def test_weighted_mix_rejects_mismatched_weights() -> None:
     with pytest.raises(ValueError, match="do not match"):
         WeightedMix({"a": ConstReward("a", [1.0])}, {"b": 1.0})
+
+
+def test_each_built_in_reward_says_whether_it_reads_the_prompt():
+    """A reward server refuses a prompt-less request for a reward that reads prompts (rather than score
+    against ""), so each reward that scores the image alone must say so, and no prompt reader may."""
+    from rlgen_cli.rewards.base import reads_prompts
+    from rlgen_cli.rewards.clip import ClipReward
+    from rlgen_cli.rewards.registry import build_reward
+
+    image_only = ["brightness", "jpeg_compressibility", "jpeg_incompressibility", "image_similarity"]
+    assert not any(reads_prompts(build_reward(name)) for name in [*image_only, "shapes_geneval"])
+    assert not reads_prompts(ClipReward("aesthetic", "unused"))  # its head file is not needed to say so
+    assert all(reads_prompts(build_reward(name)) for name in ["pickscore", "clipscore"])
+    assert not reads_prompts(build_reward("deqa", endpoints="http://127.0.0.1:9", allow_pickle=True))

@@ -316,6 +316,8 @@ def _reply_of(n: int) -> Callable[[bytes, str], tuple[list[float], dict]]:
 class FlowGrpoRemoteReward(_RemoteBase):
     """Client of a Flow-GRPO reward server (pickle protocol, ``POST /``); opt-in via ``allow_pickle``."""
 
+    reads_prompts = True  # it sends them; a server of an image-only reward (deqa) ignores them
+
     def __init__(
         self,
         endpoints: str | Sequence[str] | None = None,
@@ -621,6 +623,8 @@ def deqa(
     like it, it needs ``allow_pickle=True``. Other args as :class:`FlowGrpoRemoteReward`.
     """
     kwargs.setdefault("name", "deqa")
-    return FlowGrpoRemoteReward(
+    reward = FlowGrpoRemoteReward(
         endpoints, hosts, ports, allow_pickle=allow_pickle, score_key="outputs", **kwargs
     )
+    reward.reads_prompts = False  # DeQA-Score rates the image alone
+    return reward
