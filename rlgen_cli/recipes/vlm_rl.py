@@ -178,6 +178,8 @@ class VLMRLRecipe:
         self.max_completion_tokens = completion_budget(
             algo.token.max_completion_tokens, cfg.model.vlm.completion_cap
         )
+        if algo.kl_weight > 0:  # full fine-tuning: the reference is the weights before a resume loads any
+            self.policy.keep_reference()
         self.run.resume_and_prepare(
             vlm_engine_options(cfg), lambda state: self.sampler.load_state_dict(state[SAMPLER_KEY])
         )

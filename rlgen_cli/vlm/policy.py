@@ -53,6 +53,9 @@ class VLMPolicy:
     cfg: ModelConfig
     device: torch.device
     _frozen_copy: Any = field(default=None, repr=False)
+    _weights_loaded: bool = field(
+        default=False, repr=False
+    )  # load_trainable ran: the weights are not the initial ones
     _train_model: Any = field(default=None, repr=False)
     _compiled: Any = field(default=None, repr=False)
 
@@ -117,15 +120,33 @@ class VLMPolicy:
     @contextmanager
     def reference(self) -> Iterator[Any]:
         """The frozen reference model: the base with the adapter disabled, or a frozen copy (in
-        ``model.dtype``) of the initial weights for full fine-tuning, made on first use."""
+        ``model.dtype``) of the initial weights for full fine-tuning (:meth:`keep_reference`; made on
+        first use in a run that loaded no weights).
+
+        Raises:
+            RuntimeError: Full fine-tuning whose weights were loaded (a resume) before the copy was kept:
+                a copy made now would hold the checkpoint's weights, not the initial ones.
+        """
         if self.is_lora:
             with self.model.disable_adapter():
                 yield self.model
             return
         if self._frozen_copy is None:
+            if self._weights_loaded:
+                raise RuntimeError(
+                    "the full fine-tuning reference must be kept (VLMPolicy.keep_reference) before a "
+                    "checkpoint's weights are loaded: a copy made now would be the checkpoint, not the start"
+                )
+            self.keep_reference()
+        yield self._frozen_copy
+
+    def keep_reference(self) -> None:
+        """Copy the weights as they are now into the frozen reference of full fine-tuning; a recipe with a KL
+        term calls it before a resume loads a checkpoint's weights (LoRA: nothing to copy, the reference
+        is the base under the adapter)."""
+        if not self.is_lora and self._frozen_copy is None:
             frozen = copy.deepcopy(self.model).requires_grad_(False).eval()
             self._frozen_copy = frozen.to(_DTYPES[self.cfg.dtype])
-        yield self._frozen_copy
 
     def save_trainable(self, path: Path) -> None:
         """LoRA: the peft adapter (``adapter_model.safetensors`` + config); full: a HF model directory."""
@@ -135,6 +156,7 @@ class VLMPolicy:
     def load_trainable(self, path: Path) -> None:
         """Load what :meth:`save_trainable` wrote into the trainable parameters (strict on their names)."""
         path = Path(path)
+        self._weights_loaded = True
         if not (path / ("adapter_config.json" if self.is_lora else "config.json")).is_file():
             raise UserError(
                 f"{path} holds no {'LoRA adapter' if self.is_lora else 'model'}; pass a checkpoint's weights/ "
