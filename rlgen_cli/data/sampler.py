@@ -13,7 +13,8 @@ into pieces of ``unit`` samples and piece ``b`` goes to rank ``b mod num_replica
 The default unit is a rank's whole share (rank ``r`` gets the ``r``-th contiguous slice); a recipe that
 trains piece by piece deals pieces of one micro-batch, so optimizer step ``s`` covers the same global
 micro-batches on any number of ranks (flow GRPO: README "process-count invariance"). When a step straddles two passes (``dataset_size`` not
-divisible by ``prompts_per_step``), one prompt may appear in two groups of that step.
+divisible by ``prompts_per_step``), one prompt may appear in two groups of that step: two groups, each
+normalised on its own (:meth:`group_keys`).
 
 ``prompts_per_draw`` switches to Flow-GRPO's ``DistributedKRepeatSampler``: the epoch's prompts come in
 ``prompts_per_step / prompts_per_draw`` draws (one per upstream sampling batch), draw ``d`` of epoch ``e``
@@ -194,6 +195,18 @@ class GroupSampler:
             ``prompts_per_step * group_size`` dataset indices.
         """
         return [i for i in self.prompt_indices_for_epoch(epoch) for _ in range(self.group_size)]
+
+    def group_keys(self, positions: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Each sample's group, from its places in the epoch's global batch and its dataset indices.
+
+        Passes (the default): the draw the sample belongs to, ``position // group_size``, so a prompt
+        drawn twice in one epoch (an epoch straddling two passes) makes two groups of K, as every group
+        is the K samples of one draw. Flow-GRPO's fresh draws (``prompts_per_draw``): the dataset index,
+        as upstream's per-prompt statistics pool a prompt its sampler drew twice in one epoch.
+        """
+        if self.prompts_per_draw is not None:
+            return indices
+        return positions // self.group_size
 
     def positions(self, unit: int | None = None) -> list[int]:
         """This rank's places in an epoch's global batch, ascending: pieces of ``unit`` samples dealt

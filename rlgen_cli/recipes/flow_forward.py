@@ -418,7 +418,10 @@ def forward_epoch(
     # normalised as one; each rank then keeps the weights of its own samples
     order = run.dist.gather(rollouts.positions.to(run.device)).cpu().argsort()  # rank by rank → global
     components = {k: run.dist.gather(v.to(run.device)).cpu()[order] for k, v in rollouts.components.items()}
-    group_ids = run.dist.gather(rollouts.indices.to(run.device)).cpu()[order]
+    group_ids = run.sampler.group_keys(
+        run.dist.gather(rollouts.positions.to(run.device)).cpu()[order],
+        run.dist.gather(rollouts.indices.to(run.device)).cpu()[order],
+    )
     shape, kl_gate, gardo_stats = None, None, {}
     if gardo is not None:  # GARDO: diversity-shaped advantages, the KL gate, the reference refresh
         total = flow_run.weighted_total(run, components)

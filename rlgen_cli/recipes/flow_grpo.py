@@ -145,10 +145,13 @@ def grpo_epoch(
     mine = torch.tensor(run.sampler.positions(algo.assignment_unit))  # (N,) places in the global batch
     order = dist.gather(mine).cpu().argsort()  # gathered rank by rank → global order
     components = {k: dist.gather(v).cpu()[order] for k, v in local.items()}
+    group_ids = run.sampler.group_keys(
+        dist.gather(mine).cpu()[order], dist.gather(rollouts.indices).cpu()[order]
+    )
     advantages, adv_stats = combine_rewards(
         components,
         dict(cfg.reward.weights),
-        dist.gather(rollouts.indices).cpu()[order],
+        group_ids,
         mode=cfg.reward.aggregation,
         global_std=algo.global_std,
         clip_max=algo.adv_clip_max,
@@ -159,10 +162,10 @@ def grpo_epoch(
     kl_gate, gardo_stats = None, {}
     if gardo is not None:  # GARDO: diversity-shaped advantages, the KL gate, the reference refresh
         advantages, kl_gate, gardo_stats = gardo.on_batch(
-            run, epoch, rollouts, order, mine, advantages, components, total
+            run, epoch, rollouts, order, mine, advantages, components, total, group_ids
         )
     advantages = advantages[mine]
-    keep = best_and_worst(total[mine], rollouts.indices, algo.best_of_n)
+    keep = best_and_worst(total[mine], run.sampler.group_keys(mine, rollouts.indices), algo.best_of_n)
     num_batches = None  # micro-batches of algo.train_batch_size
     if algo.drop_zero_advantage:  # as many micro-batches, each smaller (docs/maths.md §4.5)
         num_batches = math.ceil(len(keep) / algo.train_batch_size)

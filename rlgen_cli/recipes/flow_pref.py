@@ -135,7 +135,7 @@ class EpochSamples:
     x0: Tensor  # (B, ...) clean latents
     prompts: list[str]
     rewards: Tensor  # (B,) the mix's total
-    groups: Tensor  # (B,) dataset indices: the group keys
+    groups: Tensor  # (B,) the group keys (GroupSampler.group_keys: each draw of a prompt)
 
 
 @dataclass
@@ -221,7 +221,7 @@ def gather_samples(
         x0=dist.gather(x0).to(run.device)[order.to(run.device)],
         prompts=prompts,
         rewards=flow_run.weighted_total(run, components),
-        groups=torch.tensor(everyone),
+        groups=run.sampler.group_keys(torch.arange(len(everyone)), torch.tensor(everyone)),
     )
     return samples, components
 

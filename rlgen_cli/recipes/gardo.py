@@ -125,12 +125,13 @@ class GardoHooks:
         advantages: Tensor,
         components: dict[str, Tensor],
         rewards: Tensor,
+        group_ids: Tensor,
     ) -> tuple[Tensor, Tensor | None, dict[str, float]]:
         """Everything GARDO does between Flow-GRPO's advantages and its update of ``epoch``: the gathered
         ``advantages`` (N,) shaped by diversity, this process's KL gate (``mine``: its places in the
         global batch; None with the gate off), the reference refreshed when due; and the metrics.
-        ``order`` puts gathered rows in global order; ``rewards`` (N,) is the weighted reward in it."""
-        group_ids = run.dist.gather(rollouts.indices.to(run.device)).cpu()[order]
+        ``order`` puts gathered rows in global order; ``rewards`` (N,) is the weighted reward in it and
+        ``group_ids`` (N,) the groups (``GroupSampler.group_keys``)."""
         features = self.gathered_features(run, rollouts, order)
         advantages, stats = self.shape(advantages, rewards, features, group_ids, run.cfg.algo.adv_clip_max)
         gate, gate_stats = self.kl_gate(components)

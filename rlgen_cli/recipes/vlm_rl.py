@@ -211,7 +211,9 @@ class VLMRLRecipe:
         order = self.dist.gather(rollouts.positions).cpu().argsort()  # gathered rank by rank → global
         components = {k: self._in_global_order(v, order) for k, v in local.items()}
         total = self._in_global_order(local_total, order)
-        group_ids = self._in_global_order(rollouts.indices, order)
+        group_ids = self.sampler.group_keys(
+            self._in_global_order(rollouts.positions, order), self._in_global_order(rollouts.indices, order)
+        )
         algo = self.cfg.algo
         advantages, adv_stats = combine_rewards(
             components,
