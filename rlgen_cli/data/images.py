@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 from torch import Tensor
 
 from rlgen_cli.data.prompts import PromptDataset, PromptExample
@@ -82,16 +82,52 @@ def refuse_source_images(
 
 
 def load_images(paths: Sequence[Path], height: int, width: int) -> Tensor:
-    """Read, convert to RGB and resize (bicubic) every image; (B, 3, height, width) float in [0, 1]."""
+    """Read every image upright (its EXIF orientation applied, as a viewer shows it), convert it to RGB
+    (16-bit and float pixels rescaled, :func:`eight_bit`) and resize it (bicubic); (B, 3, height, width)
+    float in [0, 1]."""
     arrays = []
     for path in paths:
         try:
             with Image.open(path) as image:
-                rgb = image.convert("RGB").resize((width, height), Image.BICUBIC)
+                ImageOps.exif_transpose(image, in_place=True)
+                rgb = eight_bit(image, path).convert("RGB").resize((width, height), Image.BICUBIC)
         except (FileNotFoundError, UnidentifiedImageError, OSError) as err:
             raise UserError(f"cannot read source image {path}: {err}") from err
         arrays.append(np.asarray(rgb, dtype=np.float32) / 255.0)
     return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()
+
+
+UINT16_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
+"""Pillow's modes of unsigned 16-bit grayscale (a 16-bit PNG or TIFF)."""
+
+
+def eight_bit(image: Image.Image, path: Path) -> Image.Image:
+    """``image`` with 8-bit pixels: 16-bit grayscale scaled from [0, 65535] and float grayscale from
+    [0, 1] to [0, 255] (rounded), every 8-bit mode as it is. Pillow's own conversion clips them instead
+    (mid-gray 32768 → white, 0.5 → black).
+
+    Raises:
+        UserError: Naming the file and mode, for 32-bit integer pixels (no fixed range) and float pixels
+            outside [0, 1].
+    """
+    if image.mode in UINT16_MODES or (image.mode == "I" and image.format == "PNG"):  # older Pillow: PNG → I
+        pixels = np.asarray(image).astype(np.int64)
+        return Image.fromarray(((pixels * 255 + 32767) // 65535).astype(np.uint8), "L")
+    if image.mode == "F":
+        pixels = np.asarray(image, dtype=np.float64)
+        low, high = float(pixels.min()), float(pixels.max())
+        if not (np.isfinite(pixels).all() and low >= 0.0 and high <= 1.0):
+            raise UserError(
+                f"source image {path} has float pixels (mode F) in [{low:g}, {high:g}], outside [0, 1]: "
+                "rlgen reads float images as [0, 1]; save it as an 8- or 16-bit PNG"
+            )
+        return Image.fromarray(np.round(pixels * 255).astype(np.uint8), "L")
+    if image.mode.startswith("I"):
+        raise UserError(
+            f"source image {path} has {image.mode} pixels (32-bit or signed integers), which have no fixed "
+            "range to scale to 8 bits: save it as an 8- or 16-bit PNG"
+        )
+    return image
 
 
 def source_images(

@@ -189,14 +189,21 @@ def run_dir_of(cfg: Any) -> Path:
 
 def require_data(cfg: Any, run_dir: Path, splits: tuple[str, ...] = ("train", "test")) -> None:
     """Every prompt file the run reads exists (builtin sets generated into ``run_dir``) and parses, and,
-    for an editing model, names an existing source image per row: checked before any model is loaded, so a
-    missing or malformed file costs seconds, not a model load."""
+    for an editing model, names an existing source image per row (for any other, gives none): checked
+    before any model is loaded, so a missing or malformed file costs seconds, not a model load. A split is
+    ``train`` / ``test`` (``data.train`` / ``data.test``) or ``eval_heldout`` (the flow recipes' second
+    test split, ``cfg.eval_heldout``; nothing to check when it is unset)."""
     from rlgen_cli.data.images import EDITING_FAMILIES, refuse_source_images, require_source_images
     from rlgen_cli.data.paths import BUILTIN_PREFIX, load_prompts, resolve_data_path
     from rlgen_cli.schema.vlm import VLM_FAMILIES
 
     for split in splits:
-        spec, key = getattr(cfg.data, split), f"data.{split}"
+        if split == "eval_heldout":  # recipes/flow_run.py setup reads it (train and check-onpolicy)
+            spec, key = getattr(cfg, split, None), split
+            if not spec:
+                continue
+        else:
+            spec, key = getattr(cfg.data, split), f"data.{split}"
         if cfg.model.family in VLM_FAMILIES:
             if not spec.startswith(BUILTIN_PREFIX):  # shipped VLM sets are resolved by the VLM loader
                 resolve_data_path(spec, key, run_dir)

@@ -55,9 +55,13 @@ def _problem(check: Callable[[], Any], prefix: str = "") -> list[str]:
 
 
 def data_problems(cfg: Any, run_dir: Path, splits: Iterable[str]) -> list[str]:
-    """Each prompt file of ``splits`` that is missing or does not parse (``common.require_data``)."""
+    """Each prompt file of ``splits`` that is missing or does not parse (``common.require_data``), and of
+    ``eval_heldout`` when the config sets it: a flow run's setup reads that split whatever the verb."""
     from rlgen_cli.tasks.common import require_data
 
+    splits = tuple(splits)
+    if getattr(cfg, "eval_heldout", None) and "eval_heldout" not in splits:
+        splits += ("eval_heldout",)
     return [p for split in splits for p in _problem(lambda split=split: require_data(cfg, run_dir, (split,)))]
 
 

@@ -4,6 +4,7 @@ files, hub sources that cannot be fetched, reward servers. ``--cfg job`` runs a 
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from rlgen_cli.rewards.requirements import ModelSource, Package, hub_unreachable
 from tests.conftest import TINY_RUN
@@ -170,6 +172,31 @@ def test_a_local_model_path_that_does_not_exist_is_named(tmp_path, capsys, no_mo
     message = _message(out, capsys)
     assert code == 2, message
     assert f"model.path={tmp_path / 'sd3'}: no such directory" in message
+
+
+@pytest.mark.parametrize(
+    ("model", "image", "expected"),
+    [
+        ("model=tiny_sd3", "src.png", "eval_heldout: example 0 of {heldout} gives a source image ('image') and "
+         "model.family=sd3 does not edit"),
+        ("model=tiny_flux_kontext", "gone.png", "eval_heldout: example 0 of {heldout} names source image "
+         "{dir}/gone.png, which does not exist"),
+    ],
+)  # fmt: skip
+def test_eval_heldout_gets_the_source_image_checks_of_data_test(
+    tmp_path, capsys, no_model, model, image, expected
+):
+    """A tiny_sd3 run would drop eval_heldout's images without a word, an editing run would fail on its
+    missing image only after the last epoch: both stop first, with exit code 2 and no model built."""
+    Image.new("RGB", (8, 8)).save(tmp_path / "src.png")
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text(json.dumps({"prompt": "make it blue", "image": image}) + "\n", encoding="utf-8")
+    code, out = _rlgen(
+        "train", *TINY_RUN, model, f"eval_heldout={heldout}", f"hydra.run.dir={tmp_path / 'run'}"
+    )
+    message = _message(out, capsys)
+    assert code == 2, message
+    assert expected.format(heldout=heldout, dir=tmp_path) in message
 
 
 # -- the requirement checks themselves -------------------------------------------------------------------------
