@@ -221,7 +221,8 @@ class VLMSFTRecipe:
             inputs = encode_conversations(self.policy, [self.train_set[i] for i in part])
             loss, count = sft_loss(self.policy, inputs)
             steps_after = (k + 1) % accum == 0 or k + 1 == len(parts)
-            self.dist.backward(loss / accum, sync=steps_after)
+            step_size = min(accum, len(parts) - k // accum * accum)  # the last step may hold fewer
+            self.dist.backward(loss / step_size, sync=steps_after)
             losses.append(loss.item())
             tokens += count
             if steps_after:

@@ -12,7 +12,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from rlgen_cli.errors import UserError
+from rlgen_cli.errors import UserError, require
 from rlgen_cli.schema.choices import (
     LrSchedule,
     PromptFormat,
@@ -114,7 +114,8 @@ class TokenGRPOOptions(TokenScheduleOptions):
     """Advantage std estimator: ``unbiased`` (÷ (n − 1), ``torch.std``: R1-VL's trainer and TRL) or
     ``population`` (÷ n, rlgen's flow-side choice); eps 1e-4 either way."""
     temperature: Annotated[float, NON_NEGATIVE] = 1.2
-    """Rollout sampling temperature (log-probs are always taken at temperature 1)."""
+    """Rollout sampling temperature, > 0 (log-probs are always taken at temperature 1); 0 (greedy) is
+    refused: a group's completions would be identical, every advantage 0."""
     top_p: Annotated[float, FRACTION] = 1.0
     """Nucleus (top-p) of rollout sampling; 1 = off."""
     top_k: Annotated[int, NON_NEGATIVE] = 0
@@ -141,6 +142,11 @@ class TokenGRPOOptions(TokenScheduleOptions):
     the k3 KL alone, as R1-VL's trl 0.14 and earlier TRL; it changes the gradient only when β > 0."""
 
     def __post_init__(self) -> None:
+        require(
+            self.temperature > 0,
+            "algo.token.temperature=0 samples greedily: a group's completions are identical, every advantage "
+            "is 0 and nothing trains (top_p / top_k unread too); set a temperature > 0 (R1-VL: 1.0)",
+        )
         if self.engine == "vllm":
             if not vllm_installed():
                 raise UserError(

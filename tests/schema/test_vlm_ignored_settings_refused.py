@@ -213,3 +213,10 @@ def test_shapes_own_values_pass_and_are_its_schema_defaults():
         "blurry",
         32,
     )  # families that read them (with CFG)
+
+
+def test_greedy_rollouts_are_refused_for_grpo():
+    """Temperature 0 makes a group's completions identical: every advantage 0, nothing trains."""
+    with pytest.raises(UserError, match=r"algo.token.temperature=0 samples greedily: .* nothing trains"):
+        _validate(*VLM_RL, "algo.token.temperature=0")
+    _validate(*VLM_RL, "algo.token.temperature=0.1")
