@@ -45,7 +45,8 @@ from rlgen_cli.schema.ranges import (
     at_least,
 )
 from rlgen_cli.schema.run import DataConfig, RewardConfig, RunConfig
-from rlgen_cli.schema.unread import require_defaults
+from rlgen_cli.schema.unread import require_defaults, shown
+from rlgen_cli.schema.vlm import VLMOptions
 
 EtaSchedule = Literal["constant", "monotonic"]
 
@@ -91,7 +92,10 @@ class R3CompositePolicy(R3PolicySection):
     """``model.family=r3_composite``: one model section per role, each as ``model=`` would give it."""
 
     text: VlmModelConfig = field(default_factory=lambda: VlmModelConfig(family="qwen2_5_vl", tiny=True))
-    """Text policy (plans, critiques, instructions): a VLM family (qwen2_vl | qwen2_5_vl)."""
+    """Text policy (plans, critiques, instructions): a VLM family (qwen2_vl | qwen2_5_vl). Of its ``vlm``
+    keys R3 reads the pixel bounds, ``max_context`` and ``freeze_vision``; the VLM recipes' prompt, length
+    and evaluation keys (``system_prompt``, ``prompt_format``, ``completion_cap``, ``eval_*``) are refused:
+    R3 writes its own prompts, ``r3.max_output_token_n_gen`` / ``_edit`` tokens, greedily when evaluating."""
     generator: FlowModelConfig = field(
         default_factory=lambda: FlowModelConfig(family="qwen_image", tiny=True)
     )
@@ -103,6 +107,9 @@ class R3CompositePolicy(R3PolicySection):
     share_text_encoder: bool = False
     """The text policy IS the generator's Qwen2.5-VL text encoder, with a LoRA adapter that is disabled
     whenever the generator encodes a prompt (one copy of the 7 B weights instead of two)."""
+
+    def __post_init__(self) -> None:
+        require_text_vlm_unread(self.text.vlm)
 
     def require_family_schemas(self) -> None:
         for role in ("text", "generator", "editor"):
@@ -123,6 +130,35 @@ class R3BagelPolicy(R3PolicySection):
 
     def require_family_schemas(self) -> None:
         require_family_schema(self.bagel, "r3.policy.bagel")
+
+
+R3_UNREAD_TEXT_VLM = {
+    "system_prompt": "R3 gives its text policy its own system prompts (r3/prompts.py: one to plan, one to "
+    "reflect); no setting replaces them",
+    "prompt_format": "R3 writes its own reason and reflect prompts (r3/prompts.py); no setting changes them",
+    "completion_cap": "R3 caps plans at r3.max_output_token_n_gen and reflections at "
+    "r3.max_output_token_n_edit tokens: set those instead",
+    "eval_max_new_tokens": "R3's evaluation writes up to r3.max_output_token_n_gen (plans) and "
+    "r3.max_output_token_n_edit (reflections) tokens: set those instead",
+    "eval_temperature": "R3's evaluation decodes greedily; no setting samples its text",
+    "eval_top_p": "R3's evaluation decodes greedily; no setting samples its text",
+    "eval_top_k": "R3's evaluation decodes greedily; no setting samples its text",
+}
+"""``r3.policy.text.vlm.*`` keys of the VLM recipes that R3 never reads → what R3 does instead."""
+
+
+def require_text_vlm_unread(vlm: VLMOptions) -> None:
+    """The text policy's :data:`R3_UNREAD_TEXT_VLM` keys at their schema defaults: another value would
+    silently do nothing, so it is refused (from the command line, an experiment or a model YAML alike)."""
+    require_defaults(
+        vlm,
+        VLMOptions,
+        R3_UNREAD_TEXT_VLM,
+        lambda key, value, _: (
+            f"r3.policy.text.vlm.{key}={shown(value)} does nothing with R3: {R3_UNREAD_TEXT_VLM[key]}. "
+            f"Drop r3.policy.text.vlm.{key}"
+        ),
+    )
 
 
 R3_POLICY_SCHEMAS: dict[str, type] = {"r3_composite": R3CompositePolicy, "r3_bagel": R3BagelPolicy}
@@ -151,7 +187,16 @@ def typed_policy(family: str, saved: Any) -> Any:
         for f in dataclasses.fields(schema)
         if f.name in saved
     }
+    if "text" in kept:  # an older rlgen's runs may hold values R3 never read: they are refused now
+        _reset_unread_text_vlm(kept["text"])
     return OmegaConf.merge(OmegaConf.structured(schema), kept)
+
+
+def _reset_unread_text_vlm(text: Any) -> None:
+    """A saved text policy's :data:`R3_UNREAD_TEXT_VLM` keys back at their defaults (they changed nothing)."""
+    defaults = VLMOptions()
+    for key in R3_UNREAD_TEXT_VLM:
+        text.vlm[key] = getattr(defaults, key)
 
 
 MODEL_ROLES = ("text", "generator", "editor", "bagel")
@@ -179,9 +224,10 @@ class R3Config:
     kl_weight_image: Annotated[float, NON_NEGATIVE] = 0.001
     """KL weight of the image track: mean((μθ − μref)²/s²) at the trained step."""
     tune_text_cot: bool = True
-    """Train the text track (plans and instructions) with token GRPO."""
+    """Train the text track (plans and instructions) with token GRPO (needs ce_weight > 0)."""
     tune_image_cot: bool = True
-    """Train the image track (generated and edited images) with Flow-GRPO."""
+    """Train the image track (generated and edited images) with Flow-GRPO at each image's SDE step (needs
+    enable_sde_gen or enable_sde_edit, and mse_weight or kl_weight_image > 0)."""
     group_size: Annotated[int, at_least(2)] = 16
     """Branches per prompt (reason) or per stage-1 image (refine)."""
     prompts_per_step: Annotated[int, COUNT] = 1
@@ -420,6 +466,40 @@ def require_same_forwards(geometry: R3Geometry, exact_reduction: bool | None) ->
     log.warning(message)
 
 
+def require_trainable_tracks(r3: R3Config) -> None:
+    """Each tuned track can receive a gradient: the text track's loss is weighted by ``ce_weight``; the image
+    track trains each image's SDE step (none with both stages ODE only) on ``mse_weight·L_img +
+    kl_weight_image·KL_img``. A tuned track that cannot would leave its switch and weights doing nothing, and
+    with the other track off the run would train nothing at all (``grad_norm`` 0 every step)."""
+    if r3.tune_text_cot:
+        require(
+            r3.ce_weight > 0,
+            "r3.ce_weight=0 weights the text track's loss to nothing, so r3.tune_text_cot=true trains no text: "
+            f"set a positive r3.ce_weight{_or_other_track(r3.tune_image_cot, 'tune_text_cot', 'image')}",
+        )
+    if not r3.tune_image_cot:
+        return
+    alone = _or_other_track(r3.tune_text_cot, "tune_image_cot", "text")
+    require(
+        r3.enable_sde_gen or r3.enable_sde_edit,
+        "r3.tune_image_cot=true trains each image's SDE step, and r3.enable_sde_gen=false "
+        "r3.enable_sde_edit=false draw every image by ODE: turn a stage's SDE on (r3.enable_sde_gen=true or "
+        f"r3.enable_sde_edit=true){alone}",
+    )
+    require(
+        r3.mse_weight > 0 or r3.kl_weight_image > 0,
+        "r3.mse_weight=0 and r3.kl_weight_image=0 weight the image track's loss to nothing, so "
+        f"r3.tune_image_cot=true trains no image: set a positive r3.mse_weight{alone}",
+    )
+
+
+def _or_other_track(other_on: bool, switch: str, other: str) -> str:
+    """The alternative a refused track's message offers: switch it off when the other track trains."""
+    if other_on:
+        return f", or r3.{switch}=false to train the {other} track alone"
+    return f" (the {other} track is off too: this run would train nothing)"
+
+
 def _check_bagel(bagel: FlowModelConfig) -> None:
     require(
         bagel.family == "bagel",
@@ -513,6 +593,7 @@ class R3TrainConfig(RunConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         require_data_unread(self.data)
+        require_trainable_tracks(self.r3)
         require_served_reward_keys(self.r3, self.reward)
         require_same_forwards(r3_geometry(self.r3, self.launcher.world_size), self.launcher.exact_reduction)
         require_policy_schema(self.model.family, self.r3.policy)

@@ -49,6 +49,10 @@ GARDO_GATE = (
     "gate_fraction_rate", "gate_window",
 )  # fmt: skip
 RENDEZVOUS = ("machine_rank", "main_process_ip", "main_process_port")
+R3_TEXT_LOSS = ("ce_weight", "kl_weight_text", "format_weight")  # format_weight shapes the text reward only
+R3_IMAGE_LOSS = ("mse_weight", "kl_weight_image")
+R3_SDE_FORM = ("sde_kind", "eta_schedule")  # how an SDE step is taken: unread when no stage takes one
+R3_SDE = ("enable_sde_gen", "enable_sde_edit")
 
 SWITCHES = (
     Switch("algo.ema", (), ("enabled",), lambda s: s.enabled, "algo.ema.enabled=false (add algo.ema.enabled=true)"),
@@ -76,6 +80,26 @@ SWITCHES = (
     Switch(
         "launcher", RENDEZVOUS, ("name",), lambda s: s.name != "local",
         "launcher=local runs one process here (add launcher=accelerate or launcher=multinode)",
+    ),
+    Switch(
+        "r3", R3_TEXT_LOSS, ("tune_text_cot",), lambda s: s.tune_text_cot,
+        "r3.tune_text_cot=false trains no text (add r3.tune_text_cot=true)",
+    ),
+    Switch(
+        "r3", R3_IMAGE_LOSS, ("tune_image_cot",), lambda s: s.tune_image_cot,
+        "r3.tune_image_cot=false trains no image (add r3.tune_image_cot=true)",
+    ),
+    Switch(
+        "r3", ("noise_level_gen",), ("enable_sde_gen",), lambda s: s.enable_sde_gen,
+        "r3.enable_sde_gen=false draws generated images by ODE (add r3.enable_sde_gen=true)",
+    ),
+    Switch(
+        "r3", ("noise_level_edit", "max_sde_timestep_idx_for_edit"), ("enable_sde_edit",),
+        lambda s: s.enable_sde_edit, "r3.enable_sde_edit=false draws edited images by ODE (add r3.enable_sde_edit=true)",
+    ),
+    Switch(
+        "r3", R3_SDE_FORM, R3_SDE, lambda s: s.enable_sde_gen or s.enable_sde_edit,
+        "r3.enable_sde_gen=false and r3.enable_sde_edit=false draw every image by ODE (add either =true)",
     ),
 )  # fmt: skip
 """Every feature whose settings the command line may set while it is off."""

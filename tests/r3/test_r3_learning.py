@@ -52,7 +52,7 @@ LEARNING_RUN = [
     *TINY_R3, "save_every=0", "r3.offline.enabled=false", "r3.reward_fn=mix", "reward=brightness",
     f"r3.train_data_path={TINY_DATA}", f"r3.val_data_path={TINY_DATA}", "r3.tune_text_cot=false",
     "r3.tune_image_cot=true", "r3.group_size=4", "r3.warmup_steps=0", "r3.kl_weight_image=0.0",
-    "r3.kl_weight_text=0.0", "r3.mse_weight=2.0", "r3.clip_range=0.2", "r3.scale_by_std=false",
+    "r3.mse_weight=2.0", "r3.clip_range=0.2", "r3.scale_by_std=false",
     "r3.sde_kind=dance", "r3.noise_level_gen=0.7", "r3.noise_level_edit=1.0", "r3.temperature=1.0",
     "r3.top_p=1.0", "r3.weight_decay=0.0", "r3.max_grad_norm=1.0", "r3.policy.generator.guidance_scale=1.0",
     "r3.policy.editor.guidance_scale=1.0", "r3.eval_rounds=0", "r3.eval_max_prompts=4",
@@ -93,7 +93,7 @@ TEXT_RUN = [
     "save_every=0", "r3.offline.enabled=false", "r3.reward_fn=mix", "reward=brightness", "r3.group_size=16",
     "r3.tune_text_cot=true", "r3.tune_image_cot=false", "r3.enable_sde_gen=false", "r3.enable_sde_edit=false",
     "r3.policy.generator.guidance_scale=1.0", "r3.policy.editor.guidance_scale=1.0", "r3.warmup_steps=0",
-    "r3.kl_weight_text=0.0", "r3.kl_weight_image=0.0", "r3.ce_weight=1.0", "r3.clip_range=0.2",
+    "r3.kl_weight_text=0.0", "r3.ce_weight=1.0", "r3.clip_range=0.2",
     "r3.scale_by_std=false", "r3.temperature=1.0", "r3.top_p=1.0", "r3.weight_decay=0.0",
     "r3.max_grad_norm=1.0", f"epochs={TEXT_STEPS}",
 ]  # fmt: skip

@@ -44,3 +44,45 @@ def test_the_same_settings_with_their_switch_on_train(cli, tmp_path: Path):
           "algo.window.stride=2"]  # fmt: skip
     code, out = cli("train", *ONE_EPOCH, *on, f"hydra.run.dir={tmp_path}")
     assert code == 0, out
+
+
+R3_ONE_STEP = ["model=tiny_r3", "progress=false", "epochs=1", "eval_every=0"]
+
+
+@pytest.mark.parametrize(
+    "switch_off,override,switch",
+    [
+        ("r3.tune_text_cot=false", "r3.ce_weight=0.5", "r3.tune_text_cot=false trains no text"),
+        ("r3.tune_text_cot=false", "r3.kl_weight_text=0.01", "r3.tune_text_cot=false trains no text"),
+        ("r3.tune_text_cot=false", "r3.format_weight=0.5", "r3.tune_text_cot=false trains no text"),
+        ("r3.tune_image_cot=false", "r3.mse_weight=1.0", "r3.tune_image_cot=false trains no image"),
+        ("r3.tune_image_cot=false", "r3.kl_weight_image=0.01", "r3.tune_image_cot=false trains no image"),
+        ("r3.enable_sde_gen=false", "r3.noise_level_gen=0.5", "r3.enable_sde_gen=false draws generated"),
+        ("r3.enable_sde_edit=false", "r3.noise_level_edit=0.5", "r3.enable_sde_edit=false draws edited"),
+        ("r3.enable_sde_edit=false", "r3.max_sde_timestep_idx_for_edit=1", "r3.enable_sde_edit=false"),
+    ],
+)
+def test_an_r3_setting_its_switch_leaves_unread_exits_2_naming_the_switch(
+    cli, tmp_path: Path, switch_off: str, override: str, switch: str
+):
+    code, out = cli("train", *R3_ONE_STEP, switch_off, override, f"hydra.run.dir={tmp_path}")
+    assert code == 2, out
+    assert f"{override} does nothing in this run: {switch}" in out
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_the_sde_form_is_refused_only_when_no_stage_takes_an_sde_step(cli, tmp_path: Path):
+    ode = ["r3.enable_sde_gen=false", "r3.enable_sde_edit=false", "r3.tune_image_cot=false"]
+    code, out = cli("train", *R3_ONE_STEP, *ode, "r3.sde_kind=cps", f"hydra.run.dir={tmp_path}")
+    assert code == 2, out
+    assert (
+        "r3.sde_kind=cps does nothing in this run: r3.enable_sde_gen=false and r3.enable_sde_edit=false"
+        in out
+    )
+
+
+def test_the_r3_settings_with_their_switches_on_train(cli, tmp_path: Path):
+    on = ["r3.ce_weight=0.5", "r3.kl_weight_text=0.01", "r3.mse_weight=1.0", "r3.noise_level_gen=0.5",
+          "r3.sde_kind=dance", "r3.max_sde_timestep_idx_for_edit=1"]  # fmt: skip
+    code, out = cli("train", *R3_ONE_STEP, *on, f"hydra.run.dir={tmp_path}")
+    assert code == 0, out
