@@ -316,6 +316,10 @@ class BagelUnifiedPolicy:
             raise ValueError(f"unknown track {track!r}; tracks: {TEXT}, {IMAGE}")
         return self.tracks[track]
 
+    def keep_reference(self) -> None:
+        """Nothing to do: the reference (a frozen copy of the starting network, or the adapters off) is
+        made when the policy is built, before any weights load."""
+
     @contextlib.contextmanager
     def image_reference(self) -> Iterator[None]:
         """Within: the image track is its reference — the generation expert's adapters off (LoRA) or its

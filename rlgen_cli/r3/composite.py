@@ -161,6 +161,11 @@ class CompositePolicy:
             return [p for part in self.parts.values() for p in part.trainable.parameters()]
         raise ValueError(f"unknown track {track!r}; tracks: {TEXT}, {IMAGE}")
 
+    def keep_reference(self) -> None:
+        """Fix the text track's reference at the weights as they are now (full fine-tuning copies them),
+        before a resume loads a checkpoint's; the image parts' references are copied when built."""
+        self.text.keep_reference()
+
     @contextlib.contextmanager
     def image_reference(self) -> Iterator[None]:
         """Within: the generator and the editor are their frozen references (adapters off)."""

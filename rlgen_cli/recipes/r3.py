@@ -183,6 +183,10 @@ class R3Recipe:
         self.run.scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
         )
+        if (
+            r3.kl_weight_text > 0
+        ):  # a full fine-tuned text track: its reference is the weights before a resume
+            self.policy.keep_reference()
         self.run.resume_and_prepare(  # into the bare modules, before DDP wraps them
             {
                 "max_grad_norm": r3.max_grad_norm,
