@@ -87,18 +87,29 @@ def load_images(paths: Sequence[Path], height: int, width: int) -> Tensor:
     float in [0, 1]."""
     arrays = []
     for path in paths:
-        try:
-            with Image.open(path) as image:
-                ImageOps.exif_transpose(image, in_place=True)
-                rgb = eight_bit(image, path).convert("RGB").resize((width, height), Image.BICUBIC)
-        except (FileNotFoundError, UnidentifiedImageError, OSError) as err:
-            raise UserError(f"cannot read source image {path}: {err}") from err
+        rgb = read_rgb(path).resize((width, height), Image.BICUBIC)
         arrays.append(np.asarray(rgb, dtype=np.float32) / 255.0)
     return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()
 
 
 UINT16_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
 """Pillow's modes of unsigned 16-bit grayscale (a 16-bit PNG or TIFF)."""
+
+
+def read_rgb(path: Path) -> Image.Image:
+    """The image at ``path`` upright (its EXIF orientation applied, as a viewer shows it) in 8-bit RGB
+    (16-bit and float pixels rescaled, :func:`eight_bit`), as every reader of source and question images
+    takes it.
+
+    Raises:
+        UserError: A file that cannot be read as an image, or whose pixels :func:`eight_bit` refuses.
+    """
+    try:
+        with Image.open(path) as image:
+            ImageOps.exif_transpose(image, in_place=True)
+            return eight_bit(image, path).convert("RGB")
+    except (FileNotFoundError, UnidentifiedImageError, OSError) as err:
+        raise UserError(f"cannot read image {path}: {err}") from err
 
 
 def eight_bit(image: Image.Image, path: Path) -> Image.Image:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rlgen_cli.data.edit_sets import SPLIT_SIZES as GENERATED
 from rlgen_cli.data.edit_sets import tiny_edit_set
-from rlgen_cli.data.prompts import PromptDataset
+from rlgen_cli.data.prompts import PromptDataset, read_text
 from rlgen_cli.errors import UserError
 
 BUILTIN_PREFIX = "builtin:"
@@ -73,6 +73,19 @@ def resolve_data_path(spec: str, key: str | None = None, workdir: Path | None = 
     if not path.is_file():
         raise UserError(missing_file_message(spec, key))
     return path
+
+
+def read_utf8(path: Path, key: str | None = None) -> str:
+    """A data file's UTF-8 text without a leading byte-order mark (:func:`~.prompts.read_text`), as every
+    reader of prompts and rows takes it.
+
+    Raises:
+        UserError: A file that is not UTF-8, naming the byte (:func:`not_utf8`).
+    """
+    try:
+        return read_text(path)
+    except UnicodeDecodeError as err:
+        raise not_utf8(path, err, key) from err
 
 
 def not_utf8(path: Path, err: UnicodeDecodeError, key: str | None = None) -> UserError:

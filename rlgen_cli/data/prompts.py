@@ -42,7 +42,7 @@ BOM = "\ufeff"
 """The byte-order mark some editors (Notepad, Excel's "CSV UTF-8") write at the start of UTF-8 files."""
 
 
-def _read_text(path: Path) -> str:
+def read_text(path: Path) -> str:
     """The file's UTF-8 text without a leading byte-order mark (what ``utf-8-sig`` reads, but decoding the
     whole file, so a decoding error's offset is the file's own: ``paths.not_utf8`` reports it)."""
     return path.read_text(encoding="utf-8").removeprefix(BOM)
@@ -57,7 +57,7 @@ def _read_txt(path: Path) -> list[tuple[str, dict[str, Any]]]:
     Returns:
         ``(prompt, {})`` pairs in file order.
     """
-    lines = (line.strip() for line in _read_text(path).splitlines())
+    lines = (line.strip() for line in read_text(path).splitlines())
     return [(line, {}) for line in lines if line]
 
 
@@ -99,7 +99,7 @@ def _read_jsonl(path: Path) -> list[tuple[str, dict[str, Any]]]:
         ``(prompt, metadata)`` pairs in file order.
     """
     rows = []
-    for number, line in enumerate(_read_text(path).splitlines(), start=1):
+    for number, line in enumerate(read_text(path).splitlines(), start=1):
         if line.strip():
             rows.append(_parse_jsonl_line(line.strip(), f"{path}:{number}"))
     return rows

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlgen_cli.data.paths import not_utf8, resolve_data_path
+from rlgen_cli.data.paths import read_utf8, resolve_data_path
 from rlgen_cli.errors import UserError
 from rlgen_cli.rewards.judge_prompts import tiif_questions
 
@@ -193,10 +193,7 @@ def load_r3_dataset(path: str | Path, dataset_name: str) -> list[R3Sample]:
     _check_dataset(dataset_name)
     file = resolve_data_path(str(path))
     samples: list[R3Sample] = []
-    try:
-        text = file.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise not_utf8(file, err) from err
+    text = read_utf8(file)
     for number, line in enumerate(text.splitlines(), start=1):
         if line.strip():
             samples.append(parse_r3_row(line, dataset_name, f"{file}:{number}", index=len(samples)))

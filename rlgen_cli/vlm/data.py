@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlgen_cli.data.paths import not_utf8
+from rlgen_cli.data.paths import read_utf8
 from rlgen_cli.errors import UserError
 from rlgen_cli.rewards.r1vl import normalize_key_steps
 
@@ -101,10 +101,7 @@ def resolve_vlm_path(spec: str) -> Path:
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
     """Rows of a json list or a jsonl file; errors name the file and line."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise not_utf8(path, err) from err
+    text = read_utf8(path)
     try:
         if text.lstrip().startswith("["):
             rows = json.loads(text)

@@ -30,6 +30,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from rlgen_cli.data.images import read_rgb
 from rlgen_cli.errors import UserError
 from rlgen_cli.vlm.policy import VLMPolicy
 from rlgen_cli.vlm.sampler_logprobs import SamplerLogprobs
@@ -98,11 +99,11 @@ class TokenBatch:
 
 
 def load_image(path: Path | None) -> Image.Image | None:
-    """An RGB image (RGBA / palette images are converted), or None for a text-only prompt."""
+    """An RGB image, upright and 8-bit (``data/images.py: read_rgb``: RGBA / palette converted, EXIF
+    orientation applied, 16-bit and float pixels rescaled), or None for a text-only prompt."""
     if path is None:
         return None
-    with Image.open(path) as image:
-        return image.convert("RGB")
+    return read_rgb(path)
 
 
 def load_images(paths: Sequence[Path | None]) -> list[Image.Image | None]:

@@ -151,3 +151,29 @@ def test_an_unset_eval_heldout_is_not_read_and_a_listed_one_is_read_once(tmp_pat
     assert len(problems) == 1 and problems[0].startswith(
         f"eval_heldout: prompt file {missing} does not exist"
     )
+
+
+def test_a_vlm_question_image_is_read_upright_and_in_8_bits(tmp_path: Path) -> None:
+    """The VLM rollout reads its question images through the same reader as source images."""
+    from rlgen_cli.vlm.rollout import load_image
+
+    stored = Image.new("RGB", (16, 8), (0, 0, 255))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    stored.save(tmp_path / "photo.jpg", exif=exif, quality=95)
+    assert load_image(tmp_path / "photo.jpg").size == (8, 16)  # shown 8 wide × 16 tall
+    Image.fromarray(np.full((4, 4), 32768, dtype=np.uint16)).save(tmp_path / "gray16.png")
+    assert np.asarray(load_image(tmp_path / "gray16.png")).mean() == pytest.approx(128, abs=1)
+
+
+@pytest.mark.parametrize("layout", ["jsonl", "json list"])
+def test_vlm_and_r3_rows_files_may_start_with_a_bom(tmp_path: Path, layout: str) -> None:
+    from rlgen_cli.r3.data import load_r3_dataset
+    from rlgen_cli.vlm.data import read_rows
+
+    row = {"prompt": "two cubes", "tag": "counting", "include": [{"class": "cube", "count": 2}]}
+    text = json.dumps([row]) if layout == "json list" else json.dumps(row)
+    (tmp_path / "rows.jsonl").write_text("\ufeff" + text + "\n", encoding="utf-8")
+    assert read_rows(tmp_path / "rows.jsonl") == [row]
+    if layout == "jsonl":
+        assert [s.prompt for s in load_r3_dataset(tmp_path / "rows.jsonl", "geneval")] == ["two cubes"]
