@@ -142,6 +142,20 @@ def _window_problem(key: str, cfg: Any) -> str | None:
     )
 
 
+NOT_SAMPLED = {
+    "vlm_sft": {
+        "model.vlm.completion_cap": "recipe=vlm_sft samples no completions (it trains on the dataset's "
+        "conversations; its evaluation answers within model.vlm.eval_max_new_tokens)",
+    },
+}
+"""Per recipe, the rollout settings it never reads, since it does not roll out."""
+
+
+def _recipe_problem(key: str, cfg: Any) -> str | None:
+    """Why an override of ``key`` does nothing under ``cfg.recipe`` (:data:`NOT_SAMPLED`), or None."""
+    return NOT_SAMPLED.get(getattr(cfg, "recipe", ""), {}).get(key)
+
+
 def refuse_switched_off(cfg: Any) -> None:
     """Refuse each command-line override of a setting whose feature is off in the validated ``cfg``.
 
@@ -152,6 +166,6 @@ def refuse_switched_off(cfg: Any) -> None:
         if override.is_delete():
             continue
         key = override.key_or_group
-        why = _switch_problem(key, cfg) or _window_problem(key, cfg)
+        why = _switch_problem(key, cfg) or _window_problem(key, cfg) or _recipe_problem(key, cfg)
         if why is not None:
             raise UserError(f"{override.input_line} does nothing in this run: {why}; or drop the override")

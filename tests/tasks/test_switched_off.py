@@ -86,3 +86,11 @@ def test_the_r3_settings_with_their_switches_on_train(cli, tmp_path: Path):
           "r3.sde_kind=dance", "r3.max_sde_timestep_idx_for_edit=1"]  # fmt: skip
     code, out = cli("train", *R3_ONE_STEP, *on, f"hydra.run.dir={tmp_path}")
     assert code == 0, out
+
+
+def test_sft_refuses_the_rollout_cap_it_never_reads(cli, tmp_path: Path):
+    sft = ["model=tiny_qwen2_vl", "algo=vlm_sft", "data=tiny_vlm", "data.train=builtin:tiny_sft.jsonl",
+           "reward=length", "progress=false", "epochs=1", "eval_every=0"]  # fmt: skip
+    code, out = cli("train", *sft, "model.vlm.completion_cap=1", f"hydra.run.dir={tmp_path}")
+    assert code == 2, out
+    assert "model.vlm.completion_cap=1 does nothing in this run: recipe=vlm_sft samples no completions" in out
