@@ -22,13 +22,20 @@ overridden silently):
 * DeepSpeed settings rlgen owns: ``gradient_accumulation_steps`` must be 1 or ``auto`` (rlgen accumulates
   itself), ``train_micro_batch_size_per_gpu`` must equal ``algo.train_batch_size``,
   ``gradient_clipping`` ``algo.max_grad_norm``, ``fp16``/``bf16`` ``launcher.mixed_precision``; the
-  optimizer and its schedule are rlgen's (no ``optimizer`` / ``scheduler`` sections).
+  optimizer and its schedule are rlgen's (no ``optimizer`` / ``scheduler`` sections). The same checks
+  cover a DeepSpeed JSON, the one an accelerate config names (``deepspeed_config.deepspeed_config_file``)
+  and the DeepSpeed keys of an accelerate config's own ``deepspeed_config`` section
+  (``gradient_accumulation_steps``, ``gradient_clipping``);
+* an engine (DeepSpeed, FSDP) reduces the gradients itself: ``launcher.exact_reduction=true`` is refused
+  with such a file, and its default (null) resolves to off.
+
+fp16 (``launcher.mixed_precision=fp16``) on CPUs is refused before any worker starts: accelerate has no
+fp16 autocast there and would run fp32.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import os
 import subprocess
@@ -38,11 +45,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from rlgen_cli.errors import UserError
 from rlgen_cli.launch.world import clear_refusal, read_refusal
-from rlgen_cli.schema.run import LauncherConfig
+from rlgen_cli.schema.run import LauncherConfig, launch_file_engine, read_launch_settings
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 WORKER_MODULE = "rlgen_cli.launch.worker"
@@ -51,6 +57,9 @@ ENGINE_PACKAGES = {
     "deepspeed_zero2": ("deepspeed", "DS_BUILD_OPS=0 pip install deepspeed"),
     "deepspeed_zero3": ("deepspeed", "DS_BUILD_OPS=0 pip install deepspeed"),
 }
+# the keys of an accelerate config's ``deepspeed_config`` section that accelerate hands to DeepSpeed as
+# DeepSpeed's own settings of the same name (the others choose the ZeRO stage, offloading, …)
+INLINE_DEEPSPEED_KEYS = ("gradient_accumulation_steps", "gradient_clipping")
 
 
 def engine_config(name: str) -> Path | None:
@@ -73,8 +82,20 @@ class LaunchFile:
         (``deepspeed_config.deepspeed_config_file``), or None."""
         if self.kind == "deepspeed":
             return self.settings
-        nested = (self.settings.get("deepspeed_config") or {}).get("deepspeed_config_file")
+        nested = self._deepspeed_section.get("deepspeed_config_file")
         return None if nested is None else read_launch_file(str(nested)).settings
+
+    @property
+    def inline_deepspeed(self) -> dict[str, Any]:
+        """The DeepSpeed settings an accelerate config sets in its own ``deepspeed_config`` section
+        (:data:`INLINE_DEEPSPEED_KEYS`), which accelerate passes on to DeepSpeed; empty for none."""
+        section = self._deepspeed_section
+        return {key: section[key] for key in INLINE_DEEPSPEED_KEYS if section.get(key) is not None}
+
+    @property
+    def _deepspeed_section(self) -> dict[str, Any]:
+        section = self.settings.get("deepspeed_config") if self.kind == "accelerate" else None
+        return section if isinstance(section, dict) else {}
 
     @property
     def wants_cpu(self) -> bool:
@@ -85,36 +106,23 @@ class LaunchFile:
         )
 
     @property
+    def engine(self) -> str | None:
+        """``deepspeed`` / ``fsdp`` when the file turns that engine on, else None."""
+        return launch_file_engine(self.kind, self.settings)
+
+    @property
     def uses_deepspeed(self) -> bool:
-        return (
-            self.kind == "deepspeed" or str(self.settings.get("distributed_type", "")).upper() == "DEEPSPEED"
-        )
+        return self.engine == "deepspeed"
 
 
 def read_launch_file(spec: str) -> LaunchFile:
     """Read ``launcher.config_file``: JSON with ``distributed_type`` / ``compute_environment`` or YAML is an
-    accelerate config, any other JSON a DeepSpeed config.
+    accelerate config, any other JSON a DeepSpeed config (``schema/run.py``: :func:`read_launch_settings`).
 
     Raises:
         UserError: The file is missing, unparsable or not a mapping.
     """
-    path = Path(spec).expanduser()
-    if not path.is_file():
-        raise UserError(f"launcher.config_file={spec}: no such file")
-    is_json = path.suffix.lower() == ".json"
-    try:
-        text = path.read_text(encoding="utf-8")
-        settings = json.loads(text) if is_json else yaml.safe_load(text)
-    except (OSError, ValueError, yaml.YAMLError) as err:
-        raise UserError(
-            f"launcher.config_file={spec} is not readable {'JSON' if is_json else 'YAML'}: {err}"
-        ) from err
-    if not isinstance(settings, dict):
-        raise UserError(
-            f"launcher.config_file={spec} must hold a mapping of settings, not {type(settings).__name__}"
-        )
-    accelerate = not is_json or {"distributed_type", "compute_environment"} & settings.keys()
-    return LaunchFile(path.resolve(), "accelerate" if accelerate else "deepspeed", settings)
+    return LaunchFile(*read_launch_settings(spec))
 
 
 def launch_file_conflicts(
@@ -135,14 +143,24 @@ def launch_file_conflicts(
         }
         for key, (ours, our_key) in wanted.items():
             theirs = file.settings.get(key)
-            if key == "mixed_precision" and theirs == "no":
-                theirs = "fp32"  # accelerate's word for it (a YAML boolean when unquoted)
+            if key == "mixed_precision" and (theirs is False or theirs == "no"):
+                theirs = "fp32"  # accelerate's word for it ("no"; unquoted in YAML, the boolean false)
             if theirs is not None and ours is not None and str(theirs) != str(ours):
                 found.append(
                     f"{name} sets {key}: {theirs} but {our_key} is {ours}: {_agree(key, theirs, launcher)}"
                 )
     if file.deepspeed is not None:
         found += _deepspeed_conflicts(name, file.deepspeed, launcher, algo or {})
+    if file.inline_deepspeed:
+        found += _deepspeed_conflicts(
+            f"{name} deepspeed_config", file.inline_deepspeed, launcher, algo or {}, inline=True
+        )
+    if launcher.exact_reduction is True and file.engine is not None:
+        found.append(
+            f"{name} runs {file.engine}, which reduces the gradients inside its engine, and "
+            "launcher.exact_reduction=true needs them in rlgen's hands: pass launcher.exact_reduction=false "
+            "(or leave it unset), or drop the engine from the file"
+        )
     return found
 
 
@@ -162,9 +180,11 @@ def _agree(key: str, theirs: Any, launcher: LauncherConfig) -> str:
 
 
 def _deepspeed_conflicts(
-    name: str, ds: dict[str, Any], launcher: LauncherConfig, algo: dict[str, Any]
+    name: str, ds: dict[str, Any], launcher: LauncherConfig, algo: dict[str, Any], inline: bool = False
 ) -> list[str]:
-    """The DeepSpeed settings rlgen sets itself, where ``ds`` gives them another value."""
+    """The DeepSpeed settings rlgen sets itself, where ``ds`` gives them another value. ``inline``: ``ds``
+    is an accelerate config's ``deepspeed_config`` section (where the fix is to remove the key)."""
+    let_rlgen = "remove it from deepspeed_config" if inline else 'set it to "auto"'
     found = [
         f'{name} has a DeepSpeed "{section}" section: rlgen builds the optimizer (AdamW from algo.lr, '
         f"algo.weight_decay, …) and its learning-rate schedule; remove the section"
@@ -175,7 +195,12 @@ def _deepspeed_conflicts(
     if accumulation not in (None, "auto", 1):
         found.append(
             f"{name} sets gradient_accumulation_steps: {accumulation}; rlgen accumulates micro-batches itself "
-            '(algo.gradient_accumulation_steps): set it to 1 or "auto" in the file'
+            "(algo.gradient_accumulation_steps): "
+            + (
+                "set it to 1 or remove it from deepspeed_config"
+                if inline
+                else 'set it to 1 or "auto" in the file'
+            )
         )
     micro = algo.get("train_batch_size")
     numeric = {  # DeepSpeed key → (rlgen's value, rlgen's key)
@@ -193,9 +218,9 @@ def _deepspeed_conflicts(
         theirs = ds.get(key)
         if theirs in (None, "auto") or ours is None:
             continue
-        if not math.isclose(float(theirs), float(ours)):
+        if not _is_number(theirs) or not math.isclose(float(theirs), float(ours)):
             found.append(
-                f'{name} sets {key}: {theirs} but {our_key} is {ours}: set it to "auto" (rlgen fills it) '
+                f"{name} sets {key}: {theirs} but {our_key} is {ours}: {let_rlgen} (rlgen fills it) "
                 f"or pass {our_key.split(' ')[0]}=…"
             )
     for precision in ("fp16", "bf16"):
@@ -208,6 +233,14 @@ def _deepspeed_conflicts(
                 f"{precision if enabled else 'fp32'}"
             )
     return found
+
+
+def _is_number(value: Any) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return not isinstance(value, bool)
 
 
 def launch_command(launcher: LauncherConfig, resolved: Path) -> list[str]:
@@ -295,9 +328,25 @@ def check_launch_file(launcher: LauncherConfig, resolved: Path) -> LaunchFile | 
     return user
 
 
+def require_autocast_here(launcher: LauncherConfig, resolved: Path, user: LaunchFile | None) -> None:
+    """Before any worker starts: fp16 is refused where the workers would run on CPUs (``device: cpu`` in
+    ``resolved``, no CUDA here, or a user's file asking for CPU processes), as each worker would refuse it."""
+    if launcher.mixed_precision != "fp16":
+        return
+    from omegaconf import OmegaConf
+
+    from rlgen_cli.training.distributed.dist import require_autocast_device
+
+    device = str(OmegaConf.load(resolved).get("device", "auto"))
+    cpu = device == "cpu" or not torch.cuda.is_available() or (user is not None and user.wants_cpu)
+    require_autocast_device(launcher.mixed_precision, cpu)
+
+
 def run_launch(launcher: LauncherConfig, resolved: Path) -> int:
     """Run the workers and return their exit code (the controller's own exit code follows it)."""
-    require_engine(launcher, check_launch_file(launcher, resolved))
+    user = check_launch_file(launcher, resolved)
+    require_autocast_here(launcher, resolved, user)
+    require_engine(launcher, user)
     argv = launch_command(launcher, resolved)
     clear_refusal(resolved.parent)
     try:

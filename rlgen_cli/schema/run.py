@@ -7,11 +7,15 @@ fields live in ``__post_init__``; ``OmegaConf.to_object`` runs them at task star
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Any, get_args
 
-from rlgen_cli.errors import require
+import yaml
+
+from rlgen_cli.errors import UserError, require
 from rlgen_cli.schema.algo import SamplerConfig
 from rlgen_cli.schema.choices import (
     ENGINE_LAUNCHERS,
@@ -118,6 +122,40 @@ class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
+def read_launch_settings(spec: str) -> tuple[Path, str, dict[str, Any]]:
+    """``launcher.config_file`` as read: its resolved path, its kind (JSON with ``distributed_type`` /
+    ``compute_environment`` or YAML: ``accelerate``; any other JSON: ``deepspeed``) and its settings.
+
+    Raises:
+        UserError: The file is missing, unparsable or not a mapping.
+    """
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise UserError(f"launcher.config_file={spec}: no such file")
+    is_json = path.suffix.lower() == ".json"
+    try:
+        text = path.read_text(encoding="utf-8")
+        settings = json.loads(text) if is_json else yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError) as err:
+        raise UserError(
+            f"launcher.config_file={spec} is not readable {'JSON' if is_json else 'YAML'}: {err}"
+        ) from err
+    if not isinstance(settings, dict):
+        raise UserError(
+            f"launcher.config_file={spec} must hold a mapping of settings, not {type(settings).__name__}"
+        )
+    accelerate = not is_json or {"distributed_type", "compute_environment"} & settings.keys()
+    return path.resolve(), "accelerate" if accelerate else "deepspeed", settings
+
+
+def launch_file_engine(kind: str, settings: dict[str, Any]) -> str | None:
+    """The engine a launch file turns on: ``deepspeed`` (a DeepSpeed config, or an accelerate config with
+    ``distributed_type: DEEPSPEED``), ``fsdp`` (``distributed_type: FSDP``), else None (DDP, CPU)."""
+    if kind == "deepspeed":
+        return "deepspeed"
+    return {"DEEPSPEED": "deepspeed", "FSDP": "fsdp"}.get(str(settings.get("distributed_type", "")).upper())
+
+
 @dataclass
 class LauncherConfig:
     name: Annotated[str, Launcher] = "local"
@@ -136,9 +174,12 @@ class LauncherConfig:
     main_process_port: Annotated[int | None, PORT] = None
     """Rank-0 port; null reads MASTER_PORT (else 29500)."""
     mixed_precision: Annotated[str, MixedPrecision] = "fp32"
-    """Mixed precision of the workers ``accelerate launch`` starts (every launcher but ``local``): ``fp32``
-    (none), ``fp16`` or ``bf16``. launcher=local starts none and refuses fp16 / bf16; ``model.dtype`` sets
-    the compute dtype of any launcher."""
+    """Mixed precision of the workers ``accelerate launch`` starts: ``fp32`` (none), ``fp16`` or ``bf16``:
+    accelerate's autocast of the model it wraps (DDP over several processes, DeepSpeed, FSDP). Refused
+    where it would do nothing: launcher=local, and one process without an engine (launcher=accelerate
+    or multinode with one process in all trains unwrapped); fp16 also on CPUs, which have no fp16
+    autocast. Under DDP rlgen scales the loss of fp16 itself. ``model.dtype`` sets the compute dtype of
+    any launcher."""
     exact_reduction: bool | None = None
     """Sum each optimizer step's micro-batch gradients in float64 over every micro-batch and process
     before one cast back (``training/distributed/dist.py``), so a run's weights do not depend on the process count
@@ -173,8 +214,21 @@ class LauncherConfig:
             f"launcher.mixed_precision={self.mixed_precision} is accelerate's autocast of the workers it "
             "launches, and launcher=local trains in this process without accelerate launch, so it would do "
             "nothing. For 16-bit compute here set model.dtype (e.g. model.dtype=bfloat16: rlgen autocasts the "
-            "transformer) and keep launcher.mixed_precision=fp32; or launch through accelerate "
-            f"(launcher=accelerate launcher.num_processes=1 launcher.mixed_precision={self.mixed_precision})",
+            "transformer) and keep launcher.mixed_precision=fp32; or launch several processes through "
+            f"accelerate (launcher=accelerate launcher.num_processes=2 launcher.mixed_precision="
+            f"{self.mixed_precision})",
+        )
+        require(
+            self.name == "local"
+            or self.world_size > 1
+            or self.mixed_precision == "fp32"
+            or self._engine(strict=True) is not None,
+            f"launcher.mixed_precision={self.mixed_precision} is accelerate's autocast of the model it wraps "
+            "(DDP over several processes, or an engine: deepspeed_zero2, deepspeed_zero3, fsdp), and "
+            f"launcher={self.name} with one process in all trains it unwrapped, so it would do nothing. For "
+            "16-bit compute in one process set "
+            "model.dtype (e.g. model.dtype=bfloat16: rlgen autocasts the transformer) and keep "
+            "launcher.mixed_precision=fp32; or launch several processes (launcher.num_processes=2)",
         )
 
     @property
@@ -182,9 +236,31 @@ class LauncherConfig:
         return self.num_processes * self.num_machines
 
     @property
+    def engine(self) -> str | None:
+        """What reduces the gradients inside itself: ``deepspeed`` or ``fsdp`` (those launchers, or a
+        ``config_file`` naming one), else None (DDP or one process: rlgen's hands)."""
+        return self._engine(strict=False)
+
+    def _engine(self, strict: bool) -> str | None:
+        """:attr:`engine`; a ``config_file`` that cannot be read raises with ``strict``, else counts as no
+        engine (the launch reads it before any worker starts, and names what is wrong)."""
+        if self.name in ENGINE_LAUNCHERS:
+            return "fsdp" if self.name == "fsdp" else "deepspeed"
+        if not self.config_file:
+            return None
+        try:
+            _, kind, settings = read_launch_settings(self.config_file)
+        except UserError:
+            if strict:
+                raise
+            return None
+        return launch_file_engine(kind, settings)
+
+    @property
     def reduces_exactly(self) -> bool:
-        """``exact_reduction``, with null resolved: on unless an engine reduces the gradients."""
-        return self.name not in ENGINE_LAUNCHERS if self.exact_reduction is None else self.exact_reduction
+        """``exact_reduction``, with null resolved: on unless an engine reduces the gradients (an engine
+        launcher, or a ``config_file`` naming DeepSpeed or FSDP)."""
+        return self.engine is None if self.exact_reduction is None else self.exact_reduction
 
     @property
     def shards_weights(self) -> bool:

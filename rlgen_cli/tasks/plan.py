@@ -25,7 +25,8 @@ then
 
 It prints a table (or ``plan.format=json``), writes ``plan.json`` into its run directory, and exits 0
 when the run fits, 1 when it does not. An option whose memory it does not model stops it with exit code 2
-naming the option (:func:`refuse_unmodelled`): it never says "fits" on a guess. The conditioning of a
+naming the option (:func:`refuse_unmodelled`): it never says "fits" on a guess; nor for a run ``rlgen
+train`` refuses at startup (:func:`require_startup`: the same checks, with the same messages). The conditioning of a
 tiny family is encoded by a CPU twin (its encoders read their masks' values); a real one's on the meta
 device, where integer tensors stay on the CPU (``training/memory/trace.py``).
 """
@@ -36,6 +37,7 @@ import dataclasses
 import json
 import logging
 import sys
+import types
 from typing import Any
 
 import torch
@@ -114,6 +116,31 @@ def refuse_unmodelled(cfg: Any) -> None:
         raise UserError("rlgen plan does not model the memory of:\n  " + "\n  ".join(unmodelled))
 
 
+def require_startup(cfg: Any, policy: Any) -> None:
+    """The refusals ``rlgen train`` makes at startup, once its engine and model exist, that the config and
+    the model already decide: the EMA under FSDP (``recipes/flow_run.py``), fp16 compute under DeepSpeed
+    without its fp16 mode (``training/distributed/dist.py``), GARDO's reference refresh under a sharding
+    launcher or for a family that cannot refresh (``recipes/gardo.py``). The plan calls the run's own
+    checks, so it stops (exit code 2, the run's message) where the run would.
+
+    Raises:
+        UserError: Naming the setting and the fix, as ``rlgen train`` does.
+    """
+    from rlgen_cli.recipes.flow_run import require_ema_engine
+    from rlgen_cli.recipes.gardo import GardoHooks
+    from rlgen_cli.training.distributed.dist import require_deepspeed_scaling
+
+    kind = LAUNCH_KINDS[cfg.launcher.name]
+    require_ema_engine(cfg.algo.ema.enabled, fsdp=kind == "fsdp")
+    if kind in ("zero2", "zero3"):
+        require_deepspeed_scaling(cfg.model.dtype, cfg.launcher.mixed_precision)
+    if getattr(cfg.algo, "gardo", None) is not None:
+        dist = types.SimpleNamespace(sharded=cfg.launcher.shards_weights)  # what the engine would shard
+        GardoHooks.for_run(
+            types.SimpleNamespace(cfg=cfg, start_epoch=0, dist=dist, policy=policy, device=META)
+        )
+
+
 def plan_run(cfg: Any) -> dict[str, Any]:
     """The plan of the training run ``cfg`` describes (a validated flow training config), as a dict."""
     from rlgen_cli.training.memory.plan import GIB, Epoch, device_fits, plan_memory, smallest_fix
@@ -123,6 +150,7 @@ def plan_run(cfg: Any) -> dict[str, Any]:
     prompt = planning_prompt(cfg)
     model_cfg, model_note = planned_model(cfg.model)
     policy = build_on_meta(model_cfg)
+    require_startup(cfg, policy)
     components = components_of(policy)
     groups = param_groups(components)
     trained = tuple(name for name, module in components.items() if _trains(module))

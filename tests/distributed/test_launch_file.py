@@ -184,3 +184,76 @@ def test_a_two_process_accelerate_yaml_trains_one_epoch(cli, tmp_path: Path):
     (row,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert row["num_groups"] == 2  # both ranks' groups were gathered: two processes ran
     assert (run / "checkpoints" / "epoch_000001" / "weights").is_dir()
+
+
+# -- an accelerate config's own deepspeed_config section, YAML booleans, engines and exact reduction -----
+
+
+def _deepspeed_yaml(tmp_path: Path, **section) -> Path:
+    """An accelerate config running DeepSpeed from its own ``deepspeed_config`` section (no JSON)."""
+    inline = {"zero_stage": 2, "offload_optimizer_device": "none", "zero3_init_flag": False, **section}
+    return _yaml(tmp_path, distributed_type="DEEPSPEED", deepspeed_config=inline)
+
+
+def test_an_accelerate_yamls_own_deepspeed_settings_are_checked_as_a_jsons(tmp_path: Path):
+    """accelerate hands ``deepspeed_config.gradient_accumulation_steps`` / ``gradient_clipping`` to the
+    engine (the audit saw the engine accumulate 4 backwards per step, unasked): refused as in a JSON."""
+    path = _deepspeed_yaml(tmp_path, gradient_accumulation_steps=4, gradient_clipping=100.0)
+    conflicts = launch_file_conflicts(_launcher(path), read_launch_file(str(path)), ALGO)
+    expected = [
+        "deepspeed_config sets gradient_accumulation_steps: 4; rlgen accumulates micro-batches itself",
+        "deepspeed_config sets gradient_clipping: 100.0 but algo.max_grad_norm is 1.0: remove it from "
+        "deepspeed_config",
+    ]
+    assert len(conflicts) == len(expected) and all(e in c for e, c in zip(expected, conflicts)), conflicts
+    agrees = _deepspeed_yaml(tmp_path, gradient_accumulation_steps=1, gradient_clipping=1.0)
+    assert launch_file_conflicts(_launcher(agrees), read_launch_file(str(agrees)), ALGO) == []
+
+
+def test_unquoted_mixed_precision_no_is_fp32(tmp_path: Path):
+    """``mixed_precision: no`` unquoted is YAML's false: accelerate's "no", i.e. launcher.mixed_precision=fp32
+    (the fix it names is a value rlgen takes, never ``launcher.mixed_precision=False``)."""
+    path = tmp_path / "accelerate.yaml"
+    path.write_text("distributed_type: MULTI_GPU\nnum_processes: 2\nmixed_precision: no\n")
+    assert read_launch_file(str(path)).settings["mixed_precision"] is False
+    assert launch_file_conflicts(_launcher(path), read_launch_file(str(path)), ALGO) == []
+    (conflict,) = launch_file_conflicts(
+        _launcher(path, mixed_precision="bf16"), read_launch_file(str(path)), ALGO
+    )
+    assert "sets mixed_precision: fp32" in conflict and "pass launcher.mixed_precision=fp32" in conflict
+    assert "False" not in conflict, conflict
+
+
+def test_an_engine_file_turns_the_default_exact_reduction_off_and_refuses_it_set(tmp_path: Path):
+    """launcher.exact_reduction=null resolves to off under an engine the file names (DeepSpeed reduces the
+    gradients itself), so the default launch is not stopped for a setting the user never made; =true is a
+    conflict of the file, before any worker starts."""
+    deepspeed = _json(tmp_path, {"zero_optimization": {"stage": 2}})
+    fsdp = tmp_path / "fsdp.yaml"
+    fsdp.write_text(yaml.safe_dump({**TWO_PROCESSES, "distributed_type": "FSDP"}))
+    ddp = _yaml(tmp_path)
+    assert _launcher(deepspeed).engine == "deepspeed" and not _launcher(deepspeed).reduces_exactly
+    assert _launcher(fsdp).engine == "fsdp" and not _launcher(fsdp).reduces_exactly
+    assert _launcher(ddp).engine is None and _launcher(ddp).reduces_exactly
+    assert not LauncherConfig(name="deepspeed_zero2", num_processes=2).reduces_exactly
+    (conflict,) = launch_file_conflicts(
+        _launcher(deepspeed, exact_reduction=True), read_launch_file(str(deepspeed)), ALGO
+    )
+    assert "runs deepspeed" in conflict and "launcher.exact_reduction=false" in conflict, conflict
+    assert launch_file_conflicts(_launcher(deepspeed), read_launch_file(str(deepspeed)), ALGO) == []
+
+
+def test_an_inline_deepspeed_conflict_stops_the_cli_with_exit_2_before_any_worker(cli, tmp_path: Path):
+    path = _deepspeed_yaml(tmp_path, gradient_accumulation_steps=4)
+    path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), "num_processes": 1}))
+    code, out = cli(
+        "train",
+        "launcher=accelerate",
+        "launcher.num_processes=1",
+        f"launcher.config_file={path}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
+    flat = " ".join(out.split())
+    assert code == 2 and "deepspeed_config sets gradient_accumulation_steps: 4" in flat, out
+    assert "num_processes" not in flat, out  # the one conflict, named alone
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

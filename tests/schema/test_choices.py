@@ -106,7 +106,7 @@ def test_a_bad_choice_is_named_with_the_valid_values(override: str, message: str
 
 def test_good_choices_pass():
     typed = _validate(  # accelerate applies the mixed precision (launcher=local refuses it: it starts no workers)
-        "sampler=cps", "model.lora.init=kaiming", "launcher=accelerate", "launcher.num_processes=1",
+        "sampler=cps", "model.lora.init=kaiming", "launcher=accelerate", "launcher.num_processes=2",
         "launcher.mixed_precision=bf16",
     )  # fmt: skip
     assert (typed.sampler.kind, typed.model.lora.init, typed.launcher.accelerate_mixed_precision) == (

@@ -172,7 +172,7 @@ ACCEPTED = {
     "dgpo": ["algo=dgpo"],
     "nft_sde_reads_the_sampler": ["algo=nft", "algo.forward.solver=sde", "sampler=dance"],
     "awm_sde_cps": ["algo=awm", "algo.forward.solver=sde", "sampler=cps"],
-    "accelerate_mixed_precision": ["launcher=accelerate", "launcher.num_processes=1", "launcher.mixed_precision=bf16"],
+    "accelerate_mixed_precision": ["launcher=accelerate", "launcher.num_processes=2", "launcher.mixed_precision=bf16"],
 }  # fmt: skip
 
 

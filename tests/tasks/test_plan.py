@@ -253,7 +253,7 @@ def test_a_reward_model_the_plan_cannot_build_is_refused_by_name_or_counted_as_d
         ("model.compile=true", "model.compile"),
         # accelerate's (launcher=local refuses it at the config boundary: it starts no workers)
         (
-            "launcher=accelerate launcher.num_processes=1 launcher.mixed_precision=bf16",
+            "launcher=accelerate launcher.num_processes=2 launcher.mixed_precision=bf16",
             "launcher.mixed_precision",
         ),
     ],

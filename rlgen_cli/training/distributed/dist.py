@@ -32,6 +32,11 @@ fp16 compute (``prepare(..., compute_dtype="float16")``, trained weights fp32): 
 the loss in :meth:`~Dist.backward` and unscale, clip and step (or skip the step on non-finite gradients)
 in :meth:`~Dist.clip_and_step` (:mod:`rlgen_cli.training.distributed.loss_scale`); the scaler's state travels in the
 optimizer state. DeepSpeed scales only in its own fp16 mode (``launcher.mixed_precision=fp16``).
+
+accelerate's fp16 autocast (``launcher.mixed_precision=fp16``): under DDP it runs inside the wrapped
+model, but rlgen calls the backward and steps torch's optimizer itself, so accelerate's GradScaler would
+never scale; rlgen's loss scaler does instead. FSDP's backward and step go through accelerate, which
+scales with its own. On CPUs accelerate has no fp16 autocast: refused (:func:`require_autocast_device`).
 """
 
 from __future__ import annotations
@@ -277,6 +282,10 @@ class AccelerateDist:
                     "model.dtype=float16 has rlgen's: pass launcher.mixed_precision=fp32 (rlgen autocasts the "
                     "model in model.dtype and scales the loss itself)"
                 )
+            if self.engine is None and self.accelerator.scaler is not None:
+                # accelerate's fp16 autocast runs in the DDP-wrapped forward, but its GradScaler only acts
+                # in accelerator.backward and its prepared optimizer, which DDP here never uses
+                self.scaler = _scaler_for("float16", optimizer)
         if self.engine is None and exact_reduction:
             self.exact = ExactGradients(_optimized(optimizer), world_size=self.world_size)
             policy.distribute(without_gradient_sync(self.wrap_model))
@@ -345,15 +354,9 @@ class AccelerateDist:
         return {} if self.scaler is None else self.scaler.metrics()
 
     def _require_deepspeed_scaling(self, compute_dtype: str, optimizer: torch.optim.Optimizer) -> None:
-        """fp16 compute under ZeRO needs DeepSpeed's fp16 mode: its engine steps, so only its own loss
-        scaler can unscale before it clips and skip a step."""
-        if _scaler_for(compute_dtype, optimizer) is not None and self.accelerator.mixed_precision != "fp16":
-            raise UserError(
-                "model.dtype=float16 under DeepSpeed trains without loss scaling (fp16 gradients underflow "
-                "to 0) unless DeepSpeed's own fp16 mode scales the loss: pass model.dtype=bfloat16, or "
-                "launcher.mixed_precision=fp16 (DeepSpeed then holds the trained weights in fp16 with fp32 "
-                "master copies), or train with launcher=local, accelerate or fsdp, where rlgen scales the loss"
-            )
+        """:func:`require_deepspeed_scaling` for this launch (the trained weights must be fp32, too)."""
+        if _scaler_for(compute_dtype, optimizer) is not None:
+            require_deepspeed_scaling(compute_dtype, self.accelerator.mixed_precision)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def full_weights(self) -> AbstractContextManager[Any]:
@@ -444,6 +447,38 @@ class AccelerateDist:
         )
         if path is None:
             raise UserError(f"{engine_dir} holds no DeepSpeed checkpoint; resume from an older checkpoint")
+
+
+def require_deepspeed_scaling(compute_dtype: str, mixed_precision: str) -> None:
+    """fp16 compute under ZeRO needs DeepSpeed's fp16 mode: its engine steps, so only its own loss scaler
+    can unscale before it clips and skip a step. ``compute_dtype``: ``model.dtype``; ``mixed_precision``:
+    the launch's (``launcher.mixed_precision``). Shared by the DeepSpeed workers and ``rlgen plan``.
+
+    Raises:
+        UserError: fp16 compute without DeepSpeed's fp16 mode.
+    """
+    if compute_dtype == "float16" and mixed_precision != "fp16":
+        raise UserError(
+            "model.dtype=float16 under DeepSpeed trains without loss scaling (fp16 gradients underflow "
+            "to 0) unless DeepSpeed's own fp16 mode scales the loss: pass model.dtype=bfloat16, or "
+            "launcher.mixed_precision=fp16 (DeepSpeed then holds the trained weights in fp16 with fp32 "
+            "master copies), or train with launcher=local, accelerate or fsdp, where rlgen scales the loss"
+        )
+
+
+def require_autocast_device(mixed_precision: str, cpu: bool) -> None:
+    """fp16 autocast needs an accelerator: on CPUs accelerate has none and trains in fp32 (bf16 it has).
+    ``mixed_precision``: ``launcher.mixed_precision`` (or accelerate's ``fp16`` / ``bf16`` / ``no``).
+
+    Raises:
+        UserError: fp16 on CPU processes.
+    """
+    if cpu and mixed_precision == "fp16":
+        raise UserError(
+            "launcher.mixed_precision=fp16 does nothing on CPUs: accelerate has no fp16 autocast there, and "
+            "the run would train in fp32. Pass launcher.mixed_precision=bf16 (CPU autocast) or fp32, or "
+            "train on GPUs"
+        )
 
 
 def _optimized(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
@@ -620,9 +655,10 @@ def make_dist(device_name: str) -> Dist:
     from rlgen_cli.models import resolve_device
 
     if launched_world_size() > 1 or launched_engine() is not None:
-        return _require_launched_world(
-            AccelerateDist(cpu=device_name == "cpu" or not torch.cuda.is_available())
-        )
+        cpu = device_name == "cpu" or not torch.cuda.is_available()
+        on_cpu = cpu or os.environ.get("ACCELERATE_USE_CPU", "false").lower() == "true"
+        require_autocast_device(os.environ.get("ACCELERATE_MIXED_PRECISION", "no"), on_cpu)
+        return _require_launched_world(AccelerateDist(cpu=cpu))
     return LocalDist(resolve_device(device_name))
 
 
