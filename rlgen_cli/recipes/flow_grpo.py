@@ -331,7 +331,9 @@ def step_logprob(
     with torch.no_grad(), run.policy.trainable.reference():
         ref = recompute_step(velocity, traj, j, spec)
     dt = traj.sigmas_next[j] - traj.sigmas[j]
-    return out, step_kl(out.mean, ref.mean, out.std, dt, form=algo.kl_form, kind=spec.kind)
+    return out, step_kl(
+        out.mean, ref.mean, out.std, dt, form=algo.kl_form, reduce=spec.reduce, kind=spec.kind
+    )
 
 
 def reference_kl(run: FlowRun, rollouts: Rollouts, positions: list[int]) -> list[float]:
@@ -354,7 +356,11 @@ def reference_kl(run: FlowRun, rollouts: Rollouts, positions: list[int]) -> list
         if measured and trained:
             dt = traj.sigmas_next[j] - traj.sigmas[j]
             values.append(
-                step_kl(out.mean, ref.mean, out.std, dt, form=algo.kl_form, kind=spec.kind).mean().item()
+                step_kl(
+                    out.mean, ref.mean, out.std, dt, form=algo.kl_form, reduce=spec.reduce, kind=spec.kind
+                )
+                .mean()
+                .item()
             )
     return values
 
@@ -386,6 +392,7 @@ def folded_logprobs(
                 out.std,
                 traj.sigmas_next[j] - traj.sigmas[j],
                 form=algo.kl_form,
+                reduce=spec.reduce,
                 kind=spec.kind,
             ),
         )

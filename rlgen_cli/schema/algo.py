@@ -448,6 +448,24 @@ class FlowGrpoAlgoConfig(PolicyGradientConfig):
             2 * self.best_of_n <= self.group_size,
             f"algo.best_of_n={self.best_of_n}: 2·k must be ≤ algo.group_size ({self.group_size})",
         )
+        self.require_best_of_n_steps()
+
+    def require_best_of_n_steps(self) -> None:
+        """The samples ``best_of_n`` keeps fill whole optimizer steps: otherwise the last micro-batches'
+        gradients never step (and with fewer micro-batches than one step, nothing trains)."""
+        accumulation = self.gradient_accumulation_steps
+        if not self.best_of_n or 2 * self.best_of_n == self.group_size or not accumulation:
+            return
+        kept = 2 * self.best_of_n * self.prompts_per_epoch
+        micro_batches = math.ceil(kept / self.train_batch_size)
+        require(
+            micro_batches % accumulation == 0,
+            f"algo.best_of_n={self.best_of_n} keeps 2·k of each group: {kept} samples, {micro_batches} "
+            f"micro-batches of algo.train_batch_size={self.train_batch_size}, which "
+            f"algo.gradient_accumulation_steps={accumulation} does not divide: the last micro-batches' "
+            "gradients would never reach an optimizer step (with fewer than one step, nothing trains). Set "
+            f"algo.gradient_accumulation_steps to a divisor of {micro_batches}, or null",
+        )
 
     @property
     def assignment_unit(self) -> int:

@@ -39,6 +39,7 @@ from rlgen_cli.schema.run import (
     RunConfig,
     check_noise_level,
     require_sde_sampler,
+    require_step_noise,
     require_whole_batches,
     tiny_flow_model,
 )
@@ -103,6 +104,20 @@ class FlowRunConfig(RunConfig):
         require_evaluations(self)
 
 
+def require_guard_logprobs(objective: str, sampler: SamplerConfig) -> None:
+    """GRPO-Guard's normalised ratio is exp(mean(z·Δμ)), which only the per-element mean of the Gaussian
+    log-probability gives; a sum (about N× off in log space) or CPS's upstream form would clip wrongly."""
+    if objective != "grpo_guard":
+        return
+    require(
+        sampler.logprob_reduce == "mean" and sampler.logprob_form == "gaussian",
+        f"algo.objective=grpo_guard normalises its ratio from the per-element mean of the Gaussian "
+        f"log-probability, and sampler.logprob_reduce={sampler.logprob_reduce} "
+        f"sampler.logprob_form={sampler.logprob_form} gives another: set sampler.logprob_reduce=mean and "
+        "sampler.logprob_form=gaussian",
+    )
+
+
 def require_evaluations(cfg: FlowRunConfig) -> None:
     """``eval_before`` and ``eval_heldout`` ask for evaluations, which ``eval_every=0`` turns off.
 
@@ -144,6 +159,8 @@ class FlowGrpoTrainConfig(FlowRolloutRunConfig):
         super().__post_init__()
         self.algo.window.check_fits(self.model.num_steps)
         require_sde_sampler(self.sampler, self.model)
+        require_step_noise(self.sampler, self.model)
+        require_guard_logprobs(self.algo.objective, self.sampler)
         require_whole_batches(self)
         self.algo.require_process_split(self.launcher.world_size)
         self.algo.require_rank_symmetric(self.launcher.world_size > 1 or self.launcher.shards_weights)

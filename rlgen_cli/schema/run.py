@@ -365,6 +365,17 @@ def require_sde_sampler(sampler: SamplerConfig, model: FlowModelConfig) -> None:
     check_noise_level(sampler, model)
 
 
+def require_step_noise(sampler: SamplerConfig, model: FlowModelConfig) -> None:
+    """A policy gradient on the steps' log-probabilities needs steps that draw noise."""
+    level = noise_level(sampler, model)
+    require(
+        level > 0,
+        f"sampler.kind={sampler.kind} at noise level {level} (sampler.noise_level, else model.noise_level) draws "
+        "every step deterministically: no log-probability to train and nothing trains; set a noise level > 0 "
+        "(flow_sde 0.7, cps 0.8)",
+    )
+
+
 @dataclass
 class SampleConfig:
     seed: Annotated[int, NON_NEGATIVE] = 0
