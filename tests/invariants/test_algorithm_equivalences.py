@@ -77,7 +77,7 @@ def test_zero_noise_is_the_ode(tmp_path, sampler):
     from rlgen_cli.sde.rollout import StepSpec
     from rlgen_cli.sde.sampling import sample_images
 
-    recipe = _recipe(tmp_path, [f"sampler={sampler}", "sampler.noise_level=0"])
+    recipe = _recipe(tmp_path, [f"sampler={sampler}"])  # the policy; the zero noise is the StepSpec's
     sde = sample_images(recipe.policy, ["a cat", "a dog"], 4, 2, 0, spec=StepSpec(sampler, 0.0))
     ode = sample_images(recipe.policy, ["a cat", "a dog"], 4, 2, 0, spec=StepSpec("ode", 0.0))
     torch.testing.assert_close(sde, ode, rtol=0, atol=0)
