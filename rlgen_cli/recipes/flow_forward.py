@@ -416,10 +416,11 @@ def forward_epoch(
     # every rank sees the whole batch's rewards with their dataset indices, put back in global order (so
     # group statistics sum in the same order on any process count), and a group that spans ranks is
     # normalised as one; each rank then keeps the weights of its own samples
-    order = run.dist.gather(rollouts.positions.to(run.device)).cpu().argsort()  # rank by rank → global
+    places = run.dist.gather(rollouts.positions.to(run.device)).cpu()
+    order = places.argsort()  # rank by rank → global
     components = {k: run.dist.gather(v.to(run.device)).cpu()[order] for k, v in rollouts.components.items()}
     group_ids = run.sampler.group_keys(
-        run.dist.gather(rollouts.positions.to(run.device)).cpu()[order],
+        places[order],
         run.dist.gather(rollouts.indices.to(run.device)).cpu()[order],
     )
     shape, kl_gate, gardo_stats = None, None, {}

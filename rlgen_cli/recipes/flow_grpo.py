@@ -143,11 +143,10 @@ def grpo_epoch(
     # global order (so group statistics sum in the same order on any process count) and a group that
     # spans processes is normalised as one; each then keeps the advantages of its own samples
     mine = torch.tensor(run.sampler.positions(algo.assignment_unit))  # (N,) places in the global batch
-    order = dist.gather(mine).cpu().argsort()  # gathered rank by rank → global order
+    everyone = dist.gather(mine).cpu()  # every process's places, rank by rank
+    order = everyone.argsort()  # gathered rank by rank → global order
     components = {k: dist.gather(v).cpu()[order] for k, v in local.items()}
-    group_ids = run.sampler.group_keys(
-        dist.gather(mine).cpu()[order], dist.gather(rollouts.indices).cpu()[order]
-    )
+    group_ids = run.sampler.group_keys(everyone[order], dist.gather(rollouts.indices).cpu()[order])
     advantages, adv_stats = combine_rewards(
         components,
         dict(cfg.reward.weights),

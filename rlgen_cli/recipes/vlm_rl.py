@@ -208,12 +208,11 @@ class VLMRLRecipe:
         # every rank sees the whole batch's rewards with their dataset indices, put back in global order
         # (the group statistics then sum in the same order on any process count), so a group that spans
         # ranks is normalised as one; each rank then keeps the advantages of its own rows
-        order = self.dist.gather(rollouts.positions).cpu().argsort()  # gathered rank by rank → global
+        places = self.dist.gather(rollouts.positions).cpu()
+        order = places.argsort()  # gathered rank by rank → global
         components = {k: self._in_global_order(v, order) for k, v in local.items()}
         total = self._in_global_order(local_total, order)
-        group_ids = self.sampler.group_keys(
-            self._in_global_order(rollouts.positions, order), self._in_global_order(rollouts.indices, order)
-        )
+        group_ids = self.sampler.group_keys(places[order], self._in_global_order(rollouts.indices, order))
         algo = self.cfg.algo
         advantages, adv_stats = combine_rewards(
             components,

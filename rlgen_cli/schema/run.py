@@ -485,29 +485,33 @@ class EvalConfig:
 def refuse_r3_sampling_settings(cfg: EvalConfig) -> None:
     """A unified policy's evaluation (R3) draws one image per prompt with its own step counts and
     batching: ``rlgen eval``'s flow sampling settings would do nothing."""
-    require_defaults(
+    refuse_eval_settings(
         cfg,
-        EvalConfig,
         ("images_per_prompt", "num_steps", "batch_size"),
-        lambda key, value, default: (
-            f"{key}={shown(value)} does nothing for model.family={cfg.model.family}: R3's evaluation draws "
-            "one image per prompt in r3.num_timesteps_gen − 1 denoising steps (edits: r3.num_timesteps_edit "
-            f"− 1), then r3.eval_rounds reflect → refine rounds. Drop {key} (back to its default, "
-            f"{shown(default)})"
-        ),
+        "R3's evaluation draws one image per prompt in r3.num_timesteps_gen − 1 denoising steps (edits: "
+        "r3.num_timesteps_edit − 1), then r3.eval_rounds reflect → refine rounds",
     )
 
 
 def refuse_image_settings(cfg: EvalConfig) -> None:
     """A VLM's evaluation answers each test question once and draws no images: the image settings of
     ``rlgen eval`` would do nothing."""
+    refuse_eval_settings(
+        cfg,
+        ("images_per_prompt", "num_steps", "save_images"),
+        "a VLM's evaluation answers each test question once with near-greedy decoding (model.vlm.eval_*) "
+        "and draws no images",
+    )
+
+
+def refuse_eval_settings(cfg: EvalConfig, keys: tuple[str, ...], why: str) -> None:
+    """``keys`` of ``rlgen eval`` held at their defaults for this model's kind, which ``why`` explains."""
     require_defaults(
         cfg,
         EvalConfig,
-        ("images_per_prompt", "num_steps", "save_images"),
+        keys,
         lambda key, value, default: (
-            f"{key}={shown(value)} does nothing for model.family={cfg.model.family}: a VLM's evaluation "
-            "answers each test question once with near-greedy decoding (model.vlm.eval_*) and draws no "
-            f"images. Drop {key} (back to its default, {shown(default)})"
+            f"{key}={shown(value)} does nothing for model.family={cfg.model.family}: {why}. Drop {key} "
+            f"(back to its default, {shown(default)})"
         ),
     )
