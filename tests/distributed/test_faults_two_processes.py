@@ -94,6 +94,6 @@ def test_a_nan_reward_on_both_ranks_stops_the_run_with_one_line_and_resume_conti
     run = tmp_path / "run"
     code, out = _train(run, "nan", *NAN)
     _assert_stopped_after_epoch_1(
-        run, code, out, "non-finite rewards {'nan_from_call': '2 NaN, 0 inf'} out of 2"
+        run, code, out, "non-finite rewards {'nan_from_call': '2 NaN, 0 inf'} in a scored batch of 2 samples"
     )
     _assert_resumes_to_the_end(run, "nan", *NAN[:1], "+reward.kwargs.nan_from_call={from_call: 99}")  # fixed
