@@ -96,4 +96,8 @@ def test_a_nan_reward_on_both_ranks_stops_the_run_with_one_line_and_resume_conti
     _assert_stopped_after_epoch_1(
         run, code, out, "non-finite rewards {'nan_from_call': '2 NaN, 0 inf'} in a scored batch of 2 samples"
     )
-    _assert_resumes_to_the_end(run, "nan", *NAN[:1], "+reward.kwargs.nan_from_call={from_call: 99}")  # fixed
+    fixed = (
+        "+reward.kwargs.nan_from_call={from_call: 99}",
+        "resume_changes=[reward.kwargs.nan_from_call.from_call]",
+    )
+    _assert_resumes_to_the_end(run, "nan", *NAN[:1], *fixed)  # the reward fixed, the change named
