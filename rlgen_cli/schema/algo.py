@@ -59,6 +59,15 @@ WINDOW_OPTIONS = {
 }  # fmt: skip
 """Which ``algo.window`` options each window kind reads: the keyword options of ``sde.window.plan_window``."""
 
+SLIDING_STRATEGY_OPTIONS = {
+    "progressive": ("stride", "shift_every", "roll_back", "shrink_at_end"),
+    "random": (),
+    "decay": ("stride", "shift_every", "roll_back", "shrink_at_end", "min_shift_every", "max_shift_every"),
+    "exp_decay": ("stride", "shift_every", "roll_back", "shrink_at_end", "exp_decay_rate", "exp_decay_start"),
+}  # fmt: skip
+"""Which ``sliding`` options each ``algo.window.strategy`` reads (``sde.window._sliding``); every strategy
+reads ``size`` and ``end_offset``. ``random`` draws each start afresh, so it neither moves nor stays."""
+
 
 @dataclass
 class SamplerConfig:
@@ -127,6 +136,12 @@ class WindowConfig:
                 f"algo.window.min_shift_every ({shortest}; null = max(1, shift_every // 4)) must be ≤ "
                 f"algo.window.max_shift_every ({longest}; null = shift_every)",
             )
+
+    def leaves_ode_tail(self) -> bool:
+        """Whether the window can leave steps after its last stochastic one, which MixGRPO-Flash's
+        tail (``algo.flash``) integrates: ``all``, ``random_subset`` and a ``random_window`` of size 0
+        make every step stochastic."""
+        return self.kind in ("sliding", "single") or (self.kind == "random_window" and self.size > 0)
 
     def options(self) -> dict[str, Any]:
         """The keyword options ``sde.window.plan_window`` takes for this kind."""
@@ -448,7 +463,29 @@ class FlowGrpoAlgoConfig(PolicyGradientConfig):
             2 * self.best_of_n <= self.group_size,
             f"algo.best_of_n={self.best_of_n}: 2·k must be ≤ algo.group_size ({self.group_size})",
         )
+        self.require_best_of_n_selects()
         self.require_best_of_n_steps()
+        require(
+            not self.flash.enabled or self.window.leaves_ode_tail(),
+            f"algo.flash.enabled=true does nothing with algo.window.kind={self.window.kind}"
+            f"{' and algo.window.size=0' if self.window.kind == 'random_window' else ''}: MixGRPO-Flash "
+            "integrates the steps after the window's last stochastic step, and this window makes every step "
+            "stochastic. Use a window that ends earlier (algo.window.kind=sliding, single, or random_window "
+            "with algo.window.size > 0), or algo.flash.enabled=false",
+        )
+
+    def require_best_of_n_selects(self) -> None:
+        """``best_of_n`` = group_size / 2 keeps the k best and k worst of a group of 2·k: every sample, as
+        0 does. Groups of Flow-GRPO's fresh draws (``prompts_per_draw``) merge a prompt drawn twice, so
+        there it may select."""
+        k, size = self.best_of_n, self.group_size
+        fewer = f", or at most {(size - 1) // 2} to train fewer" if size > 2 else ""
+        require(
+            not k or 2 * k < size or self.prompts_per_draw is not None,
+            f"algo.best_of_n={k} keeps the {k} best and {k} worst samples of each group of "
+            f"algo.group_size={size}: all of them, so it does nothing. Set algo.best_of_n=0 (the same "
+            f"training){fewer}",
+        )
 
     def require_best_of_n_steps(self) -> None:
         """The samples ``best_of_n`` keeps fill whole optimizer steps: otherwise the last micro-batches'

@@ -90,6 +90,17 @@ class ForwardConfig:
     exp(e_old − e_θ) passed 1 + c (A > 0) or 1 − c (A ≤ 0) is detached; 0 turns it off."""
     old: OldPolicyConfig = field(default_factory=OldPolicyConfig)
 
+    def reads_old_policy(self) -> bool:
+        """Whether anything reads the old policy, so that ``old`` does something: the rollouts
+        (``sample_with_old``) or the loss (:data:`OLD_POLICY_READERS`); the refresh alone changes no
+        weight (``recipes/flow_forward.py``, ``recipes/flow_dgpo.py``)."""
+        by_loss = {
+            "nft": True,
+            "awm": self.old_weight > 0,
+            "dgpo": self.dgpo_reference == "old" or self.dgpo_clip_range > 0,
+        }
+        return self.sample_with_old or by_loss[self.loss]
+
     def __post_init__(self) -> None:
         require(
             self.loss != "dgpo" or self.timestep_draw == "per_sample",
@@ -98,6 +109,36 @@ class ForwardConfig:
             "micro-batch), which its group weight needs. Drop the override (algo.forward.timestep_draw="
             "per_sample); per_microbatch is AWM's draw (algo=awm)",
         )
+
+
+FORWARD_LOSS_OPTIONS = {
+    "nft": ("nft_beta", "adaptive_weight", "timestep_draw"),
+    "awm": ("weighting", "ghuber_power", "advantage_max", "old_weight", "timestep_draw"),
+    "dgpo": ("dgpo_beta", "dgpo_reference", "dgpo_clip_range"),
+}
+"""The ``algo.forward`` options that only some losses read, by loss (``recipes/flow_forward.py``:
+``loss_weights``, ``forward_loss``, ``train_micro_batch``; DGPO's update, ``recipes/flow_dgpo.py``). Every
+loss reads the others, ``num_timesteps`` and ``old`` as :data:`TIMESTEP_SAMPLING_OPTIONS` and
+:meth:`ForwardConfig.reads_old_policy` say. Only a command-line override of another loss's option is
+refused (``tasks/unread_options.py``): a preset's values of it (``algo=awm algo.forward.loss=nft`` keeps
+AWM's ``old_weight``) are no one's choice."""
+
+TIMESTEP_SAMPLING_OPTIONS = {
+    "subset": ("timestep_fraction",),
+    "stratified": ("timestep_fraction", "num_timesteps"),
+    "truncated": ("timestep_fraction", "num_timesteps"),
+}
+"""The ``algo.forward`` options each ``timestep_sampling`` reads (``recipes/forward_draws.py``)."""
+
+AWM_WEIGHTING_OPTIONS = {"uniform": (), "t": (), "t2": (), "ghuber": ("ghuber_power",)}
+"""The ``algo.forward`` options each AWM ``weighting`` reads (``algos/awm.py: weigh``)."""
+
+OLD_POLICY_READERS = {
+    "nft": "always reads it (v⁺ and v⁻ are built from it)",
+    "awm": "reads it only with algo.forward.old_weight > 0",
+    "dgpo": "reads it only with algo.forward.dgpo_reference=old or algo.forward.dgpo_clip_range > 0",
+}
+"""When each loss reads the old policy (besides rollouts with ``algo.forward.sample_with_old``)."""
 
 
 def check_forward_steps(forward: ForwardConfig, num_steps: int) -> None:

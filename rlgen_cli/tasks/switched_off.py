@@ -1,6 +1,7 @@
 """Command-line settings of a feature whose switch is off: ``algo.ema.decay=0.99`` with the EMA off,
-``guard.action=rollback`` without monitors, a window option the window kind does not read. Each would do
-nothing, so ``rlgen train`` refuses it (exit 2) naming the switch.
+``guard.action=rollback`` without monitors; and those another choice leaves unread
+(``tasks/unread_options.py``: a window option the window kind does not read, another loss's option).
+Each would do nothing, so ``rlgen train`` refuses it (exit 2) naming the switch or the choice.
 
 Only the command line's overrides are checked. An option's preset values for a feature it leaves off
 (``conf/algo/grpo.yaml``'s EMA warm-up, used once ``algo.ema.enabled=true``) are not choices the user made.
@@ -13,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlgen_cli.errors import UserError
-from rlgen_cli.schema.algo import WINDOW_OPTIONS
 from rlgen_cli.tasks.common import command_line_overrides
+from rlgen_cli.tasks.unread_options import section_at, unread_problem
 
 __all__ = ["SWITCHES", "Switch", "refuse_switched_off"]
 
@@ -105,67 +106,29 @@ SWITCHES = (
 """Every feature whose settings the command line may set while it is off."""
 
 
-def _section(cfg: Any, path: str) -> Any:
-    """The validated section at ``path``, or None where this recipe's schema has none."""
-    node = cfg
-    for name in path.split("."):
-        node = getattr(node, name, None)
-        if node is None:
-            return None
-    return node
-
-
 def _switch_problem(key: str, cfg: Any) -> str | None:
     """Why an override of ``key`` does nothing in ``cfg`` (a switch that is off), or None."""
     for switch in SWITCHES:
         prefix = f"{switch.section}."
         if not key.startswith(prefix) or not switch.gates(key[len(prefix) :].split(".")[0]):
             continue
-        section = _section(cfg, switch.section)
+        section = section_at(cfg, switch.section)
         if section is not None and not switch.is_on(section):
             return switch.off
     return None
 
 
-def _window_problem(key: str, cfg: Any) -> str | None:
-    """Why an override of ``algo.window.OPTION`` does nothing: this run's window kind does not read it."""
-    window = _section(cfg, "algo.window")
-    option = key.removeprefix("algo.window.").split(".")[0]
-    if window is None or not key.startswith("algo.window.") or option == "kind":
-        return None
-    if option in WINDOW_OPTIONS[window.kind]:
-        return None
-    readers = ", ".join(kind for kind, options in WINDOW_OPTIONS.items() if option in options)
-    return (
-        f"algo.window.kind={window.kind} reads {', '.join(WINDOW_OPTIONS[window.kind]) or 'no option'}; "
-        f"{option} is read by the kinds {readers or 'none'}"
-    )
-
-
-NOT_SAMPLED = {
-    "vlm_sft": {
-        "model.vlm.completion_cap": "recipe=vlm_sft samples no completions (it trains on the dataset's "
-        "conversations; its evaluation answers within model.vlm.eval_max_new_tokens)",
-    },
-}
-"""Per recipe, the rollout settings it never reads, since it does not roll out."""
-
-
-def _recipe_problem(key: str, cfg: Any) -> str | None:
-    """Why an override of ``key`` does nothing under ``cfg.recipe`` (:data:`NOT_SAMPLED`), or None."""
-    return NOT_SAMPLED.get(getattr(cfg, "recipe", ""), {}).get(key)
-
-
 def refuse_switched_off(cfg: Any) -> None:
-    """Refuse each command-line override of a setting whose feature is off in the validated ``cfg``.
+    """Refuse each command-line override of a setting whose feature is off, or that another choice leaves
+    unread, in the validated ``cfg``.
 
     Raises:
-        UserError: Naming the override, the switch that is off and how to turn it on.
+        UserError: Naming the override, the switch that is off or the choice, and how to make it count.
     """
     for override in command_line_overrides():
         if override.is_delete():
             continue
         key = override.key_or_group
-        why = _switch_problem(key, cfg) or _window_problem(key, cfg) or _recipe_problem(key, cfg)
+        why = _switch_problem(key, cfg) or unread_problem(key, cfg)
         if why is not None:
             raise UserError(f"{override.input_line} does nothing in this run: {why}; or drop the override")

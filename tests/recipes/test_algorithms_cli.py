@@ -28,7 +28,7 @@ GEOMETRY = [
         ("grpo_fast", ["algo.branch=shared_prefix", "sampler=cps"]),
         ("mix_grpo", ["algo.window.shift_every=1", "algo.window.size=2"]),
         ("mix_grpo_flash", ["algo.window.size=2"]),
-        ("dance", ["sampler=dance", "algo.best_of_n=1"]),
+        ("dance", ["sampler=dance", "algo.group_size=4", "algo.prompts_per_epoch=1", "algo.best_of_n=1"]),
         ("grpo_guard", ["algo.ema.enabled=true", "algo.ema.update_every=1"]),
         ("dpo", ["algo.pref.ref_update_step=1"]),
         ("dpo", []),
