@@ -62,6 +62,7 @@ from rlgen_cli.recipes.registry import PLANNED_RECIPES, plan_of
 from rlgen_cli.tasks.common import run_dir_of, user_errors, validated
 from rlgen_cli.tasks.plan_report import print_report
 from rlgen_cli.tasks.plan_rewards import reward_rows
+from rlgen_cli.tasks.switched_off import refuse_switched_off
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ TRACE_SIGMA = 0.5
 def plan_task(cfg: DictConfig) -> dict[str, Any]:
     """Returns the plan as the JSON object it prints with ``plan.format=json``."""
     typed = validated(cfg)
+    refuse_switched_off(typed)  # a setting train refuses as doing nothing: the plan says so, not "fits"
     if plan_of(typed) is None:
         raise UserError(
             f"rlgen plan covers the flow-model recipes ({', '.join(PLANNED_RECIPES)}); recipe={typed.recipe} "

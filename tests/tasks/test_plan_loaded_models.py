@@ -106,8 +106,9 @@ def test_the_plan_total_holds_gardos_feature_model(cli, tmp_path: Path, tiny_cli
             ["launcher=fsdp", "algo.kl_weight=0.04", "algo.gardo.refresh_every=2"],
             "algo.gardo.refresh_every copies whole weights into the reference",
         ),
+        (["launcher=accelerate", "algo.ema.decay=0.5"], "algo.ema.decay=0.5 does nothing in this run: algo.ema.enabled=false"),
     ],
-    ids=["ema_fsdp", "fp16_deepspeed", "gardo_refresh_fsdp"],
+    ids=["ema_fsdp", "fp16_deepspeed", "gardo_refresh_fsdp", "switched_off"],
 )  # fmt: skip
 def test_the_plan_refuses_what_train_refuses_at_startup(
     cli, tmp_path: Path, overrides: list[str], message: str
