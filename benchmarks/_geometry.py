@@ -81,7 +81,9 @@ def run_epoch(run: flow_run.FlowRun, epoch: int, progress: Progress) -> dict[str
     """What the recipe's ``run`` does per epoch without evaluation or checkpoints: the epoch and its
     logging (DiffusionNFT's old policy is built at the first epoch and kept, as its ``run`` does)."""
     if run.cfg.recipe == "flow_forward":
-        old = _OLD_POLICIES.setdefault(id(run), flow_forward.OldPolicy.build(run))
+        if id(run) not in _OLD_POLICIES:  # built once, at the first epoch (a later build is a resume's)
+            _OLD_POLICIES[id(run)] = flow_forward.OldPolicy.build(run)
+        old = _OLD_POLICIES[id(run)]
         metrics = flow_forward.forward_epoch(run, old, epoch, progress)
         flow_run.log_epoch(run, epoch, metrics, flow_forward.console_line(metrics))
         return metrics
