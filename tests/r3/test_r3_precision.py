@@ -83,7 +83,10 @@ def test_fp16_run_logs_the_scale_and_resumes_it_exactly(tmp_path: Path, monkeypa
         assert code == 0, out
     saved = torch.load(resumed / "checkpoints" / "epoch_000001" / STATE_FILE, weights_only=True)
     assert saved[OPTIMIZER_KEY][SCALER_KEY]["scale"] == 2 * INIT_SCALE  # one clean step grew it
-    code, out = run_cli("train", *run, "epochs=2", "resume=auto", f"hydra.run.dir={resumed}")
+    resume = ["epochs=2", "resume=auto", "resume_changes=[epochs]", f"hydra.run.dir={resumed}"]
+    code, out = run_cli(
+        "train", *run, *resume
+    )  # the schedule's length named: the test's first run stopped at 1
     assert code == 0, out
 
     scales = [(row["loss_scale"], row["skipped_steps"]) for row in _metrics(straight)]

@@ -43,9 +43,9 @@ def _trained_sigmas(cli, monkeypatch, run: Path, *overrides: str) -> list[torch.
     """The (B,) σ of every loss the recipe computes (the real loss runs; its σ are recorded)."""
     seen: list[torch.Tensor] = []
 
-    def recording(run_, old, x0, noise, sigma, cond, weights):
+    def recording(run_, old, x0, noise, sigma, *rest):
         seen.append(sigma.detach().clone())
-        return REAL_FORWARD_LOSS(run_, old, x0, noise, sigma, cond, weights)
+        return REAL_FORWARD_LOSS(run_, old, x0, noise, sigma, *rest)
 
     monkeypatch.setattr(flow_forward, "forward_loss", recording)
     code, out = cli("train", *AWM_RUN, *overrides, f"hydra.run.dir={run}")
