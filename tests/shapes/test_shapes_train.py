@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+from rlgen_cli._hydra import DEFAULT_RUNS
 from rlgen_cli.models.shapes import MODEL_ASSETS
 from rlgen_cli.training.reporting.images import CAPTIONED_TILE, FAIL_COLOR, PASS_COLOR, caption_height
 from rlgen_cli.training.reporting.report import ROW_LABEL_WIDTH
@@ -123,7 +124,8 @@ def test_the_default_run_gains_strict_accuracy_unflagged(cli, tmp_path: Path):
     tag falling, no more extra objects than before, the held-out combinations not falling, and the
     reward-hacking guard never flagged. The GRPO-Fast recipe's seed-42 run (+11.8) fails it."""
     run = tmp_path / "default"
-    code, out = cli("train", "progress=false", f"hydra.run.dir={run}")
+    default = DEFAULT_RUNS["train"]  # what `rlgen train` adds without a group choice (run_cli's is tiny_cpu)
+    code, out = cli("train", "progress=false", default, f"hydra.run.dir={run}")
     assert code == 0, out
     rows = _rows(run)
     evals = [row for row in rows if STRICT in row]
