@@ -16,6 +16,9 @@ Prints JSON: tokens per second of bare and rlgen, the log-prob pass in ms per co
 the checks, the seeding), and last ``overhead_ratio`` = rlgen time / bare time (1.0 = no overhead).
 
     python benchmarks/vlm_rollout.py [key=value overrides…] [--repeats N]
+
+An override of a default's key replaces it: ``model=qwen2_vl model.weights=random_init`` measures the 2B
+architecture (docs/memory_speed.md).
 """
 
 from __future__ import annotations
@@ -52,7 +55,9 @@ DEFAULTS = ["model=tiny_qwen2_vl", "algo=step_grpo", "data=tiny_vlm", "reward=le
 def _config(overrides: list[str]):
     register_schemas()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-        raw = compose(config_name="train", overrides=[*DEFAULTS, *overrides])
+        chosen = {o.split("=", 1)[0] for o in overrides}  # model=qwen2_vl replaces the tiny default
+        defaults = [d for d in DEFAULTS if d.split("=", 1)[0] not in chosen]
+        raw = compose(config_name="train", overrides=[*defaults, *overrides])
     OmegaConf.set_struct(raw, False)
     raw.run_dir = "/tmp/rlgen-bench-vlm"
     return validated(raw)
