@@ -341,15 +341,14 @@ def sd3_epoch(ctx: Context) -> dict[str, Any]:
     if ctx.predict_only:
         return {"plan": planned(ctx, overrides)}
     fresh_device(ctx)
-    with built_run(overrides) as run:
-        meter = VelocityMeter(run.policy)
+    with built_run(overrides) as run, VelocityMeter(run.policy) as meter:
         metrics, epoch_s = timed_epoch(ctx, run)
         peak = device_peak(ctx)
         per_row = meter.flops_per_row()
         device_peak_tflops = peak_tflops(run.device)
     seconds = phase_seconds(metrics, epoch_s)
     rollout = throughput(meter.rows["sampling"] * per_row, seconds["rollout"], device_peak_tflops)
-    update = throughput(meter.rows["training"] * 3 * per_row, seconds["update"], device_peak_tflops)
+    update = throughput(meter.update_flops(per_row), seconds["update"], device_peak_tflops)
     return {
         "seconds": seconds,
         "flops_per_forward": per_row,

@@ -24,9 +24,10 @@ Prints one JSON object:
 * ``peak_memory``: ``device_bytes`` (``torch.cuda.max_memory_allocated``, null on the CPU) and
   ``host_rss_bytes`` (peak resident set, ``resource.getrusage``);
 * ``seconds``: model build, rollout, reward (the part sampling did not hide), update, epoch;
-* ``velocity_rows``: samples × calls of the velocity without autograd (sampling) and with it (training);
+* ``velocity_rows``: samples × calls of the velocity in the rollout (sampling), with autograd (training)
+  and in the KL-to-reference probe after the update (probe; :class:`VelocityMeter`);
 * ``tflops`` / ``mfu`` per phase on a GPU: rollout FLOPs (sampling rows × per-sample forward) and update
-  FLOPs (training rows × 3 forwards: the backward counted as two) over the phase's seconds, and their share
+  FLOPs (training rows × 3 forwards: the backward counted as two; probe rows × 1) over the phase's seconds, and their share
   of the device's dense bf16 peak (:data:`PEAK_TFLOPS`); null on the CPU or a device not listed.
 """
 
@@ -48,6 +49,7 @@ from rlgen_cli.models.bagel.loading import RANDOM_INIT_CONFIGS, random_init_netw
 from rlgen_cli.models.bagel.vae import build_vae
 from rlgen_cli.models.real_size import VARIANTS, count_parameters, flow_components, vlm_model, with_layers
 from rlgen_cli.models.tiny import tiny_qwen_tokenizer
+from rlgen_cli.recipes import flow_grpo
 from rlgen_cli.recipes.flow_run import FlowRun
 from rlgen_cli.training.reporting.progress import Progress
 
@@ -97,21 +99,55 @@ def overrides_for(args: argparse.Namespace) -> list[str]:
 
 
 class VelocityMeter:
-    """Wraps ``policy.velocity``: counts sample rows called without and with autograd, keeps the first
-    call's inputs to count its FLOPs afterwards (outside the timed phases)."""
+    """Wraps ``policy.velocity``: counts sample rows by what called them, keeps the first call's inputs to
+    count its FLOPs afterwards (outside the timed phases).
+
+    ``sampling``: no-grad calls inside the rollout (``flow_grpo.sample_rollouts``, patched while the meter
+    is installed); ``training``: calls with autograd (forward + backward ≈ 3 forwards); ``probe``: no-grad
+    calls outside the rollout — the KL-to-reference probe after the update (policy and reference forwards
+    of 4 samples), timed with the update, one forward each. Counting the probe as sampling credited the
+    rollout with FLOPs it never ran."""
 
     def __init__(self, policy: Any) -> None:
         self.policy = policy
         self.original = policy.velocity
-        self.rows = {"sampling": 0, "training": 0}
+        self.rows = {"sampling": 0, "training": 0, "probe": 0}
         self.first: tuple | None = None
+        self.in_rollout = False
         policy.velocity = self
+        sample_rollouts = flow_grpo.sample_rollouts
+
+        def metered_rollouts(*args: Any, **kwargs: Any) -> Any:
+            self.in_rollout = True
+            try:
+                return sample_rollouts(*args, **kwargs)
+            finally:
+                self.in_rollout = False
+
+        flow_grpo.sample_rollouts = metered_rollouts  # grpo_epoch looks it up at each call
+        self._restore = lambda: setattr(flow_grpo, "sample_rollouts", sample_rollouts)
+
+    def close(self) -> None:
+        """Put ``flow_grpo.sample_rollouts`` and the policy's velocity back."""
+        self._restore()
+        self.policy.velocity = self.original
+
+    def __enter__(self) -> VelocityMeter:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
 
     def __call__(self, x: torch.Tensor, sigma: torch.Tensor, cond: Any) -> torch.Tensor:
-        self.rows["training" if torch.is_grad_enabled() else "sampling"] += x.shape[0]
+        kind = "training" if torch.is_grad_enabled() else "sampling" if self.in_rollout else "probe"
+        self.rows[kind] += x.shape[0]
         if self.first is None:
             self.first = (x.detach().clone(), sigma.detach().clone(), cond)
         return self.original(x, sigma, cond)
+
+    def update_flops(self, per_row: float) -> float:
+        """FLOPs of the update phase: its training rows (forward + backward) and the probe's forwards."""
+        return (3 * self.rows["training"] + self.rows["probe"]) * per_row
 
     def flops_per_row(self) -> float:
         """FLOPs of one velocity call on the first call's inputs, per sample row (no autograd)."""
@@ -154,8 +190,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     recipe: FlowRun = compose_recipe(overrides_for(args))
     build_s = time.perf_counter() - start
     try:
-        meter = VelocityMeter(recipe.policy)
-        with Progress(enabled=False) as progress:
+        with VelocityMeter(recipe.policy) as meter, Progress(enabled=False) as progress:
             start = time.perf_counter()
             metrics = run_epoch(recipe, 0, progress)
             if device.type == "cuda":
@@ -180,7 +215,7 @@ def report(
                "update": metrics["time/update"], "epoch": epoch_s}  # fmt: skip
     peak = peak_tflops(device)
     rollout = throughput(meter.rows["sampling"] * per_row, seconds["rollout"], peak)
-    update = throughput(meter.rows["training"] * 3 * per_row, seconds["update"], peak)
+    update = throughput(meter.update_flops(per_row), seconds["update"], peak)
     on_gpu = device.type == "cuda"
     return {
         "variant": args.variant,

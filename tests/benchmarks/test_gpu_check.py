@@ -78,7 +78,8 @@ def test_dry_run_runs_every_row():
         assert rows[name]["plan"]["total_bytes"] > rows[name]["plan"]["state_bytes"] > 0, rows[name]
         assert rows[name]["peak_bytes"] is None  # no device counter on the CPU
     epoch = rows["sd3_epoch"]
-    assert epoch["velocity_rows"]["sampling"] > 0 and epoch["velocity_rows"]["training"] > 0
+    rows_of = epoch["velocity_rows"]  # the KL probe after the update counts apart from the rollout
+    assert rows_of["sampling"] > 0 and rows_of["training"] > 0 and rows_of["probe"] > 0
     assert epoch["seconds"]["epoch"] >= epoch["seconds"]["update"] > 0
     assert rows["flux_step"]["step_s"] > 0 and rows["wan_step"]["step_s"] > 0
     folded = rows["folded_timesteps"]

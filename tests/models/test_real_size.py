@@ -271,8 +271,10 @@ def test_the_benchmark_runs_one_epoch_of_sd3_5_medium_on_the_cpu():
     for phase in ("build", "rollout", "reward", "update", "epoch"):
         assert result["seconds"][phase] >= 0
     assert result["seconds"]["rollout"] > 0 and result["seconds"]["update"] > 0
-    # 2 samples × 2 steps sampled; at 2 steps the SDE window is 1 step, trained for both samples
-    assert result["velocity_rows"] == {"sampling": 2 * 2, "training": 2 * 1}
+    # 2 samples × 2 steps sampled; at 2 steps the SDE window is 1 step, trained for both samples; the KL
+    # probe after the update: 4 forwards of one sample (both samples, then the first twice more) × policy
+    # and reference, counted with the update, not the rollout
+    assert result["velocity_rows"] == {"sampling": 2 * 2, "training": 2 * 1, "probe": 4 * 2}
 
 
 # -- BAGEL-7B-MoT ---------------------------------------------------------------------------------------
