@@ -63,7 +63,34 @@ def _window_problem(key: str, cfg: Any) -> str | None:
         why = _unread_by_choice(
             option, "algo.window.strategy", strategy, SLIDING_STRATEGY_OPTIONS, "strategies"
         )
-    return why
+    return why or (_motion_problem(option, window) if window.kind == "sliding" else None)
+
+
+MOTION_OPTIONS = (
+    "shift_every",
+    "roll_back",
+    "min_shift_every",
+    "max_shift_every",
+    "exp_decay_rate",
+    "exp_decay_start",
+)
+"""The sliding options that say when the window moves (``sde.window._shift_intervals``, ``_sliding_start``)."""
+
+
+def _motion_problem(option: str, window: Any) -> str | None:
+    """A sliding option of when the window moves, where it never moves (``stride=0``: one position), or
+    ``shift_every`` under ``decay`` with both bounds set (it only fills a null bound)."""
+    if window.strategy == "random" or option not in MOTION_OPTIONS:
+        return None
+    if window.stride == 0:
+        return "algo.window.stride=0 never moves the window, so when it moves is not read (add algo.window.stride ≥ 1)"
+    bounds_set = window.min_shift_every is not None and window.max_shift_every is not None
+    if option == "shift_every" and window.strategy == "decay" and bounds_set:
+        return (
+            "algo.window.strategy=decay interpolates between algo.window.max_shift_every and "
+            "min_shift_every, both set; shift_every only fills a null one (drop either bound)"
+        )
+    return None
 
 
 def _range_problem(key: str, cfg: Any) -> str | None:
