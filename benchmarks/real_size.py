@@ -115,21 +115,20 @@ class VelocityMeter:
         self.first: tuple | None = None
         self.in_rollout = False
         policy.velocity = self
-        sample_rollouts = flow_grpo.sample_rollouts
+        self.sample_rollouts = flow_grpo.sample_rollouts
+        flow_grpo.sample_rollouts = self.metered_rollouts  # grpo_epoch looks it up at each call
 
-        def metered_rollouts(*args: Any, **kwargs: Any) -> Any:
-            self.in_rollout = True
-            try:
-                return sample_rollouts(*args, **kwargs)
-            finally:
-                self.in_rollout = False
-
-        flow_grpo.sample_rollouts = metered_rollouts  # grpo_epoch looks it up at each call
-        self._restore = lambda: setattr(flow_grpo, "sample_rollouts", sample_rollouts)
+    def metered_rollouts(self, *args: Any, **kwargs: Any) -> Any:
+        """``flow_grpo.sample_rollouts``, its velocity calls counted as sampling."""
+        self.in_rollout = True
+        try:
+            return self.sample_rollouts(*args, **kwargs)
+        finally:
+            self.in_rollout = False
 
     def close(self) -> None:
         """Put ``flow_grpo.sample_rollouts`` and the policy's velocity back."""
-        self._restore()
+        flow_grpo.sample_rollouts = self.sample_rollouts
         self.policy.velocity = self.original
 
     def __enter__(self) -> VelocityMeter:

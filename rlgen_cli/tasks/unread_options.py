@@ -62,8 +62,8 @@ def _window_problem(key: str, cfg: Any) -> str | None:
         strategy = window.strategy
         why = _unread_by_choice(
             option, "algo.window.strategy", strategy, SLIDING_STRATEGY_OPTIONS, "strategies"
-        )
-    return why or (_motion_problem(option, window) if window.kind == "sliding" else None)
+        ) or _motion_problem(option, window)
+    return why
 
 
 MOTION_OPTIONS = (
